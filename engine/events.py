@@ -1,0 +1,103 @@
+"""What the engine tells an observer, and the protocol an observer implements.
+
+The engine appends events to a buffer while it schedules and runs a step, and hands the whole
+step to its tracer once (`Tracer.on_step`). On CUDA a step's record is handed over a few steps
+later, when its CUDA events have resolved, so that timing never forces a synchronisation.
+Publishing is the tracer's job; the default tracer does nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# kv event kinds (see docs/trace-format.md)
+ALLOC = "alloc"            # blocks given to a sequence
+FREE = "free"              # blocks whose reference count fell to zero
+PREEMPT = "preempt"        # a sequence lost its place; reason = recompute | swap | swap-full-fallback
+SWAP_OUT = "swap_out"      # blocks copied device -> host (blocks = device ids, src_blocks = host ids)
+SWAP_IN = "swap_in"        # blocks copied host -> device (blocks = new device ids, src_blocks = host ids)
+REPREFILL = "reprefill"    # a resumed sequence finished re-prefilling its history (reason=interrupted if preempted first)
+COW = "cow"                # copy-on-write (src_blocks -> blocks)
+PREFIX_HIT = "prefix_hit"  # blocks served from the prefix cache
+EVICT = "evict"            # a cached free block reclaimed for new use
+ADMIT = "admit"            # a sequence was scheduled from waiting (reason = new | resume-recompute | resume-swap)
+FINISH = "finish"          # a sequence finished (reason = stop | length | rejected | capacity)
+
+
+@dataclass(slots=True)
+class KVEvent:
+    """One KV-cache event. Which fields matter depends on `kind`."""
+
+    kind: str
+    req_id: str
+    sample: int = 0
+    blocks: list[int] | None = None       # physical device block ids concerned
+    num_tokens: int = 0                   # token positions concerned (re-prefilled, cached, moved)
+    bytes: int = 0                        # bytes copied (swap, cow)
+    duration_ms: float | None = None      # copy duration (swap), filled when measured
+    reason: str | None = None
+    num_cached_tokens: int = 0            # reprefill: positions served from the prefix cache
+    num_recomputed_tokens: int = 0        # reprefill: positions computed again (had KV before)
+    src_blocks: list[int] | None = None   # swap: host block ids; cow: source device blocks
+    step: int = 0
+    ts_s: float = 0.0
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """Summary of one finished sequence (one sample of a request)."""
+
+    req_id: str
+    sample: int
+    n: int
+    priority: int
+    arrival_s: float
+    prompt_tokens: int
+    max_tokens: int
+    output_tokens: int
+    first_scheduled_s: float | None
+    first_token_s: float | None
+    finish_s: float
+    finish_reason: str
+    preemptions: int
+    swaps: int
+    recomputed_tokens: int
+    prefix_hit_tokens: int
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """Everything that happened in one engine step."""
+
+    step: int
+    start_s: float                  # host clock, seconds since the engine's time origin
+    end_s: float
+    device_ms: float | None         # forward time on the device (CUDA events; host clock on CPU)
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_prefill_tokens: int         # prompt / history tokens computed this step
+    num_decode_tokens: int
+    num_recompute_tokens: int       # of the prefill tokens, those that had KV before (wasted work)
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int          # free blocks still holding reusable prefix-cache KV
+    num_preemptions: int
+    events: list[KVEvent] = field(default_factory=list)
+    # emitted tokens, as parallel lists (cheap to build, cheap to turn into columns)
+    token_req_ids: list[str] = field(default_factory=list)
+    token_samples: list[int] = field(default_factory=list)
+    token_idx: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finished: list[RequestStats] = field(default_factory=list)
+
+
+class Tracer(Protocol):
+    def on_step(self, record: StepRecord) -> None: ...
+
+
+class NullTracer:
+    """The default: observes nothing, costs nothing."""
+
+    def on_step(self, record: StepRecord) -> None:
+        pass
