@@ -41,6 +41,7 @@ class KVEvent:
     src_blocks: list[int] | None = None   # swap: host block ids; cow: source device blocks
     step: int = 0
     ts_s: float = 0.0
+    seq: int = 0                          # global order within the run, set when handed over
 
 
 @dataclass(slots=True)

@@ -1,0 +1,310 @@
+"""The engine loop: add requests, step, hand each step's events to the tracer."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from engine import events as ev
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.events import KVEvent, NullTracer, RequestStats, StepRecord, Tracer
+from engine.loader import load_weights
+from engine.model import LlamaModel
+from engine.model_runner import ModelRunner, StepResult, sample
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import SamplingParams, Sequence, SequenceStatus
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_CACHE_MEMORY = 1 << 30   # 1 GiB when neither --num-gpu-blocks nor --kv-cache-memory is given
+MAX_STEPS_WITHOUT_PROGRESS = 10_000
+
+
+class LivelockError(RuntimeError):
+    """The engine kept stepping without emitting a token."""
+
+
+@dataclass
+class PoolGeometry:
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+
+def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> PoolGeometry:
+    """Size the device and host pools from the config; ValueError when no block fits."""
+    element = torch.tensor([], dtype=DTYPES[config.dtype]).element_size()
+    bytes_per_block = model_config.kv_bytes_per_token * config.block_size * element
+    if config.num_gpu_blocks is not None:
+        num_gpu_blocks = config.num_gpu_blocks
+    else:
+        memory = config.kv_cache_memory
+        if memory is None:  # enough for every sequence at full length, at most 1 GiB
+            memory = min(DEFAULT_KV_CACHE_MEMORY,
+                         config.max_num_seqs * -(-max_model_len // config.block_size) * bytes_per_block)
+        num_gpu_blocks = memory // bytes_per_block
+        if num_gpu_blocks < 1:
+            raise ValueError(f"--kv-cache-memory {memory} B holds no KV block of {bytes_per_block} B "
+                             f"({config.block_size} tokens of {model_config.name})")
+    if config.num_cpu_blocks is not None:
+        num_cpu_blocks = config.num_cpu_blocks
+    elif config.swap_space is not None:
+        num_cpu_blocks = config.swap_space // bytes_per_block
+    else:
+        num_cpu_blocks = num_gpu_blocks if config.preemption_mode == "swap" else 0
+    return PoolGeometry(num_gpu_blocks, num_cpu_blocks, config.block_size, bytes_per_block)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tracer: Tracer | None = None, *, loaded=None) -> None:
+        self.config = config
+        dtype = DTYPES[config.dtype]
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {config.device}: CUDA is not available on this machine")
+        self.device = torch.device(config.device)
+        if loaded is None:
+            loaded = load_weights(config.model, config.load_format, dtype=dtype, seed=config.seed)
+        self.model_config: ModelConfig = loaded.config
+        self.model_source: str = loaded.source
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.eos_token_id = mc.eos_token_id
+        self.geometry = pool_geometry(config, mc, self.max_model_len)
+        g = self.geometry
+        self.model = LlamaModel(mc, loaded.weights, self.device, dtype)
+        self.block_manager = BlockManager(g.num_gpu_blocks, g.block_size, g.num_cpu_blocks,
+                                          config.enable_prefix_caching, int(config.watermark * g.num_gpu_blocks))
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   preemption_mode=config.preemption_mode,
+                                   preemption_policy=config.preemption_policy)
+        self.runner = ModelRunner(self.model, g.num_gpu_blocks, g.block_size, g.num_cpu_blocks)
+        self.tracer: Tracer = tracer or NullTracer()
+        self.time_origin = time.perf_counter()
+        self.step_counter = 0
+        self._event_seq = 0
+        self._num_requests = 0
+        self._steps_without_progress = 0
+        self._pending_finished: list[Sequence] = []
+        self._pending_records: deque[tuple[StepRecord, StepResult, SchedulerOutput]] = deque()
+        self.outputs: dict[tuple[str, int], Sequence] = {}   # every sequence by (req_id, sample)
+
+    # ---- requests -----------------------------------------------------------------------
+    def now(self) -> float:
+        return time.perf_counter() - self.time_origin
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    *, arrival_s: float | None = None, priority: int = 0) -> Sequence:
+        """Queue a request; returns its first sequence (more are forked when n > 1)."""
+        params = params or SamplingParams()
+        if not prompt_token_ids:
+            raise ValueError(f"request {req_id}: empty prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"request {req_id}: token id {bad} outside the vocabulary (0..{vocab - 1})")
+        if (req_id, 0) in self.outputs:
+            raise ValueError(f"request id {req_id!r} used twice")
+        seq = Sequence(str(req_id), 0, prompt_token_ids, params,
+                       self.now() if arrival_s is None else arrival_s, priority, self._num_requests)
+        seq.num_pending_forks = params.n - 1
+        self._num_requests += 1
+        self.outputs[(seq.req_id, 0)] = seq
+        if len(prompt_token_ids) + 1 > self.max_model_len:
+            seq.finish_reason = "rejected"
+            self._pending_finished.append(seq)
+            seq.status = SequenceStatus.FINISHED
+        else:
+            self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending_finished)
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[tuple[Sequence, int]]:
+        """Run one step; return the (sequence, token id) pairs it emitted."""
+        start_s = self.now()
+        out = self.scheduler.schedule()
+        sched_events = self.block_manager.take_events()
+        result = self.runner.execute(out)
+        emitted: list[tuple[Sequence, int]] = []
+        num_recompute = 0
+        if result.logits is not None:
+            num_recompute = self._account(out)
+            emitted = self._emit(result)
+        finished = self._pending_finished + out.rejected
+        self._pending_finished = []
+        for seq, _ in emitted:
+            if seq.finish_reason:
+                finished.append(seq)
+                self.scheduler.finish(seq)
+        for seq in out.rejected:
+            seq.status = SequenceStatus.FINISHED
+            for h in seq.host_block_table:
+                self.block_manager.free_cpu_block_ids.append(h)
+            seq.host_block_table = []
+        end_s = self.now()
+        self._record(start_s, end_s, out, result, sched_events, emitted, finished, num_recompute)
+        self.step_counter += 1
+        if emitted or finished or not self.has_unfinished():
+            self._steps_without_progress = 0
+        else:
+            self._steps_without_progress += 1
+            if self._steps_without_progress > MAX_STEPS_WITHOUT_PROGRESS:
+                raise LivelockError(f"no token emitted in {MAX_STEPS_WITHOUT_PROGRESS} steps with "
+                                    f"{len(self.scheduler.running)} running, {len(self.scheduler.waiting)} waiting, "
+                                    f"{len(self.scheduler.swapped)} swapped")
+        return emitted
+
+    def _account(self, out: SchedulerOutput) -> int:
+        """Advance computed positions; count positions computed for the second time."""
+        num_recompute = 0
+        now = None
+        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            start = seq.num_computed_tokens
+            end = start + num_new
+            recomputed = max(0, min(end, seq.num_ever_computed) - start)
+            num_recompute += recomputed
+            seq.num_recomputed_tokens += recomputed
+            seq.num_computed_tokens = end
+            seq.num_ever_computed = max(seq.num_ever_computed, end)
+            if seq.reprefill_target:
+                seq.reprefill_recomputed += recomputed
+                if end >= seq.reprefill_target:
+                    self.scheduler.record_reprefill(seq, None)
+            if seq.first_scheduled_s is None:
+                now = now if now is not None else self.now()
+                seq.first_scheduled_s = now
+            self.block_manager.commit_full_blocks(seq)
+        return num_recompute
+
+    def _emit(self, result: StepResult) -> list[tuple[Sequence, int]]:
+        """Sample a token for every sequence whose last token was computed; fork n > 1 samples."""
+        seqs = list(result.sample_seqs)
+        rows = list(range(len(seqs)))
+        for row, parent in enumerate(result.sample_seqs):
+            if parent.num_pending_forks:
+                for child in self._fork(parent):
+                    seqs.append(child)
+                    rows.append(row)
+        logits = result.logits if len(rows) == len(result.sample_seqs) else result.logits[rows]
+        tokens = sample(logits, seqs)
+        now = self.now()
+        emitted = []
+        for seq, token in zip(seqs, tokens):
+            seq.token_ids.append(token)
+            seq.protected = False
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            if not seq.params.ignore_eos and token == self.eos_token_id:
+                seq.finish_reason = "stop"
+            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+            emitted.append((seq, token))
+        return emitted
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        children = []
+        for sample_index in range(1, parent.num_pending_forks + 1):
+            child = Sequence(parent.req_id, sample_index, parent.token_ids, parent.params, parent.arrival_s,
+                             parent.priority, parent.arrival_order)
+            self.block_manager.fork(parent, child)
+            child.num_ever_computed = parent.num_ever_computed
+            child.first_scheduled_s = parent.first_scheduled_s
+            child.num_prefix_hit_tokens = parent.num_prefix_hit_tokens
+            self.scheduler.adopt(child)
+            self.outputs[(child.req_id, sample_index)] = child
+            children.append(child)
+        parent.num_pending_forks = 0
+        return children
+
+    # ---- tracing ------------------------------------------------------------------------
+    def _record(self, start_s: float, end_s: float, out: SchedulerOutput, result: StepResult,
+                sched_events: list[KVEvent], emitted: list[tuple[Sequence, int]], finished: list[Sequence],
+                num_recompute: int) -> None:
+        step = self.step_counter
+        kv_events = sched_events + self.block_manager.take_events()
+        for seq in finished:
+            kv_events.append(KVEvent(ev.FINISH, seq.req_id, seq.sample, num_tokens=seq.num_output_tokens,
+                                     reason=seq.finish_reason))
+        for e in kv_events:
+            e.step = step
+            e.ts_s = start_s if e.kind != ev.FINISH else end_s
+        bm = self.block_manager
+        sched = self.scheduler
+        record = StepRecord(
+            step=step, start_s=start_s, end_s=end_s, device_ms=None,
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
+            num_prefill_tokens=result.num_prefill_tokens, num_decode_tokens=result.num_decode_tokens,
+            num_recompute_tokens=num_recompute, num_free_blocks=bm.num_free_blocks,
+            num_used_blocks=bm.num_used_blocks, num_cached_blocks=bm.num_cached_free_blocks,
+            num_preemptions=out.num_preemptions, events=kv_events,
+            token_req_ids=[s.req_id for s, _ in emitted], token_samples=[s.sample for s, _ in emitted],
+            token_idx=[s.num_output_tokens - 1 for s, _ in emitted], token_ids=[t for _, t in emitted],
+            finished=[self._stats(s, end_s) for s in finished],
+        )
+        self._pending_records.append((record, result, out))
+        self._flush_records(wait=False)
+
+    def _flush_records(self, wait: bool) -> None:
+        """Hand over records whose device timings have resolved (all of them when `wait`)."""
+        if wait and self.runner.is_cuda:
+            torch.cuda.synchronize(self.device)
+        while self._pending_records and (wait or self._pending_records[0][1].timing.ready()):
+            record, result, out = self._pending_records.popleft()
+            t = result.timing
+            record.device_ms = t.ms(t.forward)
+            swap_out_ms, swap_in_ms = t.ms(t.swap_out), t.ms(t.swap_in)
+            for events, total_ms in ((out.swap_out_events, swap_out_ms), (out.swap_in_events, swap_in_ms)):
+                num_blocks = sum(len(e.blocks) for e in events)
+                for e in events:  # one copy per direction per step: share its time by blocks
+                    e.bytes = len(e.blocks) * self.runner.bytes_per_block
+                    e.duration_ms = total_ms * len(e.blocks) / num_blocks if total_ms is not None else None
+            for e in record.events:
+                e.seq = self._event_seq
+                self._event_seq += 1
+            self.tracer.on_step(record)
+
+    def flush(self) -> None:
+        """Hand every pending step record to the tracer (end of run)."""
+        self._flush_records(wait=True)
+
+    def _stats(self, seq: Sequence, finish_s: float) -> RequestStats:
+        return RequestStats(
+            req_id=seq.req_id, sample=seq.sample, n=seq.params.n, priority=seq.priority,
+            arrival_s=seq.arrival_s, prompt_tokens=seq.num_prompt_tokens, max_tokens=seq.params.max_tokens,
+            output_tokens=seq.num_output_tokens, first_scheduled_s=seq.first_scheduled_s,
+            first_token_s=seq.first_token_s, finish_s=finish_s, finish_reason=seq.finish_reason or "aborted",
+            preemptions=seq.num_preemptions, swaps=seq.num_swaps, recomputed_tokens=seq.num_recomputed_tokens,
+            prefix_hit_tokens=seq.num_prefix_hit_tokens,
+        )
+
+    def abort_all(self) -> list[RequestStats]:
+        """Stats of every unfinished sequence, marked aborted (the run is being interrupted)."""
+        now = self.now()
+        stats = []
+        for seq in self.scheduler.all_seqs():
+            seq.finish_reason = "aborted"
+            stats.append(self._stats(seq, now))
+        return stats
+
+    # ---- checks -------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity(self.scheduler.all_seqs())
+        for seq in self.scheduler.running:
+            assert len(seq.block_table) * self.block_manager.block_size >= seq.num_computed_tokens, \
+                f"{seq}: computed positions beyond its blocks"
+        for seq in self.scheduler.waiting:
+            assert not seq.block_table, f"waiting {seq} holds blocks"
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Convenience: run prompts to completion, return each request's sample-0 output ids."""
+        seqs = [self.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+        while self.has_unfinished():
+            self.step()
+        self.flush()
+        return [s.token_ids[s.num_prompt_tokens:] for s in seqs]

@@ -1,0 +1,109 @@
+"""A sequence: one sample of a request, with its token history and KV state."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()    # never admitted, or preempted by recompute (no KV)
+    RUNNING = auto()
+    SWAPPED = auto()    # preempted by swap: KV lives in host blocks
+    FINISHED = auto()
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0     # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None      # sample i of a request draws from a generator seeded seed + i
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sequence:
+    """Token history plus where its KV lives.
+
+    token_ids = prompt + every delivered output token. The last delivered token has no KV yet:
+    it is the next step's input. KV layout for block size 4, prompt p0..p6, outputs x0, x1:
+
+        positions   0  1  2  3 | 4  5  6  7 | 8
+        tokens     p0 p1 p2 p3 | p4 p5 p6 x0 | x1   <- x1 not yet computed
+        block_table[0]           block_table[1]   (block_table[2] is needed to compute x1)
+    """
+
+    def __init__(self, req_id: str, sample: int, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_s: float, priority: int, admit_order: int) -> None:
+        self.req_id = req_id
+        self.sample = sample
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.arrival_s = arrival_s
+        self.priority = priority
+        self.arrival_order = admit_order        # tie-break: order of add_request
+        self.admitted_order = -1                # when last admitted (for the newest policy)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.host_block_table: list[int] = []   # while swapped
+        self.block_hashes: list[int] = []       # chained hashes of the full blocks in block_table
+        self.num_computed_tokens = 0            # positions whose KV is in the block table
+        self.num_cached_tokens = 0              # of those, mapped from the prefix cache this admission
+        self.num_ever_computed = 0              # high-water mark of positions that had KV
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            self.generator.manual_seed((params.seed if params.seed is not None else 0) + sample)
+        # resume bookkeeping
+        self.protected = False                  # resumed and not yet progressed: not a victim
+        self.reprefill_target = 0               # >0 while re-prefilling after recompute
+        self.reprefill_cached = 0
+        self.reprefill_recomputed = 0
+        self.num_pending_forks = 0               # n > 1: samples to fork when the prompt is done
+        self.frees_blocks = True                 # scratch for victim choice
+        # stats
+        self.first_scheduled_s: float | None = None
+        self.first_token_s: float | None = None
+        self.num_preemptions = 0
+        self.num_swaps = 0
+        self.num_recomputed_tokens = 0
+        self.num_prefix_hit_tokens = 0
+        self.finish_reason: str | None = None
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.req_id}#{self.sample} {self.status.name} tokens={len(self.token_ids)} "
+                f"computed={self.num_computed_tokens} blocks={self.block_table})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one token lacks KV: prompt or history still to prefill."""
+        return self.num_tokens - self.num_computed_tokens > 1 or self.num_output_tokens == 0
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]

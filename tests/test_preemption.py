@@ -1,0 +1,205 @@
+"""Preemption when blocks run out: the four-block scenario, transparency, swap-full fallback."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.sequence import SamplingParams
+from tests.conftest import run_checked
+
+
+class ListTracer:
+    def __init__(self) -> None:
+        self.records = []
+
+    def on_step(self, record) -> None:
+        self.records.append(record)
+
+    @property
+    def events(self):
+        return [e for r in self.records for e in r.events]
+
+
+PROMPT_A = [11, 12, 13, 14, 15, 16, 17]
+PROMPT_B = [21, 22, 23, 24, 25, 26, 27]
+
+
+def four_block_engine(make_engine, mode: str, num_gpu_blocks: int = 4):
+    tracer = ListTracer()
+    engine = make_engine(tracer, block_size=4, num_gpu_blocks=num_gpu_blocks, watermark=0.0,
+                         enable_prefix_caching=False, preemption_mode=mode, num_cpu_blocks=4,
+                         max_num_batched_tokens=64)
+    a = engine.add_request("A", PROMPT_A, SamplingParams(max_tokens=6, ignore_eos=True), arrival_s=0.0)
+    b = engine.add_request("B", PROMPT_B, SamplingParams(max_tokens=4, ignore_eos=True), arrival_s=0.0)
+    return engine, tracer, a, b
+
+
+def story(tracer) -> list[tuple]:
+    return [(e.step, e.kind, e.req_id, e.blocks, e.num_tokens, e.reason) for e in tracer.events]
+
+
+def token_steps(tracer, req_id: str) -> list[int]:
+    return [r.step for r in tracer.records for rid in r.token_req_ids if rid == req_id]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_four_block_scenario(make_engine, mode):
+    unconstrained, _, a_ref, b_ref = four_block_engine(make_engine, mode, num_gpu_blocks=16)
+    run_checked(unconstrained)
+
+    engine, tracer, a, b = four_block_engine(make_engine, mode)
+    engine.step()
+    engine.step()
+    engine.check_integrity()
+    # after the prefill step and one decode step: 2 blocks and 8 KV positions each, x0 and x1 delivered
+    assert (a.block_table, b.block_table) == ([0, 1], [2, 3])
+    assert a.num_computed_tokens == b.num_computed_tokens == 8
+    assert a.num_output_tokens == b.num_output_tokens == 2
+    assert engine.block_manager.num_free_blocks == 0
+    run_checked(engine)
+
+    assert a.token_ids == a_ref.token_ids and b.token_ids == b_ref.token_ids
+    assert a.num_output_tokens == 6 and b.num_output_tokens == 4
+    assert a.num_preemptions == 0 and b.num_preemptions == 1
+    head = [
+        (0, "admit", "A", None, 7, "new"), (0, "alloc", "A", [0, 1], 0, "prefill"),
+        (0, "admit", "B", None, 7, "new"), (0, "alloc", "B", [2, 3], 0, "prefill"),
+    ]
+    if mode == "recompute":
+        assert story(tracer) == head + [
+            (2, "preempt", "B", [2, 3], 8, "recompute"), (2, "free", "B", [3, 2], 0, "preempt"),
+            (2, "alloc", "A", [3], 0, "decode"),
+            (5, "free", "A", [3, 1, 0], 0, "finish"), (5, "finish", "A", None, 6, "length"),
+            # re-admitted only once 3 blocks are free: 9 tokens re-prefilled, 8 of them recomputed
+            (6, "admit", "B", None, 9, "resume-recompute"), (6, "alloc", "B", [2, 3, 1], 0, "prefill"),
+            (6, "reprefill", "B", None, 9, None),
+            (7, "free", "B", [1, 3, 2], 0, "finish"), (7, "finish", "B", None, 4, "length"),
+        ]
+        reprefill = next(e for e in tracer.events if e.kind == "reprefill")
+        assert reprefill.num_recomputed_tokens == 8 and b.num_recomputed_tokens == 8
+        assert sum(r.num_recompute_tokens for r in tracer.records) == 8
+    else:
+        assert story(tracer) == head + [
+            (2, "preempt", "B", [2, 3], 8, "swap"), (2, "free", "B", [3, 2], 0, "preempt"),
+            (2, "swap_out", "B", [2, 3], 8, None), (2, "alloc", "A", [3], 0, "decode"),
+            (5, "free", "A", [3, 1, 0], 0, "finish"), (5, "finish", "A", None, 6, "length"),
+            # back into 2 newly allocated blocks, plus one more to process x1
+            (6, "admit", "B", None, 1, "resume-swap"),
+            (6, "alloc", "B", [2, 3], 0, "swap_in"), (6, "swap_in", "B", [2, 3], 8, None),
+            (6, "alloc", "B", [1], 0, "decode"),
+            (7, "free", "B", [1, 3, 2], 0, "finish"), (7, "finish", "B", None, 4, "length"),
+        ]
+        swaps = [e for e in tracer.events if e.kind in ("swap_out", "swap_in")]
+        assert [e.bytes for e in swaps] == [2 * engine.runner.bytes_per_block] * 2
+        assert all(e.duration_ms is not None and e.duration_ms >= 0 for e in swaps)
+        assert b.num_recomputed_tokens == 0 and b.num_swaps == 1
+        assert sum(r.num_recompute_tokens for r in tracer.records) == 0
+    # B's stall: x1 came at step 1, x2 only after A's remaining steps (2..5) and the resume
+    assert token_steps(tracer, "B") == [0, 1, 6, 7]
+    assert token_steps(tracer, "A") == [0, 1, 2, 3, 4, 5]
+    assert engine.block_manager.num_free_blocks == 4
+
+
+def random_workload(rng: random.Random, num_requests: int):
+    return [([rng.randrange(3, 512) for _ in range(rng.randint(1, 24))], rng.randint(1, 16))
+            for _ in range(num_requests)]
+
+
+def run_workload(make_engine, workload, independent=None, **settings):
+    engine = make_engine(**settings)
+    if independent is not None:  # count positions the runner actually runs twice, on its own
+        execute = engine.runner.execute
+        computed: dict = {}
+
+        def counting(out):
+            for seq, n in zip(out.seqs, out.num_new_tokens):
+                done = computed.setdefault(seq.req_id, set())
+                positions = set(range(seq.num_computed_tokens, seq.num_computed_tokens + n))
+                independent[0] += len(positions & done)
+                done |= positions
+            return execute(out)
+
+        engine.runner.execute = counting
+    seqs = [engine.add_request(str(i), prompt, SamplingParams(max_tokens=m, ignore_eos=True))
+            for i, (prompt, m) in enumerate(workload)]
+    run_checked(engine)
+    return engine, [s.token_ids for s in seqs]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), num_requests=st.integers(2, 8), slack=st.integers(0, 6),
+       num_cpu_blocks=st.integers(0, 10), budget=st.sampled_from([8, 16, 64]),
+       caching=st.booleans())
+def test_preemption_is_invisible(make_engine, seed, num_requests, slack, num_cpu_blocks, budget, caching):
+    rng = random.Random(seed)
+    workload = random_workload(rng, num_requests)
+    need = max(-(-(len(p) + m) // 4) for p, m in workload)  # every request fits alone
+    _, reference = run_workload(make_engine, workload, num_gpu_blocks=256)
+    for mode in ("recompute", "swap"):
+        for policy in ("newest", "priority", "fewest-computed"):
+            independent = [0]
+            engine, tokens = run_workload(
+                make_engine, workload, independent, num_gpu_blocks=need + slack, preemption_mode=mode,
+                preemption_policy=policy, num_cpu_blocks=num_cpu_blocks, max_num_batched_tokens=budget,
+                enable_prefix_caching=caching)
+            assert tokens == reference, (mode, policy)
+            seqs = engine.outputs.values()
+            assert all(s.finish_reason == "length" for s in seqs)
+            assert independent[0] == sum(s.num_recomputed_tokens for s in seqs)
+
+
+def test_swap_full_falls_back_to_recompute(make_engine):
+    tracer = ListTracer()
+    rng = random.Random(5)
+    workload = random_workload(rng, 6)
+    _, reference = run_workload(make_engine, workload, num_gpu_blocks=256)
+    engine = make_engine(tracer, num_gpu_blocks=12, preemption_mode="swap", num_cpu_blocks=2,
+                         max_num_batched_tokens=64)
+    seqs = [engine.add_request(str(i), p, SamplingParams(max_tokens=m, ignore_eos=True))
+            for i, (p, m) in enumerate(workload)]
+    run_checked(engine)
+    assert [s.token_ids for s in seqs] == reference
+    reasons = [e.reason for e in tracer.events if e.kind == "preempt"]
+    assert "swap-full-fallback" in reasons and "swap" in reasons
+
+
+def test_priority_policy_preempts_least_important(make_engine):
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=4, preemption_policy="priority", enable_prefix_caching=False)
+    # A arrives last but matters most (lower value): the older, less important B is preempted
+    engine.add_request("B", PROMPT_B, SamplingParams(max_tokens=4, ignore_eos=True), priority=5)
+    engine.add_request("A", PROMPT_A, SamplingParams(max_tokens=6, ignore_eos=True), priority=0)
+    run_checked(engine)
+    assert [e.req_id for e in tracer.events if e.kind == "preempt"] == ["B"]
+
+
+def test_fewest_computed_policy(make_engine):
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=5, preemption_policy="fewest-computed",
+                         enable_prefix_caching=False)
+    engine.add_request("long", list(range(3, 14)), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("short", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    run_checked(engine)
+    victims = [e.req_id for e in tracer.events if e.kind == "preempt"]
+    assert victims and victims[0] == "short"
+
+
+def test_request_that_can_never_fit_is_rejected(make_engine):
+    engine = make_engine(num_gpu_blocks=4)
+    too_big = engine.add_request("big", list(range(3, 19)), SamplingParams(max_tokens=2))  # 16 + 1 > 16
+    fits = engine.add_request("ok", [3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+    run_checked(engine)
+    assert too_big.finish_reason == "rejected" and too_big.num_output_tokens == 0
+    assert fits.finish_reason == "length"
+
+
+def test_request_outgrowing_the_pool_finishes_with_capacity(make_engine):
+    for mode in ("recompute", "swap"):
+        engine = make_engine(num_gpu_blocks=3, preemption_mode=mode)
+        seq = engine.add_request("grow", [3, 4, 5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
+        run_checked(engine)
+        assert seq.finish_reason == "capacity"
+        assert seq.num_output_tokens == 12 - 5 + 1  # filled all 12 slots, then one more token sampled
