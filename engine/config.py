@@ -33,9 +33,14 @@ class ModelConfig:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token position across all layers, in fp32 (scale for other dtypes)."""
+    def kv_values_per_token(self) -> int:
+        """K and V values for one token position across all layers."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token position across all layers, in fp32."""
+        return self.kv_values_per_token * 4
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -67,9 +72,10 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict:
         """A Hugging Face `config.json` dict that transformers and vLLM load as LlamaForCausalLM."""
+        qwen2 = self.attention_bias  # Llama has no q/k/v biases; Qwen2 has them (and no o_proj bias)
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+            "model_type": "qwen2" if qwen2 else "llama",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

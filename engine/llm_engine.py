@@ -37,7 +37,7 @@ class PoolGeometry:
 def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> PoolGeometry:
     """Size the device and host pools from the config; ValueError when no block fits."""
     element = torch.tensor([], dtype=DTYPES[config.dtype]).element_size()
-    bytes_per_block = model_config.kv_bytes_per_token * config.block_size * element
+    bytes_per_block = model_config.kv_values_per_token * config.block_size * element
     if config.num_gpu_blocks is not None:
         num_gpu_blocks = config.num_gpu_blocks
     else:
