@@ -41,6 +41,7 @@ class BlockManager:
         self.cached_free_ids: OrderedDict[int, None] = OrderedDict()  # free, reusable KV, LRU first
         self.hash_to_block_id: dict[int, int] = {}
         self.free_cpu_block_ids: deque[int] = deque(range(num_cpu_blocks))
+        self.shared_fill: dict[int, int] = {}   # block id -> KV positions in it, while ref_count > 1
         self.events: list[KVEvent] = []
 
     # ---- counts -------------------------------------------------------------------------
@@ -62,6 +63,11 @@ class BlockManager:
     def can_ever_hold(self, num_tokens: int) -> bool:
         """Whether a sequence of this many KV positions fits an otherwise empty pool."""
         return self.blocks_for(num_tokens) <= self.num_blocks - self.watermark_blocks
+
+    def num_kv_positions(self, running: list[Sequence]) -> int:
+        """KV positions stored in device blocks, a shared position counted once."""
+        held = sum(seq.num_computed_tokens for seq in running)
+        return held - sum((self.blocks[b].ref_count - 1) * fill for b, fill in self.shared_fill.items())
 
     def take_events(self) -> list[KVEvent]:
         taken, self.events = self.events, []
@@ -88,6 +94,8 @@ class BlockManager:
         block = self.blocks[block_id]
         assert block.ref_count > 0, f"releasing free block {block_id}"
         block.ref_count -= 1
+        if block.ref_count == 1:
+            self.shared_fill.pop(block_id, None)
         if block.ref_count:
             return False
         if block.hash is not None:
@@ -102,6 +110,8 @@ class BlockManager:
         if block.ref_count == 0:
             del self.cached_free_ids[block_id]
         block.ref_count += 1
+        if block.ref_count == 2:
+            self.shared_fill[block_id] = self.block_size  # cached blocks are full
 
     # ---- prefix cache -------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -212,8 +222,11 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (n > 1 sampling)."""
-        for block_id in parent.block_table:
-            self.blocks[block_id].ref_count += 1
+        for i, block_id in enumerate(parent.block_table):
+            block = self.blocks[block_id]
+            block.ref_count += 1
+            if block.ref_count == 2:
+                self.shared_fill[block_id] = min(self.block_size, parent.num_computed_tokens - i * self.block_size)
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
@@ -239,7 +252,7 @@ class BlockManager:
 
     def can_swap_in(self, seq: Sequence) -> bool:
         # the swapped positions, plus a block for the pending token if the last one is full
-        num_needed = self.blocks_for(seq.num_computed_tokens + 1)
+        num_needed = max(len(seq.host_block_table), self.blocks_for(seq.num_computed_tokens + 1))
         return self.num_free_blocks - num_needed >= self.watermark_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
@@ -277,6 +290,7 @@ class BlockManager:
                 assert block.hash is not None, f"cached-free block {b} has no hash"
             if block.hash is not None:
                 assert self.hash_to_block_id.get(block.hash) == b, f"block {b}: hash not indexed"
+        assert set(self.shared_fill) == {b for b, r in enumerate(refs) if r > 1}, "shared-block index out of date"
         for h, b in self.hash_to_block_id.items():
             assert self.blocks[b].hash == h, f"hash index points to block {b} with another hash"
         assert len(free) + len(cached) + sum(1 for r in refs if r) == self.num_blocks, "blocks lost"

@@ -83,6 +83,8 @@ class StepRecord:
     num_free_blocks: int
     num_used_blocks: int
     num_cached_blocks: int          # free blocks still holding reusable prefix-cache KV
+    num_total_blocks: int
+    num_kv_tokens: int              # KV positions stored in used blocks (a shared one counted once)
     num_preemptions: int
     events: list[KVEvent] = field(default_factory=list)
     # emitted tokens, as parallel lists (cheap to build, cheap to turn into columns)

@@ -242,6 +242,7 @@ class LLMEngine:
             num_prefill_tokens=result.num_prefill_tokens, num_decode_tokens=result.num_decode_tokens,
             num_recompute_tokens=num_recompute, num_free_blocks=bm.num_free_blocks,
             num_used_blocks=bm.num_used_blocks, num_cached_blocks=bm.num_cached_free_blocks,
+            num_total_blocks=bm.num_blocks, num_kv_tokens=bm.num_kv_positions(sched.running),
             num_preemptions=out.num_preemptions, events=kv_events,
             token_req_ids=[s.req_id for s, _ in emitted], token_samples=[s.sample for s, _ in emitted],
             token_idx=[s.num_output_tokens - 1 for s, _ in emitted], token_ids=[t for _, t in emitted],

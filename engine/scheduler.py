@@ -114,7 +114,7 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             if not self.bm.can_swap_in(seq):
-                if self.bm.can_ever_hold(seq.num_computed_tokens + 1):
+                if self.bm.can_ever_hold(max(seq.num_tokens, seq.num_computed_tokens + 1)):
                     break
                 self.swapped.popleft()  # outgrew the whole pool: it can never resume
                 seq.finish_reason = "capacity"
@@ -129,11 +129,13 @@ class Scheduler:
                             src_blocks=host_ids, num_tokens=seq.num_computed_tokens)
             self.bm.events.append(event)
             out.swap_in_events.append(event)
-            copy = self.bm.append_slot(seq)
-            assert copy is None, "a swapped-in sequence shares no block"
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not seq.is_prefilling:  # was decoding: the pending token may need a block
+                copy = self.bm.append_slot(seq)
+                assert copy is None, "a swapped-in sequence shares no block"
             out.seqs.append(seq)
-            out.num_new_tokens.append(1)
-            budget -= 1
+            out.num_new_tokens.append(num_new)
+            budget -= num_new
         if self.swapped:
             return out
 
