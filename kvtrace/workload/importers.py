@@ -367,11 +367,9 @@ def _sharegpt_tokenizer(model: str | None):
     estimate = f"lengths are estimated as characters / {CHARS_PER_TOKEN}"
     if model is None:
         return None, f"{estimate}: no --model given to tokenise with"
-    try:
-        from engine.tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(model)
-    except (ImportError, KvtraceError, ValueError, OSError) as exc:
-        return None, f"{estimate}: no tokenizer for model {model!r} ({exc})"
+    from engine.tokenizer import load_tokenizer  # the engine's tokenizer stack is loaded only when needed
+
+    tokenizer = load_tokenizer(model)  # a model that is not found is an error, not an estimate
     if tokenizer is None:
         return None, f"{estimate}: model {model!r} has no tokenizer"
     return tokenizer, None
