@@ -1,1 +1,82 @@
-"""(filled in by its issue)"""
+"""`kvtrace record`: replay a workload through the engine and write its trace."""
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from engine.config import EngineConfig, parse_bytes
+from kvtrace.cli_app import app, user_errors
+from kvtrace.errors import KvtraceError
+from kvtrace.run import Recording, default_run_dir
+
+PRESETS_HELP = "built-in name (tiny, smollm2-135m, qwen2.5-0.5b, llama-3.2-1b, llama-3-8b, mistral-7b), HF folder or .gguf"
+
+
+class Terminated(Exception):
+    """SIGTERM arrived: stop like Ctrl-C."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
+@app.command()
+@user_errors
+def record(
+    workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload JSONL (see docs/workload-format.md).")],
+    model: Annotated[str, typer.Option(help=f"Model: {PRESETS_HELP}.")] = "smollm2-135m",
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Run folder [default: traces/runs/<time>-<model>].")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    load_format: Annotated[str, typer.Option(help="auto, or dummy for random weights of the model's shape.")] = "auto",
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    num_gpu_blocks: Annotated[int | None, typer.Option(help="Device KV blocks (overrides --kv-cache-memory).")] = None,
+    kv_cache_memory: Annotated[str | None, typer.Option(help="Device KV pool size, bytes or e.g. 2GiB.")] = None,
+    num_cpu_blocks: Annotated[int | None, typer.Option(help="Host swap blocks.")] = None,
+    swap_space: Annotated[str | None, typer.Option(help="Host swap space, bytes or e.g. 4GiB.")] = None,
+    preemption_mode: Annotated[str, typer.Option(help="recompute or swap.")] = "recompute",
+    preemption_policy: Annotated[str, typer.Option(help="newest, priority or fewest-computed.")] = "newest",
+    max_num_seqs: Annotated[int, typer.Option(help="Most sequences in a batch.")] = 64,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of a step (chunked prefill).")] = 2048,
+    max_model_len: Annotated[int | None, typer.Option(help="Longest sequence [default: the model's].")] = None,
+    watermark: Annotated[float, typer.Option(help="Fraction of the pool kept free when admitting.")] = 0.01,
+    enable_prefix_caching: Annotated[bool, typer.Option(help="Share cached full blocks between requests.")] = True,
+    seed: Annotated[int, typer.Option(help="Seed for synthesised prompts, sampling and dummy weights.")] = 0,
+    max_requests: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
+    time_scale: Annotated[float | None, typer.Option(help="Arrivals X times faster than the workload says.")] = None,
+    backlog: Annotated[bool, typer.Option(help="All requests arrive at t=0.")] = False,
+    no_token_ids: Annotated[bool, typer.Option("--no-token-ids", help="Do not record token ids.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
+) -> None:
+    """Replay a workload through the engine and write a Parquet trace of every KV-cache event."""
+    if time_scale is not None and time_scale <= 0:
+        raise KvtraceError(f"--time-scale must be > 0, got {time_scale}")
+    if max_requests is not None and max_requests < 1:
+        raise KvtraceError(f"--max-requests must be >= 1, got {max_requests}")
+    config = EngineConfig(
+        model=model, load_format=load_format, device=device, dtype=dtype, seed=seed, block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks,
+        kv_cache_memory=parse_bytes(kv_cache_memory) if kv_cache_memory else None,
+        num_cpu_blocks=num_cpu_blocks, swap_space=parse_bytes(swap_space) if swap_space else None,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+        watermark=watermark, preemption_mode=preemption_mode, preemption_policy=preemption_policy,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    console = Console(stderr=True, quiet=quiet)
+    run_dir = out or default_run_dir(model)
+    recording = Recording.prepare(config, workload, run_dir, max_requests=max_requests, time_scale=time_scale,
+                                  backlog=backlog, record_token_ids=not no_token_ids,
+                                  command=" ".join(["kvtrace", *sys.argv[1:]]), console=console)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        status = recording.run(interrupt_types=(KeyboardInterrupt, Terminated))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    recording.print_summary()
+    if status == "interrupted":
+        raise typer.Exit(code=130)

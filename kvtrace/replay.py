@@ -1,0 +1,99 @@
+"""Replay a workload through the engine on its arrival clock."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine
+from engine.sequence import SamplingParams
+from kvtrace.errors import KvtraceError
+from kvtrace.workload import WorkloadRequest, resolve_prompt_ids, validate_lengths
+
+
+@dataclass
+class ReplayItem:
+    req: WorkloadRequest
+    prompt_token_ids: list[int]
+    arrival_s: float          # on the replay clock (after --time-scale / --backlog)
+    params: SamplingParams
+
+
+@dataclass
+class ReplayStats:
+    num_requests: int = 0
+    num_finished: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    duration_s: float = 0.0
+
+
+def prepare(requests: list[WorkloadRequest], engine: LLMEngine, *, tokenizer, seed: int,
+            time_scale: float | None, backlog: bool, workload_name: str) -> list[ReplayItem]:
+    """Resolve prompts to token ids and check every request can ever run on this engine."""
+    vocab = engine.model_config.vocab_size
+    ids = [resolve_prompt_ids(r, vocab_size=vocab, tokenizer=tokenizer, seed=seed) for r in requests]
+    validate_lengths(requests, [len(p) for p in ids], engine.max_model_len)
+    bm = engine.block_manager
+    too_big = [(r, len(p)) for r, p in zip(requests, ids) if not bm.can_ever_hold(len(p) + 1)]
+    if too_big:
+        usable = bm.num_blocks - bm.watermark_blocks
+        listed = "; ".join(f"line {r.line or r.id}: a prompt of {n} tokens needs {bm.blocks_for(n + 1)} blocks"
+                           for r, n in too_big[:5])
+        more = f"; and {len(too_big) - 5} more" if len(too_big) > 5 else ""
+        raise KvtraceError(f"{workload_name}: {len(too_big)} request(s) can never fit the KV pool of "
+                           f"{usable} usable blocks of {bm.block_size} tokens: {listed}{more}")
+    items = []
+    for r, prompt_ids in zip(requests, ids):
+        if backlog:
+            arrival = 0.0
+        else:
+            arrival = r.arrival_s / (time_scale or 1.0)
+        ignore_eos = r.ignore_eos if r.ignore_eos is not None else r.prompt_tokens is not None
+        params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
+                                seed=r.seed if r.seed is not None else seed, ignore_eos=ignore_eos, n=r.n)
+        items.append(ReplayItem(r, prompt_ids, arrival, params))
+    items.sort(key=lambda item: item.arrival_s)
+    return items
+
+
+def replay(engine: LLMEngine, items: list[ReplayItem], *,
+           on_progress: Callable[[ReplayStats], None] | None = None, progress_every_s: float = 0.25) -> ReplayStats:
+    """Inject requests at their arrival times and step the engine until all are done.
+
+    Requests whose arrival passed while a step ran join at the next step. Time starts now.
+    """
+    stats = ReplayStats(num_requests=sum(item.params.n for item in items))
+    engine.time_origin = time.perf_counter()
+    next_item = 0
+    last_progress = 0.0
+    while next_item < len(items) or engine.has_unfinished():
+        now = engine.now()
+        while next_item < len(items) and items[next_item].arrival_s <= now:
+            item = items[next_item]
+            engine.add_request(item.req.id, item.prompt_token_ids, item.params,
+                               arrival_s=item.arrival_s, priority=item.req.priority)
+            next_item += 1
+        if engine.has_unfinished():
+            emitted = engine.step()
+            stats.num_steps += 1
+            stats.num_output_tokens += len(emitted)
+        else:  # idle until the next arrival
+            time.sleep(min(max(items[next_item].arrival_s - engine.now(), 0.0), 0.05))
+        if on_progress is not None and now - last_progress >= progress_every_s:
+            last_progress = now
+            _fill(stats, engine)
+            on_progress(stats)
+    engine.flush()
+    _fill(stats, engine)
+    if on_progress is not None:
+        on_progress(stats)
+    return stats
+
+
+def _fill(stats: ReplayStats, engine: LLMEngine) -> None:
+    seqs = engine.outputs.values()
+    stats.num_finished = sum(1 for s in seqs if s.finish_reason)
+    stats.num_preemptions = sum(s.num_preemptions for s in seqs)
+    stats.duration_s = engine.now()

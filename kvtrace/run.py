@@ -1,0 +1,181 @@
+"""One recording: check everything, then replay into a run folder with meta.json and the tables."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+import kvtrace
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.tokenizer import load_tokenizer
+from kvtrace.errors import KvtraceError
+from kvtrace.nvml import NvmlSampler
+from kvtrace.recorder import TraceWriter
+from kvtrace.replay import ReplayItem, ReplayStats, prepare, replay
+from kvtrace.schema import SCHEMA_VERSION
+from kvtrace.workload import load_workload, workload_sha256
+
+
+def default_run_dir(model: str) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(model).name if os.sep in model else model)
+    return Path("traces") / "runs" / f"{stamp}-{name}"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class Recording:
+    def __init__(self, engine: LLMEngine, items: list[ReplayItem], run_dir: Path, meta: dict,
+                 record_token_ids: bool, console: Console) -> None:
+        self.engine = engine
+        self.items = items
+        self.run_dir = run_dir
+        self.meta = meta
+        self.record_token_ids = record_token_ids
+        self.console = console
+        self.stats: ReplayStats | None = None
+
+    @classmethod
+    def prepare(cls, config: EngineConfig, workload: Path, run_dir: Path, *, max_requests: int | None,
+                time_scale: float | None, backlog: bool, record_token_ids: bool, command: str,
+                console: Console) -> Recording:
+        """Check every input before anything is written; raise KvtraceError / ValueError on bad input."""
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise KvtraceError(f"run folder {run_dir} already exists and is not empty")
+        requests = load_workload(workload)
+        if max_requests is not None:
+            requests = requests[:max_requests]
+        with console.status(f"loading {config.model}"):
+            engine = LLMEngine(config)
+            tokenizer = load_tokenizer(config.model) if config.load_format != "dummy" else None
+        items = prepare(requests, engine, tokenizer=tokenizer, seed=config.seed, time_scale=time_scale,
+                        backlog=backlog, workload_name=str(workload))
+        mc = engine.model_config
+        g = engine.geometry
+        device_name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else cpu_name()
+        meta = {
+            "run_id": run_dir.name,
+            "schema_version": SCHEMA_VERSION,
+            "kvtrace_version": kvtrace.__version__,
+            "command": command,
+            "engine_config": config.to_dict(),
+            "model": {"name": mc.name, "source": engine.model_source, "dtype": config.dtype,
+                      "shape": {"layers": mc.num_layers, "hidden": mc.hidden_size, "heads": mc.num_heads,
+                                "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "vocab": mc.vocab_size},
+                      "max_model_len": engine.max_model_len},
+            "device": {"type": engine.device.type, "name": device_name, "torch": torch.__version__,
+                       "threads": torch.get_num_threads()},
+            "kv_pool": {"num_gpu_blocks": g.num_gpu_blocks, "block_size": g.block_size,
+                        "bytes_per_block": g.bytes_per_block, "num_cpu_blocks": g.num_cpu_blocks,
+                        "total_bytes": g.num_gpu_blocks * g.bytes_per_block,
+                        "watermark_blocks": engine.block_manager.watermark_blocks},
+            "workload": {"path": str(workload), "sha256": workload_sha256(workload),
+                         "num_requests": len(items)},
+            "replay": {"mode": "backlog" if backlog else ("time-scale" if time_scale else "wallclock"),
+                       "time_scale": time_scale or 1.0},
+            "seed": config.seed,
+            "record_token_ids": record_token_ids,
+            "started_at": None,
+            "status": "pending",
+            "error": None,
+            "nvml": {"enabled": False, "reason": "not started"},
+            "summary": None,
+        }
+        return cls(engine, items, run_dir, meta, record_token_ids, console)
+
+    def run(self, interrupt_types: tuple[type[BaseException], ...] = (KeyboardInterrupt,)) -> str:
+        """Replay into the run folder; return the end status (completed / interrupted)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        meta_path = self.run_dir / "meta.json"
+        self.meta["started_at"] = datetime.now(timezone.utc).isoformat()
+        self.meta["status"] = "running"
+        writer = TraceWriter(self.run_dir, self.meta["run_id"], record_token_ids=self.record_token_ids)
+        sampler = NvmlSampler(self.engine.device, writer, clock=self.engine.now)
+        self.meta["nvml"] = {"enabled": sampler.enabled, "reason": sampler.reason}
+        write_json_atomic(meta_path, self.meta)
+        self.engine.tracer = writer
+        status, error = "completed", None
+        sampler.start()
+        try:
+            with self._progress() as on_progress:
+                self.stats = replay(self.engine, self.items, on_progress=on_progress)
+        except interrupt_types:
+            status = "interrupted"
+        except BaseException as exc:
+            status, error = "failed", f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            sampler.stop()
+            if status != "completed":
+                self.engine.flush()
+                for stats in self.engine.abort_all():
+                    writer.add_request(stats)
+            writer.close()
+            if self.stats is None:
+                self.stats = ReplayStats(num_requests=len(self.items), duration_s=self.engine.now())
+            self.meta["status"] = status
+            self.meta["error"] = error
+            self.meta["ended_at"] = datetime.now(timezone.utc).isoformat()
+            self.meta["summary"] = {**asdict(self.stats), "rows": dict(writer.rows_written)}
+            write_json_atomic(meta_path, self.meta)
+        return status
+
+    def _progress(self):
+        console = self.console
+        total = sum(item.params.n for item in self.items)
+        num_blocks = self.engine.block_manager.num_blocks
+        bm = self.engine.block_manager
+
+        class _Bar:
+            def __enter__(bar):
+                bar.progress = Progress(
+                    TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                    TimeElapsedColumn(), console=console, transient=False, disable=console.quiet)
+                bar.progress.start()
+                bar.task = bar.progress.add_task("replay", total=total, info="")
+                return bar.update
+
+            def update(bar, stats: ReplayStats) -> None:
+                rate = stats.num_output_tokens / stats.duration_s if stats.duration_s else 0.0
+                info = (f"{rate:6.1f} tok/s  KV {100 * bm.num_used_blocks / num_blocks:5.1f}%  "
+                        f"preemptions {stats.num_preemptions}")
+                bar.progress.update(bar.task, completed=stats.num_finished, info=info)
+
+            def __exit__(bar, *exc):
+                bar.progress.stop()
+                return False
+
+        return _Bar()
+
+    def print_summary(self) -> None:
+        s = self.stats
+        m = self.meta
+        rate = s.num_output_tokens / s.duration_s if s.duration_s else 0.0
+        self.console.print(
+            f"[bold]{m['status']}[/]: {s.num_finished}/{s.num_requests} sequences, {s.num_output_tokens} tokens "
+            f"in {s.duration_s:.1f} s ({rate:.1f} tok/s), {s.num_steps} steps, {s.num_preemptions} preemptions")
+        self.console.print(f"trace: {self.run_dir}   next: kvtrace analyze {self.run_dir}")

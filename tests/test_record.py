@@ -1,0 +1,175 @@
+"""`kvtrace record`: the trace tells the story, survives kills, refuses bad input."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+import kvtrace.cli  # noqa: F401  (registers the commands)
+from kvtrace.cli_app import app
+
+PROMPT_A = [11, 12, 13, 14, 15, 16, 17]
+PROMPT_B = [21, 22, 23, 24, 25, 26, 27]
+
+
+def write_workload(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def record(tmp_path: Path, workload: Path, name: str, *args: str):
+    out = tmp_path / name
+    result = CliRunner().invoke(app, ["record", "--model", "tiny", "-w", str(workload), "-o", str(out), "-q", *args])
+    return result, out
+
+
+def sql(run: Path, query: str):
+    con = duckdb.connect()
+    for table in ("requests", "steps", "kv_events", "tokens"):
+        con.sql(f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{run}/{table}/*.parquet')")
+    return con.sql(query).fetchall()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_four_block_scenario_recorded(tmp_path, mode):
+    workload = write_workload(tmp_path / "four.jsonl", [
+        {"id": "A", "arrival_s": 0, "prompt_token_ids": PROMPT_A, "max_tokens": 6, "ignore_eos": True},
+        {"id": "B", "arrival_s": 0, "prompt_token_ids": PROMPT_B, "max_tokens": 4, "ignore_eos": True},
+    ])
+    result, run = record(tmp_path, workload, mode, "--block-size", "4", "--num-gpu-blocks", "4", "--watermark", "0",
+                         "--no-enable-prefix-caching", "--backlog", "--preemption-mode", mode, "--num-cpu-blocks", "4")
+    assert result.exit_code == 0, result.output
+    story = sql(run, "SELECT step, kind, req_id, blocks, reason FROM kv_events "
+                     "WHERE kind IN ('preempt', 'swap_out', 'swap_in', 'reprefill', 'finish') ORDER BY seq")
+    if mode == "recompute":
+        assert story == [(2, "preempt", "B", [2, 3], "recompute"), (5, "finish", "A", None, "length"),
+                         (6, "reprefill", "B", None, None), (7, "finish", "B", None, "length")]
+        assert sql(run, "SELECT num_tokens, num_recomputed_tokens FROM kv_events WHERE kind = 'reprefill'") == [(9, 8)]
+    else:
+        assert story == [(2, "preempt", "B", [2, 3], "swap"), (2, "swap_out", "B", [2, 3], None),
+                         (5, "finish", "A", None, "length"), (6, "swap_in", "B", [2, 3], None),
+                         (7, "finish", "B", None, "length")]
+        per_block = json.loads((run / "meta.json").read_text())["kv_pool"]["bytes_per_block"]
+        assert sql(run, "SELECT kind, bytes FROM kv_events WHERE kind LIKE 'swap%' ORDER BY seq") == [
+            ("swap_out", 2 * per_block), ("swap_in", 2 * per_block)]
+    assert sql(run, "SELECT req_id, list(step ORDER BY idx) FROM tokens GROUP BY req_id ORDER BY req_id") == [
+        ("A", [0, 1, 2, 3, 4, 5]), ("B", [0, 1, 6, 7])]
+    assert sql(run, "SELECT free_blocks FROM steps ORDER BY step DESC LIMIT 1") == [(4,)]
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["status"] == "completed" and meta["kv_pool"]["num_gpu_blocks"] == 4
+
+
+def test_tight_pool_replays_match_unconstrained_from_traces(tmp_path):
+    rows = [{"id": f"r{i}", "arrival_s": i * 0.002, "prompt_tokens": 8 + (i * 7) % 40, "max_tokens": 10 + (i * 5) % 30}
+            for i in range(16)]
+    workload = write_workload(tmp_path / "w.jsonl", rows)
+    common = ["--block-size", "4", "--time-scale", "1"]
+    runs = {}
+    for name, extra in {"free": ["--num-gpu-blocks", "1000"],
+                        "recompute": ["--num-gpu-blocks", "24", "--preemption-mode", "recompute"],
+                        "swap": ["--num-gpu-blocks", "24", "--preemption-mode", "swap", "--num-cpu-blocks", "12"]}.items():
+        result, runs[name] = record(tmp_path, workload, name, *common, *extra)
+        assert result.exit_code == 0, result.output
+    con = duckdb.connect()
+    tokens = {name: f"read_parquet('{run}/tokens/*.parquet')" for name, run in runs.items()}
+    for name in ("recompute", "swap"):
+        preempted = sql(runs[name], "SELECT sum(preemptions) FROM requests")[0][0]
+        assert preempted > 0, f"{name}: the pool was not tight enough to preempt"
+        diff = con.sql(f"""
+            SELECT count(*) FROM (
+                SELECT req_id, list(token_id ORDER BY idx) AS ids FROM {tokens['free']} GROUP BY req_id) a
+            FULL JOIN (
+                SELECT req_id, list(token_id ORDER BY idx) AS ids FROM {tokens[name]} GROUP BY req_id) b
+            USING (req_id) WHERE a.ids IS DISTINCT FROM b.ids""").fetchall()[0][0]
+        assert diff == 0
+        # one fact, three witnesses
+        counts = sql(runs[name], """SELECT (SELECT sum(recomputed_tokens) FROM requests),
+                                           (SELECT sum(recompute_tokens) FROM steps),
+                                           (SELECT sum(num_recomputed_tokens) FROM kv_events)""")[0]
+        assert counts[0] == counts[1] == counts[2]
+
+
+def slow_workload(tmp_path: Path) -> Path:
+    rows = [{"id": f"r{i}", "arrival_s": i * 0.25, "prompt_tokens": 30, "max_tokens": 200} for i in range(80)]
+    return write_workload(tmp_path / "slow.jsonl", rows)
+
+
+def start_recording(tmp_path: Path, workload: Path, out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kvtrace", "record", "--model", "tiny", "-w", str(workload),
+                             "-o", str(out), "-q", "--block-size", "4", "--num-gpu-blocks", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parent.parent)
+
+
+def wait_for_chunks(out: Path, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not list(out.glob("tokens/part-*.parquet")):
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "no chunk written"
+        time.sleep(0.1)
+
+
+def test_sigkill_leaves_a_readable_trace(tmp_path):
+    out = tmp_path / "killed"
+    proc = start_recording(tmp_path, slow_workload(tmp_path), out)
+    wait_for_chunks(out, proc)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert sql(out, "SELECT count(*) FROM tokens")[0][0] > 0
+    assert sql(out, "SELECT count(*) FROM steps")[0][0] > 0
+    assert json.loads((out / "meta.json").read_text())["status"] == "running"  # not mistaken for complete
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_closes_the_trace(tmp_path, sig):
+    out = tmp_path / "interrupted"
+    proc = start_recording(tmp_path, slow_workload(tmp_path), out)
+    wait_for_chunks(out, proc)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == 130
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["status"] == "interrupted"
+    assert not list(out.glob("*/.*tmp"))
+    reasons = dict(sql(out, "SELECT finish_reason, count(*) FROM requests GROUP BY 1"))
+    assert reasons.get("aborted", 0) > 0
+    # every delivered token of a finished or aborted sequence is in the trace
+    assert sql(out, "SELECT sum(output_tokens) FROM requests")[0][0] == sql(out, "SELECT count(*) FROM tokens")[0][0]
+
+
+@pytest.mark.parametrize("args, rows, message", [
+    ([], ["{not json"], "line 1"),
+    (["--num-gpu-blocks", "0"], None, "--num-gpu-blocks"),
+    (["--num-gpu-blocks", "2", "--block-size", "4"], None, "can never fit"),
+    (["--model", "no-such-model"], None, "no-such-model"),
+    (["--preemption-mode", "drop"], None, "--preemption-mode"),
+])
+def test_bad_input_is_one_line_exit_2_and_no_run_folder(tmp_path, args, rows, message):
+    rows = rows or [json.dumps({"arrival_s": 0, "prompt_tokens": 12, "max_tokens": 4})]
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["record", "--model", "tiny", "-w", str(workload), "-o", str(out), "-q", *args])
+    assert result.exit_code == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not out.exists()
+
+
+def test_missing_workload(tmp_path):
+    result = CliRunner().invoke(app, ["record", "--model", "tiny", "-w", str(tmp_path / "nope.jsonl"), "-q"])
+    assert result.exit_code == 2 and "nope.jsonl" in result.stderr
+
+
+def test_no_token_ids(tmp_path):
+    workload = write_workload(tmp_path / "w.jsonl", [{"arrival_s": 0, "prompt_tokens": 5, "max_tokens": 3}])
+    result, run = record(tmp_path, workload, "run", "--no-token-ids")
+    assert result.exit_code == 0, result.output
+    assert sql(run, "SELECT count(*), count(token_id) FROM tokens") == [(3, 0)]
