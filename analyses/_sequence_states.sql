@@ -1,0 +1,62 @@
+-- Helper: what each sequence was doing, as consecutive intervals (the data of a Gantt view).
+--
+-- A state starts at a mark and lasts until the next one:
+--   arrival                                -> waiting
+--   admit, reason new                      -> prefill
+--   first token                            -> decode
+--   preempt, reason recompute or
+--     swap-full-fallback                   -> preempted (blocks dropped, waiting for readmission)
+--   preempt, reason swap                   -> swapped (KV on the host, waiting for swap-in)
+--   admit, reason resume-recompute         -> reprefill (computing its history again)
+--   reprefill done; admit resume-swap      -> decode (prefill if it had no token yet)
+--   finish                                 -> (the end)
+-- Marks at the same time are ordered arrival, first token, then events by seq; intervals of zero
+-- length are dropped and neighbours in the same state merged. A reprefill cut short
+-- (reason interrupted) is not a mark: the preempt that cut it is.
+--
+-- _sequence_states: run_id, req_id, sample, state, start_s, end_s (s)
+CREATE OR REPLACE VIEW _sequence_states AS
+WITH marks AS (
+    SELECT run_id, req_id, sample, arrival_s AS ts_s, 0 AS tie, -1::BIGINT AS seq, 'waiting' AS state
+    FROM requests
+    UNION ALL
+    SELECT run_id, req_id, sample, first_token_s, 1, -1, 'decode'
+    FROM requests WHERE first_token_s IS NOT NULL
+    UNION ALL
+    SELECT run_id, req_id, sample, finish_s, 3, -1, 'finished'
+    FROM requests WHERE finish_s IS NOT NULL
+    UNION ALL
+    SELECT e.run_id, e.req_id, e.sample, e.ts_s, 2, e.seq,
+           CASE
+               WHEN e.kind = 'admit' AND e.reason = 'new' THEN 'prefill'
+               WHEN e.kind = 'admit' AND e.reason = 'resume-recompute' THEN 'reprefill'
+               WHEN e.kind = 'preempt' AND e.reason = 'swap' THEN 'swapped'
+               WHEN e.kind = 'preempt' THEN 'preempted'
+               WHEN r.first_token_s IS NULL OR e.ts_s < r.first_token_s THEN 'prefill'
+               ELSE 'decode'
+           END
+    FROM kv_events e
+    LEFT JOIN requests r USING (run_id, req_id, sample)
+    WHERE e.kind IN ('admit', 'preempt')
+       OR (e.kind = 'reprefill' AND e.reason IS DISTINCT FROM 'interrupted')
+),
+spans AS (
+    SELECT run_id, req_id, sample, state, ts_s AS start_s,
+           lead(ts_s) OVER seq AS end_s
+    FROM marks
+    WINDOW seq AS (PARTITION BY run_id, req_id, sample ORDER BY ts_s, tie, seq)
+),
+kept AS (
+    SELECT *,
+           CASE WHEN state IS DISTINCT FROM lag(state) OVER seq THEN 1 ELSE 0 END AS starts_island
+    FROM spans
+    WHERE state <> 'finished' AND end_s > start_s
+    WINDOW seq AS (PARTITION BY run_id, req_id, sample ORDER BY start_s)
+),
+islands AS (
+    SELECT *, sum(starts_island) OVER (PARTITION BY run_id, req_id, sample ORDER BY start_s) AS island
+    FROM kept
+)
+SELECT run_id, req_id, sample, state, min(start_s) AS start_s, max(end_s) AS end_s
+FROM islands
+GROUP BY run_id, req_id, sample, island, state;

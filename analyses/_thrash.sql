@@ -1,0 +1,119 @@
+-- Helper: the thrash evidence of every step, over a sliding window that ends with the step.
+--
+-- _thrash_steps(window_s, full_pool_frac, min_preempt_per_s, min_recompute_share,
+--               min_full_pool_share): one row per step.
+--   run_id, step, end_s
+--   full_pool             used_blocks / total_blocks >= full_pool_frac after scheduling
+--   window_steps          steps that ended in [end_s - window_s, end_s]
+--   window_preemptions    preemptions decided in those steps
+--   preempt_per_s         window_preemptions / window_s
+--   recompute_share       recompute_tokens / (prefill_tokens + decode_tokens) in the window
+--   full_pool_share       share of the window's steps with a full pool
+--   thrashing             preempt_per_s >= min_preempt_per_s AND (recompute_share >=
+--                         min_recompute_share OR full_pool_share >= min_full_pool_share)
+-- The window is ordered by end_s / window_s so that window_s can be a bound parameter.
+CREATE OR REPLACE MACRO _thrash_steps(window_s, full_pool_frac, min_preempt_per_s,
+                                      min_recompute_share, min_full_pool_share) AS TABLE
+WITH per_step AS (
+    SELECT run_id, step, end_s, preemptions, recompute_tokens,
+           prefill_tokens + decode_tokens AS processed_tokens,
+           coalesce(used_blocks >= full_pool_frac * total_blocks, false) AS full_pool
+    FROM steps
+),
+windowed AS (
+    SELECT run_id, step, end_s, full_pool,
+           count(*) OVER w AS window_steps,
+           sum(preemptions) OVER w AS window_preemptions,
+           sum(recompute_tokens) OVER w AS window_recompute_tokens,
+           sum(processed_tokens) OVER w AS window_processed_tokens,
+           count(*) FILTER (WHERE full_pool) OVER w AS window_full_pool_steps
+    FROM per_step
+    WINDOW w AS (PARTITION BY run_id ORDER BY end_s / window_s
+                 RANGE BETWEEN 1 PRECEDING AND CURRENT ROW)
+),
+evidence AS (
+    SELECT run_id, step, end_s, full_pool, window_steps,
+           window_preemptions::BIGINT AS window_preemptions,
+           window_preemptions / window_s AS preempt_per_s,
+           coalesce(window_recompute_tokens / nullif(window_processed_tokens, 0), 0) AS recompute_share,
+           window_full_pool_steps / window_steps AS full_pool_share
+    FROM windowed
+)
+SELECT *,
+       preempt_per_s >= min_preempt_per_s
+       AND (recompute_share >= min_recompute_share OR full_pool_share >= min_full_pool_share) AS thrashing
+FROM evidence;
+
+-- _thrash_windows(...same params...): the stretches of time where thrashing holds, one row per
+-- stretch of consecutive thrashing steps.
+--   run_id
+--   start_s, end_s        from the window start of the first thrashing step (not before 0) to
+--                         the end of the last one (s)
+--   duration_s            end_s - start_s (s)
+--   thrashing_steps       steps whose window qualified
+--   peak_preempt_per_s    highest windowed preemption rate in the stretch (1/s)
+--   peak_recompute_share  highest windowed recompute share
+--   peak_full_pool_share  highest windowed share of full-pool steps
+CREATE OR REPLACE MACRO _thrash_windows(window_s, full_pool_frac, min_preempt_per_s,
+                                        min_recompute_share, min_full_pool_share) AS TABLE
+WITH marked AS (
+    SELECT *,
+           row_number() OVER (PARTITION BY run_id ORDER BY end_s, step)
+           - row_number() OVER (PARTITION BY run_id, thrashing ORDER BY end_s, step) AS stretch
+    FROM _thrash_steps(window_s, full_pool_frac, min_preempt_per_s, min_recompute_share, min_full_pool_share)
+)
+SELECT run_id,
+       greatest(min(end_s) - window_s, 0) AS start_s,
+       max(end_s) AS end_s,
+       max(end_s) - greatest(min(end_s) - window_s, 0) AS duration_s,
+       count(*) AS thrashing_steps,
+       max(preempt_per_s) AS peak_preempt_per_s,
+       max(recompute_share) AS peak_recompute_share,
+       max(full_pool_share) AS peak_full_pool_share
+FROM marked
+WHERE thrashing
+GROUP BY run_id, stretch;
+
+-- _thrash(...same params...): the verdict per run with its evidence (see thrash.sql).
+CREATE OR REPLACE MACRO _thrash(window_s, full_pool_frac, min_preempt_per_s,
+                                min_recompute_share, min_full_pool_share) AS TABLE
+WITH per_run AS (
+    SELECT run_id,
+           max(preempt_per_s) AS peak_preempt_per_s,
+           avg(full_pool::INTEGER) AS full_pool_step_share
+    FROM _thrash_steps(window_s, full_pool_frac, min_preempt_per_s, min_recompute_share, min_full_pool_share)
+    GROUP BY run_id
+),
+stretches AS (
+    SELECT run_id, count(*) AS thrash_windows, sum(duration_s) AS thrash_s
+    FROM _thrash_windows(window_s, full_pool_frac, min_preempt_per_s, min_recompute_share, min_full_pool_share)
+    GROUP BY run_id
+),
+preempted AS (
+    SELECT run_id, count(*) AS preempted_sequences,
+           count(*) FILTER (WHERE preemptions > 1) AS repreempted_sequences
+    FROM (SELECT run_id, req_id, sample, count(*) AS preemptions
+          FROM kv_events WHERE kind = 'preempt' GROUP BY run_id, req_id, sample)
+    GROUP BY run_id
+)
+SELECT span.run_id,
+       CASE WHEN coalesce(rc.preemptions, 0) = 0 THEN 'none'
+            WHEN coalesce(st.thrash_windows, 0) > 0 THEN 'sustained'
+            ELSE 'occasional' END AS verdict,
+       rc.preemptions,
+       coalesce(pr.peak_preempt_per_s, 0) AS peak_preempt_per_s,
+       coalesce(st.thrash_windows, 0) AS thrash_windows,
+       coalesce(st.thrash_s, 0) AS thrash_s,
+       coalesce(p.preempted_sequences, 0) AS preempted_sequences,
+       coalesce(p.repreempted_sequences, 0) AS repreempted_sequences,
+       pr.full_pool_step_share,
+       rc.recompute_share_of_processed AS recompute_share,
+       rc.processed_tokens,
+       rc.processed_tokens - rc.recomputed_tokens AS useful_tokens,
+       rc.processed_tokens / span.duration_s AS processed_tok_s,
+       (rc.processed_tokens - rc.recomputed_tokens) / span.duration_s AS useful_tok_s
+FROM _run_span span
+JOIN _recompute rc USING (run_id)
+LEFT JOIN per_run pr USING (run_id)
+LEFT JOIN stretches st USING (run_id)
+LEFT JOIN preempted p USING (run_id);

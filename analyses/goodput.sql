@@ -1,0 +1,17 @@
+-- How many requests per second met their latency SLOs (goodput, as `vllm bench serve --goodput`)?
+--
+-- A request is good when it completed (every sample finished by stop or length) and every sample
+-- met every SLO: TTFT <= ttft_ms, TPOT <= tpot_ms (a 1-token sample has no TPOT and passes),
+-- E2E latency <= e2el_ms. An SLO <= 0 is not applied.
+-- param: ttft_ms = 2000  SLO for time to first token (ms); <= 0 disables it
+-- param: tpot_ms = 100  SLO for time per output token (ms); <= 0 disables it
+-- param: e2el_ms = 0  SLO for end-to-end latency (ms); <= 0 disables it
+--
+-- Columns, one row per run:
+--   run_id
+--   ttft_slo_ms, tpot_slo_ms, e2el_slo_ms  the SLOs applied (ms)
+--   completed_requests, good_requests      requests
+--   good_share      good_requests / completed_requests (null with none completed)
+--   goodput_req_s   good_requests / duration_s (requests/s)
+--   duration_s      as in throughput.sql (s)
+SELECT * FROM _goodput($ttft_ms, $tpot_ms, $e2el_ms) ORDER BY run_id;

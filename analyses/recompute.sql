@@ -1,0 +1,25 @@
+-- How much work did recompute preemption throw away? Per run: the token positions computed a
+-- second time after a recompute preemption, and the device time they cost.
+--
+-- Recomputed tokens are positions that had KV before the sequence was preempted and were
+-- computed again when it resumed (`reprefill` events' num_recomputed_tokens); positions the
+-- prefix cache served during the re-prefill are counted apart (reprefill_cached_tokens) and are
+-- not waste. Device time is estimated: each step's device_ms is shared among the positions it
+-- computed in proportion, so recompute_device_ms = sum(device_ms * recompute_tokens /
+-- (prefill_tokens + decode_tokens)) over steps.
+--
+-- Columns, one row per run:
+--   run_id
+--   preemptions                  preempt events (any mode)
+--   recompute_preemptions        of those, recompute and swap-full-fallback
+--   reprefills                   re-prefills done (or cut short)
+--   recomputed_tokens            positions computed again (tokens)
+--   reprefill_cached_tokens      positions of re-prefills served by the prefix cache (tokens)
+--   prefill_tokens               all prefill positions computed (steps; tokens)
+--   processed_tokens             all positions computed, prefill + decode (steps; tokens)
+--   recompute_share_of_prefill   recomputed_tokens / prefill_tokens
+--   recompute_share_of_processed recomputed_tokens / processed_tokens
+--   recompute_device_ms          device time spent on recomputed positions (ms, estimate)
+--   device_ms                    all device time (ms)
+--   recompute_device_share       recompute_device_ms / device_ms
+SELECT * FROM _recompute ORDER BY run_id;

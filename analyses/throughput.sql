@@ -1,0 +1,17 @@
+-- How much work did each run get done per second?
+--
+-- Columns, one row per run:
+--   run_id
+--   duration_s          first arrival (or first step) -> end of the last step (s)
+--   completed_requests  requests whose every sample finished by stop or length
+--   prompt_tokens       prompt tokens of all requests (counted once per request)
+--   output_tokens       tokens delivered (rows of `tokens`)
+--   output_tok_s        output_tokens / duration_s
+--   peak_output_tok_s   most tokens delivered in one whole second of the run clock ([k, k+1) s)
+--   steps               engine steps
+--   prefill_tokens      prompt / history positions computed (re-prefill included; from steps)
+--   decode_tokens       decode positions computed (from steps)
+--   processed_tokens    prefill_tokens + decode_tokens: every position the model computed
+--   processed_tok_s     processed_tokens / duration_s
+--   request_throughput  completed_requests / duration_s (requests/s)
+SELECT * FROM _throughput ORDER BY run_id;
