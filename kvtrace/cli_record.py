@@ -77,6 +77,13 @@ def record(
         status = recording.run(interrupt_types=(KeyboardInterrupt, Terminated))
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if out is None:  # traces/runs/latest follows the newest default run
+        latest = run_dir.parent / "latest"
+        if latest.is_symlink() or not latest.exists():
+            tmp = run_dir.parent / ".latest.tmp"
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(run_dir.name)
+            tmp.replace(latest)
     recording.print_summary()
     if status == "interrupted":
         raise typer.Exit(code=130)
