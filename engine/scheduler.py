@@ -206,13 +206,18 @@ class Scheduler:
         seq.num_preemptions += 1
         held = list(seq.block_table)
         num_positions = seq.num_computed_tokens
+        # A copy-on-write decided for the victim earlier in this step has not run yet: drop it.
+        # Its new block holds nothing yet; a swap copies the shared source block instead.
+        pending_cow = {dst: src for src, dst in out.copies if dst in held}
+        if pending_cow:
+            out.copies = [(src, dst) for src, dst in out.copies if dst not in pending_cow]
         if seq.reprefill_target:  # cut short while re-prefilling: record what it did redo
             self.record_reprefill(seq, "interrupted")
         if self.preemption_mode == "swap" and self.bm.can_swap_out(seq):
             self.bm.events.append(KVEvent(ev.PREEMPT, seq.req_id, seq.sample, blocks=held,
                                           num_tokens=num_positions, reason="swap"))
             mapping = self.bm.swap_out(seq)
-            out.swap_out.extend(mapping)
+            out.swap_out.extend((pending_cow.get(d, d), h) for d, h in mapping)
             event = KVEvent(ev.SWAP_OUT, seq.req_id, seq.sample, blocks=[d for d, _ in mapping],
                             src_blocks=[h for _, h in mapping], num_tokens=num_positions)
             self.bm.events.append(event)
