@@ -1,23 +1,21 @@
--- Helper: the ITL cliff threshold of a run: fixed_threshold_ms when > 0, else the larger of
--- median_multiple x its ITL p50 and its ITL p99 (ms).
-CREATE OR REPLACE MACRO _itl_threshold_ms(fixed_threshold_ms, median_multiple, p50_ms, p99_ms) AS
-    CASE WHEN fixed_threshold_ms > 0 THEN fixed_threshold_ms::DOUBLE
-         ELSE greatest(median_multiple * p50_ms, p99_ms) END;
-
 -- Helper: _itl_cliffs(fixed_threshold_ms, median_multiple), every inter-token gap above its
 -- run's threshold with the cause read from the trace (see itl_cliffs.sql for the rules and the
--- columns). Each row also carries its run's ITL p50 and p99.
+-- columns). Every row also carries its run's ITL p50 and p99 and the threshold; a run with gaps
+-- but no cliff gets one row whose req_id and cause are null, so that summaries see every run
+-- while the gaps are computed once.
 CREATE OR REPLACE MACRO _itl_cliffs(fixed_threshold_ms, median_multiple) AS TABLE
 WITH gaps AS MATERIALIZED (
     SELECT * FROM _itl
 ),
 thresholds AS (
     SELECT run_id, q[1] AS itl_p50_ms, q[2] AS itl_p99_ms,
-           _itl_threshold_ms(fixed_threshold_ms, median_multiple, q[1], q[2]) AS threshold_ms
+           -- the threshold: fixed_threshold_ms when > 0, else the larger of median_multiple x p50 and p99
+           CASE WHEN fixed_threshold_ms > 0 THEN fixed_threshold_ms::DOUBLE
+                ELSE greatest(median_multiple * q[1], q[2]) END AS threshold_ms
     FROM (SELECT run_id, quantile_cont(gap_ms, [0.5, 0.99]) AS q FROM gaps GROUP BY run_id)
 ),
 cliffs AS (
-    SELECT g.*, t.threshold_ms, t.itl_p50_ms, t.itl_p99_ms
+    SELECT g.*, t.threshold_ms
     FROM gaps g JOIN thresholds t USING (run_id)
     WHERE g.gap_ms > t.threshold_ms
 ),
@@ -31,32 +29,30 @@ stalls AS (
            sum(greatest(least(s.end_s, c.end_s) - greatest(s.start_s, c.start_s), 0) * 1000)
                FILTER (WHERE s.state = 'reprefill') AS reprefill_ms
     FROM cliffs c
-    JOIN _sequence_states s
+    JOIN _sequence_spans s
       ON s.run_id = c.run_id AND s.req_id = c.req_id AND s.sample = c.sample
      AND s.start_s < c.end_s AND s.end_s > c.start_s
      AND s.state IN ('preempted', 'swapped', 'reprefill')
     GROUP BY c.run_id, c.req_id, c.sample, c.idx
+),
+attributed AS (
+    SELECT c.run_id, c.req_id, c.sample, c.idx, c.gap_ms,
+           CASE WHEN coalesce(st.swapped_ms, 0) > 0 THEN 'swap_wait'
+                WHEN coalesce(st.preempted_ms, 0) > 0 AND st.preempted_ms >= coalesce(st.reprefill_ms, 0) THEN 'preempted'
+                WHEN coalesce(st.reprefill_ms, 0) > 0 THEN 'reprefill'
+                WHEN step.prefill_tokens > 0 THEN 'prefill_interference'
+                ELSE 'other' END AS cause,
+           c.start_s, c.end_s, c.prev_step, c.step,
+           coalesce(st.preempted_ms, 0) AS preempted_ms,
+           coalesce(st.swapped_ms, 0) AS swapped_ms,
+           coalesce(st.reprefill_ms, 0) AS reprefill_ms,
+           step.prefill_tokens AS step_prefill_tokens,
+           step.device_ms AS step_device_ms
+    FROM cliffs c
+    LEFT JOIN stalls st USING (run_id, req_id, sample, idx)
+    LEFT JOIN steps step ON step.run_id = c.run_id AND step.step = c.step
 )
-SELECT c.run_id, c.req_id, c.sample, c.idx, c.gap_ms, c.threshold_ms,
-       CASE WHEN coalesce(st.swapped_ms, 0) > 0 THEN 'swap_wait'
-            WHEN coalesce(st.preempted_ms, 0) > 0 AND st.preempted_ms >= coalesce(st.reprefill_ms, 0) THEN 'preempted'
-            WHEN coalesce(st.reprefill_ms, 0) > 0 THEN 'reprefill'
-            WHEN step.prefill_tokens > 0 THEN 'prefill_interference'
-            ELSE 'other' END AS cause,
-       c.start_s, c.end_s, c.prev_step, c.step,
-       coalesce(st.preempted_ms, 0) AS preempted_ms,
-       coalesce(st.swapped_ms, 0) AS swapped_ms,
-       coalesce(st.reprefill_ms, 0) AS reprefill_ms,
-       step.prefill_tokens AS step_prefill_tokens,
-       step.device_ms AS step_device_ms,
-       c.itl_p50_ms, c.itl_p99_ms
-FROM cliffs c
-LEFT JOIN stalls st USING (run_id, req_id, sample, idx)
-LEFT JOIN steps step ON step.run_id = c.run_id AND step.step = c.step;
-
--- _itl_thresholds(fixed_threshold_ms, median_multiple): per run, the ITL p50 and p99 and the
--- cliff threshold, for runs with at least one gap.
-CREATE OR REPLACE MACRO _itl_thresholds(fixed_threshold_ms, median_multiple) AS TABLE
-SELECT run_id, q[1] AS itl_p50_ms, q[2] AS itl_p99_ms,
-       _itl_threshold_ms(fixed_threshold_ms, median_multiple, q[1], q[2]) AS threshold_ms
-FROM (SELECT run_id, quantile_cont(gap_ms, [0.5, 0.99]) AS q FROM _itl GROUP BY run_id);
+SELECT t.run_id, a.req_id, a.sample, a.idx, a.gap_ms, t.threshold_ms, a.cause, a.start_s, a.end_s,
+       a.prev_step, a.step, a.preempted_ms, a.swapped_ms, a.reprefill_ms, a.step_prefill_tokens,
+       a.step_device_ms, t.itl_p50_ms, t.itl_p99_ms
+FROM thresholds t LEFT JOIN attributed a USING (run_id);

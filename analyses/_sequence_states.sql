@@ -10,12 +10,14 @@
 --   admit, reason resume-recompute         -> reprefill (computing its history again)
 --   reprefill done; admit resume-swap      -> decode (prefill if it had no token yet)
 --   finish                                 -> (the end)
--- Marks at the same time are ordered arrival, first token, then events by seq; intervals of zero
--- length are dropped and neighbours in the same state merged. A reprefill cut short
--- (reason interrupted) is not a mark: the preempt that cut it is.
+-- A reprefill is done at the end of the step it completed in. Marks at the same time are ordered
+-- arrival, first token, then events by seq; intervals of zero length are dropped. A reprefill
+-- cut short (reason interrupted) is not a mark: the preempt that cut it is.
 --
--- _sequence_states: run_id, req_id, sample, state, start_s, end_s (s)
-CREATE OR REPLACE VIEW _sequence_states AS
+-- _sequence_spans: run_id, req_id, sample, state, start_s, end_s (s); one row per mark, so two
+--                  neighbours can be in the same state (sums over a state need no merging)
+-- _sequence_states: the same with neighbours in the same state merged (for display)
+CREATE OR REPLACE VIEW _sequence_spans AS
 WITH marks AS (
     SELECT run_id, req_id, sample, arrival_s AS ts_s, 0 AS tie, -1::BIGINT AS seq, 'waiting' AS state
     FROM requests
@@ -30,32 +32,45 @@ WITH marks AS (
            CASE
                WHEN e.kind = 'admit' AND e.reason = 'new' THEN 'prefill'
                WHEN e.kind = 'admit' AND e.reason = 'resume-recompute' THEN 'reprefill'
-               WHEN e.kind = 'preempt' AND e.reason = 'swap' THEN 'swapped'
-               WHEN e.kind = 'preempt' THEN 'preempted'
-               WHEN r.first_token_s IS NULL OR e.ts_s < r.first_token_s THEN 'prefill'
-               ELSE 'decode'
+               WHEN e.kind = 'admit' AND (r.first_token_s IS NULL OR e.ts_s < r.first_token_s) THEN 'prefill'
+               WHEN e.kind = 'admit' THEN 'decode'
+               WHEN e.reason = 'swap' THEN 'swapped'
+               ELSE 'preempted'
            END
     FROM kv_events e
     LEFT JOIN requests r USING (run_id, req_id, sample)
     WHERE e.kind IN ('admit', 'preempt')
-       OR (e.kind = 'reprefill' AND e.reason IS DISTINCT FROM 'interrupted')
+    UNION ALL
+    -- a re-prefill is done when the step it completed in ends (its row carries the step's
+    -- scheduling time)
+    SELECT e.run_id, e.req_id, e.sample, coalesce(st.end_s, e.ts_s) AS ts_s, 2, e.seq,
+           CASE WHEN r.first_token_s IS NULL OR coalesce(st.end_s, e.ts_s) < r.first_token_s
+                THEN 'prefill' ELSE 'decode' END
+    FROM kv_events e
+    LEFT JOIN steps st USING (run_id, step)
+    LEFT JOIN requests r USING (run_id, req_id, sample)
+    WHERE e.kind = 'reprefill' AND e.reason IS DISTINCT FROM 'interrupted'
 ),
 spans AS (
     SELECT run_id, req_id, sample, state, ts_s AS start_s,
            lead(ts_s) OVER seq AS end_s
     FROM marks
     WINDOW seq AS (PARTITION BY run_id, req_id, sample ORDER BY ts_s, tie, seq)
-),
-kept AS (
+)
+SELECT run_id, req_id, sample, state, start_s, end_s
+FROM spans
+WHERE state <> 'finished' AND end_s > start_s;
+
+CREATE OR REPLACE VIEW _sequence_states AS
+WITH flagged AS (
     SELECT *,
            CASE WHEN state IS DISTINCT FROM lag(state) OVER seq THEN 1 ELSE 0 END AS starts_island
-    FROM spans
-    WHERE state <> 'finished' AND end_s > start_s
+    FROM _sequence_spans
     WINDOW seq AS (PARTITION BY run_id, req_id, sample ORDER BY start_s)
 ),
 islands AS (
     SELECT *, sum(starts_island) OVER (PARTITION BY run_id, req_id, sample ORDER BY start_s) AS island
-    FROM kept
+    FROM flagged
 )
 SELECT run_id, req_id, sample, state, min(start_s) AS start_s, max(end_s) AS end_s
 FROM islands

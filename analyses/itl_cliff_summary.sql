@@ -13,12 +13,19 @@
 --   max_gap_ms      the longest of them (ms; null with none)
 --   threshold_ms    the run's threshold (ms)
 --   itl_p50_ms, itl_p99_ms, p99_p50_ratio   the run's ITL distribution (ms)
-WITH causes(cause, cause_order) AS (
+WITH cliffs AS MATERIALIZED (
+    SELECT * FROM _itl_cliffs($threshold_ms, $median_multiple)
+),
+causes(cause, cause_order) AS (
     VALUES ('swap_wait', 1), ('preempted', 2), ('reprefill', 3), ('prefill_interference', 4), ('other', 5)
+),
+per_run AS (
+    SELECT DISTINCT run_id, threshold_ms, itl_p50_ms, itl_p99_ms FROM cliffs
 ),
 per_cause AS (
     SELECT run_id, cause, count(*) AS cliffs, sum(gap_ms) AS tail_ms, max(gap_ms) AS max_gap_ms
-    FROM _itl_cliffs($threshold_ms, $median_multiple)
+    FROM cliffs
+    WHERE cause IS NOT NULL
     GROUP BY run_id, cause
 )
 SELECT t.run_id, c.cause,
@@ -28,7 +35,7 @@ SELECT t.run_id, c.cause,
        p.max_gap_ms,
        t.threshold_ms, t.itl_p50_ms, t.itl_p99_ms,
        t.itl_p99_ms / nullif(t.itl_p50_ms, 0) AS p99_p50_ratio
-FROM _itl_thresholds($threshold_ms, $median_multiple) t
+FROM per_run t
 CROSS JOIN causes c
 LEFT JOIN per_cause p ON p.run_id = t.run_id AND p.cause = c.cause
 ORDER BY t.run_id, c.cause_order;

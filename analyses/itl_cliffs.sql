@@ -28,4 +28,5 @@
 SELECT run_id, req_id, sample, idx, gap_ms, threshold_ms, cause, start_s, end_s, prev_step, step,
        preempted_ms, swapped_ms, reprefill_ms, step_prefill_tokens, step_device_ms
 FROM _itl_cliffs($threshold_ms, $median_multiple)
+WHERE cause IS NOT NULL
 ORDER BY run_id, gap_ms DESC, req_id, sample, idx;

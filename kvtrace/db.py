@@ -18,14 +18,17 @@ import importlib.resources
 import json
 import re
 from dataclasses import dataclass, field
-from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
 import pyarrow as pa
 
 from kvtrace.errors import KvtraceError
 from kvtrace.schema import TABLES
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 META_FILE = "meta.json"
 
@@ -140,7 +143,7 @@ def _runs_row(run: Path, meta: dict, ordinal: int) -> dict:
         "status": meta.get("status"),
         "error": meta.get("error"),
         "started_at": meta.get("started_at"),
-        "command": meta.get("command") if isinstance(meta.get("command"), str | None) else " ".join(meta["command"]),
+        "command": " ".join(map(str, command)) if isinstance(command := meta.get("command"), list) else command,
         "model": get("model", "name"),
         "dtype": get("model", "dtype") or engine.get("dtype"),
         "device": get("device", "name"),
@@ -185,6 +188,11 @@ def connect(runs: list[str | Path]) -> duckdb.DuckDBPyConnection:
         names = ", ".join(str(run) for run in run_dirs)
         raise KvtraceError(f"{names}: no parquet chunk files (part-*.parquet) yet")
 
+    for row in rows:
+        try:
+            pa.Table.from_pylist([row], schema=RUNS_SCHEMA)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise KvtraceError(f"{Path(row['path']) / META_FILE}: unexpected value ({exc})") from exc
     con = duckdb.connect()
     runs_table = pa.Table.from_pylist(rows, schema=RUNS_SCHEMA)
     con.register("_runs_arrow", runs_table)

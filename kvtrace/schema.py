@@ -57,7 +57,8 @@ KV_EVENTS_SCHEMA = pa.schema([
     ("seq", pa.int64()),                   # global order of events within the run
     ("step", pa.int64()),
     ("ts_s", pa.float64()),
-    ("kind", pa.string()),                 # admit alloc free preempt swap_out swap_in reprefill prefix_hit evict cow finish
+    ("kind", pa.string()),                 # admit alloc free preempt swap_out swap_in reprefill
+                                           # prefix_hit evict cow finish
     ("req_id", pa.string()),               # empty for evict
     ("sample", pa.int32()),
     ("blocks", pa.list_(pa.int32())),      # physical device block ids concerned

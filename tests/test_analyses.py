@@ -115,8 +115,9 @@ def test_duplicate_run_ids_are_refused(tmp_path):
 # --------------------------------------------------------------------------- the library itself
 
 def test_every_analysis_documents_itself_and_runs_on_an_empty_run(tmp_path):
-    run = write_run(tmp_path, "empty", steps=[{"step": 0, "start_s": 0.0, "end_s": 0.1, "prefill_tokens": 0, "decode_tokens": 0,
-                                     "recompute_tokens": 0, "preemptions": 0, "used_blocks": 0, "total_blocks": 4}])
+    step = {"step": 0, "start_s": 0.0, "end_s": 0.1, "prefill_tokens": 0, "decode_tokens": 0,
+            "recompute_tokens": 0, "preemptions": 0, "used_blocks": 0, "total_blocks": 4}
+    run = write_run(tmp_path, "empty", steps=[step])   # steps only: every other table has no chunk
     con = db.connect([run])
     infos = db.list_analyses()
     assert {i.name for i in infos} >= {
@@ -273,7 +274,8 @@ def test_itl_cliffs_default_threshold_finds_none(con):
 
 
 def test_itl_cliffs_causes(con):
-    got = [tuple(r[c] for c in CLIFF_COLUMNS) for r in rows(con, "itl_cliffs", threshold_ms=200) if r["run_id"] == "rec"]
+    cliffs = rows(con, "itl_cliffs", threshold_ms=200)
+    got = [tuple(r[c] for c in CLIFF_COLUMNS) for r in cliffs if r["run_id"] == "rec"]
     assert got == [
         # B preempted 0.5 -> readmitted 1.0 (500 ms), re-prefilling 1.0 -> 1.25 (250 ms)
         ("B", 1, 750.0, "preempted", 0.5, 1.25, 500.0, 0.0, 250.0, 5),
@@ -282,7 +284,7 @@ def test_itl_cliffs_causes(con):
         ("A", 3, 250.0, "other", 0.75, 1.0, 0.0, 0.0, 0.0, 0),
         ("B", 2, 250.0, "other", 1.25, 1.5, 0.0, 0.0, 0.0, 0),
     ]
-    swapped = by([r for r in rows(con, "itl_cliffs", threshold_ms=200) if r["run_id"] == "swp"], "req_id", "idx")
+    swapped = by([r for r in cliffs if r["run_id"] == "swp"], "req_id", "idx")
     assert (swapped["B", 1]["cause"], swapped["B", 1]["swapped_ms"]) == ("swap_wait", 500.0)
 
 
@@ -422,3 +424,51 @@ def test_analyses_on_one_run_match_the_multi_run_rows(root, con):
     single = db.connect([root / "swp"])
     for name in ("latency", "throughput", "summary", "swap", "most_preempted"):
         assert rows(single, name) == [r for r in rows(con, name) if r["run_id"] == "swp"], name
+
+
+# --------------------------------------------------------------------------- a recorded trace
+
+def test_every_analysis_on_a_recorded_run(tmp_path):
+    """The recorder's four-block story (tests/test_record.py): B is preempted at step 2, by
+    recompute in one run and by swap in the other; the analyses agree with the raw tables."""
+    import json
+
+    from typer.testing import CliRunner
+
+    import kvtrace.cli  # noqa: F401  (registers the commands)
+    from kvtrace.cli_app import app
+
+    workload = tmp_path / "four.jsonl"
+    workload.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "A", "arrival_s": 0, "prompt_token_ids": [11, 12, 13, 14, 15, 16, 17], "max_tokens": 6,
+         "ignore_eos": True},
+        {"id": "B", "arrival_s": 0, "prompt_token_ids": [21, 22, 23, 24, 25, 26, 27], "max_tokens": 4,
+         "ignore_eos": True}]))
+    for mode in ("recompute", "swap"):
+        result = CliRunner().invoke(app, [
+            "record", "--model", "tiny", "-w", str(workload), "-o", str(tmp_path / "runs" / mode), "-q",
+            "--block-size", "4", "--num-gpu-blocks", "4", "--watermark", "0", "--no-enable-prefix-caching",
+            "--backlog", "--preemption-mode", mode, "--num-cpu-blocks", "4"])
+        assert result.exit_code == 0, result.output
+    con = db.connect([tmp_path / "runs"])
+    for info in db.list_analyses():
+        db.run_analysis(con, info.name)
+
+    recompute = by(rows(con, "recompute"), "run_id")
+    raw = con.sql("SELECT run_id, (SELECT sum(recomputed_tokens) FROM requests r WHERE r.run_id = s.run_id), "
+                  "sum(recompute_tokens) FROM steps s GROUP BY run_id ORDER BY run_id").fetchall()
+    assert raw == [("recompute", 8, 8), ("swap", 0, 0)]
+    assert (recompute["recompute"]["recomputed_tokens"], recompute["swap"]["recomputed_tokens"]) == (8, 0)
+    assert [r["output_tokens"] for r in rows(con, "throughput")] == [10, 10]
+    assert [(r["run_id"], r["req_id"], r["preemptions"]) for r in rows(con, "most_preempted")] == [
+        ("recompute", "B", 1), ("swap", "B", 1)]
+    states = {(r["run_id"], r["state"]) for r in rows(con, "request_timeline")}
+    assert {("recompute", "preempted"), ("recompute", "reprefill"), ("swap", "swapped")} <= states
+    assert {r["direction"]: r["bytes"] > 0 for r in rows(con, "swap")} == {
+        "swap_out": True, "swap_in": True, "both": True}
+    # with every gap a cliff, B's gap across its preemption is put down to it
+    cliffs = rows(con, "itl_cliffs", threshold_ms=1e-9)
+    stalled = {(r["run_id"], r["cause"]) for r in cliffs if r["req_id"] == "B" and r["cause"] not in (
+        "prefill_interference", "other")}
+    assert stalled in ({("recompute", "preempted"), ("swap", "swap_wait")},
+                       {("recompute", "reprefill"), ("swap", "swap_wait")})

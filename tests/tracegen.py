@@ -9,7 +9,7 @@ the analysis tests work out by hand:
        preempted at step 2 (t 0.5) when it needs a block, readmitted at step 4 (t 1.0):
        recompute run: re-prefills 5 positions at step 4, 4 of them computed before;
        swap run: its 2 blocks swapped out (2 MB in 4 ms) and back in (2 MB in 2 ms).
-Scheduling events carry their step's start time, finish / free-at-finish / reprefill its end.
+Events carry their step's start time (as the recorder writes them), finish and free-at-finish its end.
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def recompute_run(root: Path, run_id: str = "rec", **meta) -> Path:
         (3, "end", "free", "A", [0, 1, 2], 0, "finish", {}),
         (4, "start", "admit", "B", None, 5, "resume-recompute", {}),
         (4, "start", "alloc", "B", [0, 1], 0, "prefill", {}),
-        (4, "end", "reprefill", "B", None, 5, None, {"num_recomputed_tokens": 4}),
+        (4, "start", "reprefill", "B", None, 5, None, {"num_recomputed_tokens": 4}),
         (5, "end", "finish", "B", None, 3, "length", {}),
         (5, "end", "free", "B", [0, 1], 0, "finish", {}),
     ])
