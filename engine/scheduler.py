@@ -37,15 +37,12 @@ class SchedulerOutput:
 
 
 def victim_key(policy: str, seq: Sequence) -> tuple:
-    """Sort key of preemption candidates: the largest key is preempted first.
-
-    A victim whose release frees no block (every block shared) is a last resort.
-    """
+    """Sort key of preemption candidates: the largest key is preempted first."""
     if policy == "priority":
-        return (seq.frees_blocks, seq.priority, seq.admitted_order)
+        return (seq.priority, seq.admitted_order)
     if policy == "fewest-computed":
-        return (seq.frees_blocks, -seq.num_computed_tokens, seq.admitted_order)
-    return (seq.frees_blocks, seq.admitted_order)  # newest
+        return (-seq.num_computed_tokens, seq.admitted_order)
+    return (seq.admitted_order,)  # newest
 
 
 class Scheduler:
@@ -192,12 +189,13 @@ class Scheduler:
     def _pick_victim(self, needing: Sequence) -> Sequence:
         """The running sequence to preempt so that `needing` can get a block.
 
-        Sequences resumed but not yet progressed are spared (no preempt-readmit livelock);
-        `needing` itself is always a candidate.
+        Sequences resumed but not yet progressed are spared (no preempt-readmit livelock). Others
+        whose release frees a block are preferred: a victim whose blocks are all shared frees
+        nothing. `needing` itself is a candidate under the same policy (it may be the newest).
         """
-        candidates = [s for s in self.running if not s.protected or s is needing]
-        for s in candidates:
-            s.frees_blocks = any(self.bm.blocks[b].ref_count == 1 for b in s.block_table)
+        others = [s for s in self.running if s is not needing and not s.protected]
+        freeing = [s for s in others if any(self.bm.blocks[b].ref_count == 1 for b in s.block_table)]
+        candidates = (freeing or others) + [needing]
         return max(candidates, key=lambda s: victim_key(self.preemption_policy, s))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

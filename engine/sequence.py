@@ -77,7 +77,6 @@ class Sequence:
         self.reprefill_cached = 0
         self.reprefill_recomputed = 0
         self.num_pending_forks = 0               # n > 1: samples to fork when the prompt is done
-        self.frees_blocks = True                 # scratch for victim choice
         # stats
         self.first_scheduled_s: float | None = None
         self.first_token_s: float | None = None

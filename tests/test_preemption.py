@@ -203,3 +203,47 @@ def test_request_outgrowing_the_pool_finishes_with_capacity(make_engine):
         run_checked(engine)
         assert seq.finish_reason == "capacity"
         assert seq.num_output_tokens == 12 - 5 + 1  # filled all 12 slots, then one more token sampled
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), mode=st.sampled_from(["recompute", "swap"]),
+       policy=st.sampled_from(["newest", "priority", "fewest-computed"]))
+def test_resumed_sequences_progress_before_being_preempted_again(make_engine, seed, mode, policy):
+    # a token budget of 4 makes every re-prefill take several steps: the window a livelock needs
+    rng = random.Random(seed)
+    workload = random_workload(rng, 8)
+    need = max(-(-(len(p) + m) // 4) for p, m in workload)
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=need + 1, max_num_batched_tokens=4, preemption_mode=mode,
+                         preemption_policy=policy, num_cpu_blocks=3)
+    for i, (prompt, m) in enumerate(workload):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=m, ignore_eos=True), priority=i % 3)
+    run_checked(engine)
+    resumed_without_token: set[str] = set()
+    for record in tracer.records:
+        for e in record.events:
+            if e.kind == "admit" and e.reason != "new":
+                resumed_without_token.add(e.req_id)
+            if e.kind == "preempt":
+                assert e.req_id not in resumed_without_token, f"{e.req_id} preempted again before progressing"
+        resumed_without_token -= set(record.token_req_ids)
+
+
+def test_victim_whose_blocks_are_all_shared_is_passed_over(make_engine):
+    # O and A hold unique blocks; P (n=2) has just forked C, and P and C share every block, so
+    # preempting C alone frees nothing. When O needs a block, newest-first would pick C; the
+    # policy passes over it and takes the newest sequence whose release frees blocks: A.
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=7, enable_prefix_caching=False, max_num_batched_tokens=64)
+    engine.add_request("O", [3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("A", [30, 31, 32, 33, 34], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    engine.add_request("P", list(range(10, 20)), SamplingParams(max_tokens=4, ignore_eos=True, n=2,
+                                                                temperature=1.0, seed=1))
+    engine.step()  # O and A decode; P prefills and forks C onto its 3 blocks
+    assert engine.block_manager.num_free_blocks == 0
+    engine.step()  # O needs a block for position 8
+    preempts = [(e.req_id, e.sample) for e in tracer.events if e.kind == "preempt"]
+    assert preempts == [("A", 0)]
+    run_checked(engine)
+    assert all(s.finish_reason == "length" for s in engine.outputs.values())
