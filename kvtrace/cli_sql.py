@@ -166,6 +166,11 @@ def _interactive(con: duckdb.DuckDBPyConnection, max_rows: int) -> None:
     console = _console(None)
     err = Console(stderr=True, soft_wrap=True)
     tty = sys.stdin.isatty()
+    if tty:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
     run_ids = [row[0] for row in con.sql("SELECT run_id FROM runs ORDER BY ordinal").fetchall()]
     console.print(f"kvtrace sql: {len(run_ids)} run(s): {', '.join(run_ids)}")
     console.print(INTERACTIVE_HELP, markup=False, highlight=False)
