@@ -231,9 +231,12 @@ class LLMEngine:
         for seq in finished:
             kv_events.append(KVEvent(ev.FINISH, seq.req_id, seq.sample, num_tokens=seq.num_output_tokens,
                                      reason=seq.finish_reason))
-        for e in kv_events:
+        for e in sched_events:  # decided while scheduling
             e.step = step
-            e.ts_s = start_s if e.kind != ev.FINISH else end_s
+            e.ts_s = start_s
+        for e in kv_events[len(sched_events):]:  # after the forward: re-prefill done, finish
+            e.step = step
+            e.ts_s = end_s
         bm = self.block_manager
         sched = self.scheduler
         record = StepRecord(

@@ -8,18 +8,17 @@ import uuid
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 
 from engine.config import PRESETS
-from engine.loader import BUILTIN_WITH_WEIGHTS, builtin_gguf_path, load_weights, save_hf_weights
-from engine.tokenizer import load_tokenizer
 from kvtrace.cli_app import model_app, user_errors
 
 
 @model_app.command("list")
 @user_errors
 def list_models() -> None:
+    from engine.loader import BUILTIN_WITH_WEIGHTS, builtin_gguf_path
+
     """List the built-in models: their shape, whether real weights are installed, and KV bytes per token."""
     header = ("name", "layers", "hidden", "heads/kv", "vocab", "real weights", "KV bytes/token (fp32)")
     rows = [header]
@@ -53,6 +52,11 @@ def export_hf_folder(model: str, folder: Path, load_format: str = "auto", seed: 
     """Build the whole folder under a temp name next to `folder`, then rename it: never half-written."""
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ValueError(f"{folder} already exists and is not an empty folder")
+    import torch  # imported here so that every other command starts fast
+
+    from engine.loader import load_weights, save_hf_weights
+    from engine.tokenizer import load_tokenizer
+
     loaded = load_weights(model, load_format=load_format, dtype=torch.float32, seed=seed)
     tokenizer = load_tokenizer(model)
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,6 @@ from rich.console import Console
 from engine.config import EngineConfig, parse_bytes
 from kvtrace.cli_app import app, user_errors
 from kvtrace.errors import KvtraceError
-from kvtrace.run import Recording, default_run_dir
 
 PRESETS_HELP = "built-in name (tiny, smollm2-135m, qwen2.5-0.5b, llama-3.2-1b, llama-3-8b, mistral-7b), HF folder or .gguf"
 
@@ -67,6 +66,8 @@ def record(
         watermark=watermark, preemption_mode=preemption_mode, preemption_policy=preemption_policy,
         enable_prefix_caching=enable_prefix_caching,
     )
+    from kvtrace.run import Recording, default_run_dir  # torch: imported only when recording
+
     console = Console(stderr=True, quiet=quiet)
     run_dir = out or default_run_dir(model)
     recording = Recording.prepare(config, workload, run_dir, max_requests=max_requests, time_scale=time_scale,

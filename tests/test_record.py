@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 import kvtrace.cli  # noqa: F401  (registers the commands)
 from kvtrace.cli_app import app
+from kvtrace.db import connect
 
 PROMPT_A = [11, 12, 13, 14, 15, 16, 17]
 PROMPT_B = [21, 22, 23, 24, 25, 26, 27]
@@ -33,10 +34,7 @@ def record(tmp_path: Path, workload: Path, name: str, *args: str):
 
 
 def sql(run: Path, query: str):
-    con = duckdb.connect()
-    for table in ("requests", "steps", "kv_events", "tokens"):
-        con.sql(f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{run}/{table}/*.parquet')")
-    return con.sql(query).fetchall()
+    return connect([run]).sql(query).fetchall()
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
