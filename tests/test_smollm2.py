@@ -60,3 +60,30 @@ def test_batched_equals_alone_and_survives_preemption(smollm2):
         run_checked(engine)
         assert sum(s.num_preemptions for s in seqs) > 0, mode
         assert [s.token_ids[s.num_prompt_tokens:] for s in seqs] == alone, mode
+
+
+def test_prompt_text_never_reaches_the_trace(smollm2, tmp_path):
+    import json
+
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    import kvtrace.cli  # noqa: F401
+    from kvtrace.cli_app import app
+
+    secret = "Quartzwhistle the zebra keeps her diary under the violet staircase"
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps({"id": "s", "arrival_s": 0, "prompt": secret, "max_tokens": 3}) + "\n")
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["record", "--model", "smollm2-135m", "-w", str(workload), "-o", str(out), "-q",
+                                      "--num-gpu-blocks", "16"])
+    assert result.exit_code == 0, result.output
+    files = list(out.rglob("*"))
+    assert any(f.suffix == ".parquet" for f in files)
+    for f in files:
+        if f.suffix == ".parquet":
+            for column in pq.read_table(f).to_pylist():
+                assert not any(isinstance(v, str) and ("Quartz" in v or "zebra" in v) for v in column.values())
+        elif f.is_file():
+            text = f.read_text(errors="replace")
+            assert "Quartz" not in text and "zebra" not in text
