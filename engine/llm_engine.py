@@ -90,7 +90,12 @@ class LLMEngine:
         self._steps_without_progress = 0
         self._pending_finished: list[Sequence] = []
         self._pending_records: deque[tuple[StepRecord, StepResult, SchedulerOutput]] = deque()
-        self.outputs: dict[tuple[str, int], Sequence] = {}   # every sequence by (req_id, sample)
+        # every sequence by (req_id, sample); a long replay turns this off to keep memory flat
+        self.keep_outputs = True
+        self.outputs: dict[tuple[str, int], Sequence] = {}
+        self._request_ids: set[str] = set()
+        self.num_finished_seqs = 0
+        self.num_preemptions = 0
 
     # ---- requests -----------------------------------------------------------------------
     def now(self) -> float:
@@ -106,13 +111,15 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"request {req_id}: token id {bad} outside the vocabulary (0..{vocab - 1})")
-        if (req_id, 0) in self.outputs:
+        if str(req_id) in self._request_ids:
             raise ValueError(f"request id {req_id!r} used twice")
+        self._request_ids.add(str(req_id))
         seq = Sequence(str(req_id), 0, prompt_token_ids, params,
                        self.now() if arrival_s is None else arrival_s, priority, self._num_requests)
         seq.num_pending_forks = params.n - 1
         self._num_requests += 1
-        self.outputs[(seq.req_id, 0)] = seq
+        if self.keep_outputs:
+            self.outputs[(seq.req_id, 0)] = seq
         if len(prompt_token_ids) + 1 > self.max_model_len:
             seq.finish_reason = "rejected"
             self._pending_finished.append(seq)
@@ -147,6 +154,8 @@ class LLMEngine:
             for h in seq.host_block_table:
                 self.block_manager.free_cpu_block_ids.append(h)
             seq.host_block_table = []
+        self.num_finished_seqs += len(finished)
+        self.num_preemptions += out.num_preemptions
         end_s = self.now()
         self._record(start_s, end_s, out, result, sched_events, emitted, finished, num_recompute)
         self.step_counter += 1
@@ -217,7 +226,8 @@ class LLMEngine:
             child.first_scheduled_s = parent.first_scheduled_s
             child.num_prefix_hit_tokens = parent.num_prefix_hit_tokens
             self.scheduler.adopt(child)
-            self.outputs[(child.req_id, sample_index)] = child
+            if self.keep_outputs:
+                self.outputs[(child.req_id, sample_index)] = child
             children.append(child)
         parent.num_pending_forks = 0
         return children

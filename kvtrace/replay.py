@@ -66,6 +66,7 @@ def replay(engine: LLMEngine, items: list[ReplayItem], *,
     """
     stats = ReplayStats(num_requests=sum(item.params.n for item in items))
     engine.time_origin = time.perf_counter()
+    engine.keep_outputs = False  # the trace keeps what matters; memory stays flat for long replays
     next_item = 0
     last_progress = 0.0
     while next_item < len(items) or engine.has_unfinished():
@@ -93,7 +94,6 @@ def replay(engine: LLMEngine, items: list[ReplayItem], *,
 
 
 def _fill(stats: ReplayStats, engine: LLMEngine) -> None:
-    seqs = engine.outputs.values()
-    stats.num_finished = sum(1 for s in seqs if s.finish_reason)
-    stats.num_preemptions = sum(s.num_preemptions for s in seqs)
+    stats.num_finished = engine.num_finished_seqs
+    stats.num_preemptions = engine.num_preemptions
     stats.duration_s = engine.now()
