@@ -2,26 +2,16 @@
 --
 -- _latency_stats: one row per run and metric.
 --   run_id
---   metric       ttft | tpot | itl | e2el | queueing (see _sequence_latency and _itl)
+--   metric       ttft | tpot | itl | e2el | queueing (see _latency_samples)
 --   metric_order 1..5 in that order, for sorting
 --   num_values   sequences (ttft, tpot, e2el, queueing) or gaps (itl) measured
 --   mean_ms, p50_ms, p90_ms, p95_ms, p99_ms, p999_ms (p99.9), max_ms
 -- Percentiles interpolate linearly between values (numpy's default, as vLLM computes them).
 CREATE OR REPLACE VIEW _latency_stats AS
-WITH per_sequence AS (
-    UNPIVOT (SELECT run_id, ttft_ms AS ttft, tpot_ms AS tpot, e2el_ms AS e2el, queueing_ms AS queueing
-             FROM _sequence_latency)
-    ON ttft, tpot, e2el, queueing INTO NAME metric VALUE ms
-),
-samples AS (
-    SELECT run_id, metric, ms FROM per_sequence
-    UNION ALL
-    SELECT run_id, 'itl', gap_ms FROM _itl
-),
-stats AS (
+WITH stats AS (
     SELECT run_id, metric, count(ms) AS num_values, avg(ms) AS mean_ms,
            quantile_cont(ms, [0.5, 0.9, 0.95, 0.99, 0.999]) AS q, max(ms) AS max_ms
-    FROM samples
+    FROM _latency_samples
     WHERE ms IS NOT NULL
     GROUP BY run_id, metric
 )
