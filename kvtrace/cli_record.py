@@ -29,7 +29,7 @@ def _on_sigterm(signum, frame) -> None:
 def record(
     workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload JSONL (see docs/workload-format.md).")],
     model: Annotated[str, typer.Option(help=f"Model: {PRESETS_HELP}.")] = "smollm2-135m",
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Run folder [default: traces/runs/<time>-<model>].")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Run folder (default: traces/runs/<time>-<model>, and traces/runs/latest points to it).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
     load_format: Annotated[str, typer.Option(help="auto, or dummy for random weights of the model's shape.")] = "auto",
@@ -42,7 +42,7 @@ def record(
     preemption_policy: Annotated[str, typer.Option(help="newest, priority or fewest-computed.")] = "newest",
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences in a batch.")] = 64,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of a step (chunked prefill).")] = 2048,
-    max_model_len: Annotated[int | None, typer.Option(help="Longest sequence [default: the model's].")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Longest sequence (default: the model's).")] = None,
     watermark: Annotated[float, typer.Option(help="Fraction of the pool kept free when admitting.")] = 0.01,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Share cached full blocks between requests.")] = True,
     seed: Annotated[int, typer.Option(help="Seed for synthesised prompts, sampling and dummy weights.")] = 0,
