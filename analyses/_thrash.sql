@@ -47,8 +47,8 @@ FROM evidence;
 -- _thrash_windows(...same params...): the stretches of time where thrashing holds, one row per
 -- stretch of consecutive thrashing steps.
 --   run_id
---   start_s, end_s        from the window start of the first thrashing step (not before 0) to
---                         the end of the last one (s)
+--   start_s, end_s        from the window start of the first thrashing step (not before 0, nor
+--                         before the previous stretch's end) to the end of the last one (s)
 --   duration_s            end_s - start_s (s)
 --   thrashing_steps       steps whose window qualified
 --   peak_preempt_per_s    highest windowed preemption rate in the stretch (1/s)
@@ -61,18 +61,30 @@ WITH marked AS (
            row_number() OVER (PARTITION BY run_id ORDER BY end_s, step)
            - row_number() OVER (PARTITION BY run_id, thrashing ORDER BY end_s, step) AS stretch
     FROM _thrash_steps(window_s, full_pool_frac, min_preempt_per_s, min_recompute_share, min_full_pool_share)
+),
+stretches AS (
+    SELECT run_id,
+           greatest(min(end_s) - window_s, 0) AS window_start_s,
+           max(end_s) AS end_s,
+           count(*) AS thrashing_steps,
+           max(preempt_per_s) AS peak_preempt_per_s,
+           max(recompute_share) AS peak_recompute_share,
+           max(full_pool_share) AS peak_full_pool_share
+    FROM marked
+    WHERE thrashing
+    GROUP BY run_id, stretch
+),
+-- a stretch's window can reach back into the previous stretch: start where that one ended,
+-- so that stretches never overlap and their durations add up to at most the run's length
+disjoint AS (
+    SELECT *,
+           greatest(window_start_s,
+                    coalesce(lag(end_s) OVER (PARTITION BY run_id ORDER BY end_s), 0)) AS start_s
+    FROM stretches
 )
-SELECT run_id,
-       greatest(min(end_s) - window_s, 0) AS start_s,
-       max(end_s) AS end_s,
-       max(end_s) - greatest(min(end_s) - window_s, 0) AS duration_s,
-       count(*) AS thrashing_steps,
-       max(preempt_per_s) AS peak_preempt_per_s,
-       max(recompute_share) AS peak_recompute_share,
-       max(full_pool_share) AS peak_full_pool_share
-FROM marked
-WHERE thrashing
-GROUP BY run_id, stretch;
+SELECT run_id, start_s, end_s, end_s - start_s AS duration_s, thrashing_steps,
+       peak_preempt_per_s, peak_recompute_share, peak_full_pool_share
+FROM disjoint;
 
 -- _thrash(...same params...): the verdict per run with its evidence (see thrash.sql).
 CREATE OR REPLACE MACRO _thrash(window_s, full_pool_frac, min_preempt_per_s,

@@ -472,3 +472,20 @@ def test_every_analysis_on_a_recorded_run(tmp_path):
         "prefill_interference", "other")}
     assert stalled in ({("recompute", "preempted"), ("swap", "swap_wait")},
                        {("recompute", "reprefill"), ("swap", "swap_wait")})
+
+
+def test_thrash_stretches_never_overlap(tmp_path):
+    # preemptions at the steps ending 1 s and 3.4 s; with 2 s windows the steps ending 1, 2, 3
+    # thrash, the one ending 3.2 does not, and the one ending 3.4 does again: its window reaches
+    # back to 1.4 s, inside the first stretch, so the second stretch starts where the first ended
+    ends = [1.0, 2.0, 3.0, 3.2, 3.4]
+    preempts = [3, 0, 0, 0, 3]
+    steps = [{"step": i, "start_s": (ends[i - 1] if i else 0.0), "end_s": e, "prefill_tokens": 0,
+              "decode_tokens": 4, "recompute_tokens": 0, "preemptions": p, "used_blocks": 4, "total_blocks": 4,
+              "device_ms": 1.0} for i, (e, p) in enumerate(zip(ends, preempts))]
+    run = write_run(tmp_path, "close", steps=steps)
+    windows = rows(db.connect([run]), "thrash_windows", window_s=2)
+    assert [(w["start_s"], w["end_s"], w["thrashing_steps"]) for w in windows] == [
+        (0.0, 3.0, 3), (approx(3.0), approx(3.4), 1)]
+    verdict = rows(db.connect([run]), "thrash", window_s=2)[0]
+    assert verdict["thrash_s"] == approx(3.4)
