@@ -47,9 +47,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+# oneDNN picks its blocked weight layout for this many rows; any row count runs on it
+_ONEDNN_BATCH_HINT = 32
+
+
+def use_onednn_linear(device: torch.device, dtype: torch.dtype) -> bool:
+    """On CPU in fp32, oneDNN's linear on weights reordered once into its blocked layout is about 2x
+    faster than F.linear (MKL) at decode batch sizes and ~15 % faster for prefill (what vLLM's CPU
+    backend does too). The same products and sums in another order: results differ in the last bits."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in three ops: rotate_half(x) * sin == [x2, x1] * [-sin1, sin1].
+
+    x: [num_tokens, heads, head_dim]; cos, sin_signed: [num_tokens, 1, head_dim]
+    """
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin_signed).addcmul_(x, cos)
 
 
 class LlamaModel:
@@ -61,13 +76,18 @@ class LlamaModel:
         self.device = device
         self.dtype = dtype
         c = config
+        self.onednn = use_onednn_linear(device, dtype)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
 
+        def linear_weight(weight: torch.Tensor) -> torch.Tensor:
+            """[out, in], as `linear` wants it: reordered for oneDNN once here, or as it is."""
+            return torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_BATCH_HINT) if self.onednn else weight
+
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = linear_weight(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -79,19 +99,27 @@ class LlamaModel:
                                       w(p + "self_attn.v_proj.bias")])
             self.layers.append({
                 "input_norm": w(p + "input_layernorm.weight"),
-                "qkv": qkv,
+                "qkv": linear_weight(qkv),
                 "qkv_bias": qkv_bias,
-                "o": w(p + "self_attn.o_proj.weight"),
+                "o": linear_weight(w(p + "self_attn.o_proj.weight")),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
-                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                "down": w(p + "mlp.down_proj.weight"),
+                "gate_up": linear_weight(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                "down": linear_weight(w(p + "mlp.down_proj.weight")),
             })
         positions = torch.arange(c.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(positions, rope_inv_freq(c))
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)  # [max_pos, head_dim]
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        sin = emb.sin()
+        half = c.head_dim // 2
+        # sin with its first half negated, for apply_rope
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device, dtype=dtype)
         self.scale = 1.0 / math.sqrt(c.head_dim)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return F.linear(x, weight, bias)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -102,23 +130,21 @@ class LlamaModel:
         num_tokens = input_ids.shape[0]
         x = self.embed[input_ids]                      # x: [num_tokens, hidden]
         cos = self.cos[positions].unsqueeze(1)         # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
+        sin_signed = self.sin_signed[positions].unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = rms_norm(x, layer["input_norm"], c.rms_norm_eps)
-            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            q = q.view(num_tokens, nh, hd)
-            k = k.view(num_tokens, nkv, hd)
-            v = v.view(num_tokens, nkv, hd)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            qkv = self.linear(h, layer["qkv"], layer["qkv_bias"])   # [num_tokens, (nh + 2 * nkv) * hd]
+            # RoPE on q and k together (one set of ops per layer, not two)
+            qk = apply_rope(qkv[:, :(nh + nkv) * hd].view(num_tokens, nh + nkv, hd), cos, sin_signed)
+            q, k = qk[:, :nh], qk[:, nh:]                            # [num_tokens, nh | nkv, hd]
+            v = qkv[:, (nh + nkv) * hd:].view(num_tokens, nkv, hd)
             attn = self._attention(q, k, v, kv_cache, meta)  # [num_tokens, nh * hd]
-            x = x + F.linear(attn, layer["o"])
+            x = x + self.linear(attn, layer["o"])
             h = rms_norm(x, layer["post_norm"], c.rms_norm_eps)
-            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = self.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + self.linear(F.silu(gate) * up, layer["down"])
         h = rms_norm(x[logit_rows], self.norm, c.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.linear(h, self.lm_head).float()
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
@@ -128,16 +154,22 @@ class LlamaModel:
         k_cache.view(-1, nkv, hd).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, nkv, hd).index_copy_(0, meta.slot_mapping, v)
         num_tokens, nh, _ = q.shape
-        out = torch.empty(num_tokens, nh, hd, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:
-            tables = meta.decode_block_tables               # [nd, max_blocks]
-            keys = k_cache[tables].view(nd, -1, nkv, hd).transpose(1, 2)    # [nd, nkv, L, hd]
-            values = v_cache[tables].view(nd, -1, nkv, hd).transpose(1, 2)
-            qd = q[:nd].unsqueeze(2)                          # [nd, nh, 1, hd]
-            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=meta.decode_mask,
-                                               scale=self.scale, enable_gqa=nh != nkv)
-            out[:nd] = o.squeeze(2)
+            flat_tables = meta.decode_block_tables.view(-1)  # [nd * max_blocks]
+            # index_select on whole blocks is the fast gather on CPU (advanced indexing is ~3x slower)
+            keys = k_cache.index_select(0, flat_tables).view(nd, -1, nkv, hd).transpose(1, 2)  # [nd, nkv, L, hd]
+            values = v_cache.index_select(0, flat_tables).view(nd, -1, nkv, hd).transpose(1, 2)
+            # the query heads that share a KV head become that head's query rows: no K/V repeat
+            # (query head h reads KV head h // group, as with enable_gqa)
+            qd = q[:nd].view(nd, nkv, nh // nkv, hd)          # [nd, nkv, group, hd]
+            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
+            if nd == num_tokens:  # decodes only: nothing to merge
+                return o.view(nd, nh * hd)
+            out = torch.empty(num_tokens, nh, hd, dtype=q.dtype, device=q.device)
+            out[:nd] = o.view(nd, nh, hd)
+        else:
+            out = torch.empty(num_tokens, nh, hd, dtype=q.dtype, device=q.device)
         for row, length, start, block_ids in meta.prefills:
             qp = q[row:row + length].transpose(0, 1).unsqueeze(0)       # [1, nh, length, hd]
             if start == 0:  # nothing before this chunk: attend to its own tokens, causally
@@ -147,8 +179,8 @@ class LlamaModel:
                                                    enable_gqa=nh != nkv)
             else:  # earlier positions come from the cache: read them through the block table
                 end = start + length
-                kp = k_cache[block_ids].view(-1, nkv, hd)[:end].transpose(0, 1).unsqueeze(0)
-                vp = v_cache[block_ids].view(-1, nkv, hd)[:end].transpose(0, 1).unsqueeze(0)
+                kp = k_cache.index_select(0, block_ids).view(-1, nkv, hd)[:end].transpose(0, 1).unsqueeze(0)
+                vp = v_cache.index_select(0, block_ids).view(-1, nkv, hd)[:end].transpose(0, 1).unsqueeze(0)
                 query_pos = torch.arange(start, end, device=q.device).unsqueeze(1)
                 mask = torch.arange(end, device=q.device).unsqueeze(0) <= query_pos  # [length, end]
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale,

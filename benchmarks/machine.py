@@ -1,0 +1,46 @@
+"""What a result was measured on: the machine, its load, and the software versions."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+import kvtrace
+from kvtrace.run import cpu_name
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def memory_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) / 1024**2
+    return float("nan")
+
+
+def load_average() -> str:
+    """The 1-minute load average: other processes on a shared machine make timings noisy."""
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def git_revision() -> str:
+    """Short commit, with '+changes' when the engine differs from it."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "engine/"], cwd=REPO).returncode
+        return rev + ("+changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def describe_machine() -> str:
+    return f"{cpu_name()}, {os.cpu_count()} cores, {memory_gib():.1f} GiB memory, {platform.system()}"
+
+
+def describe_software() -> str:
+    return (f"Python {platform.python_version()}, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), kvtrace {kvtrace.__version__} (git {git_revision()})")

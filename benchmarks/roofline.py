@@ -1,0 +1,178 @@
+"""Suite `roofline`: each decode step against its memory-bandwidth lower bound, at batch 1, 8 and 32.
+
+A decode step must read every weight once (30 layers and the LM head) and the KV of every position
+its sequences attend to, so no step can be faster than (weight bytes + KV bytes) / bandwidth. The
+bandwidth is measured here with large tensor copies (STREAM's convention: bytes read + bytes
+written) and with a large sum (bytes read); the bound uses the higher, i.e. the tighter bound.
+Beside the step, the same linear layers alone (`F.linear` on the engine's fused weights) show
+what the matmul kernels cost by themselves, and a profile of the step says where the rest goes.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.kvtrace_runner import KvtraceRunner, ensure_weights
+from benchmarks.results import Section, markdown_table
+from benchmarks.stats import median, percentile
+from engine.events import StepRecord
+from engine.sequence import SamplingParams
+
+BLOCK_SIZE = 32
+GOAL = 1.5          # at batch 8, step time / bound
+
+
+class _StepLog:
+    """A tracer that keeps what the roofline needs from each step record."""
+
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+
+    def on_step(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batches", default="1,8,32", help="decode batch sizes")
+    parser.add_argument("--context", type=int, default=128, help="prompt tokens per sequence before decoding")
+    parser.add_argument("--steps", type=int, default=12, help="timed decode steps per batch")
+    parser.add_argument("--weights", type=Path, default=None, help="HF folder (default: exported once to the cache)")
+
+
+def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> tuple[float, float]:
+    """(copy GB/s counting read + write, read-only GB/s), medians of `repeats`."""
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    copies, reads = [], []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copies.append(2 * num_bytes / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        src.sum()
+        reads.append(num_bytes / (time.perf_counter() - t0) / 1e9)
+    return median(copies[1:]), median(reads[1:])
+
+
+def linear_weights(model) -> list[torch.Tensor]:
+    weights = [w for layer in model.layers for w in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])]
+    return weights + [model.lm_head]
+
+
+def linear_floor_ms(model, batch: int, repeats: int = 7) -> list[float]:
+    """The step's matmuls alone, on the same weights, batch rows (LM head on every row)."""
+    weights = linear_weights(model)
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            for w in weights:
+                F.linear(inputs[w.shape[1]], w)
+            times.append((time.perf_counter() - t0) * 1000)
+    return times[1:]
+
+
+def decode_steps(runner: KvtraceRunner, batch: int, context: int, steps: int) -> tuple[list[StepRecord], float]:
+    """Prefill `batch` sequences of `context` tokens, then time `steps` pure decode steps.
+    Returns their records and the mean positions attended per sequence."""
+    log = _StepLog()
+    engine = runner.engine(log)
+    rng = random.Random(batch)
+    for i in range(batch):
+        prompt = [rng.randrange(17, 49_152) for _ in range(context)]
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=steps + 4, ignore_eos=True), arrival_s=0.0)
+    while any(s.num_output_tokens == 0 for s in engine.outputs.values()):
+        engine.step()
+    for _ in range(2):  # settle
+        engine.step()
+    first = len(log.records)
+    for _ in range(steps):
+        engine.step()
+    engine.flush()
+    records = [r for r in log.records[first:] if r.num_decode_tokens == batch and not r.num_prefill_tokens]
+    return records, context + 2 + steps / 2
+
+
+def profile_step(runner: KvtraceRunner, batch: int, context: int) -> str:
+    """Where a decode step's time goes, by operator, from torch.profiler over a few steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = runner.engine()
+    rng = random.Random(0)
+    for i in range(batch):
+        engine.add_request(str(i), [rng.randrange(17, 49_152) for _ in range(context)],
+                           SamplingParams(max_tokens=12, ignore_eos=True), arrival_s=0.0)
+    for _ in range(3):
+        engine.step()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            engine.step()
+    wall_us = (time.perf_counter() - t0) * 1e6
+    groups = {"matmuls (aten::mm/addmm)": ("aten::mm", "aten::addmm"),
+              "attention (SDPA)": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
+              "KV gather (index_select)": ("aten::index_select",),
+              "KV write (index_copy_)": ("aten::index_copy_",),
+              "sampling (argmax)": ("aten::argmax",)}
+    self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    rows = []
+    accounted = 0.0
+    for name, keys in groups.items():
+        us = sum(self_us.get(k, 0.0) for k in keys)
+        accounted += us
+        rows.append([name, f"{us / 5 / 1000:.1f}", f"{100 * us / wall_us:.0f} %"])
+    rows.append(["everything else (other ops, Python, scheduler)", f"{(wall_us - accounted) / 5 / 1000:.1f}",
+                 f"{100 * (wall_us - accounted) / wall_us:.0f} %"])
+    return markdown_table([f"batch {batch} decode step, by operator", "ms per step", "share"], rows)
+
+
+def run(args: argparse.Namespace) -> None:
+    weights_dir = ensure_weights(args.weights)
+    batches = [int(b) for b in args.batches.split(",")]
+    section = Section("roofline")
+    copy_gbs, read_gbs = measure_bandwidth()
+    bandwidth = max(copy_gbs, read_gbs)
+    rows = []
+    ratio_at = {}
+    profiles = []
+    for batch in batches:
+        max_len = args.context + args.steps + 8
+        runner = KvtraceRunner(weights_dir, block_size=BLOCK_SIZE, num_blocks=batch * -(-max_len // BLOCK_SIZE) + 1,
+                               max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * args.context))
+        model = runner.engine().model
+        weight_bytes = sum(w.numel() * w.element_size() for w in linear_weights(model))
+        kv_per_token = model.config.kv_bytes_per_token
+        records, mean_positions = decode_steps(runner, batch, args.context, args.steps)
+        step_ms = [1000 * (r.end_s - r.start_s) for r in records]
+        forward_ms = [r.device_ms for r in records]
+        floor = linear_floor_ms(model, batch)
+        kv_bytes = batch * mean_positions * kv_per_token
+        bound_ms = 1000 * (weight_bytes + kv_bytes) / (bandwidth * 1e9)
+        ratio_at[batch] = median(step_ms) / bound_ms
+        rows.append([str(batch), f"{mean_positions:.0f}", f"{weight_bytes / 1e6:.0f} + {kv_bytes / 1e6:.0f}",
+                     f"{bound_ms:.1f}", f"{median(floor):.1f}",
+                     f"{median(forward_ms):.1f}",
+                     f"{median(step_ms):.1f} ({percentile(step_ms, 10):.1f}–{percentile(step_ms, 90):.1f})",
+                     f"{median(floor) / bound_ms:.2f}×", f"**{ratio_at[batch]:.2f}×**",
+                     f"{1000 * batch / median(step_ms):.0f}"])
+        if batch == 8 or len(batches) == 1:
+            profiles.append(profile_step(runner, batch, args.context))
+        print(f"  batch {batch}: step {median(step_ms):.1f} ms, bound {bound_ms:.1f} ms", flush=True)
+    section.add(f"Memory bandwidth: {copy_gbs:.1f} GB/s by 1 GiB copies (read + write counted), {read_gbs:.1f} GB/s "
+                f"by 1 GiB sums (read); the bound uses {bandwidth:.1f} GB/s. Decode steps after prefilling "
+                f"{args.context} tokens per sequence; {args.steps} steps per batch; fp32, block size {BLOCK_SIZE}.")
+    section.add(markdown_table(["batch", "positions / seq", "MB read: weights + KV", "bound ms", "linear only ms",
+                                "forward ms", "step ms (p10–p90)", "linear / bound", "step / bound", "tok/s"], rows))
+    for text in profiles:
+        section.add(text)
+    if 8 in ratio_at:
+        met = ratio_at[8] <= GOAL
+        section.add(f"Goal: decode step within {GOAL}× of the bound at batch 8: **{'met' if met else 'missed'}** "
+                    f"({ratio_at[8]:.2f}×).")
+    section.write()
