@@ -44,7 +44,7 @@ class Section:
             f"- Software: {software}",
             "",
         ]
-        text = "\n".join(head) + "\n\n".join(self.parts) + "\n\n"
+        text = "\n".join(head) + "\n" + "\n\n".join(self.parts) + "\n\n"
         if not RESULTS_MD.exists():
             RESULTS_MD.write_text("# Benchmark results\n\nAppended by `python -m benchmarks <suite>`, newest last. "
                                   "See README.md for what each suite measures.\n\n")

@@ -4,7 +4,7 @@ A decode step must read every weight once (30 layers and the LM head) and the KV
 its sequences attend to, so no step can be faster than (weight bytes + KV bytes) / bandwidth. The
 bandwidth is measured here with large tensor copies (STREAM's convention: bytes read + bytes
 written) and with a large sum (bytes read); the bound uses the higher, i.e. the tighter bound.
-Beside the step, the same linear layers alone (`F.linear` on the engine's fused weights) show
+Beside the step, the same linear layers alone (the engine's `linear` on its fused weights) show
 what the matmul kernels cost by themselves, and a profile of the step says where the rest goes.
 """
 from __future__ import annotations
@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.kvtrace_runner import KvtraceRunner, ensure_weights
 from benchmarks.results import Section, markdown_table
@@ -40,7 +39,7 @@ class _StepLog:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,8,32", help="decode batch sizes")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per sequence before decoding")
-    parser.add_argument("--steps", type=int, default=12, help="timed decode steps per batch")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of 4 decode steps and one linear-only pass")
     parser.add_argument("--weights", type=Path, default=None, help="HF folder (default: exported once to the cache)")
 
 
@@ -64,43 +63,48 @@ def linear_weights(model) -> list[torch.Tensor]:
     return weights + [model.lm_head]
 
 
-def linear_floor_ms(model, batch: int, repeats: int = 7) -> list[float]:
-    """The step's matmuls alone, on the same weights, batch rows (LM head on every row)."""
-    weights = linear_weights(model)
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
-    times = []
+def linear_pass_ms(model, inputs: dict[int, torch.Tensor]) -> float:
+    """One pass of the step's matmuls alone through the engine's own `linear` on its weights (the LM
+    head on every row, as in a decode step)."""
     with torch.inference_mode():
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            for w in weights:
-                F.linear(inputs[w.shape[1]], w)
-            times.append((time.perf_counter() - t0) * 1000)
-    return times[1:]
+        t0 = time.perf_counter()
+        for w in linear_weights(model):
+            model.linear(inputs[w.shape[1]], w)
+        return (time.perf_counter() - t0) * 1000
 
 
-def decode_steps(runner: KvtraceRunner, batch: int, context: int, steps: int) -> tuple[list[StepRecord], float]:
-    """Prefill `batch` sequences of `context` tokens, then time `steps` pure decode steps.
-    Returns their records and the mean positions attended per sequence."""
+def decode_steps(runner: KvtraceRunner, batch: int, context: int, rounds: int
+                 ) -> tuple[list[StepRecord], list[float], float]:
+    """Prefill `batch` sequences of `context` tokens, then `rounds` of 4 timed decode steps, each
+    followed by one pass of the linear layers alone. Returns the steps' records, the linear passes'
+    times and the mean positions attended per sequence."""
     log = _StepLog()
     engine = runner.engine(log)
+    model = engine.model
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in linear_weights(model)}
     rng = random.Random(batch)
     for i in range(batch):
         prompt = [rng.randrange(17, 49_152) for _ in range(context)]
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=steps + 4, ignore_eos=True), arrival_s=0.0)
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=4 * rounds + 4, ignore_eos=True), arrival_s=0.0)
     while any(s.num_output_tokens == 0 for s in engine.outputs.values()):
         engine.step()
     for _ in range(2):  # settle
         engine.step()
+    linear_pass_ms(model, inputs)
     first = len(log.records)
-    for _ in range(steps):
-        engine.step()
+    floor = []
+    for _ in range(rounds):
+        for _ in range(4):
+            engine.step()
+        floor.append(linear_pass_ms(model, inputs))
     engine.flush()
     records = [r for r in log.records[first:] if r.num_decode_tokens == batch and not r.num_prefill_tokens]
-    return records, context + 2 + steps / 2
+    return records, floor, context + 2 + 2 * rounds
 
 
-def profile_step(runner: KvtraceRunner, batch: int, context: int) -> str:
-    """Where a decode step's time goes, by operator, from torch.profiler over a few steps."""
+def profile_step(runner: KvtraceRunner, batch: int, context: int, step_ms: float) -> str:
+    """Where a decode step's time goes, by operator (torch.profiler's self time on the engine's
+    thread, which waits for its worker threads), against the step's wall time without the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = runner.engine()
@@ -110,26 +114,38 @@ def profile_step(runner: KvtraceRunner, batch: int, context: int) -> str:
                            SamplingParams(max_tokens=12, ignore_eos=True), arrival_s=0.0)
     for _ in range(3):
         engine.step()
-    t0 = time.perf_counter()
+    num_steps = 5
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(num_steps):
             engine.step()
-    wall_us = (time.perf_counter() - t0) * 1e6
-    groups = {"matmuls (aten::mm/addmm)": ("aten::mm", "aten::addmm"),
-              "attention (SDPA)": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
+        profiled_ms = (time.perf_counter() - t0) * 1000 / num_steps
+    groups = {"linear layers (oneDNN / aten::mm)": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"),
+              "attention (SDPA kernel)": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
               "KV gather (index_select)": ("aten::index_select",),
               "KV write (index_copy_)": ("aten::index_copy_",),
+              "RMSNorm (all its ops)": ("aten::rms_norm",),
               "sampling (argmax)": ("aten::argmax",)}
-    self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    events = {e.key: e for e in prof.key_averages()}
     rows = []
-    accounted = 0.0
+    listed = 0.0
     for name, keys in groups.items():
-        us = sum(self_us.get(k, 0.0) for k in keys)
-        accounted += us
-        rows.append([name, f"{us / 5 / 1000:.1f}", f"{100 * us / wall_us:.0f} %"])
-    rows.append(["everything else (other ops, Python, scheduler)", f"{(wall_us - accounted) / 5 / 1000:.1f}",
-                 f"{100 * (wall_us - accounted) / wall_us:.0f} %"])
-    return markdown_table([f"batch {batch} decode step, by operator", "ms per step", "share"], rows)
+        # RMSNorm is a composite: count its whole subtree; the others are leaf kernels
+        ms = sum((events[k].cpu_time_total if k == "aten::rms_norm" else events[k].self_cpu_time_total)
+                 for k in keys if k in events) / num_steps / 1000
+        listed += ms
+        rows.append([name, f"{ms:.1f}", f"{100 * ms / profiled_ms:.0f} %"])
+    all_ops = sum(e.self_cpu_time_total for e in events.values()) / num_steps / 1000
+    rest_ops = max(0.0, all_ops - listed)
+    rows.append(["every other op (RoPE, residual adds, SiLU, views, ...)", f"{rest_ops:.1f}",
+                 f"{100 * rest_ops / profiled_ms:.0f} %"])
+    outside = profiled_ms - listed - rest_ops
+    rows.append(["outside ops (Python, scheduler, bookkeeping)", f"{outside:.1f}",
+                 f"{100 * outside / profiled_ms:.0f} %"])
+    return (markdown_table([f"batch {batch} decode step, profiled ({profiled_ms:.1f} ms; {step_ms:.1f} ms without "
+                            f"the profiler)", "ms per step", "share"], rows)
+            + "\n\nThe profiler adds its own cost to every op. RMSNorm's own ops are in its row, not in "
+              "'every other op'.")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -137,23 +153,21 @@ def run(args: argparse.Namespace) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     section = Section("roofline")
     copy_gbs, read_gbs = measure_bandwidth()
-    bandwidth = max(copy_gbs, read_gbs)
     rows = []
     ratio_at = {}
     profiles = []
     for batch in batches:
-        max_len = args.context + args.steps + 8
+        max_len = args.context + 4 * args.rounds + 8
         runner = KvtraceRunner(weights_dir, block_size=BLOCK_SIZE, num_blocks=batch * -(-max_len // BLOCK_SIZE) + 1,
                                max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * args.context))
         model = runner.engine().model
         weight_bytes = sum(w.numel() * w.element_size() for w in linear_weights(model))
         kv_per_token = model.config.kv_bytes_per_token
-        records, mean_positions = decode_steps(runner, batch, args.context, args.steps)
+        records, floor, mean_positions = decode_steps(runner, batch, args.context, args.rounds)
         step_ms = [1000 * (r.end_s - r.start_s) for r in records]
         forward_ms = [r.device_ms for r in records]
-        floor = linear_floor_ms(model, batch)
         kv_bytes = batch * mean_positions * kv_per_token
-        bound_ms = 1000 * (weight_bytes + kv_bytes) / (bandwidth * 1e9)
+        bound_ms = 1000 * (weight_bytes + kv_bytes) / (max(copy_gbs, read_gbs) * 1e9)
         ratio_at[batch] = median(step_ms) / bound_ms
         rows.append([str(batch), f"{mean_positions:.0f}", f"{weight_bytes / 1e6:.0f} + {kv_bytes / 1e6:.0f}",
                      f"{bound_ms:.1f}", f"{median(floor):.1f}",
@@ -162,11 +176,13 @@ def run(args: argparse.Namespace) -> None:
                      f"{median(floor) / bound_ms:.2f}×", f"**{ratio_at[batch]:.2f}×**",
                      f"{1000 * batch / median(step_ms):.0f}"])
         if batch == 8 or len(batches) == 1:
-            profiles.append(profile_step(runner, batch, args.context))
+            profiles.append(profile_step(runner, batch, args.context, median(step_ms)))
         print(f"  batch {batch}: step {median(step_ms):.1f} ms, bound {bound_ms:.1f} ms", flush=True)
     section.add(f"Memory bandwidth: {copy_gbs:.1f} GB/s by 1 GiB copies (read + write counted), {read_gbs:.1f} GB/s "
-                f"by 1 GiB sums (read); the bound uses {bandwidth:.1f} GB/s. Decode steps after prefilling "
-                f"{args.context} tokens per sequence; {args.steps} steps per batch; fp32, block size {BLOCK_SIZE}.")
+                f"by 1 GiB sums (read), medians of 5; the bound uses the higher. Decode steps after prefilling "
+                f"{args.context} tokens per sequence: {args.rounds} rounds of 4 steps, each round followed by one "
+                f"pass of the linear layers alone; fp32, block size {BLOCK_SIZE}. Weights read per step: every "
+                f"linear layer and the LM head (the embedding rows looked up are negligible).")
     section.add(markdown_table(["batch", "positions / seq", "MB read: weights + KV", "bound ms", "linear only ms",
                                 "forward ms", "step ms (p10–p90)", "linear / bound", "step / bound", "tok/s"], rows))
     for text in profiles:

@@ -42,10 +42,31 @@ class RunResult:
         return [b - a for times in self.token_times_s.values() for a, b in zip(times, times[1:])]
 
 
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """Index of the first output token that differs (the shorter length when one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def agreement(a: RunResult, b: RunResult) -> str:
+    """'15/16 sequences identical (94 %); the others first differ at output token 41'."""
+    ids = list(a.tokens)
+    same = sum(a.tokens[i] == b.tokens[i] for i in ids)
+    diverged = sorted(first_divergence(a.tokens[i], b.tokens[i]) for i in ids if a.tokens[i] != b.tokens[i])
+    text = f"{same}/{len(ids)} sequences identical ({100 * same / len(ids):.0f} %)"
+    if diverged:
+        text += f"; the others first differ at output token {', '.join(map(str, diverged))}"
+    return text
+
+
 def same_tokens_fraction(a: RunResult, b: RunResult) -> float:
     """Fraction of requests whose generated ids are identical in both runs."""
     ids = list(a.tokens)
     return sum(a.tokens[i] == b.tokens.get(i) for i in ids) / len(ids)
+
+
+def _each(values: list[int | None]) -> str:
+    """'5/5/4', one per run; 'n/a' where the engine does not report it."""
+    return "n/a" if all(v is None for v in values) else "/".join(str(v) for v in values)
 
 
 def serving_row(name: str, runs: list[RunResult]) -> list[str]:
@@ -59,8 +80,7 @@ def serving_row(name: str, runs: list[RunResult]) -> list[str]:
             f"{1000 * med(lambda r: percentile(r.itl_s, 50)):.1f}",
             f"{1000 * med(lambda r: percentile(r.itl_s, 90)):.1f}",
             f"{1000 * med(lambda r: percentile(r.itl_s, 99)):.1f}",
-            "/".join(str(r.num_preemptions) for r in runs),
-            "/".join(str(r.prefix_cache_hit_tokens) for r in runs),
+            _each([r.num_preemptions for r in runs]), _each([r.prefix_cache_hit_tokens for r in runs]),
             f"{med(lambda r: r.num_output_tokens):.0f}", f"{med(lambda r: r.duration_s):.2f}"]
 
 

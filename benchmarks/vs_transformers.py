@@ -13,9 +13,8 @@ from pathlib import Path
 from benchmarks.kvtrace_runner import KvtraceRunner, ensure_weights
 from benchmarks.peer import PeerProcess
 from benchmarks.results import Section, markdown_table
-from benchmarks.run_result import SERVING_HEADER, serving_row
+from benchmarks.run_result import SERVING_HEADER, agreement, serving_row
 from benchmarks.stats import fmt_ratio, interleave, median, ratios
-from benchmarks.vs_vllm import agreement
 from benchmarks.workload import describe, longest, random_requests
 
 BLOCK_SIZE = 32
