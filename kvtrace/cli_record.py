@@ -70,9 +70,13 @@ def record(
 
     console = Console(stderr=True, quiet=quiet)
     run_dir = out or default_run_dir(model)
-    recording = Recording.prepare(config, workload, run_dir, max_requests=max_requests, time_scale=time_scale,
-                                  backlog=backlog, record_token_ids=not no_token_ids,
-                                  command=" ".join(["kvtrace", *sys.argv[1:]]), console=console)
+    try:
+        recording = Recording.prepare(config, workload, run_dir, max_requests=max_requests, time_scale=time_scale,
+                                      backlog=backlog, record_token_ids=not no_token_ids,
+                                      command=" ".join(["kvtrace", *sys.argv[1:]]), console=console)
+    except KeyboardInterrupt:  # before anything was written: nothing to clean up
+        print("kvtrace: interrupted before recording started; nothing written", file=sys.stderr)
+        raise typer.Exit(code=130) from None
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         status = recording.run(interrupt_types=(KeyboardInterrupt, Terminated))
