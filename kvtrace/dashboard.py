@@ -195,8 +195,9 @@ def key_figures(s: dict, t: dict, wide: bool) -> Table:
         pairs.append(("recomputed", f"{fmt_num(s.get('recomputed_tokens'), 'tok')} "
                                     f"({fmt_share(s.get('recompute_share'))} of compute)"))
     if swapped:
-        pairs.append(("swapped", f"{fmt_bytes(s.get('swap_out_bytes'))} out, {fmt_bytes(s.get('swap_in_bytes'))} in"
-                                 f" · {fmt_num(s.get('swap_gb_s'), 'GB/s')}"))
+        out_b, in_b = fmt_bytes(s.get("swap_out_bytes")), fmt_bytes(s.get("swap_in_bytes"))
+        moved = f"{out_b} each way" if out_b == in_b else f"{out_b} out, {in_b} in"  # short: fits 80 columns
+        pairs.append(("swapped", f"{moved} · {fmt_num(s.get('swap_gb_s'), 'GB/s')}"))
     per_row = 2 if wide else 1
     grid = Table.grid(padding=(0, 1))
     for _ in range(per_row):
