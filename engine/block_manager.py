@@ -210,15 +210,23 @@ class BlockManager:
         return None
 
     # ---- release ------------------------------------------------------------------------
-    def free(self, seq: Sequence, reason: str) -> list[int]:
-        """Drop the sequence's references (tail first, so prefixes stay cached longest)."""
+    def _release_table(self, seq: Sequence, reason: str) -> None:
+        """Drop the sequence's device references (tail first, so prefixes stay cached longest)."""
         freed = [b for b in reversed(seq.block_table) if self._release_block(b)]
         if freed:
             self.events.append(KVEvent(ev.FREE, seq.req_id, seq.sample, blocks=freed, reason=reason))
         seq.block_table = []
         seq.block_hashes = []
+
+    def free(self, seq: Sequence, reason: str) -> None:
+        """Release the sequence's device blocks; its KV is gone."""
+        self._release_table(seq, reason)
         seq.num_computed_tokens = 0
-        return freed
+
+    def free_host(self, seq: Sequence) -> None:
+        """Give back the host blocks of a swapped sequence."""
+        self.free_cpu_block_ids.extend(seq.host_block_table)
+        seq.host_block_table = []
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (n > 1 sampling)."""
@@ -243,11 +251,7 @@ class BlockManager:
         """
         mapping = [(b, self.free_cpu_block_ids.popleft()) for b in seq.block_table]
         seq.host_block_table = [h for _, h in mapping]
-        freed = [b for b in reversed(seq.block_table) if self._release_block(b)]
-        if freed:
-            self.events.append(KVEvent(ev.FREE, seq.req_id, seq.sample, blocks=freed, reason="preempt"))
-        seq.block_table = []
-        seq.block_hashes = []
+        self._release_table(seq, "preempt")  # num_computed_tokens stays: the KV lives on the host
         return mapping
 
     def can_swap_in(self, seq: Sequence) -> bool:
@@ -260,8 +264,7 @@ class BlockManager:
         new_ids = [self._allocate_block() for _ in seq.host_block_table]
         self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=list(new_ids), reason="swap_in"))
         mapping = list(zip(seq.host_block_table, new_ids))
-        self.free_cpu_block_ids.extend(seq.host_block_table)
-        seq.host_block_table = []
+        self.free_host(seq)
         seq.block_table = new_ids
         seq.block_hashes = []
         return mapping

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 
 @dataclass
@@ -179,8 +179,6 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     preemption_policy: str = "newest"
     enable_prefix_caching: bool = True
-    attention_backend: str = "torch"     # torch | flashinfer (CUDA, when installed)
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -141,7 +141,7 @@ class LLMEngine:
         emitted: list[tuple[Sequence, int]] = []
         num_recompute = 0
         if result.logits is not None:
-            num_recompute = self._account(out)
+            num_recompute = self._account(out, start_s)
             emitted = self._emit(result)
         finished = self._pending_finished + out.rejected
         self._pending_finished = []
@@ -151,9 +151,7 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         for seq in out.rejected:
             seq.status = SequenceStatus.FINISHED
-            for h in seq.host_block_table:
-                self.block_manager.free_cpu_block_ids.append(h)
-            seq.host_block_table = []
+            self.block_manager.free_host(seq)  # a swapped sequence that outgrew the pool
         self.num_finished_seqs += len(finished)
         self.num_preemptions += out.num_preemptions
         end_s = self.now()
@@ -169,10 +167,9 @@ class LLMEngine:
                                     f"{len(self.scheduler.swapped)} swapped")
         return emitted
 
-    def _account(self, out: SchedulerOutput) -> int:
+    def _account(self, out: SchedulerOutput, start_s: float) -> int:
         """Advance computed positions; count positions computed for the second time."""
         num_recompute = 0
-        now = None
         for seq, num_new in zip(out.seqs, out.num_new_tokens):
             start = seq.num_computed_tokens
             end = start + num_new
@@ -186,8 +183,7 @@ class LLMEngine:
                 if end >= seq.reprefill_target:
                     self.scheduler.record_reprefill(seq, None)
             if seq.first_scheduled_s is None:
-                now = now if now is not None else self.now()
-                seq.first_scheduled_s = now
+                seq.first_scheduled_s = start_s
             self.block_manager.commit_full_blocks(seq)
         return num_recompute
 

@@ -149,7 +149,7 @@ class ModelRunner:
         decodes: list[Sequence] = []
         prefills: list[tuple[Sequence, int]] = []
         for seq, num_new in zip(out.seqs, out.num_new_tokens):
-            if num_new == 1 and seq.num_output_tokens > 0 and seq.num_tokens - seq.num_computed_tokens == 1:
+            if not seq.is_prefilling:
                 decodes.append(seq)
             else:
                 prefills.append((seq, num_new))

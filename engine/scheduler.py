@@ -31,10 +31,6 @@ class SchedulerOutput:
     rejected: list[Sequence] = field(default_factory=list)
     num_preemptions: int = 0
 
-    @property
-    def is_empty(self) -> bool:
-        return not (self.seqs or self.swap_out or self.swap_in or self.copies)
-
 
 def victim_key(policy: str, seq: Sequence) -> tuple:
     """Sort key of preemption candidates: the largest key is preempted first."""
