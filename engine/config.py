@@ -169,9 +169,9 @@ class EngineConfig:
     seed: int = 0
     block_size: int = 16
     num_gpu_blocks: int | None = None    # device KV blocks; else from kv_cache_memory
-    kv_cache_memory: int | None = None   # bytes for the device KV pool
+    kv_cache_memory: int | str | None = None  # bytes (or '2GiB') for the device KV pool
     num_cpu_blocks: int | None = None    # host swap blocks; else from swap_space
-    swap_space: int | None = None        # bytes of host swap space
+    swap_space: int | str | None = None  # bytes (or '4GiB') of host swap space
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None     # default: the model's max_position_embeddings

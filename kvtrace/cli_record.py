@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from engine.config import EngineConfig, parse_bytes
+from engine.config import EngineConfig
 from kvtrace.cli_app import app, user_errors
 from kvtrace.errors import KvtraceError
 
@@ -60,8 +60,8 @@ def record(
     config = EngineConfig(
         model=model, load_format=load_format, device=device, dtype=dtype, seed=seed, block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
-        kv_cache_memory=parse_bytes(kv_cache_memory) if kv_cache_memory else None,
-        num_cpu_blocks=num_cpu_blocks, swap_space=parse_bytes(swap_space) if swap_space else None,
+        kv_cache_memory=kv_cache_memory,
+        num_cpu_blocks=num_cpu_blocks, swap_space=swap_space,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         watermark=watermark, preemption_mode=preemption_mode, preemption_policy=preemption_policy,
         enable_prefix_caching=enable_prefix_caching,

@@ -1,6 +1,7 @@
 """One recording: check everything, then replay into a run folder with meta.json and the tables."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -8,6 +9,7 @@ import re
 import time
 from dataclasses import asdict
 from datetime import datetime, timezone
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -15,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import kvtrace
+from kvtrace import db
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.tokenizer import load_tokenizer
@@ -144,38 +147,35 @@ class Recording:
             write_json_atomic(meta_path, self.meta)
         return status
 
-    def _progress(self):
-        console = self.console
-        total = sum(item.params.n for item in self.items)
-        num_blocks = self.engine.block_manager.num_blocks
+    @contextlib.contextmanager
+    def _progress(self) -> Iterator[Callable[[ReplayStats], None]]:
+        """A live bar: sequences done, output rate so far, KV use, preemptions (a view, not a metric)."""
         bm = self.engine.block_manager
+        progress = Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console,
+                            disable=self.console.quiet)
+        task = progress.add_task("replay", total=sum(item.params.n for item in self.items), info="")
 
-        class _Bar:
-            def __enter__(bar):
-                bar.progress = Progress(
-                    TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                    TimeElapsedColumn(), console=console, transient=False, disable=console.quiet)
-                bar.progress.start()
-                bar.task = bar.progress.add_task("replay", total=total, info="")
-                return bar.update
+        def update(stats: ReplayStats) -> None:
+            rate = stats.num_output_tokens / stats.duration_s if stats.duration_s else 0.0
+            info = f"{rate:6.1f} tok/s  KV {100 * bm.num_used_blocks / bm.num_blocks:5.1f}%  " \
+                   f"preemptions {stats.num_preemptions}"
+            progress.update(task, completed=stats.num_finished, info=info)
 
-            def update(bar, stats: ReplayStats) -> None:
-                rate = stats.num_output_tokens / stats.duration_s if stats.duration_s else 0.0
-                info = (f"{rate:6.1f} tok/s  KV {100 * bm.num_used_blocks / num_blocks:5.1f}%  "
-                        f"preemptions {stats.num_preemptions}")
-                bar.progress.update(bar.task, completed=stats.num_finished, info=info)
-
-            def __exit__(bar, *exc):
-                bar.progress.stop()
-                return False
-
-        return _Bar()
+        with progress:
+            yield update
 
     def print_summary(self) -> None:
-        s = self.stats
-        m = self.meta
-        rate = s.num_output_tokens / s.duration_s if s.duration_s else 0.0
+        """The run's headline figures, from the SQL library like everywhere else."""
+        if self.console.quiet:
+            return
+        rows = db.run_analysis(db.connect([self.run_dir]), "summary").to_pylist()
+        if not rows:  # interrupted before a chunk was written
+            self.console.print(f"[bold]{self.meta['status']}[/]: nothing recorded in {self.run_dir}")
+            return
+        s = rows[0]
         self.console.print(
-            f"[bold]{m['status']}[/]: {s.num_finished}/{s.num_requests} sequences, {s.num_output_tokens} tokens "
-            f"in {s.duration_s:.1f} s ({rate:.1f} tok/s), {s.num_steps} steps, {s.num_preemptions} preemptions")
+            f"[bold]{self.meta['status']}[/]: {s['completed_requests']}/{len(self.items)} requests, "
+            f"{s['output_tokens']} tokens in {s['duration_s']:.1f} s ({s['output_tok_s'] or 0:.1f} tok/s), "
+            f"{s['preemptions']} preemptions")
         self.console.print(f"trace: {self.run_dir}   next: kvtrace analyze {self.run_dir}")
