@@ -1,12 +1,16 @@
 """Shared fixtures: the tiny model's weights (loaded once) and an engine factory."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_weights
+from tests.tracegen import recompute_run, swap_run
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +46,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """A folder holding the two hand-built golden runs (tests/tracegen.py)."""
+    root = tmp_path_factory.mktemp("runs")
+    recompute_run(root)
+    swap_run(root)
+    return root
+
+
+def one_line_error(args: list[str]) -> str:
+    """Run the CLI; assert it failed with exit 2 and one `kvtrace: error:` line; return that line."""
+    import kvtrace.cli  # noqa: F401  (registers every command)
+    from kvtrace.cli_app import app
+
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtrace: error: "), result.stderr
+    return lines[0]

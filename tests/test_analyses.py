@@ -14,17 +14,9 @@ import pytest
 
 from kvtrace import db
 from kvtrace.errors import KvtraceError
-from tests.tracegen import recompute_run, swap_run, write_run
+from tests.tracegen import recompute_run, write_run
 
 approx = pytest.approx
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("runs")
-    recompute_run(root)
-    swap_run(root)
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,9 @@ from typer.testing import CliRunner
 
 import kvtrace.cli_sql  # noqa: F401  (registers the commands)
 from kvtrace.cli_app import app
-from tests.tracegen import recompute_run, swap_run
+from tests.tracegen import recompute_run
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("runs")
-    recompute_run(root)
-    swap_run(root)
-    return root
 
 
 def invoke(*args: str, input: str | None = None):

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 import kvtrace.cli  # noqa: F401  (registers every command)
 from kvtrace import dashboard, db
 from kvtrace.cli_app import app
+from tests.conftest import one_line_error
 from kvtrace.cli_view import dashboard_view, follow
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -213,14 +214,6 @@ def test_follow_stops_at_once_on_a_finished_run():
 
 
 # --------------------------------------------------------------------------- the command line
-
-def one_line_error(args: list[str]) -> str:
-    result = runner.invoke(app, args)
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvtrace: error: "), result.stderr
-    return lines[0]
-
 
 def test_cli_errors(tmp_path):
     assert "no such run folder" in one_line_error(["analyze", str(tmp_path / "nope")])

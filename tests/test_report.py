@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 import kvtrace.cli  # noqa: F401  (registers every command)
 from kvtrace import db, report
 from kvtrace.cli_app import app
+from tests.conftest import one_line_error
 
 RUNS = Path(__file__).parent / "fixtures" / "runs"
 RECOMPUTE, SWAP = RUNS / "tiny-recompute", RUNS / "tiny-swap"
@@ -145,14 +146,6 @@ def test_png(tmp_path):
     result = runner.invoke(app, ["report", str(RECOMPUTE), "--format", "png", "-o", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "pool_occupancy.png").read_bytes().startswith(b"\x89PNG")
-
-
-def one_line_error(args: list[str]) -> str:
-    result = runner.invoke(app, args)
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvtrace: error: "), result.stderr
-    return lines[0]
 
 
 def test_errors(tmp_path):
