@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from benchmarks.kvtrace_runner import KvtraceRunner, ensure_weights
 from benchmarks.results import Section, markdown_table
@@ -58,18 +59,18 @@ def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> tuple[float
     return median(copies[1:]), median(reads[1:])
 
 
-def linear_weights(model) -> list[torch.Tensor]:
-    weights = [w for layer in model.layers for w in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])]
-    return weights + [model.lm_head]
+def linear_layers(model) -> list:
+    layers = [lin for layer in model.layers for lin in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])]
+    return layers + [model.lm_head]
 
 
 def linear_pass_ms(model, inputs: dict[int, torch.Tensor]) -> float:
-    """One pass of the step's matmuls alone through the engine's own `linear` on its weights (the LM
-    head on every row, as in a decode step)."""
+    """One pass of the step's matmuls alone through the engine's own linear layers (the LM head on
+    every row, as in a decode step)."""
     with torch.inference_mode():
         t0 = time.perf_counter()
-        for w in linear_weights(model):
-            model.linear(inputs[w.shape[1]], w)
+        for lin in linear_layers(model):
+            lin(inputs[lin.in_features])
         return (time.perf_counter() - t0) * 1000
 
 
@@ -81,7 +82,7 @@ def decode_steps(runner: KvtraceRunner, batch: int, context: int, rounds: int
     log = _StepLog()
     engine = runner.engine(log)
     model = engine.model
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in linear_weights(model)}
+    inputs = {lin.in_features: torch.randn(batch, lin.in_features) for lin in linear_layers(model)}
     rng = random.Random(batch)
     for i in range(batch):
         prompt = [rng.randrange(17, 49_152) for _ in range(context)]
@@ -102,6 +103,13 @@ def decode_steps(runner: KvtraceRunner, batch: int, context: int, rounds: int
     return records, floor, context + 2 + 2 * rounds
 
 
+def _labelled(fn, label: str):
+    def call(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+    return call
+
+
 def profile_step(runner: KvtraceRunner, batch: int, context: int, step_ms: float) -> str:
     """Where a decode step's time goes, by operator (torch.profiler's self time on the engine's
     thread, which waits for its worker threads), against the step's wall time without the profiler."""
@@ -115,13 +123,23 @@ def profile_step(runner: KvtraceRunner, batch: int, context: int, step_ms: float
     for _ in range(3):
         engine.step()
     num_steps = 5
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(num_steps):
-            engine.step()
-        profiled_ms = (time.perf_counter() - t0) * 1000 / num_steps
-    groups = {"linear layers (oneDNN / aten::mm)": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"),
-              "attention (SDPA kernel)": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
+    kernels = engine.model.cpu_kernels
+    if kernels is not None:  # the profiler sees no ctypes call: name kvtrace's kernels for it
+        for name in ("linear", "paged_decode_attention"):
+            setattr(kernels, name, _labelled(getattr(kernels, name), f"kvtrace::{name}"))
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(num_steps):
+                engine.step()
+            profiled_ms = (time.perf_counter() - t0) * 1000 / num_steps
+    finally:
+        if kernels is not None:
+            del kernels.linear, kernels.paged_decode_attention
+    groups = {"linear layers (kvtrace / oneDNN / aten::mm)": ("kvtrace::linear", "mkldnn::_linear_pointwise",
+                                                              "aten::mm", "aten::addmm"),
+              "attention (kvtrace paged / SDPA kernel)": ("kvtrace::paged_decode_attention",
+                                                          "aten::_scaled_dot_product_flash_attention_for_cpu"),
               "KV gather (index_select)": ("aten::index_select",),
               "KV write (index_copy_)": ("aten::index_copy_",),
               "RMSNorm (all its ops)": ("aten::rms_norm",),
@@ -161,7 +179,7 @@ def run(args: argparse.Namespace) -> None:
         runner = KvtraceRunner(weights_dir, block_size=BLOCK_SIZE, num_blocks=batch * -(-max_len // BLOCK_SIZE) + 1,
                                max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * args.context))
         model = runner.engine().model
-        weight_bytes = sum(w.numel() * w.element_size() for w in linear_weights(model))
+        weight_bytes = sum(lin.weight_bytes for lin in linear_layers(model))
         kv_per_token = model.config.kv_bytes_per_token
         records, floor, mean_positions = decode_steps(runner, batch, args.context, args.rounds)
         step_ms = [1000 * (r.end_s - r.start_s) for r in records]

@@ -1,15 +1,15 @@
 """A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache."""
 from __future__ import annotations
 
-import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_kernels
 from engine.config import ModelConfig
+from engine.linear import Linear, pick_kernel
 
 
 @dataclass
@@ -22,8 +22,8 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor            # [num_tokens] flat KV slot (block * block_size + offset)
     num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] (padded with 0)
-    decode_mask: torch.Tensor | None      # [num_decodes, 1, 1, max_blocks * block_size] True = attend
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64 (padded with 0)
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int64: positions each decode attends, itself included
     # per prefill chunk: (first token row, num tokens, first position, block ids covering 0..end)
     prefills: list[tuple[int, int, int, torch.Tensor]]
 
@@ -49,34 +49,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-# oneDNN picks its blocked weight layout for this many rows; any row count runs on it
-_ONEDNN_BATCH_HINT = 32
-
-
-def use_onednn_linear(device: torch.device, dtype: torch.dtype) -> bool:
-    """On CPU in fp32, oneDNN's linear on weights reordered once into its blocked layout is about 2x
-    faster than F.linear (MKL) at decode batch sizes and ~15 % faster for prefill (what vLLM's CPU
-    backend does too). The same products and sums in another order: results differ in the last bits."""
-    if device.type != "cpu" or dtype != torch.float32 or os.environ.get("KVTRACE_ONEDNN", "1") == "0":
-        return False
-    return _onednn_linear_works()
-
-
-@functools.cache
-def _onednn_linear_works() -> bool:
-    """The oneDNN ops are private torch API: check once that they exist here and agree with F.linear."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        weight = torch.randn(48, 40, generator=torch.Generator().manual_seed(0))
-        x = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_BATCH_HINT)
-        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return bool(torch.allclose(got, F.linear(x, weight), atol=1e-4, rtol=1e-4))
-    except (RuntimeError, AttributeError, TypeError):
-        return False
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin in three ops: rotate_half(x) * sin == [x2, x1] * [-sin1, sin1].
 
@@ -95,18 +67,19 @@ class LlamaModel:
         self.device = device
         self.dtype = dtype
         c = config
-        self.onednn = use_onednn_linear(device, dtype)
+        self.linear_kernel = pick_kernel(device, dtype)
+        # kvtrace's paged decode attention comes with its linear kernel (same library, same conditions)
+        self.cpu_kernels = cpu_kernels.load() if self.linear_kernel == "kvtrace" else None
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
 
-        def linear_weight(weight: torch.Tensor) -> torch.Tensor:
-            """[out, in], as `linear` wants it: reordered for oneDNN once here, or as it is."""
-            return torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_BATCH_HINT) if self.onednn else weight
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(weight, bias, self.linear_kernel)
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        self.lm_head = linear_weight(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
+        self.lm_head = linear(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -118,12 +91,11 @@ class LlamaModel:
                                       w(p + "self_attn.v_proj.bias")])
             self.layers.append({
                 "input_norm": w(p + "input_layernorm.weight"),
-                "qkv": linear_weight(qkv),
-                "qkv_bias": qkv_bias,
-                "o": linear_weight(w(p + "self_attn.o_proj.weight")),
+                "qkv": linear(qkv, qkv_bias),
+                "o": linear(w(p + "self_attn.o_proj.weight")),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
-                "gate_up": linear_weight(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                "down": linear_weight(w(p + "mlp.down_proj.weight")),
+                "gate_up": linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                "down": linear(w(p + "mlp.down_proj.weight")),
             })
         positions = torch.arange(c.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(positions, rope_inv_freq(c))
@@ -135,46 +107,80 @@ class LlamaModel:
         self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device, dtype=dtype)
         self.scale = 1.0 / math.sqrt(c.head_dim)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        return F.linear(x, weight, bias)
-
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor], logit_rows: torch.Tensor) -> torch.Tensor:
         """Compute this step's tokens, write their KV, return logits of `logit_rows`: [rows, vocab]."""
+        x = self.embed[input_ids]                      # x: [num_tokens, hidden], the residual stream
+        rope = None
+        if self.cpu_kernels is None:  # the kernels index the tables by position themselves
+            rope = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)  # [num_tokens, 1, hd]
+        decode_mask = None
+        if meta.num_decodes and self.cpu_kernels is None:  # torch's SDPA reads gathered blocks, masked
+            max_len = meta.decode_block_tables.shape[1] * kv_caches[0].shape[2]
+            decode_mask = torch.arange(max_len, device=self.device) < meta.decode_context_lens[:, None]
+            decode_mask = decode_mask[:, None, None, :]  # [num_decodes, 1, 1, max_blocks * block_size]
+        pending = None  # the last MLP's output, added to x by the next norm
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = self._add_norm(x, pending, layer["input_norm"])
+            qkv = layer["qkv"](h)   # [num_tokens, (nh + 2 * nkv) * hd]
+            q, k, v = self._rope_and_cache(qkv, positions, rope, kv_cache, meta.slot_mapping)
+            attn = self._attention(q, k, v, kv_cache, meta, decode_mask)  # [num_tokens, nh * hd]
+            h = self._add_norm(x, layer["o"](attn), layer["post_norm"])
+            pending = layer["down"](self._silu_mul(layer["gate_up"](h)))
+        last = x[logit_rows]
+        return self.lm_head(self._add_norm(last, pending[logit_rows], self.norm)).float()
+
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """x += residual (in place: x is the residual stream), then RMSNorm(x) * weight."""
+        if self.cpu_kernels is not None:
+            return self.cpu_kernels.rms_norm(x, residual, weight, self.config.rms_norm_eps)
+        if residual is not None:
+            x.add_(residual)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, 2 * intermediate] (gate, up) -> silu(gate) * up"""
+        if self.cpu_kernels is not None:
+            return self.cpu_kernels.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, rope: tuple | None,
+                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """RoPE on q and k, this step's K and V written to their cache slots; returns q, k, v:
+        [num_tokens, nh | nkv | nkv, hd]."""
         c = self.config
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
-        num_tokens = input_ids.shape[0]
-        x = self.embed[input_ids]                      # x: [num_tokens, hidden]
-        cos = self.cos[positions].unsqueeze(1)         # [num_tokens, 1, head_dim]
-        sin_signed = self.sin_signed[positions].unsqueeze(1)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h = rms_norm(x, layer["input_norm"], c.rms_norm_eps)
-            qkv = self.linear(h, layer["qkv"], layer["qkv_bias"])   # [num_tokens, (nh + 2 * nkv) * hd]
-            # RoPE on q and k together (one set of ops per layer, not two)
-            qk = apply_rope(qkv[:, :(nh + nkv) * hd].view(num_tokens, nh + nkv, hd), cos, sin_signed)
-            q, k = qk[:, :nh], qk[:, nh:]                            # [num_tokens, nh | nkv, hd]
-            v = qkv[:, (nh + nkv) * hd:].view(num_tokens, nkv, hd)
-            attn = self._attention(q, k, v, kv_cache, meta)  # [num_tokens, nh * hd]
-            x = x + self.linear(attn, layer["o"])
-            h = rms_norm(x, layer["post_norm"], c.rms_norm_eps)
-            gate, up = self.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + self.linear(F.silu(gate) * up, layer["down"])
-        h = rms_norm(x[logit_rows], self.norm, c.rms_norm_eps)
-        return self.linear(h, self.lm_head).float()
+        num_tokens = qkv.shape[0]
+        k_slots, v_slots = kv_cache[0].view(-1, nkv, hd), kv_cache[1].view(-1, nkv, hd)  # [num_slots, nkv, hd]
+        v = qkv[:, (nh + nkv) * hd:].view(num_tokens, nkv, hd)
+        if self.cpu_kernels is not None:
+            qk = self.cpu_kernels.rope_and_cache(qkv, positions, self.cos, self.sin_signed, nh, nkv, slot_mapping,
+                                                 k_slots, v_slots)
+            return qk[:, :nh], qk[:, nh:], v
+        # RoPE on q and k together (one set of ops per layer, not two)
+        qk = apply_rope(qkv[:, :(nh + nkv) * hd].view(num_tokens, nh + nkv, hd), *rope)
+        k = qk[:, nh:]
+        k_slots.index_copy_(0, slot_mapping, k)
+        v_slots.index_copy_(0, slot_mapping, v)
+        return qk[:, :nh], k, v
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   meta: AttentionMetadata) -> torch.Tensor:
+                   meta: AttentionMetadata, decode_mask: torch.Tensor | None) -> torch.Tensor:
         # kv_cache: [2, num_blocks, block_size, nkv, hd]
         _, num_blocks, block_size, nkv, hd = kv_cache.shape
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.view(-1, nkv, hd).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, nkv, hd).index_copy_(0, meta.slot_mapping, v)
         num_tokens, nh, _ = q.shape
         nd = meta.num_decodes
-        if nd:
+        if nd and self.cpu_kernels is not None:  # in place through the block tables: no gather, no mask
+            o = self.cpu_kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                                        meta.decode_context_lens, self.scale)
+            if nd == num_tokens:
+                return o
+            out = torch.empty(num_tokens, nh, hd, dtype=q.dtype, device=q.device)
+            out[:nd] = o.view(nd, nh, hd)
+        elif nd:
             flat_tables = meta.decode_block_tables.view(-1)  # [nd * max_blocks]
             # index_select on whole blocks is the fast gather on CPU (advanced indexing is ~3x slower)
             keys = k_cache.index_select(0, flat_tables).view(nd, -1, nkv, hd).transpose(1, 2)  # [nd, nkv, L, hd]
@@ -182,7 +188,7 @@ class LlamaModel:
             # the query heads that share a KV head become that head's query rows: no K/V repeat
             # (query head h reads KV head h // group, as with enable_gqa)
             qd = q[:nd].view(nd, nkv, nh // nkv, hd)          # [nd, nkv, group, hd]
-            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
+            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=decode_mask, scale=self.scale)
             if nd == num_tokens:  # decodes only: nothing to merge
                 return o.view(nd, nh * hd)
             out = torch.empty(num_tokens, nh, hd, dtype=q.dtype, device=q.device)

@@ -181,19 +181,17 @@ class ModelRunner:
                 logit_rows.append(row + num_new - 1)
         result.num_decode_tokens = len(decodes)
         result.num_prefill_tokens = len(input_ids) - len(decodes)
-        decode_tables = decode_mask = None
+        decode_tables = decode_lens = None
         if decodes:
             max_blocks = max(len(s.block_table) for s in decodes)
             decode_tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes],
                                          device=self.device)
-            lengths = torch.tensor([s.num_computed_tokens + 1 for s in decodes], device=self.device)
-            decode_mask = (torch.arange(max_blocks * bs, device=self.device)[None, :] < lengths[:, None])
-            decode_mask = decode_mask[:, None, None, :]
+            decode_lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes], device=self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=self.device),
             num_decodes=len(decodes),
             decode_block_tables=decode_tables,
-            decode_mask=decode_mask,
+            decode_context_lens=decode_lens,
             prefills=prefill_meta,
         )
         return (meta, torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
+from engine import cpu_kernels
+from engine.linear import pick_kernel
 from engine.sequence import SamplingParams
 from tests.reference_model import reference_forward
 
@@ -25,9 +28,24 @@ def capture_logits(engine):
     return seen
 
 
-def test_paged_logits_equal_dense_reference(make_engine, tiny_loaded):
+# each kernel path the engine can take on CPU, chosen through the switches users have
+KERNEL_SWITCHES = {"kvtrace": {}, "onednn": {"KVTRACE_CPU_KERNELS": "0"},
+                   "torch": {"KVTRACE_CPU_KERNELS": "0", "KVTRACE_ONEDNN": "0"}}
+
+
+@pytest.fixture(params=list(KERNEL_SWITCHES))
+def kernel(request, monkeypatch):
+    for name, value in KERNEL_SWITCHES[request.param].items():
+        monkeypatch.setenv(name, value)
+    if pick_kernel(torch.device("cpu"), torch.float32) != request.param:
+        pytest.skip(f"{request.param} kernels unavailable here ({cpu_kernels.unavailable_reason()})")
+    return request.param
+
+
+def test_paged_logits_equal_dense_reference(make_engine, tiny_loaded, kernel):
     # small blocks, a small token budget (chunked prefill mixed with decodes), prefix-cache hits
     engine = make_engine(block_size=4, max_num_batched_tokens=13, enable_prefix_caching=True)
+    assert engine.model.linear_kernel == kernel
     seen = capture_logits(engine)
     rng = random.Random(1)
     shared = [rng.randrange(3, 512) for _ in range(9)]
@@ -51,7 +69,7 @@ def test_paged_logits_equal_dense_reference(make_engine, tiny_loaded):
     assert hits == 8  # the second shared-prefix request mapped 2 full blocks
 
 
-def test_batched_equals_one_at_a_time(make_engine):
+def test_batched_equals_one_at_a_time(make_engine, kernel):
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 40))] for _ in range(10)]
     params = SamplingParams(max_tokens=10, ignore_eos=True)

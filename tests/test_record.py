@@ -97,13 +97,14 @@ def test_tight_pool_replays_match_unconstrained_from_traces(tmp_path):
 
 
 def slow_workload(tmp_path: Path) -> Path:
-    rows = [{"id": f"r{i}", "arrival_s": i * 0.25, "prompt_tokens": 30, "max_tokens": 200} for i in range(80)]
+    # long generations arriving faster than they finish: some are always running when the signal comes
+    rows = [{"id": f"r{i}", "arrival_s": i * 0.1, "prompt_tokens": 30, "max_tokens": 1500} for i in range(80)]
     return write_workload(tmp_path / "slow.jsonl", rows)
 
 
 def start_recording(tmp_path: Path, workload: Path, out: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "kvtrace", "record", "--model", "tiny", "-w", str(workload),
-                             "-o", str(out), "-q", "--block-size", "4", "--num-gpu-blocks", "64"],
+                             "-o", str(out), "-q", "--block-size", "4", "--num-gpu-blocks", "1024"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parent.parent)
 
 
