@@ -91,7 +91,7 @@ class Recording:
                                 "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "vocab": mc.vocab_size},
                       "max_model_len": engine.max_model_len},
             "device": {"type": engine.device.type, "name": device_name, "torch": torch.__version__,
-                       "threads": torch.get_num_threads()},
+                       "threads": torch.get_num_threads(), "kernels": engine.model.linear_kernel},
             "kv_pool": {"num_gpu_blocks": g.num_gpu_blocks, "block_size": g.block_size,
                         "bytes_per_block": g.bytes_per_block, "num_cpu_blocks": g.num_cpu_blocks,
                         "total_bytes": g.num_gpu_blocks * g.bytes_per_block,
