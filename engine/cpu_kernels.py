@@ -140,7 +140,8 @@ def _load() -> CpuKernels | None:
     try:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        _reason = f"could not build or load {SOURCE.name}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+        detail = str(exc).strip().splitlines()
+        _reason = f"could not build or load {SOURCE.name}: {detail[0] if detail else type(exc).__name__}"
         return None
     if not lib.kvt_supported():
         _reason = "this CPU has no AVX-512"
@@ -188,7 +189,8 @@ def _build() -> Path:
         done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=300)
         if done.returncode:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip()}")
+            first_error = next((line for line in done.stderr.splitlines() if "error" in line), "")
+            raise RuntimeError(f"{cc} exited with status {done.returncode}; {first_error}".rstrip("; "))
         os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
     finally:
         if os.path.exists(tmp):

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import kvtrace
 from kvtrace import db
+from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.tokenizer import load_tokenizer
@@ -49,6 +50,14 @@ def write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
     os.replace(tmp, path)
+
+
+def kernels_note(engine: LLMEngine) -> str | None:
+    """On CPU without kvtrace's own kernels: why, and what runs instead."""
+    if engine.device.type != "cpu" or engine.model.linear_kernel == "kvtrace":
+        return None
+    return (f"kvtrace's CPU kernels are off ({cpu_kernels.unavailable_reason()}); the model runs on "
+            f"{engine.model.linear_kernel}, which is slower")
 
 
 class Recording:
@@ -91,7 +100,8 @@ class Recording:
                                 "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "vocab": mc.vocab_size},
                       "max_model_len": engine.max_model_len},
             "device": {"type": engine.device.type, "name": device_name, "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "kernels": engine.model.linear_kernel},
+                       "threads": torch.get_num_threads(), "kernels": engine.model.linear_kernel,
+                       "kernels_note": kernels_note(engine)},
             "kv_pool": {"num_gpu_blocks": g.num_gpu_blocks, "block_size": g.block_size,
                         "bytes_per_block": g.bytes_per_block, "num_cpu_blocks": g.num_cpu_blocks,
                         "total_bytes": g.num_gpu_blocks * g.bytes_per_block,
@@ -120,6 +130,8 @@ class Recording:
         sampler = NvmlSampler(self.engine.device, writer, clock=self.engine.now)
         self.meta["nvml"] = {"enabled": sampler.enabled, "reason": sampler.reason}
         write_json_atomic(meta_path, self.meta)
+        if self.meta["device"]["kernels_note"]:
+            self.console.print(f"[dim]note: {self.meta['device']['kernels_note']}[/]")
         self.engine.tracer = writer
         status, error = "completed", None
         sampler.start()

@@ -130,3 +130,18 @@ def test_rope_and_cache_matches_torch(num_heads, num_kv_heads, head_dim):
     untouched = torch.ones(num_slots, dtype=torch.bool)
     untouched[slots] = False
     assert not k_slots[untouched].any() and not v_slots[untouched].any()
+
+
+def test_a_failed_build_leaves_the_torch_path_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTRACE_CACHE_DIR", str(tmp_path))  # no cached build to fall back on
+    monkeypatch.setenv("CC", "false")                       # a "compiler" that always fails
+    monkeypatch.setattr(cpu_kernels, "_reason", None)
+    assert cpu_kernels._load.__wrapped__() is None
+    assert cpu_kernels._reason.startswith("could not build or load cpu_kernels.c: false exited with status 1")
+    assert not list((tmp_path / "kernels").iterdir())  # no half-built library left behind
+
+
+def test_the_switch_turns_the_kernels_off(monkeypatch):
+    monkeypatch.setenv("KVTRACE_CPU_KERNELS", "0")
+    assert cpu_kernels.load() is None
+    assert cpu_kernels.unavailable_reason() == "turned off by KVTRACE_CPU_KERNELS=0"
