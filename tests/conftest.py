@@ -20,10 +20,10 @@ def tiny_loaded():
 
 @pytest.fixture
 def make_engine(tiny_loaded):
-    def make(tracer=None, **overrides) -> LLMEngine:
+    def make(tracer=None, loaded=None, **overrides) -> LLMEngine:
         settings = dict(model="tiny", load_format="dummy", block_size=4, num_gpu_blocks=256, watermark=0.0)
         settings.update(overrides)
-        return LLMEngine(EngineConfig(**settings), tracer, loaded=tiny_loaded)
+        return LLMEngine(EngineConfig(**settings), tracer, loaded=loaded or tiny_loaded)
     return make
 
 
