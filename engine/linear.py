@@ -53,7 +53,7 @@ def _onednn_linear_works() -> bool:
 class Linear:
     """y = x W^T (+ b), W: [out_features, in_features] as checkpoints store it."""
 
-    __slots__ = ("kernel", "weight", "bias", "out_features", "in_features", "_kernels")
+    __slots__ = ("kernel", "weight", "bias", "out_features", "in_features", "weight_ptr", "bias_ptr", "_kernels")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> None:
         self.kernel = kernel
@@ -66,6 +66,9 @@ class Linear:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_BATCH_HINT)
         else:
             self.weight = weight
+        # for callers that hand raw pointers to kvtrace's kernels (engine/cpu_forward.py)
+        self.weight_ptr = self.weight.data_ptr() if kernel == "kvtrace" else None
+        self.bias_ptr = None if bias is None or kernel != "kvtrace" else bias.data_ptr()
 
     @property
     def weight_bytes(self) -> int:

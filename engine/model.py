@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from engine import cpu_kernels
 from engine.config import ModelConfig
+from engine.attention import prefill_attention
+from engine.cpu_forward import forward_on_cpu_kernels
 from engine.linear import Linear, pick_kernel
 
 
@@ -111,12 +113,12 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor], logit_rows: torch.Tensor) -> torch.Tensor:
         """Compute this step's tokens, write their KV, return logits of `logit_rows`: [rows, vocab]."""
+        if self.cpu_kernels is not None:
+            return forward_on_cpu_kernels(self, input_ids, positions, meta, kv_caches, logit_rows)
         x = self.embed[input_ids]                      # x: [num_tokens, hidden], the residual stream
-        rope = None
-        if self.cpu_kernels is None:  # the kernels index the tables by position themselves
-            rope = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)  # [num_tokens, 1, hd]
+        rope = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)  # [num_tokens, 1, hd]
         decode_mask = None
-        if meta.num_decodes and self.cpu_kernels is None:  # torch's SDPA reads gathered blocks, masked
+        if meta.num_decodes:  # SDPA reads the gathered blocks of every decode, masked past its length
             max_len = meta.decode_block_tables.shape[1] * kv_caches[0].shape[2]
             decode_mask = torch.arange(max_len, device=self.device) < meta.decode_context_lens[:, None]
             decode_mask = decode_mask[:, None, None, :]  # [num_decodes, 1, 1, max_blocks * block_size]
@@ -124,46 +126,33 @@ class LlamaModel:
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = self._add_norm(x, pending, layer["input_norm"])
             qkv = layer["qkv"](h)   # [num_tokens, (nh + 2 * nkv) * hd]
-            q, k, v = self._rope_and_cache(qkv, positions, rope, kv_cache, meta.slot_mapping)
+            q, k, v = self._rope_and_cache(qkv, rope, kv_cache, meta.slot_mapping)
             attn = self._attention(q, k, v, kv_cache, meta, decode_mask)  # [num_tokens, nh * hd]
             h = self._add_norm(x, layer["o"](attn), layer["post_norm"])
-            pending = layer["down"](self._silu_mul(layer["gate_up"](h)))
+            gate, up = layer["gate_up"](h).chunk(2, dim=-1)
+            pending = layer["down"](F.silu(gate) * up)
         last = x[logit_rows]
         return self.lm_head(self._add_norm(last, pending[logit_rows], self.norm)).float()
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         """x += residual (in place: x is the residual stream), then RMSNorm(x) * weight."""
-        if self.cpu_kernels is not None:
-            return self.cpu_kernels.rms_norm(x, residual, weight, self.config.rms_norm_eps)
         if residual is not None:
             x.add_(residual)
         return rms_norm(x, weight, self.config.rms_norm_eps)
 
-    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[num_tokens, 2 * intermediate] (gate, up) -> silu(gate) * up"""
-        if self.cpu_kernels is not None:
-            return self.cpu_kernels.silu_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    def _rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, rope: tuple | None,
-                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _rope_and_cache(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """RoPE on q and k, this step's K and V written to their cache slots; returns q, k, v:
         [num_tokens, nh | nkv | nkv, hd]."""
         c = self.config
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         num_tokens = qkv.shape[0]
-        k_slots, v_slots = kv_cache[0].view(-1, nkv, hd), kv_cache[1].view(-1, nkv, hd)  # [num_slots, nkv, hd]
-        v = qkv[:, (nh + nkv) * hd:].view(num_tokens, nkv, hd)
-        if self.cpu_kernels is not None:
-            qk = self.cpu_kernels.rope_and_cache(qkv, positions, self.cos, self.sin_signed, nh, nkv, slot_mapping,
-                                                 k_slots, v_slots)
-            return qk[:, :nh], qk[:, nh:], v
         # RoPE on q and k together (one set of ops per layer, not two)
         qk = apply_rope(qkv[:, :(nh + nkv) * hd].view(num_tokens, nh + nkv, hd), *rope)
         k = qk[:, nh:]
-        k_slots.index_copy_(0, slot_mapping, k)
-        v_slots.index_copy_(0, slot_mapping, v)
+        v = qkv[:, (nh + nkv) * hd:].view(num_tokens, nkv, hd)
+        kv_cache[0].view(-1, nkv, hd).index_copy_(0, slot_mapping, k)  # [num_slots, nkv, hd]
+        kv_cache[1].view(-1, nkv, hd).index_copy_(0, slot_mapping, v)
         return qk[:, :nh], k, v
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -173,14 +162,7 @@ class LlamaModel:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_tokens, nh, _ = q.shape
         nd = meta.num_decodes
-        if nd and self.cpu_kernels is not None:  # in place through the block tables: no gather, no mask
-            o = self.cpu_kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                                        meta.decode_context_lens, self.scale)
-            if nd == num_tokens:
-                return o
-            out = torch.empty(num_tokens, nh, hd, dtype=q.dtype, device=q.device)
-            out[:nd] = o.view(nd, nh, hd)
-        elif nd:
+        if nd:
             flat_tables = meta.decode_block_tables.view(-1)  # [nd * max_blocks]
             # index_select on whole blocks is the fast gather on CPU (advanced indexing is ~3x slower)
             keys = k_cache.index_select(0, flat_tables).view(nd, -1, nkv, hd).transpose(1, 2)  # [nd, nkv, L, hd]
@@ -195,20 +177,6 @@ class LlamaModel:
             out[:nd] = o.view(nd, nh, hd)
         else:
             out = torch.empty(num_tokens, nh, hd, dtype=q.dtype, device=q.device)
-        for row, length, start, block_ids in meta.prefills:
-            qp = q[row:row + length].transpose(0, 1).unsqueeze(0)       # [1, nh, length, hd]
-            if start == 0:  # nothing before this chunk: attend to its own tokens, causally
-                kp = k[row:row + length].transpose(0, 1).unsqueeze(0)    # [1, nkv, length, hd]
-                vp = v[row:row + length].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale,
-                                                   enable_gqa=nh != nkv)
-            else:  # earlier positions come from the cache: read them through the block table
-                end = start + length
-                kp = k_cache.index_select(0, block_ids).view(-1, nkv, hd)[:end].transpose(0, 1).unsqueeze(0)
-                vp = v_cache.index_select(0, block_ids).view(-1, nkv, hd)[:end].transpose(0, 1).unsqueeze(0)
-                query_pos = torch.arange(start, end, device=q.device).unsqueeze(1)
-                mask = torch.arange(end, device=q.device).unsqueeze(0) <= query_pos  # [length, end]
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale,
-                                                   enable_gqa=nh != nkv)
-            out[row:row + length] = o.squeeze(0).transpose(0, 1)
+        prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, self.scale, out)
         return out.view(num_tokens, nh * hd)
+
