@@ -139,10 +139,13 @@ def profile_step(runner: KvtraceRunner, batch: int, context: int, step_ms: float
     for _ in range(3):
         engine.step()
     num_steps = 5
-    kernels = engine.model.cpu_kernels
-    if kernels is not None:  # the profiler sees no ctypes call: name kvtrace's kernels for it
-        for name in ("linear", "paged_decode_attention", "rms_norm", "silu_mul", "rope_and_cache"):
-            setattr(kernels, name, _labelled(getattr(kernels, name), f"kvtrace::{name}"))
+    # the profiler sees no ctypes call: name kvtrace's kernels for it (the library's functions, which
+    # both the forward and the Python wrappers call)
+    lib = engine.model.cpu_kernels.lib if engine.model.cpu_kernels is not None else None
+    names = ("linear", "paged_decode_attention", "rms_norm", "silu_mul", "rope_and_cache")
+    originals = {name: getattr(lib, f"kvt_{name}") for name in names} if lib is not None else {}
+    for name, fn in originals.items():
+        setattr(lib, f"kvt_{name}", _labelled(fn, f"kvtrace::{name}"))
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
@@ -150,9 +153,8 @@ def profile_step(runner: KvtraceRunner, batch: int, context: int, step_ms: float
                 engine.step()
             profiled_ms = (time.perf_counter() - t0) * 1000 / num_steps
     finally:
-        if kernels is not None:
-            for name in ("linear", "paged_decode_attention", "rms_norm", "silu_mul", "rope_and_cache"):
-                delattr(kernels, name)
+        for name, fn in originals.items():
+            setattr(lib, f"kvt_{name}", fn)
     groups = {"linear layers (kvtrace / oneDNN / aten::mm)": ("kvtrace::linear", "mkldnn::_linear_pointwise",
                                                               "aten::mm", "aten::addmm"),
               "attention (kvtrace paged / SDPA kernel)": ("kvtrace::paged_decode_attention",

@@ -42,8 +42,6 @@ class CpuKernels:
         lib.kvt_rms_norm.argtypes = [_ptr, _ptr, _ptr, _f32, _i64, _i64, _ptr]
         lib.kvt_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
         lib.kvt_rope_and_cache.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr]
-        self._linear = lib.kvt_linear
-        self._attention = lib.kvt_paged_decode_attention
 
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """[out, in] -> the panel layout `linear` reads (flat, zero-padded to whole panels)."""
@@ -60,7 +58,7 @@ class CpuKernels:
             x = x.contiguous()
         rows, k = x.shape
         y = torch.empty(rows, out_features, dtype=torch.float32)
-        self._linear(x.data_ptr(), rows, k, packed.data_ptr(), out_features,
+        self.lib.kvt_linear(x.data_ptr(), rows, k, packed.data_ptr(), out_features,
                      None if bias is None else bias.data_ptr(), y.data_ptr())
         return y
 
@@ -108,7 +106,7 @@ class CpuKernels:
         assert block_tables.dtype == torch.int64 and block_tables.is_contiguous() and context_lens.dtype == torch.int64
         _, block_size, num_kv_heads, _ = k_cache.shape
         out = torch.empty(num_seqs, num_heads * head_dim, dtype=torch.float32)
-        rc = self._attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        rc = self.lib.kvt_paged_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                              block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), num_seqs,
                              num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr())
         if rc:
