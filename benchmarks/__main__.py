@@ -13,6 +13,7 @@ SUITES = {
     "tracing": "benchmarks.tracing_cost",
     "trace-scale": "benchmarks.trace_scale_suite",
     "model-ab": "benchmarks.model_ab",
+    "kernels": "benchmarks.kernels",
 }
 
 
