@@ -2,8 +2,8 @@
 
 On CPU in fp32, in order of preference:
 - kvtrace's own kernel (engine/cpu_kernels.py) on weights packed into column panels: it reads the
-  weights at memory bandwidth at decode batch sizes (~1.5x oneDNN's rate at 8 rows here) and
-  matches oneDNN's FLOP rate on prefill batches;
+  weights at close to memory bandwidth at decode batch sizes (1.3-1.6x oneDNN's rate at 1-8 rows
+  here, `python -m benchmarks kernels`) and matches oneDNN's FLOP rate on prefill batches;
 - oneDNN's linear on weights reordered into its blocked layout (what vLLM's CPU backend does),
   about 2x faster than F.linear (MKL) at decode batch sizes;
 - F.linear.

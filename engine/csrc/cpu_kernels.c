@@ -6,11 +6,14 @@
  *
  * - kvt_linear: y = x W^T + b on weights packed once into panels of NR output columns,
  *   [panels][K][NR], so each thread streams whole panels in order. Decode batches are bound by how
- *   fast the weights are read: at 8 rows this reads them ~1.5x faster than oneDNN's fp32 GEMM
- *   here, and large batches run at the same FLOP rate. Each output is one sum over k in order, so a
- *   row's result does not depend on the other rows in the batch.
+ *   fast the weights are read: at 1-8 rows this reads them 1.3-1.6x faster than oneDNN's fp32 GEMM
+ *   here (`python -m benchmarks kernels`), and large batches run at the same FLOP rate. Each output
+ *   is one sum over k in order, so a row's result does not depend on the other rows in the batch.
  * - kvt_paged_decode_attention: one query token per sequence against its cached K/V, read in
  *   place through the block table (no gather copy, no mask).
+ * - kvt_rms_norm (with the residual add), kvt_silu_mul, kvt_rope_and_cache (RoPE on q and k and
+ *   the KV cache write): one pass over each row where torch runs a chain of ops.
+ * Without AVX-512 only kvt_supported() is built, and it returns 0.
  */
 #include <math.h>
 #include <omp.h>
