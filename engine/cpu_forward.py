@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import prefill_attention
+from engine.cpu_kernels import check_attention
 
 
 def forward_on_cpu_kernels(model, input_ids: torch.Tensor, positions: torch.Tensor, meta,
@@ -32,12 +33,16 @@ def forward_on_cpu_kernels(model, input_ids: torch.Tensor, positions: torch.Tens
     num_tokens = input_ids.shape[0]
     qkv_width = (nh + 2 * nkv) * hd
 
+    # the kernels read and write fp32 through raw pointers: nothing here may take torch's defaults
+    assert kv_caches[0].dtype == torch.float32 and kv_caches[0].is_contiguous(), "KV cache must be contiguous fp32"
+    assert positions.dtype == torch.int64 and meta.slot_mapping.dtype == torch.int64
     x = model.embed[input_ids]
-    h, o, down = (torch.empty(num_tokens, hidden) for _ in range(3))
-    qkv = torch.empty(num_tokens, qkv_width)
-    qk = torch.empty(num_tokens, nh + nkv, hd)
-    attn = torch.empty(num_tokens, nh * hd)
-    gate_up, act = torch.empty(num_tokens, 2 * inter), torch.empty(num_tokens, inter)
+    fp32 = dict(dtype=torch.float32, device="cpu")
+    h, o, down = (torch.empty(num_tokens, hidden, **fp32) for _ in range(3))
+    qkv = torch.empty(num_tokens, qkv_width, **fp32)
+    qk = torch.empty(num_tokens, nh + nkv, hd, **fp32)
+    attn = torch.empty(num_tokens, nh * hd, **fp32)
+    gate_up, act = torch.empty(num_tokens, 2 * inter, **fp32), torch.empty(num_tokens, inter, **fp32)
     x_p, h_p, o_p, down_p = x.data_ptr(), h.data_ptr(), o.data_ptr(), down.data_ptr()
     qkv_p, qk_p, attn_p, gate_up_p, act_p = qkv.data_ptr(), qk.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), \
         act.data_ptr()
@@ -58,9 +63,9 @@ def forward_on_cpu_kernels(model, input_ids: torch.Tensor, positions: torch.Tens
         rms_norm(x_p, residual_p, layer["input_norm"].data_ptr(), eps, num_tokens, hidden, h_p)
         linear(h_p, num_tokens, hidden, qkv_l.weight_ptr, qkv_width, qkv_l.bias_ptr, qkv_p)
         rope_and_cache(qkv_p, num_tokens, positions_p, cos_p, sin_p, nh, nkv, hd, slots_p, k_p, v_p, qk_p)
-        if nd and decode_attention(qk_p, (nh + nkv) * hd, k_p, v_p, tables_p, max_blocks, lens_p, nd, nh, nkv, hd,
-                                   block_size, model.scale, attn_p):
-            raise MemoryError("paged decode attention could not allocate its scratch buffers")
+        if nd:
+            check_attention(decode_attention(qk_p, (nh + nkv) * hd, k_p, v_p, tables_p, max_blocks, lens_p, nd, nh,
+                                             nkv, hd, block_size, model.scale, attn_p))
         if meta.prefills:
             v = qkv[:, (nh + nkv) * hd:].view(num_tokens, nkv, hd)
             prefill_attention(qk[:, :nh], qk[:, nh:], v, kv_cache[0], kv_cache[1], meta.prefills, model.scale,

@@ -1,6 +1,6 @@
 """kvtrace's own CPU kernels (engine/csrc/cpu_kernels.c): built once per machine, loaded with ctypes.
 
-The library is compiled with the system C compiler (`$CC`, else `cc`/`gcc`) and `-march=native` into
+The library is compiled with the system C compiler (`$CC`, else `gcc`, else `cc`) and `-march=native` into
 the cache folder, named by a hash of the source, the flags and this CPU, so a changed source or
 another machine gets its own build. Without a compiler, without AVX-512, if the build or the
 self-check fails, or with `KVTRACE_CPU_KERNELS=0`, `load()` returns None and the model keeps its
@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+PANEL = 32  # output columns per packed panel (NR in the C source)
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _reason: str | None = None
@@ -57,16 +59,19 @@ class CpuKernels:
         if not x.is_contiguous():
             x = x.contiguous()
         rows, k = x.shape
-        y = torch.empty(rows, out_features, dtype=torch.float32)
+        assert x.dtype == torch.float32 and packed.numel() == -(-out_features // PANEL) * PANEL * k, \
+            "x must be fp32 with as many columns as the packed weight has inputs"
+        y = torch.empty(rows, out_features, dtype=torch.float32, device="cpu")
         self.lib.kvt_linear(x.data_ptr(), rows, k, packed.data_ptr(), out_features,
-                     None if bias is None else bias.data_ptr(), y.data_ptr())
+                            None if bias is None else bias.data_ptr(), y.data_ptr())
         return y
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
         """x: [rows, dim], contiguous, becomes x + residual in place (when given); returns
         RMSNorm(x) * weight as a new [rows, dim]."""
-        assert x.is_contiguous() and (residual is None or residual.is_contiguous())
+        assert x.is_contiguous() and x.dtype == torch.float32 and weight.shape == x.shape[1:]
+        assert residual is None or (residual.is_contiguous() and residual.shape == x.shape)
         rows, dim = x.shape
         out = torch.empty_like(x)
         self.lib.kvt_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
@@ -75,9 +80,9 @@ class CpuKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[rows, 2 * inter] (gate, up) -> [rows, inter] = silu(gate) * up"""
-        assert gate_up.is_contiguous()
+        assert gate_up.is_contiguous() and gate_up.dtype == torch.float32
         rows, width = gate_up.shape
-        out = torch.empty(rows, width // 2, dtype=torch.float32)
+        out = torch.empty(rows, width // 2, dtype=torch.float32, device="cpu")
         self.lib.kvt_silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
         return out
 
@@ -87,10 +92,14 @@ class CpuKernels:
         """qkv: [rows, (heads + 2 * kv_heads) * head_dim]; cos, sin_signed: [max_positions, head_dim];
         k_slots, v_slots: [num_slots, kv_heads, head_dim] receive each row's rotated k and its v at
         `slots`; returns the rotated q and k: [rows, heads + kv_heads, head_dim]."""
-        assert qkv.is_contiguous() and positions.dtype == torch.int64 and slots.dtype == torch.int64
-        assert k_slots.is_contiguous() and v_slots.is_contiguous()
         rows, head_dim = qkv.shape[0], cos.shape[1]
-        qk = torch.empty(rows, num_heads + num_kv_heads, head_dim, dtype=torch.float32)
+        assert qkv.is_contiguous() and qkv.dtype == torch.float32
+        assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+        assert positions.dtype == torch.int64 and slots.dtype == torch.int64
+        assert 0 <= int(positions.min()) and int(positions.max()) < cos.shape[0], "position past the RoPE table"
+        assert 0 <= int(slots.min()) and int(slots.max()) < k_slots.shape[0], "slot past the KV cache"
+        assert k_slots.is_contiguous() and v_slots.is_contiguous() and k_slots.shape == v_slots.shape
+        qk = torch.empty(rows, num_heads + num_kv_heads, head_dim, dtype=torch.float32, device="cpu")
         self.lib.kvt_rope_and_cache(qkv.data_ptr(), rows, positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
                                     num_heads, num_kv_heads, head_dim, slots.data_ptr(), k_slots.data_ptr(),
                                     v_slots.data_ptr(), qk.data_ptr())
@@ -101,17 +110,28 @@ class CpuKernels:
         """q: [seqs, heads, head_dim] (rows may be strided); caches: [blocks, block_size, kv_heads, head_dim];
         block_tables: [seqs, max_blocks] int64; context_lens: [seqs] int64 -> [seqs, heads * head_dim]"""
         num_seqs, num_heads, head_dim = q.shape
-        assert q.stride(2) == 1 and q.stride(1) == head_dim, "each query row must be [heads, head_dim] contiguous"
-        assert k_cache.is_contiguous() and v_cache.is_contiguous()
-        assert block_tables.dtype == torch.int64 and block_tables.is_contiguous() and context_lens.dtype == torch.int64
-        _, block_size, num_kv_heads, _ = k_cache.shape
-        out = torch.empty(num_seqs, num_heads * head_dim, dtype=torch.float32)
-        rc = self.lib.kvt_paged_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                             block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), num_seqs,
-                             num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr())
-        if rc:
-            raise MemoryError("paged decode attention could not allocate its scratch buffers")
+        assert q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim, \
+            "each query row must be [heads, head_dim], contiguous fp32"
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+        assert block_tables.dtype == torch.int64 and block_tables.is_contiguous() and block_tables.shape[0] == num_seqs
+        assert context_lens.dtype == torch.int64 and context_lens.is_contiguous() and context_lens.shape == (num_seqs,)
+        num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+        assert int(context_lens.max()) <= block_tables.shape[1] * block_size, "context longer than its block table"
+        assert 0 <= int(block_tables.min()) and int(block_tables.max()) < num_blocks, "block id past the KV cache"
+        out = torch.empty(num_seqs, num_heads * head_dim, dtype=torch.float32, device="cpu")
+        check_attention(self.lib.kvt_paged_decode_attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+            scale, out.data_ptr()))
         return out
+
+
+def check_attention(status: int) -> None:
+    """Turn kvt_paged_decode_attention's status into an exception."""
+    if status == 2:
+        raise ValueError("paged decode attention: a sequence with no positions to attend to")
+    if status:
+        raise MemoryError("paged decode attention could not allocate its scratch buffers")
 
 
 def unavailable_reason() -> str | None:
@@ -153,7 +173,9 @@ def _load() -> CpuKernels | None:
 
 
 def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc"):
+    # gcc's -fopenmp links libgomp, which resolves to the copy torch has loaded; clang's would bring
+    # a second OpenMP runtime, so a plain `cc` is only the last resort
+    for name in (os.environ.get("CC"), "gcc", "cc"):
         if name and shutil.which(name):
             return name
     raise RuntimeError("no C compiler (set CC, or install gcc)")
@@ -170,16 +192,15 @@ def _cpu_signature() -> str:
 
 
 def _build() -> Path:
-    """Compile into the cache unless this source, compiler and CPU already have a build there."""
-    cc = _compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+    """Compile into the cache unless this source, these flags and this CPU already have a build there
+    (looked up first: a machine with a cached build needs no compiler)."""
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     root = Path(os.environ.get("KVTRACE_CACHE_DIR") or Path.home() / ".cache" / "kvtrace") / "kernels"
     target = root / f"cpu_kernels-{key}.so"
     if target.is_file():
         return target
+    cc = _compiler()
     root.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=root, prefix=".build-", suffix=".so")
     os.close(fd)

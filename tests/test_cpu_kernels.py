@@ -145,3 +145,34 @@ def test_the_switch_turns_the_kernels_off(monkeypatch):
     monkeypatch.setenv("KVTRACE_CPU_KERNELS", "0")
     assert cpu_kernels.load() is None
     assert cpu_kernels.unavailable_reason() == "turned off by KVTRACE_CPU_KERNELS=0"
+
+
+def test_bad_arguments_raise_instead_of_reading_out_of_bounds():
+    packed = kernels.pack_weight(torch.randn(40, 16))
+    with pytest.raises(AssertionError):
+        kernels.linear(torch.randn(2, 24), packed, 40)  # 24 inputs against a weight of 16
+    k_cache = v_cache = torch.zeros(4, 4, 1, 16)
+    q = torch.randn(1, 2, 16)
+    with pytest.raises(ValueError, match="no positions"):
+        kernels.paged_decode_attention(q, k_cache, v_cache, torch.tensor([[1]]), torch.tensor([0]), 0.25)
+    with pytest.raises(AssertionError, match="longer than its block table"):
+        kernels.paged_decode_attention(q, k_cache, v_cache, torch.tensor([[1]]), torch.tensor([5]), 0.25)
+    with pytest.raises(AssertionError, match="past the KV cache"):
+        kernels.paged_decode_attention(q, k_cache, v_cache, torch.tensor([[4]]), torch.tensor([2]), 0.25)
+
+
+def test_the_forward_does_not_depend_on_torch_defaults(make_engine):
+    """The kernel path hands raw pointers to fp32 kernels: a changed default dtype must change nothing."""
+    from engine.sequence import SamplingParams
+
+    prompts = [[5, 9, 11, 3, 200], [7] * 13]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = make_engine().generate(prompts, params)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        engine = make_engine()
+        assert engine.model.linear_kernel == "kvtrace"
+        assert engine.generate(prompts, params) == want
+    finally:
+        torch.set_default_dtype(previous)

@@ -175,7 +175,8 @@ static inline float exp_shifted(float *scores, int64_t len) {
  * k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
  * block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs] positions attended (this token's
  * own K/V already written);
- * out: [num_seqs, num_heads * head_dim]. Returns 0, or -1 if a scratch buffer could not be had.
+ * out: [num_seqs, num_heads * head_dim]. Returns 0; 1 if a scratch buffer could not be had; 2 if a
+ * sequence has no positions (the caller's mistake: a decode attends at least to itself).
  * One task per (sequence, KV head): its group of query heads reads each K and V row once. */
 int kvt_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                                const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
@@ -199,12 +200,13 @@ int kvt_paged_decode_attention(const float *q, int64_t q_stride, const float *k_
             const int64_t s = task / tasks_per_seq, first_kv_head = task % tasks_per_seq * heads_per_task;
             const int64_t len = context_lens[s], *table = block_tables + s * max_blocks;
             const float *qs = q + s * q_stride + first_kv_head * group * head_dim;   /* [rows, head_dim] */
+            if (len <= 0) { failed |= 2; continue; }
             if (rows * len > capacity) {
                 free(scores);
                 capacity = rows * len;
                 scores = malloc(sizeof(float) * capacity);
             }
-            if (scores == NULL || acc == NULL || inv_total == NULL) { failed = 1; capacity = 0; continue; }
+            if (scores == NULL || acc == NULL || inv_total == NULL) { failed |= 1; capacity = 0; continue; }
             /* block by block: a position's row is table[b] * block_size + i, with no division per position */
             const float *k_rows = k_cache + first_kv_head * head_dim, *v_rows = v_cache + first_kv_head * head_dim;
             for (int64_t b = 0, t = 0; t < len; b++) {
@@ -234,7 +236,7 @@ int kvt_paged_decode_attention(const float *q, int64_t q_stride, const float *k_
         free(acc);
         free(inv_total);
     }
-    return failed ? -1 : 0;
+    return failed & 1 ? 1 : failed;
 }
 
 /* ---- element-wise: one pass over each row instead of a chain of torch ops -------------------- */
