@@ -54,10 +54,13 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 def kernels_note(engine: LLMEngine) -> str | None:
     """On CPU without kvtrace's own kernels: why, and what runs instead."""
-    if engine.device.type != "cpu" or engine.model.linear_kernel == "kvtrace":
+    model = engine.model
+    if engine.device.type != "cpu" or model.linear_kernel == "kvtrace":
         return None
+    if model.dtype != torch.float32:
+        return f"kvtrace's CPU kernels are fp32 only: this {str(model.dtype).removeprefix('torch.')} model runs on torch ops"
     return (f"kvtrace's CPU kernels are off ({cpu_kernels.unavailable_reason()}); the model runs on "
-            f"{engine.model.linear_kernel}, which is slower")
+            f"{model.linear_kernel}, which is slower")
 
 
 class Recording:

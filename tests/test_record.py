@@ -172,3 +172,17 @@ def test_no_token_ids(tmp_path):
     result, run = record(tmp_path, workload, "run", "--no-token-ids")
     assert result.exit_code == 0, result.output
     assert sql(run, "SELECT count(*), count(token_id) FROM tokens") == [(3, 0)]
+
+
+@pytest.mark.parametrize("switches, args, kernels, note", [
+    ({"KVTRACE_CPU_KERNELS": "0"}, [], ("onednn", "torch"), "turned off by KVTRACE_CPU_KERNELS=0"),
+    ({}, ["--dtype", "bfloat16"], ("torch",), "fp32 only: this bfloat16 model runs on torch ops"),
+])
+def test_meta_says_which_kernels_ran_and_why(tmp_path, monkeypatch, switches, args, kernels, note):
+    for name, value in switches.items():
+        monkeypatch.setenv(name, value)
+    workload = write_workload(tmp_path / "w.jsonl", [{"arrival_s": 0, "prompt_tokens": 6, "max_tokens": 2}])
+    result, run = record(tmp_path, workload, "run", *args)
+    assert result.exit_code == 0, result.output
+    device = json.loads((run / "meta.json").read_text())["device"]
+    assert device["kernels"] in kernels and note in device["kernels_note"]
