@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
-from engine.config import ModelConfig
 from engine.attention import prefill_attention
+from engine.config import ModelConfig
 from engine.cpu_forward import forward_on_cpu_kernels
 from engine.linear import Linear, pick_kernel
 
@@ -61,7 +61,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class LlamaModel:
-    """Weights as plain tensors (q/k/v and gate/up fused); forward over a flat batch of tokens."""
+    """Norms and embeddings as plain tensors, projections as `Linear` (q/k/v and gate/up fused);
+    forward over a flat batch of tokens. On a CPU with kvtrace's kernels the forward runs on them
+    (engine/cpu_forward.py); elsewhere on torch ops, below."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype) -> None:
