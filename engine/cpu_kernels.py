@@ -45,13 +45,16 @@ class CpuKernels:
         lib.kvt_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
         lib.kvt_rope_and_cache.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr]
 
-    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """[out, in] -> the panel layout `linear` reads (flat, zero-padded to whole panels)."""
+    def pack_weight(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[out, in] -> the panel layout `linear` reads (flat, zero-padded to whole panels), written
+        into `out` (packed_numel(out, in) contiguous fp32 elements) when given."""
         weight = weight.contiguous()
         n, k = weight.shape
-        packed = torch.empty(self.lib.kvt_packed_numel(n, k), dtype=torch.float32)
-        self.lib.kvt_pack_weight(weight.data_ptr(), packed.data_ptr(), n, k)
-        return packed
+        if out is None:
+            out = torch.empty(packed_numel(n, k), dtype=torch.float32, device="cpu")
+        assert out.is_contiguous() and out.dtype == torch.float32 and out.numel() == packed_numel(n, k)
+        self.lib.kvt_pack_weight(weight.data_ptr(), out.data_ptr(), n, k)
+        return out
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,7 +62,7 @@ class CpuKernels:
         if not x.is_contiguous():
             x = x.contiguous()
         rows, k = x.shape
-        assert x.dtype == torch.float32 and packed.numel() == -(-out_features // PANEL) * PANEL * k, \
+        assert x.dtype == torch.float32 and packed.numel() == packed_numel(out_features, k), \
             "x must be fp32 with as many columns as the packed weight has inputs"
         y = torch.empty(rows, out_features, dtype=torch.float32, device="cpu")
         self.lib.kvt_linear(x.data_ptr(), rows, k, packed.data_ptr(), out_features,
@@ -124,6 +127,11 @@ class CpuKernels:
             block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
             scale, out.data_ptr()))
         return out
+
+
+def packed_numel(out_features: int, in_features: int) -> int:
+    """Elements of a packed [out, in] weight: whole panels of PANEL output columns."""
+    return -(-out_features // PANEL) * PANEL * in_features
 
 
 def check_attention(status: int) -> None:

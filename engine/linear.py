@@ -55,13 +55,16 @@ class Linear:
 
     __slots__ = ("kernel", "weight", "bias", "out_features", "in_features", "weight_ptr", "bias_ptr", "_kernels")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str,
+                 packed_into: torch.Tensor | None = None) -> None:
+        """`packed_into`: for the kvtrace kernel, where to put the packed weight (a slice of a bigger
+        buffer, see engine/host_memory.py); else a buffer of its own."""
         self.kernel = kernel
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self._kernels = cpu_kernels.load() if kernel == "kvtrace" else None
         if kernel == "kvtrace":
-            self.weight = self._kernels.pack_weight(weight)
+            self.weight = self._kernels.pack_weight(weight, packed_into)
         elif kernel == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_BATCH_HINT)
         else:

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
+from engine import cpu_kernels, host_memory
 from engine.attention import prefill_attention
 from engine.config import ModelConfig
 from engine.cpu_forward import forward_on_cpu_kernels
+from engine.cpu_kernels import packed_numel
 from engine.linear import Linear, pick_kernel
 
 
@@ -47,6 +48,15 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
+def linear_shapes(c: ModelConfig) -> list[tuple[int, int]]:
+    """[out, in] of every linear layer LlamaModel builds: per layer the fused qkv, o, the fused
+    gate_up and down, then the LM head."""
+    per_layer = [((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+                 (c.hidden_size, c.num_heads * c.head_dim),
+                 (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
+    return per_layer * c.num_layers + [(c.vocab_size, c.hidden_size)]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -78,8 +88,17 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
 
+        arena, used = None, 0
+        if self.cpu_kernels is not None:  # all packed weights in one buffer on huge pages (host_memory.py)
+            arena = host_memory.empty(sum(packed_numel(n, k) for n, k in linear_shapes(c)))
+
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return Linear(weight, bias, self.linear_kernel)
+            nonlocal used
+            if arena is None:
+                return Linear(weight, bias, self.linear_kernel)
+            size = packed_numel(*weight.shape)
+            used += size
+            return Linear(weight, bias, self.linear_kernel, packed_into=arena[used - size:used])
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
@@ -110,6 +129,7 @@ class LlamaModel:
         # sin with its first half negated, for apply_rope
         self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device, dtype=dtype)
         self.scale = 1.0 / math.sqrt(c.head_dim)
+        assert arena is None or used == arena.numel(), "linear_shapes() and the layers built disagree"
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

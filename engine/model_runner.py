@@ -6,11 +6,13 @@ events that the engine resolves later, never with a synchronisation of their own
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from engine import host_memory
 from engine.model import AttentionMetadata, LlamaModel
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
@@ -52,8 +54,13 @@ class ModelRunner:
         c = model.config
         self.is_cuda = self.device.type == "cuda"
         # one preallocated KV tensor per layer, indexed by physical block
-        self.kv_caches = [torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                                      device=self.device, dtype=self.dtype) for _ in range(c.num_layers)]
+        layer_shape = (2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        if self.device.type == "cpu":  # one buffer on huge pages (engine/host_memory.py), a view per layer
+            pool = host_memory.empty(c.num_layers * math.prod(layer_shape), dtype=self.dtype).zero_()
+            self.kv_caches = list(pool.view(c.num_layers, *layer_shape).unbind(0))
+        else:
+            self.kv_caches = [torch.zeros(layer_shape, device=self.device, dtype=self.dtype)
+                              for _ in range(c.num_layers)]
         # host swap space, block-major so one block is one contiguous copy
         self.host_cache = torch.zeros(num_cpu_blocks, c.num_layers, 2, block_size, c.num_kv_heads,
                                       c.head_dim, dtype=self.dtype, pin_memory=self.is_cuda)
