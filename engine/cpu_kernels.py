@@ -227,6 +227,8 @@ def _build() -> Path:
 
 def _self_check(kernels: CpuKernels) -> str | None:
     """Compare with torch on shapes that exercise partial panels and partial row tiles."""
+    if kernels.lib.kvt_packed_numel(45, 40) != packed_numel(45, 40):
+        return f"the library's panel width is not PANEL = {PANEL}"
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(45, 40, generator=gen), torch.randn(45, generator=gen)
     x = torch.randn(11, 40, generator=gen)
