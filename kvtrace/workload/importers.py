@@ -246,12 +246,18 @@ def parse_datetime(text: str) -> float:
     return moment.timestamp() + float(match[7] or 0.0)
 
 
-def _token_counts(row: list[str], index: dict[str, int], prompt: str, output: str) -> tuple[int, int] | str:
+def _counted_row(key: str, time_s: float, row: list[str], index: dict[str, int], prompt: str, output: str,
+                 zero_output: str = "zero output tokens") -> _Row | str:
+    """The row with its token counts from columns `prompt` and `output`, or why it is skipped."""
     try:
-        counts = int(row[index[prompt]]), int(row[index[output]])
+        prompt_tokens, output_tokens = int(row[index[prompt]]), int(row[index[output]])
     except ValueError:
         return "token count not an integer"
-    return "negative token count" if min(counts) < 0 else counts
+    if min(prompt_tokens, output_tokens) < 0:
+        return "negative token count"
+    if output_tokens == 0:
+        return zero_output
+    return _Row(key, time_s, prompt_tokens, output_tokens) if prompt_tokens else "zero prompt tokens"
 
 
 def _azure_row(key: str, row: list[str], index: dict[str, int]) -> _Row | str:
@@ -259,12 +265,7 @@ def _azure_row(key: str, row: list[str], index: dict[str, int]) -> _Row | str:
         time_s = parse_datetime(row[index["TIMESTAMP"]])
     except ValueError:
         return "bad timestamp"
-    counts = _token_counts(row, index, "ContextTokens", "GeneratedTokens")
-    if isinstance(counts, str):
-        return counts
-    if counts[0] == 0:
-        return "zero prompt tokens"
-    return _Row(key, time_s, *counts) if counts[1] else "zero output tokens"
+    return _counted_row(key, time_s, row, index, "ContextTokens", "GeneratedTokens")
 
 
 def _burstgpt_row(key: str, row: list[str], index: dict[str, int]) -> _Row | str:
@@ -272,12 +273,8 @@ def _burstgpt_row(key: str, row: list[str], index: dict[str, int]) -> _Row | str
         time_s = float(row[index["Timestamp"]])
     except ValueError:
         return "bad timestamp"
-    counts = _token_counts(row, index, "Request tokens", "Response tokens")
-    if isinstance(counts, str):
-        return counts
-    if counts[1] == 0:
-        return "failed (0 response tokens)"
-    return _Row(key, time_s, *counts) if counts[0] else "zero prompt tokens"
+    # BurstGPT logs failed requests with 0 response tokens
+    return _counted_row(key, time_s, row, index, "Request tokens", "Response tokens", "failed (0 response tokens)")
 
 
 def _mooncake_rows(f: IO) -> Iterator[_Row | str]:
