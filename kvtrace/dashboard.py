@@ -37,7 +37,7 @@ LEVELS = " ▁▂▃▄▅▆▇█"             # 1/8 steps of a character cell
 # params that the dashboard's own options set
 ANALYSES = ("summary", "thrash", "thrash_windows", "latency", "itl_cliff_summary", "most_preempted",
             "pool_timeline")
-OPTION_PARAMS = {"buckets", "limit", "req_id"}
+OPTION_PARAMS = {"buckets", "limit", "req_id", "top"}  # set by the commands themselves
 RUN_COLUMNS = """run_id, status, error, model, dtype, device, device_type, preemption_mode, preemption_policy,
     enable_prefix_caching, block_size, num_gpu_blocks, num_cpu_blocks, bytes_per_block,
     json_extract(meta_json, '$.kv_pool.total_bytes')::BIGINT AS total_bytes,

@@ -169,7 +169,7 @@ def recompute_swap(timeline: list[dict], run_ids: list[str]) -> alt.TopLevelMixi
     return alt.vconcat(recompute, swap)
 
 
-ANALYSES = ("pool_timeline", "thrash_windows", "most_preempted", "request_timeline", "latency_cdf",
+ANALYSES = ("pool_timeline", "thrash_windows", "request_timeline", "latency_cdf",
             "itl_cliff_summary", "summary")
 
 
@@ -186,11 +186,7 @@ def build(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = Non
     timeline = rows("pool_timeline", buckets=buckets)
     rates = rows("pool_timeline", buckets=max(buckets // RATE_BUCKETS_DIVISOR, 1))
     windows = rows("thrash_windows")
-    preempted = rows("most_preempted", limit=requests)
-    states = []
-    for req_id in dict.fromkeys(row["req_id"] for row in preempted):
-        rank = min(row["rank"] for row in preempted if row["req_id"] == req_id)
-        states += [{**row, "rank": rank} for row in rows("request_timeline", req_id=req_id)]
+    states = rows("request_timeline", top=requests)  # each run's own most preempted, ranked in that run
     cdf = rows("latency_cdf")
     tail = rows("itl_cliff_summary")
     itl = [row for row in cdf if row["metric"] == "itl"]

@@ -383,6 +383,15 @@ def test_request_timeline(con):
     assert rows(con, "request_timeline", req_id="nobody") == []
 
 
+def test_request_timeline_of_the_most_preempted_keeps_each_runs_own_ranking(con):
+    """top=N: each run's N most preempted sequences, ranked within that run (as most_preempted), and no
+    sequence of one run brought in because it ranks in another."""
+    for top in (1, 2, 5):
+        chosen = {(r["run_id"], r["req_id"], r["sample"], r["rank"]) for r in rows(con, "request_timeline", top=top)}
+        assert chosen == {(r["run_id"], r["req_id"], r["sample"], r["rank"])
+                          for r in rows(con, "most_preempted", limit=top)}
+
+
 def test_most_preempted(con):
     assert rows(con, "most_preempted") == [approx(r) for r in [
         {"run_id": "rec", "req_id": "B", "sample": 0, "rank": 1, "preemptions": 1, "swaps": 0,
