@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.loader import cache_root
+
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
@@ -204,7 +206,7 @@ def _build() -> Path:
     (looked up first: a machine with a cached build needs no compiler)."""
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
-    root = Path(os.environ.get("KVTRACE_CACHE_DIR") or Path.home() / ".cache" / "kvtrace") / "kernels"
+    root = cache_root() / "kernels"
     target = root / f"cpu_kernels-{key}.so"
     if target.is_file():
         return target

@@ -9,7 +9,7 @@ import torch
 
 from engine import events as ev
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig
+from engine.config import DTYPES as config_dtypes, EngineConfig, ModelConfig
 from engine.events import KVEvent, NullTracer, RequestStats, StepRecord, Tracer
 from engine.loader import load_weights
 from engine.model import LlamaModel
@@ -17,7 +17,7 @@ from engine.model_runner import ModelRunner, StepResult, sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in config_dtypes}  # the names EngineConfig accepts
 DEFAULT_KV_CACHE_MEMORY = 1 << 30   # 1 GiB when neither --num-gpu-blocks nor --kv-cache-memory is given
 MAX_STEPS_WITHOUT_PROGRESS = 10_000
 
@@ -90,10 +90,10 @@ class LLMEngine:
         self._steps_without_progress = 0
         self._pending_finished: list[Sequence] = []
         self._pending_records: deque[tuple[StepRecord, StepResult, SchedulerOutput]] = deque()
-        # every sequence by (req_id, sample); a long replay turns this off to keep memory flat
+        # every sequence by (req_id, sample), which also catches a request id used twice; a long replay
+        # turns this off to keep memory flat (its workload's ids are checked unique when it is read)
         self.keep_outputs = True
         self.outputs: dict[tuple[str, int], Sequence] = {}
-        self._request_ids: set[str] = set()
         self.num_finished_seqs = 0
         self.num_preemptions = 0
 
@@ -111,9 +111,8 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"request {req_id}: token id {bad} outside the vocabulary (0..{vocab - 1})")
-        if str(req_id) in self._request_ids:
+        if (str(req_id), 0) in self.outputs:
             raise ValueError(f"request id {req_id!r} used twice")
-        self._request_ids.add(str(req_id))
         seq = Sequence(str(req_id), 0, prompt_token_ids, params,
                        self.now() if arrival_s is None else arrival_s, priority, self._num_requests)
         seq.num_pending_forks = params.n - 1
@@ -272,7 +271,7 @@ class LLMEngine:
             for events, total_ms in ((out.swap_out_events, swap_out_ms), (out.swap_in_events, swap_in_ms)):
                 num_blocks = sum(len(e.blocks) for e in events)
                 for e in events:  # one copy per direction per step: share its time by blocks
-                    e.bytes = len(e.blocks) * self.runner.bytes_per_block
+                    e.bytes = len(e.blocks) * self.geometry.bytes_per_block
                     e.duration_ms = total_ms * len(e.blocks) / num_blocks if total_ms is not None else None
             for e in record.events:
                 e.seq = self._event_seq

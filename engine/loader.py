@@ -176,11 +176,15 @@ def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def cache_root() -> Path:
+    """kvtrace's cache folder: converted GGUF weights, built kernels (`$KVTRACE_CACHE_DIR` moves it)."""
+    return Path(os.environ.get("KVTRACE_CACHE_DIR") or Path.home() / ".cache" / "kvtrace")
+
+
 def gguf_cache_dir(path: Path) -> Path:
     """Where the HF-folder conversion of a GGUF file is cached, keyed by its size and mtime."""
-    root = Path(os.environ.get("KVTRACE_CACHE_DIR") or Path.home() / ".cache" / "kvtrace")
     stat = path.stat()
-    return root / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    return cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
 
 
 # --- GGUF ------------------------------------------------------------------------------------------------

@@ -65,8 +65,6 @@ class ModelRunner:
         self.host_cache = torch.zeros(num_cpu_blocks, c.num_layers, 2, block_size, c.num_kv_heads,
                                       c.head_dim, dtype=self.dtype, pin_memory=self.is_cuda)
         self.swap_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        self.bytes_per_block = c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * element
 
     # ---- KV copies ----------------------------------------------------------------------
     def _event_pair(self) -> tuple:

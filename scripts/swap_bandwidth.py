@@ -26,7 +26,7 @@ def main() -> None:
     runner = engine.runner
     out_map = [(2 * i, i) for i in range(args.blocks)]          # scattered device blocks
     in_map = [(i, 2 * i + 1) for i in range(args.blocks)]
-    nbytes = args.blocks * runner.bytes_per_block
+    nbytes = args.blocks * engine.geometry.bytes_per_block
     results = {"swap_out": [], "swap_in": []}
     for _ in range(args.repeat):
         for name, fn, mapping in (("swap_out", runner.swap_out, out_map), ("swap_in", runner.swap_in, in_map)):
@@ -40,7 +40,7 @@ def main() -> None:
             else:
                 ms = (time.perf_counter() - t0) * 1000
             results[name].append(nbytes / (ms / 1000) / 1e9)
-    print(f"{model} {dtype} on {args.device}: {args.blocks} blocks x {runner.bytes_per_block} B = {nbytes / 1e6:.1f} MB")
+    print(f"{model} {dtype} on {args.device}: {args.blocks} blocks x {engine.geometry.bytes_per_block} B = {nbytes / 1e6:.1f} MB")
     for name, rates in results.items():
         print(f"{name}: median {statistics.median(rates):.2f} GB/s (min {min(rates):.2f}, max {max(rates):.2f})")
 

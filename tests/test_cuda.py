@@ -28,7 +28,7 @@ def test_four_block_scenario_on_cuda(make_engine, mode):
     if mode == "swap":
         assert engine.runner.host_cache.is_pinned()
         swaps = [e for e in tracer.events if e.kind in ("swap_out", "swap_in")]
-        assert [e.bytes for e in swaps] == [2 * engine.runner.bytes_per_block] * 2
+        assert [e.bytes for e in swaps] == [2 * engine.geometry.bytes_per_block] * 2
         assert all(e.duration_ms is not None and e.duration_ms > 0 for e in swaps)
 
 

@@ -93,7 +93,7 @@ def test_four_block_scenario(make_engine, mode):
             (7, "free", "B", [1, 3, 2], 0, "finish"), (7, "finish", "B", None, 4, "length"),
         ]
         swaps = [e for e in tracer.events if e.kind in ("swap_out", "swap_in")]
-        assert [e.bytes for e in swaps] == [2 * engine.runner.bytes_per_block] * 2
+        assert [e.bytes for e in swaps] == [2 * engine.geometry.bytes_per_block] * 2
         assert all(e.duration_ms is not None and e.duration_ms >= 0 for e in swaps)
         assert b.num_recomputed_tokens == 0 and b.num_swaps == 1
         assert sum(r.num_recompute_tokens for r in tracer.records) == 0
@@ -247,3 +247,10 @@ def test_victim_whose_blocks_are_all_shared_is_passed_over(make_engine):
     assert preempts == [("A", 0)]
     run_checked(engine)
     assert all(s.finish_reason == "length" for s in engine.outputs.values())
+
+
+def test_a_request_id_used_twice_is_refused(make_engine):
+    engine = make_engine()
+    engine.add_request("r", [5, 6, 7])
+    with pytest.raises(ValueError, match="used twice"):
+        engine.add_request("r", [8, 9])
