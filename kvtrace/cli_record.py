@@ -20,8 +20,29 @@ class Terminated(Exception):
     """SIGTERM arrived: stop like Ctrl-C."""
 
 
-def _on_sigterm(signum, frame) -> None:
-    raise Terminated()
+class DeferredSignals:
+    """SIGINT and SIGTERM while recording: noted when they arrive, raised by the replay between steps,
+    so a step's tokens, events and request stats are never cut apart in the trace."""
+
+    def __init__(self) -> None:
+        self.pending: list[BaseException] = []
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self) -> DeferredSignals:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.previous[signum] = signal.signal(signum, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.pending.append(KeyboardInterrupt() if signum == signal.SIGINT else Terminated())
+
+    def raise_pending(self) -> None:
+        if self.pending:
+            raise self.pending[0]
 
 
 @app.command()
@@ -77,11 +98,8 @@ def record(
     except KeyboardInterrupt:  # before anything was written: nothing to clean up
         print("kvtrace: interrupted before recording started; nothing written", file=sys.stderr)
         raise typer.Exit(code=130) from None
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        status = recording.run(interrupt_types=(KeyboardInterrupt, Terminated))
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with DeferredSignals() as signals:
+        status = recording.run(interrupt_types=(KeyboardInterrupt, Terminated), stop=signals.raise_pending)
     if out is None:  # traces/runs/latest follows the newest default run
         latest = run_dir.parent / "latest"
         if latest.is_symlink() or not latest.exists():

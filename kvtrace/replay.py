@@ -59,10 +59,12 @@ def prepare(requests: list[WorkloadRequest], engine: LLMEngine, *, tokenizer, se
 
 
 def replay(engine: LLMEngine, items: list[ReplayItem], *,
-           on_progress: Callable[[ReplayStats], None] | None = None, progress_every_s: float = 0.25) -> ReplayStats:
+           on_progress: Callable[[ReplayStats], None] | None = None, progress_every_s: float = 0.25,
+           stop: Callable[[], None] | None = None) -> ReplayStats:
     """Inject requests at their arrival times and step the engine until all are done.
 
-    Requests whose arrival passed while a step ran join at the next step. Time starts now.
+    Requests whose arrival passed while a step ran join at the next step. Time starts now. `stop` is
+    called between steps and raises to end the replay there (a signal, taken at a safe point).
     """
     stats = ReplayStats(num_requests=sum(item.params.n for item in items))
     engine.time_origin = time.perf_counter()
@@ -70,6 +72,8 @@ def replay(engine: LLMEngine, items: list[ReplayItem], *,
     next_item = 0
     last_progress = 0.0
     while next_item < len(items) or engine.has_unfinished():
+        if stop is not None:
+            stop()
         now = engine.now()
         while next_item < len(items) and items[next_item].arrival_s <= now:
             item = items[next_item]

@@ -28,6 +28,7 @@ from kvtrace.recorder import TraceWriter
 from kvtrace.replay import ReplayItem, ReplayStats, prepare, replay
 from kvtrace.schema import SCHEMA_VERSION
 from kvtrace.workload import load_workload, workload_sha256
+from kvtrace.workload.format import atomic_write
 
 
 def default_run_dir(model: str) -> Path:
@@ -47,9 +48,8 @@ def cpu_name() -> str:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        f.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
 def kernels_note(engine: LLMEngine) -> str | None:
@@ -123,8 +123,9 @@ class Recording:
         }
         return cls(engine, items, run_dir, meta, record_token_ids, console)
 
-    def run(self, interrupt_types: tuple[type[BaseException], ...] = (KeyboardInterrupt,)) -> str:
-        """Replay into the run folder; return the end status (completed / interrupted)."""
+    def run(self, interrupt_types: tuple[type[BaseException], ...] = (KeyboardInterrupt,),
+            stop: Callable[[], None] | None = None) -> str:
+        """Replay into the run folder; return the end status (completed / interrupted). `stop`: see replay()."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         meta_path = self.run_dir / "meta.json"
         self.meta["started_at"] = datetime.now(timezone.utc).isoformat()
@@ -140,26 +141,32 @@ class Recording:
         sampler.start()
         try:
             with self._progress() as on_progress:
-                self.stats = replay(self.engine, self.items, on_progress=on_progress)
+                self.stats = replay(self.engine, self.items, on_progress=on_progress, stop=stop)
         except interrupt_types:
             status = "interrupted"
         except BaseException as exc:
             status, error = "failed", f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            sampler.stop()
-            if status != "completed":
-                self.engine.flush()
-                for stats in self.engine.abort_all():
-                    writer.add_request(stats)
-            writer.close()
-            if self.stats is None:
-                self.stats = ReplayStats(num_requests=len(self.items), duration_s=self.engine.now())
-            self.meta["status"] = status
-            self.meta["error"] = error
-            self.meta["ended_at"] = datetime.now(timezone.utc).isoformat()
-            self.meta["summary"] = {**asdict(self.stats), "rows": dict(writer.rows_written)}
-            write_json_atomic(meta_path, self.meta)
+            try:
+                sampler.stop()
+                if status != "completed":
+                    self.engine.flush()
+                    for stats in self.engine.abort_all():
+                        writer.add_request(stats)
+                writer.close()
+            except BaseException as exc:  # the trace may be short: never leave meta saying "running"
+                if status != "failed":
+                    status, error = "failed", f"closing the trace: {type(exc).__name__}: {exc}"
+                raise
+            finally:
+                if self.stats is None:
+                    self.stats = ReplayStats(num_requests=len(self.items), duration_s=self.engine.now())
+                self.meta["status"] = status
+                self.meta["error"] = error
+                self.meta["ended_at"] = datetime.now(timezone.utc).isoformat()
+                self.meta["summary"] = {**asdict(self.stats), "rows": dict(writer.rows_written)}
+                write_json_atomic(meta_path, self.meta)
         return status
 
     @contextlib.contextmanager

@@ -186,3 +186,21 @@ def test_meta_says_which_kernels_ran_and_why(tmp_path, monkeypatch, switches, ar
     assert result.exit_code == 0, result.output
     device = json.loads((run / "meta.json").read_text())["device"]
     assert device["kernels"] in kernels and note in device["kernels_note"]
+
+
+def test_a_failure_while_closing_the_trace_marks_the_run_failed(tmp_path, monkeypatch):
+    """Not left saying "running" (which `analyze --follow` would wait on forever)."""
+    from kvtrace.recorder import TraceWriter
+
+    close = TraceWriter.close
+
+    def failing_close(self):
+        close(self)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(TraceWriter, "close", failing_close)
+    workload = write_workload(tmp_path / "w.jsonl", [{"arrival_s": 0, "prompt_tokens": 6, "max_tokens": 2}])
+    result, run = record(tmp_path, workload, "run")
+    assert result.exit_code != 0
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["status"] == "failed" and "closing the trace: OSError: disk full" in meta["error"]
