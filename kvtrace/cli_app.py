@@ -24,6 +24,19 @@ app.add_typer(model_app, name="model")
 
 F = TypeVar("F", bound=Callable)
 
+RUNS_HELP = "Run folders: a run, a glob of runs, or a folder holding runs (e.g. traces/runs)."
+
+
+def parse_params(items: list[str] | None) -> dict[str, str]:
+    """--param NAME=VALUE options as a dict."""
+    values = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise KvtraceError(f"--param expects NAME=VALUE, got {item!r}")
+        values[name.strip()] = value.strip()
+    return values
+
 
 def fail(message: str) -> None:
     """Print one line to stderr and exit with code 2."""

@@ -20,10 +20,9 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtrace import db
-from kvtrace.cli_app import app, user_errors
+from kvtrace.cli_app import RUNS_HELP, app, parse_params, user_errors
 from kvtrace.errors import KvtraceError
 
-RUNS_HELP = "Run folders: a run, a glob of runs, or a folder holding runs (e.g. traces/runs)."
 INTERACTIVE_HELP = """\
 Views: requests, steps, kv_events, tokens, gpu_samples (every row has run_id) and runs (meta.json).
 End a statement with ';'. Commands: .tables  .analyses  .run NAME [k=v ...]  .help  .quit"""
@@ -74,12 +73,6 @@ def _rich_table(result: pa.Table, max_rows: int) -> Table:
     return table
 
 
-def _json_value(value: object) -> object:
-    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
-        return None
-    return value
-
-
 def _console(output: Path | None) -> Console:
     if output is not None:
         return Console(file=output.open("w"), width=100_000, color_system=None)
@@ -113,7 +106,7 @@ def write_result(result: pa.Table, fmt: OutputFormat, output: Path | None, max_r
                 with path.open() as csv_file:
                     shutil.copyfileobj(csv_file, sys.stdout)
         return
-    records = [{k: _json_value(v) for k, v in row.items()} for row in result.to_pylist()]
+    records = db.records(result)
     text = json.dumps(records, indent=2, default=str) + "\n"
     if output is None:
         sys.stdout.write(text)
@@ -131,16 +124,6 @@ def _split_query(args: list[str], query_elsewhere: bool) -> tuple[list[str], str
     if Path(last).exists() or (glob.has_magic(last) and glob.glob(last)):
         return args, None
     return args[:-1], last
-
-
-def _parse_params(params: list[str]) -> dict[str, str]:
-    values = {}
-    for item in params:
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip():
-            raise KvtraceError(f"--param expects NAME=VALUE, got {item!r}")
-        values[name.strip()] = value.strip()
-    return values
 
 
 def _analyses_text() -> str:
@@ -222,7 +205,7 @@ def _interactive_command(con, line: str, console: Console, err: Console, max_row
         console.print(_analyses_text(), markup=False, highlight=False)
     elif command == ".run" and args:
         try:
-            result = db.run_analysis(con, args[0], **_parse_params(args[1:]))
+            result = db.run_analysis(con, args[0], **parse_params(args[1:]))
         except KvtraceError as exc:
             err.print(f"error: {exc}", markup=False, highlight=False)
             return True
@@ -292,7 +275,7 @@ def sql(
             raise KvtraceError(f"{file}: cannot read ({exc.strerror})") from exc
     con = db.connect(runs)
     if analysis is not None:
-        result = db.run_analysis(con, analysis, **_parse_params(param or []))
+        result = db.run_analysis(con, analysis, **parse_params(param or []))
     elif query is not None:
         result = _run_query(con, query)
     else:
@@ -355,7 +338,7 @@ def compare(
     Warns when the runs did not replay the same workload (the sha256 in meta.json differs).
     """
     con = db.connect(runs)
-    summary = db.run_analysis(con, "summary", **_parse_params(param or []))
+    summary = db.run_analysis(con, "summary", **parse_params(param or []))
     if summary.num_rows < 2:
         raise KvtraceError("compare needs at least two runs")
     warning = workload_warning(con)
@@ -365,7 +348,7 @@ def compare(
     run_ids = summary.column("run_id").to_pylist()
     if fmt is CompareFormat.json:
         document = {"baseline": run_ids[0], "runs": run_ids, "warnings": [warning] if warning else [],
-                    "metrics": [{key: ({k: _json_value(v) for k, v in value.items()} if isinstance(value, dict)
+                    "metrics": [{key: ({k: db.json_value(v) for k, v in value.items()} if isinstance(value, dict)
                                        else value) for key, value in row.items()} for row in rows]}
         sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
         return

@@ -17,21 +17,10 @@ from rich.text import Text
 
 from kvtrace import dashboard, db
 from kvtrace import report as report_charts
-from kvtrace.cli_app import app, user_errors
+from kvtrace.cli_app import RUNS_HELP, app, parse_params, user_errors
 from kvtrace.errors import KvtraceError
 
-RUNS_HELP = "Run folders: a run, a glob of runs, or a folder holding runs (e.g. traces/runs)."
 PARAM_HELP = "A parameter of the analyses shown (SLOs, thrash thresholds, ITL cliff threshold), NAME=VALUE."
-
-
-def parse_params(items: list[str] | None) -> dict[str, str]:
-    values = {}
-    for item in items or []:
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip():
-            raise KvtraceError(f"--param expects NAME=VALUE, got {item!r}")
-        values[name.strip()] = value.strip()
-    return values
 
 
 # --------------------------------------------------------------------------- kvtrace analyze

@@ -15,7 +15,6 @@ renderers only lay those figures out; every number on the screen is a value of s
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import duckdb
 from rich.console import Group, RenderableType
@@ -46,14 +45,6 @@ RUN_COLUMNS = """run_id, status, error, model, dtype, device, device_type, preem
 
 # --------------------------------------------------------------------------- the figures
 
-def json_value(value: Any) -> Any:
-    return None if isinstance(value, float) and (math.isnan(value) or math.isinf(value)) else value
-
-
-def _records(table) -> list[dict]:
-    return [{k: json_value(v) for k, v in row.items()} for row in table.to_pylist()]
-
-
 def split_params(params: dict[str, str], analyses: tuple[str, ...] = ANALYSES) -> dict[str, dict[str, str]]:
     """`params` (--param NAME=VALUE) split among `analyses` by the params each declares; a param
     that none declares is an error."""
@@ -72,8 +63,8 @@ def collect(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = N
     per = split_params(params or {})
     per["pool_timeline"]["buckets"] = str(buckets)
     per["most_preempted"]["limit"] = str(top)
-    results = {name: _records(db.run_analysis(con, name, **per[name])) for name in ANALYSES}
-    runs = _records(con.sql(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY ordinal").to_arrow_table())
+    results = {name: db.records(db.run_analysis(con, name, **per[name])) for name in ANALYSES}
+    runs = db.records(con.sql(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY ordinal").to_arrow_table())
 
     def of(name: str, run_id: str) -> list[dict]:
         return [{k: v for k, v in row.items() if k != "run_id"} for row in results[name] if row["run_id"] == run_id]

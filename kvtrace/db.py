@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import importlib.resources
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +82,16 @@ _DEFINES_RE = re.compile(r"^CREATE OR REPLACE (?:VIEW|MACRO|TABLE) (_[a-z0-9_]+)
 
 
 # --------------------------------------------------------------------------- runs and views
+
+def json_value(value: object) -> object:
+    """A value as JSON can hold it: NaN and infinities (an empty window's rate) become null."""
+    return None if isinstance(value, float) and (math.isnan(value) or math.isinf(value)) else value
+
+
+def records(table: pa.Table) -> list[dict]:
+    """An analysis's rows as dicts of JSON-safe values."""
+    return [{k: json_value(v) for k, v in row.items()} for row in table.to_pylist()]
+
 
 def find_runs(args: list[str | Path]) -> list[Path]:
     """Run folders named by `args`: a run folder, a glob of them, or a folder holding run folders."""

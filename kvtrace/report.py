@@ -21,7 +21,7 @@ import duckdb
 import vl_convert as vlc
 
 from kvtrace import db
-from kvtrace.dashboard import fmt_bytes, fmt_num, fmt_seconds, fmt_share, json_value, split_params
+from kvtrace.dashboard import fmt_bytes, fmt_num, fmt_seconds, fmt_share, split_params
 
 TIMELINE_BUCKETS = 150          # intervals of pool_timeline.sql per run for the occupancy chart
 RATE_BUCKETS_DIVISOR = 5        # recompute and swap rates: a fifth as many (wider) intervals
@@ -43,7 +43,7 @@ class ReportChart:
 
 
 def _rows(con: duckdb.DuckDBPyConnection, name: str, **params: object) -> list[dict]:
-    return [{k: json_value(v) for k, v in row.items()} for row in db.run_analysis(con, name, **params).to_pylist()]
+    return db.records(db.run_analysis(con, name, **params))
 
 
 def _pick(rows: list[dict], *columns: str) -> alt.Data:
@@ -246,10 +246,10 @@ def write_images(charts: list[ReportChart], folder: Path, fmt: str) -> list[Path
 
 def _runs_table(con: duckdb.DuckDBPyConnection, params: dict[str, str]) -> str:
     """The runs, what they ran on and their key figures (summary.sql), as an HTML table."""
-    runs = [{k: json_value(v) for k, v in row.items()} for row in con.sql(
+    runs = db.records(con.sql(
         "SELECT run_id, status, model, dtype, device, preemption_mode, preemption_policy, num_gpu_blocks, "
         "block_size, num_cpu_blocks, workload_path, workload_requests FROM runs ORDER BY ordinal"
-    ).to_arrow_table().to_pylist()]
+    ).to_arrow_table())
     summary = {row["run_id"]: row for row in _rows(con, "summary", **split_params(params, ("summary",))["summary"])}
     head = ["run", "status", "model on device", "KV pool", "preemption", "workload", "duration", "output",
             "preemptions", "recomputed", "swapped", "thrash"]

@@ -6,7 +6,6 @@ import json
 import os
 import platform
 import re
-import time
 from dataclasses import asdict
 from datetime import datetime, timezone
 from collections.abc import Callable, Iterator

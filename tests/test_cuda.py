@@ -8,7 +8,7 @@ import pytest
 
 from engine.sequence import SamplingParams
 from tests.conftest import run_checked
-from tests.test_preemption import ListTracer, four_block_engine, random_workload
+from tests.test_preemption import four_block_engine, random_workload
 
 pytestmark = pytest.mark.cuda
 

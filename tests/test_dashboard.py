@@ -96,8 +96,7 @@ def test_json_figures_are_the_analyses_rows():
     con = db.connect([RECOMPUTE, SWAP])
 
     def rows(name, **params):
-        return [{k: dashboard.json_value(v) for k, v in row.items()}
-                for row in db.run_analysis(con, name, **params).to_pylist()]
+        return db.records(db.run_analysis(con, name, **params))
 
     def without_run(row):
         return {k: v for k, v in row.items() if k != "run_id"}

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -10,7 +9,6 @@ import time
 from pathlib import Path
 
 import duckdb
-import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
