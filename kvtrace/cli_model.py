@@ -17,9 +17,9 @@ from kvtrace.cli_app import model_app, user_errors
 @model_app.command("list")
 @user_errors
 def list_models() -> None:
+    """List the built-in models: their shape, whether real weights are installed, and KV bytes per token."""
     from engine.loader import BUILTIN_WITH_WEIGHTS, builtin_gguf_path
 
-    """List the built-in models: their shape, whether real weights are installed, and KV bytes per token."""
     header = ("name", "layers", "hidden", "heads/kv", "vocab", "real weights", "KV bytes/token (fp32)")
     rows = [header]
     for name, config in PRESETS.items():

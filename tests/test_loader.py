@@ -272,3 +272,8 @@ def test_reference_model_answers_paris() -> None:
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     new_ids = greedy_generate(model.config, model.weights, tokenizer.encode(prompt), 20, tokenizer.eos_token_id)
     assert "Paris" in tokenizer.decode(new_ids)
+
+
+def test_model_commands_have_help():
+    result = CliRunner().invoke(app, ["model", "--help"])
+    assert "List the built-in models" in result.output and "Write MODEL as a Hugging Face folder" in result.output
