@@ -490,3 +490,18 @@ def test_thrash_stretches_never_overlap(tmp_path):
         (0.0, 3.0, 3), (approx(3.0), approx(3.4), 1)]
     verdict = rows(db.connect([run]), "thrash", window_s=2)[0]
     assert verdict["thrash_s"] == approx(3.4)
+
+
+def test_a_zero_length_run_has_null_rates_not_nan(tmp_path):
+    """One request rejected on arrival: no steps, a span of zero seconds."""
+    write_run(tmp_path, "empty", requests=[{
+        "req_id": "X", "sample": 0, "n": 1, "priority": 0, "arrival_s": 0.5, "prompt_tokens": 9000,
+        "max_tokens": 4, "output_tokens": 0, "first_scheduled_s": None, "first_token_s": None, "finish_s": 0.5,
+        "preemptions": 0, "swaps": 0, "recomputed_tokens": 0, "prefix_hit_tokens": 0, "finish_reason": "rejected"}])
+    con = db.connect([tmp_path / "empty"])
+    (throughput,) = rows(con, "throughput")
+    assert throughput["duration_s"] is None
+    assert throughput["output_tok_s"] is None and throughput["processed_tok_s"] is None
+    for name in ("summary", "goodput", "thrash"):
+        for row in rows(con, name):
+            assert not any(isinstance(v, float) and v != v for v in row.values()), (name, row)
