@@ -21,11 +21,8 @@ output AS (
     FROM per_second
     GROUP BY run_id
 ),
-work AS (
-    SELECT run_id, count(*) AS steps,
-           sum(prefill_tokens)::BIGINT AS prefill_tokens, sum(decode_tokens)::BIGINT AS decode_tokens
-    FROM steps
-    GROUP BY run_id
+steps_run AS (
+    SELECT run_id, count(*) AS steps FROM steps GROUP BY run_id
 )
 SELECT span.run_id, span.duration_s,
        coalesce(r.completed_requests, 0) AS completed_requests,
@@ -34,12 +31,14 @@ SELECT span.run_id, span.duration_s,
        coalesce(o.output_tokens, 0) / span.duration_s AS output_tok_s,
        coalesce(o.peak_output_tok_s, 0) AS peak_output_tok_s,
        coalesce(w.steps, 0) AS steps,
-       coalesce(w.prefill_tokens, 0) AS prefill_tokens,
-       coalesce(w.decode_tokens, 0) AS decode_tokens,
-       coalesce(w.prefill_tokens + w.decode_tokens, 0) AS processed_tokens,
-       coalesce(w.prefill_tokens + w.decode_tokens, 0) / span.duration_s AS processed_tok_s,
+       -- processed tokens are defined once, in _recompute
+       rc.prefill_tokens,
+       rc.processed_tokens - rc.prefill_tokens AS decode_tokens,
+       rc.processed_tokens,
+       rc.processed_tokens / span.duration_s AS processed_tok_s,
        coalesce(r.completed_requests, 0) / span.duration_s AS request_throughput
 FROM _run_span span
 LEFT JOIN requests_done r USING (run_id)
 LEFT JOIN output o USING (run_id)
-LEFT JOIN work w USING (run_id);
+LEFT JOIN steps_run w USING (run_id)
+JOIN _recompute rc USING (run_id);
