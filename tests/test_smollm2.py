@@ -11,6 +11,8 @@ from engine.sequence import SamplingParams
 from engine.tokenizer import load_tokenizer
 from tests.conftest import run_checked
 
+pytestmark = pytest.mark.slow  # the real weights: `pytest -m "not slow"` leaves these out
+
 
 @pytest.fixture(scope="module")
 def smollm2():
