@@ -122,17 +122,23 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        tokens = seq.token_ids
         hits: list[int] = []
-        prev: int | None = None
-        for start in range(0, len(tokens) - 1 - bs + 1, bs):
-            chunk = tuple(tokens[start:start + bs])
-            prev = chain_hash(prev, chunk)
-            block_id = self.hash_to_block_id.get(prev)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+        for i, h in enumerate(self._token_block_hashes(seq, (seq.num_tokens - 1) // bs)):
+            block_id = self.hash_to_block_id.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
                 break
             hits.append(block_id)
         return hits
+
+    def _token_block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Chained hashes of the sequence's first `num_blocks` full blocks of tokens. Tokens are only
+        appended, so each is computed once per sequence, however often a waiting sequence is matched."""
+        hashes = seq.token_block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+        return hashes
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's newly completed full blocks in the prefix cache."""
@@ -141,10 +147,11 @@ class BlockManager:
         bs = self.block_size
         hashes = seq.block_hashes
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        token_hashes = self._token_block_hashes(seq, num_full)
         while len(hashes) < num_full:
             i = len(hashes)
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(hashes[-1] if hashes else None, chunk)
+            h = token_hashes[i]
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.hash_to_block_id:

@@ -64,6 +64,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.host_block_table: list[int] = []   # while swapped
         self.block_hashes: list[int] = []       # chained hashes of the full blocks in block_table
+        self.token_block_hashes: list[int] = []  # chained hashes of full blocks of token_ids (a memo)
         self.num_computed_tokens = 0            # positions whose KV is in the block table
         self.num_cached_tokens = 0              # of those, mapped from the prefix cache this admission
         self.num_ever_computed = 0              # high-water mark of positions that had KV
