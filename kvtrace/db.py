@@ -63,7 +63,6 @@ RUNS_SCHEMA = pa.schema([
     ("replay_mode", pa.string()),
     ("time_scale", pa.float64()),
     ("seed", pa.int64()),
-    ("duration_s", pa.float64()),          # meta's summary, when the run finished
     ("meta_json", pa.string()),
 ])
 
@@ -175,7 +174,6 @@ def _runs_row(run: Path, meta: dict, ordinal: int) -> dict:
         "replay_mode": get("replay", "mode"),
         "time_scale": get("replay", "time_scale"),
         "seed": meta.get("seed"),
-        "duration_s": get("summary", "duration_s"),
         "meta_json": json.dumps(meta, sort_keys=True),
     }
 
