@@ -13,6 +13,7 @@ and refers to them as DuckDB prepared parameters (`$ttft_ms`), so values are bou
 """
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.resources
 import json
@@ -260,8 +261,9 @@ def analyses_dir() -> Traversable:
         return Path(__file__).resolve().parent.parent / "analyses"
 
 
+@functools.cache
 def _sql_files() -> dict[str, str]:
-    """name -> text of every .sql file in the library (helpers included)."""
+    """name -> text of every .sql file in the library (helpers included), read once per process."""
     return {
         entry.name.removesuffix(".sql"): entry.read_text()
         for entry in sorted(analyses_dir().iterdir(), key=lambda e: e.name)
