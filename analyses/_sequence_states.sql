@@ -14,9 +14,12 @@
 -- arrival, first token, then events by seq; intervals of zero length are dropped. A reprefill
 -- cut short (reason interrupted) is not a mark: the preempt that cut it is.
 --
--- _sequence_spans: run_id, req_id, sample, state, start_s, end_s (s); one row per mark, so two
---                  neighbours can be in the same state (sums over a state need no merging)
--- _sequence_states: the same with neighbours in the same state merged (for display)
+-- _sequence_spans: run_id, req_id, sample, state, start_s, end_s (s), start_seq; one row per mark,
+--                  so two neighbours can be in the same state (sums over a state need no merging).
+--                  start_seq is kv_events.seq of the event whose mark began the interval (the
+--                  preempt, the admit, the reprefill), null when it began at arrival or first token.
+-- _sequence_states: the same with neighbours in the same state merged (for display); start_seq is
+--                  the first merged interval's
 CREATE OR REPLACE VIEW _sequence_spans AS
 WITH marks AS (
     SELECT run_id, req_id, sample, arrival_s AS ts_s, 0 AS tie, -1::BIGINT AS seq, 'waiting' AS state
@@ -53,11 +56,12 @@ WITH marks AS (
 ),
 spans AS (
     SELECT run_id, req_id, sample, state, ts_s AS start_s,
-           lead(ts_s) OVER seq AS end_s
+           lead(ts_s) OVER seq AS end_s,
+           CASE WHEN seq >= 0 THEN seq END AS start_seq
     FROM marks
     WINDOW seq AS (PARTITION BY run_id, req_id, sample ORDER BY ts_s, tie, seq)
 )
-SELECT run_id, req_id, sample, state, start_s, end_s
+SELECT run_id, req_id, sample, state, start_s, end_s, start_seq
 FROM spans
 WHERE state <> 'finished' AND end_s > start_s;
 
@@ -72,6 +76,7 @@ islands AS (
     SELECT *, sum(starts_island) OVER (PARTITION BY run_id, req_id, sample ORDER BY start_s) AS island
     FROM flagged
 )
-SELECT run_id, req_id, sample, state, min(start_s) AS start_s, max(end_s) AS end_s
+SELECT run_id, req_id, sample, state, min(start_s) AS start_s, max(end_s) AS end_s,
+       first(start_seq ORDER BY start_s) AS start_seq
 FROM islands
 GROUP BY run_id, req_id, sample, island, state;

@@ -20,7 +20,9 @@ app = typer.Typer(
 workload_app = typer.Typer(help="Make, import and check workloads (JSONL).", no_args_is_help=True)
 model_app = typer.Typer(help="Built-in models: list them, export their weights.", no_args_is_help=True)
 app.add_typer(workload_app, name="workload")
+export_app = typer.Typer(help="Export runs for other tools (Perfetto's timeline).", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+app.add_typer(export_app, name="export")
 
 F = TypeVar("F", bound=Callable)
 

@@ -1,0 +1,138 @@
+-- Helper: a run laid out as timeline tracks, the rows `kvtrace export perfetto` turns into packets
+-- (kvtrace/perfetto_export.py). Times are integer nanoseconds on the run's clock, round(s * 1e9).
+-- Every view has run_id; the exporter selects one run at a time and orders the rows.
+--
+-- _ns(s): seconds as integer nanoseconds.
+--
+-- _timeline_sequences: one row per sequence of `requests` (finished ones: a running run's
+-- sequences in flight have no row yet), the data of its track:
+--   rank              0-based position by arrival in its run (ties: req_id, sample)
+--   name              req_id, or req_id#sample when the request asked for n > 1 samples
+--   arrival_ns, finish_ns
+--   prompt_tokens, output_tokens, preemptions, swaps, recomputed_tokens, prefix_hit_tokens,
+--   finish_reason     as in `requests`
+--
+-- _timeline_phases: the states of each sequence, from _sequence_states (the report's Gantt reads
+-- the same view), one row per interval:
+--   req_id, sample, state, start_ns, end_ns
+--   flow_id           set when the interval began with a preemption (preempted, swapped) or a
+--                     resumption (reprefill; after a swap-in the decode or prefill that follows):
+--                     (runs.ordinal + 1) * 2^40 + kv_events.seq, unique among many runs
+--   flow_step         the step that preempted or resumed it, where the flow starts
+--
+-- _timeline_steps: one row per step, the engine track's slices:
+--   step, start_ns, end_ns, name (prefill | decode | prefill+decode | empty, with " +recompute"
+--   when it recomputed positions), device_ms, prefill_tokens, decode_tokens, recompute_tokens,
+--   preemptions, flow_ids (the flows starting at it, ascending; empty list when none)
+--
+-- _timeline_instants: the engine track's instant events: one per preempt, swap_out and swap_in
+-- event, and one per step for its evictions (cached blocks reclaimed):
+--   step, ts_ns, seq (the first event's), kind (preempt | swap_out | swap_in | evict),
+--   sequence (track name of the sequence concerned; null for evict), blocks (physical block ids,
+--   space-separated), num_blocks, num_tokens, kv_bytes (num_blocks x bytes per block, for preempt
+--   and evict), bytes_copied (swap_out / swap_in), duration_ms (copy duration), reason
+--
+-- _step_counters: one row per step, the counters after its scheduling, at its start:
+--   step, ts_ns, free_blocks, used_blocks, cached_blocks, kv_tokens, running, waiting, swapped
+--   (as in `steps`), preemptions_total, recomputed_tokens_total (running sums of `steps`),
+--   swap_out_bytes_total, swap_in_bytes_total (running sums of the swap events' bytes)
+-- _timeline_counters: _step_counters as one row per counter and change (a value equal to the
+-- counter's previous one is left out): counter (a column name of _step_counters), step, ts_ns, value
+CREATE OR REPLACE MACRO _ns(s) AS CAST(round(s * 1e9) AS BIGINT);
+
+CREATE OR REPLACE MACRO _sequence_name(req_id, sample, n) AS
+    CASE WHEN sample > 0 OR coalesce(n, 1) > 1 THEN req_id || '#' || sample ELSE req_id END;
+
+CREATE OR REPLACE VIEW _timeline_sequences AS
+SELECT run_id, req_id, sample,
+       row_number() OVER (PARTITION BY run_id ORDER BY arrival_s, req_id, sample) - 1 AS rank,
+       _sequence_name(req_id, sample, n) AS name,
+       _ns(arrival_s) AS arrival_ns, _ns(finish_s) AS finish_ns,
+       prompt_tokens, output_tokens, preemptions, swaps, recomputed_tokens, prefix_hit_tokens, finish_reason
+FROM requests;
+
+CREATE OR REPLACE VIEW _timeline_phases AS
+WITH marked AS (
+    SELECT st.run_id, st.req_id, st.sample, st.state, st.start_s, st.end_s, e.seq, e.step,
+           coalesce(e.kind = 'preempt' OR (e.kind = 'admit' AND e.reason LIKE 'resume-%'), false) AS has_flow
+    FROM _sequence_states st
+    LEFT JOIN kv_events e ON e.run_id = st.run_id AND e.seq = st.start_seq
+)
+SELECT m.run_id, m.req_id, m.sample, m.state, _ns(m.start_s) AS start_ns, _ns(m.end_s) AS end_ns,
+       CASE WHEN m.has_flow THEN (r.ordinal + 1)::BIGINT * 1099511627776 + m.seq END AS flow_id,
+       CASE WHEN m.has_flow THEN m.step END AS flow_step
+FROM marked m JOIN runs r USING (run_id);
+
+CREATE OR REPLACE VIEW _timeline_steps AS
+WITH flows AS (
+    SELECT run_id, flow_step AS step, list(flow_id ORDER BY flow_id) AS flow_ids
+    FROM _timeline_phases
+    WHERE flow_id IS NOT NULL
+    GROUP BY run_id, flow_step
+)
+SELECT s.run_id, s.step, _ns(s.start_s) AS start_ns, _ns(s.end_s) AS end_ns,
+       CASE WHEN s.prefill_tokens > 0 AND s.decode_tokens > 0 THEN 'prefill+decode'
+            WHEN s.prefill_tokens > 0 THEN 'prefill'
+            WHEN s.decode_tokens > 0 THEN 'decode'
+            ELSE 'empty' END
+       || CASE WHEN s.recompute_tokens > 0 THEN ' +recompute' ELSE '' END AS name,
+       s.device_ms, s.prefill_tokens, s.decode_tokens, s.recompute_tokens, s.preemptions,
+       coalesce(f.flow_ids, []::BIGINT[]) AS flow_ids
+FROM steps s LEFT JOIN flows f USING (run_id, step);
+
+CREATE OR REPLACE VIEW _timeline_instants AS
+SELECT e.run_id, e.step, _ns(e.ts_s) AS ts_ns, e.seq, e.kind,
+       _sequence_name(e.req_id, e.sample, q.n) AS sequence,
+       array_to_string(e.blocks, ' ') AS blocks, e.num_blocks, e.num_tokens,
+       CASE WHEN e.kind = 'preempt' THEN (e.num_blocks * r.bytes_per_block)::BIGINT END AS kv_bytes,
+       CASE WHEN e.kind IN ('swap_out', 'swap_in') THEN e.bytes END AS bytes_copied,
+       e.duration_ms, e.reason
+FROM kv_events e
+JOIN runs r USING (run_id)
+LEFT JOIN requests q USING (run_id, req_id, sample)
+WHERE e.kind IN ('preempt', 'swap_out', 'swap_in')
+UNION ALL
+SELECT e.run_id, e.step, _ns(min(e.ts_s)), min(e.seq), 'evict', NULL,
+       string_agg(array_to_string(e.blocks, ' '), ' ' ORDER BY e.seq),
+       sum(e.num_blocks)::INTEGER, NULL, (sum(e.num_blocks) * any_value(r.bytes_per_block))::BIGINT,
+       NULL, NULL, NULL
+FROM kv_events e
+JOIN runs r USING (run_id)
+WHERE e.kind = 'evict'
+GROUP BY e.run_id, e.step;
+
+CREATE OR REPLACE VIEW _step_counters AS
+WITH swaps AS (
+    SELECT run_id, step,
+           coalesce(sum(bytes) FILTER (WHERE kind = 'swap_out'), 0) AS swap_out_bytes,
+           coalesce(sum(bytes) FILTER (WHERE kind = 'swap_in'), 0) AS swap_in_bytes
+    FROM kv_events
+    WHERE kind IN ('swap_out', 'swap_in')
+    GROUP BY run_id, step
+)
+SELECT s.run_id, s.step, _ns(s.start_s) AS ts_ns,
+       s.free_blocks, s.used_blocks, s.cached_blocks, s.kv_tokens, s.running, s.waiting, s.swapped,
+       (sum(s.preemptions) OVER running_sum)::BIGINT AS preemptions_total,
+       (sum(s.recompute_tokens) OVER running_sum)::BIGINT AS recomputed_tokens_total,
+       (sum(coalesce(w.swap_out_bytes, 0)) OVER running_sum)::BIGINT AS swap_out_bytes_total,
+       (sum(coalesce(w.swap_in_bytes, 0)) OVER running_sum)::BIGINT AS swap_in_bytes_total
+FROM steps s LEFT JOIN swaps w USING (run_id, step)
+WINDOW running_sum AS (PARTITION BY s.run_id ORDER BY s.step ROWS UNBOUNDED PRECEDING);
+
+CREATE OR REPLACE VIEW _timeline_counters AS
+WITH long AS (
+    UNPIVOT (
+        SELECT run_id, step, ts_ns,
+               free_blocks::BIGINT AS free_blocks, used_blocks::BIGINT AS used_blocks,
+               cached_blocks::BIGINT AS cached_blocks, kv_tokens::BIGINT AS kv_tokens,
+               running::BIGINT AS running, waiting::BIGINT AS waiting, swapped::BIGINT AS swapped,
+               preemptions_total, recomputed_tokens_total, swap_out_bytes_total, swap_in_bytes_total
+        FROM _step_counters
+    )
+    ON free_blocks, used_blocks, cached_blocks, kv_tokens, running, waiting, swapped, preemptions_total,
+       recomputed_tokens_total, swap_out_bytes_total, swap_in_bytes_total
+    INTO NAME counter VALUE value
+)
+SELECT run_id, counter, step, ts_ns, value
+FROM long
+QUALIFY value IS DISTINCT FROM lag(value) OVER (PARTITION BY run_id, counter ORDER BY step);

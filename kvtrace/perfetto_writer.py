@@ -1,0 +1,182 @@
+"""Perfetto's native trace format, written one packet at a time.
+
+A Perfetto trace is the protobuf message `Trace { repeated TracePacket packet = 1; }`. On the wire
+a repeated field is just its elements one after another, each as tag 0x0a, the length as a varint,
+then the packet's bytes, so a trace can be appended to a file packet by packet: memory stays flat
+however long the trace. The message classes are the ones Perfetto generates for Python (PyPI
+`perfetto`); the tests decode the file back with the same classes.
+
+What the writer looks after, so the exporter only says what goes where:
+- sequences: every packet carries `trusted_packet_sequence_id`; the first packet of a sequence sets
+  SEQ_INCREMENTAL_STATE_CLEARED, and every track event SEQ_NEEDS_INCREMENTAL_STATE (it refers to
+  interned names, which are that incremental state);
+- interning: an event name or an argument name is sent once per sequence, in the `interned_data`
+  of the first packet that uses it, and referred to by its id (iid, from 1) afterwards;
+- arguments as debug annotations: int, float, str and bool values; None is left out.
+Timestamps are integer nanoseconds on the trace's default clock.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import BinaryIO
+
+from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
+
+Args = Iterable[tuple[str, object]]
+
+TYPE_SLICE_BEGIN = pb.TrackEvent.TYPE_SLICE_BEGIN
+TYPE_SLICE_END = pb.TrackEvent.TYPE_SLICE_END
+TYPE_INSTANT = pb.TrackEvent.TYPE_INSTANT
+TYPE_COUNTER = pb.TrackEvent.TYPE_COUNTER
+CLEARED = pb.TracePacket.SEQ_INCREMENTAL_STATE_CLEARED
+NEEDS_STATE = pb.TracePacket.SEQ_NEEDS_INCREMENTAL_STATE
+EXPLICIT_ORDER = pb.TrackDescriptor.EXPLICIT
+UNIT_BYTES = pb.CounterDescriptor.UNIT_SIZE_BYTES
+
+_PACKET_TAG = b"\x0a"                # field 1 (Trace.packet), wire type 2 (length-delimited)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+class TraceWriter:
+    """Appends TracePackets to a binary file; `close()` writes what is still buffered."""
+
+    def __init__(self, file: BinaryIO, buffer_bytes: int = 1 << 20) -> None:
+        self.file = file
+        self.buffer_bytes = buffer_bytes
+        self.num_packets = 0
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._sequence_id = 0
+        self._cleared = False
+        self._event_names: dict[str, int] = {}
+        self._arg_names: dict[str, int] = {}
+
+    def start_sequence(self, sequence_id: int) -> None:
+        """Packets from here on belong to `sequence_id`, whose interned names start afresh."""
+        assert sequence_id > 0, "sequence ids start at 1"
+        self._sequence_id = sequence_id
+        self._cleared = False
+        self._event_names = {}
+        self._arg_names = {}
+
+    # ------------------------------------------------------------------ packets
+
+    def track(self, uuid: int, name: str, parent: int | None = None, rank: int | None = None,
+              explicit_child_order: bool = False, description: str | None = None,
+              counter: pb.CounterDescriptor | None = None) -> None:
+        """Describe a track; `rank` orders it among its parent's children when the parent asked for
+        explicit order."""
+        packet = self._packet()
+        track = packet.track_descriptor
+        track.uuid = uuid
+        track.name = name
+        if parent is not None:
+            track.parent_uuid = parent
+        if rank is not None:
+            track.sibling_order_rank = rank
+        if explicit_child_order:
+            track.child_ordering = EXPLICIT_ORDER
+        if description:
+            track.description = description
+        if counter is not None:
+            track.counter.CopyFrom(counter)
+        self._write(packet)
+
+    def slice_begin(self, track: int, ts: int, name: str, args: Args = (), flow_ids: Iterable[int] = (),
+                    terminating_flow_ids: Iterable[int] = (), intern_name: bool = True) -> None:
+        packet, event = self._event(track, ts, TYPE_SLICE_BEGIN)
+        if intern_name:
+            event.name_iid = self._event_name(packet, name)
+        else:
+            event.name = name
+        self._args(packet, event, args)
+        if flow_ids:
+            event.flow_ids.extend(flow_ids)
+        if terminating_flow_ids:
+            event.terminating_flow_ids.extend(terminating_flow_ids)
+        self._write(packet)
+
+    def slice_end(self, track: int, ts: int) -> None:
+        packet, _ = self._event(track, ts, TYPE_SLICE_END)
+        self._write(packet)
+
+    def instant(self, track: int, ts: int, name: str, args: Args = ()) -> None:
+        packet, event = self._event(track, ts, TYPE_INSTANT)
+        event.name_iid = self._event_name(packet, name)
+        self._args(packet, event, args)
+        self._write(packet)
+
+    def counter(self, track: int, ts: int, value: int) -> None:
+        packet, event = self._event(track, ts, TYPE_COUNTER)
+        event.counter_value = value
+        self._write(packet)
+
+    def close(self) -> None:
+        self._flush()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _packet(self) -> pb.TracePacket:
+        assert self._sequence_id, "start_sequence() first"
+        packet = pb.TracePacket()
+        packet.trusted_packet_sequence_id = self._sequence_id
+        if not self._cleared:
+            packet.sequence_flags = CLEARED
+            self._cleared = True
+        return packet
+
+    def _event(self, track: int, ts: int, kind: int) -> tuple[pb.TracePacket, pb.TrackEvent]:
+        packet = self._packet()
+        packet.timestamp = ts
+        packet.sequence_flags |= NEEDS_STATE
+        event = packet.track_event
+        event.type = kind
+        event.track_uuid = track
+        return packet, event
+
+    def _event_name(self, packet: pb.TracePacket, name: str) -> int:
+        iid = self._event_names.get(name)
+        if iid is None:
+            iid = self._event_names[name] = len(self._event_names) + 1
+            packet.interned_data.event_names.add(iid=iid, name=name)
+        return iid
+
+    def _args(self, packet: pb.TracePacket, event: pb.TrackEvent, args: Args) -> None:
+        for name, value in args:
+            if value is None:
+                continue
+            iid = self._arg_names.get(name)
+            if iid is None:
+                iid = self._arg_names[name] = len(self._arg_names) + 1
+                packet.interned_data.debug_annotation_names.add(iid=iid, name=name)
+            annotation = event.debug_annotations.add(name_iid=iid)
+            if isinstance(value, bool):
+                annotation.bool_value = value
+            elif isinstance(value, int):
+                annotation.int_value = value
+            elif isinstance(value, float):
+                annotation.double_value = value
+            else:
+                annotation.string_value = str(value)
+
+    def _write(self, packet: pb.TracePacket) -> None:
+        data = packet.SerializeToString()
+        self._chunks.append(_PACKET_TAG + _varint(len(data)) + data)
+        self._buffered += len(data)
+        self.num_packets += 1
+        if self._buffered >= self.buffer_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._chunks:
+            self.file.write(b"".join(self._chunks))
+            self._chunks = []
+            self._buffered = 0
