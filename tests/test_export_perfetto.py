@@ -249,14 +249,14 @@ def test_a_second_export_is_byte_identical(exported, tmp_path):
 
 def test_parallel_samples_get_their_own_tracks(tmp_path):
     workload = write_workload(tmp_path / "n.jsonl", [
-        {"id": "A", "arrival_s": 0, "prompt_tokens": 9, "max_tokens": 6, "n": 2, "ignore_eos": True},
-        {"id": "B", "arrival_s": 0.001, "prompt_tokens": 5, "max_tokens": 4, "ignore_eos": True}])
-    result, run = record(tmp_path, workload, "n2", "--block-size", "4", "--backlog")
+        {"id": "Z", "arrival_s": 0, "prompt_tokens": 5, "max_tokens": 4, "ignore_eos": True},
+        {"id": "A", "arrival_s": 0.002, "prompt_tokens": 9, "max_tokens": 6, "n": 2, "ignore_eos": True}])
+    result, run = record(tmp_path, workload, "n2", "--block-size", "4")
     assert result.exit_code == 0, result.output
     result = CliRunner().invoke(app, ["export", "perfetto", str(run)])
     assert result.exit_code == 0, result.output
     trace = decode(tmp_path / "n2.pftrace")                   # the default: <run>.pftrace beside the run
-    assert list(request_tracks(trace, "n2")) == ["A#0", "A#1", "B"]
+    assert list(request_tracks(trace, "n2")) == ["Z", "A#0", "A#1"]     # by arrival
 
 
 def test_a_run_still_recording_exports_what_is_closed(tmp_path):
