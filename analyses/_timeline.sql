@@ -29,7 +29,7 @@
 -- event, and one per step for its evictions (cached blocks reclaimed):
 --   step, ts_ns, seq (the first event's), kind (preempt | swap_out | swap_in | evict),
 --   sequence (track name of the sequence concerned; null for evict), blocks (physical block ids,
---   space-separated), num_blocks, num_tokens, kv_bytes (num_blocks x bytes per block, for preempt
+--   space-separated; a step's evicted blocks in ascending order), num_blocks, num_tokens, kv_bytes (num_blocks x bytes per block, for preempt
 --   and evict), bytes_copied (swap_out / swap_in), duration_ms (copy duration), reason
 --
 -- _step_counters: one row per step, the counters after its scheduling, at its start:
@@ -56,7 +56,8 @@ WITH marked AS (
     SELECT st.run_id, st.req_id, st.sample, st.state, st.start_s, st.end_s, e.seq, e.step,
            coalesce(e.kind = 'preempt' OR (e.kind = 'admit' AND e.reason LIKE 'resume-%'), false) AS has_flow
     FROM _sequence_states st
-    LEFT JOIN kv_events e ON e.run_id = st.run_id AND e.seq = st.start_seq
+    LEFT JOIN (SELECT run_id, seq, step, kind, reason FROM kv_events WHERE kind IN ('preempt', 'admit')) e
+           ON e.run_id = st.run_id AND e.seq = st.start_seq
 )
 SELECT m.run_id, m.req_id, m.sample, m.state, _ns(m.start_s) AS start_ns, _ns(m.end_s) AS end_ns,
        CASE WHEN m.has_flow THEN (r.ordinal + 1)::BIGINT * 1099511627776 + m.seq END AS flow_id,
@@ -93,7 +94,7 @@ LEFT JOIN requests q USING (run_id, req_id, sample)
 WHERE e.kind IN ('preempt', 'swap_out', 'swap_in')
 UNION ALL
 SELECT e.run_id, e.step, _ns(min(e.ts_s)), min(e.seq), 'evict', NULL,
-       string_agg(array_to_string(e.blocks, ' '), ' ' ORDER BY e.seq),
+       array_to_string(list_sort(flatten(list(e.blocks))), ' '),
        sum(e.num_blocks)::INTEGER, NULL, (sum(e.num_blocks) * any_value(r.bytes_per_block))::BIGINT,
        NULL, NULL, NULL
 FROM kv_events e

@@ -12,6 +12,7 @@ SUITES = {
     "roofline": "benchmarks.roofline",
     "tracing": "benchmarks.tracing_cost",
     "trace-scale": "benchmarks.trace_scale_suite",
+    "perfetto-export": "benchmarks.perfetto_export",
     "model-ab": "benchmarks.model_ab",
     "kernels": "benchmarks.kernels",
 }

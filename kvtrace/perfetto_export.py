@@ -25,6 +25,7 @@ give the same bytes.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,8 @@ from kvtrace import db
 from kvtrace.errors import KvtraceError
 from kvtrace.perfetto_writer import UNIT_BYTES, TraceWriter, pb
 
-BATCH_ROWS = 65_536
+BATCH_ROWS = 8_192             # rows per Arrow batch read from DuckDB (as Python objects, a few MB)
+DUCKDB_MEMORY = "200MB"        # DuckDB's working memory; sorts and aggregations beyond it spill to disk
 
 # column of _timeline_counters -> (track name, unit shown, axis key: counters with one share a y axis)
 COUNTERS: dict[str, tuple[str, str, str]] = {
@@ -102,22 +104,12 @@ def export_perfetto(runs: list[str | Path], output: Path) -> ExportSummary:
         file = open(temp, "wb")
     except OSError as exc:
         raise KvtraceError(f"{output}: cannot write ({exc.strerror})") from exc
-    meta = con.sql("SELECT run_id, ordinal, status, model, preemption_mode, num_gpu_blocks, block_size "
-                   "FROM runs ORDER BY ordinal").fetchall()
-    summary = ExportSummary(output, [row[0] for row in meta])
     try:
-        with file:
-            writer = TraceWriter(file)
-            for run_id, ordinal, status, model, mode, num_blocks, block_size in meta:
-                description = (f"model {model}, preemption by {mode}, {num_blocks} blocks of {block_size} tokens"
-                               f", status {status}")
-                _write_run(con, writer, run_id, RunTracks(ordinal), description)
-                summary.num_kv_events += _scalar(con, "SELECT count(*) FROM kv_events WHERE run_id = $run", run_id)
-                if status == "running":
-                    summary.running.append((run_id, _scalar(con, "SELECT max(step) FROM steps WHERE run_id = $run",
-                                                            run_id)))
-            writer.close()
-            summary.num_packets = writer.num_packets
+        with file, tempfile.TemporaryDirectory(prefix="kvtrace-export-") as spill:
+            con.execute(f"SET memory_limit = '{DUCKDB_MEMORY}'")
+            con.execute(f"SET temp_directory = '{spill}'")
+            summary = _write_runs(con, TraceWriter(file), output)
+            con.close()
         os.replace(temp, output)
     except OSError as exc:
         temp.unlink(missing_ok=True)
@@ -125,6 +117,21 @@ def export_perfetto(runs: list[str | Path], output: Path) -> ExportSummary:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
+    return summary
+
+
+def _write_runs(con: duckdb.DuckDBPyConnection, writer: TraceWriter, output: Path) -> ExportSummary:
+    meta = con.sql("SELECT run_id, ordinal, status, model, preemption_mode, num_gpu_blocks, block_size "
+                   "FROM runs ORDER BY ordinal").fetchall()
+    summary = ExportSummary(output, [row[0] for row in meta])
+    for run_id, ordinal, status, model, mode, num_blocks, block_size in meta:
+        description = f"model {model}, preemption by {mode}, {num_blocks} blocks of {block_size} tokens, status {status}"
+        _write_run(con, writer, run_id, RunTracks(ordinal), description)
+        summary.num_kv_events += _scalar(con, "SELECT count(*) FROM kv_events WHERE run_id = $run", run_id)
+        if status == "running":
+            summary.running.append((run_id, _scalar(con, "SELECT max(step) FROM steps WHERE run_id = $run", run_id)))
+    writer.close()
+    summary.num_packets = writer.num_packets
     return summary
 
 
