@@ -15,9 +15,9 @@ What the writer looks after, so the exporter only says what goes where:
 - arguments as debug annotations: int, float, str and bool values; None is left out.
 Timestamps are integer nanoseconds on the trace's default clock.
 
-Most packets of a long trace are counter values, slice ends and argument-less slice begins; those
-are written by setting the few changing fields of one reused packet per kind (a fresh message per
-packet costs about twice as much CPU).
+Packets are written by setting the changing fields of one reused packet per shape (counter value,
+slice end, or an event's kind, argument names and value types): a fresh message per packet costs
+two to three times as much CPU. A shape's first packet is built afresh, which interns its names.
 """
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ CLEARED = pb.TracePacket.SEQ_INCREMENTAL_STATE_CLEARED
 NEEDS_STATE = pb.TracePacket.SEQ_NEEDS_INCREMENTAL_STATE
 EXPLICIT_ORDER = pb.TrackDescriptor.EXPLICIT
 UNIT_BYTES = pb.CounterDescriptor.UNIT_SIZE_BYTES
+
+# a debug annotation's value field by the Python type of the value
+_VALUE_FIELDS = {bool: "bool_value", int: "int_value", float: "double_value", str: "string_value"}
 
 _PACKET_TAG = b"\x0a"                # field 1 (Trace.packet), wire type 2 (length-delimited)
 
@@ -70,6 +73,7 @@ class TraceWriter:
         self._event_names: dict[str, int] = {}
         self._arg_names: dict[str, int] = {}
         self._reused: dict[int, tuple[pb.TracePacket, pb.TrackEvent]] = {}
+        self._shapes: dict[tuple, tuple[pb.TracePacket, pb.TrackEvent, list]] = {}
 
     def start_sequence(self, sequence_id: int) -> None:
         """Packets from here on belong to `sequence_id`, whose interned names start afresh."""
@@ -79,7 +83,8 @@ class TraceWriter:
         self._event_names = {}
         self._arg_names = {}
         self._reused = {}
-        for kind in (TYPE_SLICE_BEGIN, TYPE_SLICE_END, TYPE_COUNTER):
+        self._shapes = {}
+        for kind in (TYPE_SLICE_END, TYPE_COUNTER):
             packet = pb.TracePacket(trusted_packet_sequence_id=sequence_id, sequence_flags=NEEDS_STATE)
             packet.track_event.type = kind
             self._reused[kind] = packet, packet.track_event
@@ -109,9 +114,7 @@ class TraceWriter:
 
     def slice_begin(self, track: int, ts: int, name: str, args: Args = (), flow_ids: Iterable[int] = (),
                     terminating_flow_ids: Iterable[int] = (), intern_name: bool = True) -> None:
-        if intern_name and not args and not flow_ids and not terminating_flow_ids and name in self._event_names:
-            self._write_reused(TYPE_SLICE_BEGIN, track, ts).name_iid = self._event_names[name]
-            self._write_last(TYPE_SLICE_BEGIN)
+        if intern_name and self._write_shaped(TYPE_SLICE_BEGIN, track, ts, name, args, flow_ids, terminating_flow_ids):
             return
         packet, event = self._event(track, ts, TYPE_SLICE_BEGIN)
         if intern_name:
@@ -130,6 +133,8 @@ class TraceWriter:
         self._write_last(TYPE_SLICE_END)
 
     def instant(self, track: int, ts: int, name: str, args: Args = ()) -> None:
+        if self._write_shaped(TYPE_INSTANT, track, ts, name, args, (), ()):
+            return
         packet, event = self._event(track, ts, TYPE_INSTANT)
         event.name_iid = self._event_name(packet, name)
         self._args(packet, event, args)
@@ -173,6 +178,43 @@ class TraceWriter:
 
     def _write_last(self, kind: int) -> None:
         self._write(self._reused[kind][0])
+
+    def _write_shaped(self, kind: int, track: int, ts: int, name: str, args: Args, flow_ids: Iterable[int],
+                      terminating_flow_ids: Iterable[int]) -> bool:
+        """Write an event through the reused packet of its shape (kind, argument names and value
+        types, flows or not) when its names are interned already; False when it must be built."""
+        name_iid = self._event_names.get(name)
+        if name_iid is None:
+            return False
+        if args:
+            present = [(arg, value) for arg, value in args if value is not None]
+            shape = (kind, bool(flow_ids), bool(terminating_flow_ids), *((arg, type(v)) for arg, v in present))
+        else:
+            present, shape = [], (kind, bool(flow_ids), bool(terminating_flow_ids))
+        reused = self._shapes.get(shape)
+        if reused is None:
+            if any(arg not in self._arg_names or type(value) not in _VALUE_FIELDS for arg, value in present):
+                return False
+            packet = pb.TracePacket(trusted_packet_sequence_id=self._sequence_id, sequence_flags=NEEDS_STATE)
+            event = packet.track_event
+            event.type = kind
+            slots = [(event.debug_annotations.add(name_iid=self._arg_names[arg]), _VALUE_FIELDS[type(value)])
+                     for arg, value in present]
+            reused = self._shapes[shape] = packet, event, slots
+        packet, event, slots = reused
+        packet.timestamp = ts
+        event.track_uuid = track
+        event.name_iid = name_iid
+        for (annotation, value_field), (_, value) in zip(slots, present):
+            setattr(annotation, value_field, value)
+        if flow_ids:
+            del event.flow_ids[:]
+            event.flow_ids.extend(flow_ids)
+        if terminating_flow_ids:
+            del event.terminating_flow_ids[:]
+            event.terminating_flow_ids.extend(terminating_flow_ids)
+        self._write(packet)
+        return True
 
     def _event_name(self, packet: pb.TracePacket, name: str) -> int:
         iid = self._event_names.get(name)
