@@ -32,6 +32,10 @@
 --   space-separated; a step's evicted blocks in ascending order), num_blocks, num_tokens, kv_bytes (num_blocks x bytes per block, for preempt
 --   and evict), bytes_copied (swap_out / swap_in), duration_ms (copy duration), reason
 --
+-- _timeline_engine: _timeline_steps and _timeline_instants as one stream for the engine track, to
+-- be read in order of (step, part, ts_ns, seq): a step's row (part 0: ts_ns = its start, end_ns,
+-- the step's columns) comes before its instants (part 1: the instant's columns)
+--
 -- _step_counters: one row per step, the counters after its scheduling, at its start:
 --   step, ts_ns, free_blocks, used_blocks, cached_blocks, kv_tokens, running, waiting, swapped
 --   (as in `steps`), preemptions_total, recomputed_tokens_total (running sums of `steps`),
@@ -101,6 +105,18 @@ FROM kv_events e
 JOIN runs r USING (run_id)
 WHERE e.kind = 'evict'
 GROUP BY e.run_id, e.step;
+
+CREATE OR REPLACE VIEW _timeline_engine AS
+SELECT run_id, step, 0 AS part, start_ns AS ts_ns, NULL::BIGINT AS seq, end_ns, name,
+       device_ms, prefill_tokens, decode_tokens, recompute_tokens, preemptions, flow_ids,
+       NULL::VARCHAR AS sequence, NULL::VARCHAR AS blocks, NULL::INTEGER AS num_blocks, NULL::INTEGER AS num_tokens,
+       NULL::BIGINT AS kv_bytes, NULL::BIGINT AS bytes_copied, NULL::DOUBLE AS duration_ms, NULL::VARCHAR AS reason
+FROM _timeline_steps
+UNION ALL
+SELECT run_id, step, 1, ts_ns, seq, NULL, kind,
+       NULL, NULL, NULL, NULL, NULL, NULL,
+       sequence, blocks, num_blocks, num_tokens, kv_bytes, bytes_copied, duration_ms, reason
+FROM _timeline_instants;
 
 CREATE OR REPLACE VIEW _step_counters AS
 WITH swaps AS (

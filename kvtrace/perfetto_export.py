@@ -37,7 +37,7 @@ from kvtrace.errors import KvtraceError
 from kvtrace.perfetto_writer import UNIT_BYTES, TraceWriter, pb
 
 BATCH_ROWS = 8_192             # rows per Arrow batch read from DuckDB (as Python objects, a few MB)
-DUCKDB_MEMORY = "200MB"        # DuckDB's working memory; sorts and aggregations beyond it spill to disk
+DUCKDB_MEMORY = "128MB"        # DuckDB's working memory; sorts and aggregations beyond it spill to disk
 
 # column of _timeline_counters -> (track name, unit shown, axis key: counters with one share a y axis)
 COUNTERS: dict[str, tuple[str, str, str]] = {
@@ -174,35 +174,31 @@ def _write_run(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str,
 
 
 def _write_engine(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str, track: int) -> None:
-    """Step slices with the instants of each step inside them (two queries read side by side)."""
-    steps = _rows(con, "SELECT step, start_ns, end_ns, name, device_ms, prefill_tokens, decode_tokens, "
-                       "recompute_tokens, preemptions, flow_ids FROM _timeline_steps WHERE run_id = $run "
-                       "ORDER BY step", run_id)
-    instants = _rows(con.cursor(), "SELECT step, ts_ns, kind, sequence, blocks, num_blocks, num_tokens, kv_bytes, "
-                                   "bytes_copied, duration_ms, reason FROM _timeline_instants "
-                                   "WHERE run_id = $run ORDER BY step, ts_ns, seq", run_id)
-    pending = next(instants, None)
-
-    def write_instants(until_step: int | None) -> tuple | None:
-        row = pending
-        while row is not None and (until_step is None or row[0] <= until_step):
-            step, ts, kind, sequence, blocks, num_blocks, num_tokens, kv_bytes, copied, duration_ms, reason = row
-            writer.instant(track, ts, kind, (
+    """Step slices with the instants of each step inside them: one ordered stream (_timeline_engine),
+    a step's slice closed when the next step's rows begin."""
+    rows = _rows(con, "SELECT step, part, ts_ns, end_ns, name, device_ms, prefill_tokens, decode_tokens, "
+                      "recompute_tokens, preemptions, flow_ids, sequence, blocks, num_blocks, num_tokens, kv_bytes, "
+                      "bytes_copied, duration_ms, reason FROM _timeline_engine WHERE run_id = $run "
+                      "ORDER BY step, part, ts_ns, seq", run_id)
+    open_step, open_end = None, 0
+    for (step, part, ts, end, name, device_ms, prefill, decode, recompute, preemptions, flow_ids,
+         sequence, blocks, num_blocks, num_tokens, kv_bytes, copied, duration_ms, reason) in rows:
+        if open_step is not None and step != open_step:
+            writer.slice_end(track, open_end)
+            open_step = None
+        if part == 0:
+            writer.slice_begin(track, ts, name, (
+                ("step", step), ("prefill_tokens", prefill), ("decode_tokens", decode),
+                ("recompute_tokens", recompute), ("preemptions", preemptions), ("device_ms", device_ms)),
+                flow_ids=flow_ids)
+            open_step, open_end = step, end
+        else:       # inside its step's slice; outside any when the step's row is not closed yet (recording)
+            writer.instant(track, ts, name, (
                 ("step", step), ("sequence", sequence), ("blocks", blocks), ("num_blocks", num_blocks),
                 ("num_tokens", num_tokens), ("kv_bytes", kv_bytes), ("bytes_copied", copied),
                 ("duration_ms", duration_ms), ("reason", reason)))
-            row = next(instants, None)
-        return row
-
-    for step, start, end, name, device_ms, prefill, decode, recompute, preemptions, flow_ids in steps:
-        pending = write_instants(step - 1)
-        writer.slice_begin(track, start, name, (
-            ("step", step), ("prefill_tokens", prefill), ("decode_tokens", decode),
-            ("recompute_tokens", recompute), ("preemptions", preemptions), ("device_ms", device_ms)),
-            flow_ids=flow_ids)
-        pending = write_instants(step)
-        writer.slice_end(track, end)
-    write_instants(None)     # events of a step whose row is not closed yet (a run still recording)
+    if open_step is not None:
+        writer.slice_end(track, open_end)
 
 
 def _write_counters(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str, tracks: RunTracks) -> None:
