@@ -193,10 +193,12 @@ class LlamaModel:
             # (query head h reads KV head h // group, as with enable_gqa)
             qd = q[:nd].view(nd, nkv, nh // nkv, hd)          # [nd, nkv, group, hd]
             o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=decode_mask, scale=self.scale)
+            # o: [nd, nkv, group, hd] in whatever memory layout the SDPA backend chose (CUDA's
+            # memory-efficient kernel returns it transposed): reshape/copy, never view
             if nd == num_tokens:  # decodes only: nothing to merge
-                return o.view(nd, nh * hd)
+                return o.reshape(nd, nh * hd)
             out = torch.empty(num_tokens, nh, hd, dtype=q.dtype, device=q.device)
-            out[:nd] = o.view(nd, nh, hd)
+            out[:nd].view(nd, nkv, nh // nkv, hd).copy_(o)
         else:
             out = torch.empty(num_tokens, nh, hd, dtype=q.dtype, device=q.device)
         prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, self.scale, out)
