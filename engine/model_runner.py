@@ -62,9 +62,11 @@ class ModelRunner:
             self.kv_caches = [torch.zeros(layer_shape, device=self.device, dtype=self.dtype)
                               for _ in range(c.num_layers)]
         # host swap space, block-major so one block is one contiguous copy
-        self.host_cache = torch.zeros(num_cpu_blocks, c.num_layers, 2, block_size, c.num_kv_heads,
-                                      c.head_dim, dtype=self.dtype, pin_memory=self.is_cuda)
-        self.swap_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        host_shape = (num_cpu_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim)
+        if self.is_cuda:  # exactly these bytes pinned (not rounded up to a power of two: host_memory.py)
+            self.host_cache = host_memory.pinned_empty(math.prod(host_shape), self.dtype).view(host_shape)
+        else:
+            self.host_cache = torch.zeros(host_shape, dtype=self.dtype)
 
     # ---- KV copies ----------------------------------------------------------------------
     def _event_pair(self) -> tuple:
