@@ -143,3 +143,35 @@ def test_split_count_fills_the_gpu_and_stays_a_power_of_two():
     assert decode_num_splits(64, 8) == 1          # 512 programs already
     assert decode_num_splits(4, 8, max_context_len=100) == 2   # no more splits than 64-token tiles
     assert all(bin(decode_num_splits(b, h)).count("1") == 1 for b in range(1, 70) for h in (1, 2, 8))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the engine on CUDA is tests/test_cuda.py's")
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+def test_engine_on_paged_inputs_matches_dense_reference(make_engine, tiny_loaded, monkeypatch, attention):
+    """The whole engine on the runner's one-copy inputs (as on CUDA), attending with the Triton kernels
+    (chunk tables, splits) or with the SDPA fallback over the same inputs: chunked prefill mixed with
+    decodes, prefix-cache hits, block size 3, against the dense forward."""
+    from tests.reference_model import reference_forward
+    from tests.test_model import capture_logits
+
+    from engine.sequence import SamplingParams
+
+    monkeypatch.setenv("KVTRACE_CPU_KERNELS", "0")
+    monkeypatch.setenv("KVTRACE_TRITON", "1" if attention == "triton" else "0")
+    engine = make_engine(block_size=3, max_num_batched_tokens=11, enable_prefix_caching=True)
+    assert engine.model.use_triton == (attention == "triton")
+    engine.runner.paged_inputs = True
+    seen = capture_logits(engine)
+    shared = list(range(20, 29))
+    prompts = [[5, 6], list(range(30, 47)), shared + [7, 8], shared + [9]]
+    for i, p in enumerate(prompts[:-1]):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("last", prompts[-1], SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert sum(s.num_prefix_hit_tokens for s in engine.outputs.values()) == 9  # 3 full blocks shared
+    worst = max((reference_forward(tiny_loaded.config, tiny_loaded.weights, tokens)[-1] - logits).abs().max().item()
+                for tokens, logits in seen)
+    assert len(seen) == 4 * len(prompts) and worst < 1e-4, worst
