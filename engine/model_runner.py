@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+import os
+
 from engine import host_memory, triton_attention
+from engine.cuda_graphs import DecodeGraphs
 from engine.model import AttentionMetadata, LlamaModel
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
@@ -78,8 +81,9 @@ class ModelRunner:
         # kernels keep their own path
         self.paged_inputs = self.is_cuda or model.use_triton
         self.step_inputs, self.swap_out_ids, self.swap_in_ids = (StepInputs(self.device) for _ in range(3))
-        # one preallocated KV tensor per layer, indexed by physical block
-        layer_shape = (2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        # one preallocated KV tensor per layer, indexed by physical block; on CUDA one block more, the
+        # scratch block that padded rows of a CUDA graph write to (never in the block manager's pool)
+        layer_shape = (2, num_blocks + self.is_cuda, block_size, c.num_kv_heads, c.head_dim)
         if self.device.type == "cpu":  # one buffer on huge pages (engine/host_memory.py), a view per layer
             pool = host_memory.empty(c.num_layers * math.prod(layer_shape), dtype=self.dtype).zero_()
             self.kv_caches = list(pool.view(c.num_layers, *layer_shape).unbind(0))
@@ -92,6 +96,13 @@ class ModelRunner:
             self.host_cache = host_memory.pinned_empty(math.prod(host_shape), self.dtype).view(host_shape)
         else:
             self.host_cache = torch.zeros(host_shape, dtype=self.dtype)
+        self.swap_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        # decode-only steps from CUDA graphs (cuda_graphs.py); KVTRACE_CUDA_GRAPHS=0 launches eagerly
+        self.decode_graphs = None
+        if self.is_cuda and model.use_triton and os.environ.get("KVTRACE_CUDA_GRAPHS", "1") != "0":
+            max_blocks_per_seq = min(num_blocks, -(-c.max_position_embeddings // block_size))
+            self.decode_graphs = DecodeGraphs(model, self.kv_caches, num_blocks, max_blocks_per_seq,
+                                              self.step_inputs)
 
     # ---- KV copies ----------------------------------------------------------------------
     def _event_pair(self) -> tuple:
@@ -166,19 +177,30 @@ class ModelRunner:
             self.copy_blocks(out.copies)
         if not out.seqs:
             return result
+        if self.is_cuda:
+            return self._execute_on_cuda(out, result)
         prepare = self._prepare_paged if self.paged_inputs else self._prepare
         meta, input_ids, positions, logit_rows, result.sample_seqs = prepare(out, result)
-        if self.is_cuda:
-            stream = torch.cuda.current_stream(self.device)
-            start, end = self._event_pair()
+        t0 = time.perf_counter()
+        result.logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logit_rows)
+        result.timing.forward = (time.perf_counter() - t0) * 1000
+        return result
+
+    def _execute_on_cuda(self, out: SchedulerOutput, result: StepResult) -> StepResult:
+        """The forward between two CUDA events, from a graph when the batch is decode-only and small
+        enough. Nothing here waits for the device: the host first reads it when sampling."""
+        stream = torch.cuda.current_stream(self.device)
+        start, end = self._event_pair()
+        if self.decode_graphs is not None and not any(s.is_prefilling for s in out.seqs):
+            start.record(stream)
+            result.logits = self.decode_graphs.run(out.seqs)
+            result.sample_seqs, result.num_decode_tokens = list(out.seqs), len(out.seqs)
+        if result.logits is None:  # prefill chunks in the batch, or more decodes than any graph
+            meta, input_ids, positions, logit_rows, result.sample_seqs = self._prepare_paged(out, result)
             start.record(stream)
             result.logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logit_rows)
-            end.record(stream)
-            result.timing.forward = (start, end)
-        else:
-            t0 = time.perf_counter()
-            result.logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logit_rows)
-            result.timing.forward = (time.perf_counter() - t0) * 1000
+        end.record(stream)
+        result.timing.forward = (start, end)
         return result
 
     def _prepare(self, out: SchedulerOutput, result: StepResult):
