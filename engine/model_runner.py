@@ -128,8 +128,8 @@ class ModelRunner:
         with torch.cuda.stream(self.swap_stream):
             start.record(self.swap_stream)
             staged = torch.stack([kv[:, dev_ids] for kv in self.kv_caches]).permute(2, 0, 1, 3, 4, 5).contiguous()
-            for i, h in enumerate(host_ids):
-                self.host_cache[h].copy_(staged[i], non_blocking=True)
+            for i, h, n in consecutive_runs(host_ids):  # one DMA per run of neighbouring host blocks
+                self.host_cache[h:h + n].copy_(staged[i:i + n], non_blocking=True)
             end.record(self.swap_stream)
             staged.record_stream(self.swap_stream)
         # the released device blocks may be reused by this step's forward: wait for the copy
@@ -151,8 +151,8 @@ class ModelRunner:
         with torch.cuda.stream(self.swap_stream):
             start.record(self.swap_stream)
             staged = torch.empty((len(host_ids), *self.host_cache.shape[1:]), device=self.device, dtype=self.dtype)
-            for i, h in enumerate(host_ids):
-                staged[i].copy_(self.host_cache[h], non_blocking=True)
+            for i, h, n in consecutive_runs(host_ids):
+                staged[i:i + n].copy_(self.host_cache[h:h + n], non_blocking=True)
             for layer, kv in enumerate(self.kv_caches):
                 kv[:, dev_ids] = staged[:, layer].transpose(0, 1)
             end.record(self.swap_stream)
@@ -324,6 +324,17 @@ class ModelRunner:
                                                                  max(positions[:nd]) + 1) if nd else 1,
         )
         return meta, input_t, positions_t, rows_t, sample_seqs
+
+
+def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(position in ids, first id, length) of each run of consecutive ids: [4, 5, 6, 9] -> [(0, 4, 3), (3, 9, 1)]."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:

@@ -30,3 +30,10 @@ def test_no_cuda_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="--device cuda:1: CUDA is not available"):
         resolve_device("cuda:1")
+
+
+def test_host_swap_copies_merge_neighbouring_blocks():
+    from engine.model_runner import consecutive_runs
+
+    assert consecutive_runs([4, 5, 6, 9, 3, 4]) == [(0, 4, 3), (3, 9, 1), (4, 3, 2)]
+    assert consecutive_runs([]) == [] and consecutive_runs([7]) == [(0, 7, 1)]
