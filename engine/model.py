@@ -147,7 +147,7 @@ class LlamaModel:
         x = self.embed[input_ids]                      # x: [num_tokens, hidden], the residual stream
         rope = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)  # [num_tokens, 1, hd]
         decode_mask = None
-        if meta.num_decodes and not self.use_triton:  # SDPA reads the gathered blocks of every decode, masked past its length
+        if meta.num_decodes and not self.use_triton:  # SDPA reads every decode's gathered blocks, masked
             max_len = meta.decode_block_tables.shape[1] * kv_caches[0].shape[2]
             decode_mask = torch.arange(max_len, device=self.device) < meta.decode_context_lens[:, None]
             decode_mask = decode_mask[:, None, None, :]  # [num_decodes, 1, 1, max_blocks * block_size]

@@ -113,7 +113,8 @@ def _weights(model) -> list[torch.Tensor]:
     table is read a row per token, except where it is the tied LM head)."""
     tensors = [model.lm_head.weight, model.norm]
     for layer in model.layers:
-        tensors += [layer["input_norm"], layer["post_norm"]] + [layer[k].weight for k in ("qkv", "o", "gate_up", "down")]
+        tensors += [layer["input_norm"], layer["post_norm"]]
+        tensors += [layer[name].weight for name in ("qkv", "o", "gate_up", "down")]
     return tensors
 
 
