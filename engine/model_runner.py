@@ -3,6 +3,12 @@
 On CUDA, swap copies use pinned host memory and a side stream; the compute stream waits on an
 event before it reads restored blocks or overwrites released ones. Durations come from CUDA
 events that the engine resolves later, never with a synchronisation of their own.
+
+On CUDA nothing in `execute` waits for the device: its integers travel in one non-blocking copy
+(step_inputs.py), decode-only batches replay a CUDA graph (cuda_graphs.py), and greedy sampling is
+an argmax on the device. The host waits at one documented point per step, the end: `sample()`
+reading the tokens (a non-greedy row also reads its logits there), and at the end of a run, the
+engine's flush.
 """
 from __future__ import annotations
 
