@@ -11,6 +11,7 @@ allocation.
 from __future__ import annotations
 
 import mmap
+import weakref
 import warnings
 
 import torch
@@ -36,3 +37,31 @@ def empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
     offset = (-raw.data_ptr()) % HUGE_PAGE
     return raw[offset:offset + numel * element].view(dtype)
+
+
+def pinned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised 1-D CPU tensor of exactly `numel` elements, page-locked for CUDA copies.
+
+    Not `torch.empty(..., pin_memory=True)`: that goes through torch's caching host allocator, which
+    rounds every request up to a power of two (`--swap-space 40GiB` pinned 64 GiB), and
+    `tensor.pin_memory()` copies into that same allocator. Here the buffer is a plain allocation
+    (`empty` above) and exactly its own bytes are registered with the driver (cudaHostRegister, as
+    torch's own pin_memory utilities do), unregistered when the tensor is freed. The driver sees a
+    registered range as pinned host memory: `is_pinned()` is true and copies to and from it are
+    asynchronous DMA."""
+    buffer = empty(numel, dtype)
+    nbytes = numel * buffer.element_size()
+    if nbytes:
+        _host_register(buffer.data_ptr(), nbytes)
+        weakref.finalize(buffer.untyped_storage(), _host_unregister, buffer.data_ptr())
+    return buffer
+
+
+def _host_register(address: int, nbytes: int) -> None:
+    error = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))  # 0: cudaHostRegisterDefault
+    if error:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} B of swap space failed with CUDA error {error}")
+
+
+def _host_unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)

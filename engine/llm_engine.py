@@ -13,7 +13,7 @@ from engine.config import DTYPES as config_dtypes, EngineConfig, ModelConfig
 from engine.events import KVEvent, NullTracer, RequestStats, StepRecord, Tracer
 from engine.loader import load_weights
 from engine.model import LlamaModel
-from engine.model_runner import ModelRunner, StepResult, sample
+from engine.model_runner import ModelRunner, StepResult, resolve_device, sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
 
@@ -62,9 +62,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tracer: Tracer | None = None, *, loaded=None) -> None:
         self.config = config
         dtype = DTYPES[config.dtype]
-        if config.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {config.device}: CUDA is not available on this machine")
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         if loaded is None:
             loaded = load_weights(config.model, config.load_format, dtype=dtype, seed=config.seed)
         self.model_config: ModelConfig = loaded.config

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels, host_memory
+from engine import cpu_kernels, host_memory, triton_attention
 from engine.attention import prefill_attention
 from engine.config import ModelConfig
 from engine.cpu_forward import forward_on_cpu_kernels
@@ -29,6 +29,11 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64: positions each decode attends, itself included
     # per prefill chunk: (first token row, num tokens, first position, block ids covering 0..end)
     prefills: list[tuple[int, int, int, torch.Tensor]]
+    # for the Triton kernels (engine/triton_attention.py), built by the runner's paged-inputs path:
+    prefill_chunks: torch.Tensor | None = None         # [3, num_prefills]: first row, num tokens, first position
+    prefill_block_tables: torch.Tensor | None = None   # [num_prefills, max_blocks] int64 (padded with 0)
+    max_prefill_len: int = 0
+    decode_num_splits: int = 1                         # context splits per decode (split-K)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -84,6 +89,8 @@ class LlamaModel:
         self.linear_kernel = pick_kernel(device, dtype)
         # kvtrace's paged decode attention comes with its linear kernel (same library, same conditions)
         self.cpu_kernels = cpu_kernels.load() if self.linear_kernel == "kvtrace" else None
+        # paged attention in Triton on CUDA (the torch SDPA path below is the reference and fallback)
+        self.use_triton = self.cpu_kernels is None and triton_attention.enabled(device)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
@@ -140,7 +147,7 @@ class LlamaModel:
         x = self.embed[input_ids]                      # x: [num_tokens, hidden], the residual stream
         rope = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)  # [num_tokens, 1, hd]
         decode_mask = None
-        if meta.num_decodes:  # SDPA reads the gathered blocks of every decode, masked past its length
+        if meta.num_decodes and not self.use_triton:  # SDPA reads every decode's gathered blocks, masked
             max_len = meta.decode_block_tables.shape[1] * kv_caches[0].shape[2]
             decode_mask = torch.arange(max_len, device=self.device) < meta.decode_context_lens[:, None]
             decode_mask = decode_mask[:, None, None, :]  # [num_decodes, 1, 1, max_blocks * block_size]
@@ -184,6 +191,16 @@ class LlamaModel:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_tokens, nh, _ = q.shape
         nd = meta.num_decodes
+        if self.use_triton:  # K and V read in place through the block tables
+            out = torch.empty(num_tokens, nh, hd, dtype=q.dtype, device=q.device)
+            if nd:
+                triton_attention.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                                  meta.decode_context_lens, self.scale, out[:nd],
+                                                  meta.decode_num_splits)
+            if meta.prefills:
+                triton_attention.prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
+                                                   meta.prefill_chunks, meta.max_prefill_len, self.scale, out)
+            return out.view(num_tokens, nh * hd)
         if nd:
             flat_tables = meta.decode_block_tables.view(-1)  # [nd * max_blocks]
             # index_select on whole blocks is the fast gather on CPU (advanced indexing is ~3x slower)
@@ -193,10 +210,12 @@ class LlamaModel:
             # (query head h reads KV head h // group, as with enable_gqa)
             qd = q[:nd].view(nd, nkv, nh // nkv, hd)          # [nd, nkv, group, hd]
             o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=decode_mask, scale=self.scale)
+            # o: [nd, nkv, group, hd] in whatever memory layout the SDPA backend chose (CUDA's
+            # memory-efficient kernel returns it transposed): reshape/copy, never view
             if nd == num_tokens:  # decodes only: nothing to merge
-                return o.view(nd, nh * hd)
+                return o.reshape(nd, nh * hd)
             out = torch.empty(num_tokens, nh, hd, dtype=q.dtype, device=q.device)
-            out[:nd] = o.view(nd, nh, hd)
+            out[:nd].view(nd, nkv, nh // nkv, hd).copy_(o)
         else:
             out = torch.empty(num_tokens, nh, hd, dtype=q.dtype, device=q.device)
         prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, self.scale, out)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import altair as alt
 import duckdb
-import vl_convert as vlc
 
 from kvtrace import db
 from kvtrace.dashboard import fmt_bytes, fmt_num, fmt_seconds, fmt_share, split_params
@@ -217,8 +216,17 @@ def build(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = Non
 
 # --------------------------------------------------------------------------- output
 
+def _vl_convert():
+    """vl-convert, imported when a report is rendered: `kvtrace analyze` imports this module too, and
+    runs where vl-convert (a 30 MB wheel) is not installed, such as the offline GPU check."""
+    import vl_convert
+
+    return vl_convert
+
+
 def vega_lite_version() -> str | None:
     """The Vega-Lite version Altair writes specs for, as vl-convert names it (None: its latest)."""
+    vlc = _vl_convert()
     wanted = ".".join(alt.SCHEMA_VERSION.lstrip("v").split(".")[:2])
     return wanted if wanted in vlc.get_vegalite_versions() else None
 
@@ -226,12 +234,13 @@ def vega_lite_version() -> str | None:
 @functools.lru_cache(maxsize=1)
 def javascript_bundle() -> str:
     """vega-embed, Vega-Lite and Vega in one script that defines window.vegaEmbed (about 900 kB)."""
-    return vlc.javascript_bundle(vl_version=vega_lite_version()).replace("</script", "<\\/script")
+    return _vl_convert().javascript_bundle(vl_version=vega_lite_version()).replace("</script", "<\\/script")
 
 
 def write_images(charts: list[ReportChart], folder: Path, fmt: str) -> list[Path]:
     """One file per chart, `<name>.<fmt>`, in `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
+    vlc = _vl_convert()
     written = []
     for item in charts:
         spec = item.chart.to_dict()

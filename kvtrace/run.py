@@ -131,7 +131,7 @@ class Recording:
         self.meta["status"] = "running"
         writer = TraceWriter(self.run_dir, self.meta["run_id"], record_token_ids=self.record_token_ids)
         sampler = NvmlSampler(self.engine.device, writer, clock=self.engine.now)
-        self.meta["nvml"] = {"enabled": sampler.enabled, "reason": sampler.reason}
+        self.meta["nvml"] = {"enabled": sampler.enabled, "reason": sampler.reason, "fields": sampler.fields}
         write_json_atomic(meta_path, self.meta)
         if self.meta["device"]["kernels_note"]:
             self.console.print(f"[dim]note: {self.meta['device']['kernels_note']}[/]")

@@ -43,3 +43,21 @@ def test_small_buffers_are_plain_and_large_ones_aligned():
 def test_large_buffers_are_backed_by_huge_pages():
     buffer = host_memory.empty(8 * host_memory.HUGE_PAGE // 4).zero_()  # 8 huge pages, touched
     assert anon_huge_kib(buffer.data_ptr()) >= 2048  # the kernel may be short of free huge pages: ask for one
+
+
+def test_pinned_swap_space_registers_exactly_its_bytes(monkeypatch):
+    """Swap space is pinned to the byte: not through torch's caching host allocator, which rounds a
+    request up to the next power of two (40 GiB of swap pinned 64 GiB). Registration is mocked here:
+    the driver call needs a GPU."""
+    import gc
+
+    registered, unregistered = [], []
+    monkeypatch.setattr(host_memory, "_host_register", lambda address, nbytes: registered.append((address, nbytes)))
+    monkeypatch.setattr(host_memory, "_host_unregister", unregistered.append)
+    numel = 5 * (1 << 20) + 3  # 20 MiB + 12 B of fp32: far from a power of two
+    swap = host_memory.pinned_empty(numel).view(-1)[: numel]
+    assert registered == [(swap.data_ptr(), numel * 4)]
+    assert swap.numel() == numel
+    del swap
+    gc.collect()
+    assert unregistered == [registered[0][0]]  # unregistered once the last view is gone, not before

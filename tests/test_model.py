@@ -107,3 +107,26 @@ def test_other_families_match_the_dense_reference(make_engine, kernel, family):
     worst = max((reference_forward(config, loaded.weights, tokens)[-1] - logits).abs().max().item()
                 for tokens, logits in seen)
     assert worst < 1e-4, worst
+
+
+def test_decode_attention_accepts_a_transposed_sdpa_output(make_engine, monkeypatch):
+    """CUDA's memory-efficient SDPA kernel returns [B, H, L, D] laid out as [B, L, H, D]; the torch
+    path must not `.view` it. Reproduced on CPU by handing back that layout, same values."""
+    monkeypatch.setenv("KVTRACE_CPU_KERNELS", "0")
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14] * 9]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    # a small token budget mixes decodes with prefill chunks; the large one runs decode-only steps
+    expected = [make_engine(max_num_batched_tokens=budget).generate(prompts, params) for budget in (7, 64)]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    layouts = []
+
+    def transposed_sdpa(*args, **kwargs):
+        o = sdpa(*args, **kwargs)
+        o = o.transpose(1, 2).contiguous().transpose(1, 2)  # same shape and values, transposed strides
+        layouts.append(o.is_contiguous())
+        return o
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", transposed_sdpa)
+    got = [make_engine(max_num_batched_tokens=budget).generate(prompts, params) for budget in (7, 64)]
+    assert got == expected
+    assert layouts and not any(layouts)
