@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from kvtrace import perfetto_export
 from kvtrace.cli_app import RUNS_HELP, export_app, user_errors
 
 
@@ -29,6 +28,10 @@ def perfetto(
 
     Example: kvtrace export perfetto traces/runs/latest -o bursty.pftrace
     """
+    # imported here: Perfetto's protobuf classes are needed by this command only (the offline GPU
+    # check installs kvtrace's other dependencies without them)
+    from kvtrace import perfetto_export
+
     path = output or perfetto_export.default_output(runs)
     started = time.perf_counter()
     summary = perfetto_export.export_perfetto(runs, path)
