@@ -110,10 +110,26 @@ class CostModel:
         self.weight_bytes = all_params * element
         self.kv_bytes_per_token = mc.kv_values_per_token * element
         p = profile
+        derived = {}
+        if p.peak_flops and p.memory_bytes_s > 0 and p.host_bytes_s > 0:
+            derived = self._derive(p, mc, dtype, linear_params)
+        self.coefficients = {**derived, **p.coefficients}
+        missing = [name for name in COEFFICIENTS if name not in self.coefficients]
+        if missing:
+            raise ValueError(f"--hardware {p.name}: no device figures to derive {', '.join(missing)} from, "
+                             "and the profile does not give them")
+        c = self.coefficients
+        # unpacked once: forward_ms runs every simulated step
+        self._step, self._weights = c["step_ms"], c["weights_ms"]
+        self._prefill, self._decode = c["prefill_token_ms"], c["decode_token_ms"]
+        self._kv, self._pair = c["kv_token_ms"], c["attention_pair_ms"]
+
+    def _derive(self, p: HardwareProfile, mc: ModelConfig, dtype: str, linear_params: int) -> dict[str, float]:
+        """Every coefficient from the device's public figures and the model's shape."""
         flops = p.peak_flops.get(dtype) or max(p.peak_flops.values())
         memory = p.memory_bytes_s * p.bandwidth_efficiency
         token_ms = 2 * linear_params / (flops * p.flops_efficiency) * 1e3
-        derived = {
+        return {
             "step_ms": p.step_overhead_ms,
             "weights_ms": self.weight_bytes / memory * 1e3,
             "prefill_token_ms": token_ms,
@@ -124,12 +140,6 @@ class CostModel:
             "swap_byte_ms": 1e3 / (p.host_bytes_s * p.host_efficiency),
             "copy_byte_ms": 2e3 / memory,
         }
-        self.coefficients = {**derived, **p.coefficients}
-        c = self.coefficients
-        # unpacked once: forward_ms runs every simulated step
-        self._step, self._weights = c["step_ms"], c["weights_ms"]
-        self._prefill, self._decode = c["prefill_token_ms"], c["decode_token_ms"]
-        self._kv, self._pair = c["kv_token_ms"], c["attention_pair_ms"]
 
     def forward_ms(self, num_prefill: int, num_decode: int, num_kv: int, num_pairs: float) -> float:
         compute = self._prefill * num_prefill + self._decode * num_decode

@@ -101,7 +101,7 @@ class LLMEngine:
         if self.simulated:
             self.model_config, self.model_source = (loaded.config, loaded.source) if loaded else load_config(config.model)
             self.cost_model = CostModel(load_profile(config.hardware or "h100-sxm"), self.model_config, config.dtype)
-            device_memory = self.cost_model.profile.memory_bytes
+            device_memory = self.cost_model.profile.memory_bytes or None
         else:
             if loaded is None:
                 loaded = load_weights(config.model, config.load_format, dtype=dtype, seed=config.seed)
