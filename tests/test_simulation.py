@@ -101,6 +101,25 @@ def test_simulated_decisions_are_the_real_engines(tiny_loaded, name, seed):
     assert all(t is not None for r in real.records for t in r.token_ids)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["recompute", "swap"])
+def test_simulated_decisions_are_the_real_engines_on_smollm2(name):
+    """The same on the real SmolLM2-135M weights (greedy and sampled tokens of a real model)."""
+    import torch
+
+    from engine.loader import load_weights
+    try:
+        loaded = load_weights("smollm2-135m", dtype=torch.float32)
+    except (FileNotFoundError, ImportError, ValueError) as exc:
+        pytest.skip(f"SmolLM2 weights not installed: {exc}")
+    requests = backlog_workload(3, num_requests=8)
+    settings = dict(block_size=4, num_gpu_blocks=24, watermark=0.0, max_num_batched_tokens=64) | SETTINGS[name]
+    _, real = run(loaded, requests, **settings)
+    _, sim = run(loaded, requests, engine="sim", **settings)
+    assert decisions(sim) == decisions(real)
+    assert any(e.kind == "preempt" for e in real.events)
+
+
 def test_virtual_time_is_the_sum_of_predicted_steps_and_jumps_idle_gaps(tiny_loaded):
     requests = [WorkloadRequest(id="a", arrival_s=0.0, prompt_tokens=40, max_tokens=5),
                 WorkloadRequest(id="b", arrival_s=1000.0, prompt_tokens=40, max_tokens=5)]
@@ -257,3 +276,17 @@ def test_calibrate_refuses_simulated_runs_and_mixed_models(tmp_path):
     a = write_run(tmp_path / "m", "a", steps=steps)
     b = write_run(tmp_path / "m", "b", steps=steps, meta={"model": {"name": "smollm2-135m"}})
     assert "one model and dtype" in one_line_error(["calibrate", str(a), str(b), "-o", str(tmp_path / "p.json")])
+
+
+def test_pool_density_is_the_paged_kv_table(tmp_path):
+    """avg running, held-KV share (stored positions over slots of held blocks) and counts, per run."""
+    from kvtrace import db
+    from tests.tracegen import write_run
+    steps = [{"step": i, "start_s": i * 0.1, "end_s": i * 0.1 + 0.1, "running": running, "waiting": 0,
+              "swapped": 0, "prefill_tokens": 0, "decode_tokens": running, "kv_tokens": kv, "used_blocks": used,
+              "preemptions": pre}
+             for i, (running, kv, used, pre) in enumerate([(2, 10, 4, 0), (3, 14, 5, 1), (1, 4, 2, 0)])]
+    run = write_run(tmp_path, "d", steps=steps, meta={"kv_pool": {"kv_reserve": "max-tokens"}})
+    row = db.run_analysis(db.connect([run]), "pool_density").to_pylist()[0]
+    assert row == {"run_id": "d", "block_size": 4, "kv_reserve": "max-tokens", "steps": 3, "avg_running": 2.0,
+                   "held_kv_share": pytest.approx(28 / 44), "preemptions": 1}
