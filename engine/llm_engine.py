@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -99,6 +99,8 @@ class LLMEngine:
         self.device = torch.device("cpu" if self.simulated else config.device)
         device_memory = None
         if self.simulated:
+            if config.num_gpu_blocks is None and config.kv_cache_memory is None and config.gpu_memory_utilization is None:
+                config = self.config = replace(config, gpu_memory_utilization=0.9)  # vLLM's default
             self.model_config, self.model_source = (loaded.config, loaded.source) if loaded else load_config(config.model)
             self.cost_model = CostModel(load_profile(config.hardware or "h100-sxm"), self.model_config, config.dtype)
             device_memory = self.cost_model.profile.memory_bytes or None

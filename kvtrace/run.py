@@ -103,7 +103,7 @@ class Recording:
             "schema_version": SCHEMA_VERSION,
             "kvtrace_version": kvtrace.__version__,
             "command": command,
-            "engine_config": config.to_dict(),
+            "engine_config": engine.config.to_dict(),
             "model": {"name": mc.name, "source": engine.model_source, "dtype": config.dtype,
                       "shape": {"layers": mc.num_layers, "hidden": mc.hidden_size, "heads": mc.num_heads,
                                 "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "vocab": mc.vocab_size},

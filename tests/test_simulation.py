@@ -290,3 +290,10 @@ def test_pool_density_is_the_paged_kv_table(tmp_path):
     row = db.run_analysis(db.connect([run]), "pool_density").to_pylist()[0]
     assert row == {"run_id": "d", "block_size": 4, "kv_reserve": "max-tokens", "steps": 3, "avg_running": 2.0,
                    "held_kv_share": pytest.approx(28 / 44), "preemptions": 1}
+
+
+def test_sim_without_a_pool_option_sizes_it_as_vllm_by_default(tiny_loaded):
+    engine = LLMEngine(EngineConfig(model="llama-3-8b", engine="sim", hardware="h200", dtype="bfloat16"))
+    d = engine.geometry.derivation
+    assert d["gpu_memory_utilization"] == 0.9 and d["device_memory"] == 141 * 10**9
+    assert engine.config.gpu_memory_utilization == 0.9 and engine.model is None
