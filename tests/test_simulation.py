@@ -112,7 +112,7 @@ def test_simulated_decisions_are_the_real_engines_on_smollm2(name):
         loaded = load_weights("smollm2-135m", dtype=torch.float32)
     except (FileNotFoundError, ImportError, ValueError) as exc:
         pytest.skip(f"SmolLM2 weights not installed: {exc}")
-    requests = backlog_workload(3, num_requests=8)
+    requests = backlog_workload(3, num_requests=6)
     settings = dict(block_size=4, num_gpu_blocks=24, watermark=0.0, max_num_batched_tokens=64) | SETTINGS[name]
     _, real = run(loaded, requests, **settings)
     _, sim = run(loaded, requests, engine="sim", **settings)
