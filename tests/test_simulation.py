@@ -297,3 +297,10 @@ def test_sim_without_a_pool_option_sizes_it_as_vllm_by_default(tiny_loaded):
     d = engine.geometry.derivation
     assert d["gpu_memory_utilization"] == 0.9 and d["device_memory"] == 141 * 10**9
     assert engine.config.gpu_memory_utilization == 0.9 and engine.model is None
+
+
+def test_the_shipped_cpu_profile_is_a_calibrated_smollm2_profile():
+    profile = load_profile("cpu-here")
+    assert profile.fitted_on["model"] == "smollm2-135m" and profile.fitted_on["dtype"] == "float32"
+    cost = CostModel(profile, PRESETS["smollm2-135m"], "float32")
+    assert cost.describe()["calibrated"] and cost.forward_ms(0, 8, 800, 0) > cost.forward_ms(0, 1, 100, 0) > 0
