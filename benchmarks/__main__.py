@@ -15,6 +15,8 @@ SUITES = {
     "perfetto-export": "benchmarks.perfetto_export",
     "model-ab": "benchmarks.model_ab",
     "kernels": "benchmarks.kernels",
+    "sim-speed": "benchmarks.sim_speed",
+    "sim-accuracy": "benchmarks.sim_accuracy",
 }
 
 
