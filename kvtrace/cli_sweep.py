@@ -147,7 +147,7 @@ def run(
     sweep.refresh()
     parallel = jobs or threads_per_point(1)
     runner = RayRunner(ray, cpus_per_point) if ray else LocalRunner(parallel)
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     todo = len(sweep.todo())
     console.print(f"sweep {folder}: {size} points, {size - todo} already completed, {todo} to run "
                   f"({'Ray at ' + ray if ray else f'{parallel} at a time'})", highlight=False)
@@ -183,7 +183,7 @@ def summary_rows(folder: Path, params: dict[str, str]) -> tuple[Sweep, list[dict
 
 def _show(folder: Path, obj, params: dict[str, str], as_json: bool) -> None:
     sweep, rows = summary_rows(folder, params)
-    points = points_of(rows)
+    points = points_of(rows, list(sweep.spec.grid))
     sentence = recommend(points, obj) if points else "No point has completed yet."
     if as_json:
         print(json.dumps({"sweep": sweep.spec.name, "folder": str(folder), "grid": sweep.spec.grid,
@@ -196,7 +196,7 @@ def _show(folder: Path, obj, params: dict[str, str], as_json: bool) -> None:
     done = len(points)
     console.print(table(points, obj, f"sweep {sweep.spec.name}: {done}/{len(sweep.points)} points, "
                                      f"★ best by {obj.label}"))
-    console.print(sentence, highlight=False)
+    print(sentence)  # one line, unwrapped: scripts read it
 
 
 @sweep_app.command("show")
@@ -223,7 +223,7 @@ def write_report(folder: Path, output: Path, objective_name: str, params: dict[s
 
     obj = objective(objective_name)
     sweep, rows = summary_rows(folder, params)
-    points = points_of(rows)
+    points = points_of(rows, list(sweep.spec.grid))
     items = charts(points, obj)
     sentence = recommend(points, obj)
     sections = "\n".join(

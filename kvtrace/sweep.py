@@ -294,7 +294,7 @@ def finish_point(sweep: Sweep, point: Point, returncode: int | None, elapsed_s: 
     status = run_status(sweep.run_dir(point))
     point.returncode = returncode
     point.elapsed_s = round(elapsed_s, 3)
-    if status == "completed" and returncode == 0:
+    if status == "completed":  # the trace is whole, even if the process was stopped while exiting
         point.status = "completed"
     elif interrupted or status == "interrupted":
         point.status = "interrupted"

@@ -48,10 +48,16 @@ def objective(name: str) -> Objective:
     return OBJECTIVES[name]
 
 
-def points_of(rows: list[dict]) -> list[dict]:
-    """The completed points of a sweep, each with its settings as a dict."""
-    return [{**row, "settings": json.loads(row["settings"])} for row in rows
-            if row["sweep"] is not None and row["status"] == "completed"]
+def points_of(rows: list[dict], knobs: list[str]) -> list[dict]:
+    """The completed points of a sweep, each with its settings as a dict in the grid's knob order
+    (`knobs`; meta.json's keys come back sorted)."""
+    out = []
+    for row in rows:
+        if row["sweep"] is None or row["status"] != "completed":
+            continue
+        settings = json.loads(row["settings"])
+        out.append({**row, "settings": {k: settings[k] for k in knobs if k in settings}})
+    return out
 
 
 def _numeric(value: str) -> float | None:
@@ -118,7 +124,8 @@ def recommend(points: list[dict], obj: Objective) -> str:
     others = {k: v for k, v in best["settings"].items() if k != axis}
     line = sorted((p for p in points if all(p["settings"].get(k) == v for k, v in others.items())
                    and p[obj.column] is not None), key=lambda p: _numeric(p["settings"][axis]))
-    context = "".join(f" with {k} {v}" for k, v in others.items() if k in varying_knobs(points))
+    fixed = [f"{k} {v}" for k, v in others.items() if k in varying_knobs(points)]
+    context = f" (with {', '.join(fixed)})" if fixed else ""
     values = [p[obj.column] for p in line]
     spread = max(_worse_by(obj, best[obj.column], v) for v in values)
     low, high = line[0]["settings"][axis], line[-1]["settings"][axis]
