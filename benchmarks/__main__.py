@@ -14,6 +14,8 @@ SUITES = {
     "trace-scale": "benchmarks.trace_scale_suite",
     "model-ab": "benchmarks.model_ab",
     "kernels": "benchmarks.kernels",
+    "sim-speed": "benchmarks.sim_speed",
+    "sim-accuracy": "benchmarks.sim_accuracy",
 }
 
 

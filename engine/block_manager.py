@@ -60,6 +60,11 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_to_hold(self, seq: Sequence) -> int:
+        """Blocks the sequence holds once admitted: its known tokens, or its whole reservation (--kv-reserve)."""
+        num_tokens = seq.num_tokens
+        return self.blocks_for(num_tokens if num_tokens > seq.num_reserved_tokens else seq.num_reserved_tokens)
+
     def can_ever_hold(self, num_tokens: int) -> bool:
         """Whether a sequence of this many KV positions fits an otherwise empty pool."""
         return self.blocks_for(num_tokens) <= self.num_blocks - self.watermark_blocks
@@ -162,7 +167,7 @@ class BlockManager:
     # ---- admission ----------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, cached_ids: list[int]) -> bool:
         """Enough free blocks (above the watermark) for all of the sequence's known tokens."""
-        num_new = self.blocks_for(seq.num_tokens) - len(cached_ids)
+        num_new = self.blocks_to_hold(seq) - len(cached_ids)
         num_cached_free = sum(1 for b in cached_ids if self.blocks[b].ref_count == 0)
         return self.num_free_blocks - num_cached_free - num_new >= self.watermark_blocks
 
@@ -174,7 +179,7 @@ class BlockManager:
         if cached_ids:
             self.events.append(KVEvent(ev.PREFIX_HIT, seq.req_id, seq.sample, blocks=list(cached_ids),
                                        num_tokens=num_cached_tokens, reason=reason))
-        new_ids = [self._allocate_block() for _ in range(self.blocks_for(seq.num_tokens) - len(cached_ids))]
+        new_ids = [self._allocate_block() for _ in range(self.blocks_to_hold(seq) - len(cached_ids))]
         if new_ids:
             self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason="prefill"))
         seq.block_table = list(cached_ids) + new_ids
@@ -241,7 +246,8 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count += 1
             if block.ref_count == 2:
-                self.shared_fill[block_id] = min(self.block_size, parent.num_computed_tokens - i * self.block_size)
+                # a block reserved ahead (--kv-reserve) holds no position yet
+                self.shared_fill[block_id] = max(0, min(self.block_size, parent.num_computed_tokens - i * self.block_size))
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens

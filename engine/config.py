@@ -156,6 +156,8 @@ def parse_bytes(text: str | int) -> int:
 PREEMPTION_MODES = ("recompute", "swap")
 PREEMPTION_POLICIES = ("newest", "priority", "fewest-computed")
 DTYPES = ("float32", "bfloat16", "float16")
+ENGINES = ("real", "sim")
+KV_RESERVE = ("none", "max-model-len", "max-tokens")
 
 
 @dataclass
@@ -179,6 +181,10 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     preemption_policy: str = "newest"
     enable_prefix_caching: bool = True
+    engine: str = "real"                 # real: run the model; sim: predict step times (engine/sim_executor.py)
+    hardware: str | None = None          # sim: a built-in profile name or a profile JSON (default h100-sxm)
+    kv_reserve: str = "none"             # none: on-demand paging; else hold the whole context from admission
+    gpu_memory_utilization: float | None = None  # size the pool as vLLM does, from the device's memory
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -203,6 +209,14 @@ class EngineConfig:
             raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.kv_reserve not in KV_RESERVE:
+            raise ValueError(f"--kv-reserve must be one of {', '.join(KV_RESERVE)}, got {self.kv_reserve!r}")
+        if self.hardware is not None and self.engine != "sim":
+            raise ValueError("--hardware is for --engine sim (the real engine runs on --device)")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if isinstance(self.swap_space, str):

@@ -10,16 +10,19 @@ import torch
 from engine import events as ev
 from engine.block_manager import BlockManager
 from engine.config import DTYPES as config_dtypes, EngineConfig, ModelConfig
+from engine.cost_model import CostModel, load_profile, weight_params
 from engine.events import KVEvent, NullTracer, RequestStats, StepRecord, Tracer
-from engine.loader import load_weights
+from engine.loader import load_config, load_weights
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner, StepResult, sample
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sim_executor import SimExecutor
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 DTYPES = {name: getattr(torch, name) for name in config_dtypes}  # the names EngineConfig accepts
 DEFAULT_KV_CACHE_MEMORY = 1 << 30   # 1 GiB when neither --num-gpu-blocks nor --kv-cache-memory is given
 MAX_STEPS_WITHOUT_PROGRESS = 10_000
+NON_TORCH_RESERVE = 1 << 30         # --gpu-memory-utilization: CUDA context, graphs, workspaces (an estimate)
 
 
 class LivelockError(RuntimeError):
@@ -32,14 +35,42 @@ class PoolGeometry:
     num_cpu_blocks: int
     block_size: int
     bytes_per_block: int
+    derivation: dict | None = None   # how --gpu-memory-utilization sized the pool
 
 
-def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> PoolGeometry:
+def activation_reserve(config: EngineConfig, mc: ModelConfig, element: int) -> int:
+    """Peak activation memory of a full step (what vLLM's profiling run measures), estimated from shapes:
+    the largest batch's hidden states, q/k/v and MLP intermediates, and fp32 logits of every sequence."""
+    per_token = 4 * mc.hidden_size + (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim + 2 * mc.intermediate_size
+    return config.max_num_batched_tokens * per_token * element + config.max_num_seqs * mc.vocab_size * 4
+
+
+def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                  device_memory: int | None = None) -> PoolGeometry:
     """Size the device and host pools from the config; ValueError when no block fits."""
     element = torch.tensor([], dtype=DTYPES[config.dtype]).element_size()
     bytes_per_block = model_config.kv_values_per_token * config.block_size * element
+    derivation = None
     if config.num_gpu_blocks is not None:
         num_gpu_blocks = config.num_gpu_blocks
+    elif config.gpu_memory_utilization is not None:
+        if device_memory is None:
+            raise ValueError("--gpu-memory-utilization needs a device whose memory is known: CUDA, or --engine sim")
+        util = config.gpu_memory_utilization
+        weights = weight_params(model_config)[1] * element
+        activations = activation_reserve(config, model_config, element)
+        memory = int(device_memory * util) - weights - activations - NON_TORCH_RESERVE
+        num_gpu_blocks = max(memory, 0) // bytes_per_block
+        derivation = {
+            "formula": "(device_memory * gpu_memory_utilization - weights - activations - non_torch) // bytes_per_block",
+            "device_memory": device_memory, "gpu_memory_utilization": util, "weights": weights,
+            "activations": activations, "non_torch": NON_TORCH_RESERVE, "kv_bytes": memory,
+            "bytes_per_block": bytes_per_block, "num_gpu_blocks": num_gpu_blocks,
+        }
+        if num_gpu_blocks < 1:
+            raise ValueError(f"--gpu-memory-utilization {util}: {device_memory * util / 1e9:.1f} GB of the device "
+                             f"leaves no KV block after {weights / 1e9:.2f} GB of weights and "
+                             f"{(activations + NON_TORCH_RESERVE) / 1e9:.2f} GB of activations and runtime")
     else:
         memory = config.kv_cache_memory
         if memory is None:  # enough for every sequence at full length, at most 1 GiB
@@ -55,35 +86,49 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
         num_cpu_blocks = config.swap_space // bytes_per_block
     else:
         num_cpu_blocks = num_gpu_blocks if config.preemption_mode == "swap" else 0
-    return PoolGeometry(num_gpu_blocks, num_cpu_blocks, config.block_size, bytes_per_block)
+    return PoolGeometry(num_gpu_blocks, num_cpu_blocks, config.block_size, bytes_per_block, derivation)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tracer: Tracer | None = None, *, loaded=None) -> None:
         self.config = config
         dtype = DTYPES[config.dtype]
-        if config.device.startswith("cuda") and not torch.cuda.is_available():
+        self.simulated = config.engine == "sim"   # no model: a cost model predicts each step (virtual time)
+        if config.device.startswith("cuda") and not torch.cuda.is_available() and not self.simulated:
             raise ValueError(f"--device {config.device}: CUDA is not available on this machine")
-        self.device = torch.device(config.device)
-        if loaded is None:
-            loaded = load_weights(config.model, config.load_format, dtype=dtype, seed=config.seed)
-        self.model_config: ModelConfig = loaded.config
-        self.model_source: str = loaded.source
+        self.device = torch.device("cpu" if self.simulated else config.device)
+        device_memory = None
+        if self.simulated:
+            self.model_config, self.model_source = (loaded.config, loaded.source) if loaded else load_config(config.model)
+            self.cost_model = CostModel(load_profile(config.hardware or "h100-sxm"), self.model_config, config.dtype)
+            device_memory = self.cost_model.profile.memory_bytes or None
+        else:
+            if loaded is None:
+                loaded = load_weights(config.model, config.load_format, dtype=dtype, seed=config.seed)
+            self.model_config, self.model_source = loaded.config, loaded.source
+            if self.device.type == "cuda":
+                device_memory = torch.cuda.get_device_properties(self.device).total_memory
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.eos_token_id = mc.eos_token_id
-        self.geometry = pool_geometry(config, mc, self.max_model_len)
+        self.geometry = pool_geometry(config, mc, self.max_model_len, device_memory)
         g = self.geometry
-        self.model = LlamaModel(mc, loaded.weights, self.device, dtype)
         self.block_manager = BlockManager(g.num_gpu_blocks, g.block_size, g.num_cpu_blocks,
                                           config.enable_prefix_caching, int(config.watermark * g.num_gpu_blocks))
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.preemption_mode,
                                    preemption_policy=config.preemption_policy)
-        self.runner = ModelRunner(self.model, g.num_gpu_blocks, g.block_size, g.num_cpu_blocks)
+        if self.simulated:
+            self.model = None
+            self.runner: ModelRunner | SimExecutor = SimExecutor(self.cost_model, g.bytes_per_block)
+            self.clock = self.runner.clock
+        else:
+            self.model = LlamaModel(mc, loaded.weights, self.device, dtype)
+            self.runner = ModelRunner(self.model, g.num_gpu_blocks, g.block_size, g.num_cpu_blocks)
+            self.clock = time.perf_counter
         self.tracer: Tracer = tracer or NullTracer()
-        self.time_origin = time.perf_counter()
+        self.time_origin = self.clock()
         self.step_counter = 0
         self._event_seq = 0
         self._num_requests = 0
@@ -99,7 +144,18 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------
     def now(self) -> float:
-        return time.perf_counter() - self.time_origin
+        return self.clock() - self.time_origin
+
+    def start_clock(self) -> None:
+        """Time starts now (a replay's t = 0)."""
+        self.time_origin = self.clock()
+
+    def idle_until(self, t: float) -> None:
+        """Nothing to run before `t`: sleep a little (real), or jump there (simulated)."""
+        if self.simulated:
+            self.runner.advance_to(t + self.time_origin)
+        else:
+            time.sleep(min(max(t - self.now(), 0.0), 0.05))
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     *, arrival_s: float | None = None, priority: int = 0) -> Sequence:
@@ -116,6 +172,7 @@ class LLMEngine:
         seq = Sequence(str(req_id), 0, prompt_token_ids, params,
                        self.now() if arrival_s is None else arrival_s, priority, self._num_requests)
         seq.num_pending_forks = params.n - 1
+        seq.num_reserved_tokens = self.reserved_tokens(len(prompt_token_ids), params.max_tokens)
         self._num_requests += 1
         if self.keep_outputs:
             self.outputs[(seq.req_id, 0)] = seq
@@ -126,6 +183,14 @@ class LLMEngine:
         else:
             self.scheduler.add(seq)
         return seq
+
+    def reserved_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """--kv-reserve: positions a request holds from admission, as a pre-paging server did (0: on demand)."""
+        if self.config.kv_reserve == "none":
+            return 0
+        if self.config.kv_reserve == "max-model-len":
+            return self.max_model_len
+        return min(num_prompt_tokens + max_tokens, self.max_model_len)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending_finished)
@@ -139,7 +204,7 @@ class LLMEngine:
         result = self.runner.execute(out)
         emitted: list[tuple[Sequence, int]] = []
         num_recompute = 0
-        if result.logits is not None:
+        if out.seqs:
             num_recompute = self._account(out, start_s)
             emitted = self._emit(result)
         finished = self._pending_finished + out.rejected
@@ -195,8 +260,11 @@ class LLMEngine:
                 for child in self._fork(parent):
                     seqs.append(child)
                     rows.append(row)
-        logits = result.logits if len(rows) == len(result.sample_seqs) else result.logits[rows]
-        tokens = sample(logits, seqs)
+        if self.simulated:
+            tokens = SimExecutor.tokens(seqs)
+        else:
+            logits = result.logits if len(rows) == len(result.sample_seqs) else result.logits[rows]
+            tokens = sample(logits, seqs)
         now = self.now()
         emitted = []
         for seq, token in zip(seqs, tokens):
@@ -205,6 +273,8 @@ class LLMEngine:
             if seq.first_token_s is None:
                 seq.first_token_s = now
             if not seq.params.ignore_eos and token == self.eos_token_id:
+                seq.finish_reason = "stop"
+            elif seq.num_output_tokens == seq.params.output_tokens:  # where the recorded request stopped
                 seq.finish_reason = "stop"
             elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
@@ -218,6 +288,7 @@ class LLMEngine:
                              parent.priority, parent.arrival_order)
             self.block_manager.fork(parent, child)
             child.num_ever_computed = parent.num_ever_computed
+            child.num_reserved_tokens = parent.num_reserved_tokens
             child.first_scheduled_s = parent.first_scheduled_s
             child.num_prefix_hit_tokens = parent.num_prefix_hit_tokens
             self.scheduler.adopt(child)
@@ -253,7 +324,8 @@ class LLMEngine:
             num_total_blocks=bm.num_blocks, num_kv_tokens=bm.num_kv_positions(sched.running),
             num_preemptions=out.num_preemptions, events=kv_events,
             token_req_ids=[s.req_id for s, _ in emitted], token_samples=[s.sample for s, _ in emitted],
-            token_idx=[s.num_output_tokens - 1 for s, _ in emitted], token_ids=[t for _, t in emitted],
+            token_idx=[s.num_output_tokens - 1 for s, _ in emitted],
+            token_ids=[None] * len(emitted) if self.simulated else [t for _, t in emitted],
             finished=[self._stats(s, end_s) for s in finished],
         )
         self._pending_records.append((record, result, out))

@@ -30,6 +30,21 @@ class LoadedModel:
     source: str                       # the file or folder read, or "dummy (seed N)"
 
 
+def load_config(model: str) -> tuple[ModelConfig, str]:
+    """The shape of `model` (preset name, HF folder or .gguf file) and where it came from; no weights."""
+    if model in PRESETS:
+        return dataclasses.replace(PRESETS[model]), f"preset {model}"
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model {model!r} not found: it is not a built-in name "
+                                f"({', '.join(PRESETS)}) and there is no file or folder at {path}")
+    if path.is_dir():
+        return dataclasses.replace(_hf_config(path), name=path.name), str(path)
+    if path.suffix == ".gguf":
+        return _gguf_config(path), str(path)
+    raise ValueError(f"cannot load {path}: expected a Hugging Face folder or a .gguf file")
+
+
 def load_weights(model: str, load_format: str = "auto", dtype: torch.dtype = torch.float32,
                  seed: int = 0) -> LoadedModel:
     """Load `model` (preset name, HF folder or .gguf file); `dummy` gives random weights of its shape."""

@@ -107,7 +107,7 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             if not self.bm.can_swap_in(seq):
-                if self.bm.can_ever_hold(max(seq.num_tokens, seq.num_computed_tokens + 1)):
+                if self.bm.can_ever_hold(max(seq.num_tokens, seq.num_computed_tokens + 1, seq.num_reserved_tokens)):
                     break
                 self.swapped.popleft()  # outgrew the whole pool: it can never resume
                 seq.finish_reason = "capacity"
@@ -137,7 +137,7 @@ class Scheduler:
             seq = self._next_waiting()
             if self.running and len(self.running) + 1 + seq.num_pending_forks > self.max_num_seqs:
                 break
-            if not self.bm.can_ever_hold(seq.num_tokens + 1):
+            if not self.bm.can_ever_hold(max(seq.num_tokens + 1, seq.num_reserved_tokens)):
                 self.waiting.remove(seq)
                 seq.finish_reason = "rejected" if seq.num_output_tokens == 0 else "capacity"
                 out.rejected.append(seq)

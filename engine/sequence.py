@@ -22,6 +22,7 @@ class SamplingParams:
     seed: int | None = None      # sample i of a request draws from a generator seeded seed + i
     ignore_eos: bool = False
     n: int = 1
+    output_tokens: int | None = None  # stop here (reason stop): the length a recorded request really had
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -32,6 +33,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.output_tokens is not None and not 1 <= self.output_tokens <= self.max_tokens:
+            raise ValueError(f"output_tokens must be in [1, max_tokens={self.max_tokens}], got {self.output_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +71,7 @@ class Sequence:
         self.num_computed_tokens = 0            # positions whose KV is in the block table
         self.num_cached_tokens = 0              # of those, mapped from the prefix cache this admission
         self.num_ever_computed = 0              # high-water mark of positions that had KV
+        self.num_reserved_tokens = 0            # --kv-reserve: positions held from admission (0: on demand)
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()

@@ -52,14 +52,20 @@ def record(
     workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload JSONL (see docs/workload-format.md).")],
     model: Annotated[str, typer.Option(help=f"Model: {PRESETS_HELP}.")] = "smollm2-135m",
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Run folder (default: traces/runs/<time>-<model>, and traces/runs/latest points to it).")] = None,
+    engine: Annotated[str, typer.Option(help="real (run the model) or sim (the same scheduler and block manager, "
+                                             "step times from a cost model, virtual time; see docs/simulation.md).")] = "real",
+    hardware: Annotated[str | None, typer.Option(help="--engine sim: h100-sxm (default), h200, a100-80gb, l40s, "
+                                                      "cpu-here, or a profile JSON from kvtrace calibrate.")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16 (default: float32; bfloat16 with --engine sim).")] = None,
     load_format: Annotated[str, typer.Option(help="auto, or dummy for random weights of the model's shape.")] = "auto",
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     num_gpu_blocks: Annotated[int | None, typer.Option(help="Device KV blocks (overrides --kv-cache-memory).")] = None,
     kv_cache_memory: Annotated[str | None, typer.Option(help="Device KV pool size, bytes or e.g. 2GiB.")] = None,
     num_cpu_blocks: Annotated[int | None, typer.Option(help="Host swap blocks.")] = None,
     swap_space: Annotated[str | None, typer.Option(help="Host swap space, bytes or e.g. 4GiB.")] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(help="Size the KV pool as vLLM does: this share of the device's memory, less weights and activations (CUDA or --engine sim).")] = None,
+    kv_reserve: Annotated[str, typer.Option(help="none (on-demand paging), max-model-len or max-tokens: a request holds the blocks of its whole context from admission, as pre-paging servers did.")] = "none",
     preemption_mode: Annotated[str, typer.Option(help="recompute or swap.")] = "recompute",
     preemption_policy: Annotated[str, typer.Option(help="newest, priority or fewest-computed.")] = "newest",
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences in a batch.")] = 64,
@@ -81,8 +87,11 @@ def record(
         raise KvtraceError(f"--time-scale must be > 0, got {time_scale}")
     if max_requests is not None and max_requests < 1:
         raise KvtraceError(f"--max-requests must be >= 1, got {max_requests}")
+    if dtype is None:
+        dtype = "bfloat16" if engine == "sim" else "float32"
     config = EngineConfig(
         model=model, load_format=load_format, device=device, dtype=dtype, seed=seed, block_size=block_size,
+        engine=engine, hardware=hardware, kv_reserve=kv_reserve, gpu_memory_utilization=gpu_memory_utilization,
         num_gpu_blocks=num_gpu_blocks,
         kv_cache_memory=kv_cache_memory,
         num_cpu_blocks=num_cpu_blocks, swap_space=swap_space,

@@ -36,11 +36,13 @@ def prepare(requests: list[WorkloadRequest], engine: LLMEngine, *, tokenizer, se
     ids = [resolve_prompt_ids(r, vocab_size=vocab, tokenizer=tokenizer, seed=seed) for r in requests]
     validate_lengths(requests, [len(p) for p in ids], engine.max_model_len)
     bm = engine.block_manager
-    too_big = [(r, len(p)) for r, p in zip(requests, ids) if not bm.can_ever_hold(len(p) + 1)]
+    needs = [max(len(p) + 1, engine.reserved_tokens(len(p), r.max_tokens)) for r, p in zip(requests, ids)]
+    too_big = [(r, len(p), n) for r, p, n in zip(requests, ids, needs) if not bm.can_ever_hold(n)]
     if too_big:
         usable = bm.num_blocks - bm.watermark_blocks
-        listed = "; ".join(f"line {r.line or r.id}: a prompt of {n} tokens needs {bm.blocks_for(n + 1)} blocks"
-                           for r, n in too_big[:5])
+        what = "" if engine.config.kv_reserve == "none" else f" (--kv-reserve {engine.config.kv_reserve})"
+        listed = "; ".join(f"line {r.line or r.id}: a prompt of {p} tokens needs {bm.blocks_for(n)} blocks{what}"
+                           for r, p, n in too_big[:5])
         more = f"; and {len(too_big) - 5} more" if len(too_big) > 5 else ""
         raise KvtraceError(f"{workload_name}: {len(too_big)} request(s) can never fit the KV pool of "
                            f"{usable} usable blocks of {bm.block_size} tokens: {listed}{more}")
@@ -50,9 +52,9 @@ def prepare(requests: list[WorkloadRequest], engine: LLMEngine, *, tokenizer, se
             arrival = 0.0
         else:
             arrival = r.arrival_s / (time_scale or 1.0)
-        ignore_eos = r.ignore_eos if r.ignore_eos is not None else r.prompt_tokens is not None
         params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
-                                seed=r.seed if r.seed is not None else seed, ignore_eos=ignore_eos, n=r.n)
+                                seed=r.seed if r.seed is not None else seed, ignore_eos=r.ignore_eos, n=r.n,
+                                output_tokens=r.output_tokens)
         items.append(ReplayItem(r, prompt_ids, arrival, params))
     items.sort(key=lambda item: item.arrival_s)
     return items
@@ -63,11 +65,12 @@ def replay(engine: LLMEngine, items: list[ReplayItem], *,
            stop: Callable[[], None] | None = None) -> ReplayStats:
     """Inject requests at their arrival times and step the engine until all are done.
 
-    Requests whose arrival passed while a step ran join at the next step. Time starts now. `stop` is
-    called between steps and raises to end the replay there (a signal, taken at a safe point).
+    Requests whose arrival passed while a step ran join at the next step. Time starts now, on the engine's
+    clock (virtual for the simulated engine, which jumps over idle gaps). `stop` is called between steps
+    and raises to end the replay there (a signal, taken at a safe point).
     """
     stats = ReplayStats(num_requests=sum(item.params.n for item in items))
-    engine.time_origin = time.perf_counter()
+    engine.start_clock()
     engine.keep_outputs = False  # the trace keeps what matters; memory stays flat for long replays
     next_item = 0
     last_progress = 0.0
@@ -85,9 +88,9 @@ def replay(engine: LLMEngine, items: list[ReplayItem], *,
             stats.num_steps += 1
             stats.num_output_tokens += len(emitted)
         else:  # idle until the next arrival
-            time.sleep(min(max(items[next_item].arrival_s - engine.now(), 0.0), 0.05))
-        if on_progress is not None and now - last_progress >= progress_every_s:
-            last_progress = now
+            engine.idle_until(items[next_item].arrival_s)
+        if on_progress is not None and time.monotonic() - last_progress >= progress_every_s:
+            last_progress = time.monotonic()
             _fill(stats, engine)
             on_progress(stats)
     engine.flush()

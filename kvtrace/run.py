@@ -54,7 +54,7 @@ def write_json_atomic(path: Path, data: dict) -> None:
 def kernels_note(engine: LLMEngine) -> str | None:
     """On CPU without kvtrace's own kernels: why, and what runs instead."""
     model = engine.model
-    if engine.device.type != "cpu" or model.linear_kernel == "kvtrace":
+    if engine.simulated or engine.device.type != "cpu" or model.linear_kernel == "kvtrace":
         return None
     if model.dtype != torch.float32:
         return f"kvtrace's CPU kernels are fp32 only: this {str(model.dtype).removeprefix('torch.')} model runs on torch ops"
@@ -90,7 +90,14 @@ class Recording:
                         backlog=backlog, workload_name=str(workload))
         mc = engine.model_config
         g = engine.geometry
-        device_name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else cpu_name()
+        if engine.simulated:
+            device = {"type": "sim", "name": engine.cost_model.profile.name, "torch": torch.__version__,
+                      "threads": None, "kernels": None, "kernels_note": None}
+        else:
+            device_name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else cpu_name()
+            device = {"type": engine.device.type, "name": device_name, "torch": torch.__version__,
+                      "threads": torch.get_num_threads(), "kernels": engine.model.linear_kernel,
+                      "kernels_note": kernels_note(engine)}
         meta = {
             "run_id": run_dir.name,
             "schema_version": SCHEMA_VERSION,
@@ -101,13 +108,14 @@ class Recording:
                       "shape": {"layers": mc.num_layers, "hidden": mc.hidden_size, "heads": mc.num_heads,
                                 "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "vocab": mc.vocab_size},
                       "max_model_len": engine.max_model_len},
-            "device": {"type": engine.device.type, "name": device_name, "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "kernels": engine.model.linear_kernel,
-                       "kernels_note": kernels_note(engine)},
+            "device": device,
+            # a simulated run: the real scheduler and block manager, step times from this cost model
+            "simulated": engine.cost_model.describe() if engine.simulated else None,
             "kv_pool": {"num_gpu_blocks": g.num_gpu_blocks, "block_size": g.block_size,
                         "bytes_per_block": g.bytes_per_block, "num_cpu_blocks": g.num_cpu_blocks,
                         "total_bytes": g.num_gpu_blocks * g.bytes_per_block,
-                        "watermark_blocks": engine.block_manager.watermark_blocks},
+                        "watermark_blocks": engine.block_manager.watermark_blocks,
+                        "kv_reserve": config.kv_reserve, "derivation": g.derivation},
             "workload": {"path": str(workload), "sha256": workload_sha256(workload),
                          "num_requests": len(items)},
             "replay": {"mode": "backlog" if backlog else ("time-scale" if time_scale else "wallclock"),
@@ -133,6 +141,8 @@ class Recording:
         sampler = NvmlSampler(self.engine.device, writer, clock=self.engine.now)
         self.meta["nvml"] = {"enabled": sampler.enabled, "reason": sampler.reason}
         write_json_atomic(meta_path, self.meta)
+        if self.engine.simulated:
+            self.console.print(f"[dim]simulated: {self.meta['device']['name']} profile, no model run, virtual time[/]")
         if self.meta["device"]["kernels_note"]:
             self.console.print(f"[dim]note: {self.meta['device']['kernels_note']}[/]")
         self.engine.tracer = writer

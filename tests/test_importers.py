@@ -58,7 +58,7 @@ def test_azure_rows_arrivals_and_skips(tmp_path):
     requests, result = run("azure", fixture(tmp_path, AZURE, "azure.csv"))
     assert [(r.id, round(r.arrival_s, 6), r.prompt_tokens, r.max_tokens) for r in requests] == [
         ("1", 0.0, 374, 44), ("2", 4.314579, 396, 109), ("8", 60.0, 2000, 500)]
-    assert all(r.ignore_eos for r in requests)
+    assert all(r.ignore_eos and r.output_tokens == r.max_tokens for r in requests)  # the generated count
     assert dict(result.skipped) == {"bad timestamp": 1, "token count not an integer": 1, "wrong number of columns": 1,
                                     "zero prompt tokens": 1, "zero output tokens": 1}
     assert result.summary("azure.csv") == (

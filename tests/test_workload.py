@@ -59,7 +59,7 @@ def test_every_field_round_trips(tmp_path):
     requests = [
         WorkloadRequest(id="a", arrival_s=0.25, prompt="Hi there", max_tokens=4, ignore_eos=True, n=2,
                         priority=-1, temperature=0.7, top_p=0.9, seed=42),
-        WorkloadRequest(id="b", arrival_s=1.0, prompt_token_ids=[17, 18, 19], max_tokens=2),
+        WorkloadRequest(id="b", arrival_s=1.0, prompt_token_ids=[17, 18, 19], max_tokens=5, output_tokens=2),
         WorkloadRequest(id="c", arrival_s=1.5, prompt_tokens=30, max_tokens=8, ignore_eos=False,
                         prefix_group="sys", prefix_tokens=16),
     ]
@@ -141,6 +141,9 @@ def test_round_trip_property(tmp_path_factory, records):
      "prefix_tokens must be >= 1, got 0"),
     ('{"prompt": "x", "max_tokens": 1, "arrival_s": 0, "prefix_group": "s", "prefix_tokens": 1}',
      "prefix_group needs a prompt_tokens count (with prompt or prompt_token_ids, write the shared prefix into the prompt)"),
+    ('{"prompt_tokens": 2, "max_tokens": 5, "arrival_s": 0, "output_tokens": 6}',
+     "output_tokens 6 exceeds max_tokens 5 (max_tokens is the cap, output_tokens where the request stopped)"),
+    ('{"prompt_tokens": 2, "max_tokens": 5, "arrival_s": 0, "output_tokens": 0}', "output_tokens must be >= 1, got 0"),
 ])
 def test_each_error_names_line_and_field(tmp_path, text, message):
     path = write(tmp_path, "# header", text)

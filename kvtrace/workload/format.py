@@ -24,7 +24,7 @@ import numpy as np
 from kvtrace.errors import KvtraceError
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "prompt_tokens")
-FIELDS = ("id", "arrival_s", *PROMPT_FIELDS, "max_tokens", "ignore_eos", "n", "priority",
+FIELDS = ("id", "arrival_s", *PROMPT_FIELDS, "max_tokens", "output_tokens", "ignore_eos", "n", "priority",
           "temperature", "top_p", "seed", "prefix_group", "prefix_tokens")
 NUM_SPECIAL_IDS = 17   # SmolLM2's ids 0..16 are special tokens; synthetic prompts avoid that range
 MAX_LISTED = 10        # problems listed in one error message before "and N more"
@@ -40,7 +40,8 @@ class WorkloadRequest:
     prompt_token_ids: list[int] | None = None
     prompt_tokens: int | None = None         # a count (whole prompt, prefix included); ids synthesised
     max_tokens: int                          # output cap
-    ignore_eos: bool | None = None           # None -> True for a count prompt, else False
+    output_tokens: int | None = None         # where the request really stopped (<= max_tokens); stop there
+    ignore_eos: bool | None = None           # None -> True for a count prompt or with output_tokens, else False
     n: int = 1                               # samples
     priority: int = 0                        # lower value = more important
     temperature: float = 0.0                 # 0 = greedy
@@ -52,7 +53,7 @@ class WorkloadRequest:
 
     def __post_init__(self) -> None:
         if self.ignore_eos is None:
-            self.ignore_eos = self.prompt_tokens is not None
+            self.ignore_eos = self.prompt_tokens is not None or self.output_tokens is not None
         problems = _value_problems(self)
         if problems:
             raise ValueError(f"request {self.id!r}: {problems[0]}")
@@ -60,7 +61,7 @@ class WorkloadRequest:
     def to_json(self) -> dict:
         """The JSON object of this request; defaults are left out except `ignore_eos`."""
         out: dict = {"id": self.id, "arrival_s": round(self.arrival_s, 6)}
-        for name in (*PROMPT_FIELDS, "max_tokens", "ignore_eos"):
+        for name in (*PROMPT_FIELDS, "max_tokens", "output_tokens", "ignore_eos"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         for name, default in (("n", 1), ("priority", 0), ("temperature", 0.0), ("top_p", 1.0),
@@ -86,6 +87,7 @@ _TYPES = {
     "prompt_token_ids": (lambda v: isinstance(v, list) and all(map(_is_int, v)), "a list of integers"),
     "prompt_tokens": (_is_int, "an integer"),
     "max_tokens": (_is_int, "an integer"),
+    "output_tokens": (_is_int, "an integer"),
     "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
     "n": (_is_int, "an integer"),
     "priority": (_is_int, "an integer"),
@@ -119,10 +121,13 @@ def _value_problems(req: WorkloadRequest | SimpleNamespace) -> list[str]:
             problems.append("prompt_token_ids must not be empty")
         elif min(req.prompt_token_ids) < 0:
             problems.append(f"prompt_token_ids must be >= 0, got {min(req.prompt_token_ids)}")
-    for name in ("prompt_tokens", "max_tokens", "n", "prefix_tokens"):
+    for name in ("prompt_tokens", "max_tokens", "output_tokens", "n", "prefix_tokens"):
         value = getattr(req, name)
         if value is not None and value < 1:
             problems.append(f"{name} must be >= 1, got {value}")
+    if req.output_tokens is not None and req.max_tokens is not None and req.output_tokens > req.max_tokens:
+        problems.append(f"output_tokens {req.output_tokens} exceeds max_tokens {req.max_tokens} "
+                        "(max_tokens is the cap, output_tokens where the request stopped)")
     if not (math.isfinite(req.temperature) and req.temperature >= 0):
         problems.append(f"temperature must be >= 0, got {req.temperature}")
     if not 0 < req.top_p <= 1:

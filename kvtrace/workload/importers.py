@@ -192,12 +192,14 @@ def _requests(rows: Iterator[_Row | str], opts: ImportOptions, result: ImportRes
             elif row.prompt_ids is not None:
                 ids = row.prompt_ids[:prompt_tokens]
             result.num_requests += 1
+            # the trace records how many tokens were generated: that is where the request stopped
+            # (the client's cap is not recorded, so max_tokens is the same count)
             if ids is None:
                 yield WorkloadRequest(id=row.key, arrival_s=arrival_s, prompt_tokens=prompt_tokens,
-                                      max_tokens=max_tokens, ignore_eos=True)
+                                      max_tokens=max_tokens, output_tokens=max_tokens, ignore_eos=True)
             else:
                 yield WorkloadRequest(id=row.key, arrival_s=arrival_s, prompt_token_ids=ids,
-                                      max_tokens=max_tokens, ignore_eos=True)
+                                      max_tokens=max_tokens, output_tokens=max_tokens, ignore_eos=True)
             if opts.max_requests is not None and result.num_requests >= opts.max_requests:
                 break
     if not result.num_requests:

@@ -1,0 +1,101 @@
+"""Suite `sim-accuracy`: does the simulated engine predict real runs it was not fitted to?
+
+Records SmolLM2-135M runs of the real engine here (small workloads: the machine is shared), fits a
+cost model to one of them (`kvtrace calibrate`), replays every other one with `--engine sim` and that
+profile, and sets the two summaries side by side: total duration, TTFT and ITL p50 / p99 (from
+analyses/summary.sql, for both runs alike) and preemptions. Goals (issue 15): duration within 10 %,
+latencies within 15 %, preemptions exact in backlog mode. `--save-profile` also writes the fitted
+profile to engine/profiles/cpu-here.json (the profile the tests use as `--hardware cpu-here`).
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.results import Section, markdown_table
+from kvtrace import db
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m"
+CALIBRATION = "calibration"
+SYNTH = ["--prompt-sigma", "0.8", "--output-sigma", "0.6", "--max-model-len", "300", "--output-cap", "64"]
+# name -> (synth options, record options); the first is the calibration run
+RUNS: dict[str, tuple[list[str], list[str]]] = {
+    CALIBRATION: (["--num-requests", "12", "--backlog", "--prompt-median", "90", "--output-median", "24",
+                   "--seed", "11"], ["--backlog", "--num-gpu-blocks", "400", "--max-num-seqs", "6"]),
+    "tight pool, recompute": (["--num-requests", "10", "--backlog", "--prompt-median", "120", "--output-median", "28",
+                               "--seed", "12"], ["--backlog", "--num-gpu-blocks", "24", "--max-num-seqs", "8"]),
+    "tight pool, swap": (["--num-requests", "10", "--backlog", "--prompt-median", "120", "--output-median", "28",
+                          "--seed", "12"], ["--backlog", "--num-gpu-blocks", "24", "--max-num-seqs", "8",
+                                            "--preemption-mode", "swap"]),
+    "arrivals 0.7 req/s": (["--num-requests", "10", "--rate", "0.7", "--prompt-median", "60", "--output-median", "20",
+                            "--seed", "13"], ["--num-gpu-blocks", "400", "--max-num-seqs", "8"]),
+}
+METRICS = ("duration_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+GOALS = {"duration_s": 0.10, "ttft_p50_ms": 0.15, "ttft_p99_ms": 0.15, "itl_p50_ms": 0.15, "itl_p99_ms": 0.15}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--save-profile", action="store_true", help="write the fit to engine/profiles/cpu-here.json")
+    parser.add_argument("--keep", type=Path, help="keep the runs in this folder")
+
+
+def kvtrace(*args: str) -> str:
+    return subprocess.run([sys.executable, "-m", "kvtrace", *args], check=True, cwd=ROOT,
+                          capture_output=True, text=True).stdout
+
+
+def summary(run: Path) -> dict:
+    return db.run_analysis(db.connect([run]), "summary").to_pylist()[0]
+
+
+def run(args: argparse.Namespace) -> None:
+    section = Section("sim-accuracy")
+    tmp = Path(tempfile.mkdtemp(prefix="kvtrace-sim-accuracy-"))
+    folder = args.keep or tmp
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        real: dict[str, Path] = {}
+        for i, (name, (synth, options)) in enumerate(RUNS.items()):
+            workload = folder / f"w{i}.jsonl"
+            kvtrace("workload", "synth", *SYNTH, *synth, "-o", str(workload))
+            real[name] = folder / f"real-{i}"
+            print(f"recording {name} (real {MODEL})", flush=True)
+            kvtrace("record", "-q", "--model", MODEL, "-w", str(workload), "-o", str(real[name]), *options)
+        profile = folder / "cpu-here.json"
+        fit = kvtrace("calibrate", str(real[CALIBRATION]), "-o", str(profile), "--name", "cpu-here")
+        if args.save_profile:
+            shutil.copy(profile, ROOT / "engine" / "profiles" / "cpu-here.json")
+        rows = []
+        met = True
+        for i, (name, (_, options)) in enumerate(RUNS.items()):
+            if name == CALIBRATION:
+                continue
+            sim = folder / f"sim-{i}"
+            kvtrace("record", "-q", "--model", MODEL, "--engine", "sim", "--hardware", str(profile), "--dtype", "float32",
+                    "-w", str(folder / f"w{i}.jsonl"), "-o", str(sim), *options)
+            r, s = summary(real[name]), summary(sim)
+            cells = [name]
+            for metric in METRICS:
+                error = (s[metric] - r[metric]) / r[metric] if r[metric] else float("nan")
+                met &= abs(error) <= GOALS[metric]
+                cells.append(f"{r[metric]:.3g} / {s[metric]:.3g} ({100 * error:+.0f}%)")
+            exact = r["preemptions"] == s["preemptions"]
+            met &= exact or "backlog" not in options
+            cells.append(f"{r['preemptions']} / {s['preemptions']}")
+            rows.append(cells)
+        section.add(f"Real {MODEL} runs recorded here (CPU, fp32), the first used to fit the profile, the others "
+                    "predicted by `--engine sim` with it. Each cell: real / simulated (error).\n\n"
+                    f"Fit (`kvtrace calibrate`):\n\n```\n{fit.strip()}\n```")
+        section.add(markdown_table(["run", "duration s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+                                    "preemptions"], rows)
+                    + f"\n\nGoals (duration ±10 %, latencies ±15 %, preemptions exact in backlog): "
+                      f"**{'met' if met else 'missed'}**.")
+        section.write()
+    finally:
+        if args.keep is None:
+            shutil.rmtree(tmp, ignore_errors=True)

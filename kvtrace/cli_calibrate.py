@@ -1,0 +1,37 @@
+"""`kvtrace calibrate`: fit the simulator's cost model to recorded runs (kvtrace/calibrate.py)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvtrace.cli_app import RUNS_HELP, app, user_errors
+
+
+@app.command()
+@user_errors
+def calibrate(
+    runs: Annotated[list[str], typer.Argument(help=RUNS_HELP)],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Profile JSON to write (for record --engine sim --hardware).")],
+    name: Annotated[str | None, typer.Option(help="The profile's name (default: the output file's stem).")] = None,
+) -> None:
+    """Fit the simulated engine's step cost model to the steps of recorded runs and report the fit's error.
+
+    The runs must share one model and dtype; the profile predicts steps of that model on the machine
+    that recorded them. See docs/simulation.md.
+    """
+    from kvtrace.calibrate import calibrate as fit
+    from kvtrace.workload.format import atomic_write
+
+    profile, error = fit(runs, name or out.stem)
+    with atomic_write(out) as f:
+        f.write(json.dumps(asdict(profile), indent=2) + "\n")
+    c = profile.coefficients
+    typer.echo(f"fitted on {error['steps']} steps: step {c['step_ms']:.3g} ms + prefill {c['prefill_token_ms']:.3g} "
+               f"ms/token + decode {c['decode_token_ms']:.3g} ms/token + KV {c['kv_token_ms']:.3g} ms/position")
+    typer.echo(f"fit error: median {100 * error['median_step_error']:.1f}% per step, "
+               f"p90 {100 * error['p90_step_error']:.1f}%, total {100 * error['total_error']:.2f}%, R² {error['r2']:.3f}")
+    typer.echo(f"profile: {out}   use: kvtrace record --engine sim --hardware {out} ...")
