@@ -154,10 +154,12 @@ def run(
     sweep.save()
     progress = ProgressLine(console, size, parallel)
     try:
-        with progress.live:
-            runner.run(sweep, knobs, progress)
-        if not console.is_terminal:
-            console.print()  # end the progress line
+        try:
+            with progress.live:
+                runner.run(sweep, knobs, progress)
+        finally:
+            if not console.is_terminal:
+                console.print()  # end the progress line
     except KeyboardInterrupt:
         done = sum(p.status == "completed" for p in sweep.points)
         print(f"kvtrace: sweep interrupted; {done}/{size} points completed are kept in {folder} "

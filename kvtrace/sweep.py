@@ -188,6 +188,18 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
 
 
 Progress = Callable[[Sweep, float], None]
+FAIL_FAST_POINTS = 2    # this many points failed the same way before any completed: stop the sweep
+
+
+def stop_if_every_point_fails(sweep: Sweep, ran: list[Point]) -> None:
+    """The points run so far all failed with one error (a bad option value, a workload the pool can
+    never hold): the rest would too, so stop instead of running them all."""
+    if len(ran) < min(FAIL_FAST_POINTS, len(sweep.points)) or any(p.status != "failed" for p in ran):
+        return
+    errors = {(p.error or "").removeprefix("kvtrace: error: ") for p in ran}
+    if len(errors) == 1:
+        raise KvtraceError(f"the first {len(ran)} points all failed, so the sweep stopped: {errors.pop()} "
+                           f"(log: {sweep.log_path(ran[0])})")
 
 
 class LocalRunner:
@@ -201,6 +213,7 @@ class LocalRunner:
         active: dict[int, tuple[Point, subprocess.Popen, float, object]] = {}
         env = point_env(threads_per_point(self.jobs))
         started = time.monotonic()
+        ran: list[Point] = []
         try:
             while queue or active:
                 while queue and len(active) < self.jobs:
@@ -218,6 +231,8 @@ class LocalRunner:
                     finish_point(sweep, point, proc.returncode, time.monotonic() - t0)
                     del active[index]
                     sweep.save()
+                    ran.append(point)
+                    stop_if_every_point_fails(sweep, ran)
                 on_progress(sweep, time.monotonic() - started)
                 time.sleep(POLL_S)
         except BaseException:
@@ -252,6 +267,7 @@ class RayRunner:
         task = ray.remote(num_cpus=self.cpus_per_point, max_retries=0)(run_one)
         env = point_env(self.cpus_per_point)
         pending = {}
+        ran: list[Point] = []
         started = time.monotonic()
         for point in sweep.todo():
             prepare_point(sweep, point)
@@ -270,6 +286,8 @@ class RayRunner:
                         code, point.error = -1, f"Ray task failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
                     finish_point(sweep, point, code, time.monotonic() - t0)
                     sweep.save()
+                    ran.append(point)
+                    stop_if_every_point_fails(sweep, ran)
                 on_progress(sweep, time.monotonic() - started)
         except BaseException:
             for ref, (point, t0) in pending.items():

@@ -129,9 +129,12 @@ def recommend(points: list[dict], obj: Objective) -> str:
     values = [p[obj.column] for p in line]
     spread = max(_worse_by(obj, best[obj.column], v) for v in values)
     low, high = line[0]["settings"][axis], line[-1]["settings"][axis]
+    if obj.better == "max" and best[obj.column] <= 0:
+        return (f"No point has any {obj.label}: it is 0 at every point{context}, so there is nothing to choose; "
+                f"loosen the SLOs (--param ttft_ms=..., tpot_ms=...) or choose another --objective.")
     if spread < FLAT_SPREAD:
-        return (f"No knee: {obj.label} stays within {FLAT_SPREAD:.0%} of its best across {axis} {low}..{high}"
-                f"{context} ({_value(obj, min(values))}–{_value(obj, max(values))}); this knob does not matter "
+        return (f"No knee: {obj.label} stays within {FLAT_SPREAD:.0%} of its best ({_value(obj, min(values))}–"
+                f"{_value(obj, max(values))}) across {axis} {low}..{high}{context}; this knob does not matter "
                 f"for this workload.")
     above = line[line.index(best) + 1:]
     if not above:

@@ -87,6 +87,18 @@ def test_bad_input_runs_nothing(tmp_path, args, message):
     assert not (out / "runs").exists()
 
 
+def test_a_sweep_whose_points_all_fail_stops_early(tmp_path):
+    out = tmp_path / "failing"
+    result = CliRunner().invoke(app, ["sweep", "-w", str(WORKLOAD), "--model", "tiny", "--num-gpu-blocks", "2",
+                                      "--set", "max_num_seqs=1:8:+1", "--jobs", "1", "-o", str(out)])
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("kvtrace: error: the first 2 points all failed, so the sweep stopped: ")
+    assert "can never fit the KV pool" in line and "error: kvtrace: error" not in line
+    saved = json.loads((out / "sweep.json").read_text())
+    assert [p["status"] for p in saved["points"]] == ["failed", "failed"] + ["pending"] * 6
+
+
 def test_a_folder_holding_another_sweep_is_refused(tmp_path):
     out = tmp_path / "sweep"
     out.mkdir()
@@ -107,7 +119,7 @@ def test_a_folder_holding_another_sweep_is_refused(tmp_path):
 
 def _row(index: int, seqs: int, goodput: float, preemptions: int, mode: str = "recompute") -> dict:
     return {"point": index, "run_id": f"p{index}", "settings": {"max_num_seqs": str(seqs), "preemption_mode": mode},
-            "goodput_req_s": goodput, "itl_p99_ms": 100 / goodput, "preemptions": preemptions}
+            "goodput_req_s": goodput, "itl_p99_ms": 100 / goodput if goodput else None, "preemptions": preemptions}
 
 
 def test_the_knee_is_named():
@@ -125,6 +137,8 @@ def test_no_knee_is_said_plainly():
         "No knee within the grid: goodput keeps improving up to max_num_seqs 64, the largest value swept")
     flat = [_row(i, s, g, 0) for i, (s, g) in enumerate([(16, 30), (32, 30.6), (64, 29.8)])]
     assert recommend(flat, OBJECTIVES["goodput"]).startswith("No knee: goodput stays within 5% of its best")
+    nothing = [_row(i, s, 0.0, 0) for i, s in enumerate([16, 32, 64])]
+    assert recommend(nothing, OBJECTIVES["goodput"]).startswith("No point has any goodput (0 at every point)")
     plateau = [_row(i, s, g, 0) for i, (s, g) in enumerate([(16, 10), (32, 30), (64, 29)])]
     assert "no knee, the plateau starts at 32" in recommend(plateau, OBJECTIVES["goodput"])
 
