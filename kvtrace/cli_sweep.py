@@ -219,6 +219,11 @@ def show(
     _show(folder, objective(objective_name), parse_params(param), as_json)
 
 
+def sweep_charts(folder: Path, objective_name: str, params: dict[str, str]) -> list:
+    sweep, rows = summary_rows(folder, params)
+    return charts(points_of(rows, list(sweep.spec.grid)), objective(objective_name))
+
+
 def write_report(folder: Path, output: Path, objective_name: str, params: dict[str, str]) -> int:
     """`kvtrace report SWEEP`: the sweep's charts in one self-contained HTML page."""
     import html

@@ -129,12 +129,17 @@ def report(
     Example: kvtrace report traces/runs/bursty-* -o report.html
     """
     if len(runs) == 1 and cli_sweep.is_sweep(runs[0]):
-        if fmt is not ReportFormat.html:
-            raise KvtraceError("a sweep's report is one HTML page; --format png/svg is for runs")
-        path = output or Path("sweep.html")
-        count = cli_sweep.write_report(Path(runs[0]), path, objective, parse_params(param))
-        Console(stderr=True).print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {count} charts)",
-                                   highlight=False)
+        err = Console(stderr=True, soft_wrap=True)
+        if fmt is ReportFormat.html:
+            path = output or Path("sweep.html")
+            count = cli_sweep.write_report(Path(runs[0]), path, objective, parse_params(param))
+            err.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {count} charts)", highlight=False)
+        else:
+            folder = output or Path("sweep")
+            written = report_charts.write_images(
+                cli_sweep.sweep_charts(Path(runs[0]), objective, parse_params(param)), folder, fmt.value)
+            err.print(f"wrote {len(written)} charts to {folder}/: {', '.join(p.name for p in written)}",
+                      highlight=False)
         return
     for name, value in (("--buckets", buckets), ("--requests", requests)):
         if value < 1:
