@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kvtrace.cli_app import app
-from kvtrace import cli_calibrate, cli_export, cli_model, cli_record, cli_sql, cli_view, cli_workload  # noqa: F401  (registration)
+from kvtrace import cli_calibrate, cli_export, cli_model, cli_record, cli_sql, cli_sweep, cli_view, cli_workload  # noqa: F401  (registration)
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """`kvtrace record`: replay a workload through the engine and write its trace."""
 from __future__ import annotations
 
+import json
 import signal
 import sys
 from pathlib import Path
@@ -78,6 +79,8 @@ def record(
     backlog: Annotated[bool, typer.Option(help="All requests arrive at t=0.")] = False,
     no_token_ids: Annotated[bool, typer.Option("--no-token-ids", help="Do not record token ids.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
+    sweep_point: Annotated[str | None, typer.Option(hidden=True, help="Set by kvtrace sweep: the point, as JSON, "
+                                                                      "kept in meta.json under 'sweep'.")] = None,
 ) -> None:
     """Replay a workload through the engine and write a Parquet trace of every KV-cache event."""
     if time_scale is not None and time_scale <= 0:
@@ -107,6 +110,8 @@ def record(
     except KeyboardInterrupt:  # before anything was written: nothing to clean up
         print("kvtrace: interrupted before recording started; nothing written", file=sys.stderr)
         raise typer.Exit(code=130) from None
+    if sweep_point is not None:
+        recording.meta["sweep"] = json.loads(sweep_point)
     with DeferredSignals() as signals:
         status = recording.run(interrupt_types=(KeyboardInterrupt, Terminated), stop=signals.raise_pending)
     if out is None:  # traces/runs/latest follows the newest default run

@@ -16,6 +16,7 @@ from rich.live import Live
 from rich.text import Text
 
 from kvtrace import dashboard, db
+from kvtrace import cli_sweep
 from kvtrace import report as report_charts
 from kvtrace.cli_app import RUNS_HELP, app, parse_params, user_errors
 from kvtrace.errors import KvtraceError
@@ -115,13 +116,31 @@ def report(
     requests: Annotated[int, typer.Option(help="Most preempted requests per run in the Gantt chart.")]
     = report_charts.GANTT_REQUESTS,
     param: Annotated[list[str] | None, typer.Option("--param", "-p", help=PARAM_HELP)] = None,
+    objective: Annotated[str, typer.Option(help="For a sweep folder: the objective whose best point the charts "
+                                                "mark (see kvtrace sweep show).")] = "goodput",
 ) -> None:
     """Charts of what the KV cache did, in one HTML file that opens offline: pool occupancy with
     preemptions and swaps, a Gantt of the most preempted requests, the ITL CDF and its tail causes,
     TTFT and E2E distributions, recompute waste and swap traffic. Several runs: overlaid.
 
+    A sweep folder (kvtrace sweep) gives the sweep's charts instead: each metric against the swept
+    knob, a line per value of the other knobs, the best point marked.
+
     Example: kvtrace report traces/runs/bursty-* -o report.html
     """
+    if len(runs) == 1 and cli_sweep.is_sweep(runs[0]):
+        err = Console(stderr=True, soft_wrap=True)
+        if fmt is ReportFormat.html:
+            path = output or Path("sweep.html")
+            count = cli_sweep.write_report(Path(runs[0]), path, objective, parse_params(param))
+            err.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {count} charts)", highlight=False)
+        else:
+            folder = output or Path("sweep")
+            written = report_charts.write_images(
+                cli_sweep.sweep_charts(Path(runs[0]), objective, parse_params(param)), folder, fmt.value)
+            err.print(f"wrote {len(written)} charts to {folder}/: {', '.join(p.name for p in written)}",
+                      highlight=False)
+        return
     for name, value in (("--buckets", buckets), ("--requests", requests)):
         if value < 1:
             raise KvtraceError(f"{name} must be >= 1, got {value}")
