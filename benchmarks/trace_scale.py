@@ -139,7 +139,7 @@ class _PerStep:
 
 
 def generate(run: Path, target_events: int, seed: int, chunk_rows: int,
-             batch_seqs: int = 20_000) -> dict[str, int]:
+             batch_seqs: int = 5_000) -> dict[str, int]:
     """Write the run. Sequences are made in batches of `batch_seqs` (admitted in order, each batch
     from its own seed) in two passes: the first sums the steps' counters, the second writes the
     batch's events and tokens. Memory: the per-step and per-request arrays (~2 % of the rows) and
