@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -302,40 +305,167 @@ def generate(run: Path, target_events: int, seed: int, chunk_rows: int,
     return counts
 
 
+# --------------------------------------------------------------------------- measuring commands
+
+# the commands of issue 19's table (and compare); --commands all adds every other analysis
+TABLE_ANALYSES = ("thrash", "summary", "latency_cdf", "itl_cliff_summary")
+
+
+@dataclass
+class Measured:
+    wall_s: float
+    cpu_s: float                    # user + system time of the process
+    peak_rss: int                   # bytes (the kernel's maxrss of the process)
+    stopped: str = ""               # "memory" or "time" when the harness stopped it
+    error: str = ""                 # the last line of its stderr when it failed
+    output_bytes: int | None = None
+
+    def cells(self, rss_cap: float, timeout: float) -> list[str]:
+        if self.stopped == "memory":
+            return [f"stopped at {self.wall_s:.0f} s", f"> {rss_cap / 2**30:.0f} GiB"]
+        if self.stopped == "time":
+            return [f"> {timeout:.0f} s", f"≥ {self.peak_rss / 2**30:.2f} GiB"]
+        if self.error:
+            return ["failed: " + self.error[:60], f"{self.peak_rss / 2**30:.2f} GiB"]
+        return [f"{self.wall_s:.1f} s (cpu {self.cpu_s:.1f} s)", f"{self.peak_rss / 2**30:.2f} GiB"]
+
+
+def _rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def measure(argv: list[str], cwd: Path, rss_cap: float, timeout: float, env: dict | None = None) -> Measured:
+    """Run a command as its own process: wall time, CPU time and peak RSS (from the kernel's
+    rusage). It is stopped when its RSS passes `rss_cap` bytes or it runs past `timeout` s, so that
+    a command whose memory grows with the trace cannot take the shared machine's memory."""
+    with tempfile.TemporaryFile() as err:
+        started = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err,
+                                env={**os.environ, **(env or {})})
+        stopped, seen = "", 0
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            seen = max(seen, _rss(proc.pid))
+            if not stopped and seen > rss_cap:
+                stopped = "memory"
+                proc.kill()
+            elif not stopped and time.perf_counter() - started > timeout:
+                stopped = "time"
+                proc.kill()
+            time.sleep(0.05)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - started
+        err.seek(0)
+        lines = err.read().decode(errors="replace").strip().splitlines()
+    error = "" if proc.returncode == 0 or stopped else (lines[-1] if lines else f"exit {proc.returncode}")
+    return Measured(wall, usage.ru_utime + usage.ru_stime, max(usage.ru_maxrss * 1024, seen), stopped, error)
+
+
+def commands(run: Path, other: Path | None, which: str, out: Path) -> list[tuple[str, list[str]]]:
+    """(label, kvtrace arguments) of every command measured on `run`."""
+    names = list(TABLE_ANALYSES)
+    if which == "all":
+        names += [info.name for info in db.list_analyses() if info.name not in TABLE_ANALYSES]
+    found = [(f"sql --analysis {name}", ["sql", str(run), "--analysis", name, "--format", "csv",
+                                         "--output", "/dev/null"]) for name in names]
+    found += [("analyze (dashboard, 80 columns)", ["analyze", str(run)]),
+              ("report", ["report", str(run), "--output", str(out / "report.html")])]
+    if other is not None:
+        found.append((f"compare (with {other.name})", ["compare", str(run), str(other)]))
+    return found
+
+
+def _counts(run: Path) -> dict[str, int]:
+    return {table: sum(pq.ParquetFile(f).metadata.num_rows for f in (run / table).glob("part-*.parquet"))
+            for table in ("requests", "steps", "kv_events", "tokens")}
+
+
+def exact_check(run: Path) -> list[str]:
+    """latency.sql's percentiles (approximate, see _latency_hist.sql) against exact ones computed
+    with quantile_cont over every value (memory grows with the trace: keep this to ~10M events)."""
+    con = db.connect([run])
+    con.execute("SET memory_limit = '8GB'")
+    approx = db.run_analysis(con, "latency").to_pylist()
+    exact = con.sql("""
+        SELECT metric, quantile_cont(ms, [0.5, 0.9, 0.95, 0.99, 0.999]) AS q
+        FROM _latency_samples GROUP BY metric""").fetchall()
+    exact = dict(exact)
+    lines = []
+    for row in approx:
+        worst = max(abs(a - e) / abs(e) if e else abs(a - e) for a, e in zip(
+            [row[k] for k in ("p50_ms", "p90_ms", "p95_ms", "p99_ms", "p999_ms")], exact[row["metric"]]))
+        lines.append(f"{row['metric']}: {row['num_values']:,} values, largest relative error of p50..p99.9 "
+                     f"against quantile_cont: {worst:.2e}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--events", type=float, default=10e6, help="KV events to generate (about)")
-    parser.add_argument("--out", type=Path, default=Path("/tmp/kvtrace-scale"), help="parent folder of the run")
-    parser.add_argument("--analyses", nargs="+", default=["thrash", "itl_cliffs"])
+    parser.add_argument("--events", type=float, action="append",
+                        help="KV events to generate (about); repeat for several sizes (default 10e6)")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/kvtrace-scale"), help="parent folder of the runs")
+    parser.add_argument("--runs", type=Path, nargs="+", help="measure these runs instead of generating")
+    parser.add_argument("--compare-with", type=Path, help="the second run of `kvtrace compare` (default: none)")
+    parser.add_argument("--commands", choices=["table", "all"], default="table",
+                        help="table: issue 19's commands; all: every analysis too")
+    parser.add_argument("--baseline", type=Path, help="a checkout of the code before, measured side by side")
+    parser.add_argument("--rss-cap", type=float, default=6, help="stop a command past this peak RSS (GiB)")
+    parser.add_argument("--timeout", type=float, default=600, help="stop a command after this long (s)")
+    parser.add_argument("--exact-check", action="store_true",
+                        help="check the approximate percentiles against exact ones (runs up to ~20M events)")
     parser.add_argument("--chunk-rows", type=int, default=500_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--reuse", action="store_true", help="time an already generated run")
+    parser.add_argument("--reuse", action="store_true", help="measure already generated runs")
     args = parser.parse_args()
 
-    run = args.out / "scale"
-    if not args.reuse:
-        shutil.rmtree(run, ignore_errors=True)
-        started = time.perf_counter()
-        counts = generate(run, int(args.events), args.seed, args.chunk_rows)
+    runs = args.runs or []
+    if not runs:
+        for events in args.events or [10e6]:
+            run = args.out / f"scale-{events / 1e6:g}m"
+            runs.append(run)
+            if args.reuse and (run / "meta.json").exists():
+                continue
+            shutil.rmtree(run, ignore_errors=True)
+            started = time.perf_counter()
+            generate(run, int(events), args.seed, args.chunk_rows)
+            print(f"generated {run} in {time.perf_counter() - started:.0f} s")
+    rss_cap = args.rss_cap * 2**30
+    checkouts = ([("before", args.baseline.resolve())] if args.baseline else []) + [("after", ROOT)]
+    out = Path(tempfile.mkdtemp(prefix="kvtrace-scale-"))
+    header = ["events", "command"] + [f"{name} {what}" for name, _ in checkouts for what in ("wall", "peak RSS")]
+    rows = []
+    for run in runs:
+        counts = _counts(run)
         size_mb = sum(f.stat().st_size for f in run.rglob("*.parquet")) / 1e6
-        print(f"generated {run} in {time.perf_counter() - started:.1f} s: "
-              + ", ".join(f"{n:,} {t}" for t, n in counts.items()) + f"; {size_mb:.0f} MB of parquet")
-
-    # CPU time next to wall time: on a shared machine the wall time says more about the neighbours
-    threads = db.connect([run]).sql("SELECT current_setting('threads')").fetchall()[0][0]
-    print(f"DuckDB threads: {threads}")
-    for name in args.analyses:
-        started, cpu_started = time.perf_counter(), time.process_time()
-        con = db.connect([run])
-        connected = time.perf_counter()
-        result = db.run_analysis(con, name)
-        finished, cpu_finished = time.perf_counter(), time.process_time()
-        print(f"{name:18s} in-process: connect {connected - started:5.2f} s, query {finished - connected:5.2f} s "
-              f"(cpu {cpu_finished - cpu_started:5.2f} s), {result.num_rows:,} rows")
-        started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "kvtrace", "sql", str(run), "--analysis", name,
-                        "--format", "csv", "--output", "/dev/null"], check=True, cwd=ROOT)
-        print(f"{name:18s} kvtrace sql (whole command): {time.perf_counter() - started:5.2f} s")
+        print(f"{run}: " + ", ".join(f"{n:,} {t}" for t, n in counts.items()) + f"; {size_mb:,.0f} MB of parquet",
+              flush=True)
+        other = args.compare_with if args.compare_with and args.compare_with.resolve() != run.resolve() else None
+        for label, argv in commands(run, other, args.commands, out):
+            row = [f"{counts['kv_events'] / 1e6:.1f} M", f"`{label}`"]
+            for name, code in checkouts:
+                result = measure([sys.executable, "-m", "kvtrace", *argv], code, rss_cap, args.timeout,
+                                 env={"COLUMNS": "80"})
+                row += result.cells(rss_cap, args.timeout)
+                if label == "report" and not result.stopped and not result.error:
+                    row[-2] += f", {(out / 'report.html').stat().st_size / 1e6:.1f} MB"
+                print(f"  {name:6s} {label:36s} " + " | ".join(result.cells(rss_cap, args.timeout)), flush=True)
+            rows.append(row)
+        if args.exact_check:
+            for line in exact_check(run):
+                print(f"  exact check: {line}", flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    print()
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":
