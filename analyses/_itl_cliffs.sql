@@ -14,7 +14,7 @@ WITH thresholds AS (
     FROM (SELECT run_id,
                  max(value_ms) FILTER (WHERE level = 0.5) AS itl_p50_ms,
                  max(value_ms) FILTER (WHERE level = 0.99) AS itl_p99_ms
-          FROM _latency_quantiles([0.5, 0.99])
+          FROM _latency_quantiles([0.5, 0.99], 0)
           WHERE metric = 'itl'
           GROUP BY run_id)
 ),

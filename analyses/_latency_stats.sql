@@ -10,19 +10,15 @@
 -- are read from histograms so that memory does not grow with the trace: approximate, each within
 -- 0.1% of the exact value (see _latency_hist). num_values, mean_ms and max_ms are exact.
 CREATE OR REPLACE VIEW _latency_stats AS
-WITH stats AS (
-    SELECT run_id, metric, sum(n) AS num_values, sum(sum_ms) / sum(n) AS mean_ms, max(max_ms) AS max_ms
-    FROM _latency_hist
-    GROUP BY run_id, metric
-),
-q AS (
-    SELECT run_id, metric,
+WITH q AS (
+    SELECT run_id, metric, any_value(num_values) AS num_values, any_value(mean_ms) AS mean_ms,
+           any_value(max_ms) AS max_ms,
            max(value_ms) FILTER (WHERE level = 0.5) AS p50_ms,
            max(value_ms) FILTER (WHERE level = 0.9) AS p90_ms,
            max(value_ms) FILTER (WHERE level = 0.95) AS p95_ms,
            max(value_ms) FILTER (WHERE level = 0.99) AS p99_ms,
            max(value_ms) FILTER (WHERE level = 0.999) AS p999_ms
-    FROM _latency_quantiles([0.5, 0.9, 0.95, 0.99, 0.999])
+    FROM _latency_quantiles([0.5, 0.9, 0.95, 0.99, 0.999], 0)
     GROUP BY run_id, metric
 )
 SELECT run_id, metric,
@@ -30,4 +26,4 @@ SELECT run_id, metric,
        num_values::BIGINT AS num_values, mean_ms,
        p50_ms, p90_ms, p95_ms, p99_ms, p999_ms,
        max_ms
-FROM stats JOIN q USING (run_id, metric);
+FROM q;

@@ -5,9 +5,10 @@
 -- param: points = 200  CDF levels kept per run and metric (evenly spaced in the cumulative share)
 -- param: tail = 20  largest values of each run and metric kept one by one
 --
--- How close: the values at the levels are percentiles read from histograms (see _latency_hist),
--- each within 0.1% of the exact one (exact at 0 and 1: the min and the max). The tail values are
--- exact; their cdf is (num_values - k + 1) / num_values for the k-th largest (ties count apart).
+-- How close: every value is read from a histogram (see _latency_hist), within 0.1% of the exact
+-- one; exact at 0 and 1 (the min and the max) and wherever a bin holds a single value, as the
+-- largest values of a sparse tail do. The k-th largest has cdf (num_values - k + 1) / num_values
+-- (ties count apart).
 --
 -- Columns, one row per point kept, by run, metric and value:
 --   run_id, metric
@@ -15,23 +16,15 @@
 --   value_ms       a latency (ms)
 --   cdf            share of the run's values of this metric <= value_ms
 --   num_values     values of this metric in the run (sequences, or gaps for itl)
-WITH levels AS (
-    SELECT run_id, metric, value_ms, level AS cdf, num_values
-    FROM _latency_quantiles(list_transform(range(0, $points + 1), lambda i: i / $points))
-    WHERE level < 1 OR $tail < 1      -- the max is the tail's first value
-),
-top AS (
-    SELECT run_id, metric, max(ms, $tail) AS largest, count(ms) AS num_values
-    FROM _latency_samples
-    WHERE ms IS NOT NULL
-    GROUP BY run_id, metric
-),
-tail AS (
-    SELECT run_id, metric, value_ms, (num_values - k + 1) / num_values AS cdf, num_values
-    FROM top, unnest(largest) WITH ORDINALITY AS t(value_ms, k)
+WITH points AS (
+    SELECT run_id, metric, value_ms,
+           coalesce(level, (rank + 1) / num_values) AS cdf,     -- the k-th largest: (n - k + 1) / n
+           num_values
+    FROM _latency_quantiles(list_transform(range(0, $points + 1), lambda i: i / $points), $tail)
+    WHERE level IS NULL OR level < 1 OR $tail < 1      -- the max is the tail's first value
 )
 SELECT run_id, metric,
        list_position(['ttft', 'tpot', 'itl', 'e2el', 'queueing'], metric) AS metric_order,
        value_ms, cdf, num_values::BIGINT AS num_values
-FROM (SELECT * FROM levels UNION ALL SELECT * FROM tail)
+FROM points
 ORDER BY run_id, metric_order, value_ms, cdf;
