@@ -416,6 +416,7 @@ def main() -> None:
     parser.add_argument("--compare-with", type=Path, help="the second run of `kvtrace compare` (default: none)")
     parser.add_argument("--commands", choices=["table", "all"], default="table",
                         help="table: issue 19's commands; all: every analysis too")
+    parser.add_argument("--only", nargs="+", help="measure only the commands whose label contains one of these")
     parser.add_argument("--baseline", type=Path, help="a checkout of the code before, measured side by side")
     parser.add_argument("--rss-cap", type=float, default=6, help="stop a command past this peak RSS (GiB)")
     parser.add_argument("--timeout", type=float, default=600, help="stop a command after this long (s)")
@@ -449,6 +450,8 @@ def main() -> None:
               flush=True)
         other = args.compare_with if args.compare_with and args.compare_with.resolve() != run.resolve() else None
         for label, argv in commands(run, other, args.commands, out):
+            if args.only and not any(word in label for word in args.only):
+                continue
             row = [f"{counts['kv_events'] / 1e6:.1f} M", f"`{label}`"]
             for name, code in checkouts:
                 result = measure([sys.executable, "-m", "kvtrace", *argv], code, rss_cap, args.timeout,
