@@ -94,6 +94,8 @@ def fmt_ms(value: float | None) -> str:
         return "–"
     if value >= 1000:
         seconds = value / 1000
+        if seconds >= 10_000:
+            return fmt_num(seconds, "s")     # 620k s
         return f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.1f} s" if seconds < 100 else f"{seconds:.0f} s"
     return f"{value:.2f} ms" if value < 10 else f"{value:.1f} ms" if value < 100 else f"{value:.0f} ms"
 
@@ -183,7 +185,7 @@ def _replay(run: dict) -> str:
 
 
 def _workload(run: dict) -> str:
-    return f"{(run.get('workload_path') or '?').rsplit('/', 1)[-1]}: {run['workload_requests']} req"
+    return f"{(run.get('workload_path') or '?').rsplit('/', 1)[-1]}: {fmt_num(run['workload_requests'])} req"
 
 
 def key_figures(s: dict, t: dict, width: int) -> Table:
