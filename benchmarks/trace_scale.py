@@ -1,15 +1,24 @@
-"""How fast do the analyses run on a big trace? Writes a synthetic run of ~10 million KV events
-(with the tokens, steps and requests that go with them), then times `kvtrace sql` on it.
+"""Do the analyses hold on a big trace? Writes synthetic runs of ~10 million KV events or more
+(with the tokens, steps and requests that go with them), then measures kvtrace's commands on them,
+each as its own process: wall time, CPU time and peak RSS.
 
-    python benchmarks/trace_scale.py                       # 10M events, thrash + itl_cliffs
-    python benchmarks/trace_scale.py --events 2e6 --analyses summary itl_cliff_summary
+    python benchmarks/trace_scale.py                                  # 10M events, issue 19's commands
+    python benchmarks/trace_scale.py --events 1e7 --events 1e8 --out /work/bigtraces
+    python benchmarks/trace_scale.py --runs RUN --baseline ../old-checkout --compare-with OTHER_RUN
+    python benchmarks/trace_scale.py --runs RUN --commands all --exact-check
+
+--baseline runs a second checkout's `python -m kvtrace` on the same runs (before / after); a command
+is stopped past --rss-cap GiB or --timeout s. --exact-check compares latency.sql's approximate
+percentiles with exact ones (that needs memory in proportion to the trace: ~10M events).
 
 The run is shaped like a thrashing recompute-mode replay with prefix caching: ~64 sequences
 running, prompts of 128-1024 tokens, 16-160 output tokens, block size 16, on average 1.2
 recompute preemptions per sequence (each waits ~30 steps, then re-prefills its history in one
 step), and an `evict` event for most blocks allocated, which is what makes a KV trace long.
 Steps last 8 ms plus 12 us per prefill token, so prompts arriving slow down everyone's decode.
-Everything is built with numpy and written as closed chunk files, as the recorder writes them.
+Everything is built with numpy, in batches of sequences, and written as closed chunk files as the
+recorder writes them; generating holds one batch plus the per-step and per-request arrays (about
+1 GB at 100M events), never the events or tokens.
 """
 from __future__ import annotations
 

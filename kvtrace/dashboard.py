@@ -63,7 +63,7 @@ def collect(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = N
     per = split_params(params or {})
     per["pool_timeline"]["buckets"] = str(buckets)
     per["most_preempted"]["limit"] = str(top)
-    db.keep(con, "_latency_hist")      # summary, latency and itl_cliff_summary all read it
+    db.keep(con, "_latency_hist", "_recompute")   # several of the analyses below read each
     results = {name: db.records(db.run_analysis(con, name, **per[name])) for name in ANALYSES}
     runs = db.records(con.sql(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY ordinal").to_arrow_table())
 
