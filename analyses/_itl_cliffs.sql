@@ -1,22 +1,26 @@
 -- Helper: _itl_cliffs(fixed_threshold_ms, median_multiple), every inter-token gap above its
 -- run's threshold with the cause read from the trace (see itl_cliffs.sql for the rules and the
--- columns). Every row also carries its run's ITL p50 and p99 and the threshold; a run with gaps
--- but no cliff gets one row whose req_id and cause are null, so that summaries see every run
--- while the gaps are computed once.
+-- columns). Every row also carries its run's ITL p50 and p99 (approximate: within 0.1% of the
+-- exact ones, see _latency_hist) and the threshold; a run with gaps but no cliff gets one row
+-- whose req_id and cause are null, so that summaries see every run.
 CREATE OR REPLACE MACRO _itl_cliffs(fixed_threshold_ms, median_multiple) AS TABLE
-WITH gaps AS MATERIALIZED (
-    SELECT * FROM _itl
-),
-thresholds AS (
-    SELECT run_id, q[1] AS itl_p50_ms, q[2] AS itl_p99_ms,
+-- two passes over the gaps, neither holding them all: the run's p50 and p99 from the histogram of
+-- _latency_hist (each within 0.1% of the exact one), then the gaps above the threshold
+WITH thresholds AS (
+    SELECT run_id, itl_p50_ms, itl_p99_ms,
            -- the threshold: fixed_threshold_ms when > 0, else the larger of median_multiple x p50 and p99
            CASE WHEN fixed_threshold_ms > 0 THEN fixed_threshold_ms::DOUBLE
-                ELSE greatest(median_multiple * q[1], q[2]) END AS threshold_ms
-    FROM (SELECT run_id, quantile_cont(gap_ms, [0.5, 0.99]) AS q FROM gaps GROUP BY run_id)
+                ELSE greatest(median_multiple * itl_p50_ms, itl_p99_ms) END AS threshold_ms
+    FROM (SELECT run_id,
+                 max(value_ms) FILTER (WHERE level = 0.5) AS itl_p50_ms,
+                 max(value_ms) FILTER (WHERE level = 0.99) AS itl_p99_ms
+          FROM _latency_quantiles([0.5, 0.99], 0)
+          WHERE metric = 'itl'
+          GROUP BY run_id)
 ),
 cliffs AS (
     SELECT g.*, t.threshold_ms
-    FROM gaps g JOIN thresholds t USING (run_id)
+    FROM _itl g JOIN thresholds t USING (run_id)
     WHERE g.gap_ms > t.threshold_ms
 ),
 -- the part of each cliff the sequence spent preempted, swapped out or re-prefilling

@@ -6,18 +6,24 @@
 --   metric_order 1..5 in that order, for sorting
 --   num_values   sequences (ttft, tpot, e2el, queueing) or gaps (itl) measured
 --   mean_ms, p50_ms, p90_ms, p95_ms, p99_ms, p999_ms (p99.9), max_ms
--- Percentiles interpolate linearly between values (numpy's default, as vLLM computes them).
+-- Percentiles interpolate linearly between values (numpy's default, as vLLM computes them). They
+-- are read from histograms so that memory does not grow with the trace: approximate, each within
+-- 0.1% of the exact value (see _latency_hist). num_values, mean_ms and max_ms are exact.
 CREATE OR REPLACE VIEW _latency_stats AS
-WITH stats AS (
-    SELECT run_id, metric, count(ms) AS num_values, avg(ms) AS mean_ms,
-           quantile_cont(ms, [0.5, 0.9, 0.95, 0.99, 0.999]) AS q, max(ms) AS max_ms
-    FROM _latency_samples
-    WHERE ms IS NOT NULL
+WITH q AS (
+    SELECT run_id, metric, any_value(num_values) AS num_values, any_value(mean_ms) AS mean_ms,
+           any_value(max_ms) AS max_ms,
+           max(value_ms) FILTER (WHERE level = 0.5) AS p50_ms,
+           max(value_ms) FILTER (WHERE level = 0.9) AS p90_ms,
+           max(value_ms) FILTER (WHERE level = 0.95) AS p95_ms,
+           max(value_ms) FILTER (WHERE level = 0.99) AS p99_ms,
+           max(value_ms) FILTER (WHERE level = 0.999) AS p999_ms
+    FROM _latency_quantiles([0.5, 0.9, 0.95, 0.99, 0.999], 0)
     GROUP BY run_id, metric
 )
 SELECT run_id, metric,
        list_position(['ttft', 'tpot', 'itl', 'e2el', 'queueing'], metric) AS metric_order,
-       num_values, mean_ms,
-       q[1] AS p50_ms, q[2] AS p90_ms, q[3] AS p95_ms, q[4] AS p99_ms, q[5] AS p999_ms,
+       num_values::BIGINT AS num_values, mean_ms,
+       p50_ms, p90_ms, p95_ms, p99_ms, p999_ms,
        max_ms
-FROM stats;
+FROM q;

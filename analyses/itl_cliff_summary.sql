@@ -12,7 +12,8 @@
 --   tail_share      tail_ms / all cliffs' total length in the run (0 when the run has none)
 --   max_gap_ms      the longest of them (ms; null with none)
 --   threshold_ms    the run's threshold (ms)
---   itl_p50_ms, itl_p99_ms, p99_p50_ratio   the run's ITL distribution (ms)
+--   itl_p50_ms, itl_p99_ms, p99_p50_ratio   the run's ITL distribution (ms); the percentiles are
+--                   approximate, each within 0.1% of the exact one (see _latency_hist)
 WITH cliffs AS MATERIALIZED (
     SELECT * FROM _itl_cliffs($threshold_ms, $median_multiple)
 ),

@@ -2,7 +2,9 @@
 --
 -- A cliff is a gap between consecutive tokens of a sequence longer than its run's threshold:
 -- `threshold_ms` when > 0, else the larger of `median_multiple` x the run's median ITL and the
--- run's p99 ITL. Its cause, read from the trace, first rule that holds:
+-- run's p99 ITL. The median and p99 are read from a histogram, each within 0.1% of the exact
+-- one (see _latency_hist), so a gap within 0.1% of a threshold they set can fall either side.
+-- Its cause, read from the trace, first rule that holds:
 --   swap_wait             the sequence was swapped out during the gap (preempted with swap,
 --                         waiting for swap-in)
 --   preempted             it was preempted by recompute during the gap and spent at least as

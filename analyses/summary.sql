@@ -17,7 +17,7 @@
 --   duration_s, completed_requests, output_tokens, output_tok_s, request_throughput
 --   goodput_req_s, good_share
 --   ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, itl_p50_ms, itl_p99_ms,
---   e2el_p50_ms, e2el_p99_ms
+--   e2el_p50_ms, e2el_p99_ms        (approximate: each within 0.1% of the exact value, see latency.sql)
 --   preemptions, recomputed_tokens, recompute_share (of positions computed), recompute_device_ms
 --   swap_out_bytes, swap_in_bytes, swap_gb_s (both directions)
 --   thrash_verdict, peak_preempt_per_s, useful_tok_s

@@ -1,7 +1,8 @@
 """Suite `trace-scale`: how fast the analyses run on a big synthetic trace (benchmarks/trace_scale.py).
 
-Options after the suite name go to trace_scale.py as they are, e.g.
-`python -m benchmarks trace-scale --events 2e6 --analyses summary`. Its output is kept in RESULTS.md.
+Options after the suite name and `--` go to trace_scale.py as they are, e.g.
+`python -m benchmarks trace-scale -- --events 1e7 --events 1e8 --baseline /path/to/old/checkout`.
+Its output is kept in RESULTS.md.
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     section = Section("trace-scale")
     tee = _Tee(sys.stdout)
     argv = sys.argv
-    sys.argv = ["benchmarks/trace_scale.py", *args.options]
+    options = args.options[1:] if args.options[:1] == ["--"] else args.options
+    sys.argv = ["benchmarks/trace_scale.py", *options]
     try:
         with contextlib.redirect_stdout(tee):
             trace_scale.main()

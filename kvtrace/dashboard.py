@@ -63,6 +63,7 @@ def collect(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = N
     per = split_params(params or {})
     per["pool_timeline"]["buckets"] = str(buckets)
     per["most_preempted"]["limit"] = str(top)
+    db.keep(con, "_latency_hist", "_recompute")   # several of the analyses below read each
     results = {name: db.records(db.run_analysis(con, name, **per[name])) for name in ANALYSES}
     runs = db.records(con.sql(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY ordinal").to_arrow_table())
 
@@ -93,20 +94,38 @@ def fmt_ms(value: float | None) -> str:
         return "–"
     if value >= 1000:
         seconds = value / 1000
+        if seconds >= 10_000:
+            return fmt_num(seconds, "s")     # 620k s
         return f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.1f} s" if seconds < 100 else f"{seconds:.0f} s"
     return f"{value:.2f} ms" if value < 10 else f"{value:.1f} ms" if value < 100 else f"{value:.0f} ms"
 
 
 def fmt_num(value: float | None, unit: str = "") -> str:
-    """Three significant digits (more for large integers), with a unit."""
+    """Three significant digits, with a unit; counts up to 9,999 in full, larger ones said shortly
+    (12.4k, 121k, 75.0M, 1.20G) so that they fit the dashboard's labels."""
     if value is None:
         return "–"
-    if abs(value) >= 100 or value == int(value):
+    if abs(value) >= 10_000:
+        text = _short(value)
+    elif abs(value) >= 100 or value == int(value):
         text = f"{value:,.0f}"
     else:
         text = f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
         text = text.rstrip("0").rstrip(".")
     return f"{text} {unit}".rstrip()
+
+
+def _short(value: float) -> str:
+    """|value| >= 10,000 in three significant digits and a suffix: 12.4k, 121k, 75.0M, 1.20G."""
+    for suffix, scale in (("k", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12)):
+        scaled = abs(value) / scale
+        digits = 2 if scaled < 10 else 1 if scaled < 100 else 0
+        if round(scaled, digits) < 1000 or suffix == "T":
+            text = f"{scaled:.{digits}f}"
+            if float(text) >= (10 if digits == 2 else 100 if digits == 1 else 1000):
+                text = f"{scaled:.{digits - 1}f}"      # 9.995k rounds to 10.0k, not 10.00k
+            return ("-" if value < 0 else "") + text + suffix
+    raise AssertionError("unreachable")
 
 
 def fmt_share(value: float | None) -> str:
@@ -166,12 +185,12 @@ def _replay(run: dict) -> str:
 
 
 def _workload(run: dict) -> str:
-    return f"{(run.get('workload_path') or '?').rsplit('/', 1)[-1]}: {run['workload_requests']} req"
+    return f"{(run.get('workload_path') or '?').rsplit('/', 1)[-1]}: {fmt_num(run['workload_requests'])} req"
 
 
-def key_figures(s: dict, t: dict, wide: bool) -> Table:
+def key_figures(s: dict, t: dict, width: int) -> Table:
     """The run's key figures from summary.sql (and thrash.sql's count of preempted sequences):
-    label-value pairs, two pairs a row when `wide`."""
+    label-value pairs, two pairs a row where they fit `width` whole, else one a row."""
     pairs = [
         ("throughput", f"{fmt_num(s.get('output_tok_s'), 'tok/s')} · {fmt_num(s.get('request_throughput'), 'req/s')}"),
         ("goodput", f"{fmt_num(s.get('goodput_req_s'), 'req/s')} ({fmt_share(s.get('good_share'))} in SLO)"),
@@ -179,7 +198,7 @@ def key_figures(s: dict, t: dict, wide: bool) -> Table:
     pairs += [_latency_pair(s, metric) for metric in ("ttft", "tpot", "itl", "e2el")]
     preemptions = fmt_num(s.get("preemptions"))
     if s.get("preemptions"):
-        preemptions += f" ({t.get('preempted_sequences')} seqs, {t.get('repreempted_sequences')} again)"
+        preemptions += f" ({fmt_num(t.get('preempted_sequences'))} seqs, {fmt_num(t.get('repreempted_sequences'))} again)"
     pairs.append(("preemptions", preemptions))
     swapped = bool(s.get("swap_out_bytes") or s.get("swap_in_bytes"))
     if s.get("recomputed_tokens") or not swapped:
@@ -189,7 +208,9 @@ def key_figures(s: dict, t: dict, wide: bool) -> Table:
         out_b, in_b = fmt_bytes(s.get("swap_out_bytes")), fmt_bytes(s.get("swap_in_bytes"))
         moved = f"{out_b} each way" if out_b == in_b else f"{out_b} out, {in_b} in"  # short: fits 80 columns
         pairs.append(("swapped", f"{moved} · {fmt_num(s.get('swap_gb_s'), 'GB/s')}"))
-    per_row = 2 if wide else 1
+    # two pairs a row: the left pairs' widest label and value, the right pairs', and 3 spaces
+    two = sum(max(len(pair[i]) for pair in pairs[side::2]) for side in (0, 1) for i in (0, 1)) + 3
+    per_row = 2 if two <= width else 1
     grid = Table.grid(padding=(0, 1))
     for _ in range(per_row):
         grid.add_column(style="bold", no_wrap=True)
@@ -298,26 +319,33 @@ def itl_ladder(itl: dict | None, bar_width: int) -> Table:
     return table
 
 
-def tail_causes(rows: list[dict], bar_width: int) -> Table:
-    """The cliffs (gaps above the run's threshold) and the share of tail time of each cause."""
+def tail_causes(rows: list[dict], width: int) -> Table:
+    """The cliffs (gaps above the run's threshold) and the share of tail time of each cause, in
+    `width` columns: the bars get what the figures leave."""
+    cells = [(CAUSES.get(row["cause"], row["cause"]), fmt_num(row["cliffs"]),
+              fmt_ms(row["tail_ms"]) if row["cliffs"] else "", row)
+             for row in sorted(rows, key=lambda r: -(r["tail_ms"] or 0))]
+    used = sum(max((len(c[i]) for c in cells), default=0) for i in range(3)) + 3
+    bar_width = max(width - used - 1, 0)
     table = Table.grid(padding=(0, 1))
     table.add_column(no_wrap=True)
     table.add_column(justify="right", no_wrap=True)
     table.add_column(justify="right", no_wrap=True)
     table.add_column(style="yellow", no_wrap=True)
-    for row in sorted(rows, key=lambda r: -(r["tail_ms"] or 0)):
+    for cause, cliffs, tail_ms, row in cells:
         share = row["tail_share"] or 0
         bar = "█" * round(share * bar_width) if row["cliffs"] else ""
-        table.add_row(CAUSES.get(row["cause"], row["cause"]), str(row["cliffs"]),
-                      fmt_ms(row["tail_ms"]) if row["cliffs"] else "", bar)
+        table.add_row(cause, cliffs, tail_ms, bar)
     return table
 
 
-def tail_title(rows: list[dict]) -> str:
+def tail_title(rows: list[dict], width: int = 80) -> str:
+    """The tail's title, ", by cause" left out where it would not fit `width` with a rule."""
     if not rows:
         return "ITL tail"
     cliffs = sum(r["cliffs"] for r in rows)
-    return f"ITL tail: {cliffs} gap{'s' if cliffs != 1 else ''} > {fmt_ms(rows[0]['threshold_ms'])}, by cause"
+    title = f"ITL tail: {fmt_num(cliffs)} gap{'s' if cliffs != 1 else ''} > {fmt_ms(rows[0]['threshold_ms'])}"
+    return title + ", by cause" if len(title) + len(", by cause") + 2 <= width else title
 
 
 def most_preempted(rows: list[dict]) -> Table:
@@ -385,12 +413,12 @@ def render_run(fig: dict, width: int, params: dict) -> RenderableType:
         latency = Table.grid(padding=(0, 2))
         latency.add_column(width=half)
         latency.add_column(width=right - 2 - half)
-        latency.add_row(_title(itl_title), _title(tail_title(fig["itl_tail"])))
-        latency.add_row(itl_ladder(itl, half - 22), tail_causes(fig["itl_tail"], right - 2 - half - 31))
+        latency.add_row(_title(itl_title), _title(tail_title(fig["itl_tail"], right - 2 - half)))
+        latency.add_row(itl_ladder(itl, half - 22), tail_causes(fig["itl_tail"], min(right - 2 - half, 48)))
     else:
         latency = Group(_title(itl_title), itl_ladder(itl, min(right - 20, 24)),
-                        _title(tail_title(fig["itl_tail"])), tail_causes(fig["itl_tail"], 12))
-    figures = Group(key_figures(fig["summary"], fig["thrash"], wide=left >= 76), thrash_verdict(fig["thrash"]))
+                        _title(tail_title(fig["itl_tail"], right)), tail_causes(fig["itl_tail"], min(right, 48)))
+    figures = Group(key_figures(fig["summary"], fig["thrash"], left), thrash_verdict(fig["thrash"]))
     preempted = Group(_title("most preempted"), most_preempted(fig["most_preempted"]))
     head = header(fig["run"], fig["summary"])
     if width < TWO_COLUMNS_WIDTH:

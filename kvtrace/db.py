@@ -10,15 +10,24 @@ An analysis declares its parameters in its opening comment, one a line:
     -- param: ttft_ms = 2000  SLO for time to first token (ms); <= 0 disables it
 
 and refers to them as DuckDB prepared parameters (`$ttft_ms`), so values are bound, never pasted.
+
+Memory does not grow with the trace: DuckDB runs under a memory limit (`KVTRACE_MEMORY_LIMIT`,
+default 500MB) and spills to a per-user temporary folder (`KVTRACE_TEMP_DIR`, default
+`<tmp>/kvtrace-duckdb-<user>`) when an operator needs more; `KVTRACE_THREADS` caps its threads
+(default: one per core). Analyses run without preserving insertion order (each ends with its own
+ORDER BY), so that DuckDB need not buffer rows to keep them in scan order.
 """
 from __future__ import annotations
 
 import functools
+import getpass
 import glob
 import importlib.resources
 import json
 import math
+import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +42,7 @@ if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 META_FILE = "meta.json"
+MEMORY_LIMIT = "500MB"             # DuckDB's memory limit unless KVTRACE_MEMORY_LIMIT says otherwise
 
 # the `runs` table: one row per run, flattened from meta.json (the whole file is in meta_json)
 RUNS_SCHEMA = pa.schema([
@@ -203,7 +213,7 @@ def connect(runs: list[str | Path]) -> duckdb.DuckDBPyConnection:
             pa.Table.from_pylist([row], schema=RUNS_SCHEMA)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise KvtraceError(f"{Path(row['path']) / META_FILE}: unexpected value ({exc})") from exc
-    con = duckdb.connect()
+    con = duckdb.connect(config=duckdb_config())
     runs_table = pa.Table.from_pylist(rows, schema=RUNS_SCHEMA)
     con.register("_runs_arrow", runs_table)
     con.execute("CREATE TABLE runs AS SELECT * FROM _runs_arrow")
@@ -213,6 +223,25 @@ def connect(runs: list[str | Path]) -> duckdb.DuckDBPyConnection:
         con.execute(_table_view_sql(con, table, schema, globs))
     install_helpers(con)
     return con
+
+
+def duckdb_config() -> dict[str, str]:
+    """The settings every connection gets: a memory limit, a folder to spill to, threads."""
+    limit = os.environ.get("KVTRACE_MEMORY_LIMIT") or MEMORY_LIMIT
+    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(B|[KMGT]i?B)\s*", limit, re.IGNORECASE):
+        raise KvtraceError(f"KVTRACE_MEMORY_LIMIT={limit!r}: expected a size such as 500MB or 2GB")
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    temp = os.environ.get("KVTRACE_TEMP_DIR") or str(Path(tempfile.gettempdir()) / f"kvtrace-duckdb-{user}")
+    config = {"memory_limit": limit.replace(" ", ""), "temp_directory": temp}
+    threads = os.environ.get("KVTRACE_THREADS")
+    if threads:
+        if not threads.isdigit() or int(threads) < 1:
+            raise KvtraceError(f"KVTRACE_THREADS={threads!r}: expected a whole number of threads >= 1")
+        config["threads"] = threads
+    return config
 
 
 def _sql_string(text: str) -> str:
@@ -333,6 +362,17 @@ def install_helpers(con: duckdb.DuckDBPyConnection) -> None:
         install(name, ())
 
 
+def keep(con: duckdb.DuckDBPyConnection, *helpers: str) -> None:
+    """Compute helper views once for this connection: each becomes a view of a temporary table
+    of its rows, so that analyses run one after another (the dashboard's, the report's) share the
+    work. Only for small helpers (the histograms), on a connection whose trace no longer changes."""
+    for name in helpers:
+        if not re.fullmatch(r"_[a-z0-9_]+", name):
+            raise ValueError(f"not a helper view: {name!r}")
+        con.execute(f"CREATE OR REPLACE TEMP TABLE {name}_kept AS SELECT * FROM {name}")
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {name}_kept")
+
+
 def _coerce(info: AnalysisInfo, param: AnalysisParam, value: object) -> float | int | str:
     if isinstance(param.default, str):
         return str(value)
@@ -369,7 +409,10 @@ def run_analysis(con: duckdb.DuckDBPyConnection, name: str, **params: object) ->
     values = analysis_params(name, **params)
     text = _sql_files()[name]
     bound = {key: value for key, value in values.items() if re.search(rf"\${key}\b", text)}
+    con.execute("SET preserve_insertion_order = false")   # every analysis orders its own rows
     try:
         return con.sql(text, params=bound).to_arrow_table()
     except duckdb.Error as exc:
         raise KvtraceError(f"{name}: {str(exc).splitlines()[0]}") from exc
+    finally:
+        con.execute("RESET preserve_insertion_order")

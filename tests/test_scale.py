@@ -1,0 +1,113 @@
+"""Analyses on a trace of large counts (the trace-scale generator at 1M events: 10k requests,
+880k inter-token gaps, 12k preemptions, 7.6M recomputed tokens): the approximate percentiles
+against exact ones, the dashboard's labels at 80 columns, and the memory settings."""
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from benchmarks import trace_scale
+from kvtrace import dashboard, db
+from kvtrace.cli_view import dashboard_view
+from kvtrace.errors import KvtraceError
+
+LEVELS = [0.0, 0.001, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999, 1.0]
+STATED_ERROR = 0.001     # the analyses' headers: each percentile within 0.1% of the exact one
+
+
+@pytest.fixture(scope="module")
+def big_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("scale") / "big"
+    trace_scale.generate(run, 1_000_000, seed=1, chunk_rows=200_000)
+    return run
+
+
+def exact(con, levels: list[float]) -> dict[str, list[float]]:
+    """quantile_cont over every value: what the histograms stand in for."""
+    rows = con.sql(f"SELECT metric, quantile_cont(ms, {levels}) FROM _latency_samples GROUP BY metric").fetchall()
+    return dict(rows)
+
+
+def test_percentiles_within_their_stated_error(big_run):
+    con = db.connect([big_run])
+    truth = exact(con, [0.5, 0.9, 0.95, 0.99, 0.999])
+    stats = db.run_analysis(con, "latency").to_pylist()
+    assert {row["metric"] for row in stats} == set(truth) == {"ttft", "tpot", "itl", "e2el", "queueing"}
+    counts = dict(con.sql("SELECT metric, count(*) FROM _latency_samples GROUP BY metric").fetchall())
+    for row in stats:
+        assert row["num_values"] == counts[row["metric"]]
+        got = [row[k] for k in ("p50_ms", "p90_ms", "p95_ms", "p99_ms", "p999_ms")]
+        for level, value, true in zip([0.5, 0.9, 0.95, 0.99, 0.999], got, truth[row["metric"]]):
+            assert value == pytest.approx(true, rel=STATED_ERROR, abs=1e-9), (row["metric"], level)
+    # the ITL has 880k gaps in a few thousand bins: the histogram is far smaller than the values
+    bins = con.sql("SELECT count(*) FROM _latency_hist WHERE metric = 'itl'").fetchall()[0][0]
+    assert bins < counts["itl"] / 50
+
+
+def test_cdf_levels_within_their_stated_error_and_the_tail_exact(big_run):
+    con = db.connect([big_run])
+    cdf = db.run_analysis(con, "latency_cdf", points=20, tail=5).to_pylist()
+    itl = [row for row in cdf if row["metric"] == "itl"]
+    levels = sorted({row["cdf"] for row in itl if row["cdf"] in [i / 20 for i in range(20)]})
+    assert len(levels) == 20
+    truth = dict(zip(levels, exact(con, levels)["itl"]))
+    for row in itl:
+        if row["cdf"] in truth:
+            assert row["value_ms"] == pytest.approx(truth[row["cdf"]], rel=STATED_ERROR), row["cdf"]
+    largest = [r[0] for r in con.sql("SELECT ms FROM _latency_samples WHERE metric = 'itl' "
+                                     "ORDER BY ms DESC LIMIT 5").fetchall()]
+    assert [row["value_ms"] for row in itl[-5:]] == sorted(largest)
+    assert itl[-1]["cdf"] == 1.0 and itl[0]["cdf"] == 0.0
+
+
+def test_cliff_threshold_within_its_stated_error(big_run):
+    con = db.connect([big_run])
+    p50, p99 = exact(con, [0.5, 0.99])["itl"]
+    row = db.run_analysis(con, "itl_cliff_summary").to_pylist()[0]
+    assert row["itl_p50_ms"] == pytest.approx(p50, rel=STATED_ERROR)
+    assert row["itl_p99_ms"] == pytest.approx(p99, rel=STATED_ERROR)
+    threshold = max(5 * row["itl_p50_ms"], row["itl_p99_ms"])
+    assert row["threshold_ms"] == pytest.approx(threshold)
+    cliffs = sum(r["cliffs"] for r in db.run_analysis(con, "itl_cliff_summary").to_pylist())
+    above = con.sql(f"SELECT count(*) FROM _itl WHERE gap_ms > {row['threshold_ms']}").fetchall()[0][0]
+    assert cliffs == above > 0
+
+
+def test_dashboard_labels_whole_at_80_columns(big_run):
+    width = 80
+    console = Console(width=width, record=True, color_system=None, file=io.StringIO())
+    console.print(dashboard_view([big_run], {}, width, None, None))
+    text = console.export_text()
+    assert "…" not in text, text
+    assert max(len(line) for line in text.splitlines()) <= width
+    s = db.run_analysis(db.connect([big_run]), "summary").to_pylist()[0]
+    assert s["preemptions"] > 10_000 and s["recomputed_tokens"] > 1_000_000   # the counts are large
+    for label in ("throughput", "goodput", "TTFT", "TPOT", "ITL", "E2E", "preemptions", "recomputed",
+                  "prefill interference", "swap wait", "re-prefill"):
+        assert any(line.startswith(label + " ") or f" {label} " in line for line in text.splitlines()), label
+    assert f"preemptions {dashboard.fmt_num(s['preemptions'])} (" in text
+    assert f"{dashboard.fmt_num(s['recomputed_tokens'], 'tok')} (53% of compute)" in text
+
+
+def test_short_numbers():
+    assert [dashboard.fmt_num(v) for v in (9_999, 10_000, 12_351, 121_273, 999_499, 999_999, 75_032_029,
+                                           1.2e9, -45_600)] == [
+        "9,999", "10.0k", "12.4k", "121k", "999k", "1.00M", "75.0M", "1.20G", "-45.6k"]
+    assert dashboard.fmt_num(2_399.4, "tok/s") == "2,399 tok/s"
+
+
+def test_memory_settings(monkeypatch, tmp_path, big_run):
+    monkeypatch.setenv("KVTRACE_MEMORY_LIMIT", "300MB")
+    monkeypatch.setenv("KVTRACE_TEMP_DIR", str(tmp_path / "spill"))
+    monkeypatch.setenv("KVTRACE_THREADS", "1")
+    con = db.connect([big_run])
+    settings = dict(con.sql("SELECT name, value FROM duckdb_settings() WHERE name IN "
+                            "('memory_limit', 'temp_directory', 'threads')").fetchall())
+    assert settings["temp_directory"] == str(tmp_path / "spill")
+    assert settings["threads"] == "1"
+    assert settings["memory_limit"].startswith(("286", "300"))      # DuckDB says it in MiB
+    monkeypatch.setenv("KVTRACE_MEMORY_LIMIT", "lots")
+    with pytest.raises(KvtraceError, match="KVTRACE_MEMORY_LIMIT='lots'"):
+        db.connect([big_run])
