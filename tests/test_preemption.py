@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.sequence import SamplingParams
-from tests.conftest import run_checked
+from tests.conftest import examples, run_checked
 
 
 class ListTracer:
@@ -129,7 +129,7 @@ def run_workload(make_engine, workload, independent=None, **settings):
     return engine, [s.token_ids for s in seqs]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), num_requests=st.integers(2, 8), slack=st.integers(0, 6),
        num_cpu_blocks=st.integers(0, 10), budget=st.sampled_from([8, 16, 64]),
        caching=st.booleans())
@@ -205,7 +205,7 @@ def test_request_outgrowing_the_pool_finishes_with_capacity(make_engine):
         assert seq.num_output_tokens == 12 - 5 + 1  # filled all 12 slots, then one more token sampled
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), mode=st.sampled_from(["recompute", "swap"]),
        policy=st.sampled_from(["newest", "priority", "fewest-computed"]))
 def test_resumed_sequences_progress_before_being_preempted_again(make_engine, seed, mode, policy):
