@@ -156,3 +156,39 @@ def test_policies_priorities_samples_and_swap_together(make_engine):
 
     check()
     assert sum(1 for h in hits if h) >= len(hits) // 2, hits
+
+
+# ---------------------------------------------------------------- the batched swap copies (CUDA's)
+
+def test_batched_swap_copies_move_each_block_to_its_own_slot(make_engine):
+    """The CUDA executor's batched swap-out gather and swap-in scatter (gather_blocks,
+    scatter_blocks; plain indexing, run here on CPU) against the CPU executor's block-by-block
+    copies: unsorted, non-contiguous block ids, every layer, K and V."""
+    import torch
+
+    from engine.model_runner import gather_blocks, scatter_blocks
+
+    runner = make_engine(num_gpu_blocks=8, num_cpu_blocks=4, preemption_mode="swap").runner
+    generator = torch.Generator().manual_seed(0)
+    for kv in runner.kv_caches:
+        kv.copy_(torch.randn(kv.shape, generator=generator))
+    swap_out = [(5, 2), (1, 0), (6, 3)]             # (device block, host block)
+    runner.swap_out(swap_out)                        # the CPU path: one copy per block and layer
+    dev_ids = torch.tensor([d for d, _ in swap_out])
+    staged = gather_blocks(runner.kv_caches, dev_ids)
+    assert staged.shape == (3, *runner.host_cache.shape[1:])
+    for i, (_, h) in enumerate(swap_out):
+        assert torch.equal(staged[i], runner.host_cache[h]), i
+
+    swap_in = [(2, 7), (0, 3), (3, 0)]               # (host block, device block)
+    before = [kv.clone() for kv in runner.kv_caches]
+    batched = [kv.clone() for kv in runner.kv_caches]
+    scatter_blocks(batched, torch.tensor([d for _, d in swap_in]),
+                   torch.stack([runner.host_cache[h] for h, _ in swap_in]))
+    runner.swap_in(swap_in)                          # the CPU path
+    for layer, (kv, got, old) in enumerate(zip(runner.kv_caches, batched, before)):
+        assert torch.equal(got, kv), layer
+        for h, d in swap_in:
+            assert torch.equal(got[:, d], runner.host_cache[h][layer]), (layer, d)
+        untouched = [b for b in range(8) if b not in (7, 3, 0)]
+        assert torch.equal(got[:, untouched], old[:, untouched]), layer
