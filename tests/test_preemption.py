@@ -183,8 +183,19 @@ def test_fewest_computed_policy(make_engine):
     engine.add_request("long", list(range(3, 14)), SamplingParams(max_tokens=8, ignore_eos=True))
     engine.add_request("short", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
     run_checked(engine)
-    victims = [e.req_id for e in tracer.events if e.kind == "preempt"]
-    assert victims and victims[0] == "short"
+    # short has computed 4 positions to long's 12: it goes, and only it
+    assert [(e.step, e.req_id, e.num_tokens, e.reason) for e in tracer.events if e.kind == "preempt"] == [
+        (2, "short", 4, "recompute")]
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=6, preemption_policy="fewest-computed", enable_prefix_caching=False)
+    engine.add_request("long", list(range(3, 14)), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("mid", list(range(20, 26)), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("short", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    run_checked(engine)
+    # every victim, in order: the sequence with the fewest computed positions each time
+    assert [(e.step, e.req_id, e.num_tokens, e.reason) for e in tracer.events if e.kind == "preempt"] == [
+        (2, "short", 4, "recompute"), (3, "mid", 8, "recompute"), (12, "short", 8, "recompute")]
+    assert all(s.finish_reason == "length" and s.num_output_tokens == 8 for s in engine.outputs.values())
 
 
 def test_request_that_can_never_fit_is_rejected(make_engine):
