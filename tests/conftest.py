@@ -14,6 +14,9 @@ from engine.llm_engine import LLMEngine
 from engine.loader import load_weights
 from tests.tracegen import recompute_run, swap_run
 
+# CI fails on unexpected skips (tests/strict_skips.py); pytester runs that plugin in a test of its own
+pytest_plugins = ["tests.strict_skips", "pytester"]
+
 # Hypothesis profiles. `ci` (chosen when CI=true): derandomised, the same examples every run, so a
 # test catches a bug or not, never by luck. `thorough` (locally: --hypothesis-profile thorough):
 # random, ten times the examples. Without either, Hypothesis's default (random, 100 examples).
@@ -82,3 +85,4 @@ def one_line_error(args: list[str]) -> str:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvtrace: error: "), result.stderr
     return lines[0]
+
