@@ -79,8 +79,27 @@ def test_a_pool_at_exactly_the_full_fraction_is_full(tmp_path):
     # (steps 1-3: windows of 2 or 3 steps, at least half of them full)
     (got,) = rows(con, "thrash", full_pool_frac=0.75, window_s=2)
     assert (got["verdict"], got["thrash_windows"], got["thrash_s"]) == ("sustained", 1, 4.0)
-    (got,) = rows(con, "thrash", full_pool_frac=0.76, window_s=10)
+    # the stretch's peak rate is its highest window's: 2 preemptions in 2 s at step 1, 3 after
+    (stretch,) = rows(con, "thrash_windows", full_pool_frac=0.75, window_s=2)
+    assert (stretch["thrashing_steps"], stretch["peak_preempt_per_s"]) == (3, 1.5)
+    (got,) = rows(con, "thrash", full_pool_frac=0.76)
     assert got["full_pool_step_share"] == 0.25
     # the default 0.95: 19 of 20 blocks is full
     con = db.connect([pool_run(tmp_path, [19, 18], 20)])
     assert rows(con, "thrash")[0]["full_pool_step_share"] == 0.5
+
+
+def test_a_recompute_share_at_exactly_the_bar_is_thrashing(tmp_path):
+    # one preemption a second, pool never full, 1 of 5 computed positions recomputed: the share is
+    # exactly min_recompute_share 0.2
+    steps = [{"step": i, "start_s": float(i), "end_s": float(i + 1), "prefill_tokens": 4, "decode_tokens": 1,
+              "recompute_tokens": 1, "preemptions": 1, "used_blocks": 1, "total_blocks": 4, "device_ms": 1.0}
+             for i in range(3)]
+    events = [{"seq": i, "step": i, "ts_s": float(i), "kind": "preempt", "req_id": f"r{i}", "sample": 0,
+               "reason": "recompute"} for i in range(3)]
+    con = db.connect([write_run(tmp_path, "share", steps=steps, kv_events=events)])
+    (got,) = rows(con, "thrash", window_s=1)
+    assert (got["verdict"], got["full_pool_step_share"]) == ("sustained", 0.0)
+    assert [w["peak_recompute_share"] for w in rows(con, "thrash_windows", window_s=1)] == [0.2]
+    (got,) = rows(con, "thrash", window_s=1, min_recompute_share=0.21)
+    assert got["verdict"] == "occasional"

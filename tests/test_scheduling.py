@@ -79,6 +79,18 @@ def test_admitted_prefills_are_charged_to_the_token_budget(make_engine):
     assert admits(tracer) == [(0, "A", 0), (0, "B", 0), (1, "C", 0)]
 
 
+def test_the_token_budget_holds_when_forked_samples_outnumber_it(make_engine):
+    # a 1-token prompt with n=3: three decoding samples, a budget of 2 tokens a step; the oldest two
+    # decode first, the third waits until they are done instead of running on a budget of 0
+    tracer = ListTracer()
+    engine = make_engine(tracer, max_num_batched_tokens=2)
+    engine.add_request("A", [7], params(max_tokens=3, n=3, temperature=1.0, seed=5))
+    run_checked(engine)
+    assert [(r.num_prefill_tokens, r.num_decode_tokens) for r in tracer.records] == [
+        (1, 0), (0, 2), (0, 2), (0, 1), (0, 1)]
+    assert [sorted(r.token_samples) for r in tracer.records] == [[0, 1, 2], [0, 1], [0, 1], [2], [2]]
+
+
 # ---------------------------------------------------------------- watermark
 
 def test_admission_keeps_the_watermark_free(make_engine):

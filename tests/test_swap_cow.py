@@ -77,6 +77,10 @@ def test_swap_out_copies_the_source_of_a_pending_copy_on_write(make_engine, poli
     read, tables = swaps[cow_step]
     assert tables[:len(shared_src)] == victim_table and read[:len(shared_src)] == shared_src
     assert len(engine.outputs) == 4 and all(s.finish_reason == "length" for s in engine.outputs.values())
+    # every step's record counts the step's preemptions
+    assert [r.num_preemptions for r in tracer.records] == [
+        sum(e.kind == "preempt" for e in r.events) for r in tracer.records]
+    assert tracer.records[cow_step].num_preemptions == 2
 
 
 def run_mix(make_engine, requests, **settings_) -> tuple[dict, int]:
