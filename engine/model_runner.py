@@ -70,6 +70,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
+def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
+    """The blocks `block_ids` of every layer, block-major like the host swap space (the batched
+    swap-out's device side; plain tensor indexing, so it is tested on CPU as well).
+
+    kv_caches[layer]: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    returns:          [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]
+    """
+    return torch.stack([kv[:, block_ids] for kv in kv_caches]).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+
+def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, staged: torch.Tensor) -> None:
+    """Write block-major `staged` ([n, layers, 2, bs, nkv, hd]) into blocks `block_ids` of every layer
+    (the batched swap-in's device side): staged[i] goes to block block_ids[i]."""
+    for layer, kv in enumerate(kv_caches):
+        kv[:, block_ids] = staged[:, layer].transpose(0, 1)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_cpu_blocks: int) -> None:
         self.model = model
@@ -133,7 +150,7 @@ class ModelRunner:
         self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))  # KV written before copying
         with torch.cuda.stream(self.swap_stream):
             start.record(self.swap_stream)
-            staged = torch.stack([kv[:, dev_ids] for kv in self.kv_caches]).permute(2, 0, 1, 3, 4, 5).contiguous()
+            staged = gather_blocks(self.kv_caches, dev_ids)
             for i, h, n in consecutive_runs(host_ids):  # one DMA per run of neighbouring host blocks
                 self.host_cache[h:h + n].copy_(staged[i:i + n], non_blocking=True)
             end.record(self.swap_stream)
@@ -159,8 +176,7 @@ class ModelRunner:
             staged = torch.empty((len(host_ids), *self.host_cache.shape[1:]), device=self.device, dtype=self.dtype)
             for i, h, n in consecutive_runs(host_ids):
                 staged[i:i + n].copy_(self.host_cache[h:h + n], non_blocking=True)
-            for layer, kv in enumerate(self.kv_caches):
-                kv[:, dev_ids] = staged[:, layer].transpose(0, 1)
+            scatter_blocks(self.kv_caches, dev_ids, staged)
             end.record(self.swap_stream)
             staged.record_stream(self.swap_stream)
         torch.cuda.current_stream(self.device).wait_event(end)  # restored before the forward reads it

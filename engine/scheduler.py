@@ -132,10 +132,12 @@ class Scheduler:
         if self.swapped:
             return out
 
-        # 3. Waiting sequences (new, or preempted by recompute), front first.
+        # 3. Waiting sequences (new, or preempted by recompute), front first. A running request
+        # still prefilling will fork its other samples: they count against max_num_seqs already.
+        num_forks = sum(s.num_pending_forks for s in self.running) if self.waiting else 0
         while self.waiting and budget > 0:
             seq = self._next_waiting()
-            if self.running and len(self.running) + 1 + seq.num_pending_forks > self.max_num_seqs:
+            if self.running and len(self.running) + num_forks + 1 + seq.num_pending_forks > self.max_num_seqs:
                 break
             if not self.bm.can_ever_hold(max(seq.num_tokens + 1, seq.num_reserved_tokens)):
                 self.waiting.remove(seq)
@@ -146,6 +148,7 @@ class Scheduler:
             if not self.bm.can_allocate(seq, cached_ids):
                 break
             self.waiting.remove(seq)
+            num_forks += seq.num_pending_forks
             resumed = seq.num_ever_computed > 0
             reason = "resume-recompute" if resumed else "new"
             self._admit(seq, reason, seq.num_tokens - len(cached_ids) * self.bm.block_size)

@@ -1,16 +1,34 @@
 """Shared fixtures: the tiny model's weights (loaded once) and an engine factory."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 from typer.testing import CliRunner
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_weights
 from tests.tracegen import recompute_run, swap_run
+
+# CI fails on unexpected skips (tests/strict_skips.py); pytester runs that plugin in a test of its own
+pytest_plugins = ["tests.strict_skips", "pytester"]
+
+# Hypothesis profiles. `ci` (chosen when CI=true): derandomised, the same examples every run, so a
+# test catches a bug or not, never by luck. `thorough` (locally: --hypothesis-profile thorough):
+# random, ten times the examples. Without either, Hypothesis's default (random, 100 examples).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("thorough", max_examples=1000)
+if os.environ.get("CI") == "true":
+    settings.load_profile("ci")
+
+
+def examples(n: int) -> int:
+    """A property test's example count: `n`, scaled by the loaded profile (x10 under `thorough`)."""
+    return n * max(settings.default.max_examples // 100, 1)
 
 
 @pytest.fixture(scope="session")
@@ -67,3 +85,4 @@ def one_line_error(args: list[str]) -> str:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvtrace: error: "), result.stderr
     return lines[0]
+

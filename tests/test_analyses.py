@@ -116,10 +116,24 @@ def test_every_analysis_documents_itself_and_runs_on_an_empty_run(tmp_path):
         "latency", "throughput", "goodput", "recompute", "recompute_by_request", "thrash", "thrash_windows",
         "itl_cliffs", "itl_cliff_summary", "swap", "pool", "block_churn", "request_timeline", "most_preempted",
         "summary"}
+    # nothing happened in this run: no per-sequence or per-event row, and the per-run figures are zero
+    no_rows = {"itl_cliff_summary", "itl_cliffs", "latency", "latency_cdf", "most_preempted", "recompute_by_request",
+               "request_timeline", "swap", "thrash_windows"}
     for info in infos:
         assert info.description.endswith(("?", ".")), info.name
         assert "Columns" in info.doc, info.name
-        db.run_analysis(con, info.name)
+        result = rows(con, info.name)
+        if info.name in no_rows:
+            assert result == [], info.name
+        else:
+            assert result and {r["run_id"] for r in result} == {"empty"}, info.name
+    got = {name: rows(con, name)[0] for name in ("throughput", "goodput", "recompute", "thrash", "pool")}
+    assert (got["throughput"]["steps"], got["throughput"]["duration_s"], got["throughput"]["output_tokens"]) == (
+        1, approx(0.1), 0)
+    assert (got["goodput"]["completed_requests"], got["goodput"]["good_share"]) == (0, None)
+    assert (got["recompute"]["preemptions"], got["recompute"]["recomputed_tokens"]) == (0, 0)
+    assert (got["thrash"]["verdict"], got["thrash"]["preemptions"]) == ("none", 0)
+    assert (got["pool"]["used_blocks"], got["pool"]["total_blocks"], got["pool"]["used_frac"]) == (0, 4, 0.0)
 
 
 def test_shared_params_have_the_same_defaults_everywhere():

@@ -3,10 +3,13 @@ library's, --json, --follow and the CLI's errors.
 
 The runs under tests/fixtures/runs were recorded once (see tests/fixtures/README.md). The golden
 files tests/fixtures/dashboard/*.txt are the rendered text; regenerate them after a deliberate
-change with KVTRACE_UPDATE_GOLDEN=1 pytest tests/test_dashboard.py, and read the diff.
+change with KVTRACE_UPDATE_GOLDEN=1 pytest tests/test_dashboard.py: that run fails, showing each
+file's diff against the previous one; review it and rerun to accept. tests/test_fresh_run.py draws
+the dashboard and the report from a run recorded by the engine during the tests.
 """
 from __future__ import annotations
 
+import difflib
 import io
 import json
 import os
@@ -28,7 +31,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
 RUNS = FIXTURES / "runs"
 RECOMPUTE, SWAP = RUNS / "tiny-recompute", RUNS / "tiny-swap"
 GOLDEN = FIXTURES / "dashboard"
-UPDATE = os.environ.get("KVTRACE_UPDATE_GOLDEN") == "1"
+# CI never rewrites a golden file: there the variable is ignored and a difference fails
+UPDATE = os.environ.get("KVTRACE_UPDATE_GOLDEN") == "1" and os.environ.get("CI") != "true"
 
 runner = CliRunner()
 
@@ -39,13 +43,40 @@ def rendered(renderable, width: int) -> str:
     return console.export_text()
 
 
-def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if UPDATE:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    assert path.exists(), f"{path} missing: run with KVTRACE_UPDATE_GOLDEN=1"
-    assert text == path.read_text(), f"{name} differs from its golden file (KVTRACE_UPDATE_GOLDEN=1 regenerates)"
+def check_golden(name: str, text: str, folder: Path = GOLDEN, update: bool = UPDATE) -> None:
+    """Compare `text` with the golden file `folder/name`; a difference fails with a unified diff.
+
+    With KVTRACE_UPDATE_GOLDEN=1 a golden file that differs (or is missing) is rewritten and the test
+    still fails, showing the diff against the previous file: an update is never green in the run
+    that makes it. Review the diff (also in `git diff`), then rerun to accept it.
+    """
+    path = folder / name
+    previous = path.read_text() if path.exists() else None
+    if previous == text:
+        return
+    diff = "".join(difflib.unified_diff((previous or "").splitlines(keepends=True), text.splitlines(keepends=True),
+                                        f"{name} (golden)", f"{name} (now)"))
+    if not update:
+        assert previous is not None, f"{path} missing: run with KVTRACE_UPDATE_GOLDEN=1 and review it"
+        pytest.fail(f"{name} differs from its golden file (KVTRACE_UPDATE_GOLDEN=1 rewrites it):\n{diff}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    what = "written (new)" if previous is None else "rewritten"
+    pytest.fail(f"{path} {what}; review the diff, then rerun to accept it:\n{diff}")
+
+
+def test_a_golden_update_fails_and_shows_the_diff_against_the_previous_file(tmp_path):
+    (tmp_path / "g.txt").write_text("pool 3/4\n")
+    check_golden("g.txt", "pool 3/4\n", tmp_path, update=False)
+    check_golden("g.txt", "pool 3/4\n", tmp_path, update=True)      # unchanged: nothing to accept
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)differs.*-pool 3/4\n\+pool 4/4"):
+        check_golden("g.txt", "pool 4/4\n", tmp_path, update=False)
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)rewritten; review the diff.*-pool 3/4\n\+pool 4/4"):
+        check_golden("g.txt", "pool 4/4\n", tmp_path, update=True)
+    assert (tmp_path / "g.txt").read_text() == "pool 4/4\n"
+    check_golden("g.txt", "pool 4/4\n", tmp_path, update=False)     # the rerun accepts it
+    with pytest.raises(pytest.fail.Exception, match="written \\(new\\)"):
+        check_golden("new.txt", "x\n", tmp_path, update=True)
 
 
 # --------------------------------------------------------------------------- snapshots

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.sequence import SamplingParams
-from tests.conftest import run_checked
+from tests.conftest import examples, run_checked
 
 
 class ListTracer:
@@ -129,7 +129,7 @@ def run_workload(make_engine, workload, independent=None, **settings):
     return engine, [s.token_ids for s in seqs]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), num_requests=st.integers(2, 8), slack=st.integers(0, 6),
        num_cpu_blocks=st.integers(0, 10), budget=st.sampled_from([8, 16, 64]),
        caching=st.booleans())
@@ -183,8 +183,19 @@ def test_fewest_computed_policy(make_engine):
     engine.add_request("long", list(range(3, 14)), SamplingParams(max_tokens=8, ignore_eos=True))
     engine.add_request("short", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
     run_checked(engine)
-    victims = [e.req_id for e in tracer.events if e.kind == "preempt"]
-    assert victims and victims[0] == "short"
+    # short has computed 4 positions to long's 12: it goes, and only it
+    assert [(e.step, e.req_id, e.num_tokens, e.reason) for e in tracer.events if e.kind == "preempt"] == [
+        (2, "short", 4, "recompute")]
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=6, preemption_policy="fewest-computed", enable_prefix_caching=False)
+    engine.add_request("long", list(range(3, 14)), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("mid", list(range(20, 26)), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("short", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    run_checked(engine)
+    # every victim, in order: the sequence with the fewest computed positions each time
+    assert [(e.step, e.req_id, e.num_tokens, e.reason) for e in tracer.events if e.kind == "preempt"] == [
+        (2, "short", 4, "recompute"), (3, "mid", 8, "recompute"), (12, "short", 8, "recompute")]
+    assert all(s.finish_reason == "length" and s.num_output_tokens == 8 for s in engine.outputs.values())
 
 
 def test_request_that_can_never_fit_is_rejected(make_engine):
@@ -205,7 +216,7 @@ def test_request_outgrowing_the_pool_finishes_with_capacity(make_engine):
         assert seq.num_output_tokens == 12 - 5 + 1  # filled all 12 slots, then one more token sampled
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), mode=st.sampled_from(["recompute", "swap"]),
        policy=st.sampled_from(["newest", "priority", "fewest-computed"]))
 def test_resumed_sequences_progress_before_being_preempted_again(make_engine, seed, mode, policy):

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.sequence import SamplingParams
-from tests.conftest import run_checked
+from tests.conftest import examples, run_checked
 from tests.test_preemption import PROMPT_A, PROMPT_B, ListTracer, four_block_engine
 
 PREFIX = list(range(100, 112))  # 3 full blocks of 4
@@ -85,7 +85,7 @@ def test_recompute_reuses_still_cached_blocks(make_engine):
     assert sum(r.num_recompute_tokens for r in tracer.records) == 4
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), slack=st.integers(0, 8), num_cpu_blocks=st.integers(0, 12))
 def test_invariants_with_caching_and_samples(make_engine, seed, slack, num_cpu_blocks):
     rng = random.Random(seed)

@@ -87,11 +87,24 @@ def test_tight_pool_replays_match_unconstrained_from_traces(tmp_path):
                 SELECT req_id, list(token_id ORDER BY idx) AS ids FROM {tokens[name]} GROUP BY req_id) b
             USING (req_id) WHERE a.ids IS DISTINCT FROM b.ids""").fetchall()[0][0]
         assert diff == 0
-        # one fact, three witnesses
+        # one fact, three witnesses, and the fact is not "nothing happened"
         counts = sql(runs[name], """SELECT (SELECT sum(recomputed_tokens) FROM requests),
                                            (SELECT sum(recompute_tokens) FROM steps),
                                            (SELECT sum(num_recomputed_tokens) FROM kv_events)""")[0]
         assert counts[0] == counts[1] == counts[2]
+        preemptions = sql(runs[name], """SELECT (SELECT sum(preemptions) FROM requests),
+                                                (SELECT sum(preemptions) FROM steps),
+                                                (SELECT count(*) FROM kv_events WHERE kind = 'preempt')""")[0]
+        assert preemptions[0] == preemptions[1] == preemptions[2] > 0
+        if name == "recompute":
+            assert counts[0] > 0
+        else:  # swap: nothing recomputed unless a swap found the host full
+            fallbacks = sql(runs[name], "SELECT count(*) FROM kv_events WHERE reason = 'swap-full-fallback'")[0][0]
+            assert (counts[0] > 0) == (fallbacks > 0)
+            swaps = sql(runs[name], """SELECT (SELECT sum(swaps) FROM requests),
+                                              (SELECT count(*) FROM kv_events WHERE kind = 'swap_out'),
+                                              (SELECT count(*) FROM kv_events WHERE kind = 'preempt' AND reason = 'swap')""")[0]
+            assert swaps[0] == swaps[1] == swaps[2] > 0
 
 
 def slow_workload(tmp_path: Path) -> Path:

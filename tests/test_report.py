@@ -145,7 +145,10 @@ def test_svg_writes_one_file_per_chart(tmp_path):
 def test_png(tmp_path):
     result = runner.invoke(app, ["report", str(RECOMPUTE), "--format", "png", "-o", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "pool_occupancy.png").read_bytes().startswith(b"\x89PNG")
+    png = (tmp_path / "pool_occupancy.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # IHDR
+    assert width >= report.WIDTH and height >= 240, (width, height)  # the chart's size, not an empty image
 
 
 def test_errors(tmp_path):

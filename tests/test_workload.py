@@ -17,6 +17,7 @@ from kvtrace.workload import (
     SynthConfig, WorkloadRequest, generate, load_workload, resolve_prompt_ids, save_workload,
     synthetic_ids, validate_lengths, workload_sha256,
 )
+from tests.conftest import examples
 
 
 def write(tmp_path, *lines: str, name: str = "w.jsonl"):
@@ -71,7 +72,7 @@ def test_every_field_round_trips(tmp_path):
     assert [r.line for r in loaded] == [3, 4, 5]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.fixed_dictionaries({
     "arrival_s": st.floats(0, 1e4).map(lambda x: round(x, 6)),
     "prompt": st.one_of(st.none(), st.text(min_size=1, max_size=20)),
