@@ -124,11 +124,22 @@ def test_the_report_of_a_fresh_run_charts_its_data(runs, tmp_path):
         assert stalls[(mode, "B", state)]["start_s"] == pytest.approx(preempted_at[mode])
         assert stalls[(mode, "B", state)]["duration_ms"] > 0
 
-    # ITL CDF: 8 gaps per run rising to 1; TTFT and E2E: one point per request, from the trace
+    # ITL CDF: 8 gaps per run, each kept exactly (the tail keeps the largest values one by one),
+    # the levels between them within 0.1 % (latency_cdf.sql), rising to 1; TTFT and E2E: one point
+    # per request, from the trace
     itl = [r for r in data["itl_cdf"] if r.get("metric") == "itl"]
+    gaps = con.sql("SELECT run_id, (ts_s - lag(ts_s) OVER (PARTITION BY run_id, req_id, sample ORDER BY idx)) * 1000 "
+                   "AS ms FROM tokens QUALIFY ms IS NOT NULL").fetchall()
     for mode in MODES:
-        points = sorted(r["cdf"] for r in itl if r["run_id"] == mode)
-        assert len(points) == 8 and points[-1] == 1.0 and points[0] > 0
+        rows = sorted((r for r in itl if r["run_id"] == mode), key=lambda r: r["cdf"])
+        assert rows[-1]["cdf"] == 1.0
+        # rising with the share, up to the histogram's 0.1 % between a level and an exact tail value
+        assert all(b["value_ms"] >= a["value_ms"] * 0.999 for a, b in zip(rows, rows[1:]))
+        trace_gaps = sorted(ms for run_id, ms in gaps if run_id == mode)
+        assert len(trace_gaps) == 8
+        values = [r["value_ms"] for r in rows]
+        assert all(any(v == pytest.approx(g, rel=1e-9) for v in values) for g in trace_gaps)
+        assert min(values) >= trace_gaps[0] * 0.999 and max(values) == pytest.approx(trace_gaps[-1], rel=1e-9)
     ttft = {(r["run_id"], round(r["value_ms"], 6)) for r in data["latency_distributions"] if r["metric"] == "ttft"}
     assert ttft == {(run_id, round(ms, 6)) for run_id, ms in con.sql(
         "SELECT run_id, (first_token_s - arrival_s) * 1000 FROM requests").fetchall()}
