@@ -12,15 +12,21 @@ the first run must thrash (sustained verdict, its ITL tail led by preemption or 
 the fix must remove it (no or occasional preemption, fewer preemptions, less recompute, more
 goodput, a lower ITL p99). A failed check exits 1 and names the figure.
 
-tests/test_story.py runs `tell` on the tiny model under a modelled clock (smollm2-135m's step
-times on 2 cores), so that the replays have the published shape whatever the machine's load.
+--modelled-clock replaces the host clock of the engine and the replay with a model of
+smollm2-135m's steps on 2 CPU cores (fitted to recorded runs: 18 ms a step, 1.6 ms per decoding
+sequence, 0.8 ms per prefill token), so that a faster model (the tiny one, in tests/test_story.py)
+or a busy machine replays the same shape of load; the forward, scheduler, block manager, trace
+and analyses stay real. The document says which clock it was written with.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import shutil
 import sys
+import types
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +72,39 @@ FROM _recompute ORDER BY run_id"""),
 ]
 
 
+STEP_MS, DECODE_MS, PREFILL_MS = 18.0, 1.6, 0.8     # the modelled clock: smollm2-135m on 2 cores
+
+
+@contextlib.contextmanager
+def modelled_clock() -> Iterator[None]:
+    """While inside: the engine's and the replay's clock advance by each step's modelled time (and
+    by the replay's idle sleeps), not by the host's."""
+    import engine.llm_engine
+    import engine.model_runner
+    import kvtrace.replay
+
+    now = [0.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    runner = engine.model_runner.ModelRunner
+    saved = engine.llm_engine.time, kvtrace.replay.time, runner.execute
+    execute = runner.execute
+
+    def timed_execute(self, out):
+        result = execute(self, out)
+        if out.seqs:
+            ms = STEP_MS + DECODE_MS * result.num_decode_tokens + PREFILL_MS * result.num_prefill_tokens
+            now[0] += ms / 1000
+            result.timing.forward = ms
+        return result
+
+    engine.llm_engine.time = kvtrace.replay.time = clock
+    runner.execute = timed_execute
+    try:
+        yield
+    finally:
+        engine.llm_engine.time, kvtrace.replay.time, runner.execute = saved
+
+
 class StoryBroken(Exception):
     """A figure of the story no longer holds."""
 
@@ -105,13 +144,14 @@ def check(thrash: dict, fix: dict, change: dict) -> list[str]:
     return [claim for _, claim in claims]
 
 
-def tell(model: str, load_format: str, out: Path, runs: Path) -> dict:
+def tell(model: str, load_format: str, out: Path, runs: Path, *, modelled: bool = False) -> dict:
     """Record both runs, check the story, write the document; return the figures checked."""
     if runs.exists():
         shutil.rmtree(runs)
     thrash_run, fix_run = runs / "thrash", runs / "more-kv"
-    record(model, load_format, thrash_run, THRASH_SETTINGS)
-    record(model, load_format, fix_run, FIX_SETTINGS)
+    with modelled_clock() if modelled else contextlib.nullcontext():
+        record(model, load_format, thrash_run, THRASH_SETTINGS)
+        record(model, load_format, fix_run, FIX_SETTINGS)
     params: dict[str, str] = {}  # the analyses' defaults, as `kvtrace analyze` uses them
 
     con = db.connect([thrash_run, fix_run])
@@ -131,6 +171,7 @@ def tell(model: str, load_format: str, out: Path, runs: Path) -> dict:
                for question, query in QUERIES]
     document = DOC.format(
         workload=WORKLOAD,
+        provenance=PROVENANCE_MODELLED.format(model=model) if modelled else PROVENANCE_REAL.format(model=model),
         command=_command(thrash_run, model, load_format, THRASH_SETTINGS),
         fix_command=_command(fix_run, model, load_format, FIX_SETTINGS),
         dashboard=text_of(dashboard_view([thrash_run], params, WIDTH, None, None)),
@@ -181,10 +222,18 @@ ANSWER = """### {question}
 ```
 """
 
+PROVENANCE_REAL = """The outputs below are those of two replays on {model}, on the host clock."""
+PROVENANCE_MODELLED = """The outputs below are those of two replays on {model} under a modelled clock
+(`--modelled-clock`: smollm2-135m's step times on 2 CPU cores, 18 ms a step + 1.6 ms per decoding
+sequence + 0.8 ms per prefill token); on a quiet 2-core machine, `python scripts/postmortem.py`
+replays smollm2-135m itself on the host clock and rewrites this page."""
+
 DOC = """# Postmortem: a replay that thrashed, and the fix
 
-<!-- Written by scripts/postmortem.py from two real replays; do not edit by hand. tests/test_story.py
-     runs the same script on the tiny model, so a change that breaks the story fails the tests. -->
+<!-- Written by scripts/postmortem.py; do not edit by hand. tests/test_story.py runs the same
+     script on the tiny model, so a change that breaks the story fails the tests. -->
+
+{provenance}
 
 This is the story of the README's first command, told with what kvtrace recorded. The workload,
 `{workload}`, is one assistant's traffic: every request opens with the same system prompt
@@ -259,11 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--modelled-clock", action="store_true",
+                        help="time the replays by a model of smollm2-135m's steps on 2 cores, not the host clock")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where postmortem.md and its images go")
     parser.add_argument("--runs", type=Path, default=ROOT / "traces/runs/postmortem", help="the two run folders")
     args = parser.parse_args(argv)
     try:
-        result = tell(args.model, args.load_format, args.out, args.runs)
+        result = tell(args.model, args.load_format, args.out, args.runs, modelled=args.modelled_clock)
     except StoryBroken as exc:
         print(f"postmortem: the story no longer holds: {exc}", file=sys.stderr)
         return 1
