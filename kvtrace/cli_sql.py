@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvtrace import db
+from kvtrace import db, headline
 from kvtrace.cli_app import RUNS_HELP, app, parse_params, user_errors
 from kvtrace.errors import KvtraceError
 
@@ -331,7 +331,11 @@ def compare(
     param: Annotated[list[str] | None, typer.Option(
         "--param", "-p", help="A parameter of the summary analysis (SLOs, thrash thresholds), NAME=VALUE.")] = None,
 ) -> None:
-    """Compare runs side by side: the key figures of each, with deltas against the first run.
+    """Compare runs side by side: what changed first, then the key figures of each, with deltas
+    against the first run.
+
+    The first lines say, per run against the first: the settings that differ, the thrash verdicts,
+    and how preemptions, the recomputed share, goodput and ITL p99 moved (green: better).
 
     The figures are those of analyses/summary.sql; deltas are absolute and relative (%).
 
@@ -345,9 +349,13 @@ def compare(
     if warning:
         Console(stderr=True, soft_wrap=True).print(f"warning: {warning}", markup=False, highlight=False)
     rows = compare_rows(summary)
+    changes = headline.headline(summary, headline.settings_changed(con))
     run_ids = summary.column("run_id").to_pylist()
     if fmt is CompareFormat.json:
         document = {"baseline": run_ids[0], "runs": run_ids, "warnings": [warning] if warning else [],
+                    "changes": [{**change, "figures": {name: {k: db.json_value(v) for k, v in figure.items()}
+                                                       for name, figure in change["figures"].items()}}
+                                for change in changes],
                     "metrics": [{key: ({k: db.json_value(v) for k, v in value.items()} if isinstance(value, dict)
                                        else value) for key, value in row.items()} for row in rows]}
         sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
@@ -369,4 +377,6 @@ def compare(
                 same = row["values"][run] == row["values"][run_ids[0]]
                 cells += ["" if same else "differs", ""]
         table.add_row(*map(Text, cells))
-    _console(None).print(table)
+    console = _console(None)
+    console.print(headline.render(changes))
+    console.print(table)

@@ -1,13 +1,17 @@
 """`kvtrace sql` and `kvtrace compare`, driven through the CLI on the hand-built golden runs."""
 from __future__ import annotations
 
+import io
 import json
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 import kvtrace.cli_sql  # noqa: F401  (registers the commands)
+from kvtrace import headline
 from kvtrace.cli_app import app
 from tests.conftest import one_line_error
 from tests.tracegen import recompute_run
@@ -140,3 +144,46 @@ def test_compare_json_and_workload_warning(root, tmp_path):
     # params reach summary.sql
     with_slo = json.loads(ok("compare", root / "rec", root / "swp", "--format", "json", "-p", "tpot_ms=300").stdout)
     assert {m["metric"]: m for m in with_slo["metrics"]}["good_share"]["values"] == {"rec": 0.5, "swp": 0.5}
+
+
+def test_compare_opens_with_what_changed(root):
+    lines = ok("compare", root / "rec", root / "swp").stdout.splitlines()
+    assert lines[0] == ("what changed: swp against rec "
+                        "(block_size 4 → 2, num_gpu_blocks 3 → 6, preemption_mode recompute → swap)")
+    assert [line.split()[:4] for line in lines[1:6]] == [
+        ["thrash", "OCCASIONAL", "→", "OCCASIONAL"],
+        ["preemptions", "1", "→", "1"],
+        ["recomputed", "21%", "→", "0.0%"],
+        ["goodput", "0", "→", "0"],
+        ["ITL", "p99", "730", "ms"],
+    ]
+    assert lines[2].split()[-1] == "unchanged" and lines[3].split()[-2:] == ["−21", "points"]
+    assert lines[7].split()[:3] == ["metric", "┃", "rec"], "then the full table"
+
+
+def test_compare_says_which_way_each_figure_moved():
+    summary = pa.Table.from_pylist([
+        {"run_id": "thrash", "thrash_verdict": "sustained", "preemptions": 90, "recompute_share": 0.3,
+         "goodput_req_s": 1.0, "good_share": 0.5, "itl_p99_ms": 400.0},
+        {"run_id": "cap", "thrash_verdict": "occasional", "preemptions": 5, "recompute_share": 0.01,
+         "goodput_req_s": 0.5, "good_share": 0.25, "itl_p99_ms": 400.0},
+        {"run_id": "more-kv", "thrash_verdict": "none", "preemptions": 0, "recompute_share": 0.0,
+         "goodput_req_s": 3.0, "good_share": 1.0, "itl_p99_ms": 100.0},
+    ])
+    changes = headline.headline(summary, {"more-kv": {"num_gpu_blocks": [80, 240]}})
+    better = {c["run_id"]: {name: f["better"] for name, f in c["figures"].items()} for c in changes}
+    assert better == {
+        "cap": {"thrash_verdict": True, "preemptions": True, "recompute_share": True, "goodput_req_s": False,
+                "itl_p99_ms": None, "good_share": False},
+        "more-kv": {"thrash_verdict": True, "preemptions": True, "recompute_share": True, "goodput_req_s": True,
+                    "itl_p99_ms": True, "good_share": True},
+    }
+    assert changes[1]["settings"] == {"num_gpu_blocks": [80, 240]} and changes[0]["settings"] == {}
+    text = rendered_text(headline.render(changes[1:]))
+    assert "3.0× higher" in text and "4.0× lower" in text and "−100%" in text and "−30 points" in text
+
+
+def rendered_text(renderable) -> str:
+    console = Console(width=120, record=True, color_system=None, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()

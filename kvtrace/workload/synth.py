@@ -25,6 +25,10 @@ PRESETS: dict[str, dict] = {
                       "prefix_tokens": 1024, "prompt_median": 300.0},
     "long-context": {"rate": 0.5, "cv": 1.0, "num_requests": 20, "prompt_median": 6000.0,
                      "prompt_sigma": 0.4, "output_median": 200.0, "output_sigma": 0.6},
+    # one assistant's traffic: every request opens with the same system prompt, user messages are
+    # short, arrivals come in bursts, and answers have a long tail (a few run to the output cap)
+    "assistant": {"rate": 3.0, "cv": 4.0, "num_requests": 70, "prefix_groups": 1, "prefix_tokens": 800,
+                  "prompt_median": 100.0, "prompt_sigma": 0.5, "output_median": 250.0, "output_sigma": 1.3},
 }
 
 
