@@ -25,6 +25,7 @@ import contextlib
 import io
 import shutil
 import sys
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,7 +85,9 @@ def modelled_clock() -> Iterator[None]:
     import kvtrace.replay
 
     now = [0.0]
-    clock = types.SimpleNamespace(perf_counter=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    # the modelled clock stands in for perf_counter and sleep; the progress display keeps the host's monotonic
+    clock = types.SimpleNamespace(perf_counter=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s),
+                                  monotonic=time.monotonic)
     runner = engine.model_runner.ModelRunner
     saved = engine.llm_engine.time, kvtrace.replay.time, runner.execute
     execute = runner.execute
