@@ -27,3 +27,18 @@ SELECT run_id, metric,
        p50_ms, p90_ms, p95_ms, p99_ms, p999_ms,
        max_ms
 FROM q;
+
+-- _latency_by_run: one row per run, the p50 and p99 of each metric side by side (ms), for the
+-- analyses that put a run's figures in one row (summary.sql, sweep_summary.sql).
+CREATE OR REPLACE VIEW _latency_by_run AS
+SELECT run_id,
+       max(p50_ms) FILTER (WHERE metric = 'ttft') AS ttft_p50_ms,
+       max(p99_ms) FILTER (WHERE metric = 'ttft') AS ttft_p99_ms,
+       max(p50_ms) FILTER (WHERE metric = 'tpot') AS tpot_p50_ms,
+       max(p99_ms) FILTER (WHERE metric = 'tpot') AS tpot_p99_ms,
+       max(p50_ms) FILTER (WHERE metric = 'itl') AS itl_p50_ms,
+       max(p99_ms) FILTER (WHERE metric = 'itl') AS itl_p99_ms,
+       max(p50_ms) FILTER (WHERE metric = 'e2el') AS e2el_p50_ms,
+       max(p99_ms) FILTER (WHERE metric = 'e2el') AS e2el_p99_ms
+FROM _latency_stats
+GROUP BY run_id;

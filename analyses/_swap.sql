@@ -15,3 +15,13 @@ SELECT run_id,
 FROM kv_events
 WHERE kind IN ('swap_out', 'swap_in')
 GROUP BY GROUPING SETS ((run_id, kind), (run_id));
+
+-- _swap_by_run: one row per run that swapped: bytes each way and both, and the rate of both (GB/s).
+CREATE OR REPLACE VIEW _swap_by_run AS
+SELECT run_id,
+       max(bytes) FILTER (WHERE direction = 'swap_out') AS swap_out_bytes,
+       max(bytes) FILTER (WHERE direction = 'swap_in') AS swap_in_bytes,
+       max(bytes) FILTER (WHERE direction = 'both') AS swap_bytes,
+       max(gb_s) FILTER (WHERE direction = 'both') AS swap_gb_s
+FROM _swap
+GROUP BY run_id;

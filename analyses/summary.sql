@@ -21,27 +21,6 @@
 --   preemptions, recomputed_tokens, recompute_share (of positions computed), recompute_device_ms
 --   swap_out_bytes, swap_in_bytes, swap_gb_s (both directions)
 --   thrash_verdict, peak_preempt_per_s, useful_tok_s
-WITH latency AS (
-    SELECT run_id,
-           max(p50_ms) FILTER (WHERE metric = 'ttft') AS ttft_p50_ms,
-           max(p99_ms) FILTER (WHERE metric = 'ttft') AS ttft_p99_ms,
-           max(p50_ms) FILTER (WHERE metric = 'tpot') AS tpot_p50_ms,
-           max(p99_ms) FILTER (WHERE metric = 'tpot') AS tpot_p99_ms,
-           max(p50_ms) FILTER (WHERE metric = 'itl') AS itl_p50_ms,
-           max(p99_ms) FILTER (WHERE metric = 'itl') AS itl_p99_ms,
-           max(p50_ms) FILTER (WHERE metric = 'e2el') AS e2el_p50_ms,
-           max(p99_ms) FILTER (WHERE metric = 'e2el') AS e2el_p99_ms
-    FROM _latency_stats
-    GROUP BY run_id
-),
-swap AS (
-    SELECT run_id,
-           max(bytes) FILTER (WHERE direction = 'swap_out') AS swap_out_bytes,
-           max(bytes) FILTER (WHERE direction = 'swap_in') AS swap_in_bytes,
-           max(gb_s) FILTER (WHERE direction = 'both') AS swap_gb_s
-    FROM _swap
-    GROUP BY run_id
-)
 SELECT runs.run_id, runs.model, runs.device, runs.preemption_mode, runs.preemption_policy,
        runs.block_size, runs.num_gpu_blocks,
        t.duration_s, t.completed_requests, t.output_tokens, t.output_tok_s, t.request_throughput,
@@ -57,9 +36,9 @@ SELECT runs.run_id, runs.model, runs.device, runs.preemption_mode, runs.preempti
 FROM runs
 LEFT JOIN _throughput t USING (run_id)
 LEFT JOIN _goodput($ttft_ms, $tpot_ms, $e2el_ms) g USING (run_id)
-LEFT JOIN latency l USING (run_id)
+LEFT JOIN _latency_by_run l USING (run_id)
 LEFT JOIN _recompute rc USING (run_id)
-LEFT JOIN swap s USING (run_id)
+LEFT JOIN _swap_by_run s USING (run_id)
 LEFT JOIN _thrash($window_s, $full_pool_frac, $min_preempt_per_s, $min_recompute_share, $min_full_pool_share) th
        USING (run_id)
 ORDER BY runs.ordinal;

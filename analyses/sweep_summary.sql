@@ -28,20 +28,6 @@
 --   preemptions, recomputed_tokens, recompute_share    recompute.sql (share of positions computed)
 --   swap_bytes          bytes copied by swap, both directions (swap.sql)
 --   thrash_verdict      none | occasional | sustained (thrash.sql)
-WITH latency AS (
-    SELECT run_id,
-           max(p50_ms) FILTER (WHERE metric = 'ttft') AS ttft_p50_ms,
-           max(p99_ms) FILTER (WHERE metric = 'ttft') AS ttft_p99_ms,
-           max(p50_ms) FILTER (WHERE metric = 'itl') AS itl_p50_ms,
-           max(p99_ms) FILTER (WHERE metric = 'itl') AS itl_p99_ms
-    FROM _latency_stats
-    GROUP BY run_id
-),
-swap AS (
-    SELECT run_id, max(bytes) FILTER (WHERE direction = 'both') AS swap_bytes
-    FROM _swap
-    GROUP BY run_id
-)
 SELECT json_extract_string(runs.meta_json, '$.sweep.name') AS sweep,
        CAST(json_extract(runs.meta_json, '$.sweep.index') AS INTEGER) AS point,
        CAST(json_extract(runs.meta_json, '$.sweep.settings') AS VARCHAR) AS settings,
@@ -55,9 +41,9 @@ SELECT json_extract_string(runs.meta_json, '$.sweep.name') AS sweep,
 FROM runs
 LEFT JOIN _throughput t USING (run_id)
 LEFT JOIN _goodput($ttft_ms, $tpot_ms, $e2el_ms) g USING (run_id)
-LEFT JOIN latency l USING (run_id)
+LEFT JOIN _latency_by_run l USING (run_id)
 LEFT JOIN _recompute rc USING (run_id)
-LEFT JOIN swap s USING (run_id)
+LEFT JOIN _swap_by_run s USING (run_id)
 LEFT JOIN _thrash($window_s, $full_pool_frac, $min_preempt_per_s, $min_recompute_share, $min_full_pool_share) th
        USING (run_id)
 ORDER BY sweep, point, runs.ordinal;
