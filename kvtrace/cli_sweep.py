@@ -17,7 +17,7 @@ from typer.core import TyperGroup
 from kvtrace import db
 from kvtrace.cli_app import app, parse_params, user_errors
 from kvtrace.errors import KvtraceError
-from kvtrace.sweep import SWEEP_FILE, LocalRunner, RayRunner, Sweep, load, make_spec, threads_per_point
+from kvtrace.sweep import SWEEP_FILE, LocalRunner, RayRunner, Sweep, load, make_spec, point_command, threads_per_point
 from kvtrace.sweep_grid import MAX_POINTS_WITHOUT_YES, grid_size, parse_grid, record_knobs
 from kvtrace.sweep_view import charts, objective, points_of, recommend, table
 
@@ -65,10 +65,9 @@ def _check_shared(shared: list[str], grid: dict[str, list[str]], knobs: dict) ->
             raise KvtraceError(f"{flag} is both shared and swept (--set {flags[flag]}=...); give it once")
 
 
-def _validate_points(workload: Path, shared: list[str], sweep: Sweep, knobs: dict) -> None:
+def _validate_points(sweep: Sweep, knobs: dict) -> None:
     """Parse every point's record command line here, so that a bad value stops the sweep before
     anything runs."""
-    from kvtrace.sweep import point_command
     record = _record_command()
     for point in sweep.points:
         args = point_command(sweep, point, knobs)[4:]
@@ -143,7 +142,7 @@ def run(
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", folder.resolve().name)
     spec = make_spec(name, workload, shared, grid)
     sweep = Sweep.open(folder, spec)
-    _validate_points(workload, shared, sweep, knobs)
+    _validate_points(sweep, knobs)
     sweep.refresh()
     parallel = jobs or threads_per_point(1)
     runner = RayRunner(ray, cpus_per_point) if ray else LocalRunner(parallel)
