@@ -138,8 +138,9 @@ def test_the_report_of_a_fresh_run_charts_its_data(runs, tmp_path):
         trace_gaps = sorted(ms for run_id, ms in gaps if run_id == mode)
         assert len(trace_gaps) == 8
         values = [r["value_ms"] for r in rows]
-        assert all(any(v == pytest.approx(g, rel=1e-9) for v in values) for g in trace_gaps)
-        assert min(values) >= trace_gaps[0] * 0.999 and max(values) == pytest.approx(trace_gaps[-1], rel=1e-9)
+        # exact unless two gaps share a 0.1 %-wide bin, then within it (latency_cdf.sql's stated error)
+        assert all(any(v == pytest.approx(g, rel=1e-3) for v in values) for g in trace_gaps)
+        assert min(values) >= trace_gaps[0] * 0.999 and max(values) == pytest.approx(trace_gaps[-1], rel=1e-3)
     ttft = {(r["run_id"], round(r["value_ms"], 6)) for r in data["latency_distributions"] if r["metric"] == "ttft"}
     assert ttft == {(run_id, round(ms, 6)) for run_id, ms in con.sql(
         "SELECT run_id, (first_token_s - arrival_s) * 1000 FROM requests").fetchall()}
