@@ -121,9 +121,16 @@ def _split_query(args: list[str], query_elsewhere: bool) -> tuple[list[str], str
     if query_elsewhere or not args:
         return args, None
     last = args[-1]
-    if Path(last).exists() or (glob.has_magic(last) and glob.glob(last)):
+    if _names_a_path(last):
         return args, None
     return args[:-1], last
+
+
+def _names_a_path(text: str) -> bool:
+    try:   # a long query is too long a file name: that is an answer, not an error
+        return Path(text).exists() or bool(glob.has_magic(text) and glob.glob(text))
+    except OSError:
+        return False
 
 
 def _analyses_text() -> str:

@@ -60,6 +60,11 @@ def test_glob_of_runs_is_not_taken_for_the_query(root):
     assert out.count("\n") == 3
 
 
+def test_a_query_longer_than_a_file_name_is_still_a_query(root):
+    padded = QUERY.replace("SELECT ", "SELECT " + " " * 300)   # over the 255-byte name limit
+    assert ok("sql", root, padded, "--format", "csv").stdout.startswith("run_id,steps,end_s\n")
+
+
 def test_query_from_file(root, tmp_path):
     (tmp_path / "q.sql").write_text(QUERY + ";\n")
     assert ok("sql", root, "-f", tmp_path / "q.sql", "--format", "csv").stdout.endswith("swp,6,1.5\n")
