@@ -8,13 +8,22 @@ min/max and sum/avg swapped, AND/OR swapped, + and - swapped, one at a time.
 
 Everything runs in a scratch copy of the work tree (git's tracked and unignored files), so the
 checkout is never touched. The run has a time budget: a target that does not finish is reported
-with what was covered. Results: a JSON file and a Markdown table (survivors listed with their diff).
+with what was covered. Results: a JSON file and a Markdown table (survivors listed with their diff),
+written again after each target.
+
+Each mutant's tests run in a child forked from this process, which has already imported the heavy
+third-party modules (torch, duckdb, pyarrow, pytest, ...) but nothing of the project: the child
+imports the (mutated) project fresh, so a mutant costs its tests, not 3 s of start-up. The child
+reads the analyses from the scratch copy (the editable install would send `kvtrace.analyses` to the
+installed checkout), is killed past a per-target limit (a multiple of the unmutated run's time:
+mutants that loop forever count as timeouts), and runs with CI=true (Hypothesis derandomised).
 
     python scripts/mutation.py [--budget-min 30] [--only NAME ...] [--sample K] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -25,11 +34,17 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PYTEST = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
+PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider"]
+PYTEST = [sys.executable, "-m", "pytest", *PYTEST_ARGS]
+# third-party modules the forked children share (imported once, here); never the project's own
+PRELOAD = ["torch", "numpy", "pyarrow", "pyarrow.parquet", "duckdb", "pytest", "hypothesis", "rich",
+           "typer", "typer.testing", "altair", "safetensors", "cosmic_ray.mutating", "_pytest.pytester",
+           "_hypothesis_pytestplugin", "pytest_benchmark.plugin", "anyio.pytest_plugin"]
 
 # fast tests that exercise each target; the long property tests stay out (the derandomised
 # test_swap_cow property test stays in: it is the one that reaches the swap + copy-on-write path)
@@ -44,7 +59,7 @@ TARGETS: dict[str, list[str]] = {
     "engine/llm_engine.py": ENGINE_TESTS,
 }
 # the golden SQL tests on hand-built traces (the one that records runs through the engine stays out)
-SQL_TESTS = ["tests/test_analyses.py", "tests/test_analyses_values.py", "-k", "not on_a_recorded_run"]
+SQL_TESTS = ["tests/test_analyses_edges.py", "tests/test_analyses_values.py", "tests/test_analyses.py", "-k", "not on_a_recorded_run"]
 
 KEEP_OPERATORS = [
     r"core/ReplaceComparisonOperator_(Lt_LtE|LtE_Lt|Gt_GtE|GtE_Gt|Eq_NotEq|NotEq_Eq|Is_IsNot|IsNot_Is"
@@ -91,20 +106,94 @@ def scratch_copy() -> Path:
     return dest
 
 
-def run_tests(work: Path, tests: list[str], timeout: float) -> str:
-    """'killed' if the tests fail, 'survived' if they pass, 'timeout' past the limit."""
-    try:
-        proc = subprocess.run(PYTEST + tests, cwd=work, capture_output=True, timeout=timeout,
-                              start_new_session=True)
-    except subprocess.TimeoutExpired:
-        return "timeout"
-    return "survived" if proc.returncode == 0 else "killed"
+class ForkRunner:
+    """Runs a pytest selection in a child forked from a process that preloaded the heavy modules."""
+
+    def __init__(self, work: Path, log: Path):
+        self.work, self.log = work, log
+        for name in PRELOAD:
+            try:
+                __import__(name)
+            except ImportError:
+                pass
+        gc.freeze()  # the children's collections (pytest runs several at exit) skip the preloaded heap
+        assert not any(m.split(".")[0] in ("engine", "kvtrace", "tests") for m in sys.modules), \
+            "the runner must not import the project: the children import the mutated copy"
+
+    def run(self, tests: list[str], timeout: float, fresh: str | None = None) -> str:
+        """'killed' if the tests fail, 'survived' if they pass, 'timeout' past the limit. `fresh`: a
+        module path whose cached bytecode is dropped first (the mutated file), and no bytecode is
+        written by the child (a mutant and the original can share size and mtime second)."""
+        if fresh:
+            for pyc in (self.work / fresh).parent.glob(f"__pycache__/{Path(fresh).stem}.*.pyc"):
+                pyc.unlink()
+        pid = os.fork()
+        if pid == 0:                                   # the child: never returns
+            code = 3
+            try:
+                os.setsid()
+                fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                os.chdir(self.work)
+                sys.path.insert(0, str(self.work))
+                sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
+                sys.dont_write_bytecode = fresh is not None
+                os.environ["CI"] = "true"
+                import pytest
+                code = int(pytest.main([*PYTEST_ARGS, *tests]))
+            except BaseException:                      # noqa: BLE001 - report and exit, whatever it was
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        end = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return "survived" if os.waitstatus_to_exitcode(status) == 0 else "killed"
+            if time.monotonic() > end:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                os.waitpid(pid, 0)
+                return "timeout"
+            time.sleep(0.05)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def check_reads_the_copy(self) -> None:
+        """The children must read the analyses and the code from the scratch copy."""
+        probe = self.work / "tests" / "_mutation_probe_test.py"
+        probe.write_text(
+            "from pathlib import Path\n"
+            "def test_probe():\n"
+            "    import engine.scheduler, kvtrace.db, kvtrace.replay\n"
+            f"    here = Path({str(self.work)!r}).resolve()\n"
+            "    for path in (engine.scheduler.__file__, kvtrace.replay.__file__, str(kvtrace.db.analyses_dir())):\n"
+            "        assert Path(path).resolve().is_relative_to(here), path\n")
+        try:
+            outcome = self.run([str(probe.relative_to(self.work))], 120)
+        finally:
+            probe.unlink()
+        if outcome != "survived":
+            raise SystemExit(f"the tests would not read the scratch copy:\n{self.output()}")
 
 
 # ---------------------------------------------------------------- Python targets (cosmic-ray)
 
-def cosmic_ray_target(work: Path, target: str, tests: list[str], deadline: float, sample: int,
+def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadline: float, sample: int,
                       test_timeout: float) -> TargetResult:
+    """cosmic-ray makes and applies the mutants (init, operator filter, mutate_and_test); the tests
+    of each run in a forked child (ForkRunner) instead of a fresh interpreter."""
+    from cosmic_ray import mutating
+    from cosmic_ray.work_db import use_db
+    from cosmic_ray.work_item import TestOutcome
+
+    work = runner.work
     result = TargetResult(target, tests)
     start = time.monotonic()
     session = work / f".mutation-{target.replace('/', '_')}.sqlite"
@@ -124,16 +213,32 @@ def cosmic_ray_target(work: Path, target: str, tests: list[str], deadline: float
     subprocess.run(["cr-filter-operators", str(session), str(config)], cwd=work, check=True, capture_output=True)
     if sample > 1:
         _keep_every(session, sample)
-    remaining = deadline - time.monotonic()
-    if remaining > 0:
-        proc = subprocess.Popen(["cosmic-ray", "exec", str(config), str(session)], cwd=work,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            proc.wait(timeout=remaining)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    shutil.copy2(ROOT / target, work / target)  # a run cut short may have left a mutant in place
+
+    def run_tests(_command, timeout):
+        outcome = runner.run(tests, timeout, fresh=target)
+        return {"killed": TestOutcome.KILLED, "survived": TestOutcome.SURVIVED,
+                "timeout": TestOutcome.KILLED}[outcome], f"[{outcome}]\n{runner.output()}"
+
+    mutating.run_tests = run_tests
+    here = os.getcwd()
+    os.chdir(work)                                     # the mutations' module paths are relative to it
+    try:
+        with use_db(str(session)) as db:
+            pending = sorted(db.pending_work_items, key=lambda w: w.job_id)
+            for n, item in enumerate(pending, start=1):
+                if time.monotonic() >= deadline:
+                    break
+                outcome = mutating.mutate_and_test(item.mutations, command, test_timeout)
+                db.set_result(item.job_id, outcome)
+                spec = item.mutations[0]
+                state = "error" if outcome.worker_outcome != "normal" else (
+                    "timeout" if (outcome.output or "").startswith("[timeout]") else outcome.test_outcome.value)
+                print(f"  {target}:{spec.start_pos[0]} {spec.operator_name.removeprefix('core/')} "
+                      f"[{n}/{len(pending)}] {state}" + (f"  {_changed(outcome.diff or '')}" if state == "survived" else ""),
+                      flush=True)
+    finally:
+        os.chdir(here)
+        shutil.copy2(ROOT / target, work / target)  # never leave a mutant in place
     dump = subprocess.run(["cosmic-ray", "dump", str(session)], cwd=work, check=True, capture_output=True, text=True)
     for line in dump.stdout.splitlines():
         item, outcome = json.loads(line)
@@ -142,10 +247,10 @@ def cosmic_ray_target(work: Path, target: str, tests: list[str], deadline: float
             state = "not run"
         elif outcome["worker_outcome"] == "skipped":
             continue                                   # an operator outside the chosen set, or not sampled
-        elif outcome["worker_outcome"] == "timeout":
-            state = "timeout"
         elif outcome["worker_outcome"] != "normal":
             state = "error"
+        elif (outcome.get("output") or "").startswith("[timeout]"):
+            state = "timeout"
         else:
             state = {"killed": "killed", "survived": "survived"}.get(outcome["test_outcome"], "error")
         diff = (outcome or {}).get("diff") or ""
@@ -154,6 +259,11 @@ def cosmic_ray_target(work: Path, target: str, tests: list[str], deadline: float
     result.complete = not any(m.outcome == "not run" for m in result.mutants)
     result.seconds = time.monotonic() - start
     return result
+
+
+def _changed(diff: str) -> str:
+    changed = [ln for ln in diff.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
+    return " / ".join(s.strip() for s in changed)[:160]
 
 
 def _keep_every(session: Path, k: int) -> None:
@@ -195,7 +305,8 @@ def sql_mutants(text: str) -> list[tuple[int, str, str, str]]:
     return mutants
 
 
-def sql_target(work: Path, target: str, deadline: float, test_timeout: float) -> TargetResult:
+def sql_target(runner: ForkRunner, target: str, deadline: float, test_timeout: float) -> TargetResult:
+    work = runner.work
     result = TargetResult(target, SQL_TESTS)
     start = time.monotonic()
     path = work / target
@@ -206,7 +317,10 @@ def sql_target(work: Path, target: str, deadline: float, test_timeout: float) ->
                 result.mutants.append(Mutant(target, line, operator, "not run", diff))
                 continue
             path.write_text(mutated)
-            result.mutants.append(Mutant(target, line, operator, run_tests(work, SQL_TESTS, test_timeout), diff))
+            state = runner.run(SQL_TESTS, test_timeout)
+            result.mutants.append(Mutant(target, line, operator, state, diff))
+            print(f"  {target}:{line} {operator} {state}" + (f"  {_changed(diff)}" if state == "survived" else ""),
+                  flush=True)
     finally:
         path.write_text(original)
     result.complete = not any(m.outcome == "not run" for m in result.mutants)
@@ -235,6 +349,12 @@ def markdown(results: list[TargetResult], budget_min: float, sample: int) -> str
     return "\n".join(out) + "\n"
 
 
+def write(out: Path, results: list[TargetResult], budget_min: float, sample: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    (out / "results.md").write_text(markdown(results, budget_min, sample))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-min", type=float, default=60.0, help="stop starting mutants after this")
@@ -243,33 +363,41 @@ def main() -> int:
     parser.add_argument("--sample", type=int, default=1, help="run every K-th mutant of the Python targets")
     parser.add_argument("--sample-of", nargs="*", default=None,
                         help="the Python targets --sample applies to (default: all of them)")
-    parser.add_argument("--test-timeout", type=float, default=300.0, help="seconds before a mutant counts as a timeout")
+    parser.add_argument("--test-timeout", type=float, default=None,
+                        help="seconds before a mutant counts as a timeout (default: 6x the unmutated run, at least 30)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "mutation")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # clean up (restore, write results) when stopped
     deadline = time.monotonic() + args.budget_min * 60
     names = args.only or [*TARGETS, "sql"]
     work = scratch_copy()
+    runner = ForkRunner(work, work / ".mutation-test.log")
     results: list[TargetResult] = []
     try:
-        baseline = run_tests(work, [*SQL_TESTS], args.test_timeout)
-        if baseline != "survived":
-            print("the tests fail without any mutant: fix them first", file=sys.stderr)
-            return 2
+        runner.check_reads_the_copy()
         for name in names:
+            tests = SQL_TESTS if name == "sql" or name.endswith(".sql") else TARGETS[name]
+            began = time.monotonic()
+            if runner.run(tests, 600) != "survived":
+                print(f"{name}: the tests fail without any mutant: fix them first\n{runner.output()}", file=sys.stderr)
+                return 2
+            timeout = args.test_timeout or max(30.0, 6 * (time.monotonic() - began))
+            print(f"{name}: unmutated tests {time.monotonic() - began:.1f} s; a mutant's limit {timeout:.0f} s",
+                  flush=True)
             if name == "sql" or name.endswith(".sql"):
                 files = sorted((work / "analyses").glob("_*.sql")) if name == "sql" else [work / name]
                 for sql in files:
-                    results.append(sql_target(work, str(sql.relative_to(work)), deadline, args.test_timeout))
+                    results.append(sql_target(runner, str(sql.relative_to(work)), deadline, timeout))
                     print(markdown(results[-1:], args.budget_min, args.sample).splitlines()[2], flush=True)
+                    write(args.out, results, args.budget_min, args.sample)
             else:
                 sample = args.sample if args.sample_of is None or name in args.sample_of else 1
-                results.append(cosmic_ray_target(work, name, TARGETS[name], deadline, sample, args.test_timeout))
+                results.append(cosmic_ray_target(runner, name, TARGETS[name], deadline, sample, timeout))
                 print(markdown(results[-1:], args.budget_min, args.sample).splitlines()[2], flush=True)
+                write(args.out, results, args.budget_min, args.sample)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
-        (args.out / "results.md").write_text(markdown(results, args.budget_min, args.sample))
+        write(args.out, results, args.budget_min, args.sample)
     print(f"wrote {args.out / 'results.md'}")
     return 0
 
