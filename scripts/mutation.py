@@ -48,7 +48,7 @@ PRELOAD = ["torch", "numpy", "pyarrow", "pyarrow.parquet", "duckdb", "pytest", "
 
 # fast tests that exercise each target; the long property tests stay out (the derandomised
 # test_swap_cow property test stays in: it is the one that reaches the swap + copy-on-write path)
-ENGINE_TESTS = ["tests/test_scheduling.py", "tests/test_swap_cow.py", "tests/test_preemption.py",
+ENGINE_TESTS = ["tests/test_engine_edges.py", "tests/test_scheduling.py", "tests/test_swap_cow.py", "tests/test_preemption.py",
                 "tests/test_prefix_cache.py", "-k", "not is_invisible and not progress_before and not invariants"]
 TARGETS: dict[str, list[str]] = {
     "kvtrace/replay.py": ["tests/test_replay.py", "tests/test_record.py", "-k",

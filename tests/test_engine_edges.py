@@ -2,6 +2,11 @@
 a mutant of engine/*.py that no other test noticed: scripts/mutation.py, issue 20)."""
 from __future__ import annotations
 
+import re
+
+import pytest
+
+from engine.sequence import SamplingParams
 from tests.conftest import run_checked
 from tests.test_preemption import ListTracer
 from tests.test_scheduling import distinct_kv_positions, params
@@ -24,3 +29,75 @@ def test_kv_tokens_of_forked_samples_with_blocks_reserved_ahead(make_engine):
     # the prompt once; then each sample writes position 6 into its own copy of the half-full block 1
     # (copy-on-write: 2 prompt positions + its token), block 0's 4 positions still shared
     assert kv[:2] == [6, 4 + 3 * 3]
+
+
+def test_a_prefill_chunk_shares_only_the_blocks_it_has_computed(make_engine):
+    # A's 12-token prompt is prefilled in chunks (token budget 8): 8 positions, then 4. B, the same 12
+    # tokens and one more, arrives after A's first chunk and is admitted beside its second: only A's
+    # first two blocks hold KV then, so B reuses those and computes the rest itself (the third block's
+    # KV is being written in that very step): 8 positions from the cache, the same tokens as B alone
+    prompt = list(range(100, 112))
+    alone = make_engine(enable_prefix_caching=True)
+    b_alone = alone.add_request("B", prompt + [7], SamplingParams(max_tokens=4, ignore_eos=True))
+    run_checked(alone)
+    tracer = ListTracer()
+    engine = make_engine(tracer, enable_prefix_caching=True, max_num_batched_tokens=8)
+    a = engine.add_request("A", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert a.num_computed_tokens == 8
+    b = engine.add_request("B", prompt + [7], SamplingParams(max_tokens=4, ignore_eos=True))
+    run_checked(engine)
+    assert [(e.req_id, e.num_tokens) for e in tracer.events if e.kind == "prefix_hit"] == [("B", 8)]
+    assert b.token_ids == b_alone.token_ids
+
+
+# ---------------------------------------------------------------- the integrity check every engine test leans on
+
+def integrity_state(make_engine, steps: int):
+    """D runs first; then after 1 more step: blocks 0 and 1 cached-free (D's), A's prompt blocks 3 and
+    4 shared by its two samples; after 3: A's second sample swapped out to host blocks 0 and 1;
+    after 4: block 4 free, blocks 2 and 5 cached-free."""
+    engine = make_engine(block_size=4, num_gpu_blocks=6, watermark=0.0, enable_prefix_caching=True,
+                         preemption_mode="swap", num_cpu_blocks=4, max_num_batched_tokens=64)
+    engine.add_request("D", list(range(1, 10)), SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.step()
+    engine.add_request("A", list(range(11, 18)), SamplingParams(max_tokens=6, ignore_eos=True, n=2,
+                                                                  temperature=1.0, seed=1))
+    engine.add_request("B", list(range(21, 28)), SamplingParams(max_tokens=4, ignore_eos=True))
+    for _ in range(steps):
+        engine.step()
+    engine.check_integrity()
+    return engine, engine.block_manager
+
+
+def _swapped(engine):
+    return engine.scheduler.swapped[0]
+
+
+CORRUPTIONS = {  # what breaks -> (steps, how, the check's message)
+    "a reference lost": (1, lambda e, bm: setattr(bm.blocks[3], "ref_count", 3), "block 3: ref_count 3 but 2"),
+    "a free id twice": (4, lambda e, bm: bm.free_block_ids.append(4), "duplicate id in the free list"),
+    "free and cached": (4, lambda e, bm: bm.free_block_ids.append(2), "both free and cached-free"),
+    "a block nowhere": (1, lambda e, bm: bm.cached_free_ids.pop(1), "block 1: free=False ref_count=0"),
+    "a cached block's hash gone": (1, lambda e, bm: setattr(bm.blocks[1], "hash", None), "cached-free block 1 has no hash"),
+    "a hash unindexed": (1, lambda e, bm: bm.hash_to_block_id.pop(bm.blocks[1].hash), "block 1: hash not indexed"),
+    "a stale share": (1, lambda e, bm: bm.shared_fill.__setitem__(5, 1), "shared-block index out of date"),
+    "a stale hash": (1, lambda e, bm: bm.hash_to_block_id.__setitem__(12345, 1), "hash index points to block 1"),
+    "a block beyond the pool": (4, lambda e, bm: bm.free_block_ids.append(6), "blocks lost"),
+    "a host id twice": (3, lambda e, bm: bm.free_cpu_block_ids.append(2), "duplicate id in the host free list"),
+    "a host block free and used": (3, lambda e, bm: bm.free_cpu_block_ids.append(0), "host block both free and used"),
+    "a host block lost": (3, lambda e, bm: bm.free_cpu_block_ids.pop(), "host blocks lost"),
+    "a host block held twice": (3, lambda e, bm: setattr(e.scheduler.running[0], "host_block_table", [0]),
+                                "host block 0 held twice"),
+    "positions beyond the blocks": (1, lambda e, bm: setattr(e.scheduler.running[1], "num_computed_tokens", 9),
+                                    "computed positions beyond its blocks"),
+}
+
+
+@pytest.mark.parametrize("what", CORRUPTIONS)
+def test_the_integrity_check_catches_each_broken_book(make_engine, what):
+    steps, corrupt, message = CORRUPTIONS[what]
+    engine, bm = integrity_state(make_engine, steps)
+    corrupt(engine, bm)
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        engine.check_integrity()
