@@ -61,6 +61,8 @@ TARGETS: dict[str, list[str]] = {
 # the golden SQL tests on hand-built traces (the one that records runs through the engine stays out)
 SQL_TESTS = ["tests/test_analyses_edges.py", "tests/test_analyses_values.py", "tests/test_analyses.py", "-k", "not on_a_recorded_run"]
 
+EQUIVALENT = ROOT / "benchmarks" / "mutation" / "equivalent.json"
+
 KEEP_OPERATORS = [
     r"core/ReplaceComparisonOperator_(Lt_LtE|LtE_Lt|Gt_GtE|GtE_Gt|Eq_NotEq|NotEq_Eq|Is_IsNot|IsNot_Is"
     r"|Lt_GtE|GtE_Lt|Gt_LtE|LtE_Gt|In_NotIn|NotIn_In)",
@@ -330,22 +332,50 @@ def sql_target(runner: ForkRunner, target: str, deadline: float, test_timeout: f
 
 # ---------------------------------------------------------------- report
 
-def markdown(results: list[TargetResult], budget_min: float, sample: int) -> str:
-    out = [f"| target | mutants | killed | survived | timeout | error | not run | score | time |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def load_equivalents(path: Path = EQUIVALENT) -> list[dict]:
+    """Survivors judged equivalent (the same behaviour, or unreachable), each with its reason: a list of
+    {target, before, after, reason}, before/after the changed line without its indentation."""
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def _changed_lines(diff: str) -> tuple[str, str]:
+    lines = [ln for ln in diff.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
+    before = " ".join(ln[1:].strip() for ln in lines if ln[0] == "-")
+    after = " ".join(ln[1:].strip() for ln in lines if ln[0] == "+")
+    return before, after
+
+
+def equivalence(m: Mutant, equivalents: list[dict]) -> str | None:
+    before, after = _changed_lines(m.diff)
+    for e in equivalents:
+        if (e["target"], e["before"], e["after"]) == (m.target, before, after):
+            return e["reason"]
+    return None
+
+
+def markdown(results: list[TargetResult], budget_min: float, sample: int,
+             equivalents: list[dict] | None = None) -> str:
+    equivalents = load_equivalents() if equivalents is None else equivalents
+    out = ["| target | mutants | killed | survived | equivalent | timeout | error | not run | score | time |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        ran = r.count("killed") + r.count("survived") + r.count("timeout")
+        equivalent = sum(m.outcome == "survived" and equivalence(m, equivalents) is not None for m in r.mutants)
+        ran = r.count("killed") + r.count("survived") + r.count("timeout") - equivalent
         score = f"{(r.count('killed') + r.count('timeout')) / ran:.0%}" if ran else "-"
-        out.append(f"| `{r.target}` | {len(r.mutants)} | {r.count('killed')} | {r.count('survived')} | "
-                   f"{r.count('timeout')} | {r.count('error')} | {r.count('not run')} | {score} | {r.seconds:.0f} s |")
-    out.append(f"\nBudget {budget_min:g} min; sample: every {sample} mutant(s) of the Python targets.\n")
+        out.append(f"| `{r.target}` | {len(r.mutants)} | {r.count('killed')} | {r.count('survived') - equivalent} | "
+                   f"{equivalent} | {r.count('timeout')} | {r.count('error')} | {r.count('not run')} | {score} | "
+                   f"{r.seconds:.0f} s |")
+    out.append(f"\nBudget {budget_min:g} min; sample: every {sample} mutant(s) of the Python targets. Score: "
+               "(killed + timeout) / (mutants run - equivalent). Equivalent survivors: "
+               f"{EQUIVALENT.relative_to(ROOT)}.\n")
     for r in results:
         survivors = [m for m in r.mutants if m.outcome == "survived"]
         if survivors:
             out.append(f"\nSurvivors in `{r.target}` (tests: `{' '.join(r.tests)}`):\n")
             for m in survivors:
-                changed = [ln for ln in m.diff.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
-                out.append(f"- line {m.line}, {m.operator}: `{' / '.join(s.strip() for s in changed)[:160]}`")
+                reason = equivalence(m, equivalents)
+                out.append(f"- line {m.line}, {m.operator}: `{_changed(m.diff)}`"
+                           + (f" — equivalent: {reason}" if reason else ""))
     return "\n".join(out) + "\n"
 
 
@@ -366,7 +396,14 @@ def main() -> int:
     parser.add_argument("--test-timeout", type=float, default=None,
                         help="seconds before a mutant counts as a timeout (default: 6x the unmutated run, at least 30)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "mutation")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite results.md from results.json (after editing equivalent.json); run nothing")
     args = parser.parse_args()
+    if args.report_only:
+        results = [TargetResult(r["target"], r["tests"], [Mutant(**m) for m in r["mutants"]], r["seconds"],
+                                r["complete"]) for r in json.loads((args.out / "results.json").read_text())]
+        (args.out / "results.md").write_text(markdown(results, args.budget_min, args.sample))
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # clean up (restore, write results) when stopped
     deadline = time.monotonic() + args.budget_min * 60
     names = args.only or [*TARGETS, "sql"]

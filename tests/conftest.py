@@ -12,7 +12,16 @@ from typer.testing import CliRunner
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_weights
+from kvtrace import db
 from tests.tracegen import recompute_run, swap_run
+
+# The SQL library under test is this checkout's analyses/ folder: an editable install made from
+# another checkout (a git worktree beside it) maps `kvtrace.analyses` to that checkout's folder, and
+# the tests would check its SQL instead. (Subprocesses that run `python -m kvtrace` still use the
+# install's.)
+CHECKOUT_ANALYSES = Path(__file__).resolve().parent.parent / "analyses"
+if Path(str(db.analyses_dir())).resolve() != CHECKOUT_ANALYSES:
+    db.analyses_dir = lambda: CHECKOUT_ANALYSES
 
 # CI fails on unexpected skips (tests/strict_skips.py); pytester runs that plugin in a test of its own
 pytest_plugins = ["tests.strict_skips", "pytester"]
