@@ -101,3 +101,25 @@ def test_the_integrity_check_catches_each_broken_book(make_engine, what):
     corrupt(engine, bm)
     with pytest.raises(AssertionError, match=re.escape(message)):
         engine.check_integrity()
+
+
+# ---------------------------------------------------------------- scheduler
+
+def test_a_swapped_sequence_behind_one_that_outgrew_the_pool_resumes_in_that_step(make_engine):
+    # 6 blocks of 4, 2 kept free at admission (watermark 0.3): r0 grows to hold all 6 and is swapped
+    # out needing a 7th: it can never come back. When the queue reaches it, it is dropped ("capacity")
+    # and the swapped sequences behind it are resumed in the same step, not one step later.
+    tracer = ListTracer()
+    engine = make_engine(tracer, block_size=4, num_gpu_blocks=6, watermark=0.3, enable_prefix_caching=False,
+                         preemption_mode="swap", preemption_policy="fewest-computed", num_cpu_blocks=32)
+    for i, (prompt, max_tokens, priority) in enumerate([(8, 25, 0), (3, 19, 0), (1, 19, 1), (3, 21, 2)]):
+        engine.add_request(f"r{i}", list(range(20 + 30 * i, 20 + 30 * i + prompt)),
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority, arrival_s=0.0)
+    run_checked(engine)
+    (dropped,) = [e for e in tracer.events if e.kind == "finish" and e.reason == "capacity"]
+    assert dropped.req_id == "r0"
+    swapped_out = {e.req_id: e.step for e in tracer.events if e.kind == "swap_out" and e.step < dropped.step}
+    resumed = [(e.step, e.req_id) for e in tracer.events if e.kind == "swap_in" and e.step >= dropped.step]
+    # r3 had been swapped out behind r0 (after r0's own swap-out)
+    assert swapped_out["r3"] > swapped_out["r0"]
+    assert (dropped.step, "r3") in resumed
