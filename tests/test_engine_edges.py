@@ -53,11 +53,11 @@ def test_a_prefill_chunk_shares_only_the_blocks_it_has_computed(make_engine):
 
 # ---------------------------------------------------------------- the integrity check every engine test leans on
 
-def integrity_state(make_engine, steps: int):
+def integrity_state(make_engine, steps: int, tracer=None):
     """D runs first; then after 1 more step: blocks 0 and 1 cached-free (D's), A's prompt blocks 3 and
     4 shared by its two samples; after 3: A's second sample swapped out to host blocks 0 and 1;
     after 4: block 4 free, blocks 2 and 5 cached-free."""
-    engine = make_engine(block_size=4, num_gpu_blocks=6, watermark=0.0, enable_prefix_caching=True,
+    engine = make_engine(tracer, block_size=4, num_gpu_blocks=6, watermark=0.0, enable_prefix_caching=True,
                          preemption_mode="swap", num_cpu_blocks=4, max_num_batched_tokens=64)
     engine.add_request("D", list(range(1, 10)), SamplingParams(max_tokens=1, ignore_eos=True))
     engine.step()
@@ -123,3 +123,89 @@ def test_a_swapped_sequence_behind_one_that_outgrew_the_pool_resumes_in_that_ste
     # r3 had been swapped out behind r0 (after r0's own swap-out)
     assert swapped_out["r3"] > swapped_out["r0"]
     assert (dropped.step, "r3") in resumed
+
+
+def test_a_free_event_lists_only_the_blocks_that_became_free(make_engine):
+    # A and B share two cached prompt blocks; A finishes first: its free event lists its own last block
+    # only (the shared ones are still B's); B's, when it finishes, lists the shared ones too
+    tracer = ListTracer()
+    engine = make_engine(tracer, enable_prefix_caching=True)
+    prefix = list(range(100, 108))
+    a = engine.add_request("A", prefix + [1], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    b = engine.add_request("B", prefix + [2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    assert a.block_table[:2] == b.block_table[:2]
+    a_blocks = list(a.block_table)
+    run_checked(engine)
+    frees = {e.req_id: e.blocks for e in tracer.events if e.kind == "free"}
+    assert frees["A"] == [a_blocks[2]]
+    assert set(a_blocks[:2]) <= set(frees["B"]) and a_blocks[2] not in frees["B"]
+
+
+def test_cached_free_hits_are_counted_once_at_admission(make_engine):
+    # 4 blocks of 4. A (9 prompt tokens, 2 outputs) finishes: its 2 full prompt blocks stay cached-free.
+    # B shares those 8 tokens and needs 3 blocks: its 2 hits plus 1 of the 2 other free blocks. It is
+    # admitted at once (charging each hit block once, not twice) and finishes within its 4 steps.
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=4, enable_prefix_caching=True, watermark=0.0)
+    prefix = list(range(100, 108))
+    engine.add_request("A", prefix + [1], SamplingParams(max_tokens=2, ignore_eos=True))
+    run_checked(engine)
+    assert engine.block_manager.num_cached_free_blocks == 2
+    engine.add_request("B", prefix + [2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+        engine.check_integrity()
+    assert not engine.has_unfinished()
+    b_events = [(e.kind, e.num_tokens) for e in tracer.events if e.req_id == "B" and e.kind in ("admit", "prefix_hit")]
+    assert b_events == [("prefix_hit", 8), ("admit", 2)] or b_events == [("admit", 2), ("prefix_hit", 8)]
+
+
+def test_a_prefix_hit_needs_the_whole_chain_before_it(make_engine):
+    # A and B share block 0 and block 2's tokens but not block 1's. C repeats B's prompt: it may reuse
+    # B's blocks 0-2, never A's block 2 (its KV was computed after A's block 1): the same blocks, and
+    # the same tokens as C alone
+    p0, p2 = list(range(100, 104)), list(range(200, 204))
+    a_prompt, b_prompt = p0 + [1, 2, 3, 4] + p2 + [9], p0 + [5, 6, 7, 8] + p2 + [9]
+    alone = make_engine(enable_prefix_caching=True)
+    c_alone = alone.add_request("C", b_prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    run_checked(alone)
+    tracer = ListTracer()
+    engine = make_engine(tracer, enable_prefix_caching=True)
+    a = engine.add_request("A", a_prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    b = engine.add_request("B", b_prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    c = engine.add_request("C", b_prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    hits = {e.req_id: e.blocks for e in tracer.events if e.kind == "prefix_hit"}
+    assert hits["B"] == a.block_table[:1]
+    assert hits["C"] == b.block_table[:3] and a.block_table[2] not in hits["C"]
+    run_checked(engine)
+    assert c.token_ids == c_alone.token_ids
+
+
+def test_a_request_that_exactly_fits_the_pool_above_the_watermark_runs(make_engine):
+    # 8 blocks of 4, 2 kept free (watermark 0.25): 6 blocks = 24 positions is the most a sequence can
+    # ever hold. "fits" needs 23 + 1 positions and runs; "too-big" needs 24 + 1 and is rejected.
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=8, watermark=0.25, enable_prefix_caching=False)
+    engine.add_request("fits", list(range(100, 123)), SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request("too-big", list(range(200, 224)), SamplingParams(max_tokens=1, ignore_eos=True))
+    run_checked(engine)
+    finishes = {e.req_id: e.reason for e in tracer.events if e.kind == "finish"}
+    assert finishes == {"fits": "length", "too-big": "rejected"}
+
+
+def test_every_step_records_the_pool_as_the_block_tables_hold_it(make_engine):
+    # prefix sharing, forks and swapping: each record's used / free / cached blocks are the pool's
+    # (used: the distinct blocks in running block tables; they add up to the total)
+    tracer = ListTracer()
+    engine, bm = integrity_state(make_engine, 0, tracer)
+    while engine.has_unfinished():
+        engine.step()
+        r = tracer.records[-1]
+        held = {b for s in engine.scheduler.running for b in s.block_table}
+        assert (r.num_used_blocks, r.num_free_blocks, r.num_cached_blocks, r.num_total_blocks) == (
+            len(held), 6 - len(held), len(bm.cached_free_ids), 6), r.step
