@@ -53,7 +53,7 @@ ENGINE_TESTS = ["tests/test_engine_edges.py", "tests/test_scheduling.py", "tests
 TARGETS: dict[str, list[str]] = {
     "kvtrace/replay.py": ["tests/test_replay.py", "tests/test_record.py", "-k",
                           "time_scale or four_block or bad_input or missing_workload"],
-    "kvtrace/workload/format.py": ["tests/test_workload.py", "tests/test_replay.py"],
+    "kvtrace/workload/format.py": ["tests/test_workload_edges.py", "tests/test_workload.py", "tests/test_replay.py"],
     "engine/scheduler.py": ENGINE_TESTS,
     "engine/block_manager.py": ENGINE_TESTS,
     "engine/llm_engine.py": ENGINE_TESTS,

@@ -1,0 +1,38 @@
+"""The workload reader at edges the other tests do not reach (each test here was written for a
+mutant of kvtrace/workload/format.py that no other test noticed: scripts/mutation.py, issue 20)."""
+from __future__ import annotations
+
+import pytest
+
+from kvtrace.errors import KvtraceError
+from kvtrace.workload import WorkloadRequest, load_workload, resolve_prompt_ids, synthetic_ids, validate_lengths
+
+
+def error_of(call) -> str:
+    with pytest.raises(KvtraceError) as info:
+        call()
+    return str(info.value)
+
+
+def test_a_request_made_in_code_is_named_by_its_id_not_a_line():
+    # requests from a generator or a program have no file line: errors name them by id
+    req = WorkloadRequest(id="gen-3", arrival_s=0, prompt_token_ids=[1, 700], max_tokens=1)
+    assert req.line == 0
+    assert error_of(lambda: resolve_prompt_ids(req, vocab_size=512)) == (
+        "request 'gen-3': prompt_token_ids holds 700, outside the model's vocabulary [0, 512)")
+    assert error_of(lambda: validate_lengths([req], [11], max_model_len=11)) == (
+        "1 prompt leaves no room for an output token within max_model_len 11: request 'gen-3': 11 tokens")
+
+
+def test_a_long_bad_value_is_cut_to_40_characters_in_the_error(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt_tokens": 2, "max_tokens": 1, "arrival_s": "' + "x" * 100 + '"}\n')
+    shown = '"' + "x" * 39
+    assert error_of(lambda: load_workload(path)) == f"{path}: line 1: arrival_s must be a number, got {shown}"
+
+
+def test_every_seed_gives_its_own_prompts():
+    # seeds are taken modulo 2**64: -1 is 2**64 - 1, and differs from 2**63 - 1
+    ids = {seed: synthetic_ids("request:a", 8, vocab_size=49152, seed=seed) for seed in (-1, 2**64 - 1, 2**63 - 1, 0)}
+    assert ids[-1] == ids[2**64 - 1]
+    assert len({tuple(ids[s]) for s in (-1, 2**63 - 1, 0)}) == 3
