@@ -36,3 +36,29 @@ def test_every_seed_gives_its_own_prompts():
     ids = {seed: synthetic_ids("request:a", 8, vocab_size=49152, seed=seed) for seed in (-1, 2**64 - 1, 2**63 - 1, 0)}
     assert ids[-1] == ids[2**64 - 1]
     assert len({tuple(ids[s]) for s in (-1, 2**63 - 1, 0)}) == 3
+
+
+def write(tmp_path, *lines: str):
+    path = tmp_path / "w.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_the_edges_of_the_valid_ranges_load(tmp_path):
+    # token id 0 is a token; a prefix may be the whole prompt
+    path = write(tmp_path,
+                 '{"id": "zero", "prompt_token_ids": [0, 5], "max_tokens": 1, "arrival_s": 0}',
+                 '{"id": "all-prefix", "prompt_tokens": 8, "prefix_group": "g", "prefix_tokens": 8, "max_tokens": 1, '
+                 '"arrival_s": 0}')
+    zero, all_prefix = load_workload(path)
+    assert resolve_prompt_ids(zero, vocab_size=512) == [0, 5]
+    ids = resolve_prompt_ids(all_prefix, vocab_size=512)
+    assert ids == synthetic_ids("prefix:g", 8, vocab_size=512) and len(ids) == 8
+
+
+def test_an_undecodable_line_does_not_hide_the_lines_after_it(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_bytes(b'{"prompt": "\xff", "max_tokens": 1, "arrival_s": 0}\n'
+                     b'{"prompt_tokens": 2, "max_tokens": 0, "arrival_s": 0}\n')
+    assert error_of(lambda: load_workload(path)) == (
+        f"{path}: 2 bad lines: line 1: not UTF-8 text; line 2: max_tokens must be >= 1, got 0")
