@@ -209,3 +209,24 @@ def test_every_step_records_the_pool_as_the_block_tables_hold_it(make_engine):
         held = {b for s in engine.scheduler.running for b in s.block_table}
         assert (r.num_used_blocks, r.num_free_blocks, r.num_cached_blocks, r.num_total_blocks) == (
             len(held), 6 - len(held), len(bm.cached_free_ids), 6), r.step
+
+
+def test_a_swapped_sequence_needing_every_free_block_resumes(make_engine):
+    # 4 blocks of 4, no watermark: r1 (10-token prompt, least important) is swapped out for r0; when r0
+    # finishes, r1 needs all 4 blocks (its 3, plus one for its next position) and 4 are free: it
+    # resumes in the next step, and does not wait forever
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=4, watermark=0.0, enable_prefix_caching=False,
+                         preemption_mode="swap", preemption_policy="priority", num_cpu_blocks=4)
+    for i, (prompt, max_tokens, priority) in enumerate([([30], 7, 1), (list(range(40, 50)), 10, 2), ([60, 61], 1, 1)]):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                           priority=priority, arrival_s=0.0)
+    for _ in range(40):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        engine.check_integrity()
+    assert not engine.has_unfinished()
+    r0_done = next(e.step for e in tracer.events if e.kind == "finish" and e.req_id == "r0")
+    swap_ins = [(e.step, len(e.blocks)) for e in tracer.events if e.kind == "swap_in" and e.req_id == "r1"]
+    assert swap_ins[0] == (r0_done + 1, 3) and engine.block_manager.num_blocks == 4
