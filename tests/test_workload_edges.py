@@ -2,10 +2,14 @@
 mutant of kvtrace/workload/format.py that no other test noticed: scripts/mutation.py, issue 20)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvtrace.errors import KvtraceError
-from kvtrace.workload import WorkloadRequest, load_workload, resolve_prompt_ids, synthetic_ids, validate_lengths
+from kvtrace.workload import (
+    WorkloadRequest, load_workload, resolve_prompt_ids, save_workload, synthetic_ids, validate_lengths,
+)
 
 
 def error_of(call) -> str:
@@ -62,3 +66,22 @@ def test_an_undecodable_line_does_not_hide_the_lines_after_it(tmp_path):
                      b'{"prompt_tokens": 2, "max_tokens": 0, "arrival_s": 0}\n')
     assert error_of(lambda: load_workload(path)) == (
         f"{path}: 2 bad lines: line 1: not UTF-8 text; line 2: max_tokens must be >= 1, got 0")
+
+
+def test_exactly_ten_problems_are_all_listed_with_no_and_more(tmp_path):
+    path = write(tmp_path, *['{"prompt_tokens": 2, "max_tokens": 0, "arrival_s": 0}'] * 10)
+    message = error_of(lambda: load_workload(path))
+    assert message.startswith(f"{path}: 10 bad lines: line 1: max_tokens must be >= 1, got 0")
+    assert message.endswith("line 10: max_tokens must be >= 1, got 0") and "more" not in message
+
+
+def test_every_non_default_field_is_saved_and_read_back(tmp_path):
+    req = WorkloadRequest(id="r", arrival_s=1.5, prompt_tokens=8, max_tokens=4, n=2, priority=3, temperature=0.7,
+                          top_p=0.9, seed=11, prefix_group="g", prefix_tokens=4)
+    path = tmp_path / "w.jsonl"
+    save_workload([req], path)
+    saved = json.loads(path.read_text())
+    assert {k: saved[k] for k in ("n", "priority", "temperature", "top_p", "seed", "prefix_group", "prefix_tokens")} == {
+        "n": 2, "priority": 3, "temperature": 0.7, "top_p": 0.9, "seed": 11, "prefix_group": "g", "prefix_tokens": 4}
+    (back,) = load_workload(path)
+    assert back == WorkloadRequest(**{**req.__dict__, "line": 1})
