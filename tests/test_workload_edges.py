@@ -76,7 +76,7 @@ def test_exactly_ten_problems_are_all_listed_with_no_and_more(tmp_path):
 
 
 def test_every_non_default_field_is_saved_and_read_back(tmp_path):
-    req = WorkloadRequest(id="r", arrival_s=1.5, prompt_tokens=8, max_tokens=4, n=2, priority=3, temperature=0.7,
+    req = WorkloadRequest(id="r", arrival_s=1.234567, prompt_tokens=8, max_tokens=4, n=2, priority=3, temperature=0.7,
                           top_p=0.9, seed=11, prefix_group="g", prefix_tokens=4)
     path = tmp_path / "w.jsonl"
     save_workload([req], path)
@@ -85,3 +85,12 @@ def test_every_non_default_field_is_saved_and_read_back(tmp_path):
         "n": 2, "priority": 3, "temperature": 0.7, "top_p": 0.9, "seed": 11, "prefix_group": "g", "prefix_tokens": 4}
     (back,) = load_workload(path)
     assert back == WorkloadRequest(**{**req.__dict__, "line": 1})
+    # arrival times are written to the microsecond
+    save_workload([WorkloadRequest(id="t", arrival_s=0.12345678, prompt_tokens=1, max_tokens=1)], path)
+    assert json.loads(path.read_text())["arrival_s"] == 0.123457
+
+
+def test_more_than_ten_long_prompts_are_counted(tmp_path):
+    reqs = [WorkloadRequest(id=str(i), arrival_s=0, prompt_tokens=9, max_tokens=1, line=i) for i in range(1, 13)]
+    message = error_of(lambda: validate_lengths(reqs, [20] * 12, max_model_len=11))
+    assert message.startswith("12 prompts leave no room") and message.endswith("line 10 (id 10): 20 tokens; and 2 more")
