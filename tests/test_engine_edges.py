@@ -230,3 +230,18 @@ def test_a_swapped_sequence_needing_every_free_block_resumes(make_engine):
     r0_done = next(e.step for e in tracer.events if e.kind == "finish" and e.req_id == "r0")
     swap_ins = [(e.step, len(e.blocks)) for e in tracer.events if e.kind == "swap_in" and e.req_id == "r1"]
     assert swap_ins[0] == (r0_done + 1, 3) and engine.block_manager.num_blocks == 4
+
+
+def test_a_swapped_sequence_whose_next_token_fits_its_last_block_resumes_on_its_own_blocks(make_engine):
+    # 4 blocks of 4. R needs a second block in step 1: S (least important) is swapped out with 7
+    # positions in 2 blocks; its next token (position 7) still fits the second. T's 1 block frees in
+    # step 1: 2 blocks free are enough for S, which resumes in step 2, not after R finishes.
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=4, watermark=0.0, enable_prefix_caching=False,
+                         preemption_mode="swap", preemption_policy="priority", num_cpu_blocks=4)
+    engine.add_request("R", [10, 11, 12, 13], SamplingParams(max_tokens=6, ignore_eos=True), priority=0, arrival_s=0.0)
+    engine.add_request("S", list(range(20, 27)), SamplingParams(max_tokens=6, ignore_eos=True), priority=2, arrival_s=0.0)
+    engine.add_request("T", [30], SamplingParams(max_tokens=2, ignore_eos=True), priority=1, arrival_s=0.0)
+    run_checked(engine)
+    story = [(e.step, e.kind, e.req_id, e.num_tokens) for e in tracer.events if e.kind in ("preempt", "swap_in")]
+    assert story[:2] == [(1, "preempt", "S", 7), (2, "swap_in", "S", 7)]
