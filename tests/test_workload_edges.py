@@ -94,3 +94,33 @@ def test_more_than_ten_long_prompts_are_counted(tmp_path):
     reqs = [WorkloadRequest(id=str(i), arrival_s=0, prompt_tokens=9, max_tokens=1, line=i) for i in range(1, 13)]
     message = error_of(lambda: validate_lengths(reqs, [20] * 12, max_model_len=11))
     assert message.startswith("12 prompts leave no room") and message.endswith("line 10 (id 10): 20 tokens; and 2 more")
+
+
+def test_exactly_ten_long_prompts_are_all_listed_with_no_and_more():
+    reqs = [WorkloadRequest(id=str(i), arrival_s=0, prompt_tokens=9, max_tokens=1, line=i) for i in range(1, 11)]
+    message = error_of(lambda: validate_lengths(reqs, [20] * 10, max_model_len=11))
+    assert message.endswith("line 10 (id 10): 20 tokens") and "more" not in message
+
+
+def test_synthetic_prompts_are_the_same_in_every_version():
+    # a workload of counts replays the same prompts as the run recorded from it months ago: the ids
+    # are pinned (a change to how they are drawn breaks every recorded workload's reproducibility)
+    assert synthetic_ids("request:a", 6, vocab_size=49152, seed=0) == [41405, 38029, 40883, 30172, 23887, 12118]
+    assert synthetic_ids("request:a", 6, vocab_size=49152, seed=-1) == [20733, 1857, 15685, 6867, 42733, 13717]
+
+
+def test_a_tiny_vocabulary_keeps_three_quarters_of_its_ids():
+    # ids below min(17, vocab // 4) are avoided (special tokens); a 40-token vocabulary draws from 10..39
+    ids = synthetic_ids("request:k", 2000, vocab_size=40)
+    assert (min(ids), max(ids)) == (10, 39)
+
+
+def test_a_request_made_in_code_reports_its_first_problem():
+    with pytest.raises(ValueError, match=r"request 'q': max_tokens must be >= 1, got 0$"):
+        WorkloadRequest(id="q", arrival_s=0, prompt_tokens=3, max_tokens=0, n=0)
+
+
+def test_numbers_read_as_integers_are_floats_where_the_format_says_so(tmp_path):
+    (req,) = load_workload(write(tmp_path, '{"prompt_tokens": 2, "max_tokens": 1, "arrival_s": 2, "temperature": 1, '
+                                           '"top_p": 1}'))
+    assert [type(v) for v in (req.arrival_s, req.temperature, req.top_p)] == [float, float, float]
