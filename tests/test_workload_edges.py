@@ -20,7 +20,7 @@ def error_of(call) -> str:
 
 def test_a_request_made_in_code_is_named_by_its_id_not_a_line():
     # requests from a generator or a program have no file line: errors name them by id
-    req = WorkloadRequest(id="gen-3", arrival_s=0, prompt_token_ids=[1, 700], max_tokens=1)
+    req = WorkloadRequest(id="gen-3", arrival_s=0, prompt_token_ids=[1, 700, 800], max_tokens=1)
     assert req.line == 0
     assert error_of(lambda: resolve_prompt_ids(req, vocab_size=512)) == (
         "request 'gen-3': prompt_token_ids holds 700, outside the model's vocabulary [0, 512)")
@@ -49,12 +49,14 @@ def write(tmp_path, *lines: str):
 
 
 def test_the_edges_of_the_valid_ranges_load(tmp_path):
-    # token id 0 is a token; a prefix may be the whole prompt
+    # token id 0 is a token; a prefix may be the whole prompt; a request may stop at its cap
     path = write(tmp_path,
+                 '{"id": "at-cap", "prompt_tokens": 2, "max_tokens": 5, "output_tokens": 5, "arrival_s": 1}',
                  '{"id": "zero", "prompt_token_ids": [0, 5], "max_tokens": 1, "arrival_s": 0}',
                  '{"id": "all-prefix", "prompt_tokens": 8, "prefix_group": "g", "prefix_tokens": 8, "max_tokens": 1, '
                  '"arrival_s": 0}')
-    zero, all_prefix = load_workload(path)
+    zero, all_prefix, at_cap = load_workload(path)
+    assert (at_cap.max_tokens, at_cap.output_tokens) == (5, 5)
     assert resolve_prompt_ids(zero, vocab_size=512) == [0, 5]
     ids = resolve_prompt_ids(all_prefix, vocab_size=512)
     assert ids == synthetic_ids("prefix:g", 8, vocab_size=512) and len(ids) == 8
