@@ -54,3 +54,35 @@ def test_a_runs_span_is_from_the_first_arrival_or_step_to_the_last_step_or_finis
     assert got["killed"]["duration_s"] == approx(3.0)
     (first, *_, last) = [r for r in rows(con, "pool_timeline", buckets=3) if r["run_id"] == "late"]
     assert (first["start_s"], last["end_s"]) == (approx(0.0), approx(3.0))
+
+
+# ---------------------------------------------------------------- ITL cliffs: the time a gap spent stalled
+
+U = 1 / 64  # s; exact in binary, so the sums below are exact
+
+
+def stalled_run(tmp_path):
+    """One sequence with a 20 u gap between its 5th and 6th tokens, in which it is preempted twice
+    (1 u + 2 u waiting, 1 u + 1 u re-prefilling; the first re-prefill cut short) and swapped out
+    twice (1 u + 2 u)."""
+    times = [1, 2, 3, 4, 5, 25, 26]
+    tokens = [{"req_id": "C", "sample": 0, "idx": i, "step": t, "ts_s": t * U} for i, t in enumerate(times)]
+    marks = [(0, "admit", "new"), (5, "preempt", "recompute"), (6, "admit", "resume-recompute"),
+             (7, "reprefill", "interrupted"), (7, "preempt", "recompute"), (9, "admit", "resume-recompute"),
+             (10, "reprefill", None), (12, "preempt", "swap"), (13, "admit", "resume-swap"),
+             (14, "preempt", "swap"), (16, "admit", "resume-swap")]
+    events = [{"seq": i, "step": t, "ts_s": t * U, "kind": kind, "req_id": "C", "sample": 0, "reason": reason}
+              for i, (t, kind, reason) in enumerate(marks)]
+    requests = [{"req_id": "C", "sample": 0, "n": 1, "arrival_s": 0.0, "first_scheduled_s": 0.0,
+                 "first_token_s": U, "finish_s": 26 * U, "finish_reason": "stop", "output_tokens": 7,
+                 "prompt_tokens": 8, "preemptions": 4, "swaps": 2}]
+    return write_run(tmp_path, "stalled", requests=requests, kv_events=events, tokens=tokens)
+
+
+def test_a_cliffs_stalls_add_up_over_every_interval_in_it(tmp_path):
+    con = db.connect([stalled_run(tmp_path)])
+    (cliff,) = rows(con, "itl_cliffs", threshold_ms=100)
+    assert (cliff["idx"], cliff["gap_ms"], cliff["cause"]) == (5, 20 * U * 1000, "swap_wait")
+    assert (cliff["preempted_ms"], cliff["reprefill_ms"], cliff["swapped_ms"]) == (3 * U * 1000, 2 * U * 1000, 3 * U * 1000)
+    # a gap exactly at a fixed threshold is not a cliff
+    assert rows(con, "itl_cliffs", threshold_ms=20 * U * 1000) == []
