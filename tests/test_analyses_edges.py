@@ -62,27 +62,36 @@ U = 1 / 64  # s; exact in binary, so the sums below are exact
 
 
 def stalled_run(tmp_path):
-    """One sequence with a 20 u gap between its 5th and 6th tokens, in which it is preempted twice
-    (1 u + 2 u waiting, 1 u + 1 u re-prefilling; the first re-prefill cut short) and swapped out
-    twice (1 u + 2 u)."""
+    """C: a 20 u gap between its 5th and 6th tokens, in which it is preempted twice (1 u + 2 u
+    waiting, 1 u + 1 u re-prefilling; the first re-prefill cut short) and swapped out twice (1 u +
+    2 u). D: a 10 u gap, 5 u waiting for readmission and then 5 u re-prefilling (a tie)."""
     times = [1, 2, 3, 4, 5, 25, 26]
     tokens = [{"req_id": "C", "sample": 0, "idx": i, "step": t, "ts_s": t * U} for i, t in enumerate(times)]
     marks = [(0, "admit", "new"), (5, "preempt", "recompute"), (6, "admit", "resume-recompute"),
              (7, "reprefill", "interrupted"), (7, "preempt", "recompute"), (9, "admit", "resume-recompute"),
              (10, "reprefill", None), (12, "preempt", "swap"), (13, "admit", "resume-swap"),
              (14, "preempt", "swap"), (16, "admit", "resume-swap")]
-    events = [{"seq": i, "step": t, "ts_s": t * U, "kind": kind, "req_id": "C", "sample": 0, "reason": reason}
-              for i, (t, kind, reason) in enumerate(marks)]
+    d_marks = [(0, "admit", "new"), (5, "preempt", "recompute"), (10, "admit", "resume-recompute"),
+               (15, "reprefill", None)]
+    tokens += [{"req_id": "D", "sample": 0, "idx": i, "step": t, "ts_s": t * U} for i, t in enumerate([4, 5, 15])]
+    events = [{"seq": i, "step": t, "ts_s": t * U, "kind": kind, "req_id": req, "sample": 0, "reason": reason}
+              for i, (req, (t, kind, reason)) in enumerate([("C", m) for m in marks] + [("D", m) for m in d_marks])]
     requests = [{"req_id": "C", "sample": 0, "n": 1, "arrival_s": 0.0, "first_scheduled_s": 0.0,
                  "first_token_s": U, "finish_s": 26 * U, "finish_reason": "stop", "output_tokens": 7,
-                 "prompt_tokens": 8, "preemptions": 4, "swaps": 2}]
+                 "prompt_tokens": 8, "preemptions": 4, "swaps": 2},
+                {"req_id": "D", "sample": 0, "n": 1, "arrival_s": 0.0, "first_scheduled_s": 0.0,
+                 "first_token_s": 4 * U, "finish_s": 15 * U, "finish_reason": "stop", "output_tokens": 3,
+                 "prompt_tokens": 8, "preemptions": 1, "swaps": 0}]
     return write_run(tmp_path, "stalled", requests=requests, kv_events=events, tokens=tokens)
 
 
 def test_a_cliffs_stalls_add_up_over_every_interval_in_it(tmp_path):
     con = db.connect([stalled_run(tmp_path)])
-    (cliff,) = rows(con, "itl_cliffs", threshold_ms=100)
-    assert (cliff["idx"], cliff["gap_ms"], cliff["cause"]) == (5, 20 * U * 1000, "swap_wait")
+    cliff, tie = rows(con, "itl_cliffs", threshold_ms=100)
+    assert (cliff["req_id"], cliff["idx"], cliff["gap_ms"], cliff["cause"]) == ("C", 5, 20 * U * 1000, "swap_wait")
     assert (cliff["preempted_ms"], cliff["reprefill_ms"], cliff["swapped_ms"]) == (3 * U * 1000, 2 * U * 1000, 3 * U * 1000)
+    # as long waiting for readmission as re-prefilling: "preempted"
+    assert (tie["req_id"], tie["preempted_ms"], tie["reprefill_ms"], tie["cause"]) == (
+        "D", 5 * U * 1000, 5 * U * 1000, "preempted")
     # a gap exactly at a fixed threshold is not a cliff
-    assert rows(con, "itl_cliffs", threshold_ms=20 * U * 1000) == []
+    assert [r["req_id"] for r in rows(con, "itl_cliffs", threshold_ms=10 * U * 1000)] == ["C"]
