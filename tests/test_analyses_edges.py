@@ -95,3 +95,26 @@ def test_a_cliffs_stalls_add_up_over_every_interval_in_it(tmp_path):
         "D", 5 * U * 1000, 5 * U * 1000, "preempted")
     # a gap exactly at a fixed threshold is not a cliff
     assert [r["req_id"] for r in rows(con, "itl_cliffs", threshold_ms=10 * U * 1000)] == ["C"]
+
+
+# ---------------------------------------------------------------- latency histograms: negative values
+
+def test_percentiles_of_negative_values_are_read_from_their_own_bins(tmp_path):
+    # a trace whose clock stepped back (an imported one, say): gaps of -100, -90 and -10 ms. Each
+    # value is alone in its 0.1%-wide bin, so the percentiles are exact: p50 is the middle one
+    # (one bin for all negative values would read it as -55)
+    ts = [1.0, 0.9, 0.81, 0.8]
+    tokens = [{"req_id": "N", "sample": 0, "idx": i, "step": i, "ts_s": t} for i, t in enumerate(ts)]
+    run = write_run(tmp_path, "neg", tokens=tokens, requests=[request("N", 0.0, 1.0, output_tokens=4)])
+    (itl,) = [r for r in rows(db.connect([run]), "latency") if r["metric"] == "itl"]
+    assert (itl["num_values"], itl["p50_ms"], itl["max_ms"]) == (3, approx(-90.0), approx(-10.0))
+
+
+def test_the_largest_value_is_exact_when_its_bin_holds_others(tmp_path):
+    # gaps of 100 and 100.05 ms share a 0.1%-wide bin: max_ms is still the larger (exact, as
+    # latency.sql says), and the median interpolates between the two
+    ts = [0.0, 0.1, 0.20005]
+    tokens = [{"req_id": "B", "sample": 0, "idx": i, "step": i, "ts_s": t} for i, t in enumerate(ts)]
+    run = write_run(tmp_path, "bin", tokens=tokens, requests=[request("B", 0.0, 0.20005, output_tokens=3)])
+    (itl,) = [r for r in rows(db.connect([run]), "latency") if r["metric"] == "itl"]
+    assert (itl["num_values"], itl["max_ms"], itl["p50_ms"]) == (2, approx(100.05), approx(100.025))
