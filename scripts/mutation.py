@@ -80,6 +80,7 @@ class Mutant:
     operator: str
     outcome: str            # killed | survived | timeout | error | not run
     diff: str = ""
+    recheck: str = ""       # --recheck of a survivor: "killed by <test>" or "survives"
 
 
 @dataclass
@@ -332,6 +333,39 @@ def sql_target(runner: ForkRunner, target: str, deadline: float, test_timeout: f
 
 # ---------------------------------------------------------------- report
 
+def apply_diff(text: str, m: Mutant) -> str:
+    """The file text with the mutant's changed lines in place (its '-' lines, from line m.line on)."""
+    lines = [ln for ln in m.diff.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
+    before = [ln[1:] for ln in lines if ln[0] == "-"]
+    after = [ln[1:] for ln in lines if ln[0] == "+"]
+    source = text.splitlines(keepends=True)
+    start = m.line - 1
+    if [ln.rstrip("\n") for ln in source[start:start + len(before)]] != before:
+        raise ValueError(f"{m.target}:{m.line}: the file no longer has the mutated lines")
+    return "".join(source[:start] + [ln + "\n" for ln in after] + source[start + len(before):])
+
+
+def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[dict], timeout: float) -> None:
+    """Plant each survivor of a previous run again and run its target's tests as they are now."""
+    for r in results:
+        tests = SQL_TESTS if r.target.endswith(".sql") else TARGETS[r.target]
+        path = runner.work / r.target
+        original = path.read_text()
+        try:
+            for m in r.mutants:
+                if m.outcome != "survived" or equivalence(m, equivalents) is not None:
+                    continue
+                path.write_text(apply_diff(original, m))
+                state = runner.run(tests, timeout, fresh=None if r.target.endswith(".sql") else r.target)
+                failed = re.findall(r"^FAILED (\S+)", runner.output(), re.MULTILINE)
+                m.recheck = (f"killed by {failed[0].split(' ')[0]}" if state == "killed" and failed
+                             else "killed (timeout)" if state == "timeout" else
+                             "killed" if state == "killed" else "survives")
+                print(f"  {r.target}:{m.line} {m.operator}: {m.recheck}", flush=True)
+        finally:
+            path.write_text(original)
+
+
 def load_equivalents(path: Path = EQUIVALENT) -> list[dict]:
     """Survivors judged equivalent (the same behaviour, or unreachable), each with its reason: a list of
     {target, before, after, reason}, before/after the changed line without its indentation."""
@@ -375,7 +409,8 @@ def markdown(results: list[TargetResult], budget_min: float, sample: int,
             for m in survivors:
                 reason = equivalence(m, equivalents)
                 out.append(f"- line {m.line}, {m.operator}: `{_changed(m.diff)}`"
-                           + (f" — equivalent: {reason}" if reason else ""))
+                           + (f" — equivalent: {reason}" if reason else "")
+                           + (f" — now {m.recheck}" if m.recheck and not reason else ""))
     return "\n".join(out) + "\n"
 
 
@@ -396,13 +431,24 @@ def main() -> int:
     parser.add_argument("--test-timeout", type=float, default=None,
                         help="seconds before a mutant counts as a timeout (default: 6x the unmutated run, at least 30)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "mutation")
+    parser.add_argument("--recheck", action="store_true",
+                        help="plant each survivor in results.json (not listed as equivalent) again, run its "
+                             "target's tests as they are now, and record which test kills it")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite results.md from results.json (after editing equivalent.json); run nothing")
     args = parser.parse_args()
-    if args.report_only:
+    if args.report_only or args.recheck:
         results = [TargetResult(r["target"], r["tests"], [Mutant(**m) for m in r["mutants"]], r["seconds"],
                                 r["complete"]) for r in json.loads((args.out / "results.json").read_text())]
-        (args.out / "results.md").write_text(markdown(results, args.budget_min, args.sample))
+        if args.recheck:
+            work = scratch_copy()
+            try:
+                runner = ForkRunner(work, work / ".mutation-test.log")
+                runner.check_reads_the_copy()
+                recheck(runner, results, load_equivalents(), args.test_timeout or 60.0)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        write(args.out, results, args.budget_min, args.sample)
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # clean up (restore, write results) when stopped
     deadline = time.monotonic() + args.budget_min * 60
