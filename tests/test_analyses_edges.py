@@ -118,3 +118,21 @@ def test_the_largest_value_is_exact_when_its_bin_holds_others(tmp_path):
     run = write_run(tmp_path, "bin", tokens=tokens, requests=[request("B", 0.0, 0.20005, output_tokens=3)])
     (itl,) = [r for r in rows(db.connect([run]), "latency") if r["metric"] == "itl"]
     assert (itl["num_values"], itl["max_ms"], itl["p50_ms"]) == (2, approx(100.05), approx(100.025))
+
+
+def test_the_cdf_keeps_the_largest_values_one_by_one(tmp_path):
+    # gaps of 10, 20, 30 and 40 ms; 2 points (levels 0, 0.5, 1) and a tail of 2: the two largest
+    # values at the levels whose percentiles they are, (4 - k) / 3
+    ts = [0.0, 0.01, 0.03, 0.06, 0.1]
+    tokens = [{"req_id": "T", "sample": 0, "idx": i, "step": i, "ts_s": t} for i, t in enumerate(ts)]
+    run = write_run(tmp_path, "cdf", tokens=tokens, requests=[request("T", 0.0, 0.1, output_tokens=5)])
+    con = db.connect([run])
+
+    def itl(**params):
+        return [(r["value_ms"], r["cdf"]) for r in rows(con, "latency_cdf", **params) if r["metric"] == "itl"]
+
+    assert itl(points=2, tail=2) == [(approx(10.0), 0.0), (approx(25.0), 0.5), (approx(30.0), approx(2 / 3)),
+                                     (approx(40.0), 1.0)]
+    # a tail as long as the values: every one of them, the smallest too
+    assert sorted(itl(points=2, tail=4)) == [(approx(10.0), 0.0), (approx(10.0), 0.0), (approx(20.0), approx(1 / 3)),
+                                             (approx(25.0), 0.5), (approx(30.0), approx(2 / 3)), (approx(40.0), 1.0)]
