@@ -136,3 +136,15 @@ def test_the_cdf_keeps_the_largest_values_one_by_one(tmp_path):
     # a tail as long as the values: every one of them, the smallest too
     assert sorted(itl(points=2, tail=4)) == [(approx(10.0), 0.0), (approx(10.0), 0.0), (approx(20.0), approx(1 / 3)),
                                              (approx(25.0), 0.5), (approx(30.0), approx(2 / 3)), (approx(40.0), 1.0)]
+
+
+def test_a_percentile_inside_a_bin_interpolates_between_its_min_and_max(tmp_path):
+    # gaps 50, 100, 100.02, 100.05 ms: the last three share a bin (ranks 1..3 of 0..3), read as
+    # 100 + 0.05 x (rank - 1) / 2. p50 = rank 1.5: halfway between 100 and 100.025; p90 = rank 2.7:
+    # 100.025 + 0.7 x 0.025
+    ts = [0.0, 0.05, 0.15, 0.25002, 0.35007]
+    tokens = [{"req_id": "I", "sample": 0, "idx": i, "step": i, "ts_s": t} for i, t in enumerate(ts)]
+    run = write_run(tmp_path, "interp", tokens=tokens, requests=[request("I", 0.0, 0.35007, output_tokens=5)])
+    (itl,) = [r for r in rows(db.connect([run]), "latency") if r["metric"] == "itl"]
+    assert (itl["num_values"], itl["p50_ms"], itl["p90_ms"], itl["max_ms"]) == (
+        4, approx(100.0125, rel=1e-9), approx(100.0425, rel=1e-9), approx(100.05))
