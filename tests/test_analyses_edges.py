@@ -148,3 +148,14 @@ def test_a_percentile_inside_a_bin_interpolates_between_its_min_and_max(tmp_path
     (itl,) = [r for r in rows(db.connect([run]), "latency") if r["metric"] == "itl"]
     assert (itl["num_values"], itl["p50_ms"], itl["p90_ms"], itl["max_ms"]) == (
         4, approx(100.0125, rel=1e-9), approx(100.0425, rel=1e-9), approx(100.05))
+
+
+def test_a_rank_at_a_bins_first_value_is_read_in_that_bin(tmp_path):
+    # gaps 50, 99.96, 100.05 (one bin: [99.953, 100.053) ms) and 100.06 (the next bin). p90 = rank
+    # 2.7, between the first bin's last value and the next bin's first: 100.05 + 0.7 x 0.01. (Reading
+    # rank 3 in the first bin too would extrapolate it to 100.14.)
+    ts = [0.0, 0.05, 0.14996, 0.25001, 0.35007]
+    tokens = [{"req_id": "E", "sample": 0, "idx": i, "step": i, "ts_s": t} for i, t in enumerate(ts)]
+    run = write_run(tmp_path, "edge", tokens=tokens, requests=[request("E", 0.0, 0.35007, output_tokens=5)])
+    (itl,) = [r for r in rows(db.connect([run]), "latency") if r["metric"] == "itl"]
+    assert itl["p90_ms"] == approx(100.057, rel=1e-9)
