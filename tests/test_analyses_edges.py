@@ -76,6 +76,7 @@ def stalled_run(tmp_path):
     tokens += [{"req_id": "D", "sample": 0, "idx": i, "step": t, "ts_s": t * U} for i, t in enumerate([4, 5, 15])]
     events = [{"seq": i, "step": t, "ts_s": t * U, "kind": kind, "req_id": req, "sample": 0, "reason": reason}
               for i, (req, (t, kind, reason)) in enumerate([("C", m) for m in marks] + [("D", m) for m in d_marks])]
+    events[3]["num_recomputed_tokens"], events[6]["num_recomputed_tokens"] = 3, 5   # C's two re-prefills
     requests = [{"req_id": "C", "sample": 0, "n": 1, "arrival_s": 0.0, "first_scheduled_s": 0.0,
                  "first_token_s": U, "finish_s": 26 * U, "finish_reason": "stop", "output_tokens": 7,
                  "prompt_tokens": 8, "preemptions": 4, "swaps": 2},
@@ -159,3 +160,11 @@ def test_a_rank_at_a_bins_first_value_is_read_in_that_bin(tmp_path):
     run = write_run(tmp_path, "edge", tokens=tokens, requests=[request("E", 0.0, 0.35007, output_tokens=5)])
     (itl,) = [r for r in rows(db.connect([run]), "latency") if r["metric"] == "itl"]
     assert itl["p90_ms"] == approx(100.057, rel=1e-9)
+
+
+def test_the_most_preempted_add_up_every_re_prefill_and_stall(tmp_path):
+    con = db.connect([stalled_run(tmp_path)])
+    got = [(r["req_id"], r["rank"], r["preemptions"], r["swaps"], r["recomputed_tokens"], r["stall_ms"])
+           for r in rows(con, "most_preempted")]
+    # C: re-prefilled 3 then 5 positions; stalled 1 + 2 u preempted and 1 + 2 u swapped out
+    assert got == [("C", 1, 4, 2, 8, approx(6 * U * 1000)), ("D", 2, 1, 0, 0, approx(5 * U * 1000))]
