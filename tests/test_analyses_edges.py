@@ -77,6 +77,7 @@ def stalled_run(tmp_path):
     events = [{"seq": i, "step": t, "ts_s": t * U, "kind": kind, "req_id": req, "sample": 0, "reason": reason}
               for i, (req, (t, kind, reason)) in enumerate([("C", m) for m in marks] + [("D", m) for m in d_marks])]
     events[3]["num_recomputed_tokens"], events[6]["num_recomputed_tokens"] = 3, 5   # C's two re-prefills
+    events[3]["num_cached_tokens"], events[6]["num_cached_tokens"] = 1, 2
     requests = [{"req_id": "C", "sample": 0, "n": 1, "arrival_s": 0.0, "first_scheduled_s": 0.0,
                  "first_token_s": U, "finish_s": 26 * U, "finish_reason": "stop", "output_tokens": 7,
                  "prompt_tokens": 8, "preemptions": 4, "swaps": 2},
@@ -168,3 +169,12 @@ def test_the_most_preempted_add_up_every_re_prefill_and_stall(tmp_path):
            for r in rows(con, "most_preempted")]
     # C: re-prefilled 3 then 5 positions; stalled 1 + 2 u preempted and 1 + 2 u swapped out
     assert got == [("C", 1, 4, 2, 8, approx(6 * U * 1000)), ("D", 2, 1, 0, 0, approx(5 * U * 1000))]
+
+
+def test_recompute_adds_up_every_re_prefill(tmp_path):
+    con = db.connect([stalled_run(tmp_path)])
+    (got,) = rows(con, "recompute")
+    # C: 2 recompute and 2 swap preemptions, re-prefills of 3 (+1 cached, cut short) and 5 (+2 cached)
+    # positions; D: 1 recompute preemption, 1 re-prefill
+    assert (got["preemptions"], got["recompute_preemptions"], got["reprefills"], got["recomputed_tokens"],
+            got["reprefill_cached_tokens"]) == (5, 3, 3, 8, 3)
