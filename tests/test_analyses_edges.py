@@ -178,3 +178,21 @@ def test_recompute_adds_up_every_re_prefill(tmp_path):
     # positions; D: 1 recompute preemption, 1 re-prefill
     assert (got["preemptions"], got["recompute_preemptions"], got["reprefills"], got["recomputed_tokens"],
             got["reprefill_cached_tokens"]) == (5, 3, 3, 8, 3)
+
+
+def test_a_two_token_sequence_has_a_tpot(tmp_path):
+    # two tokens 40 ms apart: TPOT 40 ms (one gap); a single token has none
+    tokens = [{"req_id": "two", "sample": 0, "idx": i, "step": i, "ts_s": t} for i, t in enumerate([0.1, 0.14])]
+    tokens += [{"req_id": "one", "sample": 0, "idx": 0, "step": 0, "ts_s": 0.1}]
+    run = write_run(tmp_path, "tpot", tokens=tokens, requests=[request("two", 0.0, 0.14), request("one", 0.0, 0.1,
+                                                                                                   output_tokens=1)])
+    (tpot,) = [r for r in rows(db.connect([run]), "latency") if r["metric"] == "tpot"]
+    assert (tpot["num_values"], tpot["mean_ms"]) == (1, approx(40.0))
+
+
+def test_a_steps_device_time_is_shared_among_all_its_tokens(tmp_path):
+    # 6 ms for 4 prefill positions (all recomputed) and 2 decode ones: 4 ms of it recomputing
+    steps = [step(0, 0.0, 0.01, prefill_tokens=4, decode_tokens=2, recompute_tokens=4, device_ms=6.0)]
+    (got,) = rows(db.connect([write_run(tmp_path, "share", steps=steps)]), "recompute")
+    assert (got["recompute_device_ms"], got["device_ms"], got["recompute_device_share"]) == (
+        approx(4.0), approx(6.0), approx(4 / 6))
