@@ -196,3 +196,33 @@ def test_a_steps_device_time_is_shared_among_all_its_tokens(tmp_path):
     (got,) = rows(db.connect([write_run(tmp_path, "share", steps=steps)]), "recompute")
     assert (got["recompute_device_ms"], got["device_ms"], got["recompute_device_share"]) == (
         approx(4.0), approx(6.0), approx(4 / 6))
+
+
+# ---------------------------------------------------------------- sequence states around the first token
+
+def test_states_around_a_preemption_before_the_first_token(tmp_path):
+    # steps of 1 u. P: preempted (recompute) in its prefill, re-prefilled in step 2, which also gives
+    # its first token. Q: swapped out in its prefill, back in step 2, first token at the end of step 3.
+    # R: like P, but its first token comes a step after the re-prefill.
+    steps = [step(k, k * U, (k + 1) * U) for k in range(5)]
+    marks = {"P": [(0, "admit", "new"), (1, "preempt", "recompute"), (2, "admit", "resume-recompute"),
+                   (2, "reprefill", None)],
+             "Q": [(0, "admit", "new"), (1, "preempt", "swap"), (2, "admit", "resume-swap")],
+             "R": [(0, "admit", "new"), (1, "preempt", "recompute"), (2, "admit", "resume-recompute"),
+                   (2, "reprefill", None)]}
+    first = {"P": 3, "Q": 4, "R": 4}
+    events = [{"seq": i, "step": k, "ts_s": k * U, "kind": kind, "req_id": req, "sample": 0, "reason": reason}
+              for i, (req, (k, kind, reason)) in enumerate((r, m) for r in marks for m in marks[r])]
+    tokens = [{"req_id": r, "sample": 0, "idx": i, "step": first[r] - 1 + i, "ts_s": (first[r] + i) * U}
+              for r in marks for i in range(5 - first[r] + 1)]
+    requests = [request(r, 0.0, 5 * U, first_scheduled_s=0.0, first_token_s=first[r] * U,
+                        output_tokens=5 - first[r] + 1) for r in marks]
+    con = db.connect([write_run(tmp_path, "states", steps=steps, kv_events=events, tokens=tokens, requests=requests)])
+    got = {}
+    for r in con.sql("SELECT req_id, state, start_s, end_s FROM _sequence_states ORDER BY req_id, start_s"
+                     ).to_arrow_table().to_pylist():
+        got.setdefault(r["req_id"], []).append((r["state"], round(r["start_s"] / U), round(r["end_s"] / U)))
+    assert got == {"P": [("prefill", 0, 1), ("preempted", 1, 2), ("reprefill", 2, 3), ("decode", 3, 5)],
+                   "Q": [("prefill", 0, 1), ("swapped", 1, 2), ("prefill", 2, 4), ("decode", 4, 5)],
+                   "R": [("prefill", 0, 1), ("preempted", 1, 2), ("reprefill", 2, 3), ("prefill", 3, 4),
+                         ("decode", 4, 5)]}
