@@ -226,3 +226,6 @@ def test_states_around_a_preemption_before_the_first_token(tmp_path):
                    "Q": [("prefill", 0, 1), ("swapped", 1, 2), ("prefill", 2, 4), ("decode", 4, 5)],
                    "R": [("prefill", 0, 1), ("preempted", 1, 2), ("reprefill", 2, 3), ("prefill", 3, 4),
                          ("decode", 4, 5)]}
+    # each interval names the event that began it (kv_events.seq; the run's first event is seq 0)
+    p_seqs = con.sql("SELECT start_seq FROM _sequence_spans WHERE req_id = 'P' ORDER BY start_s").fetchall()
+    assert [s for (s,) in p_seqs] == [0, 1, 2, 3]
