@@ -203,14 +203,18 @@ def test_a_steps_device_time_is_shared_among_all_its_tokens(tmp_path):
 def test_states_around_a_preemption_before_the_first_token(tmp_path):
     # steps of 1 u. P: preempted (recompute) in its prefill, re-prefilled in step 2, which also gives
     # its first token. Q: swapped out in its prefill, back in step 2, first token at the end of step 3.
-    # R: like P, but its first token comes a step after the re-prefill.
+    # R: like P, but its first token comes a step after the re-prefill. M (a trace whose tokens are
+    # stamped before their step ends, as an imported one may be): its first token at 3 u, during the
+    # re-prefill that ends with step 3 at 4 u: decode from 3 u and from 4 u, one interval merged.
     steps = [step(k, k * U, (k + 1) * U) for k in range(5)]
     marks = {"P": [(0, "admit", "new"), (1, "preempt", "recompute"), (2, "admit", "resume-recompute"),
                    (2, "reprefill", None)],
              "Q": [(0, "admit", "new"), (1, "preempt", "swap"), (2, "admit", "resume-swap")],
              "R": [(0, "admit", "new"), (1, "preempt", "recompute"), (2, "admit", "resume-recompute"),
-                   (2, "reprefill", None)]}
-    first = {"P": 3, "Q": 4, "R": 4}
+                   (2, "reprefill", None)],
+             "M": [(0, "admit", "new"), (1, "preempt", "recompute"), (2, "admit", "resume-recompute"),
+                   (3, "reprefill", None)]}
+    first = {"P": 3, "Q": 4, "R": 4, "M": 3}
     events = [{"seq": i, "step": k, "ts_s": k * U, "kind": kind, "req_id": req, "sample": 0, "reason": reason}
               for i, (req, (k, kind, reason)) in enumerate((r, m) for r in marks for m in marks[r])]
     tokens = [{"req_id": r, "sample": 0, "idx": i, "step": first[r] - 1 + i, "ts_s": (first[r] + i) * U}
@@ -222,6 +226,7 @@ def test_states_around_a_preemption_before_the_first_token(tmp_path):
     for r in con.sql("SELECT req_id, state, start_s, end_s FROM _sequence_states ORDER BY req_id, start_s"
                      ).to_arrow_table().to_pylist():
         got.setdefault(r["req_id"], []).append((r["state"], round(r["start_s"] / U), round(r["end_s"] / U)))
+    assert got.pop("M") == [("prefill", 0, 1), ("preempted", 1, 2), ("reprefill", 2, 3), ("decode", 3, 5)]
     assert got == {"P": [("prefill", 0, 1), ("preempted", 1, 2), ("reprefill", 2, 3), ("decode", 3, 5)],
                    "Q": [("prefill", 0, 1), ("swapped", 1, 2), ("prefill", 2, 4), ("decode", 4, 5)],
                    "R": [("prefill", 0, 1), ("preempted", 1, 2), ("reprefill", 2, 3), ("prefill", 3, 4),
