@@ -234,3 +234,19 @@ def test_states_around_a_preemption_before_the_first_token(tmp_path):
     # each interval names the event that began it (kv_events.seq; the run's first event is seq 0)
     p_seqs = con.sql("SELECT start_seq FROM _sequence_spans WHERE req_id = 'P' ORDER BY start_s").fetchall()
     assert [s for (s,) in p_seqs] == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- swap: copies too short to time
+
+def test_an_untimed_swap_copy_is_left_out_of_the_copy_rates(tmp_path):
+    # swap-out: 2 MB in 4 ms and 1 MB whose time was 0 (not measured): rates from the timed one only;
+    # swap-in: 1 MB untimed only: no rate at all (not an infinite one)
+    def copy(seq, kind, nbytes, ms):
+        return {"seq": seq, "step": seq, "ts_s": seq * U, "kind": kind, "req_id": "S", "sample": 0,
+                "num_blocks": 1, "num_tokens": 4, "bytes": nbytes, "duration_ms": ms}
+    events = [copy(0, "swap_out", 2_000_000, 4.0), copy(1, "swap_out", 1_000_000, 0.0), copy(2, "swap_in", 1_000_000, 0.0)]
+    got = {r["direction"]: r for r in rows(db.connect([write_run(tmp_path, "untimed", kv_events=events)]), "swap")}
+    out, into = got["swap_out"], got["swap_in"]
+    assert (out["copies"], out["bytes"], out["p50_copy_gb_s"], out["min_copy_gb_s"], out["gb_s"]) == (
+        2, 3_000_000, approx(0.5), approx(0.5), approx(0.5))
+    assert (into["copies"], into["p50_copy_gb_s"], into["min_copy_gb_s"], into["gb_s"]) == (1, None, None, None)
