@@ -245,8 +245,13 @@ def test_an_untimed_swap_copy_is_left_out_of_the_copy_rates(tmp_path):
         return {"seq": seq, "step": seq, "ts_s": seq * U, "kind": kind, "req_id": "S", "sample": 0,
                 "num_blocks": 1, "num_tokens": 4, "bytes": nbytes, "duration_ms": ms}
     events = [copy(0, "swap_out", 2_000_000, 4.0), copy(1, "swap_out", 1_000_000, 0.0), copy(2, "swap_in", 1_000_000, 0.0)]
-    got = {r["direction"]: r for r in rows(db.connect([write_run(tmp_path, "untimed", kv_events=events)]), "swap")}
+    con = db.connect([write_run(tmp_path, "untimed", kv_events=events)])
+    got = {r["direction"]: r for r in rows(con, "swap")}
     out, into = got["swap_out"], got["swap_in"]
     assert (out["copies"], out["bytes"], out["p50_copy_gb_s"], out["min_copy_gb_s"], out["gb_s"]) == (
         2, 3_000_000, approx(0.5), approx(0.5), approx(0.5))
     assert (into["copies"], into["p50_copy_gb_s"], into["min_copy_gb_s"], into["gb_s"]) == (1, None, None, None)
+    # the per-run helper the summaries read: each direction's bytes and both together
+    (by_run,) = con.sql("SELECT * FROM _swap_by_run").to_arrow_table().to_pylist()
+    assert by_run == {"run_id": "untimed", "swap_out_bytes": 3_000_000, "swap_in_bytes": 1_000_000,
+                      "swap_bytes": 4_000_000, "swap_gb_s": approx(0.5)}
