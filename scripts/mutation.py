@@ -59,6 +59,8 @@ TARGETS: dict[str, list[str]] = {
     "engine/llm_engine.py": ENGINE_TESTS,
 }
 # the golden SQL tests on hand-built traces (the one that records runs through the engine stays out)
+# helpers that other tests read too: their tests join the SQL ones for that file
+SQL_EXTRA_TESTS = {"analyses/_timeline.sql": ["tests/test_export_perfetto.py"]}
 SQL_TESTS = ["tests/test_analyses_edges.py", "tests/test_analyses_values.py", "tests/test_analyses.py", "-k", "not on_a_recorded_run"]
 
 EQUIVALENT = ROOT / "benchmarks" / "mutation" / "equivalent.json"
@@ -308,9 +310,15 @@ def sql_mutants(text: str) -> list[tuple[int, str, str, str]]:
     return mutants
 
 
+def sql_tests(target: str) -> list[str]:
+    files, k = SQL_TESTS[:SQL_TESTS.index("-k")], SQL_TESTS[SQL_TESTS.index("-k"):]
+    return files + SQL_EXTRA_TESTS.get(target, []) + k
+
+
 def sql_target(runner: ForkRunner, target: str, deadline: float, test_timeout: float) -> TargetResult:
     work = runner.work
-    result = TargetResult(target, SQL_TESTS)
+    tests = sql_tests(target)
+    result = TargetResult(target, tests)
     start = time.monotonic()
     path = work / target
     original = path.read_text()
@@ -320,7 +328,7 @@ def sql_target(runner: ForkRunner, target: str, deadline: float, test_timeout: f
                 result.mutants.append(Mutant(target, line, operator, "not run", diff))
                 continue
             path.write_text(mutated)
-            state = runner.run(SQL_TESTS, test_timeout)
+            state = runner.run(tests, test_timeout)
             result.mutants.append(Mutant(target, line, operator, state, diff))
             print(f"  {target}:{line} {operator} {state}" + (f"  {_changed(diff)}" if state == "survived" else ""),
                   flush=True)
@@ -348,7 +356,7 @@ def apply_diff(text: str, m: Mutant) -> str:
 def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[dict], timeout: float) -> None:
     """Plant each survivor of a previous run again and run its target's tests as they are now."""
     for r in results:
-        tests = SQL_TESTS if r.target.endswith(".sql") else TARGETS[r.target]
+        tests = sql_tests(r.target) if r.target.endswith(".sql") else TARGETS[r.target]
         path = runner.work / r.target
         original = path.read_text()
         try:

@@ -255,3 +255,11 @@ def test_an_untimed_swap_copy_is_left_out_of_the_copy_rates(tmp_path):
     (by_run,) = con.sql("SELECT * FROM _swap_by_run").to_arrow_table().to_pylist()
     assert by_run == {"run_id": "untimed", "swap_out_bytes": 3_000_000, "swap_in_bytes": 1_000_000,
                       "swap_bytes": 4_000_000, "swap_gb_s": approx(0.5)}
+
+
+def test_timeline_sequences_are_numbered_from_0_and_named_by_sample(tmp_path):
+    # the Perfetto export's rows: 0-based by arrival; a request with n > 1 names each sample req#k
+    requests = [request("A", 0.0, 1.0), request("B", 0.5, 1.0, n=2), request("B", 0.5, 1.0, n=2, sample=1)]
+    con = db.connect([write_run(tmp_path, "names", requests=requests)])
+    got = con.sql("SELECT rank, name FROM _timeline_sequences ORDER BY rank").fetchall()
+    assert got == [(0, "A"), (1, "B#0"), (2, "B#1")]
