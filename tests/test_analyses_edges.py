@@ -263,3 +263,30 @@ def test_timeline_sequences_are_numbered_from_0_and_named_by_sample(tmp_path):
     con = db.connect([write_run(tmp_path, "names", requests=requests)])
     got = con.sql("SELECT rank, name FROM _timeline_sequences ORDER BY rank").fetchall()
     assert got == [(0, "A"), (1, "B#0"), (2, "B#1")]
+
+
+def test_timeline_steps_instants_and_swap_counters(tmp_path):
+    # the Perfetto export's step slices, instant events and running swap totals
+    steps = [step(0, 0.0, U, prefill_tokens=4, decode_tokens=0), step(1, U, 2 * U, decode_tokens=2),
+             step(2, 2 * U, 3 * U, prefill_tokens=3, decode_tokens=1, recompute_tokens=3),
+             step(3, 3 * U, 4 * U, decode_tokens=0)]
+
+    def event(seq, k, kind, **extra):
+        return {"seq": seq, "step": k, "ts_s": (k + seq / 10) * U, "kind": kind, "req_id": "A", "sample": 0, **extra}
+    events = [event(0, 1, "evict", req_id="", blocks=[7], num_blocks=1),
+              event(1, 1, "evict", req_id="", blocks=[5, 6], num_blocks=2),
+              event(2, 2, "preempt", blocks=[1, 2], num_blocks=2, reason="swap"),
+              event(3, 2, "swap_out", blocks=[1, 2], num_blocks=2, bytes=500, duration_ms=1.0),
+              event(4, 3, "swap_in", blocks=[3, 4], num_blocks=2, bytes=300, duration_ms=1.0)]
+    con = db.connect([write_run(tmp_path, "tl", steps=steps, kv_events=events)])
+    names = con.sql("SELECT name FROM _timeline_steps ORDER BY step").fetchall()
+    assert [n for (n,) in names] == ["prefill", "decode", "prefill+decode +recompute", "empty"]
+    instants = con.sql("SELECT step, ts_ns, seq, kind, blocks, num_blocks, kv_bytes, bytes_copied "
+                       "FROM _timeline_instants ORDER BY seq").fetchall()
+    ns = lambda s: round(s * 1e9)  # noqa: E731
+    assert instants == [(1, ns(U), 0, "evict", "5 6 7", 3, 3_000_000, None),     # one instant per step's evictions
+                        (2, ns(2.2 * U), 2, "preempt", "1 2", 2, 2_000_000, None),
+                        (2, ns(2.3 * U), 3, "swap_out", "1 2", 2, None, 500),
+                        (3, ns(3.4 * U), 4, "swap_in", "3 4", 2, None, 300)]
+    totals = con.sql("SELECT step, swap_out_bytes_total, swap_in_bytes_total FROM _step_counters ORDER BY step").fetchall()
+    assert totals == [(0, 0, 0), (1, 0, 0), (2, 500, 0), (3, 500, 300)]
