@@ -354,14 +354,16 @@ def apply_diff(text: str, m: Mutant) -> str:
 
 
 def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[dict], timeout: float) -> None:
-    """Plant each survivor of a previous run again and run its target's tests as they are now."""
+    """Plant each survivor (and timeout) of a previous run again and run its target's tests as they
+    are now."""
     for r in results:
         tests = sql_tests(r.target) if r.target.endswith(".sql") else TARGETS[r.target]
         path = runner.work / r.target
         original = path.read_text()
         try:
             for m in r.mutants:
-                if m.outcome != "survived" or equivalence(m, equivalents) is not None:
+                # a timeout is planted again too: on a loaded machine it may be a slow run, not a loop
+                if m.outcome not in ("survived", "timeout") or equivalence(m, equivalents) is not None:
                     continue
                 path.write_text(apply_diff(original, m))
                 state = runner.run(tests, timeout, fresh=None if r.target.endswith(".sql") else r.target)
@@ -453,7 +455,7 @@ def main() -> int:
             try:
                 runner = ForkRunner(work, work / ".mutation-test.log")
                 runner.check_reads_the_copy()
-                recheck(runner, results, load_equivalents(), args.test_timeout or 60.0)
+                recheck(runner, results, load_equivalents(), args.test_timeout or 120.0)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
         write(args.out, results, args.budget_min, args.sample)
