@@ -245,3 +245,19 @@ def test_a_swapped_sequence_whose_next_token_fits_its_last_block_resumes_on_its_
     run_checked(engine)
     story = [(e.step, e.kind, e.req_id, e.num_tokens) for e in tracer.events if e.kind in ("preempt", "swap_in")]
     assert story[:2] == [(1, "preempt", "S", 7), (2, "swap_in", "S", 7)]
+
+
+def test_a_sequence_that_preempts_itself_does_not_hold_back_the_ones_after_it(make_engine):
+    # 4 blocks of 4, priority policy. A (least important) arrives first, B a step later: the batch
+    # is A, B, holding 2 blocks each. In step 2 A needs a third block and is its own victim; B, after
+    # it in the batch, still decodes in that step: it gets a token every step until it finishes.
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=4, watermark=0.0, enable_prefix_caching=False,
+                         preemption_mode="recompute", preemption_policy="priority")
+    engine.add_request("A", list(range(10, 17)), SamplingParams(max_tokens=6, ignore_eos=True), priority=2, arrival_s=0.0)
+    engine.step()
+    engine.add_request("B", list(range(20, 27)), SamplingParams(max_tokens=6, ignore_eos=True), priority=0, arrival_s=0.0)
+    run_checked(engine)
+    assert [(e.step, e.req_id) for e in tracer.events if e.kind == "preempt"][0] == (2, "A")
+    b_steps = [r.step for r in tracer.records for rid in r.token_req_ids if rid == "B"]
+    assert b_steps == list(range(1, 7))
