@@ -48,6 +48,8 @@ def test_a_prefill_chunk_shares_only_the_blocks_it_has_computed(make_engine):
     b = engine.add_request("B", prompt + [7], SamplingParams(max_tokens=4, ignore_eos=True))
     run_checked(engine)
     assert [(e.req_id, e.num_tokens) for e in tracer.events if e.kind == "prefix_hit"] == [("B", 8)]
+    # B's admission counts the positions it has to compute: 13 - 8 from the cache
+    assert [e.num_tokens for e in tracer.events if e.kind == "admit" and e.req_id == "B"] == [5]
     assert b.token_ids == b_alone.token_ids
 
 
@@ -261,3 +263,17 @@ def test_a_sequence_that_preempts_itself_does_not_hold_back_the_ones_after_it(ma
     assert [(e.step, e.req_id) for e in tracer.events if e.kind == "preempt"][0] == (2, "A")
     b_steps = [r.step for r in tracer.records for rid in r.token_req_ids if rid == "B"]
     assert b_steps == list(range(1, 7))
+
+
+def test_a_sequence_preempted_after_one_position_is_resumed_not_new(make_engine):
+    # 3 blocks of 4, newest first. A (8-token prompt) then B (1 token): after step 0 A needs a third
+    # block for position 8 and B, the newest, is preempted having computed its one position. Its
+    # readmission is a resume (it recomputes that position), not a new admission.
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=3, watermark=0.0, enable_prefix_caching=False,
+                         preemption_mode="recompute", preemption_policy="newest")
+    engine.add_request("A", list(range(10, 18)), SamplingParams(max_tokens=4, ignore_eos=True), arrival_s=0.0)
+    engine.add_request("B", [40], SamplingParams(max_tokens=3, ignore_eos=True), arrival_s=0.0)
+    run_checked(engine)
+    b = [(e.kind, e.reason, e.num_tokens) for e in tracer.events if e.req_id == "B" and e.kind in ("admit", "preempt")]
+    assert b[:3] == [("admit", "new", 1), ("preempt", "recompute", 1), ("admit", "resume-recompute", 2)]
