@@ -277,3 +277,19 @@ def test_a_sequence_preempted_after_one_position_is_resumed_not_new(make_engine)
     run_checked(engine)
     b = [(e.kind, e.reason, e.num_tokens) for e in tracer.events if e.req_id == "B" and e.kind in ("admit", "preempt")]
     assert b[:3] == [("admit", "new", 1), ("preempt", "recompute", 1), ("admit", "resume-recompute", 2)]
+
+
+def test_a_swapped_sequence_that_exactly_fits_the_pool_above_the_watermark_comes_back(make_engine):
+    # 7 blocks of 4, 1 kept free (watermark 0.15): a sequence may hold 6 blocks, 24 positions. A
+    # (20-token prompt) is swapped out for B in step 4 with 23 positions computed and its 24th
+    # pending: it fits exactly, so it comes back when B finishes (not dropped as outgrowing the pool)
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=7, watermark=0.15, enable_prefix_caching=False,
+                         preemption_mode="swap", preemption_policy="newest", num_cpu_blocks=16)
+    engine.add_request("B", [40], SamplingParams(max_tokens=12, ignore_eos=True), arrival_s=0.0)
+    engine.add_request("A", list(range(10, 30)), SamplingParams(max_tokens=5, ignore_eos=True), arrival_s=0.0)
+    run_checked(engine)
+    story = [(e.step, e.kind, e.req_id, e.num_tokens) for e in tracer.events
+             if e.kind in ("preempt", "swap_in") or (e.kind == "finish" and e.req_id == "A")]
+    b_done = next(e.step for e in tracer.events if e.kind == "finish" and e.req_id == "B")
+    assert story == [(4, "preempt", "A", 23), (b_done + 1, "swap_in", "A", 23), (b_done + 1, "finish", "A", 5)]
