@@ -353,17 +353,29 @@ def apply_diff(text: str, m: Mutant) -> str:
     return "".join(source[:start] + [ln + "\n" for ln in after] + source[start + len(before):])
 
 
-def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[dict], timeout: float) -> None:
+# the tests written for survivors (issue 20): --recheck --edges plants survivors against these only
+EDGE_TESTS = {"engine/": ["tests/test_engine_edges.py"], "kvtrace/workload/": ["tests/test_workload_edges.py"],
+              "analyses/": ["tests/test_analyses_edges.py"]}
+
+
+def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[dict], timeout: float,
+            edges: bool = False) -> None:
     """Plant each survivor (and timeout) of a previous run again and run its target's tests as they
-    are now."""
+    are now (with `edges`: only the tests written for survivors, and only the survivors)."""
     for r in results:
         tests = sql_tests(r.target) if r.target.endswith(".sql") else TARGETS[r.target]
+        if edges:
+            tests = next((t for prefix, t in EDGE_TESTS.items() if r.target.startswith(prefix)), None)
+            if tests is None:
+                continue
+            tests = tests + SQL_EXTRA_TESTS.get(r.target, [])
         path = runner.work / r.target
         original = path.read_text()
         try:
             for m in r.mutants:
                 # a timeout is planted again too: on a loaded machine it may be a slow run, not a loop
-                if m.outcome not in ("survived", "timeout") or equivalence(m, equivalents) is not None:
+                if m.outcome not in (("survived",) if edges else ("survived", "timeout")) \
+                        or equivalence(m, equivalents) is not None:
                     continue
                 path.write_text(apply_diff(original, m))
                 state = runner.run(tests, timeout, fresh=None if r.target.endswith(".sql") else r.target)
@@ -444,6 +456,8 @@ def main() -> int:
     parser.add_argument("--recheck", action="store_true",
                         help="plant each survivor in results.json (not listed as equivalent) again, run its "
                              "target's tests as they are now, and record which test kills it")
+    parser.add_argument("--edges", action="store_true",
+                        help="with --recheck: only the survivors, against only the tests written for survivors")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite results.md from results.json (after editing equivalent.json); run nothing")
     args = parser.parse_args()
@@ -455,7 +469,7 @@ def main() -> int:
             try:
                 runner = ForkRunner(work, work / ".mutation-test.log")
                 runner.check_reads_the_copy()
-                recheck(runner, results, load_equivalents(), args.test_timeout or 120.0)
+                recheck(runner, results, load_equivalents(), args.test_timeout or 120.0, args.edges)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
         write(args.out, results, args.budget_min, args.sample)
