@@ -469,7 +469,8 @@ def main() -> int:
             try:
                 runner = ForkRunner(work, work / ".mutation-test.log")
                 runner.check_reads_the_copy()
-                recheck(runner, results, load_equivalents(), args.test_timeout or 120.0, args.edges)
+                chosen = [r for r in results if not args.only or r.target in args.only]
+                recheck(runner, chosen, load_equivalents(), args.test_timeout or 120.0, args.edges)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
         write(args.out, results, args.budget_min, args.sample)
