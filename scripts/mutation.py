@@ -92,6 +92,7 @@ class TargetResult:
     mutants: list[Mutant] = field(default_factory=list)
     seconds: float = 0.0
     complete: bool = True
+    interrupted: bool = False
 
     def count(self, outcome: str) -> int:
         return sum(m.outcome == outcome for m in self.mutants)
@@ -233,7 +234,11 @@ def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadlin
             for n, item in enumerate(pending, start=1):
                 if time.monotonic() >= deadline:
                     break
-                outcome = mutating.mutate_and_test(item.mutations, command, test_timeout)
+                try:
+                    outcome = mutating.mutate_and_test(item.mutations, command, test_timeout)
+                except (KeyboardInterrupt, SystemExit):     # stopped: keep what was covered
+                    result.interrupted = True
+                    break
                 db.set_result(item.job_id, outcome)
                 spec = item.mutations[0]
                 state = "error" if outcome.worker_outcome != "normal" else (
@@ -463,7 +468,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.report_only or args.recheck:
         results = [TargetResult(r["target"], r["tests"], [Mutant(**m) for m in r["mutants"]], r["seconds"],
-                                r["complete"]) for r in json.loads((args.out / "results.json").read_text())]
+                                r["complete"], r.get("interrupted", False))
+                   for r in json.loads((args.out / "results.json").read_text())]
         if args.recheck:
             work = scratch_copy()
             try:
@@ -503,6 +509,8 @@ def main() -> int:
                 results.append(cosmic_ray_target(runner, name, TARGETS[name], deadline, sample, timeout))
                 print(markdown(results[-1:], args.budget_min, args.sample).splitlines()[2], flush=True)
                 write(args.out, results, args.budget_min, args.sample)
+                if results[-1].interrupted:
+                    raise SystemExit(143)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         write(args.out, results, args.budget_min, args.sample)
