@@ -155,18 +155,22 @@ class ForkRunner:
                 sys.stderr.flush()
                 os._exit(code)
         end = time.monotonic() + timeout
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                return "survived" if os.waitstatus_to_exitcode(status) == 0 else "killed"
-            if time.monotonic() > end:
+        try:
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    pid = 0
+                    return "survived" if os.waitstatus_to_exitcode(status) == 0 else "killed"
+                if time.monotonic() > end:
+                    return "timeout"
+                time.sleep(0.05)
+        finally:
+            if pid:                                    # past the limit, or this run was stopped
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
                 os.waitpid(pid, 0)
-                return "timeout"
-            time.sleep(0.05)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
