@@ -276,8 +276,9 @@ def test_timeline_steps_instants_and_swap_counters(tmp_path):
     events = [event(0, 1, "evict", req_id="", blocks=[7], num_blocks=1),
               event(1, 1, "evict", req_id="", blocks=[5, 6], num_blocks=2),
               event(2, 2, "preempt", blocks=[1, 2], num_blocks=2, reason="swap"),
-              event(3, 2, "swap_out", blocks=[1, 2], num_blocks=2, bytes=500, duration_ms=1.0),
-              event(4, 3, "swap_in", blocks=[3, 4], num_blocks=2, bytes=300, duration_ms=1.0)]
+              event(3, 2, "swap_out", blocks=[1], num_blocks=1, bytes=200, duration_ms=1.0),
+              event(4, 2, "swap_out", blocks=[2], num_blocks=1, bytes=300, duration_ms=1.0),
+              event(5, 3, "swap_in", blocks=[3, 4], num_blocks=2, bytes=300, duration_ms=1.0)]
     con = db.connect([write_run(tmp_path, "tl", steps=steps, kv_events=events)])
     names = con.sql("SELECT name FROM _timeline_steps ORDER BY step").fetchall()
     assert [n for (n,) in names] == ["prefill", "decode", "prefill+decode +recompute", "empty"]
@@ -286,7 +287,8 @@ def test_timeline_steps_instants_and_swap_counters(tmp_path):
     ns = lambda s: round(s * 1e9)  # noqa: E731
     assert instants == [(1, ns(U), 0, "evict", "5 6 7", 3, 3_000_000, None),     # one instant per step's evictions
                         (2, ns(2.2 * U), 2, "preempt", "1 2", 2, 2_000_000, None),
-                        (2, ns(2.3 * U), 3, "swap_out", "1 2", 2, None, 500),
-                        (3, ns(3.4 * U), 4, "swap_in", "3 4", 2, None, 300)]
+                        (2, ns(2.3 * U), 3, "swap_out", "1", 1, None, 200),
+                        (2, ns(2.4 * U), 4, "swap_out", "2", 1, None, 300),
+                        (3, ns(3.5 * U), 5, "swap_in", "3 4", 2, None, 300)]
     totals = con.sql("SELECT step, swap_out_bytes_total, swap_in_bytes_total FROM _step_counters ORDER BY step").fetchall()
     assert totals == [(0, 0, 0), (1, 0, 0), (2, 500, 0), (3, 500, 300)]
