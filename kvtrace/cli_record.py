@@ -84,6 +84,10 @@ def record(
                                                          "(default: $KVTRACE_VLLM_PYTHON, or this one if it imports vllm).")] = None,
     vllm_arg: Annotated[list[str] | None, typer.Option(help="--engine vllm: any other vLLM engine argument, KEY=VALUE "
                                                            "(repeatable), e.g. enforce_eager=true.")] = None,
+    endpoint: Annotated[str | None, typer.Option(help="Replay against a running vllm serve that captures (http://HOST:PORT; "
+                                                      "implies --engine vllm; see kvtrace vllm-env).")] = None,
+    capture_dir: Annotated[Path | None, typer.Option(help="--endpoint: the server's capture folder (KVTRACE_CAPTURE_DIR).")] = None,
+    request_timeout: Annotated[float, typer.Option(help="--endpoint: seconds a request may wait for its next token.")] = 600.0,
     self_check: Annotated[bool, typer.Option(help="--engine vllm: compare, every step, the pool state the captured "
                                                   "events describe with vLLM's own (slower; the result is in meta.json).")] = False,
     sweep_point: Annotated[str | None, typer.Option(hidden=True, help="Set by kvtrace sweep: the point, as JSON, "
@@ -94,6 +98,14 @@ def record(
         raise KvtraceError(f"--time-scale must be > 0, got {time_scale}")
     if max_requests is not None and max_requests < 1:
         raise KvtraceError(f"--max-requests must be >= 1, got {max_requests}")
+    if endpoint is not None:
+        if engine not in ("real", "vllm"):
+            raise KvtraceError("--endpoint records a vLLM server: drop --engine sim")
+        if capture_dir is None:
+            raise KvtraceError("--endpoint needs --capture-dir, the folder the server captures into")
+        engine = "vllm"
+    elif capture_dir is not None:
+        raise KvtraceError("--capture-dir goes with --endpoint")
     if engine not in ("real", "sim", "vllm"):
         raise KvtraceError(f"--engine must be real, sim or vllm, got {engine!r}")
     if dtype is None:
@@ -140,6 +152,28 @@ def record(
         raise typer.Exit(code=130)
 
 
+@app.command("vllm-env")
+@user_errors
+def vllm_env(
+    capture_dir: Annotated[Path, typer.Option(help="Where the server's capture writes its chunks.")],
+    async_scheduling: Annotated[bool, typer.Option(help="The server schedules asynchronously (vLLM's default on GPUs).")] = False,
+) -> None:
+    """Shell lines that make `vllm serve` capture a kvtrace trace: eval "$(kvtrace vllm-env --capture-dir DIR)".
+
+    Then start the server with the scheduler they name, and replay against it with
+    kvtrace record --endpoint http://HOST:PORT --capture-dir DIR --model MODEL -w W.jsonl -o RUN.
+    """
+    from kvtrace.vllm_record import capture_path
+
+    folder = capture_dir.expanduser().resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    cls = "KvtraceAsyncScheduler" if async_scheduling else "KvtraceScheduler"
+    print(f'export PYTHONPATH="{capture_path()}${{PYTHONPATH:+:$PYTHONPATH}}"')
+    print(f'export KVTRACE_CAPTURE_DIR="{folder}"')
+    print(f'export KVTRACE_SCHEDULER_CLS="kvtrace.vllm_capture.scheduler.{cls}"')
+    print('# now: vllm serve MODEL --scheduler-cls "$KVTRACE_SCHEDULER_CLS" ...')
+
+
 def _record_vllm(a: dict) -> None:
     """`kvtrace record --engine vllm`: the same checks and run folder, vLLM doing the work."""
     from kvtrace.vllm_record import VllmOptions, VllmRecording, refuse_unsupported
@@ -161,12 +195,20 @@ def _record_vllm(a: dict) -> None:
     console = Console(stderr=True, quiet=a["quiet"])
     out = a["out"]
     run_dir = out or default_run_dir(Path(a["model"]).name)
+    server = a["endpoint"] is not None
     recording = VllmRecording(opts, a["workload"], run_dir, max_requests=a["max_requests"], time_scale=a["time_scale"],
                               backlog=a["backlog"], record_token_ids=not a["no_token_ids"],
-                              command=" ".join(["kvtrace", *sys.argv[1:]]), console=console)
+                              command=" ".join(["kvtrace", *sys.argv[1:]]), console=console, server=server)
     if a["sweep_point"] is not None:
         recording.meta["sweep"] = json.loads(a["sweep_point"])
-    status = recording.run()
+    if server:
+        from kvtrace.vllm_client import record_endpoint
+
+        with DeferredSignals() as signals:
+            status = record_endpoint(recording, a["endpoint"], a["capture_dir"], timeout=a["request_timeout"],
+                                     stop=signals.raise_pending)
+    else:
+        status = recording.run()
     recording.print_summary()
     if status == "interrupted":
         raise typer.Exit(code=130)

@@ -36,7 +36,7 @@ import duckdb
 import pyarrow as pa
 
 from kvtrace.errors import KvtraceError
-from kvtrace.schema import TABLES
+from kvtrace.schema import OPTIONAL_TABLES, TABLES
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -220,6 +220,9 @@ def connect(runs: list[str | Path]) -> duckdb.DuckDBPyConnection:
     con.unregister("_runs_arrow")
     for table, schema in TABLES.items():
         globs = [str(run / table / "part-*.parquet") for run in chunks[table]]
+        con.execute(_table_view_sql(con, table, schema, globs))
+    for table, schema in OPTIONAL_TABLES.items():
+        globs = [str(run / table / "part-*.parquet") for run in run_dirs if any((run / table).glob("part-*.parquet"))]
         con.execute(_table_view_sql(con, table, schema, globs))
     install_helpers(con)
     return con

@@ -68,10 +68,26 @@ def map_ids(raw_ids: Sequence[str], items: dict[int, Item]) -> dict[str, tuple[s
     return mapping
 
 
+WINDOW_COLUMNS = {"requests": "finish_s", "steps": "start_s", "kv_events": "ts_s", "tokens": "ts_s"}
+
+
+def _keep_window(columns: dict[str, dict[str, list]], lo: float, hi: float) -> None:
+    """Only what happened between lo and hi (a server's capture folder holds every run it served)."""
+    for table, name in WINDOW_COLUMNS.items():
+        cols = columns[table]
+        keep = [i for i, t in enumerate(cols[name]) if t is not None and lo <= t <= hi]
+        if len(keep) != len(cols[name]):
+            for key, values in cols.items():
+                cols[key] = [values[i] for i in keep]
+
+
 def convert(capture: Path, run_dir: Path, run_id: str, items: list[Item], origin: float,
-            *, interrupted: bool, record_token_ids: bool = True) -> dict[str, int]:
+            *, interrupted: bool, record_token_ids: bool = True,
+            window: tuple[float, float] | None = None) -> dict[str, int]:
     """Write the run's tables from the capture; return the rows per table."""
     columns = read_chunks(capture)
+    if window is not None:
+        _keep_window(columns, *window)
     by_index = {item.index: item for item in items}
     raw = [*columns["requests"]["req_id"], *columns["kv_events"]["req_id"], *columns["tokens"]["req_id"]]
     ids = map_ids(raw, by_index)

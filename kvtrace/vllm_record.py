@@ -158,12 +158,12 @@ def model_shape(folder: Path) -> dict:
 class VllmRecording:
     def __init__(self, opts: VllmOptions, workload: Path, run_dir: Path, *, max_requests: int | None,
                  time_scale: float | None, backlog: bool, record_token_ids: bool, command: str,
-                 console: Console) -> None:
+                 console: Console, server: bool = False) -> None:
         if run_dir.exists() and any(run_dir.iterdir()):
             raise KvtraceError(f"run folder {run_dir} already exists and is not empty")
         self.opts, self.run_dir, self.console = opts, run_dir, console
         self.record_token_ids = record_token_ids
-        self.python = find_vllm_python(opts.vllm_python)
+        self.python = None if server else find_vllm_python(opts.vllm_python)
         extra = parse_vllm_args(opts.vllm_args)
         requests = load_workload(workload)
         if max_requests is not None:

@@ -267,6 +267,10 @@ class _Capture:
         self.step_preemptions += 1
 
     def after_update(self, out, outputs, start: float) -> None:
+        with self.sink.lock:
+            self._after_update(out, outputs, start)
+
+    def _after_update(self, out, outputs, start: float) -> None:
         now = time.monotonic()
         row = self.pending.pop(id(out), None)
         step = row[0] if row is not None else self.step
@@ -384,8 +388,9 @@ class _Capture:
         if self.closed:
             return
         self.closed = True
-        self.finish_pending(time.monotonic(), self.step)
-        self.flush_events(self.step, time.monotonic())
+        with self.sink.lock:
+            self.finish_pending(time.monotonic(), self.step)
+            self.flush_events(self.step, time.monotonic())
         self.sink.close()
         self._write_json("done.json", {
             "steps": self.step + 1, "events": self.seq, "self_check_steps": self.num_checked_steps,

@@ -5,7 +5,9 @@ less `run_id`, which the importer adds. Times are raw `time.monotonic()` seconds
 rebases them on the run's origin): CLOCK_MONOTONIC is one clock for every process of the host, so
 the driver's arrival clock and the EngineCore's step clock line up. A chunk is a pickle of
 `{table: {column: list}}`, written to a hidden name and renamed into place, so a crash leaves only
-whole chunks; one closes every `flush_seconds` at a step, or when a buffer reaches `max_rows`.
+whole chunks; one closes every `flush_seconds` at a step, or when a buffer reaches `max_rows`, and
+the writer thread closes one itself when the engine has idled that long (a server between bursts),
+under `lock`, which the engine holds while it appends a step.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class Sink:
         self.columns = {table: {c: [] for c in cols} for table, cols in COLUMNS.items()}
         self.last_flush = time.monotonic()
         self.error: BaseException | None = None
+        self.lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._write_loop, name="kvtrace-capture-writer", daemon=True)
         self._thread.start()
@@ -62,12 +65,22 @@ class Sink:
             self.part += 1
 
     def close(self) -> None:
-        self.flush()
+        with self.lock:
+            self.flush()
         self._queue.put(None)
         self._thread.join()
 
     def _write_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while True:
+            try:
+                item = self._queue.get(timeout=self.flush_seconds)
+            except queue.Empty:   # the engine idles: close what its last steps buffered
+                with self.lock:
+                    if time.monotonic() - self.last_flush >= self.flush_seconds:
+                        self.flush()
+                continue
+            if item is None:
+                return
             part, chunk = item
             try:
                 final = self.folder / f"{self.prefix}-{part:06d}.pkl"
