@@ -83,6 +83,10 @@ def replay(llm, items: list[dict], results: dict) -> None:
 def main() -> int:
     config = json.loads(open(sys.argv[1]).read())
     results: dict = {"error": None}
+    out = None
+    if config.get("interactive"):   # stdout carries only the answers; vLLM's prints go to stderr
+        out = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")   # its AOT cache fails to reload in 0.32
     if config.get("capture", True):
         os.environ["KVTRACE_CAPTURE_DIR"] = config["capture_dir"]
@@ -106,6 +110,8 @@ def main() -> int:
         return 3
     with open(config["requests"]) as f:
         items = [json.loads(line) for line in f]
+    if config.get("interactive"):
+        return interactive(llm, items, results, out)
     before = _counter(llm, "vllm:num_preemptions")
     try:
         replay(llm, items, results)
@@ -115,6 +121,23 @@ def main() -> int:
     _write(config["results"], results)
     del llm   # shuts EngineCore down: the capture closes its last chunk
     return 130 if results.get("interrupted") else 0
+
+
+def interactive(llm, items: list[dict], results: dict, out) -> int:
+    """For benchmarks: say `ready` on stdout, then replay the workload once per line read on stdin,
+    from a cold prefix cache, answering each with one JSON line (duration, tokens, preemptions)."""
+    out.write(json.dumps({"event": "ready", "startup_s": results["startup_s"]}) + "\n")
+    for _ in sys.stdin:
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache")
+        before = _counter(llm, "vllm:num_preemptions")
+        answer: dict = {}
+        replay(llm, items, answer)
+        out.write(json.dumps({"duration_s": answer["duration_s"],
+                              "output_tokens": sum(len(t) for t in answer["tokens"].values()),
+                              "num_preemptions": int(_counter(llm, "vllm:num_preemptions") - before)}) + "\n")
+    del llm
+    return 0
 
 
 def _root_cause(exc: BaseException) -> str:

@@ -102,6 +102,7 @@ class _Capture:
         self.num_check_errors = 0
         self.num_checked_steps = 0
         self.closed = False
+        self.hook_s = 0.0                                  # time in the step hooks (after_schedule, after_update)
         self.wall_minus_monotonic = time.time() - time.monotonic()
         self._wrap_pool()
         self._write_json("capture.json", {
@@ -215,6 +216,12 @@ class _Capture:
     # ---- the scheduler's own steps -------------------------------------------------------------------
     def after_schedule(self, out, start: float) -> None:
         end = time.monotonic()
+        try:
+            self._after_schedule(out, start, end)
+        finally:
+            self.hook_s += time.monotonic() - end
+
+    def _after_schedule(self, out, start: float, end: float) -> None:
         sched = self.scheduler
         prefill = decode = recompute = 0
         requests = sched.requests
@@ -267,8 +274,10 @@ class _Capture:
         self.step_preemptions += 1
 
     def after_update(self, out, outputs, start: float) -> None:
+        t = time.monotonic()
         with self.sink.lock:
             self._after_update(out, outputs, start)
+        self.hook_s += time.monotonic() - t
 
     def _after_update(self, out, outputs, start: float) -> None:
         now = time.monotonic()
@@ -393,7 +402,7 @@ class _Capture:
             self.flush_events(self.step, time.monotonic())
         self.sink.close()
         self._write_json("done.json", {
-            "steps": self.step + 1, "events": self.seq, "self_check_steps": self.num_checked_steps,
+            "steps": self.step + 1, "events": self.seq, "hook_s": self.hook_s, "self_check_steps": self.num_checked_steps,
             "self_check_errors": self.num_check_errors, "self_check_examples": self.check_errors,
             "writer_error": repr(self.sink.error) if self.sink.error else None,
         })
