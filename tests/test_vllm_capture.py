@@ -96,18 +96,18 @@ def test_preemptions_in_the_trace_are_vllms_own_counters(recorded):
     con = db.connect([recorded])
     own = json.loads((recorded / "vllm_requests.json").read_text())["preemptions"]
     meta = json.loads((recorded / "meta.json").read_text())
-    per_request = dict(con.sql("SELECT req_id, preemptions FROM requests").fetchall())
+    per_request = dict(con.execute("SELECT req_id, preemptions FROM requests").fetchall())
     assert sum(per_request.values()) > 0, "the tight pool must preempt"
     assert per_request == {f"r{i}": n for i, n in own.items()}   # vLLM's RequestOutput.metrics.num_preemptions
-    events = con.sql("SELECT count(*) FROM kv_events WHERE kind = 'preempt'").fetchone()[0]
-    steps = con.sql("SELECT sum(preemptions) FROM steps").fetchone()[0]
+    events = con.execute("SELECT count(*) FROM kv_events WHERE kind = 'preempt'").fetchone()[0]
+    steps = con.execute("SELECT sum(preemptions) FROM steps").fetchone()[0]
     assert events == steps == sum(per_request.values()) == meta["vllm"]["counters"]["num_preemptions"]
 
 
 def test_tokens_are_those_of_a_run_without_recording(recorded, unrecorded):
     con = db.connect([recorded])
     traced = {}
-    for rid, ids in con.sql("SELECT req_id, list(token_id ORDER BY idx) FROM tokens GROUP BY req_id").fetchall():
+    for rid, ids in con.execute("SELECT req_id, list(token_id ORDER BY idx) FROM tokens GROUP BY req_id").fetchall():
         traced[rid] = ids
     plain = {f"r{key.split('/')[0]}": ids for key, ids in unrecorded["tokens"].items()}
     assert traced == plain
@@ -120,28 +120,28 @@ def test_self_check_and_block_balance(recorded):
     assert check["enabled"] and check["steps"] > 100 and check["errors"] == 0, check
     con = db.connect([recorded])
     # every block handed out is freed later, and no block is freed that nobody holds
-    unfreed = con.sql("""
+    unfreed = con.execute("""
         WITH a AS (SELECT seq, unnest(blocks) AS block FROM kv_events WHERE kind = 'alloc'),
              f AS (SELECT seq, unnest(blocks) AS block FROM kv_events WHERE kind = 'free')
         SELECT count(*) FROM a WHERE NOT EXISTS (SELECT 1 FROM f WHERE f.block = a.block AND f.seq > a.seq)
     """).fetchone()[0]
     assert unfreed == 0
-    last = con.sql("SELECT used_blocks, total_blocks FROM steps ORDER BY step DESC LIMIT 1").fetchone()
+    last = con.execute("SELECT used_blocks, total_blocks FROM steps ORDER BY step DESC LIMIT 1").fetchone()
     assert last[1] == 16                                     # the pool kvtrace asked for, without vLLM's null block
-    assert con.sql("SELECT min(b) FROM (SELECT unnest(blocks) b FROM kv_events)").fetchone()[0] >= 1
+    assert con.execute("SELECT min(b) FROM (SELECT unnest(blocks) b FROM kv_events)").fetchone()[0] >= 1
 
 
 def test_recompute_invariant_across_the_three_tables(recorded):
     con = db.connect([recorded])
-    requests, steps, events = con.sql("""
+    requests, steps, events = con.execute("""
         SELECT (SELECT sum(recomputed_tokens) FROM requests), (SELECT sum(recompute_tokens) FROM steps),
                (SELECT sum(num_recomputed_tokens) FROM kv_events)""").fetchone()
     assert requests == steps == events > 0
     # vLLM's prefix cache serves part of a victim's history on resume: those positions are not recomputed
-    hits = con.sql("SELECT sum(num_tokens) FROM kv_events WHERE kind = 'prefix_hit' "
+    hits = con.execute("SELECT sum(num_tokens) FROM kv_events WHERE kind = 'prefix_hit' "
                    "AND reason = 'resume-recompute'").fetchone()[0]
-    held = con.sql("SELECT sum(num_tokens) FROM kv_events WHERE kind = 'preempt'").fetchone()[0]
-    assert hits > 0 and requests + hits <= held + con.sql(
+    held = con.execute("SELECT sum(num_tokens) FROM kv_events WHERE kind = 'preempt'").fetchone()[0]
+    assert hits > 0 and requests + hits <= held + con.execute(
         "SELECT sum(output_tokens) FROM requests").fetchone()[0]
 
 
@@ -151,7 +151,7 @@ def test_every_analysis_and_the_dashboard_run(recorded):
         db.run_analysis(con, info.name)
     summary = db.run_analysis(con, "summary").to_pylist()[0]
     assert summary["completed_requests"] == 16 and summary["preemptions"] > 0
-    out = kvtrace("analyze", recorded, env={"COLUMNS": "100"}).stdout
+    out = " ".join(kvtrace("analyze", recorded, env={"COLUMNS": "100"}).stdout.split())
     assert "preemptions" in out and "vLLM 0.32" in out
 
 
@@ -224,14 +224,35 @@ def test_a_server_run_over_loopback(workload, tmp_path):
         os.killpg(server.pid, signal.SIGINT)
         server.wait(timeout=60)
     con = db.connect([run])
-    assert con.sql("SELECT count(*) FROM requests WHERE finish_reason = 'length'").fetchone()[0] == 16
-    assert con.sql("SELECT sum(preemptions) FROM requests").fetchone()[0] > 0
+    assert con.execute("SELECT count(*) FROM requests WHERE finish_reason = 'length'").fetchone()[0] == 16
+    assert con.execute("SELECT sum(preemptions) FROM requests").fetchone()[0] > 0
     # the client saw every token the engine emitted, each no earlier than the engine handed it over
-    joined = con.sql("""
+    joined = con.execute("""
         SELECT count(*), count(c.ts_s), min(c.ts_s - t.ts_s)
         FROM tokens t LEFT JOIN client_tokens c USING (req_id, sample, idx)""").fetchone()
     assert joined[0] == joined[1] > 0 and joined[2] >= 0
-    same = con.sql("SELECT count(*) FROM tokens t JOIN client_tokens c USING (req_id, sample, idx) "
+    same = con.execute("SELECT count(*) FROM tokens t JOIN client_tokens c USING (req_id, sample, idx) "
                    "WHERE t.token_id <> c.token_id").fetchone()[0]
     assert same == 0
     db.run_analysis(con, "client_latency")
+
+
+def test_ctrl_c_leaves_a_readable_interrupted_trace(workload, tmp_path):
+    run = tmp_path / "stopped"
+    proc = subprocess.Popen([sys.executable, "-m", "kvtrace", "record", "--engine", "vllm", "--vllm-python",
+                             VLLM_PYTHON, "--model", "smollm2-135m", "-w", str(workload), "-o", str(run), "--backlog",
+                             *POOL, *EAGER, "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not any((run / ".vllm-capture" / "chunks").glob("*.pkl")):   # the replay is under way
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["status"] == "interrupted"
+    con = db.connect([run])
+    reasons = dict(con.execute("SELECT finish_reason, count(*) FROM requests GROUP BY ALL").fetchall())
+    assert sum(reasons.values()) == 16 and reasons.get("aborted", 0) > 0   # every request accounted for
+    assert con.execute("SELECT count(*) FROM tokens").fetchone()[0] > 0
+    assert not (run / ".vllm-capture").exists()
