@@ -196,6 +196,9 @@ def _record_vllm(a: dict) -> None:
     out = a["out"]
     run_dir = out or default_run_dir(Path(a["model"]).name)
     server = a["endpoint"] is not None
+    if server and not (Path(a["capture_dir"]) / "capture.json").is_file():
+        raise KvtraceError(f"--capture-dir {a['capture_dir']}: no capture.json — start the server with "
+                           f"eval \"$(kvtrace vllm-env --capture-dir {a['capture_dir']})\" and kvtrace's --scheduler-cls")
     recording = VllmRecording(opts, a["workload"], run_dir, max_requests=a["max_requests"], time_scale=a["time_scale"],
                               backlog=a["backlog"], record_token_ids=not a["no_token_ids"],
                               command=" ".join(["kvtrace", *sys.argv[1:]]), console=console, server=server)
