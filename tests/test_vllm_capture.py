@@ -118,7 +118,11 @@ def test_self_check_and_block_balance(recorded):
     meta = json.loads((recorded / "meta.json").read_text())
     check = meta["vllm"]["self_check"]
     assert check["enabled"] and check["steps"] > 100 and check["errors"] == 0, check
-    con = db.connect([recorded])
+    _balanced_and_recompute_consistent(recorded)
+
+
+def _balanced_and_recompute_consistent(run: Path) -> None:
+    con = db.connect([run])
     # every block handed out is freed later, and no block is freed that nobody holds
     unfreed = con.execute("""
         WITH a AS (SELECT seq, unnest(blocks) AS block FROM kv_events WHERE kind = 'alloc'),
@@ -129,20 +133,25 @@ def test_self_check_and_block_balance(recorded):
     last = con.execute("SELECT used_blocks, total_blocks FROM steps ORDER BY step DESC LIMIT 1").fetchone()
     assert last[1] == 16                                     # the pool kvtrace asked for, without vLLM's null block
     assert con.execute("SELECT min(b) FROM (SELECT unnest(blocks) b FROM kv_events)").fetchone()[0] >= 1
-
-
-def test_recompute_invariant_across_the_three_tables(recorded):
-    con = db.connect([recorded])
     requests, steps, events = con.execute("""
         SELECT (SELECT sum(recomputed_tokens) FROM requests), (SELECT sum(recompute_tokens) FROM steps),
                (SELECT sum(num_recomputed_tokens) FROM kv_events)""").fetchone()
     assert requests == steps == events > 0
-    # vLLM's prefix cache serves part of a victim's history on resume: those positions are not recomputed
-    hits = con.execute("SELECT sum(num_tokens) FROM kv_events WHERE kind = 'prefix_hit' "
-                   "AND reason = 'resume-recompute'").fetchone()[0]
-    held = con.execute("SELECT sum(num_tokens) FROM kv_events WHERE kind = 'preempt'").fetchone()[0]
-    assert hits > 0 and requests + hits <= held + con.execute(
-        "SELECT sum(output_tokens) FROM requests").fetchone()[0]
+
+
+def test_resumed_requests_hit_the_prefix_cache_instead_of_recomputing(recorded):
+    """A victim's history comes back partly from vLLM's prefix cache: each re-prefill's cached plus
+    recomputed positions are exactly the positions it held when preempted, and some were cached."""
+    con = db.connect([recorded])
+    rows = con.execute("""
+        SELECT r.req_id, r.num_cached_tokens, r.num_recomputed_tokens, p.num_tokens AS held
+        FROM kv_events r JOIN kv_events p ON p.req_id = r.req_id AND p.kind = 'preempt' AND p.seq < r.seq
+        WHERE r.kind = 'reprefill' AND r.reason IS NULL
+          AND r.req_id IN (SELECT req_id FROM requests WHERE preemptions = 1)""").fetchall()
+    assert rows, "no single-preemption request re-prefilled"
+    for req_id, cached, recomputed, held in rows:
+        assert cached + recomputed == held, req_id
+    assert sum(r[1] for r in rows) > 0     # what vLLM's own prefix-cache counters leave out
 
 
 def test_every_analysis_and_the_dashboard_run(recorded):
@@ -190,7 +199,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_server_run_over_loopback(workload, tmp_path):
+def _preemptions_metric(port: int) -> float:
+    """vLLM's own engine-wide preemption counter, from its Prometheus endpoint."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_preemptions") and not line.startswith("#"))
+
+
+@pytest.fixture(scope="module")
+def served(workload, tmp_path_factory) -> Path:
+    """The same workload replayed over loopback against `vllm serve` started with kvtrace's capture."""
+    tmp_path = tmp_path_factory.mktemp("vllm-served")
     capture = tmp_path / "capture"
     lines = kvtrace("vllm-env", "--capture-dir", capture).stdout
     env = dict(os.environ)
@@ -207,6 +226,7 @@ def test_a_server_run_over_loopback(workload, tmp_path):
          "--gpu-memory-utilization", "0.3", "--enforce-eager"],
         env={**env, "VLLM_USE_AOT_COMPILE": "0"}, stdout=open(tmp_path / "serve.log", "w"),
         stderr=subprocess.STDOUT, start_new_session=True)
+    run = tmp_path / "served"
     try:
         deadline = time.monotonic() + 600
         while True:
@@ -217,24 +237,40 @@ def test_a_server_run_over_loopback(workload, tmp_path):
                 assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, "the server did not start"
                 time.sleep(1)
-        run = tmp_path / "served"
+        before = _preemptions_metric(port)
         kvtrace("record", "--endpoint", f"http://127.0.0.1:{port}", "--capture-dir", capture, "--model",
                 "smollm2-135m", "-w", workload, "-o", run, "--backlog", "--block-size", "32", "-q")
+        (run / "server_preemptions.txt").write_text(str(_preemptions_metric(port) - before))
     finally:
         os.killpg(server.pid, signal.SIGINT)
         server.wait(timeout=60)
-    con = db.connect([run])
+    return run
+
+
+def test_a_server_run_counts_vllms_preemptions_and_its_clients_tokens(served, unrecorded):
+    con = db.connect([served])
     assert con.execute("SELECT count(*) FROM requests WHERE finish_reason = 'length'").fetchone()[0] == 16
-    assert con.execute("SELECT sum(preemptions) FROM requests").fetchone()[0] > 0
+    preemptions = con.execute("SELECT sum(preemptions) FROM requests").fetchone()[0]
+    assert preemptions > 0 and preemptions == float((served / "server_preemptions.txt").read_text())
+    assert con.execute("SELECT count(*) FROM kv_events WHERE kind = 'preempt'").fetchone()[0] == preemptions
     # the client saw every token the engine emitted, each no earlier than the engine handed it over
     joined = con.execute("""
         SELECT count(*), count(c.ts_s), min(c.ts_s - t.ts_s)
         FROM tokens t LEFT JOIN client_tokens c USING (req_id, sample, idx)""").fetchone()
     assert joined[0] == joined[1] > 0 and joined[2] >= 0
-    same = con.execute("SELECT count(*) FROM tokens t JOIN client_tokens c USING (req_id, sample, idx) "
-                   "WHERE t.token_id <> c.token_id").fetchone()[0]
-    assert same == 0
-    db.run_analysis(con, "client_latency")
+    assert con.execute("SELECT count(*) FROM tokens t JOIN client_tokens c USING (req_id, sample, idx) "
+                       "WHERE t.token_id <> c.token_id").fetchone()[0] == 0
+    # and they are the tokens of the offline run without recording
+    traced = dict(con.execute("SELECT req_id, list(token_id ORDER BY idx) FROM tokens GROUP BY req_id").fetchall())
+    assert traced == {f"r{key.split('/')[0]}": ids for key, ids in unrecorded["tokens"].items()}
+    row = db.run_analysis(con, "client_latency").to_pylist()[0]
+    assert row["tokens"] == joined[0] and row["delivery_p50_ms"] >= 0
+
+
+def test_a_server_run_holds_the_invariants(served):
+    _balanced_and_recompute_consistent(served)
+    summary = db.run_analysis(db.connect([served]), "summary").to_pylist()[0]
+    assert summary["completed_requests"] == 16
 
 
 def test_ctrl_c_leaves_a_readable_interrupted_trace(workload, tmp_path):
