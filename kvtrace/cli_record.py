@@ -107,7 +107,7 @@ def record(
     elif capture_dir is not None:
         raise KvtraceError("--capture-dir goes with --endpoint")
     if engine not in ("real", "sim", "vllm"):
-        raise KvtraceError(f"--engine must be real, sim or vllm, got {engine!r}")
+        raise KvtraceError(f"--engine must be one of real, sim, vllm, got {engine!r}")
     if dtype is None:
         dtype = "bfloat16" if engine == "sim" else "float32"
     if engine == "vllm":
