@@ -20,7 +20,6 @@ from urllib.parse import urlparse
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from rich.console import Console
 
 from kvtrace.errors import KvtraceError
 from kvtrace.schema import OPTIONAL_TABLES

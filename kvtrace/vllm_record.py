@@ -24,8 +24,8 @@ from pathlib import Path
 from rich.console import Console
 
 import kvtrace
-from kvtrace import db
 from kvtrace.errors import KvtraceError
+from kvtrace.run import cpu_name
 from kvtrace.schema import SCHEMA_VERSION
 from kvtrace.vllm_import import Item, convert, read_json
 from kvtrace.workload import load_workload, resolve_prompt_ids, validate_lengths, workload_sha256
@@ -216,7 +216,7 @@ class VllmRecording:
             "model": {"name": Path(opts.model).name, "source": str(self.folder), "dtype": opts.dtype,
                       "shape": {k: v for k, v in shape.items() if k != "max_position_embeddings"},
                       "max_model_len": max_model_len},
-            "device": {"type": "cpu", "name": _cpu_name(), "torch": None, "threads": None, "kernels": "vllm",
+            "device": {"type": "cpu", "name": cpu_name(), "torch": None, "threads": None, "kernels": "vllm",
                        "kernels_note": None},
             "simulated": None,
             "kv_pool": {"num_gpu_blocks": opts.num_gpu_blocks, "block_size": opts.block_size,
@@ -315,18 +315,10 @@ class VllmRecording:
         _write_json(self.run_dir / "meta.json", meta)
 
     def print_summary(self) -> None:
-        if self.console.quiet:
-            return
-        rows = db.run_analysis(db.connect([self.run_dir]), "summary").to_pylist()
-        if not rows:
-            self.console.print(f"[bold]{self.meta['status']}[/]: nothing recorded in {self.run_dir}")
-            return
-        s = rows[0]
-        self.console.print(
-            f"[bold]{self.meta['status']}[/] (vLLM {self.meta['vllm'].get('version')}): {s['completed_requests']}/"
-            f"{len(self.items)} requests, {s['output_tokens']} tokens in {s['duration_s']:.1f} s "
-            f"({s['output_tok_s'] or 0:.1f} tok/s), {s['preemptions']} preemptions")
-        self.console.print(f"trace: {self.run_dir}   next: kvtrace analyze {self.run_dir}")
+        from kvtrace.run import print_recorded
+
+        print_recorded(self.console, self.run_dir, self.meta["status"], len(self.items),
+                       f" (vLLM {self.meta['vllm'].get('version')})")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -345,13 +337,3 @@ def _stop(proc: subprocess.Popen) -> None:
 def _write_json(path: Path, data: dict) -> None:
     with atomic_write(path) as f:
         f.write(json.dumps(data, indent=2, default=str) + "\n")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
