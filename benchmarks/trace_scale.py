@@ -296,10 +296,15 @@ def generate(run: Path, target_events: int, seed: int, chunk_rows: int,
             "sample": np.zeros(n, dtype=np.int32), "bytes": np.zeros(n, dtype=np.int64),
             "num_cached_tokens": np.zeros(n, dtype=np.int32),
         })
+        # each token's predecessor in its sequence (the tokens are in sequence, then idx, order)
+        first = b["tok_idx"] == 0
+        prev_step = np.concatenate([[0], b["tok_step"][:-1]])
         tokens.add({"req_id": pa.array(names[b["tok_seq"] + lo], pa.string()),
                     "sample": np.zeros(len(b["tok_seq"]), dtype=np.int32), "idx": b["tok_idx"],
                     "token_id": brng.integers(0, 49152, len(b["tok_seq"])), "step": b["tok_step"],
-                    "ts_s": end_s[b["tok_step"]]})
+                    "ts_s": end_s[b["tok_step"]],
+                    "prev_step": pa.array(prev_step, pa.int64(), mask=first),
+                    "prev_ts_s": pa.array(end_s[prev_step], pa.float64(), mask=first)})
 
     counts = {"requests": requests.close(), "steps": steps.close(), "kv_events": kv_events.close(),
               "tokens": tokens.close()}

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from kvtrace.errors import KvtraceError
 from kvtrace.schema import TABLES
@@ -75,6 +76,7 @@ RUNS_SCHEMA = pa.schema([
     ("time_scale", pa.float64()),
     ("seed", pa.int64()),
     ("meta_json", pa.string()),
+    ("token_gaps_recorded", pa.bool_()),   # the tokens carry prev_step / prev_ts_s (schema 2)
 ])
 
 _DUCKDB_TYPES = {
@@ -186,7 +188,20 @@ def _runs_row(run: Path, meta: dict, ordinal: int) -> dict:
         "time_scale": get("replay", "time_scale"),
         "seed": meta.get("seed"),
         "meta_json": json.dumps(meta, sort_keys=True),
+        "token_gaps_recorded": _token_gaps_recorded(run),
     }
+
+
+def _token_gaps_recorded(run: Path) -> bool:
+    """Whether the run's tokens chunks carry each token's predecessor (schema 2), read from the
+    first chunk's footer; a run without tokens has nothing to compute either way."""
+    first = next(iter(sorted((run / "tokens").glob("part-*.parquet"))), None)
+    if first is None:
+        return True
+    try:
+        return "prev_ts_s" in pq.read_schema(first).names
+    except (OSError, pa.ArrowException) as exc:
+        raise KvtraceError(f"{first}: cannot read the tokens chunk ({exc})") from exc
 
 
 def connect(runs: list[str | Path]) -> duckdb.DuckDBPyConnection:
@@ -283,7 +298,12 @@ class AnalysisInfo:
 
 
 def analyses_dir() -> Traversable:
-    """Where the .sql files are: the installed `kvtrace.analyses` package, else the repo's folder."""
+    """Where the .sql files are: the folder beside this package in a source checkout (so that a
+    checkout, or a git worktree, runs its own SQL even when another checkout is the editable
+    install), else the installed `kvtrace.analyses` package."""
+    beside = Path(__file__).resolve().parent.parent / "analyses"
+    if (beside / "__init__.py").is_file() and (beside / "summary.sql").is_file():
+        return beside
     try:
         return importlib.resources.files("kvtrace.analyses")
     except ModuleNotFoundError:

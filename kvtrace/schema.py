@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2                 # 2: tokens.prev_step and tokens.prev_ts_s (see docs/trace-format.md)
 
 # One row per sequence (a request with n samples has n rows), written when it finishes.
 REQUESTS_SCHEMA = pa.schema([
@@ -81,6 +81,10 @@ TOKENS_SCHEMA = pa.schema([
     ("token_id", pa.int32()),              # null with --no-token-ids
     ("step", pa.int64()),                  # step that produced it
     ("ts_s", pa.float64()),                # when it became available (end of that step)
+    # the same sequence's previous token (idx - 1): null for idx 0. Schema 2; older traces lack
+    # them and the analyses compute them (analyses/_itl.sql), so ITL is a scan, not a regrouping.
+    ("prev_step", pa.int64()),
+    ("prev_ts_s", pa.float64()),
 ])
 
 # NVML samples at ~10 Hz (CUDA only).
