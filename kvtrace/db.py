@@ -393,6 +393,35 @@ def keep(con: duckdb.DuckDBPyConnection, *helpers: str) -> None:
         con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {name}_kept")
 
 
+def keep_calls(con: duckdb.DuckDBPyConnection, *macros: str, **params: object) -> None:
+    """Compute table macros once for this connection, as `keep` does views: each macro, called
+    with `params` (matched to its parameters by name, every one given), becomes a read of a
+    temporary table of its rows. Called with other values it fails, never answers for the kept
+    ones. For the thrash helpers that the dashboard's analyses each call with the same params."""
+    for name in macros:
+        if not re.fullmatch(r"_[a-z0-9_]+", name):
+            raise ValueError(f"not a helper macro: {name!r}")
+        found = con.execute("SELECT parameters FROM duckdb_functions() WHERE function_name = ? "
+                            "AND function_type = 'table_macro'", [name]).fetchall()
+        if len(found) != 1:
+            raise ValueError(f"not a helper macro: {name!r}")
+        names = found[0][0]
+        values = []
+        for param in names:
+            value = params[param]
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name}: param {param} must be a number to be kept, got {value!r}")
+            values.append(value)
+        # bound as run_analysis binds them (a float is a DOUBLE, not a DECIMAL literal)
+        con.execute(f"CREATE OR REPLACE TEMP TABLE {name}_kept AS SELECT * FROM {name}"
+                    f"({', '.join('?' * len(values))})", values)
+        same = " AND ".join(f"{param} = {value!r}::{'DOUBLE' if isinstance(value, float) else 'BIGINT'}"
+                            for param, value in zip(names, values))
+        con.execute(f"CREATE OR REPLACE MACRO {name}({', '.join(names)}) AS TABLE "
+                    f"SELECT * FROM {name}_kept WHERE CASE WHEN {same} THEN true "
+                    f"ELSE error('{name}: kept for other params') END")
+
+
 def _coerce(info: AnalysisInfo, param: AnalysisParam, value: object) -> float | int | str:
     if isinstance(param.default, str):
         return str(value)
