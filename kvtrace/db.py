@@ -193,15 +193,28 @@ def _runs_row(run: Path, meta: dict, ordinal: int) -> dict:
 
 
 def _token_gaps_recorded(run: Path) -> bool:
-    """Whether the run's tokens chunks carry each token's predecessor (schema 2), read from the
-    first chunk's footer; a run without tokens has nothing to compute either way."""
-    first = next(iter(sorted((run / "tokens").glob("part-*.parquet"))), None)
-    if first is None:
-        return True
-    try:
-        return "prev_ts_s" in pq.read_schema(first).names
-    except (OSError, pa.ArrowException) as exc:
-        raise KvtraceError(f"{first}: cannot read the tokens chunk ({exc})") from exc
+    """Whether the run's tokens carry each token's predecessor (schema 2), read from the chunks'
+    footers: the column is there with values (a writer that has the column but leaves it null is
+    read as schema 1, whose predecessors are computed: slower, never wrong; so is a run whose
+    every token is a first one, where there is nothing to compute)."""
+    for chunk in sorted((run / "tokens").glob("part-*.parquet")):
+        try:
+            meta = pq.ParquetFile(chunk).metadata
+        except (OSError, pa.ArrowException) as exc:
+            raise KvtraceError(f"{chunk}: cannot read the tokens chunk ({exc})") from exc
+        names = meta.schema.names
+        if "prev_ts_s" not in names:
+            return False
+        column = names.index("prev_ts_s")
+        for group in range(meta.num_row_groups):
+            stats = meta.row_group(group).column(column).statistics
+            if stats is None or not stats.has_null_count:   # no statistics: read the column
+                if pq.read_table(chunk, columns=["prev_ts_s"]).column(0).null_count < meta.num_rows:
+                    return True
+                break
+            if stats.null_count < meta.row_group(group).num_rows:
+                return True
+    return False
 
 
 def connect(runs: list[str | Path]) -> duckdb.DuckDBPyConnection:

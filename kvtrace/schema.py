@@ -87,6 +87,21 @@ TOKENS_SCHEMA = pa.schema([
     ("prev_ts_s", pa.float64()),
 ])
 
+
+
+def token_predecessors(req_id: list, sample: list, idx: list, step: list, ts_s: list) -> tuple[list, list]:
+    """prev_step and prev_ts_s of a table's tokens, for a writer that has them all at once: each
+    token's predecessor is the previous token of its sequence by idx (None for the first), as
+    analyses/_itl.sql computes it for traces without these columns."""
+    order = sorted(range(len(idx)), key=lambda i: (req_id[i], sample[i], idx[i]))
+    prev_step: list = [None] * len(idx)
+    prev_ts_s: list = [None] * len(idx)
+    for before, i in zip(order, order[1:]):
+        if req_id[before] == req_id[i] and sample[before] == sample[i]:
+            prev_step[i], prev_ts_s[i] = step[before], ts_s[before]
+    return prev_step, prev_ts_s
+
+
 # NVML samples at ~10 Hz (CUDA only).
 GPU_SAMPLES_SCHEMA = pa.schema([
     ("run_id", pa.string()),

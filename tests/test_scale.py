@@ -131,3 +131,17 @@ def test_thrash_windows_are_the_sliding_frame(big_run):
     for (step, steps, preempts, recomputed, processed, full), got in zip(frame, running):
         assert got == (step, steps, preempts, recomputed / processed if processed else 0, full / steps, preempts / 5)
     assert 0 < sum(got[2] > 0 for got in running) < len(running)   # windows with and without preemptions
+
+
+def test_kept_thrash_helpers_answer_only_for_their_params(tmp_path):
+    """The dashboard computes the thrash helpers once (db.keep_calls); called again with the kept
+    params they give the same rows, with other params they fail rather than answer for the kept."""
+    from tests.tracegen import recompute_run
+
+    con = db.connect([recompute_run(tmp_path)])
+    params = db.analysis_params("thrash")
+    fresh = db.records(db.run_analysis(con, "thrash"))
+    db.keep_calls(con, "_thrash_steps", "_thrash_windows", "_thrash", **params)
+    assert db.records(db.run_analysis(con, "thrash")) == fresh
+    with pytest.raises(KvtraceError, match="kept for other params"):
+        db.run_analysis(con, "thrash", window_s=2)

@@ -5,8 +5,11 @@ without them (schema 1) must be analysed as before."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
@@ -77,3 +80,20 @@ def test_a_trace_without_them_is_analysed_the_same(tmp_path):
     mixed = analyses_of([old[0], new[1]])
     assert mixed == analyses_of([new[0], new[1]])
     assert any(row["metric"] == "itl" for row in mixed["latency"])
+
+
+def test_a_writer_that_leaves_them_null_is_read_as_schema_1(tmp_path):
+    """A trace with the columns but no values in them (a writer that adopted the schema but not
+    the predecessors) must not lose its ITL: the analyses compute the predecessors."""
+    run = recompute_run(tmp_path / "new")
+    nulls = tmp_path / "nulls" / "rec"
+    shutil.copytree(run, nulls)
+    for chunk in (nulls / "tokens").glob("part-*.parquet"):
+        table = pq.read_table(chunk)
+        for name, kind in (("prev_step", pa.int64()), ("prev_ts_s", pa.float64())):
+            table = table.set_column(table.schema.get_field_index(name), name, pa.nulls(table.num_rows, kind))
+        pq.write_table(table, chunk)
+    con = db.connect([nulls])
+    assert con.sql("SELECT token_gaps_recorded FROM runs").fetchall() == [(False,)]
+    assert con.sql("SELECT count(*) FROM _itl").fetchall() == [(5,)]
+    assert analyses_of([nulls]) == analyses_of([run])

@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvtrace.schema import SCHEMA_VERSION, TABLES
+from kvtrace.schema import SCHEMA_VERSION, TABLES, token_predecessors
 
 WORKLOAD_SHA = "a" * 64
 
@@ -64,15 +64,12 @@ TOKEN_GAP_COLUMNS = ("prev_step", "prev_ts_s")   # schema 2: each token's predec
 
 
 def with_token_gaps(rows: list[dict]) -> list[dict]:
-    """Token rows with each one's predecessor in its sequence (idx - 1) filled in, as the recorder
-    writes them, where a row does not set them itself."""
-    by_key = {(r["req_id"], r.get("sample", 0), r["idx"]): r for r in rows}
-    out = []
-    for row in rows:
-        prev = by_key.get((row["req_id"], row.get("sample", 0), row["idx"] - 1))
-        filled = {"prev_step": prev["step"] if prev else None, "prev_ts_s": prev["ts_s"] if prev else None}
-        out.append({**filled, **row})
-    return out
+    """Token rows with each one's predecessor in its sequence filled in (kvtrace.schema's
+    token_predecessors, as a writer of schema 2 does), where a row does not set them itself."""
+    columns = {name: [row.get(name, 0 if name == "sample" else None) for row in rows]
+               for name in ("req_id", "sample", "idx", "step", "ts_s")}
+    prev_step, prev_ts_s = token_predecessors(*columns.values())
+    return [{"prev_step": p, "prev_ts_s": t, **row} for row, p, t in zip(rows, prev_step, prev_ts_s)]
 
 
 def write_table(run: Path, table: str, rows: list[dict], chunk_rows: int | None = None,
