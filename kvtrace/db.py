@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvtrace.errors import KvtraceError
-from kvtrace.schema import TABLES
+from kvtrace.schema import OPTIONAL_TABLES, TABLES
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -248,6 +248,9 @@ def connect(runs: list[str | Path]) -> duckdb.DuckDBPyConnection:
     con.unregister("_runs_arrow")
     for table, schema in TABLES.items():
         globs = [str(run / table / "part-*.parquet") for run in chunks[table]]
+        con.execute(_table_view_sql(con, table, schema, globs))
+    for table, schema in OPTIONAL_TABLES.items():
+        globs = [str(run / table / "part-*.parquet") for run in run_dirs if any((run / table).glob("part-*.parquet"))]
         con.execute(_table_view_sql(con, table, schema, globs))
     install_helpers(con)
     return con

@@ -121,3 +121,16 @@ TABLES: dict[str, pa.Schema] = {
     "tokens": TOKENS_SCHEMA,
     "gpu_samples": GPU_SAMPLES_SCHEMA,
 }
+
+
+# Tables only some runs have: a view over them exists for every run (empty where a run has none).
+CLIENT_TOKENS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("req_id", pa.string()),
+    ("sample", pa.int32()),
+    ("idx", pa.int32()),                   # 0-based position in the output
+    ("token_id", pa.int32()),
+    ("ts_s", pa.float64()),                # when the client received it (same clock and origin as the trace)
+])
+
+OPTIONAL_TABLES = {"client_tokens": CLIENT_TOKENS_SCHEMA}   # kvtrace record --endpoint (docs/vllm.md)
