@@ -97,3 +97,26 @@ def test_a_writer_that_leaves_them_null_is_read_as_schema_1(tmp_path):
     assert con.sql("SELECT token_gaps_recorded FROM runs").fetchall() == [(False,)]
     assert con.sql("SELECT count(*) FROM _itl").fetchall() == [(5,)]
     assert analyses_of([nulls]) == analyses_of([run])
+
+
+def test_the_vllm_importer_writes_them(tmp_path):
+    """A vLLM capture is converted whole: its tokens get the same predecessors as the window's,
+    with several tokens of a sequence in one step (same ts_s) and a window that cuts a sequence."""
+    from tests.test_vllm_import import ITEMS, _chunk, _write_capture
+    from kvtrace.vllm_import import convert
+
+    tokens = [{"req_id": "1_kvt3-deadbeef", "sample": 0, "idx": i, "token_id": 5, "step": 3 + i // 2,
+               "ts_s": 101.0 + i // 2} for i in range(6)]            # two tokens a step
+    tokens += [{"req_id": "kvt0-1a2b3c4d", "sample": 0, "idx": i, "token_id": 5, "step": i, "ts_s": 99.0 + i}
+               for i in range(4)]                                    # idx 0 falls before the window
+    _write_capture(tmp_path / "capture", [_chunk({"tokens": tokens[::-1],
+                                                   "steps": [{"step": 0, "start_s": 99.0, "end_s": 99.1}]})])
+    run = tmp_path / "run"
+    convert(tmp_path / "capture", run, "run", list(ITEMS.values()), origin=100.0, interrupted=False,
+            window=(99.5, 200.0))
+    (run / "meta.json").write_text('{"run_id": "run", "schema_version": 2}')
+    con = db.connect([run])
+    assert con.sql("SELECT token_gaps_recorded FROM runs").fetchall() == [(True,)]
+    rows = con.sql(WINDOWED).fetchall()
+    assert len(rows) == 9 and all((r[5], r[6]) == (r[7], r[8]) for r in rows), rows
+    assert sorted(round(g, 6) for (g,) in con.sql("SELECT gap_ms FROM _itl").fetchall()) == [0.0] * 3 + [1000.0] * 4
