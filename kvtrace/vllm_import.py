@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvtrace.errors import KvtraceError
-from kvtrace.schema import TABLES
+from kvtrace.schema import TABLES, token_predecessors
 from kvtrace.vllm_capture.sink import COLUMNS
 
 _ID = re.compile(r"^(?:(?P<sample>\d+)_)?(?:cmpl-)?kvt(?P<index>\d+)(?:-(?P<prompt>\d+))?(?:-[0-9A-Za-z]+)?$")
@@ -102,6 +102,8 @@ def convert(capture: Path, run_dir: Path, run_id: str, items: list[Item], origin
     if not record_token_ids:
         columns["tokens"]["token_id"] = [None] * len(columns["tokens"]["token_id"])
     _fill_requests(columns, items, interrupted)
+    t = columns["tokens"]   # each token's predecessor in its sequence (schema 2), on the run's clock
+    t["prev_step"], t["prev_ts_s"] = token_predecessors(t["req_id"], t["sample"], t["idx"], t["step"], t["ts_s"])
     rows = {}
     for table, cols in columns.items():
         schema = TABLES[table]
