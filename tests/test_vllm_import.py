@@ -6,11 +6,21 @@ import pickle
 import pytest
 
 from kvtrace import db
+from kvtrace.schema import TABLES
 from kvtrace.vllm_capture.sink import COLUMNS
 from kvtrace.vllm_import import Item, convert, map_ids
 from tests.conftest import one_line_error
 
 ITEMS = {0: Item(0, "chat-a", 1, 0, 0.0, 40, 8, None), 3: Item(3, "chat-b", 2, 1, 0.5, 60, 16, 4)}
+
+
+def test_the_capture_writes_kvtraces_columns():
+    """The capture (which cannot import pyarrow) keeps its own column lists: they must be the trace's,
+    less run_id and the token predecessors, which the importer adds."""
+    added = {"run_id", "prev_step", "prev_ts_s"}
+    for table, columns in COLUMNS.items():
+        assert list(columns) == [c for c in TABLES[table].names if c not in added], table
+    assert set(COLUMNS) == set(TABLES) - {"gpu_samples"}
 
 
 def test_vllm_request_ids_map_back_to_the_workloads():
