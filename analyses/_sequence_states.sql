@@ -31,28 +31,24 @@ WITH marks AS (
     SELECT run_id, req_id, sample, finish_s, 3, -1, 'finished'
     FROM requests WHERE finish_s IS NOT NULL
     UNION ALL
-    SELECT e.run_id, e.req_id, e.sample, e.ts_s, 2, e.seq,
+    -- the events, read in one pass: a re-prefill is done when the step it completed in ends (its
+    -- row carries the step's scheduling time)
+    SELECT run_id, req_id, sample, ts_s, 2, seq,
            CASE
-               WHEN e.kind = 'admit' AND e.reason = 'new' THEN 'prefill'
-               WHEN e.kind = 'admit' AND e.reason = 'resume-recompute' THEN 'reprefill'
-               WHEN e.kind = 'admit' AND (r.first_token_s IS NULL OR e.ts_s < r.first_token_s) THEN 'prefill'
-               WHEN e.kind = 'admit' THEN 'decode'
-               WHEN e.reason = 'swap' THEN 'swapped'
+               WHEN kind = 'admit' AND reason = 'new' THEN 'prefill'
+               WHEN kind = 'admit' AND reason = 'resume-recompute' THEN 'reprefill'
+               WHEN kind IN ('admit', 'reprefill') AND (first_token_s IS NULL OR ts_s < first_token_s) THEN 'prefill'
+               WHEN kind IN ('admit', 'reprefill') THEN 'decode'
+               WHEN reason = 'swap' THEN 'swapped'
                ELSE 'preempted'
            END
-    FROM kv_events e
-    LEFT JOIN requests r USING (run_id, req_id, sample)
-    WHERE e.kind IN ('admit', 'preempt')
-    UNION ALL
-    -- a re-prefill is done when the step it completed in ends (its row carries the step's
-    -- scheduling time)
-    SELECT e.run_id, e.req_id, e.sample, coalesce(st.end_s, e.ts_s) AS ts_s, 2, e.seq,
-           CASE WHEN r.first_token_s IS NULL OR coalesce(st.end_s, e.ts_s) < r.first_token_s
-                THEN 'prefill' ELSE 'decode' END
-    FROM kv_events e
-    LEFT JOIN steps st USING (run_id, step)
-    LEFT JOIN requests r USING (run_id, req_id, sample)
-    WHERE e.kind = 'reprefill' AND e.reason IS DISTINCT FROM 'interrupted'
+    FROM (SELECT e.run_id, e.req_id, e.sample, e.seq, e.kind, e.reason, r.first_token_s,
+                 CASE WHEN e.kind = 'reprefill' THEN coalesce(st.end_s, e.ts_s) ELSE e.ts_s END AS ts_s
+          FROM kv_events e
+          LEFT JOIN requests r USING (run_id, req_id, sample)
+          LEFT JOIN steps st USING (run_id, step)
+          WHERE e.kind IN ('admit', 'preempt')
+             OR (e.kind = 'reprefill' AND e.reason IS DISTINCT FROM 'interrupted'))
 ),
 spans AS (
     SELECT run_id, req_id, sample, state, ts_s AS start_s,

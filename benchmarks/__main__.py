@@ -17,6 +17,7 @@ SUITES = {
     "kernels": "benchmarks.kernels",
     "sim-speed": "benchmarks.sim_speed",
     "sim-accuracy": "benchmarks.sim_accuracy",
+    "vllm-capture": "benchmarks.vllm_capture",
 }
 
 

@@ -296,10 +296,15 @@ def generate(run: Path, target_events: int, seed: int, chunk_rows: int,
             "sample": np.zeros(n, dtype=np.int32), "bytes": np.zeros(n, dtype=np.int64),
             "num_cached_tokens": np.zeros(n, dtype=np.int32),
         })
+        # each token's predecessor in its sequence (the tokens are in sequence, then idx, order)
+        first = b["tok_idx"] == 0
+        prev_step = np.concatenate([[0], b["tok_step"][:-1]])
         tokens.add({"req_id": pa.array(names[b["tok_seq"] + lo], pa.string()),
                     "sample": np.zeros(len(b["tok_seq"]), dtype=np.int32), "idx": b["tok_idx"],
                     "token_id": brng.integers(0, 49152, len(b["tok_seq"])), "step": b["tok_step"],
-                    "ts_s": end_s[b["tok_step"]]})
+                    "ts_s": end_s[b["tok_step"]],
+                    "prev_step": pa.array(prev_step, pa.int64(), mask=first),
+                    "prev_ts_s": pa.array(end_s[prev_step], pa.float64(), mask=first)})
 
     counts = {"requests": requests.close(), "steps": steps.close(), "kv_events": kv_events.close(),
               "tokens": tokens.close()}
@@ -378,6 +383,29 @@ def measure(argv: list[str], cwd: Path, rss_cap: float, timeout: float, env: dic
     return Measured(wall, usage.ru_utime + usage.ru_stime, max(usage.ru_maxrss * 1024, seen), stopped, error)
 
 
+def sweep_folder(runs: list[Path], out: Path) -> Path:
+    """A sweep folder (as `kvtrace sweep` writes one) whose points are `runs`: each point's run
+    folder holds its own meta.json with the sweep's marker and links to the run's tables."""
+    folder = out / ("sweep-" + "-".join(run.name for run in runs))
+    shutil.rmtree(folder, ignore_errors=True)
+    points = []
+    for index, run in enumerate(runs):
+        settings = {"trace": run.name}
+        point = folder / "runs" / run.name
+        point.mkdir(parents=True)
+        meta = json.loads((run / "meta.json").read_text())
+        meta["sweep"] = {"name": "scale", "index": index, "settings": settings}
+        (point / "meta.json").write_text(json.dumps(meta, indent=2))
+        for table in ("requests", "steps", "kv_events", "tokens"):
+            (point / table).symlink_to((run / table).resolve(), target_is_directory=True)
+        points.append({"index": index, "run_id": run.name, "settings": settings, "status": "completed",
+                       "returncode": 0, "error": None, "elapsed_s": None})
+    (folder / "sweep.json").write_text(json.dumps({
+        "version": 1, "name": "scale", "workload": "synthetic", "workload_sha256": "0" * 64, "shared_args": [],
+        "grid": {"trace": [run.name for run in runs]}, "created_at": "", "updated_at": "", "points": points}))
+    return folder
+
+
 def commands(run: Path, other: Path | None, which: str, out: Path) -> list[tuple[str, list[str]]]:
     """(label, kvtrace arguments) of every command measured on `run`."""
     names = list(TABLE_ANALYSES)
@@ -389,6 +417,9 @@ def commands(run: Path, other: Path | None, which: str, out: Path) -> list[tuple
               ("report", ["report", str(run), "--output", str(out / "report.html")])]
     if other is not None:
         found.append((f"compare (with {other.name})", ["compare", str(run), str(other)]))
+    points = [run] + ([other] if other is not None else [])
+    found.append((f"sweep show ({' + '.join(p.name for p in points)})",
+                  ["sweep", "show", str(sweep_folder(points, out))]))
     return found
 
 

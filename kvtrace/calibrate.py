@@ -5,8 +5,9 @@ start, host work included). A step costs
 
     period_ms - swap_ms  =  step_ms + prefill_token_ms * prefill + decode_token_ms * decode + kv_token_ms * kv
 
-fitted by least squares with every coefficient kept >= 0 (a negative cost would make a bigger step
-cheaper); the roofline's weights term is folded into step_ms (weights_ms = 0) and prefill attention
+fitted by least squares on relative error (each step's row divided by its period, so a 30 ms decode
+step weighs as much as a 600 ms prefill: latency percentiles are made of the many small steps) with
+every coefficient kept >= 0 (a negative cost would make a bigger step cheaper); the roofline's weights term is folded into step_ms (weights_ms = 0) and prefill attention
 into the per-token terms (attention_pair_ms = 0), since a trace records neither separately. Swaps are
 fitted on their own, `swap_ms + bytes * swap_byte_ms`, from the steps that swapped.
 """
@@ -74,7 +75,8 @@ def calibrate(runs: list[str | Path], name: str) -> tuple[HardwareProfile, dict]
                            f"{len(FITTED) * 3} (record longer runs)")
     x = np.column_stack([np.ones(len(period))] + [np.array(rows[f], dtype=float) for f in FEATURES])[usable]
     y = (period - swap_ms)[usable]
-    coef = nonnegative_lstsq(x, y)
+    weight = 1.0 / np.maximum(y, 1e-3)[:, None]
+    coef = nonnegative_lstsq(x * weight, y * weight[:, 0])
     error = fit_error(x @ coef, y)
     coefficients = dict(zip(FITTED, map(float, coef)))
     coefficients.update(weights_ms=0.0, attention_pair_ms=0.0)

@@ -52,8 +52,9 @@ def record(
     workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload JSONL (see docs/workload-format.md).")],
     model: Annotated[str, typer.Option(help=f"Model: {PRESETS_HELP}.")] = "smollm2-135m",
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Run folder (default: traces/runs/<time>-<model>, and traces/runs/latest points to it).")] = None,
-    engine: Annotated[str, typer.Option(help="real (run the model) or sim (the same scheduler and block manager, "
-                                             "step times from a cost model, virtual time; see docs/simulation.md).")] = "real",
+    engine: Annotated[str, typer.Option(help="real (run the model), sim (the same scheduler and block manager, "
+                                             "step times from a cost model, virtual time; see docs/simulation.md) "
+                                             "or vllm (an unmodified vLLM, recorded from inside; see docs/vllm.md).")] = "real",
     hardware: Annotated[str | None, typer.Option(help="--engine sim: h100-sxm (default), h200, a100-80gb, l40s, "
                                                       "cpu-here, or a profile JSON from kvtrace calibrate.")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
@@ -79,6 +80,16 @@ def record(
     backlog: Annotated[bool, typer.Option(help="All requests arrive at t=0.")] = False,
     no_token_ids: Annotated[bool, typer.Option("--no-token-ids", help="Do not record token ids.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
+    vllm_python: Annotated[str | None, typer.Option(help="--engine vllm: the Python of your vLLM environment "
+                                                         "(default: $KVTRACE_VLLM_PYTHON, or this one if it imports vllm).")] = None,
+    vllm_arg: Annotated[list[str] | None, typer.Option(help="--engine vllm: any other vLLM engine argument, KEY=VALUE "
+                                                           "(repeatable), e.g. enforce_eager=true.")] = None,
+    endpoint: Annotated[str | None, typer.Option(help="Replay against a running vllm serve that captures (http://HOST:PORT; "
+                                                      "implies --engine vllm; see kvtrace vllm-env).")] = None,
+    capture_dir: Annotated[Path | None, typer.Option(help="--endpoint: the server's capture folder (KVTRACE_CAPTURE_DIR).")] = None,
+    request_timeout: Annotated[float, typer.Option(help="--endpoint: seconds a request may wait for its next token.")] = 600.0,
+    self_check: Annotated[bool, typer.Option(help="--engine vllm: compare, every step, the pool state the captured "
+                                                  "events describe with vLLM's own (slower; the result is in meta.json).")] = False,
     sweep_point: Annotated[str | None, typer.Option(hidden=True, help="Set by kvtrace sweep: the point, as JSON, "
                                                                       "kept in meta.json under 'sweep'.")] = None,
 ) -> None:
@@ -87,8 +98,23 @@ def record(
         raise KvtraceError(f"--time-scale must be > 0, got {time_scale}")
     if max_requests is not None and max_requests < 1:
         raise KvtraceError(f"--max-requests must be >= 1, got {max_requests}")
+    if endpoint is not None:
+        if engine not in ("real", "vllm"):
+            raise KvtraceError("--endpoint records a vLLM server: drop --engine sim")
+        if capture_dir is None:
+            raise KvtraceError("--endpoint needs --capture-dir, the folder the server captures into")
+        engine = "vllm"
+    elif capture_dir is not None:
+        raise KvtraceError("--capture-dir goes with --endpoint")
+    if engine not in ("real", "sim", "vllm"):
+        raise KvtraceError(f"--engine must be one of real, sim, vllm, got {engine!r}")
     if dtype is None:
         dtype = "bfloat16" if engine == "sim" else "float32"
+    if engine == "vllm":
+        _record_vllm(locals())
+        return
+    if vllm_python is not None or vllm_arg or self_check:
+        raise KvtraceError("--vllm-python, --vllm-arg and --self-check are for --engine vllm")
     config = EngineConfig(
         model=model, load_format=load_format, device=device, dtype=dtype, seed=seed, block_size=block_size,
         engine=engine, hardware=hardware, kv_reserve=kv_reserve, gpu_memory_utilization=gpu_memory_utilization,
@@ -121,6 +147,71 @@ def record(
             tmp.unlink(missing_ok=True)
             tmp.symlink_to(run_dir.name)
             tmp.replace(latest)
+    recording.print_summary()
+    if status == "interrupted":
+        raise typer.Exit(code=130)
+
+
+@app.command("vllm-env")
+@user_errors
+def vllm_env(
+    capture_dir: Annotated[Path, typer.Option(help="Where the server's capture writes its chunks.")],
+    async_scheduling: Annotated[bool, typer.Option(help="The server schedules asynchronously (vLLM's default on GPUs).")] = False,
+) -> None:
+    """Shell lines that make `vllm serve` capture a kvtrace trace: eval "$(kvtrace vllm-env --capture-dir DIR)".
+
+    Then start the server with the scheduler they name, and replay against it with
+    kvtrace record --endpoint http://HOST:PORT --capture-dir DIR --model MODEL -w W.jsonl -o RUN.
+    """
+    from kvtrace.vllm_record import capture_path
+
+    folder = capture_dir.expanduser().resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    cls = "KvtraceAsyncScheduler" if async_scheduling else "KvtraceScheduler"
+    print(f'export PYTHONPATH="{capture_path()}${{PYTHONPATH:+:$PYTHONPATH}}"')
+    print(f'export KVTRACE_CAPTURE_DIR="{folder}"')
+    print(f'export KVTRACE_SCHEDULER_CLS="kvtrace.vllm_capture.scheduler.{cls}"')
+    print('# now: vllm serve MODEL --scheduler-cls "$KVTRACE_SCHEDULER_CLS" ...')
+
+
+def _record_vllm(a: dict) -> None:
+    """`kvtrace record --engine vllm`: the same checks and run folder, vLLM doing the work."""
+    from kvtrace.vllm_record import VllmOptions, VllmRecording, refuse_unsupported
+
+    if a["hardware"] is not None:
+        raise KvtraceError("--hardware is for --engine sim")
+    refuse_unsupported(preemption_mode=a["preemption_mode"], preemption_policy=a["preemption_policy"],
+                       kv_reserve=a["kv_reserve"], num_cpu_blocks=a["num_cpu_blocks"], swap_space=a["swap_space"],
+                       device=a["device"], load_format=a["load_format"],
+                       gpu_memory_utilization=a["gpu_memory_utilization"])
+    opts = VllmOptions(model=a["model"], dtype=a["dtype"], seed=a["seed"], block_size=a["block_size"],
+                       num_gpu_blocks=a["num_gpu_blocks"], kv_cache_memory=a["kv_cache_memory"],
+                       max_num_seqs=a["max_num_seqs"], max_num_batched_tokens=a["max_num_batched_tokens"],
+                       max_model_len=a["max_model_len"], enable_prefix_caching=a["enable_prefix_caching"],
+                       preemption_policy=a["preemption_policy"], vllm_python=a["vllm_python"],
+                       vllm_args=list(a["vllm_arg"] or []), self_check=a["self_check"])
+    from kvtrace.run import default_run_dir
+
+    console = Console(stderr=True, quiet=a["quiet"])
+    out = a["out"]
+    run_dir = out or default_run_dir(Path(a["model"]).name)
+    server = a["endpoint"] is not None
+    if server and not (Path(a["capture_dir"]) / "capture.json").is_file():
+        raise KvtraceError(f"--capture-dir {a['capture_dir']}: no capture.json — start the server with "
+                           f"eval \"$(kvtrace vllm-env --capture-dir {a['capture_dir']})\" and kvtrace's --scheduler-cls")
+    recording = VllmRecording(opts, a["workload"], run_dir, max_requests=a["max_requests"], time_scale=a["time_scale"],
+                              backlog=a["backlog"], record_token_ids=not a["no_token_ids"],
+                              command=" ".join(["kvtrace", *sys.argv[1:]]), console=console, server=server)
+    if a["sweep_point"] is not None:
+        recording.meta["sweep"] = json.loads(a["sweep_point"])
+    if server:
+        from kvtrace.vllm_client import record_endpoint
+
+        with DeferredSignals() as signals:
+            status = record_endpoint(recording, a["endpoint"], a["capture_dir"], timeout=a["request_timeout"],
+                                     stop=signals.raise_pending)
+    else:
+        status = recording.run()
     recording.print_summary()
     if status == "interrupted":
         raise typer.Exit(code=130)

@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from kvtrace.errors import KvtraceError
-from kvtrace.schema import TABLES
+from kvtrace.schema import OPTIONAL_TABLES, TABLES
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -75,6 +76,7 @@ RUNS_SCHEMA = pa.schema([
     ("time_scale", pa.float64()),
     ("seed", pa.int64()),
     ("meta_json", pa.string()),
+    ("token_gaps_recorded", pa.bool_()),   # the tokens carry prev_step / prev_ts_s (schema 2)
 ])
 
 _DUCKDB_TYPES = {
@@ -186,7 +188,33 @@ def _runs_row(run: Path, meta: dict, ordinal: int) -> dict:
         "time_scale": get("replay", "time_scale"),
         "seed": meta.get("seed"),
         "meta_json": json.dumps(meta, sort_keys=True),
+        "token_gaps_recorded": _token_gaps_recorded(run),
     }
+
+
+def _token_gaps_recorded(run: Path) -> bool:
+    """Whether the run's tokens carry each token's predecessor (schema 2), read from the chunks'
+    footers: the column is there with values (a writer that has the column but leaves it null is
+    read as schema 1, whose predecessors are computed: slower, never wrong; so is a run whose
+    every token is a first one, where there is nothing to compute)."""
+    for chunk in sorted((run / "tokens").glob("part-*.parquet")):
+        try:
+            meta = pq.ParquetFile(chunk).metadata
+        except (OSError, pa.ArrowException) as exc:
+            raise KvtraceError(f"{chunk}: cannot read the tokens chunk ({exc})") from exc
+        names = meta.schema.names
+        if "prev_ts_s" not in names:
+            return False
+        column = names.index("prev_ts_s")
+        for group in range(meta.num_row_groups):
+            stats = meta.row_group(group).column(column).statistics
+            if stats is None or not stats.has_null_count:   # no statistics: read the column
+                if pq.read_table(chunk, columns=["prev_ts_s"]).column(0).null_count < meta.num_rows:
+                    return True
+                break
+            if stats.null_count < meta.row_group(group).num_rows:
+                return True
+    return False
 
 
 def connect(runs: list[str | Path]) -> duckdb.DuckDBPyConnection:
@@ -220,6 +248,9 @@ def connect(runs: list[str | Path]) -> duckdb.DuckDBPyConnection:
     con.unregister("_runs_arrow")
     for table, schema in TABLES.items():
         globs = [str(run / table / "part-*.parquet") for run in chunks[table]]
+        con.execute(_table_view_sql(con, table, schema, globs))
+    for table, schema in OPTIONAL_TABLES.items():
+        globs = [str(run / table / "part-*.parquet") for run in run_dirs if any((run / table).glob("part-*.parquet"))]
         con.execute(_table_view_sql(con, table, schema, globs))
     install_helpers(con)
     return con
@@ -283,7 +314,12 @@ class AnalysisInfo:
 
 
 def analyses_dir() -> Traversable:
-    """Where the .sql files are: the installed `kvtrace.analyses` package, else the repo's folder."""
+    """Where the .sql files are: the folder beside this package in a source checkout (so that a
+    checkout, or a git worktree, runs its own SQL even when another checkout is the editable
+    install), else the installed `kvtrace.analyses` package."""
+    beside = Path(__file__).resolve().parent.parent / "analyses"
+    if (beside / "__init__.py").is_file() and (beside / "summary.sql").is_file():
+        return beside
     try:
         return importlib.resources.files("kvtrace.analyses")
     except ModuleNotFoundError:
@@ -371,6 +407,35 @@ def keep(con: duckdb.DuckDBPyConnection, *helpers: str) -> None:
             raise ValueError(f"not a helper view: {name!r}")
         con.execute(f"CREATE OR REPLACE TEMP TABLE {name}_kept AS SELECT * FROM {name}")
         con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {name}_kept")
+
+
+def keep_calls(con: duckdb.DuckDBPyConnection, *macros: str, **params: object) -> None:
+    """Compute table macros once for this connection, as `keep` does views: each macro, called
+    with `params` (matched to its parameters by name, every one given), becomes a read of a
+    temporary table of its rows. Called with other values it fails, never answers for the kept
+    ones. For the thrash helpers that the dashboard's analyses each call with the same params."""
+    for name in macros:
+        if not re.fullmatch(r"_[a-z0-9_]+", name):
+            raise ValueError(f"not a helper macro: {name!r}")
+        found = con.execute("SELECT parameters FROM duckdb_functions() WHERE function_name = ? "
+                            "AND function_type = 'table_macro'", [name]).fetchall()
+        if len(found) != 1:
+            raise ValueError(f"not a helper macro: {name!r}")
+        names = found[0][0]
+        values = []
+        for param in names:
+            value = params[param]
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name}: param {param} must be a number to be kept, got {value!r}")
+            values.append(value)
+        # bound as run_analysis binds them (a float is a DOUBLE, not a DECIMAL literal)
+        con.execute(f"CREATE OR REPLACE TEMP TABLE {name}_kept AS SELECT * FROM {name}"
+                    f"({', '.join('?' * len(values))})", values)
+        same = " AND ".join(f"{param} = {value!r}::{'DOUBLE' if isinstance(value, float) else 'BIGINT'}"
+                            for param, value in zip(names, values))
+        con.execute(f"CREATE OR REPLACE MACRO {name}({', '.join(names)}) AS TABLE "
+                    f"SELECT * FROM {name}_kept WHERE CASE WHEN {same} THEN true "
+                    f"ELSE error('{name}: kept for other params') END")
 
 
 def _coerce(info: AnalysisInfo, param: AnalysisParam, value: object) -> float | int | str:

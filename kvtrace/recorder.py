@@ -21,6 +21,7 @@ from engine.events import RequestStats, StepRecord
 from kvtrace.schema import TABLES
 
 _REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id"]
+_NO_TOKEN = (None, None)   # a sequence's first token has no predecessor
 
 
 class TraceWriter:
@@ -36,6 +37,7 @@ class TraceWriter:
         self._columns = {name: {c: [] for c in schema.names if c != "run_id"} for name, schema in TABLES.items()}
         self._part = {name: 0 for name in TABLES}
         self._last_flush = time.monotonic()
+        self._last_token: dict[tuple[str, int], tuple[int, float]] = {}  # (req_id, sample) -> (step, ts_s)
         self._lock = threading.Lock()  # gpu_samples arrive from the NVML thread
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -92,7 +94,17 @@ class TraceWriter:
             t["token_id"].extend(r.token_ids if self.record_token_ids else [None] * num_tokens)
             t["step"].extend([r.step] * num_tokens)
             t["ts_s"].extend([r.end_s] * num_tokens)
+            # each token's predecessor in its sequence, so that an ITL gap is one row (schema 2)
+            last = self._last_token
+            this = (r.step, r.end_s)
+            prev_step, prev_ts_s = t["prev_step"], t["prev_ts_s"]
+            for key in zip(r.token_req_ids, r.token_samples):
+                step, ts_s = last.get(key, _NO_TOKEN)
+                prev_step.append(step)
+                prev_ts_s.append(ts_s)
+                last[key] = this
         for stats in r.finished:
+            self._last_token.pop((stats.req_id, stats.sample), None)
             self.add_request(stats)
         if (time.monotonic() - self._last_flush >= self.flush_seconds
                 or len(self._columns["tokens"]["ts_s"]) >= self.max_rows

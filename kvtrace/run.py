@@ -198,15 +198,20 @@ class Recording:
 
     def print_summary(self) -> None:
         """The run's headline figures, from the SQL library like everywhere else."""
-        if self.console.quiet:
-            return
-        rows = db.run_analysis(db.connect([self.run_dir]), "summary").to_pylist()
-        if not rows:  # interrupted before a chunk was written
-            self.console.print(f"[bold]{self.meta['status']}[/]: nothing recorded in {self.run_dir}")
-            return
-        s = rows[0]
-        self.console.print(
-            f"[bold]{self.meta['status']}[/]: {s['completed_requests']}/{len(self.items)} requests, "
-            f"{s['output_tokens']} tokens in {s['duration_s']:.1f} s ({s['output_tok_s'] or 0:.1f} tok/s), "
-            f"{s['preemptions']} preemptions")
-        self.console.print(f"trace: {self.run_dir}   next: kvtrace analyze {self.run_dir}")
+        print_recorded(self.console, self.run_dir, self.meta["status"], len(self.items))
+
+
+def print_recorded(console: Console, run_dir: Path, status: str, num_requests: int, label: str = "") -> None:
+    """A recording's last lines: its headline figures from summary.sql, and what to run next."""
+    if console.quiet:
+        return
+    rows = db.run_analysis(db.connect([run_dir]), "summary").to_pylist()
+    if not rows:  # interrupted before a chunk was written
+        console.print(f"[bold]{status}[/]: nothing recorded in {run_dir}")
+        return
+    s = rows[0]
+    console.print(
+        f"[bold]{status}[/]{label}: {s['completed_requests']}/{num_requests} requests, "
+        f"{s['output_tokens']} tokens in {s['duration_s']:.1f} s ({s['output_tok_s'] or 0:.1f} tok/s), "
+        f"{s['preemptions']} preemptions")
+    console.print(f"trace: {run_dir}   next: kvtrace analyze {run_dir}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2                 # 2: tokens.prev_step and tokens.prev_ts_s (see docs/trace-format.md)
 
 # One row per sequence (a request with n samples has n rows), written when it finishes.
 REQUESTS_SCHEMA = pa.schema([
@@ -81,7 +81,26 @@ TOKENS_SCHEMA = pa.schema([
     ("token_id", pa.int32()),              # null with --no-token-ids
     ("step", pa.int64()),                  # step that produced it
     ("ts_s", pa.float64()),                # when it became available (end of that step)
+    # the same sequence's previous token (idx - 1): null for idx 0. Schema 2; older traces lack
+    # them and the analyses compute them (analyses/_itl.sql), so ITL is a scan, not a regrouping.
+    ("prev_step", pa.int64()),
+    ("prev_ts_s", pa.float64()),
 ])
+
+
+
+def token_predecessors(req_id: list, sample: list, idx: list, step: list, ts_s: list) -> tuple[list, list]:
+    """prev_step and prev_ts_s of a table's tokens, for a writer that has them all at once: each
+    token's predecessor is the previous token of its sequence by idx (None for the first), as
+    analyses/_itl.sql computes it for traces without these columns."""
+    order = sorted(range(len(idx)), key=lambda i: (req_id[i], sample[i], idx[i]))
+    prev_step: list = [None] * len(idx)
+    prev_ts_s: list = [None] * len(idx)
+    for before, i in zip(order, order[1:]):
+        if req_id[before] == req_id[i] and sample[before] == sample[i]:
+            prev_step[i], prev_ts_s[i] = step[before], ts_s[before]
+    return prev_step, prev_ts_s
+
 
 # NVML samples at ~10 Hz (CUDA only).
 GPU_SAMPLES_SCHEMA = pa.schema([
@@ -102,3 +121,16 @@ TABLES: dict[str, pa.Schema] = {
     "tokens": TOKENS_SCHEMA,
     "gpu_samples": GPU_SAMPLES_SCHEMA,
 }
+
+
+# Tables only some runs have: a view over them exists for every run (empty where a run has none).
+CLIENT_TOKENS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("req_id", pa.string()),
+    ("sample", pa.int32()),
+    ("idx", pa.int32()),                   # 0-based position in the output
+    ("token_id", pa.int32()),
+    ("ts_s", pa.float64()),                # when the client received it (same clock and origin as the trace)
+])
+
+OPTIONAL_TABLES = {"client_tokens": CLIENT_TOKENS_SCHEMA}   # kvtrace record --endpoint (docs/vllm.md)

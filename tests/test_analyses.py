@@ -117,7 +117,8 @@ def test_every_analysis_documents_itself_and_runs_on_an_empty_run(tmp_path):
         "itl_cliffs", "itl_cliff_summary", "swap", "pool", "block_churn", "request_timeline", "most_preempted",
         "summary"}
     # nothing happened in this run: no per-sequence or per-event row, and the per-run figures are zero
-    no_rows = {"itl_cliff_summary", "itl_cliffs", "latency", "latency_cdf", "most_preempted", "recompute_by_request",
+    no_rows = {"client_latency", "itl_cliff_summary", "itl_cliffs", "latency", "latency_cdf", "most_preempted",
+               "recompute_by_request",
                "request_timeline", "swap", "thrash_windows"}
     for info in infos:
         assert info.description.endswith(("?", ".")), info.name

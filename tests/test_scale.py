@@ -111,3 +111,37 @@ def test_memory_settings(monkeypatch, tmp_path, big_run):
     monkeypatch.setenv("KVTRACE_MEMORY_LIMIT", "lots")
     with pytest.raises(KvtraceError, match="KVTRACE_MEMORY_LIMIT='lots'"):
         db.connect([big_run])
+
+
+def test_thrash_windows_are_the_sliding_frame(big_run):
+    """_thrash_steps sums each step's window as a difference of running sums (a scan, not a
+    sliding frame); on 22k steps it must give what the RANGE frame it stands for gives."""
+    con = db.connect([big_run])
+    frame = con.sql("""
+        SELECT step, count(*) OVER w, sum(preemptions) OVER w, sum(recompute_tokens) OVER w,
+               sum(prefill_tokens + decode_tokens) OVER w,
+               count(*) FILTER (WHERE used_blocks >= 0.95 * total_blocks) OVER w
+        FROM steps
+        WINDOW w AS (PARTITION BY run_id ORDER BY end_s / 5 RANGE BETWEEN 1 PRECEDING AND CURRENT ROW)
+        ORDER BY step""").fetchall()
+    running = con.sql("""
+        SELECT step, window_steps, window_preemptions, recompute_share, full_pool_share, preempt_per_s
+        FROM _thrash_steps(5, 0.95, 1, 0.2, 0.5) ORDER BY step""").fetchall()
+    assert len(frame) == len(running) > 20_000
+    for (step, steps, preempts, recomputed, processed, full), got in zip(frame, running):
+        assert got == (step, steps, preempts, recomputed / processed if processed else 0, full / steps, preempts / 5)
+    assert 0 < sum(got[2] > 0 for got in running) < len(running)   # windows with and without preemptions
+
+
+def test_kept_thrash_helpers_answer_only_for_their_params(tmp_path):
+    """The dashboard computes the thrash helpers once (db.keep_calls); called again with the kept
+    params they give the same rows, with other params they fail rather than answer for the kept."""
+    from tests.tracegen import recompute_run
+
+    con = db.connect([recompute_run(tmp_path)])
+    params = db.analysis_params("thrash")
+    fresh = db.records(db.run_analysis(con, "thrash"))
+    db.keep_calls(con, "_thrash_steps", "_thrash_windows", "_thrash", **params)
+    assert db.records(db.run_analysis(con, "thrash")) == fresh
+    with pytest.raises(KvtraceError, match="kept for other params"):
+        db.run_analysis(con, "thrash", window_s=2)

@@ -224,7 +224,7 @@ def test_gpu_memory_utilization_sizes_the_pool_as_vllm_does(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--hardware", "tpu-v9"], "--hardware 'tpu-v9': not a built-in profile"),
     (["--kv-reserve", "some"], "--kv-reserve must be one of none, max-model-len, max-tokens"),
-    (["--engine", "fake"], "--engine must be one of real, sim"),
+    (["--engine", "fake"], "--engine must be one of real, sim, vllm"),
 ])
 def test_bad_sim_options_are_one_line_errors(tmp_path, args, message):
     w = write_workload(tmp_path / "w.jsonl", [{"arrival_s": 0, "prompt_tokens": 10, "max_tokens": 4}])

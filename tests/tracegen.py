@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvtrace.schema import SCHEMA_VERSION, TABLES
+from kvtrace.schema import SCHEMA_VERSION, TABLES, token_predecessors
 
 WORKLOAD_SHA = "a" * 64
 
@@ -60,9 +60,28 @@ def _merge(base: dict, overrides: dict) -> dict:
     return out
 
 
-def write_table(run: Path, table: str, rows: list[dict], chunk_rows: int | None = None) -> None:
-    """Write `rows` as chunks of `table` (no chunk at all when there are no rows)."""
+TOKEN_GAP_COLUMNS = ("prev_step", "prev_ts_s")   # schema 2: each token's predecessor
+
+
+def with_token_gaps(rows: list[dict]) -> list[dict]:
+    """Token rows with each one's predecessor in its sequence filled in (kvtrace.schema's
+    token_predecessors, as a writer of schema 2 does), where a row does not set them itself."""
+    columns = {name: [row.get(name, 0 if name == "sample" else None) for row in rows]
+               for name in ("req_id", "sample", "idx", "step", "ts_s")}
+    prev_step, prev_ts_s = token_predecessors(*columns.values())
+    return [{"prev_step": p, "prev_ts_s": t, **row} for row, p, t in zip(rows, prev_step, prev_ts_s)]
+
+
+def write_table(run: Path, table: str, rows: list[dict], chunk_rows: int | None = None,
+                token_gaps: bool = True) -> None:
+    """Write `rows` as chunks of `table` (no chunk at all when there are no rows). Tokens get their
+    predecessors filled in; `token_gaps=False` writes them without those columns, as a trace of
+    schema 1 (before they existed) was written."""
     schema = TABLES[table]
+    if table == "tokens" and token_gaps:
+        rows = with_token_gaps(rows)
+    elif table == "tokens":
+        schema = pa.schema([f for f in schema if f.name not in TOKEN_GAP_COLUMNS])
     folder = run / table
     folder.mkdir(parents=True, exist_ok=True)
     rows = [{"run_id": run.name, **row} for row in rows]
@@ -74,14 +93,18 @@ def write_table(run: Path, table: str, rows: list[dict], chunk_rows: int | None 
 
 def write_run(root: Path, run_id: str, *, requests: list[dict] = (), steps: list[dict] = (),
               kv_events: list[dict] = (), tokens: list[dict] = (), gpu_samples: list[dict] = (),
-              meta: dict | None = None, chunk_rows: int | None = None) -> Path:
-    """A run folder `root/run_id` with meta.json (defaults merged with `meta`) and the tables."""
+              meta: dict | None = None, chunk_rows: int | None = None, token_gaps: bool = True) -> Path:
+    """A run folder `root/run_id` with meta.json (defaults merged with `meta`) and the tables;
+    `token_gaps=False`: a trace of schema 1, whose tokens lack prev_step and prev_ts_s."""
     run = Path(root) / run_id
     run.mkdir(parents=True, exist_ok=True)
-    (run / "meta.json").write_text(json.dumps(_merge(default_meta(run_id), meta or {}), indent=2))
+    meta = _merge(default_meta(run_id), meta or {})
+    if not token_gaps:
+        meta["schema_version"] = 1
+    (run / "meta.json").write_text(json.dumps(meta, indent=2))
     tables = {"requests": requests, "steps": steps, "kv_events": kv_events, "tokens": tokens}
     for table, rows in tables.items():
-        write_table(run, table, list(rows), chunk_rows)
+        write_table(run, table, list(rows), chunk_rows, token_gaps)
     if gpu_samples:
         write_table(run, "gpu_samples", list(gpu_samples), chunk_rows)
     return run
@@ -138,8 +161,8 @@ def _requests(b_swaps: int, b_recomputed: int) -> list[dict]:
     ]
 
 
-def recompute_run(root: Path, run_id: str = "rec", **meta) -> Path:
-    """The golden run in recompute mode: 3 device blocks of 4 positions."""
+def recompute_run(root: Path, run_id: str = "rec", *, token_gaps: bool = True, **meta) -> Path:
+    """The golden run in recompute mode: 3 device blocks of 4 positions (`token_gaps`: see write_run)."""
     steps = _steps([
         # step dev_ms run wait swp  pre dec rec pmt free used cached total kv
         (0, 200.0, 1, 0, 0, 6, 0, 0, 0, 1, 2, 0, 3, 6),
@@ -166,11 +189,11 @@ def recompute_run(root: Path, run_id: str = "rec", **meta) -> Path:
         (5, "end", "free", "B", [0, 1], 0, "finish", {}),
     ])
     return write_run(root, run_id, requests=_requests(0, 4), steps=steps, kv_events=events,
-                     tokens=_tokens(), meta=meta)
+                     tokens=_tokens(), meta=meta, token_gaps=token_gaps)
 
 
-def swap_run(root: Path, run_id: str = "swp", **meta) -> Path:
-    """The golden run in swap mode: 6 device blocks of 2 positions, 1 MB each."""
+def swap_run(root: Path, run_id: str = "swp", *, token_gaps: bool = True, **meta) -> Path:
+    """The golden run in swap mode: 6 device blocks of 2 positions, 1 MB each (`token_gaps`: see write_run)."""
     steps = _steps([
         # step dev_ms run wait swp  pre dec rec pmt free used cached total kv
         (0, 200.0, 1, 0, 0, 6, 0, 0, 0, 3, 3, 0, 6, 6),
@@ -204,4 +227,4 @@ def swap_run(root: Path, run_id: str = "swp", **meta) -> Path:
     defaults = {"engine_config": {"block_size": 2, "num_gpu_blocks": 6, "preemption_mode": "swap"},
                 "kv_pool": {"num_gpu_blocks": 6, "block_size": 2, "total_bytes": 6_000_000}}
     return write_run(root, run_id, requests=_requests(1, 0), steps=steps, kv_events=events,
-                     tokens=_tokens(), meta=_merge(defaults, meta))
+                     tokens=_tokens(), meta=_merge(defaults, meta), token_gaps=token_gaps)

@@ -1,0 +1,117 @@
+"""Refuse to capture when vLLM's internals moved: every name, parameter and field the capture uses.
+
+vLLM says its scheduler interface is not public, so each release may rename what the capture
+wraps. Rather than a broken engine or a silently partial trace, the capture checks at start-up that
+every method it wraps exists with the parameters it passes or reads, and every field it reads is
+there; the first thing missing stops the engine with a message naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+SUPPORTED = ((0, 32), (0, 33))   # vLLM minor versions this capture was built and checked against
+
+# (method, parameters the capture relies on)
+SCHEDULER_METHODS = {
+    "schedule": (),
+    "update_from_output": ("scheduler_output", "model_runner_output"),
+    "_preempt_request": ("request",),
+    "_free_request": ("request",),
+    "add_request": ("request",),
+    "reset_prefix_cache": (),
+    "shutdown": (),
+}
+KV_CACHE_MANAGER_METHODS = {
+    "allocate_slots": ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks"),
+    "free": ("request",),
+    "get_block_ids": ("request_id",),
+}
+BLOCK_POOL_METHODS = {
+    "get_new_blocks": ("num_blocks",),
+    "free_blocks": ("ordered_blocks",),
+    "touch": ("blocks",),
+    "_maybe_evict_cached_block": ("block",),
+    "get_num_free_blocks": (),
+}
+BLOCK_FIELDS = ("block_id", "ref_cnt", "block_hash", "is_null")
+REQUEST_FIELDS = ("request_id", "status", "num_computed_tokens", "num_tokens", "num_prompt_tokens", "max_tokens",
+                  "num_output_tokens", "arrival_time", "priority")
+STATUSES = ("WAITING", "RUNNING", "PREEMPTED", "FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED",
+            "FINISHED_IGNORED")
+SCHEDULER_FIELDS = ("running", "waiting", "kv_cache_manager", "block_size")
+
+
+class VllmChanged(RuntimeError):
+    """vLLM lacks something the capture needs; the message names it."""
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def check_version(version: str) -> None:
+    if version_tuple(version) not in SUPPORTED:
+        supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED)
+        raise VllmChanged(f"vLLM {version} is outside the versions this capture supports ({supported}); "
+                          f"set KVTRACE_VLLM_ANY_VERSION=1 to try it (the name check still runs)")
+
+
+def _check_methods(owner: object, what: str, methods: dict[str, tuple[str, ...]]) -> None:
+    for name, params in methods.items():
+        method = getattr(owner, name, None)
+        if not callable(method):
+            raise VllmChanged(f"vLLM changed: {what}.{name} is gone (the capture wraps it)")
+        try:
+            signature = inspect.signature(method)
+        except (TypeError, ValueError):
+            continue
+        missing = [p for p in params if p not in signature.parameters]
+        if missing:
+            raise VllmChanged(f"vLLM changed: {what}.{name} has no parameter {missing[0]!r} "
+                              f"(it takes {', '.join(signature.parameters)})")
+
+
+def _fields_of(cls: type) -> set[str]:
+    names = set(dir(cls))
+    if dataclasses.is_dataclass(cls):
+        names |= {f.name for f in dataclasses.fields(cls)}
+    names |= set(getattr(cls, "__annotations__", {}))
+    for base in getattr(cls, "__mro__", ()):
+        names |= set(getattr(base, "__annotations__", {}))
+        names |= set(getattr(base, "__slots__", ()) or ())
+    return names
+
+
+def check_classes(scheduler_cls: type, kv_cache_manager_cls: type, block_pool_cls: type, block_cls: type,
+                  request_cls: type, status_cls: type) -> None:
+    """Raise VllmChanged naming the first missing method, parameter or field."""
+    _check_methods(scheduler_cls, "Scheduler", SCHEDULER_METHODS)
+    _check_methods(kv_cache_manager_cls, "KVCacheManager", KV_CACHE_MANAGER_METHODS)
+    _check_methods(block_pool_cls, "BlockPool", BLOCK_POOL_METHODS)
+    fields = _fields_of(block_cls)
+    for name in BLOCK_FIELDS:
+        if name not in fields:
+            raise VllmChanged(f"vLLM changed: KVCacheBlock.{name} is gone")
+    fields = _fields_of(request_cls)
+    source = inspect.getsource(request_cls) if hasattr(request_cls, "__init__") else ""
+    for name in REQUEST_FIELDS:
+        if name not in fields and f"self.{name}" not in source:
+            raise VllmChanged(f"vLLM changed: Request.{name} is gone")
+    for name in STATUSES:
+        if not hasattr(status_cls, name):
+            raise VllmChanged(f"vLLM changed: RequestStatus.{name} is gone")
+
+
+def check_instance(scheduler: object) -> None:
+    for name in SCHEDULER_FIELDS:
+        if not hasattr(scheduler, name):
+            raise VllmChanged(f"vLLM changed: Scheduler.{name} is gone")
+    pool = getattr(scheduler.kv_cache_manager, "block_pool", None)
+    for name in ("num_gpu_blocks", "null_block", "blocks"):
+        if not hasattr(pool, name):
+            raise VllmChanged(f"vLLM changed: BlockPool.{name} is gone")
