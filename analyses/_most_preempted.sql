@@ -16,7 +16,7 @@ recomputed AS (
 ),
 stalls AS (
     SELECT run_id, req_id, sample, sum(end_s - start_s) * 1000 AS stall_ms
-    FROM _sequence_spans
+    FROM _stall_spans
     WHERE state IN ('preempted', 'swapped')
     GROUP BY run_id, req_id, sample
 )
