@@ -133,6 +133,22 @@ def test_thrash_windows_are_the_sliding_frame(big_run):
     assert 0 < sum(got[2] > 0 for got in running) < len(running)   # windows with and without preemptions
 
 
+def test_thrash_window_includes_a_step_exactly_window_s_before(tmp_path):
+    """A step that ended exactly window_s before another is in that step's window (the frame's
+    RANGE 1 PRECEDING includes it): the golden run's steps end every 0.25 s, exact in binary."""
+    from tests.tracegen import recompute_run
+
+    con = db.connect([recompute_run(tmp_path)])
+    frame = con.sql("""
+        SELECT step, count(*) OVER w, sum(preemptions) OVER w FROM steps
+        WINDOW w AS (PARTITION BY run_id ORDER BY end_s / 0.5 RANGE BETWEEN 1 PRECEDING AND CURRENT ROW)
+        ORDER BY step""").fetchall()
+    running = con.sql("SELECT step, window_steps, window_preemptions FROM _thrash_steps(0.5, 0.95, 1, 0.2, 0.5) "
+                      "ORDER BY step").fetchall()
+    assert running == frame
+    assert [steps for _, steps, _ in running] == [1, 2, 3, 3, 3, 3]
+
+
 def test_kept_thrash_helpers_answer_only_for_their_params(tmp_path):
     """The dashboard computes the thrash helpers once (db.keep_calls); called again with the kept
     params they give the same rows, with other params they fail rather than answer for the kept."""
