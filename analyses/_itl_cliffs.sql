@@ -33,7 +33,7 @@ stalls AS (
            sum(greatest(least(s.end_s, c.end_s) - greatest(s.start_s, c.start_s), 0) * 1000)
                FILTER (WHERE s.state = 'reprefill') AS reprefill_ms
     FROM cliffs c
-    JOIN _sequence_spans s
+    JOIN _stall_spans s
       ON s.run_id = c.run_id AND s.req_id = c.req_id AND s.sample = c.sample
      AND s.start_s < c.end_s AND s.end_s > c.start_s
      AND s.state IN ('preempted', 'swapped', 'reprefill')

@@ -18,6 +18,12 @@
 --                  so two neighbours can be in the same state (sums over a state need no merging).
 --                  start_seq is kv_events.seq of the event whose mark began the interval (the
 --                  preempt, the admit, the reprefill), null when it began at arrival or first token.
+-- _stall_spans:    the rows of _sequence_spans in state preempted, swapped or reprefill (what the
+--                  cliffs and the most preempted read), computed without the window over every
+--                  mark: a stall starts at an event (a preempt, an admit resume-recompute) and
+--                  ends at the next mark, whose time is the least of the next event's (a window
+--                  over the events only) and of the sequence's arrival, first token and finish
+--                  where they sort after it (later, or the finish at the same time).
 -- _sequence_states: the same with neighbours in the same state merged (for display); start_seq is
 --                  the first merged interval's
 CREATE OR REPLACE VIEW _sequence_spans AS
@@ -60,6 +66,41 @@ spans AS (
 SELECT run_id, req_id, sample, state, start_s, end_s, start_seq
 FROM spans
 WHERE state <> 'finished' AND end_s > start_s;
+
+CREATE OR REPLACE VIEW _stall_spans AS
+WITH events AS (
+    SELECT e.run_id, e.req_id, e.sample, e.seq,
+           CASE WHEN e.kind = 'reprefill' THEN coalesce(st.end_s, e.ts_s) ELSE e.ts_s END AS ts_s,
+           CASE WHEN e.kind = 'admit' AND e.reason = 'resume-recompute' THEN 'reprefill'
+                WHEN e.kind = 'preempt' AND e.reason = 'swap' THEN 'swapped'
+                WHEN e.kind = 'preempt' THEN 'preempted' END AS state
+    FROM kv_events e
+    LEFT JOIN steps st USING (run_id, step)
+    WHERE e.kind IN ('admit', 'preempt')
+       OR (e.kind = 'reprefill' AND e.reason IS DISTINCT FROM 'interrupted')
+),
+starts AS (
+    -- marks at the same time are ordered by seq among the events, as in _sequence_spans
+    SELECT run_id, req_id, sample, seq, ts_s, state,
+           lead(ts_s) OVER (PARTITION BY run_id, req_id, sample ORDER BY ts_s, seq) AS next_event_s
+    FROM events
+    QUALIFY state IS NOT NULL
+),
+spans AS (
+    SELECT s.run_id, s.req_id, s.sample, s.state, s.ts_s AS start_s,
+           -- the next mark's time: arrival and first token sort before an event of their time,
+           -- the finish after it (least ignores nulls)
+           least(s.next_event_s,
+                 CASE WHEN r.arrival_s > s.ts_s THEN r.arrival_s END,
+                 CASE WHEN r.first_token_s > s.ts_s THEN r.first_token_s END,
+                 CASE WHEN r.finish_s >= s.ts_s THEN r.finish_s END) AS end_s,
+           s.seq AS start_seq
+    FROM starts s
+    LEFT JOIN requests r USING (run_id, req_id, sample)
+)
+SELECT run_id, req_id, sample, state, start_s, end_s, start_seq
+FROM spans
+WHERE end_s > start_s;
 
 CREATE OR REPLACE VIEW _sequence_states AS
 WITH flagged AS (

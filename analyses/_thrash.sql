@@ -13,43 +13,30 @@
 --                         min_recompute_share OR full_pool_share >= min_full_pool_share)
 -- The window is ordered by end_s / window_s so that window_s can be a bound parameter. Its sums
 -- are running sums (one sort of the steps, no sliding frame): a step's window is everything up to
--- its key minus everything before its key - 1, read at a probe row that sorts just before the
--- steps of key - 1 (a RANGE frame of 1 PRECEDING, and as exact: the counts are integers).
+-- its key (its peers included) minus everything before its key - 1, the running sums of the last
+-- step whose key is below key - 1 (an ASOF join; as exact: the counts are integers).
 CREATE OR REPLACE MACRO _thrash_steps(window_s, full_pool_frac, min_preempt_per_s,
                                       min_recompute_share, min_full_pool_share) AS TABLE
-WITH per_step AS (
-    SELECT run_id, step, end_s, end_s / window_s AS k, preemptions, recompute_tokens,
-           prefill_tokens + decode_tokens AS processed_tokens,
-           coalesce(used_blocks >= full_pool_frac * total_blocks, false) AS full_pool
-    FROM steps
-),
-marks AS (
-    SELECT run_id, step, k, 1 AS is_step, 1 AS steps, preemptions, recompute_tokens, processed_tokens,
-           full_pool::INTEGER AS full_pool_steps
-    FROM per_step
-    UNION ALL
-    SELECT run_id, step, k - 1, 0, 0, 0, 0, 0, 0 FROM per_step
-),
-running AS (
-    SELECT run_id, step, is_step,
-           sum(steps) OVER upto AS steps,
+WITH running AS (
+    SELECT run_id, step, end_s, end_s / window_s AS k, end_s / window_s - 1 AS k_from,
+           coalesce(used_blocks >= full_pool_frac * total_blocks, false) AS full_pool,
+           count(*) OVER upto AS steps,
            sum(preemptions) OVER upto AS preemptions,
            sum(recompute_tokens) OVER upto AS recompute_tokens,
-           sum(processed_tokens) OVER upto AS processed_tokens,
-           sum(full_pool_steps) OVER upto AS full_pool_steps
-    FROM marks
-    WINDOW upto AS (PARTITION BY run_id ORDER BY k, is_step RANGE UNBOUNDED PRECEDING)
+           sum(prefill_tokens + decode_tokens) OVER upto AS processed_tokens,
+           sum(coalesce(used_blocks >= full_pool_frac * total_blocks, false)::INTEGER) OVER upto AS full_pool_steps
+    FROM steps
+    WINDOW upto AS (PARTITION BY run_id ORDER BY end_s / window_s RANGE UNBOUNDED PRECEDING)
 ),
 windowed AS (
-    SELECT p.run_id, p.step, p.end_s, p.full_pool,
-           (hi.steps - lo.steps)::BIGINT AS window_steps,
-           hi.preemptions - lo.preemptions AS window_preemptions,
-           hi.recompute_tokens - lo.recompute_tokens AS window_recompute_tokens,
-           hi.processed_tokens - lo.processed_tokens AS window_processed_tokens,
-           hi.full_pool_steps - lo.full_pool_steps AS window_full_pool_steps
-    FROM per_step p
-    JOIN running hi ON hi.run_id = p.run_id AND hi.step = p.step AND hi.is_step = 1
-    JOIN running lo ON lo.run_id = p.run_id AND lo.step = p.step AND lo.is_step = 0
+    SELECT hi.run_id, hi.step, hi.end_s, hi.full_pool,
+           (hi.steps - coalesce(lo.steps, 0))::BIGINT AS window_steps,
+           hi.preemptions - coalesce(lo.preemptions, 0) AS window_preemptions,
+           hi.recompute_tokens - coalesce(lo.recompute_tokens, 0) AS window_recompute_tokens,
+           hi.processed_tokens - coalesce(lo.processed_tokens, 0) AS window_processed_tokens,
+           hi.full_pool_steps - coalesce(lo.full_pool_steps, 0) AS window_full_pool_steps
+    FROM running hi
+    ASOF LEFT JOIN running lo ON lo.run_id = hi.run_id AND hi.k_from > lo.k
 ),
 evidence AS (
     SELECT run_id, step, end_s, full_pool, window_steps,

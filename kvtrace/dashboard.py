@@ -63,7 +63,9 @@ def collect(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = N
     per = split_params(params or {})
     per["pool_timeline"]["buckets"] = str(buckets)
     per["most_preempted"]["limit"] = str(top)
-    db.keep(con, "_latency_hist", "_recompute", "_sequence_spans")   # several of the analyses below read each
+    # several of the analyses below read each; the sequences' latencies (every token grouped by
+    # sequence) feed both the histograms and the goodput, so they are kept first
+    db.keep(con, "_sequence_latency", "_latency_hist", "_recompute", "_stall_spans")
     # summary, thrash and thrash_windows each judge every step; with the same params, once
     db.keep_calls(con, "_thrash_steps", "_thrash_windows", "_thrash", **db.analysis_params("thrash", **per["thrash"]))
     results = {name: db.records(db.run_analysis(con, name, **per[name])) for name in ANALYSES}

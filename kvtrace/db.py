@@ -405,8 +405,17 @@ def keep(con: duckdb.DuckDBPyConnection, *helpers: str) -> None:
     for name in helpers:
         if not re.fullmatch(r"_[a-z0-9_]+", name):
             raise ValueError(f"not a helper view: {name!r}")
-        con.execute(f"CREATE OR REPLACE TEMP TABLE {name}_kept AS SELECT * FROM {name}")
+        _create_kept(con, f"CREATE OR REPLACE TEMP TABLE {name}_kept AS SELECT * FROM {name}")
         con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {name}_kept")
+
+
+def _create_kept(con: duckdb.DuckDBPyConnection, sql: str, values: list | None = None) -> None:
+    """Create a kept table without preserving insertion order (its readers order their rows)."""
+    con.execute("SET preserve_insertion_order = false")
+    try:
+        con.execute(sql, values)
+    finally:
+        con.execute("RESET preserve_insertion_order")
 
 
 def keep_calls(con: duckdb.DuckDBPyConnection, *macros: str, **params: object) -> None:
@@ -429,8 +438,8 @@ def keep_calls(con: duckdb.DuckDBPyConnection, *macros: str, **params: object) -
                 raise ValueError(f"{name}: param {param} must be a number to be kept, got {value!r}")
             values.append(value)
         # bound as run_analysis binds them (a float is a DOUBLE, not a DECIMAL literal)
-        con.execute(f"CREATE OR REPLACE TEMP TABLE {name}_kept AS SELECT * FROM {name}"
-                    f"({', '.join('?' * len(values))})", values)
+        _create_kept(con, f"CREATE OR REPLACE TEMP TABLE {name}_kept AS SELECT * FROM {name}"
+                     f"({', '.join('?' * len(values))})", values)
         same = " AND ".join(f"{param} = {value!r}::{'DOUBLE' if isinstance(value, float) else 'BIGINT'}"
                             for param, value in zip(names, values))
         con.execute(f"CREATE OR REPLACE MACRO {name}({', '.join(names)}) AS TABLE "

@@ -182,7 +182,7 @@ def build(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = Non
         return _rows(con, name, **per[name], **options)
 
     run_ids = [row[0] for row in con.sql("SELECT run_id FROM runs ORDER BY ordinal").fetchall()]
-    db.keep(con, "_latency_hist", "_recompute", "_sequence_spans")   # several of the analyses below read each
+    db.keep(con, "_latency_hist", "_recompute", "_sequence_spans", "_stall_spans")   # several of the analyses below read each
     timeline = rows("pool_timeline", buckets=buckets)
     rates = rows("pool_timeline", buckets=max(buckets // RATE_BUCKETS_DIVISOR, 1))
     windows = rows("thrash_windows")

@@ -133,6 +133,22 @@ def test_thrash_windows_are_the_sliding_frame(big_run):
     assert 0 < sum(got[2] > 0 for got in running) < len(running)   # windows with and without preemptions
 
 
+def test_thrash_window_includes_a_step_exactly_window_s_before(tmp_path):
+    """A step that ended exactly window_s before another is in that step's window (the frame's
+    RANGE 1 PRECEDING includes it): the golden run's steps end every 0.25 s, exact in binary."""
+    from tests.tracegen import recompute_run
+
+    con = db.connect([recompute_run(tmp_path)])
+    frame = con.sql("""
+        SELECT step, count(*) OVER w, sum(preemptions) OVER w FROM steps
+        WINDOW w AS (PARTITION BY run_id ORDER BY end_s / 0.5 RANGE BETWEEN 1 PRECEDING AND CURRENT ROW)
+        ORDER BY step""").fetchall()
+    running = con.sql("SELECT step, window_steps, window_preemptions FROM _thrash_steps(0.5, 0.95, 1, 0.2, 0.5) "
+                      "ORDER BY step").fetchall()
+    assert running == frame
+    assert [steps for _, steps, _ in running] == [1, 2, 3, 3, 3, 3]
+
+
 def test_kept_thrash_helpers_answer_only_for_their_params(tmp_path):
     """The dashboard computes the thrash helpers once (db.keep_calls); called again with the kept
     params they give the same rows, with other params they fail rather than answer for the kept."""
@@ -145,3 +161,62 @@ def test_kept_thrash_helpers_answer_only_for_their_params(tmp_path):
     assert db.records(db.run_analysis(con, "thrash")) == fresh
     with pytest.raises(KvtraceError, match="kept for other params"):
         db.run_analysis(con, "thrash", window_s=2)
+
+
+STALL_SPANS = """SELECT run_id, req_id, sample, state, start_s, end_s, start_seq FROM {}
+                 ORDER BY run_id, req_id, sample, start_s, start_seq"""
+
+
+def _stall_edge_run(root):
+    """Stalls whose next mark is each kind of mark, ties included (a preempt with a later event of
+    its time, a finish at a stall's time, a first token or an arrival inside a stall, a stall with
+    no later mark, an interrupted re-prefill, a re-prefill ending with its step, an event after
+    the finish)."""
+    from tests.tracegen import write_run
+
+    def request(req_id, arrival_s, first_token_s, finish_s):
+        return {"req_id": req_id, "sample": 0, "n": 1, "arrival_s": arrival_s, "first_token_s": first_token_s,
+                "finish_s": finish_s, "finish_reason": "length" if finish_s is not None else None}
+
+    marks = [  # req_id, step, ts_s, kind, reason
+        ("P", 0, 0.1, "admit", "new"), ("P", 1, 0.3, "preempt", "recompute"),
+        ("P", 1, 0.3, "admit", "resume-recompute"), ("P", 1, 0.3, "reprefill", None),
+        ("P", 2, 0.6, "preempt", "swap"),
+        ("Q", 0, 0.1, "admit", "new"), ("Q", 0, 0.2, "preempt", "recompute"),
+        ("Q", 2, 0.3, "admit", "resume-recompute"), ("Q", 2, 0.35, "reprefill", "interrupted"),
+        ("Q", 2, 0.4, "preempt", "recompute"),
+        ("R", 0, 0.1, "admit", "new"), ("R", 3, 0.7, "preempt", "swap"),
+        ("S", 0, 0.1, "admit", "new"), ("S", 1, 0.5, "preempt", "recompute"), ("S", 3, 0.8, "admit", "resume-recompute"),
+        ("T", 0, 0.9, "preempt", "recompute"), ("T", 9, 1.2, "admit", "resume-recompute"),
+        ("T", 9, 1.2, "reprefill", None),
+    ]
+    events = [{"seq": seq, "step": step, "ts_s": ts_s, "kind": kind, "req_id": req_id, "sample": 0,
+               "reason": reason} for seq, (req_id, step, ts_s, kind, reason) in enumerate(marks)]
+    steps = [{"step": step, "start_s": end_s - 0.1, "end_s": end_s} for step, end_s in enumerate([0.15, 0.5, 0.45, 0.8])]
+    requests = [request("P", 0.0, 0.2, 0.6), request("Q", 0.0, 0.25, 0.5), request("R", 0.0, 0.2, None),
+                request("S", 0.0, 0.2, 0.5),
+                request("T", 1.0, None, 1.5)]
+    return write_run(root, "edge", requests=requests, steps=steps, kv_events=events)
+
+
+def test_stall_spans_are_the_sequence_spans_of_the_stall_states(big_run, tmp_path):
+    """_stall_spans (what the cliffs and the most preempted read) is computed without the window
+    over every mark; it must give the rows of _sequence_spans in the states preempted, swapped
+    and reprefill: on the 1M-event trace, the golden runs and runs of edge cases."""
+    from tests.tracegen import recompute_run, swap_run
+
+    edge = _stall_edge_run(tmp_path)
+    for run in (big_run, edge, recompute_run(tmp_path), swap_run(tmp_path)):
+        con = db.connect([run])
+        spans = con.sql(STALL_SPANS.format(
+            "_sequence_spans WHERE state IN ('preempted', 'swapped', 'reprefill')")).fetchall()
+        assert con.sql(STALL_SPANS.format("_stall_spans")).fetchall() == spans, run.name
+        assert spans
+        if run == edge:
+            # the tie at 0.3, the finishes at 0.5 (S) and 0.6 (P) and T's re-prefill done at once end
+            # theirs at once
+            # (no span); the first token ends Q's first stall, an arrival T's, and R's has no end
+            assert [row[1:6] for row in spans] == [
+                ("P", 0, "reprefill", 0.3, 0.5), ("Q", 0, "preempted", 0.2, 0.25),
+                ("Q", 0, "reprefill", 0.3, 0.4), ("Q", 0, "preempted", 0.4, 0.5),
+                ("T", 0, "preempted", 0.9, 1.0)]
