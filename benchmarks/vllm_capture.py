@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=int, default=48, help="output tokens per request")
     parser.add_argument("--repeats", type=int, default=4, help="replays per engine, alternating")
     parser.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile)")
+    parser.add_argument("--a-a", action="store_true", help="a control: neither engine captures (how different "
+                                                            "two plain engines measure)")
 
 
 class Engine:
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> None:
     (folder / "plain").mkdir()
     (folder / "captured").mkdir()
     engines = {"plain": Engine(args.vllm_python, config, folder / "plain", capture=False),
-               "captured": Engine(args.vllm_python, config, folder / "captured", capture=True)}
+               "captured": Engine(args.vllm_python, config, folder / "captured", capture=not args.a_a)}
     times: dict[str, list[float]] = {"plain": [], "captured": []}
     tokens = preemptions = None
     try:
@@ -97,9 +99,12 @@ def run(args: argparse.Namespace) -> None:
     finally:
         for engine in engines.values():
             engine.close()
-    done = json.loads((folder / "captured" / "capture" / "done.json").read_text())
+    done_path = folder / "captured" / "capture" / "done.json"
+    done = json.loads(done_path.read_text()) if done_path.exists() else {"hook_s": 0.0, "steps": 0, "events": 0}
     plain, captured = statistics.median(times["plain"]), statistics.median(times["captured"])
     section = Section("vllm-capture")
+    if args.a_a:
+        section.add("**A/A control: the 'captured' engine does not capture here.**")
     section.add(f"vLLM {args.requests} requests ({args.prompt} prompt + {args.output} output tokens, all at once), "
                 f"{args.max_num_seqs} running at most, {tokens} tokens and {preemptions} preemptions a replay; "
                 f"{'enforce_eager' if args.eager else 'compiled (vLLM default)'}; SmolLM2-135M fp32, CPU build. "
