@@ -172,8 +172,8 @@ def record_endpoint(recording, endpoint_url: str, capture_dir: Path, *, timeout:
     meta["started_at"] = datetime.now(timezone.utc).isoformat()
     meta["status"] = "running"
     meta["vllm"].update({"endpoint": endpoint_url, "served_model": served, "capture_dir": str(capture)})
-    from kvtrace.vllm_record import _write_json
-    _write_json(run_dir / "meta.json", meta)
+    from kvtrace.run import write_json_atomic
+    write_json_atomic(run_dir / "meta.json", meta)
     replay = ClientReplay(endpoint, served, recording.items)
     interrupted = False
     try:

@@ -25,11 +25,10 @@ from rich.console import Console
 
 import kvtrace
 from kvtrace.errors import KvtraceError
-from kvtrace.run import cpu_name
+from kvtrace.run import cpu_name, write_json_atomic
 from kvtrace.schema import SCHEMA_VERSION
 from kvtrace.vllm_import import Item, convert, read_json
 from kvtrace.workload import load_workload, resolve_prompt_ids, validate_lengths, workload_sha256
-from kvtrace.workload.format import atomic_write
 
 NOT_IN_TRACE = [
     "swap: vLLM V1 has no swap, so the swap columns and swap_out / swap_in events stay empty",
@@ -146,15 +145,6 @@ def capture_path() -> Path:
     return root
 
 
-def model_shape(folder: Path) -> dict:
-    config = json.loads((folder / "config.json").read_text())
-    heads = config.get("num_attention_heads")
-    return {"layers": config.get("num_hidden_layers"), "hidden": config.get("hidden_size"), "heads": heads,
-            "kv_heads": config.get("num_key_value_heads", heads),
-            "head_dim": config.get("head_dim") or (config["hidden_size"] // heads if heads else None),
-            "vocab": config.get("vocab_size"), "max_position_embeddings": config.get("max_position_embeddings")}
-
-
 class VllmRecording:
     def __init__(self, opts: VllmOptions, workload: Path, run_dir: Path, *, max_requests: int | None,
                  time_scale: float | None, backlog: bool, record_token_ids: bool, command: str,
@@ -169,12 +159,13 @@ class VllmRecording:
         if max_requests is not None:
             requests = requests[:max_requests]
         self.folder = model_folder(opts.model)
-        shape = model_shape(self.folder)
+        from engine.loader import load_config
+        mc, _ = load_config(str(self.folder))
         from engine.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(str(self.folder))
-        ids = [resolve_prompt_ids(r, vocab_size=shape["vocab"], tokenizer=tokenizer, seed=opts.seed) for r in requests]
+        ids = [resolve_prompt_ids(r, vocab_size=mc.vocab_size, tokenizer=tokenizer, seed=opts.seed) for r in requests]
         longest = max(len(p) + r.max_tokens for r, p in zip(requests, ids))
-        max_model_len = opts.max_model_len or min(longest, shape["max_position_embeddings"] or longest)
+        max_model_len = opts.max_model_len or min(longest, mc.max_position_embeddings)
         validate_lengths(requests, [len(p) for p in ids], max_model_len)
         if opts.num_gpu_blocks is not None and (opts.num_gpu_blocks * opts.block_size < max_model_len):
             raise KvtraceError(f"--num-gpu-blocks {opts.num_gpu_blocks}: {opts.num_gpu_blocks} blocks of "
@@ -202,9 +193,7 @@ class VllmRecording:
                                "priority": r.priority, "output_tokens": r.output_tokens})
         self.import_items = [Item(i, r.id, r.n, r.priority, item["arrival_s"], len(p), r.max_tokens, r.output_tokens)
                              for i, (r, p, item) in enumerate(zip(requests, ids, self.items))]
-        dtype_bytes = DTYPE_BYTES.get(opts.dtype, 4)
-        bytes_per_block = (2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * dtype_bytes * opts.block_size
-                           if shape["layers"] and shape["kv_heads"] and shape["head_dim"] else None)
+        bytes_per_block = mc.kv_values_per_token * DTYPE_BYTES.get(opts.dtype, 4) * opts.block_size
         self.meta = {
             "run_id": run_dir.name, "schema_version": SCHEMA_VERSION, "kvtrace_version": kvtrace.__version__,
             "command": command,
@@ -214,7 +203,8 @@ class VllmRecording:
                               "max_model_len": max_model_len, "enable_prefix_caching": opts.enable_prefix_caching,
                               "preemption_mode": "recompute", "preemption_policy": opts.preemption_policy},
             "model": {"name": Path(opts.model).name, "source": str(self.folder), "dtype": opts.dtype,
-                      "shape": {k: v for k, v in shape.items() if k != "max_position_embeddings"},
+                      "shape": {"layers": mc.num_layers, "hidden": mc.hidden_size, "heads": mc.num_heads,
+                                "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "vocab": mc.vocab_size},
                       "max_model_len": max_model_len},
             "device": {"type": "cpu", "name": cpu_name(), "torch": None, "threads": None, "kernels": "vllm",
                        "kernels_note": None},
@@ -250,7 +240,7 @@ class VllmRecording:
         log_path = run_dir / "vllm.log"
         self.meta["started_at"] = datetime.now(timezone.utc).isoformat()
         self.meta["status"] = "running"
-        _write_json(run_dir / "meta.json", self.meta)
+        write_json_atomic(run_dir / "meta.json", self.meta)
         interrupted = False
         with open(log_path, "w") as log:
             proc = subprocess.Popen([self.python, "-m", "kvtrace.vllm_capture.driver", str(capture / "driver.json")],
@@ -290,8 +280,7 @@ class VllmRecording:
         if captured:
             pool["num_gpu_blocks"] = captured["num_gpu_blocks"] - 1
             pool["watermark_blocks"] = captured.get("watermark_blocks")
-            if pool["bytes_per_block"]:
-                pool["total_bytes"] = pool["num_gpu_blocks"] * pool["bytes_per_block"]
+            pool["total_bytes"] = pool["num_gpu_blocks"] * pool["bytes_per_block"]
             meta["engine_config"]["num_gpu_blocks"] = pool["num_gpu_blocks"]
         version = results.get("vllm_version") or captured.get("vllm_version")
         meta["device"]["name"] = f"{meta['device']['name']} · vLLM {version}"
@@ -312,7 +301,7 @@ class VllmRecording:
                            "num_output_tokens": rows.get("tokens", 0),
                            "num_preemptions": results.get("num_preemptions"),
                            "duration_s": results.get("duration_s"), "rows": rows}
-        _write_json(self.run_dir / "meta.json", meta)
+        write_json_atomic(self.run_dir / "meta.json", meta)
 
     def print_summary(self) -> None:
         from kvtrace.run import print_recorded
@@ -332,8 +321,3 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
         except ProcessLookupError:
             return
-
-
-def _write_json(path: Path, data: dict) -> None:
-    with atomic_write(path) as f:
-        f.write(json.dumps(data, indent=2, default=str) + "\n")
