@@ -19,9 +19,9 @@ WITH firsts AS (
     FROM requests r
     WHERE r.run_id IN (SELECT DISTINCT run_id FROM client_tokens)
 ),
-gaps AS (
-    SELECT run_id, 'engine' AS side, ts_s - lag(ts_s) OVER (PARTITION BY run_id, req_id, sample ORDER BY idx) AS gap
-    FROM tokens WHERE run_id IN (SELECT DISTINCT run_id FROM client_tokens)
+gaps AS (   -- the engine's gaps are _itl's (the one definition of ITL); the client's the same pairs
+    SELECT run_id, 'engine' AS side, gap_ms / 1e3 AS gap
+    FROM _itl WHERE run_id IN (SELECT DISTINCT run_id FROM client_tokens)
     UNION ALL
     SELECT run_id, 'client', ts_s - lag(ts_s) OVER (PARTITION BY run_id, req_id, sample ORDER BY idx)
     FROM client_tokens
