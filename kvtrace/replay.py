@@ -39,7 +39,7 @@ def prepare(requests: list[WorkloadRequest], engine: LLMEngine, *, tokenizer, se
     needs = [max(len(p) + 1, engine.reserved_tokens(len(p), r.max_tokens)) for r, p in zip(requests, ids)]
     too_big = [(r, len(p), n) for r, p, n in zip(requests, ids, needs) if not bm.can_ever_hold(n)]
     if too_big:
-        usable = bm.num_blocks - bm.watermark_blocks
+        usable = bm.num_blocks
         what = "" if engine.config.kv_reserve == "none" else f" (--kv-reserve {engine.config.kv_reserve})"
         listed = "; ".join(f"line {r.line or r.id}: a prompt of {p} tokens needs {bm.blocks_for(n)} blocks{what}"
                            for r, p, n in too_big[:5])

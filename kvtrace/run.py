@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import kvtrace
 from kvtrace import db
 from engine import cpu_kernels
-from engine.config import EngineConfig
+from engine.config import EngineConfig, scheduling_description
 from engine.llm_engine import LLMEngine
 from engine.tokenizer import load_tokenizer
 from kvtrace.errors import KvtraceError
@@ -104,6 +104,7 @@ class Recording:
             "kvtrace_version": kvtrace.__version__,
             "command": command,
             "engine_config": engine.config.to_dict(),
+            "scheduling": scheduling_description(engine.config),
             "model": {"name": mc.name, "source": engine.model_source, "dtype": config.dtype,
                       "shape": {"layers": mc.num_layers, "hidden": mc.hidden_size, "heads": mc.num_heads,
                                 "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "vocab": mc.vocab_size},

@@ -50,11 +50,14 @@ class VllmOptions:
     block_size: int
     num_gpu_blocks: int | None
     kv_cache_memory: str | None
-    max_num_seqs: int
-    max_num_batched_tokens: int
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
     max_model_len: int | None
     enable_prefix_caching: bool
     preemption_policy: str
+    watermark: float = 0.0
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
     vllm_python: str | None = None
     vllm_args: list[str] = field(default_factory=list)
     self_check: bool = False
@@ -62,8 +65,11 @@ class VllmOptions:
 
 
 def refuse_unsupported(*, preemption_mode: str, preemption_policy: str, kv_reserve: str, num_cpu_blocks,
-                       swap_space, device: str, load_format: str, gpu_memory_utilization) -> None:
+                       swap_space, device: str, load_format: str, gpu_memory_utilization,
+                       n_mode: str = "independent") -> None:
     """One line for each kvtrace option vLLM V1 cannot honour."""
+    if n_mode != "independent":
+        raise KvtraceError("--engine vllm: vLLM V1 runs n > 1 as independent requests; drop --n-mode cow")
     if preemption_mode != "recompute":
         raise KvtraceError("--engine vllm: vLLM V1 preempts by recompute only (it has no swap); "
                            "drop --preemption-mode swap")
@@ -172,10 +178,17 @@ class VllmRecording:
                                f"{opts.block_size} tokens cannot hold one sequence of {max_model_len} tokens "
                                f"(max model length; vLLM refuses to start) — give more blocks or --max-model-len")
         engine_args = {"dtype": opts.dtype, "seed": opts.seed, "block_size": opts.block_size,
-                       "max_model_len": max_model_len, "max_num_seqs": opts.max_num_seqs,
-                       "max_num_batched_tokens": opts.max_num_batched_tokens,
-                       "enable_prefix_caching": opts.enable_prefix_caching,
+                       "max_model_len": max_model_len, "enable_prefix_caching": opts.enable_prefix_caching,
                        "scheduling_policy": "priority" if opts.preemption_policy == "priority" else "fcfs"}
+        for key in ("max_num_seqs", "max_num_batched_tokens"):  # else vLLM's defaults for its device
+            if getattr(opts, key) is not None:
+                engine_args[key] = getattr(opts, key)
+        if opts.watermark:
+            engine_args["watermark"] = opts.watermark
+        if opts.long_prefill_token_threshold:
+            engine_args["long_prefill_token_threshold"] = opts.long_prefill_token_threshold
+        if not opts.enable_chunked_prefill:
+            engine_args["enable_chunked_prefill"] = False
         if opts.num_gpu_blocks is not None:
             engine_args["num_gpu_blocks_override"] = opts.num_gpu_blocks + 1   # + vLLM's null block
         if opts.kv_cache_memory is not None:
@@ -202,6 +215,7 @@ class VllmRecording:
                               "max_num_seqs": opts.max_num_seqs, "max_num_batched_tokens": opts.max_num_batched_tokens,
                               "max_model_len": max_model_len, "enable_prefix_caching": opts.enable_prefix_caching,
                               "preemption_mode": "recompute", "preemption_policy": opts.preemption_policy},
+            "scheduling": {"follows": "vLLM itself (recorded from inside)", "departures": []},
             "model": {"name": Path(opts.model).name, "source": str(self.folder), "dtype": opts.dtype,
                       "shape": {"layers": mc.num_layers, "hidden": mc.hidden_size, "heads": mc.num_heads,
                                 "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "vocab": mc.vocab_size},
@@ -282,6 +296,9 @@ class VllmRecording:
             pool["watermark_blocks"] = captured.get("watermark_blocks")
             pool["total_bytes"] = pool["num_gpu_blocks"] * pool["bytes_per_block"]
             meta["engine_config"]["num_gpu_blocks"] = pool["num_gpu_blocks"]
+            for key in ("max_num_seqs", "max_num_batched_tokens"):  # vLLM's defaults, where not given
+                if meta["engine_config"].get(key) is None:
+                    meta["engine_config"][key] = captured.get(key)
         version = results.get("vllm_version") or captured.get("vllm_version")
         meta["device"]["name"] = f"{meta['device']['name']} · vLLM {version}"
         meta["vllm"].update({

@@ -65,6 +65,21 @@ def run_checked(engine: LLMEngine) -> None:
     assert len(engine.block_manager.free_cpu_block_ids) == engine.block_manager.num_cpu_blocks, "host blocks leaked"
 
 
+def probe_schedule(engine: LLMEngine, measure) -> list:
+    """Call `measure(engine, out)` right after each scheduling decision (where the steps table's pool
+    columns are read); return the list its results are appended to."""
+    values = []
+    schedule = engine.scheduler.schedule
+
+    def probed():
+        out = schedule()
+        values.append(measure(engine, out))
+        return out
+
+    engine.scheduler.schedule = probed
+    return values
+
+
 def pytest_collection_modifyitems(config, items):
     """CUDA-only tests skip cleanly on machines without a GPU. The Triton kernel cases run under the
     interpreter (TRITON_INTERPRET=1, in the subprocess that test_kernels_under_the_interpreter starts)

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from engine.sequence import SamplingParams
-from tests.conftest import run_checked
+from tests.conftest import probe_schedule, run_checked
 from tests.test_preemption import ListTracer
 from tests.test_scheduling import distinct_kv_positions, params
 
@@ -18,13 +18,14 @@ def test_kv_tokens_of_forked_samples_with_blocks_reserved_ahead(make_engine):
     # --kv-reserve max-tokens: a 6-token prompt holds 4 blocks of 4 from admission (6 + 10 positions);
     # its 3 samples share all 4, two of them still empty: a position counts once, an empty block not at all
     tracer = ListTracer()
-    engine = make_engine(tracer, kv_reserve="max-tokens", max_model_len=32)
+    engine = make_engine(tracer, kv_reserve="max-tokens", max_model_len=32, n_mode="cow")
+    expected = probe_schedule(engine, distinct_kv_positions)
     engine.add_request("fan", [50, 51, 52, 53, 54, 55], params(max_tokens=10, n=3, temperature=1.0, seed=3))
     kv = []
     while engine.has_unfinished():
         engine.step()
         engine.check_integrity()
-        assert tracer.records[-1].num_kv_tokens == distinct_kv_positions(engine), tracer.records[-1].step
+        assert tracer.records[-1].num_kv_tokens == expected[-1], tracer.records[-1].step
         kv.append(tracer.records[-1].num_kv_tokens)
     # the prompt once; then each sample writes position 6 into its own copy of the half-full block 1
     # (copy-on-write: 2 prompt positions + its token), block 0's 4 positions still shared
@@ -33,9 +34,10 @@ def test_kv_tokens_of_forked_samples_with_blocks_reserved_ahead(make_engine):
 
 def test_a_prefill_chunk_shares_only_the_blocks_it_has_computed(make_engine):
     # A's 12-token prompt is prefilled in chunks (token budget 8): 8 positions, then 4. B, the same 12
-    # tokens and one more, arrives after A's first chunk and is admitted beside its second: only A's
-    # first two blocks hold KV then, so B reuses those and computes the rest itself (the third block's
-    # KV is being written in that very step): 8 positions from the cache, the same tokens as B alone
+    # tokens and one more, arrives after A's first chunk and is admitted beside its second. As in V1,
+    # a block is cached when the step that fills it is scheduled, so B reuses all three of A's blocks,
+    # the third one's KV being written in that very step (before any attention reads it): 12
+    # positions from the cache, 1 computed, and the same tokens as B alone
     prompt = list(range(100, 112))
     alone = make_engine(enable_prefix_caching=True)
     b_alone = alone.add_request("B", prompt + [7], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -47,20 +49,21 @@ def test_a_prefill_chunk_shares_only_the_blocks_it_has_computed(make_engine):
     assert a.num_computed_tokens == 8
     b = engine.add_request("B", prompt + [7], SamplingParams(max_tokens=4, ignore_eos=True))
     run_checked(engine)
-    assert [(e.req_id, e.num_tokens) for e in tracer.events if e.kind == "prefix_hit"] == [("B", 8)]
-    # B's admission counts the positions it has to compute: 13 - 8 from the cache
-    assert [e.num_tokens for e in tracer.events if e.kind == "admit" and e.req_id == "B"] == [5]
+    assert [(e.req_id, e.num_tokens) for e in tracer.events if e.kind == "prefix_hit"] == [("B", 12)]
+    # B's admission counts the positions it has to compute: 13 - 12 from the cache
+    assert [e.num_tokens for e in tracer.events if e.kind == "admit" and e.req_id == "B"] == [1]
     assert b.token_ids == b_alone.token_ids
 
 
 # ---------------------------------------------------------------- the integrity check every engine test leans on
 
 def integrity_state(make_engine, steps: int, tracer=None):
-    """D runs first; then after 1 more step: blocks 0 and 1 cached-free (D's), A's prompt blocks 3 and
-    4 shared by its two samples; after 3: A's second sample swapped out to host blocks 0 and 1;
-    after 4: block 4 free, blocks 2 and 5 cached-free."""
+    """D runs first; then after 1 more step: blocks 1 and 2 cached-free (D's), A's prompt blocks 3 and
+    4 shared by its two samples (n=2, copy-on-write); after 3: A's second sample swapped out to host
+    blocks 0 and 1; after 4: block 4 free, blocks 5 and 6 cached-free."""
     engine = make_engine(tracer, block_size=4, num_gpu_blocks=6, watermark=0.0, enable_prefix_caching=True,
-                         preemption_mode="swap", num_cpu_blocks=4, max_num_batched_tokens=64)
+                         preemption_mode="swap", num_cpu_blocks=4, max_num_batched_tokens=64, n_mode="cow",
+                         preemption_policy="newest-sparing")
     engine.add_request("D", list(range(1, 10)), SamplingParams(max_tokens=1, ignore_eos=True))
     engine.step()
     engine.add_request("A", list(range(11, 18)), SamplingParams(max_tokens=6, ignore_eos=True, n=2,
@@ -78,14 +81,17 @@ def _swapped(engine):
 
 CORRUPTIONS = {  # what breaks -> (steps, how, the check's message)
     "a reference lost": (1, lambda e, bm: setattr(bm.blocks[3], "ref_count", 3), "block 3: ref_count 3 but 2"),
-    "a free id twice": (4, lambda e, bm: bm.free_block_ids.append(4), "duplicate id in the free list"),
-    "free and cached": (4, lambda e, bm: bm.free_block_ids.append(2), "both free and cached-free"),
-    "a block nowhere": (1, lambda e, bm: bm.cached_free_ids.pop(1), "block 1: free=False ref_count=0"),
-    "a cached block's hash gone": (1, lambda e, bm: setattr(bm.blocks[1], "hash", None), "cached-free block 1 has no hash"),
+    "a used block in the free queue": (1, lambda e, bm: bm.free_queue.__setitem__(3, None), "block 3: free=True ref_count=2"),
+    "the cached count off": (4, lambda e, bm: setattr(bm, "num_cached_free_blocks", 3), "cached-free count out of date"),
+    "a block nowhere": (1, lambda e, bm: bm.free_queue.pop(1), "block 1: free=False ref_count=0"),
+    "a cached block's hash gone": (1, lambda e, bm: setattr(bm.blocks[1], "hash", None), "cached-free count out of date"),
+    "the null block handed out": (1, lambda e, bm: bm.free_queue.__setitem__(0, None), "the null block is in the free queue"),
+    "a duplicate unindexed": (1, lambda e, bm: bm.duplicates.__setitem__(bm.blocks[1].hash, [2]),
+                              "duplicate index points to block 2"),
     "a hash unindexed": (1, lambda e, bm: bm.hash_to_block_id.pop(bm.blocks[1].hash), "block 1: hash not indexed"),
     "a stale share": (1, lambda e, bm: bm.shared_fill.__setitem__(5, 1), "shared-block index out of date"),
     "a stale hash": (1, lambda e, bm: bm.hash_to_block_id.__setitem__(12345, 1), "hash index points to block 1"),
-    "a block beyond the pool": (4, lambda e, bm: bm.free_block_ids.append(6), "blocks lost"),
+    "a block beyond the pool": (4, lambda e, bm: bm.free_queue.__setitem__(7, None), "beyond the pool"),
     "a host id twice": (3, lambda e, bm: bm.free_cpu_block_ids.append(2), "duplicate id in the host free list"),
     "a host block free and used": (3, lambda e, bm: bm.free_cpu_block_ids.append(0), "host block both free and used"),
     "a host block lost": (3, lambda e, bm: bm.free_cpu_block_ids.pop(), "host blocks lost"),
@@ -108,13 +114,13 @@ def test_the_integrity_check_catches_each_broken_book(make_engine, what):
 # ---------------------------------------------------------------- scheduler
 
 def test_a_swapped_sequence_behind_one_that_outgrew_the_pool_resumes_in_that_step(make_engine):
-    # 6 blocks of 4, 2 kept free at admission (watermark 0.3): r0 grows to hold all 6 and is swapped
-    # out needing a 7th: it can never come back. When the queue reaches it, it is dropped ("capacity")
-    # and the swapped sequences behind it are resumed in the same step, not one step later.
+    # 6 blocks of 4: r0 grows to hold all 6 and is swapped out needing a 7th: it can never come back.
+    # When the queue reaches it, it is dropped ("capacity") and the swapped sequences behind it are
+    # resumed in the same step, not one step later.
     tracer = ListTracer()
-    engine = make_engine(tracer, block_size=4, num_gpu_blocks=6, watermark=0.3, enable_prefix_caching=False,
+    engine = make_engine(tracer, block_size=4, num_gpu_blocks=6, watermark=0.0, enable_prefix_caching=False,
                          preemption_mode="swap", preemption_policy="fewest-computed", num_cpu_blocks=32)
-    for i, (prompt, max_tokens, priority) in enumerate([(8, 25, 0), (3, 19, 0), (1, 19, 1), (3, 21, 2)]):
+    for i, (prompt, max_tokens, priority) in enumerate([(8, 25, 0), (8, 13, 0), (1, 14, 0), (1, 7, 1)]):
         engine.add_request(f"r{i}", list(range(20 + 30 * i, 20 + 30 * i + prompt)),
                            SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority, arrival_s=0.0)
     run_checked(engine)
@@ -122,9 +128,9 @@ def test_a_swapped_sequence_behind_one_that_outgrew_the_pool_resumes_in_that_ste
     assert dropped.req_id == "r0"
     swapped_out = {e.req_id: e.step for e in tracer.events if e.kind == "swap_out" and e.step < dropped.step}
     resumed = [(e.step, e.req_id) for e in tracer.events if e.kind == "swap_in" and e.step >= dropped.step]
-    # r3 had been swapped out behind r0 (after r0's own swap-out)
-    assert swapped_out["r3"] > swapped_out["r0"]
-    assert (dropped.step, "r3") in resumed
+    # r2 had been swapped out behind r0 (after r0's own swap-out)
+    assert swapped_out["r2"] > swapped_out["r0"]
+    assert (dropped.step, "r2") in resumed
 
 
 def test_a_free_event_lists_only_the_blocks_that_became_free(make_engine):
@@ -188,13 +194,14 @@ def test_a_prefix_hit_needs_the_whole_chain_before_it(make_engine):
     assert c.token_ids == c_alone.token_ids
 
 
-def test_a_request_that_exactly_fits_the_pool_above_the_watermark_runs(make_engine):
-    # 8 blocks of 4, 2 kept free (watermark 0.25): 6 blocks = 24 positions is the most a sequence can
-    # ever hold. "fits" needs 23 + 1 positions and runs; "too-big" needs 24 + 1 and is rejected.
+def test_a_request_that_exactly_fits_the_pool_runs(make_engine):
+    # 8 blocks of 4: 32 positions is the most a sequence can ever hold; the watermark (0.25) holds
+    # back admissions while others run, not what can fit at all (as in vLLM V1). "fits" needs 31 + 1
+    # positions and runs; "too-big" needs 32 + 1 and is rejected.
     tracer = ListTracer()
     engine = make_engine(tracer, num_gpu_blocks=8, watermark=0.25, enable_prefix_caching=False)
-    engine.add_request("fits", list(range(100, 123)), SamplingParams(max_tokens=1, ignore_eos=True))
-    engine.add_request("too-big", list(range(200, 224)), SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request("fits", list(range(100, 131)), SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request("too-big", list(range(200, 232)), SamplingParams(max_tokens=1, ignore_eos=True))
     run_checked(engine)
     finishes = {e.req_id: e.reason for e in tracer.events if e.kind == "finish"}
     assert finishes == {"fits": "length", "too-big": "rejected"}
@@ -202,15 +209,18 @@ def test_a_request_that_exactly_fits_the_pool_above_the_watermark_runs(make_engi
 
 def test_every_step_records_the_pool_as_the_block_tables_hold_it(make_engine):
     # prefix sharing, forks and swapping: each record's used / free / cached blocks are the pool's
-    # (used: the distinct blocks in running block tables; they add up to the total)
+    # after scheduling (used: the distinct blocks in running block tables; they add up to the total)
     tracer = ListTracer()
     engine, bm = integrity_state(make_engine, 0, tracer)
+    pool = probe_schedule(engine, lambda e, out: (
+        {b for s in e.scheduler.running for b in s.block_table},
+        sum(1 for b in e.block_manager.free_queue if e.block_manager.blocks[b].hash is not None)))
     while engine.has_unfinished():
         engine.step()
         r = tracer.records[-1]
-        held = {b for s in engine.scheduler.running for b in s.block_table}
+        held, cached = pool[-1]
         assert (r.num_used_blocks, r.num_free_blocks, r.num_cached_blocks, r.num_total_blocks) == (
-            len(held), 6 - len(held), len(bm.cached_free_ids), 6), r.step
+            len(held), 6 - len(held), cached, 6), r.step
 
 
 def test_a_swapped_sequence_needing_every_free_block_resumes(make_engine):
@@ -249,10 +259,10 @@ def test_a_swapped_sequence_whose_next_token_fits_its_last_block_resumes_on_its_
     assert story[:2] == [(1, "preempt", "S", 7), (2, "swap_in", "S", 7)]
 
 
-def test_a_sequence_that_preempts_itself_does_not_hold_back_the_ones_after_it(make_engine):
+def test_a_sequence_that_preempts_itself_ends_the_running_pass(make_engine):
     # 4 blocks of 4, priority policy. A (least important) arrives first, B a step later: the batch
-    # is A, B, holding 2 blocks each. In step 2 A needs a third block and is its own victim; B, after
-    # it in the batch, still decodes in that step: it gets a token every step until it finishes.
+    # is A, B, holding 2 blocks each. In step 2 A needs a third block and is its own victim; as in
+    # vLLM V1 that ends the running pass, so B, after it in the batch, decodes again from step 3.
     tracer = ListTracer()
     engine = make_engine(tracer, num_gpu_blocks=4, watermark=0.0, enable_prefix_caching=False,
                          preemption_mode="recompute", preemption_policy="priority")
@@ -262,7 +272,7 @@ def test_a_sequence_that_preempts_itself_does_not_hold_back_the_ones_after_it(ma
     run_checked(engine)
     assert [(e.step, e.req_id) for e in tracer.events if e.kind == "preempt"][0] == (2, "A")
     b_steps = [r.step for r in tracer.records for rid in r.token_req_ids if rid == "B"]
-    assert b_steps == list(range(1, 7))
+    assert b_steps == [1, 3, 4, 5, 6, 7]
 
 
 def test_a_sequence_preempted_after_one_position_is_resumed_not_new(make_engine):

@@ -39,8 +39,9 @@ def test_shared_prefix_is_stored_once(make_engine):
 
 
 def test_parallel_sampling_shares_the_prompt_and_copies_on_write(make_engine):
+    # --n-mode cow (vLLM V0's parallel sampling): one prefill, then samples forked onto its blocks
     tracer = ListTracer()
-    engine = make_engine(tracer, enable_prefix_caching=False)
+    engine = make_engine(tracer, enable_prefix_caching=False, n_mode="cow")
     prompt = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39]  # 2 full blocks + a partial block of 2
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=42, n=4, ignore_eos=True)
     parent = engine.add_request("r", prompt, params)

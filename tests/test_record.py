@@ -47,19 +47,20 @@ def test_four_block_scenario_recorded(tmp_path, mode):
     story = sql(run, "SELECT step, kind, req_id, blocks, reason FROM kv_events "
                      "WHERE kind IN ('preempt', 'swap_out', 'swap_in', 'reprefill', 'finish') ORDER BY seq")
     if mode == "recompute":
-        assert story == [(2, "preempt", "B", [2, 3], "recompute"), (5, "finish", "A", None, "length"),
+        assert story == [(2, "preempt", "B", [3, 4], "recompute"), (5, "finish", "A", None, "length"),
                          (6, "reprefill", "B", None, None), (7, "finish", "B", None, "length")]
         assert sql(run, "SELECT num_tokens, num_recomputed_tokens FROM kv_events WHERE kind = 'reprefill'") == [(9, 8)]
     else:
-        assert story == [(2, "preempt", "B", [2, 3], "swap"), (2, "swap_out", "B", [2, 3], None),
-                         (5, "finish", "A", None, "length"), (6, "swap_in", "B", [2, 3], None),
+        assert story == [(2, "preempt", "B", [3, 4], "swap"), (2, "swap_out", "B", [3, 4], None),
+                         (5, "finish", "A", None, "length"), (6, "swap_in", "B", [4, 2], None),
                          (7, "finish", "B", None, "length")]
         per_block = json.loads((run / "meta.json").read_text())["kv_pool"]["bytes_per_block"]
         assert sql(run, "SELECT kind, bytes FROM kv_events WHERE kind LIKE 'swap%' ORDER BY seq") == [
             ("swap_out", 2 * per_block), ("swap_in", 2 * per_block)]
     assert sql(run, "SELECT req_id, list(step ORDER BY idx) FROM tokens GROUP BY req_id ORDER BY req_id") == [
         ("A", [0, 1, 2, 3, 4, 5]), ("B", [0, 1, 6, 7])]
-    assert sql(run, "SELECT free_blocks FROM steps ORDER BY step DESC LIMIT 1") == [(4,)]
+    # the pool after scheduling: B's last decode holds 3 blocks of the 4 (1..4: 0 is V1's null block)
+    assert sql(run, "SELECT free_blocks, used_blocks FROM steps ORDER BY step DESC LIMIT 1") == [(1, 3)]
     meta = json.loads((run / "meta.json").read_text())
     assert meta["status"] == "completed" and meta["kv_pool"]["num_gpu_blocks"] == 4
 

@@ -11,7 +11,7 @@ import torch
 
 from engine.model_runner import sample
 from engine.sequence import SamplingParams, Sequence
-from tests.conftest import run_checked
+from tests.conftest import probe_schedule, run_checked
 from tests.test_preemption import ListTracer
 
 
@@ -31,36 +31,37 @@ def test_max_num_seqs_caps_the_running_batch_every_step(make_engine):
     for i in range(5):
         engine.add_request(f"r{i}", [10 + i, 11, 12, 13, 14], params())
     run_checked(engine)
-    assert [r.num_running for r in tracer.records] == [2, 2, 0, 2, 2, 0, 1, 1, 0]
+    # (counted after scheduling, so a sequence in its last step still counts)
+    assert [r.num_running for r in tracer.records] == [2, 2, 2, 2, 2, 2, 1, 1, 1]
     assert [r.num_waiting for r in tracer.records] == [3, 3, 3, 1, 1, 1, 0, 0, 0]
     # two at a time: r2 and r3 only once r0 and r1 have finished (3 tokens: steps 0..2)
     assert admits(tracer) == [(0, "r0", 0), (0, "r1", 0), (3, "r2", 0), (3, "r3", 0), (6, "r4", 0)]
 
 
 def test_max_num_seqs_counts_the_samples_a_running_request_will_fork(make_engine):
-    # A (n=2) is admitted with one sample; its second is forked when its prompt is done. B fits
-    # beside both (3 sequences); C would make 4, so it waits until A's and B's samples finish.
+    # A (n=2, copy-on-write) is admitted with one sample; its second is forked when its prompt is
+    # done. B fits beside both (3 sequences); C would make 4, so it waits until A's and B's samples finish.
     tracer = ListTracer()
-    engine = make_engine(tracer, max_num_seqs=3)
+    engine = make_engine(tracer, max_num_seqs=3, n_mode="cow")
     engine.add_request("A", [5, 6, 7, 8, 9], params(n=2))
     engine.add_request("B", [5, 6, 7, 8, 10], params())
     engine.add_request("C", [5, 6, 7, 8, 11], params())
     run_checked(engine)
     assert max(r.num_running for r in tracer.records) == 3
-    assert [r.num_running for r in tracer.records] == [3, 3, 0, 1, 1, 0]
+    assert [r.num_running for r in tracer.records] == [2, 3, 3, 1, 1, 1]  # after scheduling: A forks after step 0
     assert admits(tracer) == [(0, "A", 0), (0, "B", 0), (3, "C", 0)]
 
 
 def test_max_num_seqs_counts_the_forks_of_a_request_still_prefilling(make_engine):
-    # A (n=2) prefills its 8 prompt tokens over two steps (budget 5); at step 1 it runs alone but
-    # will be two sequences once its prompt is done, so B (max 2) waits until A's samples finish
+    # A (n=2, copy-on-write) prefills its 8 prompt tokens over two steps (budget 5); at step 1 it runs
+    # alone but will be two sequences once its prompt is done, so B (max 2) waits until A's samples finish
     tracer = ListTracer()
-    engine = make_engine(tracer, max_num_seqs=2, max_num_batched_tokens=5)
+    engine = make_engine(tracer, max_num_seqs=2, max_num_batched_tokens=5, n_mode="cow")
     engine.add_request("A", list(range(5, 13)), params(n=2))
     engine.step()
     engine.add_request("B", [5, 6, 7, 20], params())
     run_checked(engine)
-    assert [r.num_running for r in tracer.records] == [1, 2, 2, 0, 1, 1, 0]
+    assert [r.num_running for r in tracer.records] == [1, 1, 2, 2, 1, 1, 1]  # after scheduling: A forks after step 1
     assert admits(tracer) == [(0, "A", 0), (4, "B", 0)]
 
 
@@ -80,10 +81,10 @@ def test_admitted_prefills_are_charged_to_the_token_budget(make_engine):
 
 
 def test_the_token_budget_holds_when_forked_samples_outnumber_it(make_engine):
-    # a 1-token prompt with n=3: three decoding samples, a budget of 2 tokens a step; the oldest two
-    # decode first, the third waits until they are done instead of running on a budget of 0
+    # a 1-token prompt with n=3 (copy-on-write): three decoding samples, a budget of 2 tokens a step;
+    # the oldest two decode first, the third waits until they are done instead of running on a budget of 0
     tracer = ListTracer()
-    engine = make_engine(tracer, max_num_batched_tokens=2)
+    engine = make_engine(tracer, max_num_batched_tokens=2, n_mode="cow")
     engine.add_request("A", [7], params(max_tokens=3, n=3, temperature=1.0, seed=5))
     run_checked(engine)
     assert [(r.num_prefill_tokens, r.num_decode_tokens) for r in tracer.records] == [
@@ -123,21 +124,25 @@ def test_priority_admission_takes_the_most_important_first(make_engine):
 
 # ---------------------------------------------------------------- steps.kv_tokens
 
-def distinct_kv_positions(engine) -> int:
-    """KV positions in device blocks, from the block tables: a shared block counted once."""
+def distinct_kv_positions(engine, out=None) -> int:
+    """KV positions in device blocks, from the block tables: a shared block counted once. With a
+    scheduler output `out`, once the step's scheduled positions are written (the steps table's view)."""
     bs = engine.block_manager.block_size
+    new = {id(s): n for s, n in zip(out.seqs, out.num_new_tokens)} if out is not None else {}
     fill: dict[int, int] = {}
     for seq in engine.scheduler.running:
+        computed = seq.num_computed_tokens + new.get(id(seq), 0)
         for i, block_id in enumerate(seq.block_table):
-            held = min(max(seq.num_computed_tokens - i * bs, 0), bs)
+            held = min(max(computed - i * bs, 0), bs)
             fill[block_id] = max(fill.get(block_id, 0), held)
     return sum(fill.values())
 
 
 def test_kv_tokens_count_a_shared_position_once(make_engine):
-    # a shared prefix (prefix cache) and four samples forked onto one prompt (n=4)
+    # a shared prefix (prefix cache) and four samples forked onto one prompt (n=4, copy-on-write)
     tracer = ListTracer()
-    engine = make_engine(tracer)
+    engine = make_engine(tracer, n_mode="cow")
+    expected = probe_schedule(engine, distinct_kv_positions)
     prefix = list(range(100, 112))
     engine.add_request("first", prefix + [7, 8], params(max_tokens=6))
     engine.step()
@@ -147,13 +152,13 @@ def test_kv_tokens_count_a_shared_position_once(make_engine):
     while engine.has_unfinished():
         engine.step()
         engine.check_integrity()
-        assert tracer.records[-1].num_kv_tokens == distinct_kv_positions(engine), tracer.records[-1].step
+        assert tracer.records[-1].num_kv_tokens == expected[-1], tracer.records[-1].step
         naive.append(sum(s.num_computed_tokens for s in engine.scheduler.running))
     kv = [r.num_kv_tokens for r in tracer.records]
-    # the sharing is real: in the step after the fork, 4 samples x 6 prompt positions held once,
-    # and 12 of the second request's 13 positions are the first's cached ones
+    # the sharing is real: 12 of the second request's 13 positions are the first's cached ones; in
+    # the step after the fork, 4 samples x 6 prompt positions are held once, plus each one's new token
     assert kv[1] == 15 + 1 + 6 and naive[0] == 15 + 13 + 4 * 6
-    assert all(k > 0 for k in kv[:-1]) and kv[-1] == 0
+    assert all(k > 0 for k in kv)
 
 
 # ---------------------------------------------------------------- top_p

@@ -49,13 +49,14 @@ def add_x_and_y(engine, policy: str) -> None:
 
 
 @pytest.mark.parametrize("policy, num_gpu_blocks, cow_step, shared_src, new_block", [
-    ("fewest-computed", 5, 1, [0, 1], 4),
-    ("priority", 7, 2, [0, 1, 2, 3], 6),
+    ("fewest-computed", 5, 1, [1, 2], 5),
+    ("priority", 7, 2, [1, 2, 3, 4], 7),
 ])
 def test_swap_out_copies_the_source_of_a_pending_copy_on_write(make_engine, policy, num_gpu_blocks, cow_step,
                                                                 shared_src, new_block):
     settings_ = dict(block_size=4, preemption_mode="swap", preemption_policy=policy, num_cpu_blocks=12,
-                     enable_prefix_caching=False, max_num_batched_tokens=12 if policy == "priority" else 64)
+                     enable_prefix_caching=False, max_num_batched_tokens=12 if policy == "priority" else 64,
+                     n_mode="cow")
     reference = make_engine(**settings_, num_gpu_blocks=64)
     add_x_and_y(reference, policy)
     run_checked(reference)
@@ -86,7 +87,7 @@ def test_swap_out_copies_the_source_of_a_pending_copy_on_write(make_engine, poli
 def run_mix(make_engine, requests, **settings_) -> tuple[dict, int]:
     """Add each request at its arrival step; step to the end checking integrity after every step.
     Returns every sample's tokens and how many swap-outs read a block other than the victim's own."""
-    engine = make_engine(**settings_)
+    engine = make_engine(n_mode="cow", **settings_)
     swaps = spy_swaps(engine)
     pending = sorted(requests, key=lambda r: r[0])
     step = 0
