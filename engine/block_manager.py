@@ -52,6 +52,7 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.duplicates: dict[int, list[int]] = {}
         self.free_cpu_block_ids: deque[int] = deque(range(num_cpu_blocks))
+        self.host_refs: dict[int, int] = {}     # host block id -> holders, while more than one
         self.shared_fill: dict[int, int] = {}   # block id -> KV positions in it, while ref_count > 1
         self.events: list[KVEvent] = []
 
@@ -272,7 +273,7 @@ class BlockManager:
         if num_needed > 0:
             new_ids = self._allocate_blocks(num_needed)
             seq.block_table += new_ids
-            reason = "decode" if num_new_tokens == 1 and seq.num_output_tokens else "prefill"
+            reason = "decode" if seq.num_computed_tokens >= seq.num_tokens - 1 and seq.num_output_tokens else "prefill"
             self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason=reason))
         if self.enable_prefix_caching:
             self.cache_full_blocks(seq, num_tokens if num_tokens < seq.num_tokens else seq.num_tokens)
@@ -294,8 +295,15 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     def free_host(self, seq: Sequence) -> None:
-        """Give back the host blocks of a swapped sequence."""
-        self.free_cpu_block_ids.extend(seq.host_block_table)
+        """Give back the host blocks of a swapped sequence (a shared one when its last holder does)."""
+        refs = self.host_refs
+        for h in seq.host_block_table:
+            if h in refs:
+                refs[h] -= 1
+                if refs[h] == 1:
+                    del refs[h]
+            else:
+                self.free_cpu_block_ids.append(h)
         seq.host_block_table = []
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -311,46 +319,99 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
 
     # ---- swap ---------------------------------------------------------------------------
-    def can_swap_out(self, seq: Sequence) -> bool:
-        return len(self.free_cpu_block_ids) >= len(seq.block_table)
+    # A request's samples forked by copy-on-write (--n-mode cow) are swapped as one group, as vLLM V0
+    # swapped a sequence group: a block they share is copied once, to one host block they share.
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        return len(self.free_cpu_block_ids) >= len({b for s in seqs for b in s.block_table})
 
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Give the sequence host blocks; release its device blocks. Returns (device, host) copies.
+    def swap_out(self, seqs: list[Sequence]) -> list[list[tuple[int, int]]]:
+        """Give the sequences host blocks, a shared block one shared host block; release their device
+        blocks. Returns each sequence's (device, host) copies, a shared block's with its first holder.
 
         The device blocks are free in the books at once; the executor performs these copies
         before anything else runs in the step, so nobody overwrites them first.
         """
-        mapping = [(b, self.free_cpu_block_ids.popleft()) for b in seq.block_table]
-        seq.host_block_table = [h for _, h in mapping]
-        self._release_table(seq, "preempt")  # num_computed_tokens stays: the KV lives on the host
-        return mapping
+        host_of: dict[int, int] = {}
+        copies = []
+        for seq in seqs:
+            mine = []
+            for b in seq.block_table:
+                if b not in host_of:
+                    host_of[b] = self.free_cpu_block_ids.popleft()
+                    mine.append((b, host_of[b]))
+                else:
+                    h = host_of[b]
+                    self.host_refs[h] = self.host_refs.get(h, 1) + 1
+            seq.host_block_table = [host_of[b] for b in seq.block_table]
+            copies.append(mine)
+        for seq in seqs:
+            self._release_table(seq, "preempt")  # num_computed_tokens stays: the KV lives on the host
+        return copies
 
-    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def num_swap_in_blocks(self, seqs: list[Sequence], new_tokens: list[int]) -> int:
+        """Device blocks that swapping the sequences in and growing them by `new_tokens` takes: their
+        distinct host blocks, new blocks past them, and a copy for each write to a still-shared block."""
+        holders: dict[int, int] = {}
+        for seq in seqs:
+            for h in seq.host_block_table:
+                holders[h] = holders.get(h, 0) + 1
+        num_needed = len(holders)
+        for seq, num_new in zip(seqs, new_tokens):
+            table = seq.host_block_table
+            num_needed += max(0, self.blocks_for(seq.num_computed_tokens + num_new) - len(table))
+            index = seq.num_computed_tokens // self.block_size
+            if index < len(table) and holders[table[index]] > 1:  # copy-on-write, as grow will
+                holders[table[index]] -= 1
+                num_needed += 1
+        return num_needed
+
+    def can_swap_in(self, seqs: list[Sequence], new_tokens: list[int]) -> bool:
         """Room above the watermark for the swapped blocks and this step's new positions."""
-        num_needed = max(len(seq.host_block_table), self.blocks_for(seq.num_computed_tokens + num_new_tokens))
-        return len(self.free_queue) - num_needed >= self.watermark_blocks
+        return len(self.free_queue) - self.num_swap_in_blocks(seqs, new_tokens) >= self.watermark_blocks
 
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Give the sequence new device blocks for its host blocks. Returns (host, device) copies."""
-        new_ids = self._allocate_blocks(len(seq.host_block_table))
-        self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=list(new_ids), reason="swap_in"))
-        mapping = list(zip(seq.host_block_table, new_ids))
-        self.free_host(seq)
-        seq.block_table = new_ids
-        seq.block_hashes = []
-        return mapping
+    def swap_in(self, seqs: list[Sequence]) -> list[list[tuple[int, int]]]:
+        """Give the sequences device blocks for their host blocks, a shared host block one shared
+        device block. Returns each sequence's (host, device) copies, a shared block's with its first holder."""
+        device_of: dict[int, int] = {}
+        copies = []
+        bs = self.block_size
+        for seq in seqs:
+            mine = []
+            for h in seq.host_block_table:
+                if h not in device_of:
+                    device_of[h] = self._allocate_blocks(1)[0]
+                    mine.append((h, device_of[h]))
+                else:
+                    block_id = device_of[h]
+                    self.blocks[block_id].ref_count += 1
+            if mine:
+                self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=[d for _, d in mine],
+                                           reason="swap_in"))
+            seq.block_table = [device_of[h] for h in seq.host_block_table]
+            seq.block_hashes = []
+            copies.append(mine)
+        for seq in seqs:
+            for i, block_id in enumerate(seq.block_table):
+                if self.blocks[block_id].ref_count > 1:
+                    fill = max(0, min(bs, seq.num_computed_tokens - i * bs))
+                    self.shared_fill[block_id] = max(self.shared_fill.get(block_id, 0), fill)
+            self.free_host(seq)
+        return copies
 
     # ---- integrity ----------------------------------------------------------------------
     def check_integrity(self, seqs: list[Sequence]) -> None:
         """Assert the books balance: every block free xor referenced, counts match the tables."""
         refs = [0] * len(self.blocks)
-        host_used: set[int] = set()
+        host_holders: dict[int, int] = {}
         for seq in seqs:
             for b in seq.block_table:
                 refs[b] += 1
             for h in seq.host_block_table:
-                assert h not in host_used, f"host block {h} held twice"
-                host_used.add(h)
+                host_holders[h] = host_holders.get(h, 0) + 1
+        for h, n in host_holders.items():
+            assert n == self.host_refs.get(h, 1), f"host block {h} held {n} times, counted {self.host_refs.get(h, 1)}"
+        assert all(h in host_holders for h in self.host_refs), "a shared host block nobody holds"
+        host_used = set(host_holders)
         assert refs[0] == 0 and self.blocks[0].ref_count == 0, "the null block is in use"
         free = self.free_queue
         assert 0 not in free, "the null block is in the free queue"

@@ -268,6 +268,9 @@ def resolve_batch_limits(config: EngineConfig, max_model_len: int, device_type: 
                          device_name: str = "") -> EngineConfig:
     """The config with its batch limits filled in from the device class where not given. A token budget
     given alone also caps the default max_num_seqs (vLLM would refuse the pair instead)."""
+    if config.long_prefill_token_threshold > max_model_len:
+        raise ValueError(f"--long-prefill-token-threshold {config.long_prefill_token_threshold} is above the "
+                         f"max model length {max_model_len}")
     seqs, tokens = batch_defaults(device_type, device_memory, device_name)
     if config.max_num_batched_tokens is None and not config.enable_chunked_prefill:
         tokens = max(tokens, max_model_len)  # a whole prompt must fit one step

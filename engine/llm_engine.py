@@ -129,7 +129,8 @@ class LLMEngine:
                                    preemption_mode=config.preemption_mode,
                                    preemption_policy=config.preemption_policy,
                                    long_prefill_token_threshold=config.long_prefill_token_threshold,
-                                   enable_chunked_prefill=config.enable_chunked_prefill)
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   swap_groups=config.n_mode == "cow")
         if self.simulated:
             self.model = None
             self.runner: ModelRunner | SimExecutor = SimExecutor(self.cost_model, g.bytes_per_block)
@@ -385,7 +386,7 @@ class LLMEngine:
                 num_blocks = sum(len(e.blocks) for e in events)
                 for e in events:  # one copy per direction per step: share its time by blocks
                     e.bytes = len(e.blocks) * self.geometry.bytes_per_block
-                    e.duration_ms = total_ms * len(e.blocks) / num_blocks if total_ms is not None else None
+                    e.duration_ms = total_ms * len(e.blocks) / num_blocks if total_ms is not None and num_blocks else None
             for e in record.events:
                 e.seq = self._event_seq
                 self._event_seq += 1

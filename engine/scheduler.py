@@ -53,7 +53,7 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  preemption_mode: str, preemption_policy: str, long_prefill_token_threshold: int = 0,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, swap_groups: bool = False) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -61,6 +61,7 @@ class Scheduler:
         self.preemption_policy = preemption_policy
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.swap_groups = swap_groups          # --n-mode cow: a request's samples swap together
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # in admission order, oldest first
         self.swapped: deque[Sequence] = deque()
@@ -97,20 +98,19 @@ class Scheduler:
                 num_new = budget
             preempted_self = False
             while not bm.can_grow(seq, num_new):
-                victim = self._pick_victim(seq)
-                index = running.index(victim)
-                if id(victim) in scheduled:  # already in this step's batch: take it back out
-                    num_victim, num_hashed = scheduled.pop(id(victim))
-                    budget += num_victim
-                    j = out.seqs.index(victim)
-                    del out.seqs[j], out.num_new_tokens[j]
-                    bm.uncache_from(victim, num_hashed)  # cached when scheduled, never computed
-                self._preempt(victim, out)
-                if victim is seq:
+                victims = self._swap_group(self._pick_victim(seq))
+                i -= sum(1 for v in victims if v is not seq and running.index(v) < i)
+                for victim in victims:
+                    if id(victim) in scheduled:  # already in this step's batch: take it back out
+                        num_victim, num_hashed = scheduled.pop(id(victim))
+                        budget += num_victim
+                        j = out.seqs.index(victim)
+                        del out.seqs[j], out.num_new_tokens[j]
+                        bm.uncache_from(victim, num_hashed)  # cached when scheduled, never computed
+                self._preempt(victims, out)
+                if seq in victims:
                     preempted_self = True
                     break
-                if index < i:
-                    i -= 1
             if preempted_self:
                 if self.preemption_policy in ("newest", "priority"):
                     break  # V1: the sequence that preempted itself ends the running pass
@@ -128,31 +128,49 @@ class Scheduler:
         if out.num_preemptions:
             return out
 
-        # 2. vLLM V0's swap mode: swapped sequences come back before anything new is admitted.
-        while self.swapped and budget > 0 and len(running) < self.max_num_seqs:
-            seq = self.swapped[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not bm.can_swap_in(seq, num_new):
+        # 2. vLLM V0's swap mode: swapped sequences come back before anything new is admitted (a
+        # request's copy-on-write samples together, as they left).
+        while self.swapped and budget > 0:
+            group = [self.swapped[0]]
+            while len(group) < len(self.swapped) and self.swapped[len(group)].req_id == group[0].req_id:
+                group.append(self.swapped[len(group)])
+            if len(running) + len(group) > self.max_num_seqs:
+                break
+            new_tokens = []
+            left = budget
+            for seq in group:
+                new_tokens.append(min(seq.num_tokens - seq.num_computed_tokens, left))
+                left -= new_tokens[-1]
+            if 0 in new_tokens:
+                break
+            if len(group) > 1 and bm.num_swap_in_blocks(group, new_tokens) > bm.num_blocks:
+                group, new_tokens = group[:1], new_tokens[:1]  # together they outgrew the pool: one by one
+            if not bm.can_swap_in(group, new_tokens):
+                seq = group[0]
                 if bm.can_ever_hold(max(seq.num_tokens, seq.num_computed_tokens + 1, seq.num_reserved_tokens)):
                     break
                 self.swapped.popleft()  # outgrew the whole pool: it can never resume
                 seq.finish_reason = "capacity"
                 out.rejected.append(seq)
                 continue
-            self.swapped.popleft()
-            self._admit(seq, "resume-swap", seq.num_tokens - seq.num_computed_tokens)
-            host_ids = list(seq.host_block_table)
-            mapping = bm.swap_in(seq)
-            out.swap_in.extend(mapping)
-            event = KVEvent(ev.SWAP_IN, seq.req_id, seq.sample, blocks=[d for _, d in mapping],
-                            src_blocks=host_ids, num_tokens=seq.num_computed_tokens)
-            bm.events.append(event)
-            out.swap_in_events.append(event)
-            copy = bm.grow(seq, num_new)
-            assert copy is None, "a swapped-in sequence shares no block"
-            out.seqs.append(seq)
-            out.num_new_tokens.append(num_new)
-            budget -= num_new
+            for _ in group:
+                self.swapped.popleft()
+            for seq in group:
+                self._admit(seq, "resume-swap", seq.num_tokens - seq.num_computed_tokens)
+            copies = bm.swap_in(group)
+            for seq, mine in zip(group, copies):
+                out.swap_in.extend(mine)
+                event = KVEvent(ev.SWAP_IN, seq.req_id, seq.sample, blocks=[d for _, d in mine],
+                                src_blocks=[h for h, _ in mine], num_tokens=seq.num_computed_tokens)
+                bm.events.append(event)
+                out.swap_in_events.append(event)
+            for seq, num_new in zip(group, new_tokens):
+                copy = bm.grow(seq, num_new)
+                if copy:
+                    out.copies.append(copy)
+                out.seqs.append(seq)
+                out.num_new_tokens.append(num_new)
+                budget -= num_new
         if self.swapped:
             return out
 
@@ -240,39 +258,54 @@ class Scheduler:
         candidates = (freeing or others) + [needing]
         return max(candidates, key=lambda s: victim_key(policy, s))
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.running.remove(seq)
-        out.num_preemptions += 1
-        seq.num_preemptions += 1
-        held = list(seq.block_table)
-        num_positions = seq.num_computed_tokens
-        # A copy-on-write decided for the victim earlier in this step has not run yet: drop it.
+    def _swap_group(self, victim: Sequence) -> list[Sequence]:
+        """The sequences preempted with `victim`: with swap and copy-on-write samples, every running
+        sample of its request (vLLM V0 swapped a sequence group whole), if the host has room."""
+        if self.preemption_mode != "swap" or not self.swap_groups:
+            return [victim]
+        group = [s for s in self.running if s.req_id == victim.req_id]
+        return group if len(group) > 1 and self.bm.can_swap_out(group) else [victim]
+
+    def _preempt(self, seqs: list[Sequence], out: SchedulerOutput) -> None:
+        """Preempt the sequences: swap them out together (swap mode, when the host has room), else
+        drop their KV to recompute it later."""
+        held = {}
+        for seq in seqs:
+            self.running.remove(seq)
+            out.num_preemptions += 1
+            seq.num_preemptions += 1
+            held[id(seq)] = list(seq.block_table)
+            if seq.reprefill_target:  # cut short while re-prefilling: record what it did redo
+                self.record_reprefill(seq, "interrupted")
+        # A copy-on-write decided for a victim earlier in this step has not run yet: drop it.
         # Its new block holds nothing yet; a swap copies the shared source block instead.
-        pending_cow = {dst: src for src, dst in out.copies if dst in held}
+        tables = {b for seq in seqs for b in held[id(seq)]}
+        pending_cow = {dst: src for src, dst in out.copies if dst in tables}
         if pending_cow:
             out.copies = [(src, dst) for src, dst in out.copies if dst not in pending_cow]
-        if seq.reprefill_target:  # cut short while re-prefilling: record what it did redo
-            self.record_reprefill(seq, "interrupted")
-        if self.preemption_mode == "swap" and self.bm.can_swap_out(seq):
-            self.bm.events.append(KVEvent(ev.PREEMPT, seq.req_id, seq.sample, blocks=held,
-                                          num_tokens=num_positions, reason="swap"))
-            mapping = self.bm.swap_out(seq)
-            out.swap_out.extend((pending_cow.get(d, d), h) for d, h in mapping)
-            event = KVEvent(ev.SWAP_OUT, seq.req_id, seq.sample, blocks=[d for d, _ in mapping],
-                            src_blocks=[h for _, h in mapping], num_tokens=num_positions)
-            self.bm.events.append(event)
-            out.swap_out_events.append(event)
-            seq.status = SequenceStatus.SWAPPED
-            seq.num_swaps += 1
-            self.swapped.append(seq)
+        if self.preemption_mode == "swap" and self.bm.can_swap_out(seqs):
+            for seq in seqs:
+                self.bm.events.append(KVEvent(ev.PREEMPT, seq.req_id, seq.sample, blocks=held[id(seq)],
+                                              num_tokens=seq.num_computed_tokens, reason="swap"))
+            copies = self.bm.swap_out(seqs)
+            for seq, mine in zip(seqs, copies):
+                out.swap_out.extend((pending_cow.get(d, d), h) for d, h in mine)
+                event = KVEvent(ev.SWAP_OUT, seq.req_id, seq.sample, blocks=[d for d, _ in mine],
+                                src_blocks=[h for _, h in mine], num_tokens=seq.num_computed_tokens)
+                self.bm.events.append(event)
+                out.swap_out_events.append(event)
+                seq.status = SequenceStatus.SWAPPED
+                seq.num_swaps += 1
+                self.swapped.append(seq)
             return
         reason = "recompute" if self.preemption_mode == "recompute" else "swap-full-fallback"
-        self.bm.events.append(KVEvent(ev.PREEMPT, seq.req_id, seq.sample, blocks=held,
-                                      num_tokens=num_positions, reason=reason))
-        self.bm.free(seq, "preempt")
-        seq.status = SequenceStatus.WAITING
-        seq.protected = False
-        self.waiting.appendleft(seq)
+        for seq in seqs:
+            self.bm.events.append(KVEvent(ev.PREEMPT, seq.req_id, seq.sample, blocks=held[id(seq)],
+                                          num_tokens=seq.num_computed_tokens, reason=reason))
+            self.bm.free(seq, "preempt")
+            seq.status = SequenceStatus.WAITING
+            seq.protected = False
+            self.waiting.appendleft(seq)
 
     def record_reprefill(self, seq: Sequence, reason: str | None) -> None:
         self.bm.events.append(KVEvent(

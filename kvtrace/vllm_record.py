@@ -251,6 +251,12 @@ class VllmRecording:
         (capture / "driver.json").write_text(json.dumps(config))
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
         env["PYTHONPATH"] = str(capture_path())
+        if self.meta["replay"]["mode"] == "backlog":
+            # the engine core in this process: every request is queued before the first step, so a
+            # backlog replays deterministically (a core process would start stepping on the first)
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.meta["vllm"]["engine_core"] = ("in-process" if env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+                                            else "separate process")
         log_path = run_dir / "vllm.log"
         self.meta["started_at"] = datetime.now(timezone.utc).isoformat()
         self.meta["status"] = "running"

@@ -59,8 +59,8 @@ def test_a_prefill_chunk_shares_only_the_blocks_it_has_computed(make_engine):
 
 def integrity_state(make_engine, steps: int, tracer=None):
     """D runs first; then after 1 more step: blocks 1 and 2 cached-free (D's), A's prompt blocks 3 and
-    4 shared by its two samples (n=2, copy-on-write); after 3: A's second sample swapped out to host
-    blocks 0 and 1; after 4: block 4 free, blocks 5 and 6 cached-free."""
+    4 shared by its two samples (n=2, copy-on-write); after 3: A's two samples swapped out together,
+    sharing host block 0; after 4: blocks 5 and 6 cached-free."""
     engine = make_engine(tracer, block_size=4, num_gpu_blocks=6, watermark=0.0, enable_prefix_caching=True,
                          preemption_mode="swap", num_cpu_blocks=4, max_num_batched_tokens=64, n_mode="cow",
                          preemption_policy="newest-sparing")
@@ -92,11 +92,12 @@ CORRUPTIONS = {  # what breaks -> (steps, how, the check's message)
     "a stale share": (1, lambda e, bm: bm.shared_fill.__setitem__(5, 1), "shared-block index out of date"),
     "a stale hash": (1, lambda e, bm: bm.hash_to_block_id.__setitem__(12345, 1), "hash index points to block 1"),
     "a block beyond the pool": (4, lambda e, bm: bm.free_queue.__setitem__(7, None), "beyond the pool"),
-    "a host id twice": (3, lambda e, bm: bm.free_cpu_block_ids.append(2), "duplicate id in the host free list"),
+    "a host id twice": (1, lambda e, bm: bm.free_cpu_block_ids.append(2), "duplicate id in the host free list"),
     "a host block free and used": (3, lambda e, bm: bm.free_cpu_block_ids.append(0), "host block both free and used"),
-    "a host block lost": (3, lambda e, bm: bm.free_cpu_block_ids.pop(), "host blocks lost"),
+    "a host block lost": (1, lambda e, bm: bm.free_cpu_block_ids.pop(), "host blocks lost"),
     "a host block held twice": (3, lambda e, bm: setattr(e.scheduler.running[0], "host_block_table", [0]),
-                                "host block 0 held twice"),
+                                "host block 0 held 3 times, counted 2"),
+    "a shared host block unheld": (3, lambda e, bm: bm.host_refs.__setitem__(3, 2), "host block 3 held 1 times, counted 2"),
     "positions beyond the blocks": (1, lambda e, bm: setattr(e.scheduler.running[1], "num_computed_tokens", 9),
                                     "computed positions beyond its blocks"),
 }

@@ -171,7 +171,7 @@ class _Capture:
             rid = request.request_id
             cap.current = rid
             cap.alloc_reason = ("prefill" if admitting or request.num_computed_tokens < request.num_tokens - 1
-                                else "decode")
+                                or not request.num_output_tokens else "decode")
             mark = len(cap.events)
             try:
                 result = allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
@@ -230,7 +230,7 @@ class _Capture:
             st = self.states.get(rid) or self.state(rid)
             stop = req.num_computed_tokens
             begin = stop - n
-            if begin >= req.num_tokens - 1:
+            if begin >= req.num_tokens - 1 and req.num_output_tokens:  # a prompt's last token is prefill
                 decode += n
             else:
                 prefill += n
