@@ -40,16 +40,25 @@ def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-def fit_error(predicted: np.ndarray, actual: np.ndarray) -> dict[str, float]:
-    """How well predictions match: per step and in total."""
-    relative = np.abs(predicted - actual) / np.maximum(actual, 1e-9)
+def fit_error(predicted: np.ndarray, actual: np.ndarray, prefill: np.ndarray, decode: np.ndarray) -> dict:
+    """How well predictions match: per step, in total, and per kind of step (KINDS)."""
+    signed = (predicted - actual) / np.maximum(actual, 1e-9)
+    relative = np.abs(signed)
     residual = ((actual - predicted) ** 2).sum()
     spread = ((actual - actual.mean()) ** 2).sum()
+    by_kind = {}
+    for kind, member in (("decode only", prefill == 0), ("prefill only", (prefill > 0) & (decode == 0)),
+                         ("prefill + decode", (prefill > 0) & (decode > 0))):
+        # bias: the median signed error; a kind the fit over- or under-predicts as a whole
+        by_kind[kind] = {"steps": int(member.sum()),
+                         "median_step_error": float(np.median(relative[member])) if member.any() else None,
+                         "bias": float(np.median(signed[member])) if member.any() else None}
     return {"steps": int(len(actual)),
             "median_step_error": float(np.median(relative)),
             "p90_step_error": float(np.quantile(relative, 0.9)),
             "total_error": float(abs(predicted.sum() - actual.sum()) / actual.sum()),
-            "r2": float(1 - residual / spread) if spread > 0 else 1.0}
+            "r2": float(1 - residual / spread) if spread > 0 else 1.0,
+            "by_kind": by_kind}
 
 
 def host_memory_bytes() -> int:
@@ -77,7 +86,7 @@ def calibrate(runs: list[str | Path], name: str) -> tuple[HardwareProfile, dict]
     y = (period - swap_ms)[usable]
     weight = 1.0 / np.maximum(y, 1e-3)[:, None]
     coef = nonnegative_lstsq(x * weight, y * weight[:, 0])
-    error = fit_error(x @ coef, y)
+    error = fit_error(x @ coef, y, x[:, 1], x[:, 2])
     coefficients = dict(zip(FITTED, map(float, coef)))
     coefficients.update(weights_ms=0.0, attention_pair_ms=0.0)
 

@@ -34,4 +34,8 @@ def calibrate(
                f"ms/token + decode {c['decode_token_ms']:.3g} ms/token + KV {c['kv_token_ms']:.3g} ms/position")
     typer.echo(f"fit error: median {100 * error['median_step_error']:.1f}% per step, "
                f"p90 {100 * error['p90_step_error']:.1f}%, total {100 * error['total_error']:.2f}%, R² {error['r2']:.3f}")
+    kinds = [f"{kind} {k['steps']} steps, median {100 * k['median_step_error']:.1f}%, bias {100 * k['bias']:+.1f}%"
+             if k["steps"] else f"{kind}: none (the profile extrapolates to them)"
+             for kind, k in error["by_kind"].items()]
+    typer.echo("by kind of step: " + "; ".join(kinds))
     typer.echo(f"profile: {out}   use: kvtrace record --engine sim --hardware {out} ...")

@@ -267,6 +267,39 @@ def test_calibrate_recovers_the_coefficients_a_run_was_made_with(tmp_path):
     assert cost.forward_ms(64, 3, 500, 1e6) == pytest.approx(3.0 + 0.25 * 64 + 2.0 * 3 + 0.01 * 500)
 
 
+def test_calibrate_reports_its_error_by_kind_of_step(tmp_path):
+    """A kind of step the cost model misses shows as that kind's bias; a kind the runs lack is named."""
+    from tests.tracegen import write_run
+    rng = random.Random(1)
+    steps, t = [], 0.0
+    for step in range(80):
+        prefill, decode = rng.choice([(0, rng.randint(1, 8))] * 4 + [(rng.randint(20, 200), rng.randint(1, 8)),
+                                                                     (rng.randint(20, 200), 0)])
+        period = 20.0 + 1.0 * prefill + 0.5 * decode
+        if prefill and not decode:
+            period *= 1.3   # lone prefills cost 30 % more than the linear model can say
+        steps.append({"step": step, "start_s": t, "end_s": t + period / 1000, "running": 4, "waiting": 0,
+                      "swapped": 0, "prefill_tokens": prefill, "decode_tokens": decode, "kv_tokens": 100 + step})
+        t += period / 1000
+    result = CliRunner().invoke(app, ["calibrate", str(write_run(tmp_path, "cal", steps=steps)),
+                                      "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 0, result.output
+    kinds = json.loads((tmp_path / "p.json").read_text())["fitted_on"]["error"]["by_kind"]
+    counts = {"decode only": sum(1 for s in steps[:-1] if not s["prefill_tokens"]),
+              "prefill only": sum(1 for s in steps[:-1] if s["prefill_tokens"] and not s["decode_tokens"]),
+              "prefill + decode": sum(1 for s in steps[:-1] if s["prefill_tokens"] and s["decode_tokens"])}
+    assert {kind: k["steps"] for kind, k in kinds.items()} == counts and min(counts.values()) > 5
+    # one per-token prefill cost cannot fit both: lone prefills come out short, the others long
+    assert kinds["prefill only"]["bias"] < -0.05 and kinds["prefill + decode"]["bias"] > 0.05
+    assert abs(kinds["decode only"]["bias"]) < 0.01
+    assert "by kind of step: decode only " in result.output and "prefill only" in result.output
+
+    decode_only = write_run(tmp_path / "d", "d", steps=[s for s in steps if not s["prefill_tokens"]])
+    result = CliRunner().invoke(app, ["calibrate", str(decode_only), "-o", str(tmp_path / "d.json")])
+    assert result.exit_code == 0, result.output
+    assert "prefill only: none" in result.output and "prefill + decode: none" in result.output
+
+
 def test_calibrate_refuses_simulated_runs_and_mixed_models(tmp_path):
     from tests.tracegen import write_run
     steps = [{"step": i, "start_s": i * 0.1, "end_s": i * 0.1 + 0.05, "running": 1, "waiting": 0, "swapped": 0,
