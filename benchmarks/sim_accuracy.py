@@ -73,8 +73,12 @@ def run(args: argparse.Namespace) -> None:
             workloads[name] = folder / f"w{i}.jsonl"
             kvtrace("workload", "synth", *SYNTH, *synth, "-o", str(workloads[name]))
         real: dict[str, list[Path]] = {name: [] for name in RUNS}
-        schedule = [CALIBRATION] + [name for _ in range(args.repeats) for name in RUNS if name != CALIBRATION]
-        for name in schedule:   # round-robin: a slow spell of the machine spreads over every run
+        # round-robin: a slow spell of the machine spreads over every run; the calibration run goes after
+        # the first round, not before it, so that a drift of the machine's speed over the suite (seen here:
+        # decode steps 28 ms in the first round, 21 ms in the third) moves it as it moves the medians
+        predicted = [name for name in RUNS if name != CALIBRATION]
+        schedule = predicted + [CALIBRATION] + predicted * (args.repeats - 1)
+        for name in schedule:
             i = list(RUNS).index(name)
             run_dir = folder / f"real-{i}-{len(real[name])}"
             print(f"recording {name} (real {MODEL}), repeat {len(real[name]) + 1}", flush=True)

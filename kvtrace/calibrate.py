@@ -10,6 +10,12 @@ step weighs as much as a 600 ms prefill: latency percentiles are made of the man
 every coefficient kept >= 0 (a negative cost would make a bigger step cheaper); the roofline's weights term is folded into step_ms (weights_ms = 0) and prefill attention
 into the per-token terms (attention_pair_ms = 0), since a trace records neither separately. Swaps are
 fitted on their own, `swap_ms + bytes * swap_byte_ms`, from the steps that swapped.
+
+A step that took more than INTERFERENCE times what the fit predicts is left out and the fit redone
+(until none is): on a shared machine another process can stall a step tenfold, and a least-squares
+fit on relative error would spread those few stalls over every coefficient. No composition costs
+twice what a linear fit of its neighbours says; a warm-up step or a neighbour's burst does. The
+error is reported on the steps kept, by kind of step, with the number left out.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from kvtrace.errors import KvtraceError
 FEATURES = ("prefill_tokens", "decode_tokens", "kv_tokens")
 FITTED = ("step_ms", "prefill_token_ms", "decode_token_ms", "kv_token_ms")
 DEFAULT_SWAP_GB_S = 10.0   # when no calibration run swapped: a host copy at 10 GB/s, said so in the profile
+INTERFERENCE = 2.0         # a step this many times slower than predicted was stalled by something else
 
 
 def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -85,8 +92,15 @@ def calibrate(runs: list[str | Path], name: str) -> tuple[HardwareProfile, dict]
     x = np.column_stack([np.ones(len(period))] + [np.array(rows[f], dtype=float) for f in FEATURES])[usable]
     y = (period - swap_ms)[usable]
     weight = 1.0 / np.maximum(y, 1e-3)[:, None]
-    coef = nonnegative_lstsq(x * weight, y * weight[:, 0])
-    error = fit_error(x @ coef, y, x[:, 1], x[:, 2])
+    kept = np.ones(len(y), dtype=bool)
+    while True:
+        coef = nonnegative_lstsq(x[kept] * weight[kept], y[kept] * weight[kept, 0])
+        stalled = y > INTERFERENCE * (x @ coef)
+        if not (stalled & kept).any() or (~stalled).sum() < len(FITTED) * 3:
+            break
+        kept &= ~stalled
+    error = fit_error(x[kept] @ coef, y[kept], x[kept, 1], x[kept, 2])
+    error["stalled_steps"] = int((~kept).sum())
     coefficients = dict(zip(FITTED, map(float, coef)))
     coefficients.update(weights_ms=0.0, attention_pair_ms=0.0)
 
