@@ -110,8 +110,9 @@ def run(args: argparse.Namespace) -> None:
             met &= exact or "--backlog" not in options
             cells.append(f"{'/'.join(map(str, counts))} / {s['preemptions']}")
             rows.append(cells)
-        section.add(f"Real {MODEL} runs recorded here (CPU, fp32), the first used to fit the profile, the others "
-                    f"predicted by `--engine sim` with it, each recorded {args.repeats} times round-robin. Each cell: "
+        section.add(f"Real {MODEL} runs recorded here (CPU, fp32): one of bursty arrivals (48 requests, 1.5 req/s, "
+                    "gaps of CV 2) used to fit the profile, the others predicted by `--engine sim` with it, each "
+                    f"recorded {args.repeats} times round-robin (the calibration run after the first round). Each cell: "
                     "median of the real repeats / simulated (error; the real repeats' own half-range).\n\n"
                     f"Fit (`kvtrace calibrate`):\n\n```\n{fit.strip()}\n```")
         section.add(markdown_table(["run", "duration s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
