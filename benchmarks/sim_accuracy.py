@@ -2,12 +2,14 @@
 
 Records SmolLM2-135M runs of the real engine here (small workloads: the machine is shared), fits a
 cost model to one of them (`kvtrace calibrate`; a run of bursty arrivals, whose steps range from a lone
-prompt's prefill to full batches), replays every other one with `--engine sim` and that profile, and sets the two summaries side by side: total duration, TTFT and ITL p50 / p99 (from
+prompt's prefill to full batches), replays every other one with `--engine sim` and that profile, and
+sets the two summaries side by side: total duration, TTFT and ITL p50 / p99 (from
 analyses/summary.sql, for both runs alike) and preemptions. Goals (issue 15): duration within 10 %,
 latencies within 15 %, preemptions exact in backlog mode. The machine's own timing drifts between
-runs, so each predicted run is recorded `--repeats` times, round-robin, and compared with the median of
-its repeats; the table shows that spread (the noise floor no cost model can beat). `--save-profile` also writes the fitted
-profile to engine/profiles/cpu-here.json (the profile the tests use as `--hardware cpu-here`).
+runs, so each predicted run is recorded `--repeats` times, round-robin (the calibration run after the
+first round), and compared with the median of its repeats; the table shows that spread (the noise
+floor no cost model can beat). `--save-profile` also writes the fitted profile to
+engine/profiles/cpu-here.json (the profile the tests use as `--hardware cpu-here`).
 """
 from __future__ import annotations
 

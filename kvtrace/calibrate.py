@@ -48,7 +48,8 @@ def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit_error(predicted: np.ndarray, actual: np.ndarray, prefill: np.ndarray, decode: np.ndarray) -> dict:
-    """How well predictions match: per step, in total, and per kind of step (KINDS)."""
+    """How well predictions match: per step, in total, and per kind of step (decode only, prefill only,
+    prefill + decode)."""
     signed = (predicted - actual) / np.maximum(actual, 1e-9)
     relative = np.abs(signed)
     residual = ((actual - predicted) ** 2).sum()
@@ -99,7 +100,7 @@ def calibrate(runs: list[str | Path], name: str) -> tuple[HardwareProfile, dict]
         if not (stalled & kept).any() or (~stalled).sum() < len(FITTED) * 3:
             break
         kept &= ~stalled
-    error = fit_error(x[kept] @ coef, y[kept], x[kept, 1], x[kept, 2])
+    error = fit_error(x[kept] @ coef, y[kept], x[kept, 1], x[kept, 2])   # columns 1, 2: prefill, decode tokens
     error["stalled_steps"] = int((~kept).sum())
     coefficients = dict(zip(FITTED, map(float, coef)))
     coefficients.update(weights_ms=0.0, attention_pair_ms=0.0)
