@@ -10,6 +10,12 @@ step weighs as much as a 600 ms prefill: latency percentiles are made of the man
 every coefficient kept >= 0 (a negative cost would make a bigger step cheaper); the roofline's weights term is folded into step_ms (weights_ms = 0) and prefill attention
 into the per-token terms (attention_pair_ms = 0), since a trace records neither separately. Swaps are
 fitted on their own, `swap_ms + bytes * swap_byte_ms`, from the steps that swapped.
+
+A step that took more than INTERFERENCE times what the fit predicts is left out and the fit redone
+(until none is): on a shared machine another process can stall a step tenfold, and a least-squares
+fit on relative error would spread those few stalls over every coefficient. No composition costs
+twice what a linear fit of its neighbours says; a warm-up step or a neighbour's burst does. The
+error is reported on the steps kept, by kind of step, with the number left out.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from kvtrace.errors import KvtraceError
 FEATURES = ("prefill_tokens", "decode_tokens", "kv_tokens")
 FITTED = ("step_ms", "prefill_token_ms", "decode_token_ms", "kv_token_ms")
 DEFAULT_SWAP_GB_S = 10.0   # when no calibration run swapped: a host copy at 10 GB/s, said so in the profile
+INTERFERENCE = 2.0         # a step this many times slower than predicted was stalled by something else
 
 
 def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -40,16 +47,26 @@ def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-def fit_error(predicted: np.ndarray, actual: np.ndarray) -> dict[str, float]:
-    """How well predictions match: per step and in total."""
-    relative = np.abs(predicted - actual) / np.maximum(actual, 1e-9)
+def fit_error(predicted: np.ndarray, actual: np.ndarray, prefill: np.ndarray, decode: np.ndarray) -> dict:
+    """How well predictions match: per step, in total, and per kind of step (decode only, prefill only,
+    prefill + decode)."""
+    signed = (predicted - actual) / np.maximum(actual, 1e-9)
+    relative = np.abs(signed)
     residual = ((actual - predicted) ** 2).sum()
     spread = ((actual - actual.mean()) ** 2).sum()
+    by_kind = {}
+    for kind, member in (("decode only", prefill == 0), ("prefill only", (prefill > 0) & (decode == 0)),
+                         ("prefill + decode", (prefill > 0) & (decode > 0))):
+        # bias: the median signed error; a kind the fit over- or under-predicts as a whole
+        by_kind[kind] = {"steps": int(member.sum()),
+                         "median_step_error": float(np.median(relative[member])) if member.any() else None,
+                         "bias": float(np.median(signed[member])) if member.any() else None}
     return {"steps": int(len(actual)),
             "median_step_error": float(np.median(relative)),
             "p90_step_error": float(np.quantile(relative, 0.9)),
             "total_error": float(abs(predicted.sum() - actual.sum()) / actual.sum()),
-            "r2": float(1 - residual / spread) if spread > 0 else 1.0}
+            "r2": float(1 - residual / spread) if spread > 0 else 1.0,
+            "by_kind": by_kind}
 
 
 def host_memory_bytes() -> int:
@@ -76,8 +93,15 @@ def calibrate(runs: list[str | Path], name: str) -> tuple[HardwareProfile, dict]
     x = np.column_stack([np.ones(len(period))] + [np.array(rows[f], dtype=float) for f in FEATURES])[usable]
     y = (period - swap_ms)[usable]
     weight = 1.0 / np.maximum(y, 1e-3)[:, None]
-    coef = nonnegative_lstsq(x * weight, y * weight[:, 0])
-    error = fit_error(x @ coef, y)
+    kept = np.ones(len(y), dtype=bool)
+    while True:
+        coef = nonnegative_lstsq(x[kept] * weight[kept], y[kept] * weight[kept, 0])
+        stalled = y > INTERFERENCE * (x @ coef)
+        if not (stalled & kept).any() or (~stalled).sum() < len(FITTED) * 3:
+            break
+        kept &= ~stalled
+    error = fit_error(x[kept] @ coef, y[kept], x[kept, 1], x[kept, 2])   # columns 1, 2: prefill, decode tokens
+    error["stalled_steps"] = int((~kept).sum())
     coefficients = dict(zip(FITTED, map(float, coef)))
     coefficients.update(weights_ms=0.0, attention_pair_ms=0.0)
 

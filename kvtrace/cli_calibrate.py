@@ -23,7 +23,7 @@ def calibrate(
     The runs must share one model and dtype; the profile predicts steps of that model on the machine
     that recorded them. See docs/simulation.md.
     """
-    from kvtrace.calibrate import calibrate as fit
+    from kvtrace.calibrate import INTERFERENCE, calibrate as fit
     from kvtrace.workload.format import atomic_write
 
     profile, error = fit(runs, name or out.stem)
@@ -32,6 +32,13 @@ def calibrate(
     c = profile.coefficients
     typer.echo(f"fitted on {error['steps']} steps: step {c['step_ms']:.3g} ms + prefill {c['prefill_token_ms']:.3g} "
                f"ms/token + decode {c['decode_token_ms']:.3g} ms/token + KV {c['kv_token_ms']:.3g} ms/position")
+    if error["stalled_steps"]:
+        typer.echo(f"left out {error['stalled_steps']} step(s) that took over {INTERFERENCE:g}x their prediction "
+                   "(stalled by other work on the machine, or warming up)")
     typer.echo(f"fit error: median {100 * error['median_step_error']:.1f}% per step, "
                f"p90 {100 * error['p90_step_error']:.1f}%, total {100 * error['total_error']:.2f}%, R² {error['r2']:.3f}")
+    kinds = [f"{kind} {k['steps']} steps, median {100 * k['median_step_error']:.1f}%, bias {100 * k['bias']:+.1f}%"
+             if k["steps"] else f"{kind}: none (the profile extrapolates to them)"
+             for kind, k in error["by_kind"].items()]
+    typer.echo("by kind of step: " + "; ".join(kinds))
     typer.echo(f"profile: {out}   use: kvtrace record --engine sim --hardware {out} ...")
