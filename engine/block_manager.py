@@ -159,7 +159,9 @@ class BlockManager:
             return []
         bs = self.block_size
         hits: list[int] = []
-        for i, h in enumerate(self._token_block_hashes(seq, (seq.num_tokens - 1) // bs)):
+        num_blocks = (seq.num_tokens - 1) // bs
+        # the memo may hold one block more (cached when the step computing it was scheduled)
+        for i, h in enumerate(self._token_block_hashes(seq, num_blocks)[:num_blocks]):
             block_id = self.hash_to_block_id.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
                 break
@@ -276,7 +278,7 @@ class BlockManager:
             reason = "decode" if seq.num_computed_tokens >= seq.num_tokens - 1 and seq.num_output_tokens else "prefill"
             self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason=reason))
         if self.enable_prefix_caching:
-            self.cache_full_blocks(seq, num_tokens if num_tokens < seq.num_tokens else seq.num_tokens)
+            self.cache_full_blocks(seq, num_tokens)   # never past the known tokens: they are the input
         return copy
 
     # ---- release ------------------------------------------------------------------------

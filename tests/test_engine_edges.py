@@ -304,3 +304,35 @@ def test_a_swapped_sequence_that_exactly_fits_the_pool_above_the_watermark_comes
              if e.kind in ("preempt", "swap_in") or (e.kind == "finish" and e.req_id == "A")]
     b_done = next(e.step for e in tracer.events if e.kind == "finish" and e.req_id == "B")
     assert story == [(4, "preempt", "A", 23), (b_done + 1, "swap_in", "A", 23), (b_done + 1, "finish", "A", 5)]
+
+
+def test_a_victim_taken_back_out_of_its_step_resumes_from_a_correct_prefix(make_engine):
+    # 3 blocks of 4, priority policy. A (least important) runs alone, then B; at step 5 A is scheduled
+    # for position 7, which fills its second block (cached when scheduled, as in V1), and then taken
+    # back out as B's victim: that block is un-cached, its KV never written. C, whose prompt is A's first
+    # 8 tokens and one more, recomputes the block and caches it again; A, resuming with those same 8
+    # tokens, may reuse only its first block (a prefix hit always leaves the last token to compute).
+    # Both match their runs alone, token for token.
+    def alone(name, prompt, max_tokens, **kw):
+        engine = make_engine(num_gpu_blocks=64, preemption_policy="priority")
+        seq = engine.add_request(name, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kw)
+        run_checked(engine)
+        return seq.token_ids
+
+    a_alone = alone("A", [10, 11, 12], 6)
+    c_prompt = a_alone[:8] + [7]
+    c_alone = alone("C", c_prompt, 3)
+    tracer = ListTracer()
+    engine = make_engine(tracer, block_size=4, num_gpu_blocks=3, preemption_policy="priority")
+    a = engine.add_request("A", [10, 11, 12], SamplingParams(max_tokens=6, ignore_eos=True), priority=5, arrival_s=0.0)
+    engine.step()
+    engine.add_request("B", [30], SamplingParams(max_tokens=6, ignore_eos=True), priority=0, arrival_s=0.0)
+    for _ in range(5):
+        engine.step()
+        engine.check_integrity()
+    assert [(e.step, e.req_id, e.num_tokens) for e in tracer.events if e.kind == "preempt"] == [(5, "A", 7)]
+    c = engine.add_request("C", c_prompt, SamplingParams(max_tokens=3, ignore_eos=True), arrival_s=0.0)
+    run_checked(engine)
+    hits = [(e.req_id, e.num_tokens) for e in tracer.events if e.kind == "prefix_hit"]
+    assert hits == [("C", 4), ("A", 4)]
+    assert a.token_ids == a_alone and c.token_ids == c_alone
