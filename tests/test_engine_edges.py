@@ -215,13 +215,18 @@ def test_every_step_records_the_pool_as_the_block_tables_hold_it(make_engine):
     engine, bm = integrity_state(make_engine, 0, tracer)
     pool = probe_schedule(engine, lambda e, out: (
         {b for s in e.scheduler.running for b in s.block_table},
-        sum(1 for b in e.block_manager.free_queue if e.block_manager.blocks[b].hash is not None)))
+        sum(1 for b in e.block_manager.free_queue if e.block_manager.blocks[b].hash is not None),
+        distinct_kv_positions(e, out)))
     while engine.has_unfinished():
         engine.step()
         r = tracer.records[-1]
-        held, cached = pool[-1]
+        held, cached, kv = pool[-1]
         assert (r.num_used_blocks, r.num_free_blocks, r.num_cached_blocks, r.num_total_blocks) == (
             len(held), 6 - len(held), cached, 6), r.step
+        # KV positions, a shared one once: also right after the two samples come back from the host
+        # sharing their prompt blocks again
+        assert r.num_kv_tokens == kv, r.step
+    assert any(e.kind == "swap_in" for e in tracer.events)
 
 
 def test_a_swapped_sequence_needing_every_free_block_resumes(make_engine):
