@@ -181,3 +181,34 @@ def test_a_tiny_top_p_samples_greedily(make_engine):
     loose = make_engine().generate(prompts, params(max_tokens=8, temperature=1.0, top_p=1.0, seed=1))
     assert nucleus == greedy
     assert loose != greedy  # the seed draws other tokens when the whole distribution is kept
+
+
+# ---------------------------------------------------------------- V1's prefill options
+
+def test_long_prefill_threshold_caps_chunks_while_others_wait(make_engine):
+    # budget 64, threshold 8: A's and B's 20-token prompts go 8 tokens a step each (8 + 8, 8 + 8,
+    # 4 + 4) instead of both in one step; a request alone may use the whole budget
+    tracer = ListTracer()
+    engine = make_engine(tracer, max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    engine.add_request("A", list(range(100, 120)), params(max_tokens=1))
+    engine.add_request("B", list(range(200, 220)), params(max_tokens=1))
+    run_checked(engine)
+    assert [r.num_prefill_tokens for r in tracer.records] == [16, 16, 8]
+    alone = ListTracer()
+    engine = make_engine(alone, max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    engine.add_request("A", list(range(100, 120)), params(max_tokens=1))
+    run_checked(engine)
+    assert [r.num_prefill_tokens for r in alone.records] == [20]   # a lone request starves nobody
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room(make_engine):
+    # budget 16: A (10 tokens) is admitted; B (10 tokens) does not fit the 6 left, so it waits whole
+    # (with chunked prefill it would start with 6 tokens in the same step)
+    for chunked, expected in ((False, [(0, "A", 0), (1, "B", 0)]), (True, [(0, "A", 0), (0, "B", 0)])):
+        tracer = ListTracer()
+        engine = make_engine(tracer, max_num_batched_tokens=16, enable_chunked_prefill=chunked)
+        engine.add_request("A", list(range(100, 110)), params(max_tokens=2))
+        engine.add_request("B", list(range(200, 210)), params(max_tokens=2))
+        run_checked(engine)
+        assert admits(tracer) == expected, chunked
+        assert all(r.num_prefill_tokens + r.num_decode_tokens <= 16 for r in tracer.records)
