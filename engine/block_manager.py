@@ -275,7 +275,7 @@ class BlockManager:
         if num_needed > 0:
             new_ids = self._allocate_blocks(num_needed)
             seq.block_table += new_ids
-            reason = "decode" if seq.num_computed_tokens >= seq.num_tokens - 1 and seq.num_output_tokens else "prefill"
+            reason = "prefill" if seq.is_prefilling else "decode"
             self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason=reason))
         if self.enable_prefix_caching:
             self.cache_full_blocks(seq, num_tokens)   # never past the known tokens: they are the input

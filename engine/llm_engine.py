@@ -236,9 +236,8 @@ class LLMEngine:
             emitted = self._emit(result)
         finished = self._pending_finished + out.rejected
         self._pending_finished = []
-        for seq in finished:
-            if seq.num_pending_forks:  # --n-mode cow, rejected before forking: every sample finishes
-                finished += self._unforked_samples(seq)
+        # --n-mode cow, rejected before forking: every sample finishes
+        finished += [s for seq in finished if seq.num_pending_forks for s in self._unforked_samples(seq)]
         for seq, _ in emitted:
             if seq.finish_reason:
                 finished.append(seq)

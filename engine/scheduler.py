@@ -32,10 +32,16 @@ class SchedulerOutput:
     num_preemptions: int = 0
 
 
+def urgency(seq: Sequence) -> tuple:
+    """V1's priority order: the smallest key is admitted first, the largest preempted first (priority
+    value, then arrival)."""
+    return (seq.priority, seq.arrival_s, seq.arrival_order)
+
+
 def victim_key(policy: str, seq: Sequence) -> tuple:
     """Sort key of preemption candidates: the largest key is preempted first."""
-    if policy == "priority":  # V1: the least urgent, then the latest to arrive
-        return (seq.priority, seq.arrival_s, seq.arrival_order)
+    if policy == "priority":
+        return urgency(seq)
     if policy == "fewest-computed":
         return (-seq.num_computed_tokens, seq.admitted_order)
     return (seq.admitted_order,)  # newest, newest-sparing
@@ -226,7 +232,7 @@ class Scheduler:
 
     def _next_waiting(self) -> Sequence:
         if self.preemption_policy == "priority":
-            return min(self.waiting, key=lambda s: (s.priority, s.arrival_s, s.arrival_order))
+            return min(self.waiting, key=urgency)
         return self.waiting[0]
 
     def _admit(self, seq: Sequence, reason: str, num_tokens: int) -> None:
@@ -250,7 +256,7 @@ class Scheduler:
         if policy == "newest":
             return self.running[-1]
         if policy == "priority":
-            return max(self.running, key=lambda s: (s.priority, s.arrival_s, s.arrival_order))
+            return max(self.running, key=urgency)
         others = [s for s in self.running if s is not needing and not s.protected]
         freeing = [s for s in others if any(self.bm.blocks[b].ref_count == 1 for b in s.block_table)]
         if needing.protected and others:  # a resumed sequence re-prefilling in chunks is spared too
