@@ -277,8 +277,8 @@ class BlockManager:
             seq.block_table += new_ids
             reason = "prefill" if seq.is_prefilling else "decode"
             self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason=reason))
-        if self.enable_prefix_caching:
-            self.cache_full_blocks(seq, num_tokens)   # never past the known tokens: they are the input
+        if self.enable_prefix_caching:   # never past the delivered tokens (V1's request.num_tokens)
+            self.cache_full_blocks(seq, min(num_tokens, seq.num_tokens - seq.num_undelivered))
         return copy
 
     # ---- release ------------------------------------------------------------------------

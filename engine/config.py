@@ -196,6 +196,7 @@ class EngineConfig:
     preemption_policy: str = "newest"    # newest, priority (V1) | fewest-computed, newest-sparing
     long_prefill_token_threshold: int = 0  # V1: a prefill chunk's cap while others wait (0: none)
     enable_chunked_prefill: bool = True  # False: a prompt that does not fit the step's budget waits
+    async_scheduling: bool = False       # V1's batch queue: a step is scheduled before the last one's output
     n_mode: str = "independent"          # n > 1: independent requests sharing the prefix cache (V1) | cow
     enable_prefix_caching: bool = True
     engine: str = "real"                 # real: run the model; sim: predict step times (engine/sim_executor.py)
@@ -222,6 +223,9 @@ class EngineConfig:
             raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.n_mode not in N_MODES:
             raise ValueError(f"--n-mode must be one of {', '.join(N_MODES)}, got {self.n_mode!r}")
+        if self.async_scheduling and (self.preemption_mode == "swap" or self.n_mode == "cow"):
+            option = "--preemption-mode swap" if self.preemption_mode == "swap" else "--n-mode cow"
+            raise ValueError(f"--async-scheduling is vLLM V1's and cannot be combined with {option} (vLLM V0's)")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"--watermark must be in [0, 1), got {self.watermark}")
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -295,4 +299,5 @@ def scheduling_description(config: EngineConfig) -> dict:
         departures.append("n > 1 forked after one prefill, with copy-on-write (vLLM V0's)")
     if config.kv_reserve != "none":
         departures.append(f"--kv-reserve {config.kv_reserve}: whole-context reservation at admission")
-    return {"follows": f"vLLM {VLLM_VERSION} V1 scheduler and block pool", "departures": departures}
+    return {"follows": f"vLLM {VLLM_VERSION} V1 scheduler and block pool", "departures": departures,
+            "async_scheduling": config.async_scheduling}

@@ -89,6 +89,21 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
     return PoolGeometry(num_gpu_blocks, num_cpu_blocks, config.block_size, bytes_per_block, derivation)
 
 
+@dataclass
+class _InFlight:
+    """A step scheduled and run whose output is not processed yet (async scheduling)."""
+    step: int
+    start_s: float
+    out: SchedulerOutput
+    result: StepResult
+    events: list[KVEvent]
+    num_sched_events: int
+    occupancy: tuple
+    num_recompute: int
+    sampled: list[tuple[Sequence, int]]
+    finished: list[Sequence]   # rejected while it was scheduled
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tracer: Tracer | None = None, *, loaded=None) -> None:
         self.config = config
@@ -147,6 +162,7 @@ class LLMEngine:
         self._num_requests = 0
         self._steps_without_progress = 0
         self._pending_finished: list[Sequence] = []
+        self._in_flight: _InFlight | None = None   # async scheduling: the step whose output is pending
         self._pending_records: deque[tuple[StepRecord, StepResult, SchedulerOutput]] = deque()
         # every sequence by (req_id, sample), which also catches a request id used twice; a long replay
         # turns this off to keep memory flat (its workload's ids are checked unique when it is read)
@@ -219,7 +235,10 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, int]]:
-        """Run one step; return the (sequence, token id) pairs it emitted."""
+        """Run one step; return the (sequence, token id) pairs it emitted (with async scheduling, those
+        of the step before)."""
+        if self.config.async_scheduling:
+            return self._step_async()
         start_s = self.now()
         out = self.scheduler.schedule()
         sched_events = self.block_manager.take_events()
@@ -233,7 +252,10 @@ class LLMEngine:
         num_recompute = 0
         if out.seqs:
             num_recompute = self._account(out, start_s)
-            emitted = self._emit(result)
+            sampled = self._sample(result)
+            for seq, token in sampled:
+                seq.token_ids.append(token)
+            emitted = self._deliver(sampled, self.now())
         finished = self._pending_finished + out.rejected
         self._pending_finished = []
         # --n-mode cow, rejected before forking: every sample finishes
@@ -248,17 +270,76 @@ class LLMEngine:
         self.num_finished_seqs += len(finished)
         self.num_preemptions += out.num_preemptions
         end_s = self.now()
-        self._record(start_s, end_s, out, result, sched_events, emitted, finished, num_recompute, occupancy)
+        self._record(self.step_counter, start_s, end_s, out, result, sched_events + self.block_manager.take_events(),
+                     len(sched_events), emitted, finished, num_recompute, occupancy)
         self.step_counter += 1
-        if emitted or finished or not self.has_unfinished():
-            self._steps_without_progress = 0
-        else:
-            self._steps_without_progress += 1
-            if self._steps_without_progress > MAX_STEPS_WITHOUT_PROGRESS:
-                raise LivelockError(f"no token emitted in {MAX_STEPS_WITHOUT_PROGRESS} steps with "
-                                    f"{len(self.scheduler.running)} running, {len(self.scheduler.waiting)} waiting, "
-                                    f"{len(self.scheduler.swapped)} swapped")
+        self._check_progress(bool(emitted or finished))
         return emitted
+
+    def _step_async(self) -> list[tuple[Sequence, int]]:
+        """vLLM V1's async scheduling (its engine core's batch queue of two): this step is scheduled
+        while the previous one's output is still in flight, then that output is processed, then this
+        step runs. A sequence's in-flight token counts as its next input (Sequence.num_undelivered),
+        a sequence whose last token is in flight is not scheduled again, one that stops on its
+        in-flight token (EOS) has been scheduled once more for nothing, and finished sequences free
+        their blocks a step later. The previous step's record (its tokens, finishes and frees) is
+        completed when its output is processed.
+        """
+        start_s = self.now()
+        out = self.scheduler.schedule()
+        bm, sched = self.block_manager, self.scheduler
+        occupancy = (len(sched.running), len(sched.waiting), len(sched.swapped), bm.num_free_blocks,
+                     bm.num_used_blocks, bm.num_cached_free_blocks,
+                     bm.num_kv_positions(sched.running) + sum(out.num_new_tokens))
+        events = bm.take_events()
+        num_sched_events = len(events)
+        for seq in out.rejected:
+            seq.status = SequenceStatus.FINISHED
+        finished_now = self._pending_finished + out.rejected
+        self._pending_finished = []
+        prev = self._in_flight
+        emitted: list[tuple[Sequence, int]] = []
+        stopped: list[Sequence] = []
+        end_s = start_s
+        if prev is not None:   # the previous step's output: deliver, check stops
+            end_s = self.now()
+            emitted = self._deliver(prev.sampled, end_s)
+            stopped = [seq for seq, _ in emitted if seq.finish_reason]
+        result = self.runner.execute(out)   # before the frees: a just-stopped sequence may still run
+        num_recompute = self._account(out, start_s) if out.seqs else 0
+        events += bm.take_events()
+        if prev is not None:
+            for seq in stopped:
+                sched.finish(seq)
+            sampling = {id(s) for s in result.sample_seqs}
+            for seq, _ in emitted:   # V1 caches what the delivered tokens complete, less this step's input
+                if seq.status == SequenceStatus.RUNNING:
+                    bm.cache_full_blocks(seq, seq.num_computed_tokens - (id(seq) in sampling))
+            self._record(prev.step, prev.start_s, end_s, prev.out, prev.result, prev.events + bm.take_events(),
+                         prev.num_sched_events, emitted, prev.finished + stopped, prev.num_recompute, prev.occupancy)
+            self.num_finished_seqs += len(stopped)
+        sampled = [(seq, token) for seq, token in (self._sample(result) if result.sample_seqs else [])
+                   if seq.status == SequenceStatus.RUNNING]
+        for seq, token in sampled:   # in flight: the next step's input, delivered after it is scheduled
+            seq.token_ids.append(token)
+            seq.num_undelivered += 1
+        self.num_finished_seqs += len(finished_now)
+        self.num_preemptions += out.num_preemptions
+        self._in_flight = _InFlight(self.step_counter, start_s, out, result, events, num_sched_events, occupancy,
+                                    num_recompute, sampled, finished_now)
+        self.step_counter += 1
+        self._check_progress(bool(emitted or stopped or finished_now))
+        return emitted
+
+    def _check_progress(self, progressed: bool) -> None:
+        if progressed or not self.has_unfinished():
+            self._steps_without_progress = 0
+            return
+        self._steps_without_progress += 1
+        if self._steps_without_progress > MAX_STEPS_WITHOUT_PROGRESS:
+            raise LivelockError(f"no token emitted in {MAX_STEPS_WITHOUT_PROGRESS} steps with "
+                                f"{len(self.scheduler.running)} running, {len(self.scheduler.waiting)} waiting, "
+                                f"{len(self.scheduler.swapped)} swapped")
 
     def _account(self, out: SchedulerOutput, start_s: float) -> int:
         """Advance computed positions; count positions computed for the second time."""
@@ -279,8 +360,8 @@ class LLMEngine:
                 seq.first_scheduled_s = start_s
         return num_recompute
 
-    def _emit(self, result: StepResult) -> list[tuple[Sequence, int]]:
-        """Sample a token for every sequence whose last token was computed; fork n > 1 samples."""
+    def _sample(self, result: StepResult) -> list[tuple[Sequence, int]]:
+        """A token for every sequence whose last token was computed; fork n > 1 samples."""
         seqs = list(result.sample_seqs)
         rows = list(range(len(seqs)))
         for row, parent in enumerate(result.sample_seqs):
@@ -293,10 +374,15 @@ class LLMEngine:
         else:
             logits = result.logits if len(rows) == len(result.sample_seqs) else result.logits[rows]
             tokens = sample(logits, seqs)
-        now = self.now()
+        return list(zip(seqs, tokens))
+
+    def _deliver(self, sampled: list[tuple[Sequence, int]], now: float) -> list[tuple[Sequence, int]]:
+        """Process sampled tokens (already the last of their sequences' token_ids): first-token time,
+        stop checks. Returns them as emitted."""
         emitted = []
-        for seq, token in zip(seqs, tokens):
-            seq.token_ids.append(token)
+        for seq, token in sampled:
+            if seq.num_undelivered:
+                seq.num_undelivered -= 1
             seq.protected = False
             if seq.first_token_s is None:
                 seq.first_token_s = now
@@ -341,18 +427,18 @@ class LLMEngine:
         return children
 
     # ---- tracing ------------------------------------------------------------------------
-    def _record(self, start_s: float, end_s: float, out: SchedulerOutput, result: StepResult,
-                sched_events: list[KVEvent], emitted: list[tuple[Sequence, int]], finished: list[Sequence],
-                num_recompute: int, occupancy: tuple) -> None:
-        step = self.step_counter
-        kv_events = sched_events + self.block_manager.take_events()
+    def _record(self, step: int, start_s: float, end_s: float, out: SchedulerOutput, result: StepResult,
+                kv_events: list[KVEvent], num_sched_events: int, emitted: list[tuple[Sequence, int]],
+                finished: list[Sequence], num_recompute: int, occupancy: tuple) -> None:
+        """Hand the step's record on (once its device timings resolve). The first `num_sched_events`
+        events were decided while scheduling (stamped at the step's start), the rest after the forward."""
         for seq in finished:
             kv_events.append(KVEvent(ev.FINISH, seq.req_id, seq.sample, num_tokens=seq.num_output_tokens,
                                      reason=seq.finish_reason))
-        for e in sched_events:  # decided while scheduling
+        for e in kv_events[:num_sched_events]:  # decided while scheduling
             e.step = step
             e.ts_s = start_s
-        for e in kv_events[len(sched_events):]:  # after the forward: re-prefill done, finish
+        for e in kv_events[num_sched_events:]:  # after the forward: re-prefill done, finish
             e.step = step
             e.ts_s = end_s
         running, waiting, swapped, free, used, cached, kv_tokens = occupancy  # after scheduling
@@ -392,7 +478,19 @@ class LLMEngine:
             self.tracer.on_step(record)
 
     def flush(self) -> None:
-        """Hand every pending step record to the tracer (end of run)."""
+        """Hand every pending step record to the tracer (end of run). With async scheduling, the last
+        step's output is never processed (vLLM's engine leaves it in its batch queue once every request
+        has finished): it is recorded without tokens, and tokens still in flight (an interrupted run)
+        are taken back."""
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None:
+            for seq, _ in prev.sampled:
+                if seq.num_undelivered:
+                    seq.token_ids.pop()
+                    seq.num_undelivered -= 1
+            self._record(prev.step, prev.start_s, prev.start_s, prev.out, prev.result,
+                         prev.events + self.block_manager.take_events(), prev.num_sched_events, [],
+                         prev.finished, prev.num_recompute, prev.occupancy)
         self._flush_records(wait=True)
 
     def _stats(self, seq: Sequence, finish_s: float) -> RequestStats:

@@ -97,6 +97,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            if seq.num_undelivered and seq.num_output_tokens >= seq.stop_length:
+                i += 1  # async: its undelivered token is its last (V1 skips it rather than decode past it)
+                continue
             num_new = seq.num_tokens - seq.num_computed_tokens
             if 0 < threshold < num_new:
                 num_new = threshold
@@ -321,7 +324,11 @@ class Scheduler:
         seq.reprefill_target = 0
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished sequence and release its blocks."""
-        self.running.remove(seq)
+        """Remove a finished sequence and release its blocks. With async scheduling a sequence preempted
+        with a token in flight can finish on that token while it waits."""
+        if seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.bm.free(seq, "finish")

@@ -69,6 +69,8 @@ class Sequence:
         self.block_hashes: list[int] = []       # chained hashes of the full blocks in block_table
         self.token_block_hashes: list[int] = []  # chained hashes of full blocks of token_ids (a memo)
         self.num_computed_tokens = 0            # positions whose KV is in the block table
+        self.num_undelivered = 0                # --async-scheduling: sampled tokens (last of token_ids)
+                                                # whose output the engine has not processed yet
         self.num_cached_tokens = 0              # of those, mapped from the prefix cache this admission
         self.num_ever_computed = 0              # high-water mark of positions that had KV
         self.num_reserved_tokens = 0            # --kv-reserve: positions held from admission (0: on demand)
@@ -107,6 +109,11 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """More than one token lacks KV: prompt or history still to prefill."""
         return self.num_tokens - self.num_computed_tokens > 1 or self.num_output_tokens == 0
+
+    @property
+    def stop_length(self) -> int:
+        """Output tokens at which it stops for good (max_tokens, or where a recorded request stopped)."""
+        return self.params.output_tokens or self.params.max_tokens
 
     @property
     def last_token_id(self) -> int:

@@ -85,6 +85,9 @@ def record(
                                                                    "other requests run (vLLM V1's; 0: no cap).")] = 0,
     enable_chunked_prefill: Annotated[bool, typer.Option(help="Split prompts over steps; --no-enable-chunked-prefill: "
                                                               "a prompt waits until it fits one step's budget.")] = True,
+    async_scheduling: Annotated[bool, typer.Option(help="Schedule each step before the last one's output is "
+                                                        "processed (vLLM V1's default on GPUs; finished requests free "
+                                                        "their blocks a step later).")] = False,
     enable_prefix_caching: Annotated[bool, typer.Option(help="Share cached full blocks between requests.")] = True,
     seed: Annotated[int, typer.Option(help="Seed for synthesised prompts, sampling and dummy weights.")] = 0,
     max_requests: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
@@ -137,6 +140,7 @@ def record(
         watermark=watermark, preemption_mode=preemption_mode, preemption_policy=preemption_policy,
         enable_prefix_caching=enable_prefix_caching, n_mode=n_mode,
         long_prefill_token_threshold=long_prefill_token_threshold, enable_chunked_prefill=enable_chunked_prefill,
+        async_scheduling=async_scheduling,
     )
     from kvtrace.run import Recording, default_run_dir  # torch: imported only when recording
 
@@ -203,7 +207,8 @@ def _record_vllm(a: dict) -> None:
                        max_model_len=a["max_model_len"], enable_prefix_caching=a["enable_prefix_caching"],
                        preemption_policy=a["preemption_policy"], watermark=a["watermark"],
                        long_prefill_token_threshold=a["long_prefill_token_threshold"],
-                       enable_chunked_prefill=a["enable_chunked_prefill"], vllm_python=a["vllm_python"],
+                       enable_chunked_prefill=a["enable_chunked_prefill"], async_scheduling=a["async_scheduling"],
+                       vllm_python=a["vllm_python"],
                        vllm_args=list(a["vllm_arg"] or []), self_check=a["self_check"])
     from kvtrace.run import default_run_dir
 

@@ -58,6 +58,7 @@ class VllmOptions:
     watermark: float = 0.0
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
     vllm_python: str | None = None
     vllm_args: list[str] = field(default_factory=list)
     self_check: bool = False
@@ -189,6 +190,8 @@ class VllmRecording:
             engine_args["long_prefill_token_threshold"] = opts.long_prefill_token_threshold
         if not opts.enable_chunked_prefill:
             engine_args["enable_chunked_prefill"] = False
+        if opts.async_scheduling:
+            engine_args["async_scheduling"] = True
         if opts.num_gpu_blocks is not None:
             engine_args["num_gpu_blocks_override"] = opts.num_gpu_blocks + 1   # + vLLM's null block
         if opts.kv_cache_memory is not None:

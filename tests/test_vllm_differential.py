@@ -52,7 +52,18 @@ def workload(name: str) -> list[dict]:
     if name == "priorities":   # the priority policy picks its victims by (priority, arrival)
         return [{"id": f"r{i}", "prompt_token_ids": ids(rng, rng.randint(20, 100)), "max_tokens": rng.randint(16, 40),
                  "priority": rng.randint(0, 3)} for i in range(10)]
+    if name == "eos":          # chat turns the instruct model ends with EOS (<|im_end|>) at its own length
+        from engine.tokenizer import load_tokenizer
+        from kvtrace.vllm_record import model_folder
+
+        tokenizer = load_tokenizer(str(model_folder("smollm2-135m")))
+        return [{"id": f"q{i}", "ignore_eos": False, "max_tokens": 40, "prompt_token_ids": tokenizer.encode(
+                    f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")} for i, q in enumerate(QUESTIONS)]
     raise KeyError(name)
+
+
+QUESTIONS = ["What is 2+2?", "Say hi.", "Name a color.", "What is the capital of France?", "Is water wet?",
+             "Count to three.", "Give me one word.", "What day comes after Monday?"]
 
 
 SETTINGS = {
@@ -64,6 +75,8 @@ SETTINGS = {
                "--long-prefill-token-threshold", "32", "--max-model-len", "336"],
     "n4": ["--num-gpu-blocks", "11", "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
            "--max-model-len", "128"],
+    "eos": ["--num-gpu-blocks", "6", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+            "--max-model-len", "96"],
     "priorities": ["--num-gpu-blocks", "12", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
                    "--max-model-len", "160", "--preemption-policy", "priority"],
 }
@@ -75,6 +88,7 @@ EXERCISED = {
     "chunks": {"preempt", "evict", "prefix_hit"},
     "n4": {"preempt", "prefix_hit"},
     "priorities": {"preempt", "evict"},
+    "eos": {"preempt"},
 }
 
 
@@ -84,12 +98,23 @@ def rows(run: Path, sql: str) -> list[tuple]:
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_the_engine_makes_vllms_decisions(name, tmp_path):
+    compare(name, tmp_path, [])
+
+
+@pytest.mark.parametrize("name", ["tight", "chunks", "priorities", "eos"])
+def test_async_scheduling_makes_vllms_decisions(name, tmp_path):
+    """--async-scheduling against vLLM's AsyncScheduler and two-batch queue (kept on on this CPU)."""
+    compare(name, tmp_path, ["--async-scheduling"])
+    assert json.loads((tmp_path / "vllm" / "meta.json").read_text())["vllm"]["async_scheduling"] is True
+
+
+def compare(name: str, tmp_path: Path, extra: list[str]) -> None:
     path = tmp_path / f"{name}.jsonl"
     path.write_text("".join(json.dumps({"arrival_s": 0, "ignore_eos": True, **r}) + "\n" for r in workload(name)))
     runs = {engine: tmp_path / engine for engine in ("kvtrace", "vllm")}
-    kvtrace("record", "-w", path, "-o", runs["kvtrace"], *COMMON, *SETTINGS[name])
+    kvtrace("record", "-w", path, "-o", runs["kvtrace"], *COMMON, *SETTINGS[name], *extra)
     kvtrace("record", "--engine", "vllm", "--vllm-python", VLLM_PYTHON, "-w", path, "-o", runs["vllm"],
-            *COMMON, *SETTINGS[name], *EAGER)
+            *COMMON, *SETTINGS[name], *EAGER, *extra)
     for what, sql in COMPARED.items():
         ours, theirs = rows(runs["kvtrace"], sql), rows(runs["vllm"], sql)
         first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
@@ -97,8 +122,12 @@ def test_the_engine_makes_vllms_decisions(name, tmp_path):
                                 f"{ours[first:first + 3]} vs vLLM {theirs[first:first + 3]}")
     kinds = {k for (k,) in rows(runs["kvtrace"], "SELECT DISTINCT kind FROM kv_events")}
     assert EXERCISED[name] <= kinds, f"{name}: the workload did not exercise {EXERCISED[name] - kinds}"
+    if name == "eos":
+        reasons = [r for (r,) in rows(runs["kvtrace"], "SELECT finish_reason FROM requests")]
+        assert "stop" in reasons and "length" in reasons, reasons
     tokens = "SELECT req_id, sample, idx, token_id FROM tokens ORDER BY req_id, sample, idx"
     if name != "n4":   # greedy: the same token ids (n4 samples, and the two samplers draw differently)
         assert rows(runs["kvtrace"], tokens) == rows(runs["vllm"], tokens)
     meta = json.loads((runs["kvtrace"] / "meta.json").read_text())
-    assert meta["scheduling"] == {"follows": "vLLM 0.32.0 V1 scheduler and block pool", "departures": []}
+    assert meta["scheduling"] == {"follows": "vLLM 0.32.0 V1 scheduler and block pool", "departures": [],
+                                  "async_scheduling": bool(extra)}

@@ -98,6 +98,8 @@ def main() -> int:
 
         results["vllm_version"] = vllm.__version__
         args = dict(config["engine_args"])
+        if args.get("async_scheduling"):
+            _keep_async_scheduling()
         if config.get("capture", True):
             args["scheduler_cls"] = SCHEDULERS[bool(args.get("async_scheduling"))]
         start = time.monotonic()
@@ -138,6 +140,24 @@ def interactive(llm, items: list[dict], results: dict, out) -> int:
                               "num_preemptions": int(_counter(llm, "vllm:num_preemptions") - before)}) + "\n")
     del llm
     return 0
+
+
+def _keep_async_scheduling() -> None:
+    """Asked for async scheduling, keep it: vLLM's CPU platform turns it off ("not required on CPU")
+    after the engine arguments are read. Its AsyncScheduler and two-batch queue run as they are; only
+    that platform default is undone, so a CPU can record what a GPU server schedules."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    platform = type(current_platform)
+    check = platform.check_and_update_config
+
+    def check_and_keep(vllm_config) -> None:
+        check(vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    platform.check_and_update_config = staticmethod(check_and_keep)
 
 
 def _root_cause(exc: BaseException) -> str:

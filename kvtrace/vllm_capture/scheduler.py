@@ -103,6 +103,7 @@ class _Capture:
         self.num_checked_steps = 0
         self.closed = False
         self.hook_s = 0.0                                  # time in the step hooks (after_schedule, after_update)
+        self.is_async = isinstance(scheduler, AsyncScheduler)
         self.wall_minus_monotonic = time.time() - time.monotonic()
         self._wrap_pool()
         self._write_json("capture.json", {
@@ -170,8 +171,10 @@ class _Capture:
             admitting = status in ADMITTING
             rid = request.request_id
             cap.current = rid
-            cap.alloc_reason = ("prefill" if admitting or request.num_computed_tokens < request.num_tokens - 1
-                                or not request.num_output_tokens else "decode")
+            placeholders = request.num_output_placeholders   # async: sampled, not yet delivered
+            cap.alloc_reason = ("prefill" if admitting
+                                or request.num_computed_tokens < request.num_tokens + placeholders - 1
+                                or not request.num_output_tokens + placeholders else "decode")
             mark = len(cap.events)
             try:
                 result = allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
@@ -225,12 +228,15 @@ class _Capture:
         sched = self.scheduler
         prefill = decode = recompute = 0
         requests = sched.requests
+        is_async = self.is_async
         for rid, n in out.num_scheduled_tokens.items():
             req = requests[rid]
             st = self.states.get(rid) or self.state(rid)
             stop = req.num_computed_tokens
             begin = stop - n
-            if begin >= req.num_tokens - 1 and req.num_output_tokens:  # a prompt's last token is prefill
+            # async: tokens sampled but not delivered count as known, less the one this step will sample
+            extra = req.num_output_placeholders - (is_async and not req.is_prefill_chunk)
+            if begin >= req.num_tokens + extra - 1 and req.num_output_tokens + extra:  # a prompt's last token is prefill
                 decode += n
             else:
                 prefill += n
@@ -258,18 +264,21 @@ class _Capture:
             filled = req.num_computed_tokens % bs
             if filled:
                 gaps += bs - filled
-        self.pending[id(out)] = (self.step, start, end, len(sched.running), len(sched.waiting), prefill, decode,
-                                 recompute, self.step_preemptions, free, used, self.cached_free, used * bs - gaps)
+        row = (self.step, start, end, len(sched.running), len(sched.waiting), prefill, decode, recompute,
+               self.step_preemptions, free, used, self.cached_free, used * bs - gaps)
+        # what this scheduling did belongs to its step, however late its output is processed (async)
+        self.pending[id(out)] = (row, self.events, self.finishing)
+        self.events, self.finishing = [], []
 
     def preempting(self, request: Request) -> None:
         rid = request.request_id
         st = self.state(rid)
         blocks = [b for b in self.kvm.get_block_ids(rid)[0] if b != self.null_id]
-        self.events.append(("preempt", rid, blocks, request.num_computed_tokens, "recompute", 0, 0))
-        if st.reprefill_target:
+        if st.reprefill_target:   # cut short while re-prefilling: what it did redo, before the preemption
             self.events.append(("reprefill", rid, None, st.reprefill_target, "interrupted", st.reprefill_cached,
                                 st.reprefill_recomputed))
             st.reprefill_target = 0
+        self.events.append(("preempt", rid, blocks, request.num_computed_tokens, "recompute", 0, 0))
         st.preemptions += 1
         self.step_preemptions += 1
 
@@ -281,8 +290,10 @@ class _Capture:
 
     def _after_update(self, out, outputs, start: float) -> None:
         now = time.monotonic()
-        row = self.pending.pop(id(out), None)
+        row, events, finishing = self.pending.pop(id(out), (None, [], []))
         step = row[0] if row is not None else self.step
+        self.events[:0] = events
+        self.finishing[:0] = finishing
         t = self.sink.columns["tokens"]
         states = self.states
         for engine_outputs in outputs.values():
@@ -303,20 +314,23 @@ class _Capture:
                 st.emitted += k
         self.finish_pending(now, step)
         if row is not None:
-            s = self.sink.columns["steps"]
-            (_, begin, sched_end, running, waiting, prefill, decode, recompute, preemptions, free, used, cached,
-             kv) = row
-            for name, value in (("step", step), ("start_s", begin), ("end_s", now),
-                                ("device_ms", (start - sched_end) * 1e3), ("running", running),
-                                ("waiting", waiting), ("swapped", 0), ("prefill_tokens", prefill),
-                                ("decode_tokens", decode), ("recompute_tokens", recompute),
-                                ("preemptions", preemptions), ("free_blocks", free), ("used_blocks", used),
-                                ("cached_blocks", cached), ("total_blocks", self.total_blocks), ("kv_tokens", kv)):
-                s[name].append(value)
+            self.write_step(row, now, (start - row[2]) * 1e3)
         self.flush_events(step, now)
         if self.self_check:
             self.check(step)
         self.sink.maybe_flush(now)
+
+    def write_step(self, row: tuple, end: float, device_ms: float | None) -> None:
+        s = self.sink.columns["steps"]
+        (step, begin, sched_end, running, waiting, prefill, decode, recompute, preemptions, free, used, cached,
+         kv) = row
+        for name, value in (("step", step), ("start_s", begin), ("end_s", end),
+                            ("device_ms", device_ms), ("running", running),
+                            ("waiting", waiting), ("swapped", 0), ("prefill_tokens", prefill),
+                            ("decode_tokens", decode), ("recompute_tokens", recompute),
+                            ("preemptions", preemptions), ("free_blocks", free), ("used_blocks", used),
+                            ("cached_blocks", cached), ("total_blocks", self.total_blocks), ("kv_tokens", kv)):
+            s[name].append(value)
 
     def finish_pending(self, now: float, step: int) -> None:
         """Requests freed since the last step: their finish event and request row."""
@@ -398,6 +412,15 @@ class _Capture:
             return
         self.closed = True
         with self.sink.lock:
+            # async: the last step's output is never processed (the engine stops once every request
+            # has finished); its row and what its scheduling did are written as they are, no tokens
+            for row, events, finishing in self.pending.values():
+                self.events[:0] = events
+                self.finishing[:0] = finishing
+                self.finish_pending(row[2], row[0])
+                self.write_step(row, row[2], None)
+                self.flush_events(row[0], row[2])
+            self.pending.clear()
             self.finish_pending(time.monotonic(), self.step)
             self.flush_events(self.step, time.monotonic())
         self.sink.close()
