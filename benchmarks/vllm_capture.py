@@ -113,8 +113,10 @@ def run(args: argparse.Namespace) -> None:
             for name in times]
     section.add(markdown_table(["engine", "each replay s", "median s"], rows))
     per_step_us = 1e6 * done["hook_s"] / max(done["steps"], 1)
+    paired = statistics.median(c / p for p, c in zip(times["plain"], times["captured"]))
     section.add(f"Recording costs **{100 * (captured / plain - 1):+.1f} %** of the replay's wall time (median "
-                f"captured / median plain = {captured / plain:.3f}; goal ≤ 2 %). The capture's step hooks took "
+                f"captured / median plain = {captured / plain:.3f}; median of the {args.repeats} paired rounds' "
+                f"ratios = {paired:.3f}; goal ≤ 2 %). The capture's step hooks took "
                 f"{per_step_us:.0f} µs per step ({done['steps']} steps, {done['events']} KV events over every "
                 f"replay, warm-up included).")
     section.write()

@@ -20,6 +20,7 @@ SCHEDULER_METHODS = {
     "_free_request": ("request",),
     "add_request": ("request",),
     "reset_prefix_cache": (),
+    "has_unfinished_requests": (),
     "shutdown": (),
 }
 KV_CACHE_MANAGER_METHODS = {
@@ -36,7 +37,7 @@ BLOCK_POOL_METHODS = {
 }
 BLOCK_FIELDS = ("block_id", "ref_cnt", "block_hash", "is_null")
 REQUEST_FIELDS = ("request_id", "status", "num_computed_tokens", "num_tokens", "num_prompt_tokens", "max_tokens",
-                  "num_output_tokens", "arrival_time", "priority")
+                  "num_output_tokens", "arrival_time", "priority", "num_output_placeholders", "is_prefill_chunk")
 STATUSES = ("WAITING", "RUNNING", "PREEMPTED", "FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED",
             "FINISHED_IGNORED")
 SCHEDULER_FIELDS = ("running", "waiting", "kv_cache_manager", "block_size")

@@ -284,8 +284,7 @@ class _Capture:
 
     def after_update(self, out, outputs, start: float) -> None:
         t = time.monotonic()
-        with self.sink.lock:
-            self._after_update(out, outputs, start)
+        self._after_update(out, outputs, start)
         self.hook_s += time.monotonic() - t
 
     def _after_update(self, out, outputs, start: float) -> None:
@@ -318,7 +317,10 @@ class _Capture:
         self.flush_events(step, now)
         if self.self_check:
             self.check(step)
-        self.sink.maybe_flush(now)
+        if self.scheduler.has_unfinished_requests():
+            self.sink.maybe_flush(now)
+        else:   # idle until the next request: keep nothing back
+            self.sink.flush()
 
     def write_step(self, row: tuple, end: float, device_ms: float | None) -> None:
         s = self.sink.columns["steps"]
@@ -411,18 +413,17 @@ class _Capture:
         if self.closed:
             return
         self.closed = True
-        with self.sink.lock:
-            # async: the last step's output is never processed (the engine stops once every request
-            # has finished); its row and what its scheduling did are written as they are, no tokens
-            for row, events, finishing in self.pending.values():
-                self.events[:0] = events
-                self.finishing[:0] = finishing
-                self.finish_pending(row[2], row[0])
-                self.write_step(row, row[2], None)
-                self.flush_events(row[0], row[2])
-            self.pending.clear()
-            self.finish_pending(time.monotonic(), self.step)
-            self.flush_events(self.step, time.monotonic())
+        # async: the last step's output is never processed (the engine stops once every request has
+        # finished); its row and what its scheduling did are written as they are, without tokens
+        for row, events, finishing in self.pending.values():
+            self.events[:0] = events
+            self.finishing[:0] = finishing
+            self.finish_pending(row[2], row[0])
+            self.write_step(row, row[2], None)
+            self.flush_events(row[0], row[2])
+        self.pending.clear()
+        self.finish_pending(time.monotonic(), self.step)
+        self.flush_events(self.step, time.monotonic())
         self.sink.close()
         self._write_json("done.json", {
             "steps": self.step + 1, "events": self.seq, "hook_s": self.hook_s, "self_check_steps": self.num_checked_steps,

@@ -5,16 +5,17 @@ less `run_id`, which the importer adds. Times are raw `time.monotonic()` seconds
 rebases them on the run's origin): CLOCK_MONOTONIC is one clock for every process of the host, so
 the driver's arrival clock and the EngineCore's step clock line up. A chunk is a pickle of
 `{table: {column: list}}`, written to a hidden name and renamed into place, so a crash leaves only
-whole chunks; one closes every `flush_seconds` at a step, or when a buffer reaches `max_rows`, and
-the writer thread closes one itself when the engine has idled that long (a server between bursts),
-under `lock`, which the engine holds while it appends a step.
+whole chunks; one is written every `flush_seconds` at a step, when a buffer reaches `max_rows`, and
+after a step that leaves the engine with nothing to do (a server between bursts keeps nothing back).
+
+The engine's own thread writes them: a background writer thread measured +3 % on the replay's wall
+time (benchmarks/RESULTS.md, vllm-capture), more than the writes themselves cost (a pickle of a
+couple of seconds' rows).
 """
 from __future__ import annotations
 
 import os
 import pickle
-import queue
-import threading
 import time
 from pathlib import Path
 
@@ -33,7 +34,7 @@ COLUMNS = {
 
 
 class Sink:
-    """Buffers rows as columns and hands closed chunks to a writer thread."""
+    """Buffers rows as columns and writes them out in chunks."""
 
     def __init__(self, folder: Path, *, max_rows: int = 100_000, flush_seconds: float = 2.0) -> None:
         self.folder = Path(folder) / "chunks"
@@ -45,10 +46,6 @@ class Sink:
         self.columns = {table: {c: [] for c in cols} for table, cols in COLUMNS.items()}
         self.last_flush = time.monotonic()
         self.error: BaseException | None = None
-        self.lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._write_loop, name="kvtrace-capture-writer", daemon=True)
-        self._thread.start()
 
     def maybe_flush(self, now: float) -> None:
         if (now - self.last_flush >= self.flush_seconds
@@ -59,34 +56,18 @@ class Sink:
     def flush(self) -> None:
         self.last_flush = time.monotonic()
         chunk = {t: cols for t, cols in self.columns.items() if next(iter(cols.values()))}
-        if chunk:
-            self.columns = {table: {c: [] for c in cols} for table, cols in COLUMNS.items()}
-            self._queue.put((self.part, chunk))
-            self.part += 1
+        if not chunk:
+            return
+        self.columns = {table: {c: [] for c in cols} for table, cols in COLUMNS.items()}
+        part, self.part = self.part, self.part + 1
+        try:
+            final = self.folder / f"{self.prefix}-{part:06d}.pkl"
+            tmp = self.folder / f".{self.prefix}-{part:06d}.pkl.tmp"
+            with open(tmp, "wb") as f:
+                pickle.dump(chunk, f, protocol=4)
+            os.replace(tmp, final)
+        except Exception as exc:  # a full disk: the capture says so at shutdown; vLLM keeps serving
+            self.error = exc
 
     def close(self) -> None:
-        with self.lock:
-            self.flush()
-        self._queue.put(None)
-        self._thread.join()
-
-    def _write_loop(self) -> None:
-        while True:
-            try:
-                item = self._queue.get(timeout=self.flush_seconds)
-            except queue.Empty:   # the engine idles: close what its last steps buffered
-                with self.lock:
-                    if time.monotonic() - self.last_flush >= self.flush_seconds:
-                        self.flush()
-                continue
-            if item is None:
-                return
-            part, chunk = item
-            try:
-                final = self.folder / f"{self.prefix}-{part:06d}.pkl"
-                tmp = self.folder / f".{self.prefix}-{part:06d}.pkl.tmp"
-                with open(tmp, "wb") as f:
-                    pickle.dump(chunk, f, protocol=4)
-                os.replace(tmp, final)
-            except BaseException as exc:  # a full disk: the capture says so at shutdown
-                self.error = exc
+        self.flush()
