@@ -11,7 +11,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.sequence import SamplingParams, SequenceStatus
-from tests.conftest import probe_schedule, run_checked
+from tests.conftest import one_line_error, probe_schedule, run_checked
 from tests.test_preemption import ListTracer
 
 
@@ -108,3 +108,12 @@ def test_async_trace_tokens_carry_the_step_that_computed_them(make_engine):
 def test_async_scheduling_refuses_vllm_v0_options(other):
     with pytest.raises(ValueError, match="--async-scheduling"):
         EngineConfig(model="tiny", async_scheduling=True, **other)
+
+
+def test_record_refuses_async_scheduling_with_swap_in_one_line(tmp_path):
+    workload = tmp_path / "w.jsonl"
+    workload.write_text('{"prompt_tokens": 8, "max_tokens": 4}\n')
+    line = one_line_error(["record", "--model", "tiny", "--load-format", "dummy", "-w", str(workload),
+                           "-o", str(tmp_path / "run"), "--async-scheduling", "--preemption-mode", "swap"])
+    assert "--async-scheduling" in line and "--preemption-mode swap" in line
+    assert not (tmp_path / "run").exists()
