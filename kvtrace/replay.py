@@ -62,14 +62,16 @@ def prepare(requests: list[WorkloadRequest], engine: LLMEngine, *, tokenizer, se
 
 def replay(engine: LLMEngine, items: list[ReplayItem], *,
            on_progress: Callable[[ReplayStats], None] | None = None, progress_every_s: float = 0.25,
-           stop: Callable[[], None] | None = None) -> ReplayStats:
+           stop: Callable[[], None] | None = None, stats: ReplayStats | None = None) -> ReplayStats:
     """Inject requests at their arrival times and step the engine until all are done.
 
     Requests whose arrival passed while a step ran join at the next step. Time starts now, on the engine's
     clock (virtual for the simulated engine, which jumps over idle gaps). `stop` is called between steps
     and raises to end the replay there (a signal, taken at a safe point).
     """
-    stats = ReplayStats(num_requests=sum(item.params.n for item in items))
+    if stats is None:   # given: it holds the counts so far if the replay is interrupted
+        stats = ReplayStats()
+    stats.num_requests = sum(item.params.n for item in items)
     engine.start_clock()
     engine.keep_outputs = False  # the trace keeps what matters; memory stays flat for long replays
     next_item = 0
@@ -91,16 +93,16 @@ def replay(engine: LLMEngine, items: list[ReplayItem], *,
             engine.idle_until(items[next_item].arrival_s)
         if on_progress is not None and time.monotonic() - last_progress >= progress_every_s:
             last_progress = time.monotonic()
-            _fill(stats, engine)
+            fill_stats(stats, engine)
             on_progress(stats)
     engine.flush()
-    _fill(stats, engine)
+    fill_stats(stats, engine)
     if on_progress is not None:
         on_progress(stats)
     return stats
 
 
-def _fill(stats: ReplayStats, engine: LLMEngine) -> None:
+def fill_stats(stats: ReplayStats, engine: LLMEngine) -> None:
     stats.num_finished = engine.num_finished_seqs
     stats.num_preemptions = engine.num_preemptions
     stats.duration_s = engine.now()

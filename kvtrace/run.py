@@ -24,7 +24,7 @@ from engine.tokenizer import load_tokenizer
 from kvtrace.errors import KvtraceError
 from kvtrace.nvml import NvmlSampler
 from kvtrace.recorder import TraceWriter
-from kvtrace.replay import ReplayItem, ReplayStats, prepare, replay
+from kvtrace.replay import ReplayItem, ReplayStats, fill_stats, prepare, replay
 from kvtrace.schema import SCHEMA_VERSION
 from kvtrace.workload import load_workload, workload_sha256
 from kvtrace.workload.format import atomic_write
@@ -151,7 +151,8 @@ class Recording:
         sampler.start()
         try:
             with self._progress() as on_progress:
-                self.stats = replay(self.engine, self.items, on_progress=on_progress, stop=stop)
+                self.stats = ReplayStats()
+                replay(self.engine, self.items, on_progress=on_progress, stop=stop, stats=self.stats)
         except interrupt_types:
             status = "interrupted"
         except BaseException as exc:
@@ -171,7 +172,9 @@ class Recording:
                 raise
             finally:
                 if self.stats is None:
-                    self.stats = ReplayStats(num_requests=len(self.items), duration_s=self.engine.now())
+                    self.stats = ReplayStats(num_requests=len(self.items))
+                if status != "completed":   # the counts up to the interruption
+                    fill_stats(self.stats, self.engine)
                 self.meta["status"] = status
                 self.meta["error"] = error
                 self.meta["ended_at"] = datetime.now(timezone.utc).isoformat()

@@ -154,6 +154,11 @@ def test_interrupt_closes_the_trace(tmp_path, sig):
     assert reasons.get("aborted", 0) > 0
     # every delivered token of a finished or aborted sequence is in the trace
     assert sql(out, "SELECT sum(output_tokens) FROM requests")[0][0] == sql(out, "SELECT count(*) FROM tokens")[0][0]
+    # the summary counts what ran up to the interruption, as the trace holds it
+    summary = meta["summary"]
+    assert summary["num_steps"] == sql(out, "SELECT count(*) FROM steps")[0][0] > 0
+    assert summary["num_output_tokens"] == sql(out, "SELECT count(*) FROM tokens")[0][0]
+    assert summary["num_finished"] == sql(out, "SELECT count(*) FILTER (finish_reason != 'aborted') FROM requests")[0][0]
 
 
 @pytest.mark.parametrize("args, rows, message", [
