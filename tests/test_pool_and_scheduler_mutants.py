@@ -32,3 +32,28 @@ def test_a_block_taken_back_out_of_its_step_is_not_evicted_from_the_cache(make_e
     engine.add_request("A", list(range(100, 113)), ignore_eos(4), priority=0, arrival_s=0.0)
     run_checked(engine)
     assert step_events(tracer, 5) == [("preempt", "B", [1, 3]), ("free", "B", [3, 1]), ("alloc", "A", [3])]
+
+
+
+def test_when_a_cached_block_is_evicted_its_earliest_duplicate_serves_the_next_hit(make_engine):
+    # 7 blocks of 4, chunks of 3 while others wait. A, B, C share their first 4 tokens; all three
+    # are admitted in step 0 with 3 of them, so none finds the block cached, and each completes its
+    # own copy in step 1: A's (block 1) is the one a lookup finds, B's (2) and C's (3) are
+    # duplicates, in that order. A finishes (block 1 free, still cached, at the back of the queue);
+    # in step 2 three 3-token requests take the 3 free blocks, evicting block 1. As in V1 (its lookup
+    # takes the first block still cached under the hash), E then hits B's copy, not C's.
+    shared = [60, 61, 62, 63]
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=7, long_prefill_token_threshold=3)
+    engine.add_request("A", shared + [70, 71], ignore_eos(1), arrival_s=0.0)
+    engine.add_request("B", shared + [80, 81], ignore_eos(4), arrival_s=0.0)
+    engine.add_request("C", shared + [90, 91], ignore_eos(4), arrival_s=0.0)
+    engine.step()
+    engine.step()
+    for i in range(3):
+        engine.add_request(f"D{i}", [100 + 3 * i, 101 + 3 * i, 102 + 3 * i], ignore_eos(1), arrival_s=0.0)
+    engine.step()
+    engine.add_request("E", shared + [99, 98], ignore_eos(2), arrival_s=0.0)
+    run_checked(engine)
+    assert [e.blocks for e in tracer.records[2].events if e.kind == "evict"] == [[1]]
+    assert [(e.step, e.req_id, e.blocks) for e in tracer.events if e.kind == "prefix_hit"] == [(3, "E", [2])]
