@@ -57,3 +57,28 @@ def test_when_a_cached_block_is_evicted_its_earliest_duplicate_serves_the_next_h
     run_checked(engine)
     assert [e.blocks for e in tracer.records[2].events if e.kind == "evict"] == [[1]]
     assert [(e.step, e.req_id, e.blocks) for e in tracer.events if e.kind == "prefix_hit"] == [(3, "E", [2])]
+
+
+# ---------------------------------------------------------------- block manager: swap of copy-on-write samples
+
+def cow_swap_engine(make_engine, tracer, **overrides):
+    settings = dict(num_gpu_blocks=4, preemption_mode="swap", preemption_policy="newest", num_cpu_blocks=16,
+                    enable_prefix_caching=False, n_mode="cow")
+    settings.update(overrides)
+    return make_engine(tracer, **settings)
+
+
+def test_samples_sharing_a_partial_block_come_back_together_when_the_pool_just_holds_them(make_engine):
+    # 4 blocks of 4. B (3 tokens) and C (9 tokens, n=2 by copy-on-write) fill the pool. In step 1 C's
+    # first sample must copy the shared, partial third block; no block is free, and C's samples (the
+    # newest) are swapped out together: 3 host blocks. When B finishes, bringing them back takes the
+    # 3 blocks plus one copy (the first sample to write the shared block copies it, the last one
+    # owns it): 4 blocks, the whole pool, so both come back in step 3, the copy made at once
+    tracer = ListTracer()
+    engine = cow_swap_engine(make_engine, tracer)
+    engine.add_request("B", [1, 2, 3], ignore_eos(3), arrival_s=0.0)
+    engine.add_request("C", list(range(40, 49)), ignore_eos(3, n=2, temperature=1.0, seed=1), arrival_s=0.0)
+    run_checked(engine)
+    assert [(e.step, e.sample, e.num_tokens) for e in tracer.events if e.kind == "swap_out"] == [(1, 0, 9), (1, 1, 9)]
+    assert [(e.step, e.sample, e.blocks) for e in tracer.events if e.kind in ("swap_in", "cow")] == [
+        (3, 0, [4, 1, 3]), (3, 1, []), (3, 0, [2])]
