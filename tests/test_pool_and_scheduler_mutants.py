@@ -6,6 +6,7 @@ from __future__ import annotations
 from engine.sequence import SamplingParams
 from tests.conftest import probe_schedule, run_checked
 from tests.test_preemption import ListTracer
+from tests.test_scheduling import distinct_kv_positions
 
 
 def ignore_eos(max_tokens: int, **kw) -> SamplingParams:
@@ -82,3 +83,19 @@ def test_samples_sharing_a_partial_block_come_back_together_when_the_pool_just_h
     assert [(e.step, e.sample, e.num_tokens) for e in tracer.events if e.kind == "swap_out"] == [(1, 0, 9), (1, 1, 9)]
     assert [(e.step, e.sample, e.blocks) for e in tracer.events if e.kind in ("swap_in", "cow")] == [
         (3, 0, [4, 1, 3]), (3, 1, []), (3, 0, [2])]
+
+
+def test_kv_tokens_after_samples_with_blocks_reserved_ahead_come_back_from_the_host(make_engine):
+    # 6 blocks of 4, --kv-reserve max-tokens: B (3 tokens) and C (6 tokens, n=2 by copy-on-write)
+    # each hold 3 blocks from admission. C's samples are swapped out in step 1 and come back in step 6
+    # sharing blocks 3 (4 positions), 2 (2 positions) and 1 (reserved, no position yet): every step
+    # records the distinct KV positions the block tables hold, an empty shared block adding none
+    tracer = ListTracer()
+    engine = cow_swap_engine(make_engine, tracer, num_gpu_blocks=6, kv_reserve="max-tokens", max_model_len=32)
+    expected = probe_schedule(engine, distinct_kv_positions)
+    engine.add_request("B", [1, 2, 3], ignore_eos(6), arrival_s=0.0)
+    engine.add_request("C", list(range(40, 46)), ignore_eos(6, n=2, temperature=1.0, seed=1), arrival_s=0.0)
+    run_checked(engine)
+    assert [(e.step, e.sample, e.blocks) for e in tracer.events if e.kind == "swap_in"] == [(6, 0, [3, 2, 1]), (6, 1, [])]
+    assert [r.num_kv_tokens for r in tracer.records] == expected
+    assert expected[6] == 4 + 2 + 2 * 1  # shared blocks 3 and 2, then each sample's next position
