@@ -98,4 +98,6 @@ def test_kv_tokens_after_samples_with_blocks_reserved_ahead_come_back_from_the_h
     run_checked(engine)
     assert [(e.step, e.sample, e.blocks) for e in tracer.events if e.kind == "swap_in"] == [(6, 0, [3, 2, 1]), (6, 1, [])]
     assert [r.num_kv_tokens for r in tracer.records] == expected
-    assert expected[6] == 4 + 2 + 2 * 1  # shared blocks 3 and 2, then each sample's next position
+    # step 6: block 3's 4 positions once; each sample's own copy of block 2 (its 2 positions and the
+    # new one); nothing in block 1
+    assert expected[6] == 4 + 2 * 3
