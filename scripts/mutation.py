@@ -111,7 +111,7 @@ def run_stamp() -> dict[str, str]:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     commit = git("rev-parse", "--short", "HEAD") or "?"
-    if git("status", "--porcelain", "--untracked-files=no"):
+    if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/mutation"):
         commit += "+changes"
     return {"date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": commit}
 
@@ -415,7 +415,7 @@ def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[d
 
 def load_equivalents(path: Path = EQUIVALENT) -> list[dict]:
     """Survivors judged equivalent (the same behaviour, or unreachable), each with its reason: a list of
-    {target, before, after, reason}, before/after the changed line without its indentation."""
+    {target, before, after, reason[, line]}, before/after the changed line without its indentation."""
     return json.loads(path.read_text()) if path.exists() else []
 
 
@@ -428,8 +428,8 @@ def _changed_lines(diff: str) -> tuple[str, str]:
 
 def equivalence(m: Mutant, equivalents: list[dict]) -> str | None:
     before, after = _changed_lines(m.diff)
-    for e in equivalents:
-        if (e["target"], e["before"], e["after"]) == (m.target, before, after):
+    for e in equivalents:  # "line" (optional): for a line whose text occurs more than once in the file
+        if (e["target"], e["before"], e["after"]) == (m.target, before, after) and e.get("line", m.line) == m.line:
             return e["reason"]
     return None
 
