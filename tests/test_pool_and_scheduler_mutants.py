@@ -101,3 +101,29 @@ def test_kv_tokens_after_samples_with_blocks_reserved_ahead_come_back_from_the_h
     # step 6: block 3's 4 positions once; each sample's own copy of block 2 (its 2 positions and the
     # new one); nothing in block 1
     assert expected[6] == 4 + 2 * 3
+
+
+# ---------------------------------------------------------------- scheduler: the token budget
+
+def test_the_last_token_of_the_budget_goes_to_a_waiting_prompt(make_engine):
+    # a token budget of 2: A decodes 1 token a step, so B (3 tokens) is admitted beside it in step 1
+    # with the 1 token left, and prefills a token a step until A finishes
+    tracer = ListTracer()
+    engine = make_engine(tracer, max_num_batched_tokens=2)
+    engine.add_request("A", [5, 6], ignore_eos(3), arrival_s=0.0)
+    engine.step()
+    engine.add_request("B", [7, 8, 9], ignore_eos(2), arrival_s=0.0)
+    run_checked(engine)
+    assert [(e.step, e.req_id) for e in tracer.events if e.kind == "admit"] == [(0, "A"), (1, "B")]
+    assert [(r.num_prefill_tokens, r.num_decode_tokens) for r in tracer.records] == [(2, 0), (1, 1), (1, 1), (1, 0), (0, 1)]
+
+
+def test_a_long_prefill_threshold_of_one_token_caps_every_chunk(make_engine):
+    # two 3-token prompts waiting together, --long-prefill-token-threshold 1: each is admitted with
+    # a 1-token chunk, and prefills one token a step
+    tracer = ListTracer()
+    engine = make_engine(tracer, long_prefill_token_threshold=1)
+    engine.add_request("A", [5, 6, 7], ignore_eos(2), arrival_s=0.0)
+    engine.add_request("B", [7, 8, 9], ignore_eos(2), arrival_s=0.0)
+    run_checked(engine)
+    assert [(r.num_prefill_tokens, r.num_decode_tokens) for r in tracer.records] == [(2, 0), (2, 0), (2, 0), (0, 2)]
