@@ -3,9 +3,12 @@ only a planted bug showed untested: each test here fails on a mutant that the ot
 through (scripts/mutation.py, issue 20)."""
 from __future__ import annotations
 
+import pytest
+
 from engine.sequence import SamplingParams
 from tests.conftest import probe_schedule, run_checked
 from tests.test_preemption import ListTracer
+from tests.test_engine_edges import integrity_state
 from tests.test_scheduling import distinct_kv_positions
 
 
@@ -127,3 +130,29 @@ def test_a_long_prefill_threshold_of_one_token_caps_every_chunk(make_engine):
     engine.add_request("B", [7, 8, 9], ignore_eos(2), arrival_s=0.0)
     run_checked(engine)
     assert [(r.num_prefill_tokens, r.num_decode_tokens) for r in tracer.records] == [(2, 0), (2, 0), (2, 0), (0, 2)]
+
+
+# ---------------------------------------------------------------- the integrity check every engine test leans on
+
+def test_the_integrity_check_names_a_block_table_holding_the_null_block(make_engine):
+    # block 0 is V1's null block, never handed out: a table that holds it is the first thing reported
+    engine, _ = integrity_state(make_engine, 1)
+    engine.scheduler.running[0].block_table.append(0)
+    with pytest.raises(AssertionError, match="the null block is in use"):
+        engine.check_integrity()
+
+
+# ---------------------------------------------------------------- scheduler: kvtrace's own victim policies
+
+def test_newest_sparing_does_not_spare_a_new_prompt_still_prefilling(make_engine):
+    # 4 blocks of 4, chunks of 4 while others wait. A (3 tokens) and C (9 tokens) are admitted in
+    # step 0; C prefills 4 positions a step. In step 2 A's position 4 takes the last free block and
+    # C's last chunk needs a third one: C, the newest, is preempted. newest-sparing spares only
+    # sequences resumed and re-prefilling; a new prompt is not one of them, so A keeps running.
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=4, max_num_batched_tokens=8, long_prefill_token_threshold=4,
+                         enable_prefix_caching=False, preemption_policy="newest-sparing")
+    engine.add_request("A", [100, 101, 102], ignore_eos(6), arrival_s=0.0)
+    engine.add_request("C", list(range(100, 109)), ignore_eos(6), arrival_s=0.0)
+    run_checked(engine)
+    assert step_events(tracer, 2) == [("alloc", "A", [4]), ("preempt", "C", [2, 3]), ("free", "C", [3, 2])]
