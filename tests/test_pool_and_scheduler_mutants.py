@@ -10,6 +10,7 @@ from tests.conftest import probe_schedule, run_checked
 from tests.test_preemption import ListTracer
 from tests.test_engine_edges import integrity_state
 from tests.test_scheduling import distinct_kv_positions
+from tests.test_swap_cow import add_x_and_y
 
 
 def ignore_eos(max_tokens: int, **kw) -> SamplingParams:
@@ -156,3 +157,22 @@ def test_newest_sparing_does_not_spare_a_new_prompt_still_prefilling(make_engine
     engine.add_request("C", list(range(100, 109)), ignore_eos(6), arrival_s=0.0)
     run_checked(engine)
     assert step_events(tracer, 2) == [("alloc", "A", [4]), ("preempt", "C", [2, 3]), ("free", "C", [3, 2])]
+
+
+def test_a_copy_on_write_dropped_with_its_swapped_out_victim_is_not_executed(make_engine):
+    # tests/test_swap_cow.py's fewest-computed case: in step 1 X's first sample copies the shared
+    # partial block 2 into block 5, then is swapped out in that same step with its samples. The
+    # swap reads block 2 instead; the copy into block 5 (free again, its KV never needed) is not run.
+    engine = make_engine(block_size=4, num_gpu_blocks=5, preemption_mode="swap", preemption_policy="fewest-computed",
+                         num_cpu_blocks=12, enable_prefix_caching=False, n_mode="cow")
+    copies = []
+    execute = engine.runner.execute
+
+    def spy(out):
+        copies.append(list(out.copies))
+        return execute(out)
+
+    engine.runner.execute = spy
+    add_x_and_y(engine, "fewest-computed")
+    run_checked(engine)
+    assert copies[1] == []
