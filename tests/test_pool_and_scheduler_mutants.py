@@ -176,3 +176,24 @@ def test_a_copy_on_write_dropped_with_its_swapped_out_victim_is_not_executed(mak
     add_x_and_y(engine, "fewest-computed")
     run_checked(engine)
     assert copies[1] == []
+
+
+# ---------------------------------------------------------------- scheduler: the running pass
+
+def test_a_victim_taken_back_out_of_the_step_leaves_no_one_behind_it_unscheduled(make_engine):
+    # 6 blocks of 4, token budget 8, chunks of 3 while others wait, priority policy. B (3 tokens,
+    # least important) runs from step 0; A (13 tokens, most important) and Y (1 token) from step 1;
+    # the batch order is B, A, Y. In step 5 B is scheduled, then A's prefill needs a block and B is
+    # taken back out of the step; A gets B's block, and Y, after A, still decodes in that step
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=6, max_num_batched_tokens=8, long_prefill_token_threshold=3,
+                         preemption_policy="priority")
+    engine.add_request("B", [49, 37, 37], ignore_eos(8), priority=2, arrival_s=0.0)
+    engine.step()
+    engine.add_request("A", list(range(100, 113)), ignore_eos(4), priority=0, arrival_s=0.0)
+    engine.add_request("Y", [7], ignore_eos(8), priority=1, arrival_s=0.0)
+    run_checked(engine)
+    assert [(k, r) for k, r, _ in step_events(tracer, 5) if k in ("preempt", "alloc")] == [
+        ("preempt", "B"), ("alloc", "A"), ("alloc", "Y")]
+    assert sorted(tracer.records[5].token_req_ids) == ["A", "Y"]
+    assert [r.step for r in tracer.records if "Y" in r.token_req_ids] == [1, 2, 3, 4, 5, 6, 7, 8]
