@@ -197,3 +197,24 @@ def test_a_victim_taken_back_out_of_the_step_leaves_no_one_behind_it_unscheduled
         ("preempt", "B"), ("alloc", "A"), ("alloc", "Y")]
     assert sorted(tracer.records[5].token_req_ids) == ["A", "Y"]
     assert [r.step for r in tracer.records if "Y" in r.token_req_ids] == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+# ---------------------------------------------------------------- scheduler: the swap queue
+
+def test_samples_outnumbering_max_num_seqs_come_back_from_the_host(make_engine):
+    # max_num_seqs 2, yet B (n=3, copy-on-write) is admitted alone and runs its 3 samples (as when
+    # admitted, a request alone may exceed it). 7 blocks of 4: in step 7 the third sample finds no
+    # block and the three are swapped out together. They come back (one by one: the pool cannot
+    # hold the three and their next blocks) and finish with the tokens of an unconstrained run.
+    # (Before the fix the swap queue waited for room for three beside nothing, forever.)
+    def run(num_gpu_blocks, tracer=None):
+        engine = make_engine(tracer, num_gpu_blocks=num_gpu_blocks, preemption_mode="swap", num_cpu_blocks=16,
+                             max_num_seqs=2, enable_prefix_caching=False, n_mode="cow", max_model_len=32)
+        engine.add_request("B", [76, 57, 40, 40, 45, 33, 37, 38], ignore_eos(9, n=3, temperature=1.0, seed=1))
+        run_checked(engine)
+        return {k: s.token_ids for k, s in engine.outputs.items()}
+
+    tracer = ListTracer()
+    assert run(7, tracer) == run(64)
+    assert [(e.step, e.sample) for e in tracer.events if e.kind == "swap_out"] == [(5, 0), (5, 1), (5, 2)]
+    assert sorted(e.sample for e in tracer.events if e.kind == "swap_in") == [0, 1, 2]
