@@ -218,3 +218,19 @@ def test_samples_outnumbering_max_num_seqs_come_back_from_the_host(make_engine):
     assert run(7, tracer) == run(64)
     assert [(e.step, e.sample) for e in tracer.events if e.kind == "swap_out"] == [(5, 0), (5, 1), (5, 2)]
     assert sorted(e.sample for e in tracer.events if e.kind == "swap_in") == [0, 1, 2]
+
+
+def test_newest_sparing_spares_a_sequence_resumed_and_still_re_prefilling(make_engine):
+    # 5 blocks of 4, chunks of 3 while others wait. X (3 tokens), Y (7) and Z (8) start together; Z,
+    # the newest, is preempted in step 2 and resumed in step 6, re-prefilling its 8 positions 3 a
+    # step. In step 8 Y needs a block: Z, resumed and not yet progressed, is spared (no
+    # preempt-readmit livelock), so Y preempts itself and Z finishes its re-prefill
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=5, long_prefill_token_threshold=3, enable_prefix_caching=False,
+                         preemption_policy="newest-sparing")
+    for name, prompt, max_tokens in [("X", [0, 1, 2], 6), ("Y", list(range(10, 17)), 11), ("Z", list(range(20, 28)), 9)]:
+        engine.add_request(name, prompt, ignore_eos(max_tokens), arrival_s=0.0)
+    run_checked(engine)
+    assert [(e.step, e.req_id) for e in tracer.events if e.kind == "preempt"] == [(2, "Z"), (8, "Y")]
+    assert [(e.step, e.req_id, e.reason) for e in tracer.events if e.kind == "reprefill"] == [
+        (8, "Z", None), (17, "Y", None)]
