@@ -143,8 +143,8 @@ class Scheduler:
             group = [self.swapped[0]]
             while len(group) < len(self.swapped) and self.swapped[len(group)].req_id == group[0].req_id:
                 group.append(self.swapped[len(group)])
-            if running and len(running) + len(group) > self.max_num_seqs:
-                break  # (alone, a request's samples may outnumber max_num_seqs, as at admission)
+            if running and len(running) + len(group) > self.max_num_seqs:  # alone, may outnumber it (as admitted)
+                break
             new_tokens = []
             left = budget
             for seq in group:

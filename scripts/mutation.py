@@ -402,7 +402,12 @@ def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[d
                 if m.outcome not in (("survived",) if edges else ("survived", "timeout")) \
                         or equivalence(m, equivalents) is not None:
                     continue
-                path.write_text(apply_diff(original, m))
+                try:
+                    path.write_text(apply_diff(original, m))
+                except ValueError:                     # the line was edited since: rerun the target instead
+                    m.recheck = "not replanted (its line changed)"
+                    print(f"  {r.target}:{m.line} {m.operator}: {m.recheck}", flush=True)
+                    continue
                 state = runner.run(tests, timeout, fresh=None if r.target.endswith(".sql") else r.target)
                 failed = re.findall(r"^FAILED (\S+)", runner.output(), re.MULTILINE)
                 m.recheck = (f"killed by {failed[0].split(' ')[0]}" if state == "killed" and failed
