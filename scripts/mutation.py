@@ -24,6 +24,7 @@ mutants that loop forever count as timeouts), and runs with CI=true (Hypothesis 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -107,13 +108,18 @@ class TargetResult:
 # ---------------------------------------------------------------- the scratch copy
 
 def run_stamp() -> dict[str, str]:
-    """The date (UTC) and the commit of the checkout a target's run starts on."""
+    """The date (UTC) a target's run starts, and the commit of the checkout the scratch copy was made from."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": _copied_commit()}
+
+
+@functools.cache
+def _copied_commit() -> str:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     commit = git("rev-parse", "--short", "HEAD") or "?"
     if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/mutation"):
         commit += "+changes"
-    return {"date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": commit}
+    return commit
 
 
 def scratch_copy() -> Path:
@@ -526,6 +532,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # clean up (restore, write results) when stopped
     deadline = time.monotonic() + args.budget_min * 60
     names = args.only or [*TARGETS, "sql"]
+    _copied_commit()                                   # the commit the scratch copy is made from
     work = scratch_copy()
     runner = ForkRunner(work, work / ".mutation-test.log")
     results: list[TargetResult] = []
