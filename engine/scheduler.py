@@ -143,7 +143,7 @@ class Scheduler:
             group = [self.swapped[0]]
             while len(group) < len(self.swapped) and self.swapped[len(group)].req_id == group[0].req_id:
                 group.append(self.swapped[len(group)])
-            if len(running) + len(group) > self.max_num_seqs:
+            if running and len(running) + len(group) > self.max_num_seqs:  # alone, may outnumber it (as admitted)
                 break
             new_tokens = []
             left = budget
