@@ -1,0 +1,133 @@
+"""The engine loop (engine/llm_engine.py) where the other tests do not look: how the pools are sized,
+the run's counters (meta.json's summary), the livelock guard, and the sync and async step loops'
+records. Each test here was written for a mutant of engine/llm_engine.py that no other test noticed
+(scripts/mutation.py, issue 20)."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import PRESETS, EngineConfig
+from engine.llm_engine import MAX_STEPS_WITHOUT_PROGRESS, LivelockError, LLMEngine, pool_geometry
+from engine.scheduler import SchedulerOutput
+from engine.sequence import SamplingParams
+from tests.conftest import run_checked
+from tests.test_preemption import ListTracer
+
+TINY_BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4   # K and V x 2 layers x 2 KV heads x 16 dims x fp32 x 4 positions
+
+
+# ---------------------------------------------------------------- sizing the pools
+
+def test_gpu_memory_utilization_leaves_the_documented_block_counts():
+    # docs/simulation.md: Llama-3-8B bf16 on an 80 GB H100 at 0.9, 256 sequences and 8,192 tokens a step:
+    # 72.0 GB - 16.06 GB weights - 0.97 GB activations - 1 GiB = 53.9 GB of KV in 2 MiB blocks, one of
+    # them V1's null block; vLLM's H100 defaults (1,024 sequences, 16,384 tokens) leave 25,110
+    mc = PRESETS["llama-3-8b"]
+    per_token = 4 * mc.hidden_size + (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim + 2 * mc.intermediate_size
+    for seqs, tokens, blocks in ((256, 8192, 25_698), (1024, 16_384, 25_110)):
+        engine = LLMEngine(EngineConfig(model="llama-3-8b", engine="sim", hardware="h100-sxm", dtype="bfloat16",
+                                        gpu_memory_utilization=0.9, max_num_seqs=seqs, max_num_batched_tokens=tokens))
+        d = engine.geometry.derivation
+        # activations: every token's hidden states, q/k/v and MLP intermediates in bf16, fp32 logits a sequence
+        assert d["activations"] == tokens * per_token * 2 + seqs * mc.vocab_size * 4
+        assert d["non_torch"] == 1 << 30 and d["kv_bytes"] == 72 * 10**9 - d["weights"] - d["activations"] - (1 << 30)
+        assert engine.geometry.num_gpu_blocks == d["num_gpu_blocks"] == blocks
+        assert engine.block_manager.num_blocks == blocks
+
+
+def test_gpu_memory_utilization_needs_room_for_one_block_besides_the_null_block():
+    config = EngineConfig(model="tiny", block_size=4, gpu_memory_utilization=1.0, max_num_seqs=8,
+                          max_num_batched_tokens=64)
+    probe = pool_geometry(config, PRESETS["tiny"], 64, device_memory=1 << 40).derivation
+    fixed = probe["weights"] + probe["activations"] + probe["non_torch"]
+    assert pool_geometry(config, PRESETS["tiny"], 64, device_memory=fixed + 2 * TINY_BLOCK_BYTES).num_gpu_blocks == 1
+    for short in (fixed + 2 * TINY_BLOCK_BYTES - 1, fixed - 1):   # one block (the null one), or less than nothing
+        with pytest.raises(ValueError, match="--gpu-memory-utilization 1.0: .* leaves no KV block"):
+            pool_geometry(config, PRESETS["tiny"], 64, device_memory=short)
+    with pytest.raises(ValueError, match="needs a device whose memory is known"):
+        pool_geometry(config, PRESETS["tiny"], 64, device_memory=None)
+
+
+def test_kv_cache_memory_is_cut_into_blocks_less_the_null_block(make_engine):
+    assert make_engine(num_gpu_blocks=None, kv_cache_memory=11 * TINY_BLOCK_BYTES).block_manager.num_blocks == 10
+    assert make_engine(num_gpu_blocks=None, kv_cache_memory=2 * TINY_BLOCK_BYTES).block_manager.num_blocks == 1
+    with pytest.raises(ValueError, match=f"--kv-cache-memory {2 * TINY_BLOCK_BYTES - 1} B holds no usable KV block"):
+        make_engine(num_gpu_blocks=None, kv_cache_memory=2 * TINY_BLOCK_BYTES - 1)
+
+
+def test_without_a_pool_option_every_sequence_fits_at_full_length_up_to_one_gib(make_engine):
+    # 8 sequences of 30 positions: 8 blocks of 4 each, and the null block
+    engine = make_engine(num_gpu_blocks=None, max_num_seqs=8, max_model_len=30)
+    assert engine.block_manager.num_blocks == 8 * 8
+    # Llama-3-8B at 8,192 positions would want 256 x 512 blocks of 2 MiB: capped at 1 GiB
+    config = EngineConfig(model="llama-3-8b", engine="sim", dtype="bfloat16", num_gpu_blocks=None, max_num_seqs=256)
+    assert pool_geometry(config, PRESETS["llama-3-8b"], 8192).num_gpu_blocks == (1 << 30) // (2 << 20) - 1
+
+
+def test_the_host_pool_follows_num_cpu_blocks_then_swap_space_then_the_preemption_mode(make_engine):
+    def host_blocks(**overrides) -> int:
+        return make_engine(num_gpu_blocks=12, **overrides).block_manager.num_cpu_blocks
+
+    assert host_blocks(num_cpu_blocks=5, swap_space=40 * TINY_BLOCK_BYTES, preemption_mode="swap") == 5
+    assert host_blocks(swap_space=7 * TINY_BLOCK_BYTES + 1, preemption_mode="swap") == 7
+    assert host_blocks(preemption_mode="swap") == 12     # vLLM V0: as many as the device pool
+    assert host_blocks() == 0                           # recompute needs none
+
+
+# ---------------------------------------------------------------- the run's counters (meta.json's summary)
+
+def mixed_requests(engine, stop_token: int | None = None) -> list:
+    """A preempting mix: samples of one request, one that stops on EOS, one too long to ever run."""
+    seqs = [engine.add_request("n3", [40, 41, 42, 43, 44], SamplingParams(max_tokens=6, n=3, temperature=1.0, seed=1)),
+            engine.add_request("long", list(range(60, 75)), SamplingParams(max_tokens=12, ignore_eos=True)),
+            engine.add_request("eos", [5, 6, 7, 8], SamplingParams(max_tokens=9)),
+            engine.add_request("too-big", list(range(100, 132)), SamplingParams(max_tokens=2))]
+    return seqs
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_engine_counts_each_finished_sequence_and_preemption_once(make_engine, async_scheduling):
+    probe = make_engine(block_size=4, num_gpu_blocks=16)
+    eos = probe.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))[0][1]   # "eos" stops after two tokens
+    tracer = ListTracer()
+    engine = make_engine(tracer, block_size=4, num_gpu_blocks=10, max_num_batched_tokens=16, max_model_len=32,
+                         async_scheduling=async_scheduling)
+    engine.stop_token_ids = frozenset({eos})
+    mixed_requests(engine)
+    run_checked(engine)
+    finished = [(s.req_id, s.sample, s.finish_reason) for r in tracer.records for s in r.finished]
+    assert sorted(finished) == [("eos", 0, "stop"), ("long", 0, "length"), ("n3", 0, "length"), ("n3", 1, "length"),
+                                ("n3", 2, "length"), ("too-big", 0, "rejected")]
+    assert engine.num_finished_seqs == 6
+    assert engine.num_preemptions == sum(r.num_preemptions for r in tracer.records) > 0
+
+
+# ---------------------------------------------------------------- the livelock guard
+
+def stalled_engine(make_engine) -> LLMEngine:
+    engine = make_engine(block_size=4, num_gpu_blocks=16)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2))
+    engine.scheduler.schedule = lambda: SchedulerOutput()    # a scheduler that never runs anything
+    return engine
+
+
+def test_a_livelock_is_reported_after_the_limit_of_steps_without_a_token(make_engine):
+    engine = stalled_engine(make_engine)
+    for _ in range(MAX_STEPS_WITHOUT_PROGRESS):
+        engine.step()
+    with pytest.raises(LivelockError, match=f"no token emitted in {MAX_STEPS_WITHOUT_PROGRESS} steps with "
+                                            "0 running, 1 waiting, 0 swapped"):
+        engine.step()
+    assert MAX_STEPS_WITHOUT_PROGRESS == 10_000
+
+
+def test_a_token_resets_the_livelock_count(make_engine):
+    engine = stalled_engine(make_engine)
+    stalled = engine.scheduler.schedule
+    for _ in range(MAX_STEPS_WITHOUT_PROGRESS - 1):
+        engine.step()
+    del engine.scheduler.schedule          # the real scheduler again: the prefill emits a token
+    assert engine.step()
+    engine.scheduler.schedule = stalled
+    for _ in range(MAX_STEPS_WITHOUT_PROGRESS):
+        engine.step()
