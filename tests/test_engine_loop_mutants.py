@@ -10,7 +10,7 @@ from engine.config import PRESETS, EngineConfig
 from engine.llm_engine import MAX_STEPS_WITHOUT_PROGRESS, LivelockError, LLMEngine, pool_geometry
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SamplingParams
-from tests.conftest import run_checked
+from tests.conftest import one_line_error, run_checked
 from tests.test_preemption import ListTracer
 
 TINY_BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4   # K and V x 2 layers x 2 KV heads x 16 dims x fp32 x 4 positions
@@ -48,11 +48,30 @@ def test_gpu_memory_utilization_needs_room_for_one_block_besides_the_null_block(
         pool_geometry(config, PRESETS["tiny"], 64, device_memory=None)
 
 
+def test_a_device_too_small_for_the_weights_is_a_one_line_error_in_gigabytes(tmp_path):
+    workload = tmp_path / "w.jsonl"
+    workload.write_text('{"arrival_s": 0, "prompt_tokens": 10, "max_tokens": 4}\n')
+    # 0.2 x 80 GB cannot even hold Llama-3-8B's bf16 weights; activations at vLLM's H100 defaults + 1 GiB
+    assert one_line_error(["record", "-w", str(workload), "--model", "llama-3-8b", "--engine", "sim",
+                           "--hardware", "h100-sxm", "--gpu-memory-utilization", "0.2", "-o", str(tmp_path / "r")]) == (
+        "kvtrace: error: --gpu-memory-utilization 0.2: 16.0 GB of the device leaves no KV block after "
+        "16.06 GB of weights and 3.28 GB of activations and runtime")
+    assert not (tmp_path / "r").exists()
+
+
 def test_kv_cache_memory_is_cut_into_blocks_less_the_null_block(make_engine):
     assert make_engine(num_gpu_blocks=None, kv_cache_memory=11 * TINY_BLOCK_BYTES).block_manager.num_blocks == 10
     assert make_engine(num_gpu_blocks=None, kv_cache_memory=2 * TINY_BLOCK_BYTES).block_manager.num_blocks == 1
     with pytest.raises(ValueError, match=f"--kv-cache-memory {2 * TINY_BLOCK_BYTES - 1} B holds no usable KV block"):
         make_engine(num_gpu_blocks=None, kv_cache_memory=2 * TINY_BLOCK_BYTES - 1)
+
+
+def test_the_simulated_engine_takes_the_pool_option_it_is_given():
+    # vLLM's 0.9 only stands in when no pool option is given
+    for option, blocks in (({"kv_cache_memory": 11 * TINY_BLOCK_BYTES}, 10), ({"num_gpu_blocks": 7}, 7)):
+        engine = LLMEngine(EngineConfig(model="tiny", engine="sim", block_size=4, **option))
+        assert engine.block_manager.num_blocks == blocks
+        assert engine.config.gpu_memory_utilization is None and engine.geometry.derivation is None
 
 
 def test_without_a_pool_option_every_sequence_fits_at_full_length_up_to_one_gib(make_engine):
@@ -77,11 +96,13 @@ def test_the_host_pool_follows_num_cpu_blocks_then_swap_space_then_the_preemptio
 # ---------------------------------------------------------------- the run's counters (meta.json's summary)
 
 def mixed_requests(engine, stop_token: int | None = None) -> list:
-    """A preempting mix: samples of one request, one that stops on EOS, one too long to ever run."""
+    """A preempting mix: samples of one request, one that stops on EOS, one too long to ever run (no
+    room for a token within max_model_len 32), one that just fits (room for one token)."""
     seqs = [engine.add_request("n3", [40, 41, 42, 43, 44], SamplingParams(max_tokens=6, n=3, temperature=1.0, seed=1)),
             engine.add_request("long", list(range(60, 75)), SamplingParams(max_tokens=12, ignore_eos=True)),
             engine.add_request("eos", [5, 6, 7, 8], SamplingParams(max_tokens=9)),
-            engine.add_request("too-big", list(range(100, 132)), SamplingParams(max_tokens=2))]
+            engine.add_request("too-big", list(range(100, 132)), SamplingParams(max_tokens=2)),
+            engine.add_request("just-fits", list(range(200, 231)), SamplingParams(max_tokens=5, ignore_eos=True))]
     return seqs
 
 
@@ -93,13 +114,26 @@ def test_the_engine_counts_each_finished_sequence_and_preemption_once(make_engin
     engine = make_engine(tracer, block_size=4, num_gpu_blocks=10, max_num_batched_tokens=16, max_model_len=32,
                          async_scheduling=async_scheduling)
     engine.stop_token_ids = frozenset({eos})
-    mixed_requests(engine)
+    seqs = mixed_requests(engine)
     run_checked(engine)
     finished = [(s.req_id, s.sample, s.finish_reason) for r in tracer.records for s in r.finished]
-    assert sorted(finished) == [("eos", 0, "stop"), ("long", 0, "length"), ("n3", 0, "length"), ("n3", 1, "length"),
+    assert sorted(finished) == [("eos", 0, "stop"), ("just-fits", 0, "length"), ("long", 0, "length"), ("n3", 0, "length"), ("n3", 1, "length"),
                                 ("n3", 2, "length"), ("too-big", 0, "rejected")]
-    assert engine.num_finished_seqs == 6
+    assert engine.num_finished_seqs == 7
+    assert seqs[-1].num_output_tokens == 1
     assert engine.num_preemptions == sum(r.num_preemptions for r in tracer.records) > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_rejected_alone_is_a_step_that_computes_nothing(make_engine, async_scheduling):
+    tracer = ListTracer()
+    engine = make_engine(tracer, max_model_len=8, async_scheduling=async_scheduling)
+    engine.add_request("too-long", list(range(10, 18)), SamplingParams(max_tokens=2))   # 8 + 1 > 8
+    run_checked(engine)
+    [record] = tracer.records
+    assert (record.num_prefill_tokens, record.num_decode_tokens, record.num_recompute_tokens) == (0, 0, 0)
+    assert [(s.req_id, s.finish_reason, s.output_tokens) for s in record.finished] == [("too-long", "rejected", 0)]
+    assert engine.num_finished_seqs == 1
 
 
 # ---------------------------------------------------------------- the livelock guard
@@ -131,3 +165,20 @@ def test_a_token_resets_the_livelock_count(make_engine):
     engine.scheduler.schedule = stalled
     for _ in range(MAX_STEPS_WITHOUT_PROGRESS):
         engine.step()
+
+
+# ---------------------------------------------------------------- the async loop
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_follow_up_prompt_hits_the_blocks_the_first_answer_filled(make_engine, async_scheduling):
+    # a chat's next turn: B's prompt is A's prompt and answer. A's 8 + 9 tokens fill 4 blocks of 4 (its
+    # last token is never computed); with async scheduling they are cached as A's tokens are delivered
+    tracer = ListTracer()
+    engine = make_engine(tracer, block_size=4, num_gpu_blocks=16, enable_prefix_caching=True,
+                         async_scheduling=async_scheduling)
+    a = engine.add_request("A", list(range(30, 38)), SamplingParams(max_tokens=9, ignore_eos=True))
+    run_checked(engine)
+    b = engine.add_request("B", list(a.token_ids), SamplingParams(max_tokens=2, ignore_eos=True))
+    run_checked(engine)
+    assert [(e.req_id, e.num_tokens) for e in tracer.events if e.kind == "prefix_hit"] == [("B", 16)]
+    assert b.num_prefix_hit_tokens == 16
