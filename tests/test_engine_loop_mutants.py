@@ -4,6 +4,8 @@ records. Each test here was written for a mutant of engine/llm_engine.py that no
 (scripts/mutation.py, issue 20)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine.config import PRESETS, EngineConfig
@@ -120,6 +122,14 @@ def test_the_engine_counts_each_finished_sequence_and_preemption_once(make_engin
     assert sorted(finished) == [("eos", 0, "stop"), ("just-fits", 0, "length"), ("long", 0, "length"), ("n3", 0, "length"), ("n3", 1, "length"),
                                 ("n3", 2, "length"), ("too-big", 0, "rejected")]
     assert engine.num_finished_seqs == 7
+    # every output token is recorded once, at its index, with its id
+    recorded = {}
+    for r in tracer.records:
+        for req_id, sample, idx, token in zip(r.token_req_ids, r.token_samples, r.token_idx, r.token_ids):
+            recorded.setdefault((req_id, sample), []).append((idx, token))
+    for seq in engine.outputs.values():
+        output = seq.token_ids[seq.num_prompt_tokens:]
+        assert recorded.get((seq.req_id, seq.sample), []) == list(enumerate(output)), (seq.req_id, seq.sample)
     assert seqs[-1].num_output_tokens == 1
     assert engine.num_preemptions == sum(r.num_preemptions for r in tracer.records) > 0
 
@@ -134,6 +144,20 @@ def test_a_request_rejected_alone_is_a_step_that_computes_nothing(make_engine, a
     assert (record.num_prefill_tokens, record.num_decode_tokens, record.num_recompute_tokens) == (0, 0, 0)
     assert [(s.req_id, s.finish_reason, s.output_tokens) for s in record.finished] == [("too-long", "rejected", 0)]
     assert engine.num_finished_seqs == 1
+
+
+def test_the_real_engine_idles_in_short_naps_and_not_at_all_past_the_arrival(make_engine):
+    # a replay waiting for its next arrival: the real engine naps at most 50 ms at a time (so a signal or
+    # an arrival is seen soon), and not at all once the arrival has passed
+    engine = make_engine()
+    engine.start_clock()
+    began = time.perf_counter()
+    engine.idle_until(60.0)
+    assert 0.05 <= time.perf_counter() - began < 0.5
+    began = time.perf_counter()
+    for _ in range(5):
+        engine.idle_until(engine.now() - 1.0)
+    assert time.perf_counter() - began < 0.1
 
 
 # ---------------------------------------------------------------- the livelock guard
@@ -164,6 +188,8 @@ def test_a_token_resets_the_livelock_count(make_engine):
     assert engine.step()
     engine.scheduler.schedule = stalled
     for _ in range(MAX_STEPS_WITHOUT_PROGRESS):
+        engine.step()
+    with pytest.raises(LivelockError):     # the count starts again from 0, not from where it was
         engine.step()
 
 
