@@ -1,0 +1,57 @@
+"""The workload on its way into a run (kvtrace/replay.py, kvtrace/workload/format.py): what `kvtrace
+record` refuses up front and how it says so, and the replay's summary in meta.json. Each test here was
+written for a mutant of those files that no other test noticed (scripts/mutation.py, issue 20)."""
+from __future__ import annotations
+
+import json
+
+from kvtrace.db import connect
+from tests.conftest import one_line_error
+from tests.test_record import record, write_workload
+
+# ---------------------------------------------------------------- the replay (kvtrace/replay.py)
+
+
+def test_requests_that_can_never_fit_are_listed_five_at_a_time_with_a_count(tmp_path):
+    # 4 blocks of 4 positions: a prompt of 15 tokens and its first output token fit, one of 16 never does
+    rows = [{"id": "fits", "arrival_s": 0, "prompt_tokens": 15, "max_tokens": 4}]
+    rows += [{"id": f"big{i}", "arrival_s": 0, "prompt_tokens": 16 + i, "max_tokens": 4} for i in range(7)]
+    workload = write_workload(tmp_path / "w.jsonl", rows)
+    message = one_line_error(["record", "--model", "tiny", "-w", str(workload), "-o", str(tmp_path / "r"),
+                              "--num-gpu-blocks", "4", "--block-size", "4"])
+    listed = "; ".join(f"line {i + 2}: a prompt of {16 + i} tokens needs {blocks} blocks"
+                       for i, blocks in enumerate([5, 5, 5, 5, 6]))   # the prompt and one token
+    assert message == (f"kvtrace: error: {workload}: 7 request(s) can never fit the KV pool of 4 usable blocks "
+                       f"of 4 tokens: {listed}; and 2 more")
+    assert not (tmp_path / "r").exists()
+
+
+def test_exactly_five_requests_that_never_fit_are_all_listed_with_no_and_more(tmp_path):
+    rows = [{"id": f"big{i}", "arrival_s": 0, "prompt_tokens": 16, "max_tokens": 4} for i in range(5)]
+    workload = write_workload(tmp_path / "w.jsonl", rows)
+    message = one_line_error(["record", "--model", "tiny", "-w", str(workload), "-o", str(tmp_path / "r"),
+                              "--num-gpu-blocks", "4", "--block-size", "4"])
+    assert message.endswith("line 5: a prompt of 16 tokens needs 5 blocks") and message.count("line ") == 5
+
+
+def test_the_run_summary_counts_what_the_trace_holds(tmp_path):
+    # two samples of one request, a preemption in a pool of 5 blocks, and an idle gap before "c" (the
+    # simulated clock jumps it)
+    workload = write_workload(tmp_path / "w.jsonl", [
+        {"id": "a", "arrival_s": 0, "prompt_tokens": 6, "max_tokens": 8, "n": 2},
+        {"id": "b", "arrival_s": 0.01, "prompt_tokens": 9, "max_tokens": 6},
+        {"id": "c", "arrival_s": 3, "prompt_tokens": 5, "max_tokens": 3}])
+    result, run = record(tmp_path, workload, "r", "--engine", "sim", "--hardware", "l40s", "--num-gpu-blocks", "5",
+                         "--block-size", "4")
+    assert result.exit_code == 0, result.output
+    summary = json.loads((run / "meta.json").read_text())["summary"]
+    con = connect([run])
+    [(steps, preemptions, end_s)] = con.sql("SELECT count(*), sum(preemptions), max(end_s) FROM steps").fetchall()
+    [(tokens,)] = con.sql("SELECT count(*) FROM tokens").fetchall()
+    assert summary["num_requests"] == summary["num_finished"] == 4
+    assert (summary["num_steps"], summary["num_output_tokens"], summary["num_preemptions"]) == (steps, tokens, 1)
+    assert preemptions == 1 and tokens == 2 * 8 + 6 + 3
+    assert summary["duration_s"] == end_s and 3.0 < end_s < 3.1
+    arrivals = con.sql("SELECT req_id, min(arrival_s), min(first_scheduled_s) FROM requests "
+                       "GROUP BY req_id ORDER BY req_id").fetchall()
+    assert arrivals[2] == ("c", 3.0, 3.0)    # scheduled the moment it arrives, not a step later
