@@ -51,9 +51,10 @@ PRELOAD = ["torch", "numpy", "pyarrow", "pyarrow.parquet", "duckdb", "pytest", "
 ENGINE_TESTS = ["tests/test_engine_edges.py", "tests/test_scheduling.py", "tests/test_swap_cow.py", "tests/test_preemption.py",
                 "tests/test_prefix_cache.py", "-k", "not is_invisible and not progress_before and not invariants"]
 TARGETS: dict[str, list[str]] = {
-    "kvtrace/replay.py": ["tests/test_replay.py", "tests/test_record.py", "-k",
-                          "time_scale or four_block or bad_input or missing_workload"],
-    "kvtrace/workload/format.py": ["tests/test_workload_edges.py", "tests/test_workload.py", "tests/test_replay.py"],
+    "kvtrace/replay.py": ["tests/test_workload_mutants.py", "tests/test_replay.py", "tests/test_record.py", "-k",
+                          "time_scale or four_block or bad_input or missing_workload or workload_mutants"],
+    "kvtrace/workload/format.py": ["tests/test_workload_mutants.py", "tests/test_workload_edges.py",
+                                   "tests/test_workload.py", "tests/test_replay.py"],
     "engine/scheduler.py": ENGINE_TESTS,
     "engine/block_manager.py": ENGINE_TESTS,
     # the loop's own tests (async scheduling, the survivors' tests) first; the 50 s async preemption test stays out

@@ -160,6 +160,24 @@ def test_the_real_engine_idles_in_short_naps_and_not_at_all_past_the_arrival(mak
     assert time.perf_counter() - began < 0.1
 
 
+def test_swap_events_carry_their_bytes_and_their_share_of_the_copy_time(make_engine):
+    # the simulated engine times each step's copies in one direction as one transfer; an event gets the
+    # share of its blocks
+    tracer = ListTracer()
+    engine = make_engine(tracer, engine="sim", block_size=4, num_gpu_blocks=8, preemption_mode="swap",
+                         max_num_batched_tokens=32)
+    for i in range(4):
+        engine.add_request(f"r{i}", list(range(20 + 10 * i, 29 + 10 * i)), SamplingParams(max_tokens=12, ignore_eos=True))
+    run_checked(engine)
+    per_block = engine.geometry.bytes_per_block
+    swaps = [e for e in tracer.events if e.kind in ("swap_out", "swap_in")]
+    assert {e.kind for e in swaps} == {"swap_out", "swap_in"} and max(len(e.blocks) for e in swaps) >= 2
+    for e in swaps:
+        together = sum(len(o.blocks) for o in swaps if (o.step, o.kind) == (e.step, e.kind))
+        assert e.bytes == len(e.blocks) * per_block
+        assert e.duration_ms == pytest.approx(engine.cost_model.swap_ms(together * per_block) * len(e.blocks) / together)
+
+
 # ---------------------------------------------------------------- the livelock guard
 
 def stalled_engine(make_engine) -> LLMEngine:
@@ -208,3 +226,18 @@ def test_a_follow_up_prompt_hits_the_blocks_the_first_answer_filled(make_engine,
     run_checked(engine)
     assert [(e.req_id, e.num_tokens) for e in tracer.events if e.kind == "prefix_hit"] == [("B", 16)]
     assert b.num_prefix_hit_tokens == 16
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_rejection_counts_as_progress(make_engine, async_scheduling):
+    engine = make_engine(block_size=4, num_gpu_blocks=16, max_model_len=16, async_scheduling=async_scheduling)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2))
+    engine.scheduler.schedule = lambda: SchedulerOutput()
+    for _ in range(MAX_STEPS_WITHOUT_PROGRESS - 1):
+        engine.step()
+    engine.add_request("too-long", list(range(10, 26)), SamplingParams(max_tokens=2))   # 16 + 1 > 16
+    engine.step()                                          # it finishes: the engine is not stuck
+    for _ in range(MAX_STEPS_WITHOUT_PROGRESS):
+        engine.step()
+    with pytest.raises(LivelockError):
+        engine.step()

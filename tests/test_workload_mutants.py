@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvtrace.db import connect
+from kvtrace.replay import prepare, replay
 from tests.conftest import one_line_error
+from tests.test_preemption import ListTracer
 from tests.test_record import record, write_workload
 
 # ---------------------------------------------------------------- the replay (kvtrace/replay.py)
@@ -55,3 +59,72 @@ def test_the_run_summary_counts_what_the_trace_holds(tmp_path):
     arrivals = con.sql("SELECT req_id, min(arrival_s), min(first_scheduled_s) FROM requests "
                        "GROUP BY req_id ORDER BY req_id").fetchall()
     assert arrivals[2] == ("c", 3.0, 3.0)    # scheduled the moment it arrives, not a step later
+
+
+def test_a_never_fitting_request_names_the_reservation_that_made_it_so(tmp_path):
+    workload = write_workload(tmp_path / "w.jsonl", [{"id": "a", "arrival_s": 0, "prompt_tokens": 6, "max_tokens": 20}])
+    message = one_line_error(["record", "--model", "tiny", "-w", str(workload), "-o", str(tmp_path / "r"),
+                              "--num-gpu-blocks", "4", "--block-size", "4", "--kv-reserve", "max-tokens"])
+    assert message == (f"kvtrace: error: {workload}: 1 request(s) can never fit the KV pool of 4 usable blocks "
+                       "of 4 tokens: line 1: a prompt of 6 tokens needs 7 blocks (--kv-reserve max-tokens)")
+
+
+def replay_of(make_engine, rows: list[dict], **settings):
+    """prepare() and replay() as `kvtrace record` calls them, on the tiny model (real engine)."""
+    from kvtrace.workload import WorkloadRequest
+
+    engine = make_engine(ListTracer(), **settings)
+    requests = [WorkloadRequest(**{"id": f"r{i}", "arrival_s": 0.0, **row}, line=i + 1) for i, row in enumerate(rows)]
+    items = prepare(requests, engine, tokenizer=None, seed=settings.get("seed", 0), time_scale=None, backlog=True,
+                    workload_name="w.jsonl")
+    return engine, items
+
+
+def test_a_request_samples_with_its_own_seed_whatever_the_run_seed(make_engine):
+    rows = [{"prompt_token_ids": [5, 6, 7, 8, 9], "max_tokens": 8, "temperature": 1.0, "seed": 7},
+            {"prompt_token_ids": [5, 6, 7, 8, 9], "max_tokens": 8, "temperature": 1.0}]
+    outputs = []
+    for seed in (1, 2):
+        engine, items = replay_of(make_engine, rows, seed=seed)
+        assert [item.params.seed for item in items] == [7, seed]
+        replay(engine, items)
+        outputs.append({"r0": [], "r1": []})
+        for r in engine.tracer.records:
+            for req_id, token in zip(r.token_req_ids, r.token_ids):
+                outputs[-1][req_id].append(token)
+    assert outputs[0]["r0"] == outputs[1]["r0"] and outputs[0]["r1"] != outputs[1]["r1"]
+
+
+def test_the_progress_callback_sees_every_step_then_the_end(make_engine):
+    rows = [{"prompt_tokens": 6, "max_tokens": 3}, {"prompt_tokens": 5, "max_tokens": 4, "n": 2}]
+    seen = []
+    engine, items = replay_of(make_engine, rows)
+    stats = replay(engine, items, on_progress=lambda s: seen.append((s.num_steps, s.num_finished)),
+                   progress_every_s=0.0)
+    assert stats.num_requests == 3 and stats.num_finished == 3 and stats.num_output_tokens == 3 + 2 * 4
+    assert [steps for steps, _ in seen] == [*range(1, stats.num_steps + 1), stats.num_steps]
+    assert seen[-1] == (stats.num_steps, 3)
+    seen.clear()
+    engine, items = replay_of(make_engine, rows)
+    replay(engine, items, on_progress=lambda s: seen.append((s.num_steps, s.num_finished)), progress_every_s=1e9)
+    assert seen == [(stats.num_steps, 3)]       # only the end: no step came 1e9 s after the start
+
+
+def test_a_stop_raised_between_steps_ends_the_replay_there(make_engine):
+    engine, items = replay_of(make_engine, [{"prompt_tokens": 6, "max_tokens": 20}])
+    calls = []
+
+    def stop():
+        calls.append(len(engine.tracer.records))
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        replay(engine, items, stop=stop)
+    assert calls == [0, 1, 2, 3] and engine.step_counter == 3
+
+
+def test_a_replay_keeps_no_finished_sequences_in_memory(make_engine):
+    engine, items = replay_of(make_engine, [{"prompt_tokens": 6, "max_tokens": 3}] * 3)
+    replay(engine, items)
+    assert engine.outputs == {} and engine.num_finished_seqs == 3
