@@ -4,9 +4,11 @@ records. Each test here was written for a mutant of engine/llm_engine.py that no
 (scripts/mutation.py, issue 20)."""
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
+import torch
 
 from engine.config import PRESETS, EngineConfig
 from engine.llm_engine import MAX_STEPS_WITHOUT_PROGRESS, LivelockError, LLMEngine, pool_geometry
@@ -26,9 +28,11 @@ def test_gpu_memory_utilization_leaves_the_documented_block_counts():
     # them V1's null block; vLLM's H100 defaults (1,024 sequences, 16,384 tokens) leave 25,110
     mc = PRESETS["llama-3-8b"]
     per_token = 4 * mc.hidden_size + (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim + 2 * mc.intermediate_size
-    for seqs, tokens, blocks in ((256, 8192, 25_698), (1024, 16_384, 25_110)):
+    for limits, (seqs, tokens, blocks) in (({"max_num_seqs": 256, "max_num_batched_tokens": 8192}, (256, 8192, 25_698)),
+                                           ({}, (1024, 16_384, 25_110))):   # an H100's: a CUDA device's defaults
         engine = LLMEngine(EngineConfig(model="llama-3-8b", engine="sim", hardware="h100-sxm", dtype="bfloat16",
-                                        gpu_memory_utilization=0.9, max_num_seqs=seqs, max_num_batched_tokens=tokens))
+                                        gpu_memory_utilization=0.9, **limits))
+        assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (seqs, tokens)
         d = engine.geometry.derivation
         # activations: every token's hidden states, q/k/v and MLP intermediates in bf16, fp32 logits a sequence
         assert d["activations"] == tokens * per_token * 2 + seqs * mc.vocab_size * 4
@@ -176,6 +180,30 @@ def test_swap_events_carry_their_bytes_and_their_share_of_the_copy_time(make_eng
         together = sum(len(o.blocks) for o in swaps if (o.step, o.kind) == (e.step, e.kind))
         assert e.bytes == len(e.blocks) * per_block
         assert e.duration_ms == pytest.approx(engine.cost_model.swap_ms(together * per_block) * len(e.blocks) / together)
+
+
+@pytest.mark.cuda
+def test_the_step_loop_waits_for_the_device_only_at_the_flush(make_engine, monkeypatch):
+    # step records are handed over as their device timings resolve; only the end of the run waits
+    tracer = ListTracer()
+    engine = make_engine(tracer, device="cuda", num_gpu_blocks=30)
+    waits = []
+    synchronize = torch.cuda.synchronize
+
+    def counted(*args, **kwargs):
+        if sys._getframe(1).f_code.co_name == "_flush_records":
+            waits.append(engine.step_counter)
+        return synchronize(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", counted)
+    for i in range(3):
+        engine.add_request(str(i), [5 + i, 6, 7, 8, 9], SamplingParams(max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert waits == []
+    engine.flush()
+    assert waits == [engine.step_counter] and len(tracer.records) == engine.step_counter
+    assert all(r.device_ms is not None and r.device_ms > 0 for r in tracer.records)
 
 
 # ---------------------------------------------------------------- the livelock guard
