@@ -19,14 +19,14 @@ from tests.test_record import record, write_workload
 def test_requests_that_can_never_fit_are_listed_five_at_a_time_with_a_count(tmp_path):
     # 4 blocks of 4 positions: a prompt of 15 tokens and its first output token fit, one of 16 never does
     rows = [{"id": "fits", "arrival_s": 0, "prompt_tokens": 15, "max_tokens": 4}]
-    rows += [{"id": f"big{i}", "arrival_s": 0, "prompt_tokens": 16 + i, "max_tokens": 4} for i in range(7)]
+    rows += [{"id": f"big{i}", "arrival_s": 0, "prompt_tokens": 16 + i, "max_tokens": 4} for i in range(6)]
     workload = write_workload(tmp_path / "w.jsonl", rows)
     message = one_line_error(["record", "--model", "tiny", "-w", str(workload), "-o", str(tmp_path / "r"),
                               "--num-gpu-blocks", "4", "--block-size", "4"])
     listed = "; ".join(f"line {i + 2}: a prompt of {16 + i} tokens needs {blocks} blocks"
                        for i, blocks in enumerate([5, 5, 5, 5, 6]))   # the prompt and one token
-    assert message == (f"kvtrace: error: {workload}: 7 request(s) can never fit the KV pool of 4 usable blocks "
-                       f"of 4 tokens: {listed}; and 2 more")
+    assert message == (f"kvtrace: error: {workload}: 6 request(s) can never fit the KV pool of 4 usable blocks "
+                       f"of 4 tokens: {listed}; and 1 more")
     assert not (tmp_path / "r").exists()
 
 
@@ -95,19 +95,38 @@ def test_a_request_samples_with_its_own_seed_whatever_the_run_seed(make_engine):
     assert outputs[0]["r0"] == outputs[1]["r0"] and outputs[0]["r1"] != outputs[1]["r1"]
 
 
-def test_the_progress_callback_sees_every_step_then_the_end(make_engine):
-    rows = [{"prompt_tokens": 6, "max_tokens": 3}, {"prompt_tokens": 5, "max_tokens": 4, "n": 2}]
-    seen = []
-    engine, items = replay_of(make_engine, rows)
-    stats = replay(engine, items, on_progress=lambda s: seen.append((s.num_steps, s.num_finished)),
-                   progress_every_s=0.0)
-    assert stats.num_requests == 3 and stats.num_finished == 3 and stats.num_output_tokens == 3 + 2 * 4
-    assert [steps for steps, _ in seen] == [*range(1, stats.num_steps + 1), stats.num_steps]
-    assert seen[-1] == (stats.num_steps, 3)
-    seen.clear()
-    engine, items = replay_of(make_engine, rows)
-    replay(engine, items, on_progress=lambda s: seen.append((s.num_steps, s.num_finished)), progress_every_s=1e9)
-    assert seen == [(stats.num_steps, 3)]       # only the end: no step came 1e9 s after the start
+def test_the_progress_callback_comes_every_quarter_second_then_at_the_end(make_engine, monkeypatch):
+    rows = [{"prompt_tokens": 6, "max_tokens": 3}, {"prompt_tokens": 5, "max_tokens": 7, "n": 2}]
+    import kvtrace.replay
+
+    clock = [1000.0]           # the progress clock: each step takes 1/8 s, and nothing else takes time
+    monkeypatch.setattr(kvtrace.replay.time, "monotonic", lambda: clock[0])
+    runs = []
+    for every in (0.0, None):
+        seen = []
+        engine, items = replay_of(make_engine, rows)
+        step = engine.step
+
+        def timed_step():
+            clock[0] += 0.125
+            return step()
+
+        engine.step = timed_step
+        progress = {} if every is None else {"progress_every_s": every}
+        stats = replay(engine, items, on_progress=lambda s: seen.append((s.num_steps, s.num_finished)), **progress)
+        runs.append([steps for steps, _ in seen])
+        assert seen[-1] == (stats.num_steps, 3)
+    assert stats.num_requests == 3 and stats.num_output_tokens == 3 + 2 * 7 and stats.num_steps == 7
+    assert runs[0] == [1, 2, 3, 4, 5, 6, 7, 7]      # every 0 s: after each step, then the end
+    assert runs[1] == [1, 3, 5, 7, 7]               # by default every 0.25 s (2 steps), then the end
+
+
+def test_a_backlog_arrives_all_at_once_at_zero(make_engine):
+    engine, items = replay_of(make_engine, [{"prompt_tokens": 6, "max_tokens": 2, "arrival_s": 0.5},
+                                            {"prompt_tokens": 5, "max_tokens": 2, "arrival_s": 2.0}])
+    replay(engine, items)
+    assert [(s.req_id, s.arrival_s) for r in engine.tracer.records for s in r.finished] == [("r0", 0.0), ("r1", 0.0)]
+    assert engine.tracer.records[0].num_prefill_tokens == 6 + 5
 
 
 def test_a_stop_raised_between_steps_ends_the_replay_there(make_engine):
