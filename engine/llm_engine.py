@@ -309,12 +309,14 @@ class LLMEngine:
         num_recompute = self._account(out, start_s) if out.seqs else 0
         events += bm.take_events()
         if prev is not None:
-            for seq in stopped:
-                sched.finish(seq)
             sampling = {id(s) for s in result.sample_seqs}
-            for seq, _ in emitted:   # V1 caches what the delivered tokens complete, less this step's input
+            # V1 caches what the delivered tokens complete, less this step's input, for every sequence
+            # running before the delivery: one that stops on it too (its last block), before it is freed
+            for seq, _ in emitted:
                 if seq.status == SequenceStatus.RUNNING:
                     bm.cache_full_blocks(seq, seq.num_computed_tokens - (id(seq) in sampling))
+            for seq in stopped:
+                sched.finish(seq)
             self._record(prev.step, prev.start_s, end_s, prev.out, prev.result, prev.events + bm.take_events(),
                          prev.num_sched_events, emitted, prev.finished + stopped, prev.num_recompute, prev.occupancy)
             self.num_finished_seqs += len(stopped)

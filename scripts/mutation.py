@@ -55,12 +55,15 @@ ENGINE_TESTS = ["tests/test_engine_edges.py", "tests/test_scheduling.py", "tests
                 "tests/test_prefix_cache.py", "tests/test_async_scheduling.py", "tests/test_pool_and_scheduler_mutants.py",
                 "-k", "not is_invisible and not progress_before and not invariants and not survive_async_preemption"]
 TARGETS: dict[str, list[str]] = {
-    "kvtrace/replay.py": ["tests/test_replay.py", "tests/test_record.py", "-k",
-                          "time_scale or four_block or bad_input or missing_workload"],
-    "kvtrace/workload/format.py": ["tests/test_workload_edges.py", "tests/test_workload.py", "tests/test_replay.py"],
+    "kvtrace/replay.py": ["tests/test_workload_mutants.py", "tests/test_replay.py", "tests/test_record.py", "-k",
+                          "time_scale or four_block or bad_input or missing_workload or workload_mutants"],
+    "kvtrace/workload/format.py": ["tests/test_workload_mutants.py", "tests/test_workload_edges.py",
+                                   "tests/test_workload.py", "tests/test_replay.py"],
     "engine/scheduler.py": ENGINE_TESTS,
     "engine/block_manager.py": ENGINE_TESTS,
-    "engine/llm_engine.py": ENGINE_TESTS,
+    # the loop's own tests (async scheduling, the survivors' tests) first; the 50 s async preemption test stays out
+    "engine/llm_engine.py": ["tests/test_engine_loop_mutants.py", "tests/test_async_scheduling.py", *ENGINE_TESTS[:-2],
+                             "-k", ENGINE_TESTS[-1] + " and not survive_async_preemption"],
 }
 # the golden SQL tests on hand-built traces (the one that records runs through the engine stays out)
 # helpers that other tests read too: their tests join the SQL ones for that file
