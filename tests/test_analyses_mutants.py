@@ -92,3 +92,23 @@ def test_stalls_that_tie_with_an_arrival_a_finish_or_another_event(tmp_path):
     # what a user reads: the time each sequence stalled waiting (A 2 u; B and C none)
     assert [(r["req_id"], r["stall_ms"]) for r in rows(con, "most_preempted")] == [
         ("A", approx(2 * U * 1000)), ("B", 0.0), ("C", 0.0)]
+
+
+# ---------------------------------------------------------------- _thrash.sql: a full pool that left the window
+
+def test_full_pool_steps_that_left_the_window_do_not_count(tmp_path):
+    # window 1 s. Steps end at 0.5 and 1.0 with a full pool, then at 2.5 and 3.0 with a free one and a
+    # preemption each: the late windows hold no full-pool step (share 0, not the earlier ones counted
+    # again), so 1 preemption/s with no recompute and no full pool is no thrash. Kills
+    # `hi.full_pool_steps - lo.full_pool_steps` -> `+`.
+    def step(i, end_s, used, preemptions):
+        return {"step": i, "start_s": end_s - 0.5, "end_s": end_s, "prefill_tokens": 0, "decode_tokens": 1,
+                "recompute_tokens": 0, "preemptions": preemptions, "used_blocks": used, "total_blocks": 4}
+    steps = [step(0, 0.5, 4, 0), step(1, 1.0, 4, 0), step(2, 2.5, 1, 1), step(3, 3.0, 1, 1)]
+    con = db.connect([write_run(tmp_path, "left", steps=steps)])
+    got = query(con, "SELECT step, window_steps, window_preemptions, full_pool_share, thrashing "
+                     "FROM _thrash_steps(1.0, 0.95, 1.0, 0.2, 0.5) ORDER BY step")
+    assert got == [(0, 1, 0, 1.0, False), (1, 2, 0, 1.0, False), (2, 1, 1, 0.0, False), (3, 2, 2, 0.0, False)]
+    params = dict(window_s=1, full_pool_frac=0.95, min_preempt_per_s=1, min_recompute_share=0.2,
+                  min_full_pool_share=0.5)
+    assert rows(con, "thrash_windows", **params) == []
