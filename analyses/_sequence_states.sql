@@ -10,6 +10,8 @@
 --   admit, reason resume-recompute         -> reprefill (computing its history again)
 --   reprefill done; admit resume-swap      -> decode (prefill if it had no token yet)
 --   finish                                 -> (the end)
+-- An admit at or after the first token (a vLLM capture stamps a step's events at its end, the time
+-- of the tokens it gave) starts decode, like the end of a reprefill.
 -- A reprefill is done at the end of the step it completed in. Marks at the same time are ordered
 -- arrival, first token, then events by seq; intervals of zero length are dropped. A reprefill
 -- cut short (reason interrupted) is not a mark: the preempt that cut it is.
@@ -41,7 +43,6 @@ WITH marks AS (
     -- row carries the step's scheduling time)
     SELECT run_id, req_id, sample, ts_s, 2, seq,
            CASE
-               WHEN kind = 'admit' AND reason = 'new' THEN 'prefill'
                WHEN kind = 'admit' AND reason = 'resume-recompute' THEN 'reprefill'
                WHEN kind IN ('admit', 'reprefill') AND (first_token_s IS NULL OR ts_s < first_token_s) THEN 'prefill'
                WHEN kind IN ('admit', 'reprefill') THEN 'decode'

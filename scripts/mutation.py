@@ -68,7 +68,8 @@ TARGETS: dict[str, list[str]] = {
 # the golden SQL tests on hand-built traces (the one that records runs through the engine stays out)
 # helpers that other tests read too: their tests join the SQL ones for that file
 SQL_EXTRA_TESTS = {"analyses/_timeline.sql": ["tests/test_export_perfetto.py"]}
-SQL_TESTS = ["tests/test_analyses_edges.py", "tests/test_analyses_values.py", "tests/test_analyses.py", "-k", "not on_a_recorded_run"]
+SQL_TESTS = ["tests/test_analyses_edges.py", "tests/test_analyses_mutants.py", "tests/test_analyses_values.py",
+             "tests/test_analyses.py", "-k", "not on_a_recorded_run"]
 
 EQUIVALENT = ROOT / "benchmarks" / "mutation" / "equivalent.json"
 
@@ -389,7 +390,7 @@ def apply_diff(text: str, m: Mutant) -> str:
 
 # the tests written for survivors (issue 20): --recheck --edges plants survivors against these only
 EDGE_TESTS = {"engine/": ["tests/test_engine_edges.py"], "kvtrace/workload/": ["tests/test_workload_edges.py"],
-              "analyses/": ["tests/test_analyses_edges.py"]}
+              "analyses/": ["tests/test_analyses_edges.py", "tests/test_analyses_mutants.py"]}
 
 
 def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[dict], timeout: float,
