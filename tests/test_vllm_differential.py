@@ -52,6 +52,9 @@ def workload(name: str) -> list[dict]:
     if name == "priorities":   # the priority policy picks its victims by (priority, arrival)
         return [{"id": f"r{i}", "prompt_token_ids": ids(rng, rng.randint(20, 100)), "max_tokens": rng.randint(16, 40),
                  "priority": rng.randint(0, 3)} for i in range(10)]
+    if name == "boundaries":   # each ends with a full last block: cached as its last token is delivered
+        return [{"id": f"b{i}", "prompt_token_ids": ids(rng, 21 + 32 * (i % 2)), "max_tokens": 44 - 32 * (i % 2)}
+                for i in range(4)]
     if name == "eos":          # chat turns the instruct model ends with EOS (<|im_end|>) at its own length
         from engine.tokenizer import load_tokenizer
         from kvtrace.vllm_record import model_folder
@@ -75,6 +78,8 @@ SETTINGS = {
                "--long-prefill-token-threshold", "32", "--max-model-len", "336"],
     "n4": ["--num-gpu-blocks", "11", "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
            "--max-model-len", "128"],
+    "boundaries": ["--num-gpu-blocks", "30", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+                   "--max-model-len", "128"],
     "eos": ["--num-gpu-blocks", "6", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
             "--max-model-len", "96"],
     "priorities": ["--num-gpu-blocks", "12", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
@@ -89,6 +94,7 @@ EXERCISED = {
     "n4": {"preempt", "prefix_hit"},
     "priorities": {"preempt", "evict"},
     "eos": {"preempt"},
+    "boundaries": set(),
 }
 
 
@@ -96,12 +102,12 @@ def rows(run: Path, sql: str) -> list[tuple]:
     return db.connect([run]).execute(sql).fetchall()
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("name", [name for name in SETTINGS if name != "boundaries"])
 def test_the_engine_makes_vllms_decisions(name, tmp_path):
     compare(name, tmp_path, [])
 
 
-@pytest.mark.parametrize("name", ["tight", "chunks", "priorities", "eos"])
+@pytest.mark.parametrize("name", ["tight", "chunks", "priorities", "eos", "boundaries"])
 def test_async_scheduling_makes_vllms_decisions(name, tmp_path):
     """--async-scheduling against vLLM's AsyncScheduler and two-batch queue (kept on on this CPU)."""
     compare(name, tmp_path, ["--async-scheduling"])
@@ -122,6 +128,8 @@ def compare(name: str, tmp_path: Path, extra: list[str]) -> None:
                                 f"{ours[first:first + 3]} vs vLLM {theirs[first:first + 3]}")
     kinds = {k for (k,) in rows(runs["kvtrace"], "SELECT DISTINCT kind FROM kv_events")}
     assert EXERCISED[name] <= kinds, f"{name}: the workload did not exercise {EXERCISED[name] - kinds}"
+    if name == "boundaries":   # the two short requests' blocks (two full each) stay cached once they finish
+        assert rows(runs["kvtrace"], "SELECT max(cached_blocks) FROM steps")[0][0] == 4
     if name == "eos":
         reasons = [r for (r,) in rows(runs["kvtrace"], "SELECT finish_reason FROM requests")]
         assert "stop" in reasons and "length" in reasons, reasons
