@@ -205,11 +205,11 @@ class LLMEngine:
         # --n-mode cow queues one and forks the others when its prompt is done
         num_seqs = params.n if self.config.n_mode == "independent" else 1
         seqs = []
-        for sample in range(num_seqs):
-            seq = Sequence(str(req_id), sample, prompt_token_ids, params, arrival, priority, self._num_requests)
+        for index in range(num_seqs):
+            seq = Sequence(str(req_id), index, prompt_token_ids, params, arrival, priority, self._num_requests)
             seq.num_reserved_tokens = reserved
             if self.keep_outputs:
-                self.outputs[(seq.req_id, sample)] = seq
+                self.outputs[(seq.req_id, index)] = seq
             seqs.append(seq)
         seqs[0].num_pending_forks = params.n - num_seqs
         self._num_requests += 1
@@ -242,11 +242,7 @@ class LLMEngine:
         start_s = self.now()
         out = self.scheduler.schedule()
         sched_events = self.block_manager.take_events()
-        bm, sched = self.block_manager, self.scheduler
-        # the pool after scheduling: its blocks, and the KV positions they hold once this step's are written
-        occupancy = (len(sched.running), len(sched.waiting), len(sched.swapped), bm.num_free_blocks,
-                     bm.num_used_blocks, bm.num_cached_free_blocks,
-                     bm.num_kv_positions(sched.running) + sum(out.num_new_tokens))
+        occupancy = self._occupancy(out)
         result = self.runner.execute(out)
         emitted: list[tuple[Sequence, int]] = []
         num_recompute = 0
@@ -288,9 +284,7 @@ class LLMEngine:
         start_s = self.now()
         out = self.scheduler.schedule()
         bm, sched = self.block_manager, self.scheduler
-        occupancy = (len(sched.running), len(sched.waiting), len(sched.swapped), bm.num_free_blocks,
-                     bm.num_used_blocks, bm.num_cached_free_blocks,
-                     bm.num_kv_positions(sched.running) + sum(out.num_new_tokens))
+        occupancy = self._occupancy(out)
         events = bm.take_events()
         num_sched_events = len(events)
         for seq in out.rejected:
@@ -332,6 +326,14 @@ class LLMEngine:
         self.step_counter += 1
         self._check_progress(bool(emitted or stopped or finished_now))
         return emitted
+
+    def _occupancy(self, out: SchedulerOutput) -> tuple:
+        """The pool right after scheduling (the steps row's columns): queues, blocks, and the KV
+        positions the used blocks hold once this step's tokens are written."""
+        bm, sched = self.block_manager, self.scheduler
+        return (len(sched.running), len(sched.waiting), len(sched.swapped), bm.num_free_blocks,
+                bm.num_used_blocks, bm.num_cached_free_blocks,
+                bm.num_kv_positions(sched.running) + sum(out.num_new_tokens))
 
     def _check_progress(self, progressed: bool) -> None:
         if progressed or not self.has_unfinished():

@@ -21,6 +21,17 @@ def step_events(tracer, step: int) -> list[tuple]:
     return [(e.kind, e.req_id, e.blocks) for e in tracer.records[step].events]
 
 
+def b_then_a(make_engine, tracer, num_gpu_blocks: int):
+    """Blocks of 4, token budget 8, chunks of 3 while others wait, priority policy: B (3 tokens, least
+    important) runs one step alone, then A (13 tokens, most important) arrives."""
+    engine = make_engine(tracer, num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=8,
+                         long_prefill_token_threshold=3, preemption_policy="priority")
+    engine.add_request("B", [49, 37, 37], ignore_eos(8), priority=2, arrival_s=0.0)
+    engine.step()
+    engine.add_request("A", list(range(100, 113)), ignore_eos(4), priority=0, arrival_s=0.0)
+    return engine
+
+
 # ---------------------------------------------------------------- block manager: the prefix cache
 
 def test_a_block_taken_back_out_of_its_step_is_not_evicted_from_the_cache(make_engine):
@@ -30,11 +41,7 @@ def test_a_block_taken_back_out_of_its_step_is_not_evicted_from_the_cache(make_e
     # prefill needs a block, none is free, and B is taken back out: block 3's KV is never written,
     # so it leaves the cache and is reused for A as a plain free block, not evicted as a cached one
     tracer = ListTracer()
-    engine = make_engine(tracer, num_gpu_blocks=5, max_num_batched_tokens=8, long_prefill_token_threshold=3,
-                         preemption_policy="priority")
-    engine.add_request("B", [49, 37, 37], ignore_eos(8), priority=2, arrival_s=0.0)
-    engine.step()
-    engine.add_request("A", list(range(100, 113)), ignore_eos(4), priority=0, arrival_s=0.0)
+    engine = b_then_a(make_engine, tracer, num_gpu_blocks=5)
     run_checked(engine)
     assert step_events(tracer, 5) == [("preempt", "B", [1, 3]), ("free", "B", [3, 1]), ("alloc", "A", [3])]
 
@@ -186,11 +193,7 @@ def test_a_victim_taken_back_out_of_the_step_leaves_no_one_behind_it_unscheduled
     # the batch order is B, A, Y. In step 5 B is scheduled, then A's prefill needs a block and B is
     # taken back out of the step; A gets B's block, and Y, after A, still decodes in that step
     tracer = ListTracer()
-    engine = make_engine(tracer, num_gpu_blocks=6, max_num_batched_tokens=8, long_prefill_token_threshold=3,
-                         preemption_policy="priority")
-    engine.add_request("B", [49, 37, 37], ignore_eos(8), priority=2, arrival_s=0.0)
-    engine.step()
-    engine.add_request("A", list(range(100, 113)), ignore_eos(4), priority=0, arrival_s=0.0)
+    engine = b_then_a(make_engine, tracer, num_gpu_blocks=6)
     engine.add_request("Y", [7], ignore_eos(8), priority=1, arrival_s=0.0)
     run_checked(engine)
     assert [(k, r) for k, r, _ in step_events(tracer, 5) if k in ("preempt", "alloc")] == [
