@@ -19,11 +19,18 @@ reads the analyses from the scratch copy (the editable install would send `kvtra
 installed checkout), is killed past a per-target limit (a multiple of the unmutated run's time:
 mutants that loop forever count as timeouts), and runs with CI=true (Hypothesis derandomised).
 
+A Python target's tests run once unmutated under coverage, each test (and each fixture's set-up) in
+its own context; a mutant then runs only the tests that execute its statement (and those that use a
+fixture that does), in their usual order. A test that never runs the mutated statement behaves as it
+did, so it cannot kill the mutant: the selection changes no outcome, only the time. A statement outside
+any function (run at import) gets all the tests; a mutant that no test reaches survives without a run.
+
     python scripts/mutation.py [--budget-min 30] [--only NAME ...] [--sample K] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import gc
 import json
@@ -91,6 +98,7 @@ class Mutant:
     outcome: str            # killed | survived | timeout | error | not run
     diff: str = ""
     recheck: str = ""       # --recheck of a survivor: "killed by <test>" or "survives"
+    note: str = ""          # "no test runs this line": a survivor whose statement no test executes
 
 
 @dataclass
@@ -104,6 +112,7 @@ class TargetResult:
     date: str = ""          # when this target's run began (UTC), and the commit it ran on
     commit: str = ""        # ("+changes": the work tree had uncommitted changes)
     sample: int = 1
+    by_coverage: bool = False   # each mutant ran only the tests that execute its statement
 
     def count(self, outcome: str) -> int:
         return sum(m.outcome == outcome for m in self.mutants)
@@ -152,10 +161,13 @@ class ForkRunner:
         assert not any(m.split(".")[0] in ("engine", "kvtrace", "tests") for m in sys.modules), \
             "the runner must not import the project: the children import the mutated copy"
 
-    def run(self, tests: list[str], timeout: float, fresh: str | None = None) -> str:
+    def run(self, tests: list[str], timeout: float, fresh: str | None = None,
+            coverage_of: tuple[str, Path] | None = None) -> str:
         """'killed' if the tests fail, 'survived' if they pass, 'timeout' past the limit. `fresh`: a
         module path whose cached bytecode is dropped first (the mutated file), and no bytecode is
-        written by the child (a mutant and the original can share size and mtime second)."""
+        written by the child (a mutant and the original can share size and mtime second).
+        `coverage_of` (target, path): measure which tests run which of the target's lines, into path
+        (see measure_coverage)."""
         if fresh:
             for pyc in (self.work / fresh).parent.glob(f"__pycache__/{Path(fresh).stem}.*.pyc"):
                 pyc.unlink()
@@ -173,7 +185,10 @@ class ForkRunner:
                 sys.dont_write_bytecode = fresh is not None
                 os.environ["CI"] = "true"
                 import pytest
-                code = int(pytest.main([*PYTEST_ARGS, *tests]))
+                if coverage_of:
+                    code = measure_coverage(tests, self.work / coverage_of[0], coverage_of[1])
+                else:
+                    code = int(pytest.main([*PYTEST_ARGS, *tests]))
             except BaseException:                      # noqa: BLE001 - report and exit, whatever it was
                 traceback.print_exc()
             finally:
@@ -219,19 +234,115 @@ class ForkRunner:
             raise SystemExit(f"the tests would not read the scratch copy:\n{self.output()}")
 
 
+# ---------------------------------------------------------------- which tests run which lines
+
+def measure_coverage(tests: list[str], source: Path, out: Path) -> int:
+    """Run the tests (in the forked child) with coverage of `source` only, each test in a context of
+    its own ("t:" node id) and each fixture's set-up in one named for the fixture ("f:" name: a module
+    fixture's work belongs to every test that uses it, not only to the first). Writes {"tests": node
+    ids in the order they ran, "fixtures": {node id: fixture names}, "lines": {line: contexts}}; lines
+    run outside any test (at import or collection) have the context ""."""
+    import coverage
+    import pytest
+
+    tests_run: list[str] = []
+    fixtures: dict[str, list[str]] = {}
+
+    class Contexts:
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_protocol(self, item, nextitem):
+            tests_run.append(item.nodeid)
+            fixtures[item.nodeid] = list(item.fixturenames)
+            cov.switch_context("t:" + item.nodeid)
+            yield
+            cov.switch_context("")
+
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_fixture_setup(self, fixturedef, request):
+            outer = getattr(request, "node", None)
+            cov.switch_context("f:" + fixturedef.argname)
+            yield
+            cov.switch_context("t:" + outer.nodeid if isinstance(outer, pytest.Item) else "")
+
+    cov = coverage.Coverage(data_file=None, include=[str(source)], branch=False)
+    cov.start()
+    try:
+        code = int(pytest.main([*PYTEST_ARGS, *tests], plugins=[Contexts()]))
+    finally:
+        cov.stop()
+    data = cov.get_data()
+    lines: dict[int, set[str]] = {}
+    for measured in data.measured_files():
+        if Path(measured).resolve() == source.resolve():
+            for line, contexts in data.contexts_by_lineno(measured).items():
+                lines.setdefault(line, set()).update(contexts)
+    out.write_text(json.dumps({"tests": tests_run, "fixtures": fixtures,
+                               "lines": {str(k): sorted(v) for k, v in lines.items()}}))
+    return code
+
+
+def statement_span(source: str, line: int) -> tuple[int, int] | None:
+    """The lines of the innermost statement holding `line`, if it lies in a function's body (it runs
+    only when the function is called); None for a statement run at import (module or class level,
+    a decorator), which changes what every test sees."""
+    best: tuple[int, int] | None = None
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        nonlocal best
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.stmt) and child.lineno <= line <= (child.end_lineno or child.lineno):
+                is_function = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+                # a def's own line (its defaults) counts as its body: they matter only to its callers
+                # (its decorators lie before that line: they stay with the enclosing statement)
+                best = (child.lineno, child.end_lineno or child.lineno) if in_function or is_function else None
+                visit(child, in_function or is_function)
+                return
+            if not isinstance(child, ast.stmt):
+                visit(child, in_function)
+
+    visit(ast.parse(source), False)
+    return best
+
+
+def tests_for(span: tuple[int, int] | None, covered: dict) -> list[str] | None:
+    """The tests (node ids, in their run order) that execute a line of `span`, or use a fixture whose
+    set-up does; None: every test (the statement runs at import, or outside any test)."""
+    if span is None:
+        return None
+    contexts: set[str] = set()
+    for line in range(span[0], span[1] + 1):
+        contexts.update(covered["lines"].get(str(line), ()))
+    if "" in contexts:
+        return None
+    fixtures = {c[2:] for c in contexts if c.startswith("f:")}
+    return [t for t in covered["tests"]
+            if "t:" + t in contexts or fixtures.intersection(covered["fixtures"].get(t, ()))]
+
+
 # ---------------------------------------------------------------- Python targets (cosmic-ray)
 
 def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadline: float, sample: int,
-                      test_timeout: float) -> TargetResult:
+                      test_timeout: float, by_coverage: bool = True) -> TargetResult:
     """cosmic-ray makes and applies the mutants (init, operator filter, mutate_and_test); the tests
-    of each run in a forked child (ForkRunner) instead of a fresh interpreter."""
+    of each run in a forked child (ForkRunner) instead of a fresh interpreter: with `by_coverage`,
+    only the tests that execute the mutated statement (measure_coverage, tests_for)."""
     from cosmic_ray import mutating
     from cosmic_ray.work_db import use_db
     from cosmic_ray.work_item import TestOutcome
 
     work = runner.work
-    result = TargetResult(target, tests, **run_stamp(), sample=sample)
+    result = TargetResult(target, tests, **run_stamp(), sample=sample, by_coverage=by_coverage)
     start = time.monotonic()
+    covered = None
+    if by_coverage:
+        covered_path = work / ".mutation-coverage.json"
+        if runner.run(tests, 1800, coverage_of=(target, covered_path)) != "survived":
+            raise SystemExit(f"{target}: the tests fail under coverage:\n{runner.output()}")
+        covered = json.loads(covered_path.read_text())
+        print(f"  {target}: {len(covered['tests'])} tests, {len(covered['lines'])} lines covered "
+              f"({time.monotonic() - start:.0f} s)", flush=True)
+    source = (work / target).read_text()
+    chosen: list[str] | None = None                    # the current mutant's tests (None: all of them)
     session = work / f".mutation-{target.replace('/', '_')}.sqlite"
     config = work / f".mutation-{target.replace('/', '_')}.toml"
     command = shlex.join([sys.executable, *PYTEST[1:], *tests])
@@ -251,7 +362,9 @@ def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadlin
         _keep_every(session, sample)
 
     def run_tests(_command, timeout):
-        outcome = runner.run(tests, timeout, fresh=target)
+        if chosen == []:
+            return TestOutcome.SURVIVED, "[no test runs this line]"
+        outcome = runner.run(tests if chosen is None else chosen, timeout, fresh=target)
         return {"killed": TestOutcome.KILLED, "survived": TestOutcome.SURVIVED,
                 "timeout": TestOutcome.KILLED}[outcome], f"[{outcome}]\n{runner.output()}"
 
@@ -260,10 +373,12 @@ def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadlin
     os.chdir(work)                                     # the mutations' module paths are relative to it
     try:
         with use_db(str(session)) as db:
-            pending = sorted(db.pending_work_items, key=lambda w: w.job_id)
+            pending = sorted(db.pending_work_items, key=_site)
             for n, item in enumerate(pending, start=1):
                 if time.monotonic() >= deadline:
                     break
+                if covered is not None:
+                    chosen = tests_for(statement_span(source, item.mutations[0].start_pos[0]), covered)
                 try:
                     outcome = mutating.mutate_and_test(item.mutations, command, test_timeout)
                 except (KeyboardInterrupt, SystemExit):     # stopped: keep what was covered
@@ -273,9 +388,10 @@ def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadlin
                 spec = item.mutations[0]
                 state = "error" if outcome.worker_outcome != "normal" else (
                     "timeout" if (outcome.output or "").startswith("[timeout]") else outcome.test_outcome.value)
+                ran = "all tests" if chosen is None else f"{len(chosen)} tests"
                 print(f"  {target}:{spec.start_pos[0]} {spec.operator_name.removeprefix('core/')} "
-                      f"[{n}/{len(pending)}] {state}" + (f"  {_changed(outcome.diff or '')}" if state == "survived" else ""),
-                      flush=True)
+                      f"[{n}/{len(pending)}] {state} ({ran})"
+                      + (f"  {_changed(outcome.diff or '')}" if state == "survived" else ""), flush=True)
     finally:
         os.chdir(here)
         shutil.copy2(ROOT / target, work / target)  # never leave a mutant in place
@@ -294,8 +410,9 @@ def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadlin
         else:
             state = {"killed": "killed", "survived": "survived"}.get(outcome["test_outcome"], "error")
         diff = (outcome or {}).get("diff") or ""
+        note = "no test runs this line" if (outcome or {}).get("output") == "[no test runs this line]" else ""
         result.mutants.append(Mutant(target, mutation["start_pos"][0], mutation["operator_name"].removeprefix("core/"),
-                                     state, diff))
+                                     state, diff, note=note))
     result.complete = not any(m.outcome == "not run" for m in result.mutants)
     result.seconds = time.monotonic() - start
     return result
@@ -306,13 +423,19 @@ def _changed(diff: str) -> str:
     return " / ".join(s.strip() for s in changed)[:160]
 
 
+def _site(item) -> tuple:
+    """A mutant's place in the file (cosmic-ray's job ids are random): runs and samples in file order."""
+    spec = item.mutations[0]
+    return tuple(spec.start_pos), spec.operator_name, spec.occurrence
+
+
 def _keep_every(session: Path, k: int) -> None:
-    """Mark all but every k-th pending mutant (in job order) as skipped: a deterministic sample."""
+    """Mark all but every k-th pending mutant (in file order) as skipped: the same sample every run."""
     from cosmic_ray.work_db import use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     with use_db(str(session)) as db:
-        for i, item in enumerate(sorted(db.pending_work_items, key=lambda w: w.job_id)):
+        for i, item in enumerate(sorted(db.pending_work_items, key=_site)):
             if i % k:
                 db.set_result(item.job_id, WorkResult(output="not sampled", worker_outcome=WorkerOutcome.SKIPPED))
 
@@ -460,9 +583,11 @@ def markdown(results: list[TargetResult], equivalents: list[dict] | None = None)
         out.append(f"| `{r.target}` | {len(r.mutants)} | {r.count('killed')} | {r.count('survived') - equivalent} | "
                    f"{equivalent} | {r.count('timeout')} | {r.count('error')} | {r.count('not run')} | {score} | "
                    f"{r.seconds:.0f} s | {r.date or '?'} `{r.commit or '?'}`"
-                   + (f", every {r.sample}th mutant" if r.sample > 1 else "") + " |")
+                   + (f", every {r.sample}th mutant" if r.sample > 1 else "")
+                   + (", tests by coverage" if r.by_coverage else "") + " |")
     out.append("\nEach row is its target's last run (run: its date, UTC, and commit; `+changes`: with uncommitted "
-               "changes). Score: (killed + timeout) / (mutants run - equivalent). Equivalent survivors: "
+               "changes; tests by coverage: each mutant ran the tests that execute its statement). Score: (killed + "
+               "timeout) / (mutants run - equivalent). Equivalent survivors: "
                f"{EQUIVALENT.relative_to(ROOT)}.\n")
     for r in results:
         survivors = [m for m in r.mutants if m.outcome == "survived"]
@@ -471,6 +596,7 @@ def markdown(results: list[TargetResult], equivalents: list[dict] | None = None)
             for m in survivors:
                 reason = equivalence(m, equivalents)
                 out.append(f"- line {m.line}, {m.operator}: `{_changed(m.diff)}`"
+                           + (f" — {m.note}" if m.note else "")
                            + (f" — equivalent: {reason}" if reason else "")
                            + (f" — now {m.recheck}" if m.recheck and not reason else ""))
     return "\n".join(out) + "\n"
@@ -481,7 +607,8 @@ def load(out: Path) -> list[TargetResult]:
     if not path.exists():
         return []
     return [TargetResult(r["target"], r["tests"], [Mutant(**m) for m in r["mutants"]], r["seconds"], r["complete"],
-                         r.get("interrupted", False), r.get("date", ""), r.get("commit", ""), r.get("sample", 1))
+                         r.get("interrupted", False), r.get("date", ""), r.get("commit", ""), r.get("sample", 1),
+                         r.get("by_coverage", False))
             for r in json.loads(path.read_text())]
 
 
@@ -511,6 +638,8 @@ def main() -> int:
                         help="the Python targets --sample applies to (default: all of them)")
     parser.add_argument("--test-timeout", type=float, default=None,
                         help="seconds before a mutant counts as a timeout (default: 6x the unmutated run, at least 30)")
+    parser.add_argument("--all-tests", action="store_true",
+                        help="run every mutant against all its target's tests, not only those that execute it")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "mutation")
     parser.add_argument("--recheck", action="store_true",
                         help="plant each survivor in results.json (not listed as equivalent) again, run its "
@@ -559,7 +688,8 @@ def main() -> int:
                     write(args.out, results)
             else:
                 sample = args.sample if args.sample_of is None or name in args.sample_of else 1
-                results.append(cosmic_ray_target(runner, name, TARGETS[name], deadline, sample, timeout))
+                results.append(cosmic_ray_target(runner, name, TARGETS[name], deadline, sample, timeout,
+                                                 by_coverage=not args.all_tests))
                 print(markdown(results[-1:]).splitlines()[2], flush=True)
                 write(args.out, results)
                 if results[-1].interrupted:

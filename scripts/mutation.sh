@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The mutation check (scripts/mutation.py): plant small bugs one at a time in the scheduler, the
 # block manager, the engine loop, the replay, the workload reader and analyses/_*.sql, run a fast
-# relevant subset of the tests against each, and report the survivors. CPU-heavy: it runs at the
-# lowest priority, one mutant at a time, within --budget-min (default 60). Needs cosmic-ray
-# (pip install -e ".[mutation]"). Results: benchmarks/mutation/results.{md,json}.
+# relevant subset of the tests against each (of a Python target's, those that run the mutated
+# statement), and report the survivors. CPU-heavy: it runs at the lowest priority, one mutant at a
+# time, within --budget-min (default 60). Needs cosmic-ray and coverage (pip install -e ".[mutation]"). Results: benchmarks/mutation/results.{md,json}.
 #
 #   bash scripts/mutation.sh                                   # everything, 60 min budget
 #   bash scripts/mutation.sh --only engine/scheduler.py analyses/_goodput.sql --budget-min 20
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if ! "$PY" -c "import cosmic_ray" 2>/dev/null; then
-    "$PY" -m pip install --quiet "cosmic-ray>=8.7,<9"
+if ! "$PY" -c "import cosmic_ray, coverage" 2>/dev/null; then
+    "$PY" -m pip install --quiet "cosmic-ray>=8.7,<9" "coverage>=7.6"
 fi
 exec nice -n 19 "$PY" scripts/mutation.py "$@"
