@@ -62,6 +62,7 @@ ENGINE_TESTS = ["tests/test_engine_edges.py", "tests/test_scheduling.py", "tests
                 "tests/test_prefix_cache.py", "tests/test_async_scheduling.py", "tests/test_pool_and_scheduler_mutants.py",
                 "tests/test_scheduler_running_and_swap_in_mutants.py",
                 "tests/test_scheduler_admission_and_victim_mutants.py",
+                "tests/test_block_manager_mutants.py",
                 "-k", "not is_invisible and not progress_before and not invariants and not survive_async_preemption"]
 TARGETS: dict[str, list[str]] = {
     "kvtrace/replay.py": ["tests/test_workload_mutants.py", "tests/test_replay.py", "tests/test_record.py", "-k",
