@@ -69,7 +69,8 @@ TARGETS: dict[str, list[str]] = {
     "engine/scheduler.py": ENGINE_TESTS,
     "engine/block_manager.py": ENGINE_TESTS,
     # the loop's own tests (async scheduling, the survivors' tests) first; the 50 s async preemption test stays out
-    "engine/llm_engine.py": ["tests/test_engine_loop_mutants.py", "tests/test_async_scheduling.py", *ENGINE_TESTS[:-2],
+    "engine/llm_engine.py": ["tests/test_engine_loop_mutants.py", "tests/test_engine_step_mutants.py",
+                             "tests/test_async_scheduling.py", *ENGINE_TESTS[:-2],
                              "-k", ENGINE_TESTS[-1] + " and not survive_async_preemption"],
 }
 # the golden SQL tests on hand-built traces (the one that records runs through the engine stays out)
