@@ -73,8 +73,7 @@ TARGETS: dict[str, list[str]] = {
     "engine/block_manager.py": ENGINE_TESTS,
     # the loop's own tests (async scheduling, the survivors' tests) first; the 50 s async preemption test stays out
     "engine/llm_engine.py": ["tests/test_engine_loop_mutants.py", "tests/test_engine_setup_mutants.py",
-    "engine/llm_engine.py": ["tests/test_engine_loop_mutants.py", "tests/test_engine_requests_mutants.py",
-    "engine/llm_engine.py": ["tests/test_engine_loop_mutants.py", "tests/test_engine_step_mutants.py",
+                             "tests/test_engine_requests_mutants.py", "tests/test_engine_step_mutants.py",
                              "tests/test_async_scheduling.py", *ENGINE_TESTS[:-2],
                              "-k", ENGINE_TESTS[-1] + " and not survive_async_preemption"],
 }
