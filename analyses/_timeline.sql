@@ -1,5 +1,5 @@
 -- Helper: a run laid out as timeline tracks, the rows `kvtrace export perfetto` turns into packets
--- (kvtrace/perfetto_export.py). Times are integer nanoseconds on the run's clock, round(s * 1e9).
+-- (kvtrace/export/perfetto.py). Times are integer nanoseconds on the run's clock, round(s * 1e9).
 -- Every view has run_id; the exporter selects one run at a time and orders the rows.
 --
 -- _ns(s): seconds as integer nanoseconds.

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from benchmarks.kvtrace_runner import ensure_weights
 from benchmarks.results import Section, markdown_table
 from benchmarks.stats import fmt_ratio, median, ratios
-from engine import cpu_kernels
-from engine.linear import Linear, pick_kernel
-from engine.loader import load_weights
+from engine.kernels import cpu_kernels
+from engine.model.linear import Linear, pick_kernel
+from engine.model.loader import load_weights
 
 KERNELS = ("kvtrace", "onednn", "torch")
 

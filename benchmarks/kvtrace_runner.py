@@ -11,9 +11,9 @@ from benchmarks.run_result import RunResult
 from benchmarks.workload import Request
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.loader import LoadedModel, load_weights
+from engine.model.loader import LoadedModel, load_weights
 from engine.sequence import SamplingParams
-from kvtrace.recorder import TraceWriter
+from kvtrace.record.recorder import TraceWriter
 
 MODEL = "smollm2-135m"
 
@@ -27,7 +27,7 @@ def ensure_weights(folder: Path | None = None) -> Path:
     """The SmolLM2-135M fp32 HF folder every engine loads; exported once (`kvtrace model export`)."""
     folder = folder or cache_dir() / f"{MODEL}-hf"
     if not (folder / "model.safetensors").is_file():
-        from kvtrace.cli_model import export_hf_folder
+        from engine.model.export import export_hf_folder
 
         print(f"exporting {MODEL} to {folder} (once)", flush=True)
         export_hf_folder(MODEL, folder)

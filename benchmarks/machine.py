@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 import kvtrace
-from kvtrace.run import cpu_name
+from kvtrace.record.run import cpu_name
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""Suite `model-ab`: decode steps of engine/model.py at a git revision against the working tree's.
+"""Suite `model-ab`: decode steps of engine/model/llama.py at a git revision against the working tree's.
 
 Both models run inside the same engine code on the same weights and prompts, one engine each, their
 steps interleaved (4 steps of A, 4 of B, ...), so an engine change's effect is measured on the same
@@ -27,7 +27,7 @@ BLOCK_SIZE = 32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base", required=True, help="git revision whose engine/model.py is the baseline")
+    parser.add_argument("--base", required=True, help="git revision whose engine/model/llama.py is the baseline")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     parser.add_argument("--repeats", type=int, default=6, help="rounds of 4 steps per model")
@@ -35,11 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def model_module(revision: str | None) -> types.ModuleType:
-    """engine/model.py at `revision` (None: the working tree) as a fresh module."""
+    """engine/model/llama.py at `revision` (None: the working tree) as a fresh module."""
     if revision is None:
         source = (REPO / "engine" / "model.py").read_text()
     else:
-        source = subprocess.run(["git", "show", f"{revision}:engine/model.py"], cwd=REPO, check=True,
+        source = subprocess.run(["git", "show", f"{revision}:engine/model/llama.py"], cwd=REPO, check=True,
                                 capture_output=True, text=True).stdout
     name = f"_model_{'working_tree' if revision is None else revision.replace('~', '_').replace('^', '_')}"
     module = types.ModuleType(name)

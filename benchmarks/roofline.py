@@ -22,8 +22,8 @@ from benchmarks.kvtrace_runner import KvtraceRunner, ensure_weights
 from benchmarks.results import Section, markdown_table
 from benchmarks.stats import median, percentile
 from engine.events import StepRecord
-from engine import host_memory
-from engine.linear import Linear
+from engine.kernels import host_memory
+from engine.model.linear import Linear
 from engine.sequence import SamplingParams
 
 BLOCK_SIZE = 32

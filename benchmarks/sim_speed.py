@@ -23,7 +23,7 @@ from pathlib import Path
 
 from benchmarks.results import Section, markdown_table
 from benchmarks.stats import median
-from kvtrace.db import connect
+from kvtrace.trace.db import connect
 
 ROOT = Path(__file__).resolve().parent.parent
 VIDUR_WALL_S = 6.6

@@ -40,8 +40,8 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvtrace import db  # noqa: E402
-from kvtrace.schema import SCHEMA_VERSION, TABLES  # noqa: E402
+from kvtrace.trace import db  # noqa: E402
+from kvtrace.trace.schema import SCHEMA_VERSION, TABLES  # noqa: E402
 
 BLOCK_SIZE = 16
 EVENTS_PER_SEQUENCE = 98           # measured on this generator's shape, to size the run

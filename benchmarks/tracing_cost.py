@@ -14,9 +14,9 @@ from benchmarks.results import Section, markdown_table
 from benchmarks.stats import fmt_ratio, interleave, median, ratios
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.loader import load_weights
-from kvtrace.recorder import TraceWriter
-from kvtrace.replay import prepare, replay
+from engine.model.loader import load_weights
+from kvtrace.record.recorder import TraceWriter
+from kvtrace.record.replay import prepare, replay
 from kvtrace.workload import load_workload
 
 GOAL = 1.02

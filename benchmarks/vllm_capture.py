@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 class Engine:
     def __init__(self, python: str, config: dict, folder: Path, capture: bool) -> None:
-        from kvtrace.vllm_record import capture_path
+        from kvtrace.vllm.record import capture_path
 
         self.folder = folder
         path = folder / "config.json"
@@ -45,7 +45,7 @@ class Engine:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env["PYTHONPATH"] = str(capture_path())
         self.log = open(folder / "vllm.log", "w")
-        self.proc = subprocess.Popen([python, "-m", "kvtrace.vllm_capture.driver", str(path)], env=env, text=True,
+        self.proc = subprocess.Popen([python, "-m", "kvtrace.vllm.capture.driver", str(path)], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
         line = self.proc.stdout.readline()
         if not line:
@@ -66,7 +66,7 @@ class Engine:
 def run(args: argparse.Namespace) -> None:
     if not args.vllm_python:
         raise SystemExit("vllm-capture: give --vllm-python (the Python of a vLLM venv; scripts/vllm_env.sh builds one)")
-    from kvtrace.vllm_record import model_folder
+    from kvtrace.vllm.record import model_folder
 
     folder = Path(tempfile.mkdtemp(prefix="kvtrace-vllm-capture-"))
     rng = random.Random(0)

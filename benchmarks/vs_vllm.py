@@ -18,7 +18,7 @@ from benchmarks.results import Section, markdown_table
 from benchmarks.run_result import SERVING_HEADER, agreement, same_tokens_fraction, serving_row
 from benchmarks.stats import fmt_ratio, interleave, median, percentile, ratios
 from benchmarks.workload import describe, longest, random_requests
-from engine.loader import load_weights
+from engine.model.loader import load_weights
 
 BLOCK_SIZE = 32
 MAX_NUM_BATCHED_TOKENS = 2048

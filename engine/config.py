@@ -1,8 +1,15 @@
 """Configuration: the model's shape and the engine's settings, validated once at the top."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """kvtrace's cache folder: converted GGUF weights, built kernels (`$KVTRACE_CACHE_DIR` moves it)."""
+    return Path(os.environ.get("KVTRACE_CACHE_DIR") or Path.home() / ".cache" / "kvtrace")
 
 
 @dataclass
@@ -199,7 +206,7 @@ class EngineConfig:
     async_scheduling: bool = False       # V1's batch queue: a step is scheduled before the last one's output
     n_mode: str = "independent"          # n > 1: independent requests sharing the prefix cache (V1) | cow
     enable_prefix_caching: bool = True
-    engine: str = "real"                 # real: run the model; sim: predict step times (engine/sim_executor.py)
+    engine: str = "real"                 # real: run the model; sim: predict step times (engine/executor/sim_executor.py)
     hardware: str | None = None          # sim: a built-in profile name or a profile JSON (default h100-sxm)
     kv_reserve: str = "none"             # none: on-demand paging; else hold the whole context from admission
     gpu_memory_utilization: float | None = None  # size the pool as vLLM does, from the device's memory

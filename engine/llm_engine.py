@@ -9,14 +9,15 @@ import torch
 
 from engine import events as ev
 from engine.block_manager import BlockManager
-from engine.config import DTYPES as config_dtypes, EngineConfig, ModelConfig, resolve_batch_limits
-from engine.cost_model import CostModel, load_profile, weight_params
+from engine.config import DTYPES as config_dtypes
+from engine.config import EngineConfig, ModelConfig, resolve_batch_limits
 from engine.events import KVEvent, NullTracer, RequestStats, StepRecord, Tracer
-from engine.loader import load_config, load_weights
-from engine.model import LlamaModel
-from engine.model_runner import ModelRunner, StepResult, resolve_device, sample
+from engine.executor.cost_model import CostModel, load_profile, weight_params
+from engine.executor.model_runner import ModelRunner, StepResult, resolve_device, sample
+from engine.executor.sim_executor import SimExecutor
+from engine.model.llama import LlamaModel
+from engine.model.loader import load_config, load_weights
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sim_executor import SimExecutor
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 DTYPES = {name: getattr(torch, name) for name in config_dtypes}  # the names EngineConfig accepts

@@ -1,4 +1,4 @@
-"""`kvtrace calibrate`: fit the simulator's cost model (engine/cost_model.py) to recorded runs.
+"""`kvtrace calibrate`: fit the simulator's cost model (engine/executor/cost_model.py) to recorded runs.
 
 The rows come from analyses/step_costs.sql: each step's composition and its period (start to next
 start, host work included). A step costs
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.cost_model import COEFFICIENTS, HardwareProfile
-from kvtrace import db
+from engine.executor.cost_model import COEFFICIENTS, HardwareProfile
 from kvtrace.errors import KvtraceError
+from kvtrace.trace import db
 
 FEATURES = ("prefill_tokens", "decode_tokens", "kv_tokens")
 FITTED = ("step_ms", "prefill_token_ms", "decode_token_ms", "kv_token_ms")

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WHEELS=(
     duckdb numpy safetensors tokenizers                                  # engine and kvtrace imports
-    altair jsonschema jsonschema-specifications referencing rpds-py narwhals attrs   # kvtrace.report (analyze imports it)
+    altair jsonschema jsonschema-specifications referencing rpds-py narwhals attrs   # kvtrace.views.report (analyze imports it)
     pytest iniconfig pluggy packaging hypothesis sortedcontainers       # the tests
 )
 rm -rf .whl

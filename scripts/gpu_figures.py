@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import load_weights  # noqa: E402
+from engine.model.loader import load_weights  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "traces" / "examples"
@@ -119,8 +119,8 @@ def _weights(model) -> list[torch.Tensor]:
 
 
 def tracing(args: argparse.Namespace) -> dict:
-    from kvtrace.recorder import TraceWriter
-    from kvtrace.replay import prepare, replay
+    from kvtrace.record.recorder import TraceWriter
+    from kvtrace.record.replay import prepare, replay
     from kvtrace.workload import load_workload
 
     loaded = load_weights(args.model, "dummy", dtype=getattr(torch, args.dtype), seed=0)

@@ -65,7 +65,7 @@ ENGINE_TESTS = ["tests/test_engine_edges.py", "tests/test_scheduling.py", "tests
                 "tests/test_block_manager_mutants.py",
                 "-k", "not is_invisible and not progress_before and not invariants and not survive_async_preemption"]
 TARGETS: dict[str, list[str]] = {
-    "kvtrace/replay.py": ["tests/test_workload_mutants.py", "tests/test_replay.py", "tests/test_record.py", "-k",
+    "kvtrace/record/replay.py": ["tests/test_workload_mutants.py", "tests/test_replay.py", "tests/test_record.py", "-k",
                           "time_scale or four_block or bad_input or missing_workload or workload_mutants"],
     "kvtrace/workload/format.py": ["tests/test_workload_mutants.py", "tests/test_workload_edges.py",
                                    "tests/test_workload.py", "tests/test_replay.py"],
@@ -227,9 +227,9 @@ class ForkRunner:
         probe.write_text(
             "from pathlib import Path\n"
             "def test_probe():\n"
-            "    import engine.scheduler, kvtrace.db, kvtrace.replay\n"
+            "    import engine.scheduler, kvtrace.trace.db, kvtrace.record.replay\n"
             f"    here = Path({str(self.work)!r}).resolve()\n"
-            "    for path in (engine.scheduler.__file__, kvtrace.replay.__file__, str(kvtrace.db.analyses_dir())):\n"
+            "    for path in (engine.scheduler.__file__, kvtrace.record.replay.__file__, str(kvtrace.trace.db.analyses_dir())):\n"
             "        assert Path(path).resolve().is_relative_to(here), path\n")
         try:
             outcome = self.run([str(probe.relative_to(self.work))], 120)

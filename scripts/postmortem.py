@@ -37,9 +37,10 @@ import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 import kvtrace.cli  # noqa: E402,F401  (registers every command)
-from kvtrace import dashboard, db, headline  # noqa: E402
-from kvtrace.cli_app import app  # noqa: E402
-from kvtrace.cli_view import dashboard_view  # noqa: E402
+from kvtrace.views import dashboard, headline  # noqa: E402
+from kvtrace.trace import db
+from kvtrace.cli.app import app  # noqa: E402
+from kvtrace.cli.view import dashboard_view  # noqa: E402
 
 WORKLOAD = "traces/examples/assistant.jsonl"
 THRASH_SETTINGS = ["--num-gpu-blocks", "80"]      # the README's main command
@@ -81,15 +82,15 @@ def modelled_clock() -> Iterator[None]:
     """While inside: the engine's and the replay's clock advance by each step's modelled time (and
     by the replay's idle sleeps), not by the host's."""
     import engine.llm_engine
-    import engine.model_runner
-    import kvtrace.replay
+    import engine.executor.model_runner
+    import kvtrace.record.replay
 
     now = [0.0]
     # the modelled clock stands in for perf_counter and sleep; the progress display keeps the host's monotonic
     clock = types.SimpleNamespace(perf_counter=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s),
                                   monotonic=time.monotonic)
-    runner = engine.model_runner.ModelRunner
-    saved = engine.llm_engine.time, kvtrace.replay.time, runner.execute
+    runner = engine.executor.model_runner.ModelRunner
+    saved = engine.llm_engine.time, kvtrace.record.replay.time, runner.execute
     execute = runner.execute
 
     def timed_execute(self, out):
@@ -100,12 +101,12 @@ def modelled_clock() -> Iterator[None]:
             result.timing.forward = ms
         return result
 
-    engine.llm_engine.time = kvtrace.replay.time = clock
+    engine.llm_engine.time = kvtrace.record.replay.time = clock
     runner.execute = timed_execute
     try:
         yield
     finally:
-        engine.llm_engine.time, kvtrace.replay.time, runner.execute = saved
+        engine.llm_engine.time, kvtrace.record.replay.time, runner.execute = saved
 
 
 class StoryBroken(Exception):
@@ -167,7 +168,7 @@ def tell(model: str, load_format: str, out: Path, runs: Path, *, modelled: bool 
 
     images = out / "postmortem"
     images.mkdir(parents=True, exist_ok=True)
-    from kvtrace import report  # altair and vl-convert load only here
+    from kvtrace.views import report  # altair and vl-convert load only here
     charts = [c for c in report.build(con, params=params) if c.name in CHARTS]
     report.write_images(charts, images, "png")
     answers = [(question, query, text_of(_table(con.sql(query).to_arrow_table()), 160))
@@ -188,7 +189,7 @@ def tell(model: str, load_format: str, out: Path, runs: Path, *, modelled: bool 
 
 
 def _table(result):
-    from kvtrace.cli_sql import _rich_table
+    from kvtrace.cli.sql import _rich_table
     return _rich_table(result, 0)
 
 

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("KVTRACE_CUDA_GRAPHS", "0")  # no decode steps here: skip capturing graphs
 
-from engine import host_memory  # noqa: E402
+from engine.kernels import host_memory  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.loader import load_weights
-from kvtrace import db
+from engine.model.loader import load_weights
+from kvtrace.trace import db
 from tests.tracegen import recompute_run, swap_run
 
 # The SQL library under test is this checkout's analyses/ folder: an editable install made from
@@ -112,7 +112,7 @@ def root(tmp_path_factory) -> Path:
 def one_line_error(args: list[str]) -> str:
     """Run the CLI; assert it failed with exit 2 and one `kvtrace: error:` line; return that line."""
     import kvtrace.cli  # noqa: F401  (registers every command)
-    from kvtrace.cli_app import app
+    from kvtrace.cli.app import app
 
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output

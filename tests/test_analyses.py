@@ -12,8 +12,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from kvtrace import db
 from kvtrace.errors import KvtraceError
+from kvtrace.trace import db
 from tests.tracegen import recompute_run, write_run
 
 approx = pytest.approx
@@ -452,7 +452,7 @@ def test_every_analysis_on_a_recorded_run(tmp_path):
     from typer.testing import CliRunner
 
     import kvtrace.cli  # noqa: F401  (registers the commands)
-    from kvtrace.cli_app import app
+    from kvtrace.cli.app import app
 
     workload = tmp_path / "four.jsonl"
     workload.write_text("".join(json.dumps(r) + "\n" for r in [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtrace import db
+from kvtrace.trace import db
 from tests.tracegen import recompute_run, swap_run, write_run
 
 approx = pytest.approx

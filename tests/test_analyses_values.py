@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtrace import db
+from kvtrace.trace import db
 from tests.tracegen import write_run
 
 approx = pytest.approx

@@ -10,9 +10,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-import kvtrace.cli_sql  # noqa: F401  (registers the commands)
-from kvtrace import headline
-from kvtrace.cli_app import app
+import kvtrace.cli.sql  # noqa: F401  (registers the commands)
+from kvtrace.cli.app import app
+from kvtrace.views import headline
 from tests.conftest import one_line_error
 from tests.tracegen import recompute_run
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
+from engine.kernels import cpu_kernels
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason=f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
@@ -111,7 +111,7 @@ def test_silu_mul_matches_torch(rows, inter):
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 2, 16), (9, 3, 64), (2, 1, 40), (3, 3, 8)])
 def test_rope_and_cache_matches_torch(num_heads, num_kv_heads, head_dim):
-    from engine.model import apply_rope
+    from engine.model.llama import apply_rope
 
     rows, num_slots, max_pos = 7, 30, 100
     gen = torch.Generator().manual_seed(head_dim)

@@ -56,7 +56,7 @@ def test_record_on_cuda(tmp_path):
     from typer.testing import CliRunner
 
     import kvtrace.cli  # noqa: F401
-    from kvtrace.cli_app import app
+    from kvtrace.cli.app import app
 
     workload = tmp_path / "w.jsonl"
     workload.write_text("".join(json.dumps({"arrival_s": 0, "prompt_tokens": 20 + i, "max_tokens": 16}) + "\n"

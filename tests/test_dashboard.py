@@ -22,10 +22,11 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import kvtrace.cli  # noqa: F401  (registers every command)
-from kvtrace import dashboard, db
-from kvtrace.cli_app import app
+from kvtrace.cli.app import app
+from kvtrace.cli.view import dashboard_view, follow
+from kvtrace.trace import db
+from kvtrace.views import dashboard
 from tests.conftest import one_line_error
-from kvtrace.cli_view import dashboard_view, follow
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RUNS = FIXTURES / "runs"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model_runner import resolve_device
+from engine.executor.model_runner import resolve_device
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def test_no_cuda_is_a_clear_error(monkeypatch):
 
 
 def test_host_swap_copies_merge_neighbouring_blocks():
-    from engine.model_runner import consecutive_runs
+    from engine.executor.model_runner import consecutive_runs
 
     assert consecutive_runs([4, 5, 6, 9, 3, 4]) == [(0, 4, 3), (3, 9, 1), (4, 3, 2)]
     assert consecutive_runs([]) == [] and consecutive_runs([7]) == [(0, 7, 1)]

@@ -11,7 +11,6 @@ from tests.conftest import probe_schedule, run_checked
 from tests.test_preemption import ListTracer
 from tests.test_scheduling import distinct_kv_positions, params
 
-
 # ---------------------------------------------------------------- block manager
 
 def test_kv_tokens_of_forked_samples_with_blocks_reserved_ahead(make_engine):

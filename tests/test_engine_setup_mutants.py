@@ -13,7 +13,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.llm_engine import NON_TORCH_RESERVE, LLMEngine, pool_geometry
-from engine.loader import load_weights
+from engine.model.loader import load_weights
 from engine.sequence import SamplingParams
 from tests.conftest import run_checked
 from tests.test_preemption import ListTracer
@@ -80,7 +80,7 @@ def test_a_cpu_profile_gives_the_simulated_engine_vllms_cpu_batch_defaults(tmp_p
     # vLLM's CPU defaults are 256 sequences and 4,096 tokens a step; a CUDA device below 70 GB gets 8,192.
     # A profile is a CPU when its name says so (cpu-here knows its 25 GB of memory) or it gives no memory.
     here = LLMEngine(tiny_config(engine="sim", hardware="cpu-here"))
-    profile = json.loads((Path(__file__).parent.parent / "engine/profiles/cpu-here.json").read_text())
+    profile = json.loads((Path(__file__).parent.parent / "engine/executor/profiles/cpu-here.json").read_text())
     path = tmp_path / "nameless.json"
     path.write_text(json.dumps({**profile, "name": "nameless", "memory_bytes": 0}))
     nameless = LLMEngine(tiny_config(engine="sim", hardware=str(path)))

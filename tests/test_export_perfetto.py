@@ -17,8 +17,8 @@ from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 from typer.testing import CliRunner
 
 import kvtrace.cli  # noqa: F401  (registers the commands)
-from kvtrace import db
-from kvtrace.cli_app import app
+from kvtrace.cli.app import app
+from kvtrace.trace import db
 from tests.conftest import one_line_error
 from tests.test_record import record, write_workload
 

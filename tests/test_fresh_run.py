@@ -15,8 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 import kvtrace.cli  # noqa: F401  (registers every command)
-from kvtrace import db
-from kvtrace.cli_app import app
+from kvtrace.cli.app import app
+from kvtrace.trace import db
 from tests.test_report import specs_of
 
 runner = CliRunner()

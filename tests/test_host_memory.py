@@ -1,4 +1,4 @@
-"""Large host buffers land on 2 MiB pages where the kernel allows it (engine/host_memory.py)."""
+"""Large host buffers land on 2 MiB pages where the kernel allows it (engine/kernels/host_memory.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import host_memory
+from engine.kernels import host_memory
 
 
 def thp_mode() -> str | None:

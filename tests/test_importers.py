@@ -9,8 +9,8 @@ import types
 import pytest
 from typer.testing import CliRunner
 
-import kvtrace.cli_workload  # noqa: F401  (registers the commands)
-from kvtrace.cli_app import app
+import kvtrace.cli.workload  # noqa: F401  (registers the commands)
+from kvtrace.cli.app import app
 from kvtrace.errors import KvtraceError
 from kvtrace.workload import ImportOptions, import_trace, load_workload
 from kvtrace.workload.importers import _json_array_items, parse_datetime
@@ -184,9 +184,9 @@ def test_sharegpt_with_a_tokenizer(tmp_path, monkeypatch):
         def encode(self, text):
             return [100 + len(word) for word in text.split()]
 
-    module = types.ModuleType("engine.tokenizer")
+    module = types.ModuleType("engine.model.tokenizer")
     module.load_tokenizer = lambda model: WordTokenizer() if model == "words" else None
-    monkeypatch.setitem(sys.modules, "engine.tokenizer", module)
+    monkeypatch.setitem(sys.modules, "engine.model.tokenizer", module)
     path = truncated_sharegpt(tmp_path)
     requests, result = run("sharegpt", path, backlog=True, model="words", max_prompt_tokens=4)
     assert requests[0].prompt_token_ids == [105, 106, 103, 103] and requests[0].max_tokens == 7

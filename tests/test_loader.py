@@ -12,13 +12,13 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-import kvtrace.cli_model  # noqa: F401  (registers `kvtrace model`)
-from engine import loader
-from engine import tokenizer as tokenizer_module
+import kvtrace.cli.model  # noqa: F401  (registers `kvtrace model`)
 from engine.config import PRESETS, ModelConfig
-from engine.loader import load_weights, unpermute_qk, weight_shapes
-from engine.tokenizer import load_tokenizer
-from kvtrace.cli_app import app
+from engine.model import loader
+from engine.model import tokenizer as tokenizer_module
+from engine.model.loader import load_weights, unpermute_qk, weight_shapes
+from engine.model.tokenizer import load_tokenizer
+from kvtrace.cli.app import app
 from tests.reference_model import greedy_generate, reference_forward
 
 HAS_SMOLLM2 = loader.builtin_gguf_path() is not None

@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from engine import cpu_kernels
-from engine.linear import pick_kernel
+from engine.kernels import cpu_kernels
+from engine.model.linear import pick_kernel
 from engine.sequence import SamplingParams
 from tests.reference_model import reference_forward
 
@@ -93,7 +93,7 @@ def test_other_families_match_the_dense_reference(make_engine, kernel, family):
     import dataclasses
 
     from engine.config import PRESETS
-    from engine.loader import LoadedModel, dummy_weights
+    from engine.model.loader import LoadedModel, dummy_weights
 
     config = dataclasses.replace(PRESETS[family], num_layers=2, vocab_size=300, **FAMILY_SHAPES[family])
     loaded = LoadedModel(config, dummy_weights(config, seed=3), "dummy")

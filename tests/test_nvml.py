@@ -1,4 +1,4 @@
-"""NVML sampling (kvtrace/nvml.py) against a fake pynvml: the right GPU for a CUDA ordinal, and a
+"""NVML sampling (kvtrace/record/nvml.py) against a fake pynvml: the right GPU for a CUDA ordinal, and a
 field the device does not support leaves the others sampled."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvtrace.nvml import NvmlSampler
+from kvtrace.record.nvml import NvmlSampler
 
 
 class NotSupported(Exception):

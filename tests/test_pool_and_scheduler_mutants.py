@@ -7,8 +7,8 @@ import pytest
 
 from engine.sequence import SamplingParams
 from tests.conftest import probe_schedule, run_checked
-from tests.test_preemption import ListTracer
 from tests.test_engine_edges import integrity_state
+from tests.test_preemption import ListTracer
 from tests.test_scheduling import distinct_kv_positions
 from tests.test_swap_cow import add_x_and_y
 

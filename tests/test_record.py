@@ -13,8 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 import kvtrace.cli  # noqa: F401  (registers the commands)
-from kvtrace.cli_app import app
-from kvtrace.db import connect
+from kvtrace.cli.app import app
+from kvtrace.trace.db import connect
 
 PROMPT_A = [11, 12, 13, 14, 15, 16, 17]
 PROMPT_B = [21, 22, 23, 24, 25, 26, 27]
@@ -207,7 +207,7 @@ def test_meta_says_which_kernels_ran_and_why(tmp_path, monkeypatch, switches, ar
 
 def test_a_failure_while_closing_the_trace_marks_the_run_failed(tmp_path, monkeypatch):
     """Not left saying "running" (which `analyze --follow` would wait on forever)."""
-    from kvtrace.recorder import TraceWriter
+    from kvtrace.record.recorder import TraceWriter
 
     close = TraceWriter.close
 

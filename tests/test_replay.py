@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 import kvtrace.cli  # noqa: F401  (registers the commands)
-from kvtrace.cli_app import app
-from kvtrace.db import connect
+from kvtrace.cli.app import app
+from kvtrace.trace.db import connect
 from tests.test_record import record, write_workload
 
 

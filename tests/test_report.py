@@ -13,8 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 import kvtrace.cli  # noqa: F401  (registers every command)
-from kvtrace import db, report
-from kvtrace.cli_app import app
+from kvtrace.cli.app import app
+from kvtrace.trace import db
+from kvtrace.views import report
 from tests.conftest import one_line_error
 
 RUNS = Path(__file__).parent / "fixtures" / "runs"

@@ -9,9 +9,10 @@ import pytest
 from rich.console import Console
 
 from benchmarks import trace_scale
-from kvtrace import dashboard, db
-from kvtrace.cli_view import dashboard_view
+from kvtrace.cli.view import dashboard_view
 from kvtrace.errors import KvtraceError
+from kvtrace.trace import db
+from kvtrace.views import dashboard
 
 LEVELS = [0.0, 0.001, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999, 1.0]
 STATED_ERROR = 0.001     # the analyses' headers: each percentile within 0.1% of the exact one

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from engine.model_runner import sample
+from engine.executor.model_runner import sample
 from engine.sequence import SamplingParams, Sequence
 from tests.conftest import probe_schedule, run_checked
 from tests.test_preemption import ListTracer

@@ -9,20 +9,20 @@ import json
 import random
 
 import pytest
-
 from typer.testing import CliRunner
 
 import kvtrace.cli  # noqa: F401  (registers the commands)
 from engine.config import PRESETS, EngineConfig
-from engine.cost_model import CostModel, load_profile
+from engine.executor.cost_model import CostModel, load_profile
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
-from kvtrace.cli_app import app
-from kvtrace.replay import prepare, replay
+from kvtrace.cli.app import app
+from kvtrace.record.replay import prepare, replay
 from kvtrace.workload.format import WorkloadRequest
 from tests.conftest import one_line_error
 from tests.test_preemption import ListTracer
-from tests.test_record import record as record_cli, sql, write_workload
+from tests.test_record import record as record_cli
+from tests.test_record import sql, write_workload
 
 
 def record(tmp_path, workload, name: str, *args: str):
@@ -107,7 +107,7 @@ def test_simulated_decisions_are_the_real_engines_on_smollm2(name):
     """The same on the real SmolLM2-135M weights (greedy and sampled tokens of a real model)."""
     import torch
 
-    from engine.loader import load_weights
+    from engine.model.loader import load_weights
     try:
         loaded = load_weights("smollm2-135m", dtype=torch.float32)
     except (FileNotFoundError, ImportError, ValueError) as exc:
@@ -338,7 +338,7 @@ def test_calibrate_refuses_simulated_runs_and_mixed_models(tmp_path):
 
 def test_pool_density_is_the_paged_kv_table(tmp_path):
     """avg running, held-KV share (stored positions over slots of held blocks) and counts, per run."""
-    from kvtrace import db
+    from kvtrace.trace import db
     from tests.tracegen import write_run
     steps = [{"step": i, "start_s": i * 0.1, "end_s": i * 0.1 + 0.1, "running": running, "waiting": 0,
               "swapped": 0, "prefill_tokens": 0, "decode_tokens": running, "kv_tokens": kv, "used_blocks": used,

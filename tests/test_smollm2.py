@@ -6,9 +6,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.loader import load_weights
+from engine.model.loader import load_weights
+from engine.model.tokenizer import load_tokenizer
 from engine.sequence import SamplingParams
-from engine.tokenizer import load_tokenizer
 from tests.conftest import run_checked
 
 pytestmark = pytest.mark.slow  # the real weights: `pytest -m "not slow"` leaves these out
@@ -72,7 +72,7 @@ def test_prompt_text_never_reaches_the_trace(smollm2, tmp_path):
     from typer.testing import CliRunner
 
     import kvtrace.cli  # noqa: F401
-    from kvtrace.cli_app import app
+    from kvtrace.cli.app import app
 
     secret = "Quartzwhistle the zebra keeps her diary under the violet staircase"
     workload = tmp_path / "w.jsonl"

@@ -180,7 +180,7 @@ def test_batched_swap_copies_move_each_block_to_its_own_slot(make_engine):
     copies: unsorted, non-contiguous block ids, every layer, K and V."""
     import torch
 
-    from engine.model_runner import gather_blocks, scatter_blocks
+    from engine.executor.model_runner import gather_blocks, scatter_blocks
 
     runner = make_engine(num_gpu_blocks=8, num_cpu_blocks=4, preemption_mode="swap").runner
     generator = torch.Generator().manual_seed(0)

@@ -13,12 +13,12 @@ import pytest
 from typer.testing import CliRunner
 
 import kvtrace.cli  # noqa: F401  (registers every command)
-from kvtrace import db
-from kvtrace.cli_app import app
-from kvtrace.cli_sweep import _record_command
+from kvtrace.cli.app import app
+from kvtrace.cli.sweep import _record_command
 from kvtrace.errors import KvtraceError
-from kvtrace.sweep_grid import parse_range, parse_set, points, record_knobs
-from kvtrace.sweep_view import OBJECTIVES, best_point, recommend
+from kvtrace.sweep.grid import parse_range, parse_set, points, record_knobs
+from kvtrace.sweep.view import OBJECTIVES, best_point, recommend
+from kvtrace.trace import db
 from tests.conftest import one_line_error
 
 ROOT = Path(__file__).parent.parent

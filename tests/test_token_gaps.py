@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 import kvtrace.cli  # noqa: F401  (registers the commands)
-from kvtrace import db
-from kvtrace.cli_app import app
+from kvtrace.cli.app import app
+from kvtrace.trace import db
 from tests.tracegen import recompute_run, swap_run
 
 # the same sequence's previous token by the definition of analyses/_itl.sql's fallback
@@ -102,8 +102,8 @@ def test_a_writer_that_leaves_them_null_is_read_as_schema_1(tmp_path):
 def test_the_vllm_importer_writes_them(tmp_path):
     """A vLLM capture is converted whole: its tokens get the same predecessors as the window's,
     with several tokens of a sequence in one step (same ts_s) and a window that cuts a sequence."""
+    from kvtrace.vllm.importer import convert
     from tests.test_vllm_import import ITEMS, _chunk, _write_capture
-    from kvtrace.vllm_import import convert
 
     tokens = [{"req_id": "1_kvt3-deadbeef", "sample": 0, "idx": i, "token_id": 5, "step": 3 + i // 2,
                "ts_s": 101.0 + i // 2} for i in range(6)]            # two tokens a step

@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernels (engine/triton_attention.py) against a dense reference.
+"""The Triton paged-attention kernels (engine/kernels/triton_attention.py) against a dense reference.
 
 Without a GPU the kernels run under Triton's interpreter, which must be switched on before triton is
 first imported: `test_kernels_under_the_interpreter` runs this file's cases in a fresh process with
@@ -85,7 +85,7 @@ DECODE_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hd,nh,nkv,block_size,lens", DECODE_CASES)
 def test_decode_matches_dense(hd, nh, nkv, block_size, lens, dtype):
-    from engine import triton_attention
+    from engine.kernels import triton_attention
 
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
     k_cache, v_cache, g = paged_cache(num_blocks, block_size, nkv, hd, dtype, seed=hd + nh + block_size)
@@ -116,7 +116,7 @@ PREFILL_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hd,nh,nkv,block_size,chunks", PREFILL_CASES)
 def test_prefill_chunks_match_dense(hd, nh, nkv, block_size, chunks, dtype):
-    from engine import triton_attention
+    from engine.kernels import triton_attention
 
     ends = [start + n for start, n in chunks]
     num_blocks = sum(-(-e // block_size) for e in ends) + 2
@@ -138,7 +138,7 @@ def test_prefill_chunks_match_dense(hd, nh, nkv, block_size, chunks, dtype):
 
 
 def test_split_count_fills_the_gpu_and_stays_a_power_of_two():
-    from engine.triton_attention import decode_num_splits
+    from engine.kernels.triton_attention import decode_num_splits
 
     assert decode_num_splits(1, 8) == 16          # 8 programs alone would leave most of a GPU idle
     assert decode_num_splits(64, 8) == 1          # 512 programs already
@@ -152,10 +152,9 @@ def test_engine_on_paged_inputs_matches_dense_reference(make_engine, tiny_loaded
     """The whole engine on the runner's one-copy inputs (as on CUDA), attending with the Triton kernels
     (chunk tables, splits) or with the SDPA fallback over the same inputs: chunked prefill mixed with
     decodes, prefix-cache hits, block size 3, against the dense forward."""
+    from engine.sequence import SamplingParams
     from tests.reference_model import reference_forward
     from tests.test_model import capture_logits
-
-    from engine.sequence import SamplingParams
 
     monkeypatch.setenv("KVTRACE_CPU_KERNELS", "0")
     monkeypatch.setenv("KVTRACE_TRITON", "1" if attention == "triton" else "0")

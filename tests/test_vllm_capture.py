@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace import db
+from kvtrace.trace import db
 
 pytestmark = pytest.mark.vllm
 VLLM_PYTHON = os.environ.get("KVTRACE_VLLM_PYTHON", "")
@@ -60,14 +60,15 @@ def recorded(workload, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def unrecorded(recorded, tmp_path_factory) -> dict:
     """The same replay through vLLM's own scheduler, no capture: the driver with capture off."""
-    from kvtrace.vllm_record import capture_path
+    from kvtrace.vllm.record import capture_path
 
     folder = tmp_path_factory.mktemp("vllm-plain")
     meta = json.loads((recorded / "meta.json").read_text())
     requests = folder / "requests.jsonl"
     # the recorded run's own prompts: rebuild them the way kvtrace record did
-    from kvtrace.vllm_record import VllmOptions, VllmRecording
     from rich.console import Console
+
+    from kvtrace.vllm.record import VllmOptions, VllmRecording
     opts = VllmOptions(model="smollm2-135m", dtype="float32", seed=0, block_size=32, num_gpu_blocks=16,
                        kv_cache_memory=None, max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=None,
                        enable_prefix_caching=True, preemption_policy="newest", vllm_python=VLLM_PYTHON)
@@ -78,7 +79,7 @@ def unrecorded(recorded, tmp_path_factory) -> dict:
               "capture_dir": str(folder / "none"), "requests": str(requests), "results": str(folder / "results.json")}
     (folder / "config.json").write_text(json.dumps(config))
     env = {**os.environ, "PYTHONPATH": str(capture_path())}
-    proc = subprocess.run([VLLM_PYTHON, "-m", "kvtrace.vllm_capture.driver", str(folder / "config.json")],
+    proc = subprocess.run([VLLM_PYTHON, "-m", "kvtrace.vllm.capture.driver", str(folder / "config.json")],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert not (folder / "none").exists()   # nothing captured
@@ -210,7 +211,7 @@ def served(workload, tmp_path_factory) -> Path:
         if line.startswith("export "):
             key, _, value = line.removeprefix("export ").partition("=")
             env[key] = value.strip('"').replace("${PYTHONPATH:+:$PYTHONPATH}", "")
-    from kvtrace.vllm_record import model_folder
+    from kvtrace.vllm.record import model_folder
     port = _free_port()
     server = subprocess.Popen(
         [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder("smollm2-135m")),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtrace import db
+from kvtrace.trace import db
 from tests.test_vllm_capture import EAGER, VLLM_PYTHON, kvtrace, pytestmark  # noqa: F401  (the vllm marker)
 
 COMMON = ["--model", "smollm2-135m", "--dtype", "float32", "--block-size", "32", "--backlog", "-q"]
@@ -56,8 +56,8 @@ def workload(name: str) -> list[dict]:
         return [{"id": f"b{i}", "prompt_token_ids": ids(rng, 21 + 32 * (i % 2)), "max_tokens": 44 - 32 * (i % 2)}
                 for i in range(4)]
     if name == "eos":          # chat turns the instruct model ends with EOS (<|im_end|>) at its own length
-        from engine.tokenizer import load_tokenizer
-        from kvtrace.vllm_record import model_folder
+        from engine.model.tokenizer import load_tokenizer
+        from kvtrace.vllm.record import model_folder
 
         tokenizer = load_tokenizer(str(model_folder("smollm2-135m")))
         return [{"id": f"q{i}", "ignore_eos": False, "max_tokens": 40, "prompt_token_ids": tokenizer.encode(

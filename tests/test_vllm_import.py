@@ -5,10 +5,10 @@ import pickle
 
 import pytest
 
-from kvtrace import db
-from kvtrace.schema import TABLES
-from kvtrace.vllm_capture.sink import COLUMNS
-from kvtrace.vllm_import import Item, convert, map_ids
+from kvtrace.trace import db
+from kvtrace.trace.schema import TABLES
+from kvtrace.vllm.capture.sink import COLUMNS
+from kvtrace.vllm.importer import Item, convert, map_ids
 from tests.conftest import one_line_error
 
 ITEMS = {0: Item(0, "chat-a", 1, 0, 0.0, 40, 8, None), 3: Item(3, "chat-b", 2, 1, 0.5, 60, 16, 4)}

@@ -7,15 +7,23 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-import kvtrace.cli_workload  # noqa: F401  (registers the commands)
-from kvtrace.cli_app import app
+import kvtrace.cli.workload  # noqa: F401  (registers the commands)
+from kvtrace.cli.app import app
 from kvtrace.errors import KvtraceError
 from kvtrace.workload import (
-    SynthConfig, WorkloadRequest, generate, load_workload, resolve_prompt_ids, save_workload,
-    synthetic_ids, validate_lengths, workload_sha256,
+    SynthConfig,
+    WorkloadRequest,
+    generate,
+    load_workload,
+    resolve_prompt_ids,
+    save_workload,
+    synthetic_ids,
+    validate_lengths,
+    workload_sha256,
 )
 from tests.conftest import examples
 

@@ -8,7 +8,12 @@ import pytest
 
 from kvtrace.errors import KvtraceError
 from kvtrace.workload import (
-    WorkloadRequest, load_workload, resolve_prompt_ids, save_workload, synthetic_ids, validate_lengths,
+    WorkloadRequest,
+    load_workload,
+    resolve_prompt_ids,
+    save_workload,
+    synthetic_ids,
+    validate_lengths,
 )
 
 

@@ -1,4 +1,4 @@
-"""The workload on its way into a run (kvtrace/replay.py, kvtrace/workload/format.py): what `kvtrace
+"""The workload on its way into a run (kvtrace/record/replay.py, kvtrace/workload/format.py): what `kvtrace
 record` refuses up front and how it says so, and the replay's summary in meta.json. Each test here was
 written for a mutant of those files that no other test noticed (scripts/mutation.py, issue 20)."""
 from __future__ import annotations
@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from kvtrace.db import connect
-from kvtrace.replay import prepare, replay
+from kvtrace.record.replay import prepare, replay
+from kvtrace.trace.db import connect
 from tests.conftest import one_line_error
 from tests.test_preemption import ListTracer
 from tests.test_record import record, write_workload
 
-# ---------------------------------------------------------------- the replay (kvtrace/replay.py)
+# ---------------------------------------------------------------- the replay (kvtrace/record/replay.py)
 
 
 def test_requests_that_can_never_fit_are_listed_five_at_a_time_with_a_count(tmp_path):
@@ -97,10 +97,10 @@ def test_a_request_samples_with_its_own_seed_whatever_the_run_seed(make_engine):
 
 def test_the_progress_callback_comes_every_quarter_second_then_at_the_end(make_engine, monkeypatch):
     rows = [{"prompt_tokens": 6, "max_tokens": 3}, {"prompt_tokens": 5, "max_tokens": 7, "n": 2}]
-    import kvtrace.replay
+    import kvtrace.record.replay
 
     clock = [1000.0]           # the progress clock: each step takes 1/8 s, and nothing else takes time
-    monkeypatch.setattr(kvtrace.replay.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(kvtrace.record.replay.time, "monotonic", lambda: clock[0])
     runs = []
     for every in (0.0, None):
         seen = []

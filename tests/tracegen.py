@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvtrace.schema import SCHEMA_VERSION, TABLES, token_predecessors
+from kvtrace.trace.schema import SCHEMA_VERSION, TABLES, token_predecessors
 
 WORKLOAD_SHA = "a" * 64
 
@@ -64,7 +64,7 @@ TOKEN_GAP_COLUMNS = ("prev_step", "prev_ts_s")   # schema 2: each token's predec
 
 
 def with_token_gaps(rows: list[dict]) -> list[dict]:
-    """Token rows with each one's predecessor in its sequence filled in (kvtrace.schema's
+    """Token rows with each one's predecessor in its sequence filled in (kvtrace.trace.schema's
     token_predecessors, as a writer of schema 2 does), where a row does not set them itself."""
     columns = {name: [row.get(name, 0 if name == "sample" else None) for row in rows]
                for name in ("req_id", "sample", "idx", "step", "ts_s")}

@@ -2,7 +2,6 @@
 from kvtrace.workload.format import (
     FIELDS,
     WorkloadRequest,
-    atomic_write,
     load_workload,
     resolve_prompt_ids,
     save_workload,
@@ -15,6 +14,6 @@ from kvtrace.workload.synth import PRESETS, SynthConfig, generate
 
 __all__ = [
     "FIELDS", "FORMATS", "PRESETS", "ImportOptions", "ImportResult", "SynthConfig", "WorkloadRequest",
-    "atomic_write", "generate", "import_trace", "load_workload", "resolve_prompt_ids", "save_workload",
+    "generate", "import_trace", "load_workload", "resolve_prompt_ids", "save_workload",
     "synthetic_ids", "validate_lengths", "workload_sha256",
 ]

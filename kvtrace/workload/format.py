@@ -6,21 +6,20 @@ deterministically, so that a workload file stays small and a replay stays reprod
 """
 from __future__ import annotations
 
-import contextlib
 import difflib
 import hashlib
 import json
 import math
 import os
-import tempfile
-from collections.abc import Iterable, Iterator
-from dataclasses import MISSING, dataclass, fields as dataclass_fields
-from pathlib import Path
+from collections.abc import Iterable
+from dataclasses import MISSING, dataclass
+from dataclasses import fields as dataclass_fields
 from types import SimpleNamespace
 from typing import IO
 
 import numpy as np
 
+from kvtrace.atomic import atomic_write
 from kvtrace.errors import KvtraceError
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "prompt_tokens")
@@ -297,21 +296,6 @@ def workload_sha256(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-@contextlib.contextmanager
-def atomic_write(path: str | os.PathLike) -> Iterator[IO[str]]:
-    """Write to a temporary file beside `path`, renamed into place only when the block succeeds."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            yield f
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def save_workload(requests: Iterable[WorkloadRequest], path_or_file: str | os.PathLike | IO[str], *,

@@ -366,7 +366,7 @@ def _sharegpt_tokenizer(model: str | None):
     estimate = f"lengths are estimated as characters / {CHARS_PER_TOKEN}"
     if model is None:
         return None, f"{estimate}: no --model given to tokenise with"
-    from engine.tokenizer import load_tokenizer  # the engine's tokenizer stack is loaded only when needed
+    from engine.model.tokenizer import load_tokenizer  # the engine's tokenizer stack is loaded only when needed
 
     tokenizer = load_tokenizer(model)  # a model that is not found is an error, not an estimate
     if tokenizer is None:

@@ -1,0 +1,374 @@
+"""Runs a scheduled step on a device: KV copies (swap, copy-on-write), the forward pass, sampling.
+
+On CUDA, swap copies use pinned host memory and a side stream; the compute stream waits on an
+event before it reads restored blocks or overwrites released ones. Durations come from CUDA
+events that the engine resolves later, never with a synchronisation of their own.
+
+On CUDA nothing in `execute` waits for the device: its integers travel in one non-blocking copy
+(step_inputs.py), decode-only batches replay a CUDA graph (cuda_graphs.py), and greedy sampling is
+an argmax on the device. The host waits at one documented point per step, the end: `sample()`
+reading the tokens (a non-greedy row also reads its logits there), and at the end of a run, the
+engine's flush.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.executor.cuda_graphs import DecodeGraphs
+from engine.executor.step_inputs import StepInputs
+from engine.kernels import host_memory, triton_attention
+from engine.model.llama import AttentionMetadata, LlamaModel
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+
+@dataclass
+class StepTiming:
+    """Device timings of one step, resolved when `ready()`."""
+
+    forward: tuple | float | None = None                 # (start, end) CUDA events, or ms
+    swap_out: tuple | float | None = None
+    swap_in: tuple | float | None = None
+
+    def ready(self) -> bool:
+        return all(not isinstance(t, tuple) or t[1].query() for t in (self.forward, self.swap_out, self.swap_in))
+
+    @staticmethod
+    def ms(t: tuple | float | None) -> float | None:
+        if isinstance(t, tuple):
+            return t[0].elapsed_time(t[1])
+        return t
+
+
+@dataclass
+class StepResult:
+    sample_seqs: list[Sequence] = field(default_factory=list)  # sequences whose last token got logits
+    logits: torch.Tensor | None = None                           # [len(sample_seqs), vocab]
+    timing: StepTiming = field(default_factory=StepTiming)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
+def resolve_device(name: str) -> torch.device:
+    """`--device` as a torch.device, a CUDA one with its ordinal made explicit ('cuda' is the current
+    device); ValueError when this machine has no such device."""
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= count:
+        raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return torch.device("cuda", index)
+
+
+def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
+    """The blocks `block_ids` of every layer, block-major like the host swap space (the batched
+    swap-out's device side; plain tensor indexing, so it is tested on CPU as well).
+
+    kv_caches[layer]: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    returns:          [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]
+    """
+    return torch.stack([kv[:, block_ids] for kv in kv_caches]).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+
+def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, staged: torch.Tensor) -> None:
+    """Write block-major `staged` ([n, layers, 2, bs, nkv, hd]) into blocks `block_ids` of every layer
+    (the batched swap-in's device side): staged[i] goes to block block_ids[i]."""
+    for layer, kv in enumerate(kv_caches):
+        kv[:, block_ids] = staged[:, layer].transpose(0, 1)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_cpu_blocks: int) -> None:
+        self.model = model
+        self.device = model.device
+        self.dtype = model.dtype
+        self.block_size = block_size
+        c = model.config
+        self.is_cuda = self.device.type == "cuda"
+        if self.is_cuda:
+            # the engine's device becomes the current one: Triton launches on the current device, and
+            # CUDA events record on the current device's stream (on cuda:1 they timed an idle cuda:0)
+            self.device = resolve_device(str(self.device))
+            torch.cuda.set_device(self.device)
+        # CUDA (and Triton's interpreter) take a step's integers in one copy (step_inputs.py); the CPU
+        # kernels keep their own path
+        self.paged_inputs = self.is_cuda or model.use_triton
+        self.step_inputs, self.swap_out_ids, self.swap_in_ids = (StepInputs(self.device) for _ in range(3))
+        # one preallocated KV tensor per layer, indexed by physical block; on CUDA one block more, the
+        # scratch block that padded rows of a CUDA graph write to (never in the block manager's pool)
+        layer_shape = (2, num_blocks + self.is_cuda, block_size, c.num_kv_heads, c.head_dim)
+        if self.device.type == "cpu":  # one buffer on huge pages (engine/kernels/host_memory.py), a view per layer
+            pool = host_memory.empty(c.num_layers * math.prod(layer_shape), dtype=self.dtype).zero_()
+            self.kv_caches = list(pool.view(c.num_layers, *layer_shape).unbind(0))
+        else:
+            self.kv_caches = [torch.zeros(layer_shape, device=self.device, dtype=self.dtype)
+                              for _ in range(c.num_layers)]
+        # host swap space, block-major so one block is one contiguous copy
+        host_shape = (num_cpu_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim)
+        if self.is_cuda:  # exactly these bytes pinned (not rounded up to a power of two: host_memory.py)
+            self.host_cache = host_memory.pinned_empty(math.prod(host_shape), self.dtype).view(host_shape)
+        else:
+            self.host_cache = torch.zeros(host_shape, dtype=self.dtype)
+        self.swap_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        # decode-only steps from CUDA graphs (cuda_graphs.py); KVTRACE_CUDA_GRAPHS=0 launches eagerly
+        self.decode_graphs = None
+        if self.is_cuda and model.use_triton and os.environ.get("KVTRACE_CUDA_GRAPHS", "1") != "0":
+            max_blocks_per_seq = min(num_blocks, -(-c.max_position_embeddings // block_size))
+            self.decode_graphs = DecodeGraphs(model, self.kv_caches, num_blocks, max_blocks_per_seq,
+                                              self.step_inputs)
+
+    # ---- KV copies ----------------------------------------------------------------------
+    def _event_pair(self) -> tuple:
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def _device_ids(self, inputs: StepInputs, ids: list[int]) -> torch.Tensor:
+        inputs.host(len(ids))[:] = ids
+        return inputs.send(len(ids))
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> tuple | float:
+        if not self.is_cuda:
+            # one copy per block and layer: on CPU this beats index_put on these strided views ~15x
+            t0 = time.perf_counter()
+            for (d, h) in mapping:
+                host_block = self.host_cache[h]                      # [layers, 2, bs, nkv, hd]
+                for layer, kv in enumerate(self.kv_caches):
+                    host_block[layer].copy_(kv[:, d])
+            return (time.perf_counter() - t0) * 1000
+        dev_ids = self._device_ids(self.swap_out_ids, [d for d, _ in mapping])
+        host_ids = [h for _, h in mapping]
+        start, end = self._event_pair()
+        self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))  # KV written before copying
+        with torch.cuda.stream(self.swap_stream):
+            start.record(self.swap_stream)
+            staged = gather_blocks(self.kv_caches, dev_ids)
+            for i, h, n in consecutive_runs(host_ids):  # one DMA per run of neighbouring host blocks
+                self.host_cache[h:h + n].copy_(staged[i:i + n], non_blocking=True)
+            end.record(self.swap_stream)
+            staged.record_stream(self.swap_stream)
+        # the released device blocks may be reused by this step's forward: wait for the copy
+        torch.cuda.current_stream(self.device).wait_event(end)
+        return start, end
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> tuple | float:
+        if not self.is_cuda:
+            t0 = time.perf_counter()
+            for (h, d) in mapping:
+                host_block = self.host_cache[h]
+                for layer, kv in enumerate(self.kv_caches):
+                    kv[:, d].copy_(host_block[layer])
+            return (time.perf_counter() - t0) * 1000
+        host_ids = [h for h, _ in mapping]
+        dev_ids = self._device_ids(self.swap_in_ids, [d for _, d in mapping])
+        start, end = self._event_pair()
+        self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))  # new blocks no longer in use
+        with torch.cuda.stream(self.swap_stream):
+            start.record(self.swap_stream)
+            staged = torch.empty((len(host_ids), *self.host_cache.shape[1:]), device=self.device, dtype=self.dtype)
+            for i, h, n in consecutive_runs(host_ids):
+                staged[i:i + n].copy_(self.host_cache[h:h + n], non_blocking=True)
+            scatter_blocks(self.kv_caches, dev_ids, staged)
+            end.record(self.swap_stream)
+            staged.record_stream(self.swap_stream)
+        torch.cuda.current_stream(self.device).wait_event(end)  # restored before the forward reads it
+        return start, end
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks on the device, in every layer."""
+        for kv in self.kv_caches:
+            for src, dst in copies:
+                kv[:, dst].copy_(kv[:, src])
+
+    # ---- the step -----------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        result = StepResult()
+        if out.swap_out:
+            result.timing.swap_out = self.swap_out(out.swap_out)
+        if out.swap_in:
+            result.timing.swap_in = self.swap_in(out.swap_in)
+        if out.copies:
+            self.copy_blocks(out.copies)
+        if not out.seqs:
+            return result
+        if self.is_cuda:
+            return self._execute_on_cuda(out, result)
+        prepare = self._prepare_paged if self.paged_inputs else self._prepare
+        meta, input_ids, positions, logit_rows, result.sample_seqs = prepare(out, result)
+        t0 = time.perf_counter()
+        result.logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logit_rows)
+        result.timing.forward = (time.perf_counter() - t0) * 1000
+        return result
+
+    def _execute_on_cuda(self, out: SchedulerOutput, result: StepResult) -> StepResult:
+        """The forward between two CUDA events, from a graph when the batch is decode-only and small
+        enough. Nothing here waits for the device: the host first reads it when sampling."""
+        stream = torch.cuda.current_stream(self.device)
+        start, end = self._event_pair()
+        if self.decode_graphs is not None and not any(s.is_prefilling for s in out.seqs):
+            start.record(stream)
+            result.logits = self.decode_graphs.run(out.seqs)
+            result.sample_seqs, result.num_decode_tokens = list(out.seqs), len(out.seqs)
+        if result.logits is None:  # prefill chunks in the batch, or more decodes than any graph
+            meta, input_ids, positions, logit_rows, result.sample_seqs = self._prepare_paged(out, result)
+            start.record(stream)
+            result.logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logit_rows)
+        end.record(stream)
+        result.timing.forward = (start, end)
+        return result
+
+    def _prepare(self, out: SchedulerOutput, result: StepResult):
+        """Flatten the batch: decodes first, then prefill chunks (see AttentionMetadata)."""
+        bs = self.block_size
+        decodes: list[Sequence] = []
+        prefills: list[tuple[Sequence, int]] = []
+        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            if not seq.is_prefilling:
+                decodes.append(seq)
+            else:
+                prefills.append((seq, num_new))
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_seqs: list[Sequence] = []
+        logit_rows: list[int] = []
+        for row, seq in enumerate(decodes):
+            pos = seq.num_computed_tokens
+            input_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            sample_seqs.append(seq)
+            logit_rows.append(row)
+        prefill_meta = []
+        for seq, num_new in prefills:
+            row = len(input_ids)
+            start = seq.num_computed_tokens
+            end = start + num_new
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            block_ids = torch.tensor(table[:-(-end // bs)], device=self.device) if start else None
+            prefill_meta.append((row, num_new, start, block_ids))
+            if end == seq.num_tokens:
+                sample_seqs.append(seq)
+                logit_rows.append(row + num_new - 1)
+        result.num_decode_tokens = len(decodes)
+        result.num_prefill_tokens = len(input_ids) - len(decodes)
+        decode_tables = decode_lens = None
+        if decodes:
+            max_blocks = max(len(s.block_table) for s in decodes)
+            decode_tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes],
+                                         device=self.device)
+            decode_lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes], device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=self.device),
+            num_decodes=len(decodes),
+            decode_block_tables=decode_tables,
+            decode_context_lens=decode_lens,
+            prefills=prefill_meta,
+        )
+        return (meta, torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
+                torch.tensor(logit_rows, dtype=torch.long, device=self.device), sample_seqs)
+
+
+    def _prepare_paged(self, out: SchedulerOutput, result: StepResult):
+        """`_prepare`'s result, every integer sent in one copy (step_inputs.py), plus the prefill chunks'
+        block tables for the Triton kernel. Layout of the one int64 buffer:
+            [input_ids T | positions T | slots T | logit_rows R | decode lens D | chunks 3 x P |
+             decode tables D x wd | prefill tables P x wp]
+        """
+        bs = self.block_size
+        decodes = [s for s in out.seqs if not s.is_prefilling]
+        prefills = [(s, n) for s, n in zip(out.seqs, out.num_new_tokens) if s.is_prefilling]
+        input_ids = [s.token_ids[s.num_computed_tokens] for s in decodes]
+        positions = [s.num_computed_tokens for s in decodes]
+        sample_seqs = list(decodes)
+        logit_rows = list(range(len(decodes)))
+        chunk_rows, chunk_lens, chunk_starts, prefill_tables = [], [], [], []
+        for seq, num_new in prefills:
+            row, start, end = len(input_ids), seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            chunk_rows.append(row)
+            chunk_lens.append(num_new)
+            chunk_starts.append(start)
+            prefill_tables.append(seq.block_table[:-(-end // bs)])
+            if end == seq.num_tokens:
+                sample_seqs.append(seq)
+                logit_rows.append(row + num_new - 1)
+        decode_tables = [s.block_table for s in decodes]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(decode_tables, positions)]
+        for (seq, _), row, n in zip(prefills, chunk_rows, chunk_lens):
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in positions[row:row + n])
+        nt, nr, nd, npf = len(input_ids), len(logit_rows), len(decodes), len(prefills)
+        wd = max((len(t) for t in decode_tables), default=0)
+        wp = max((len(t) for t in prefill_tables), default=0)
+        size = 3 * nt + nr + nd + 3 * npf + nd * wd + npf * wp
+        buf = self.step_inputs.host(size)
+        buf[:nt], buf[nt:2 * nt], buf[2 * nt:3 * nt] = input_ids, positions, slots
+        at = 3 * nt
+        for values in (logit_rows, [s.num_computed_tokens + 1 for s in decodes], chunk_rows, chunk_lens,
+                       chunk_starts):
+            buf[at:at + len(values)] = values
+            at += len(values)
+        for rows, width in ((decode_tables, wd), (prefill_tables, wp)):
+            for table in rows:
+                buf[at:at + len(table)] = table
+                buf[at + len(table):at + width] = 0
+                at += width
+        dev = self.step_inputs.send(size)
+        views = dev.split([nt, nt, nt, nr, nd, 3 * npf, nd * wd, npf * wp])
+        input_t, positions_t, slots_t, rows_t, lens_t, chunks_t, dtables_t, ptables_t = views
+        ptables_t = ptables_t.view(npf, wp)
+        result.num_decode_tokens = nd
+        result.num_prefill_tokens = nt - nd
+        meta = AttentionMetadata(
+            slot_mapping=slots_t,
+            num_decodes=nd,
+            decode_block_tables=dtables_t.view(nd, wd) if nd else None,
+            decode_context_lens=lens_t if nd else None,
+            prefills=[(row, n, start, ptables_t[i, :len(prefill_tables[i])] if start else None)
+                      for i, (row, n, start) in enumerate(zip(chunk_rows, chunk_lens, chunk_starts))],
+            prefill_chunks=chunks_t.view(3, npf) if npf else None,
+            prefill_block_tables=ptables_t if npf else None,
+            max_prefill_len=max(chunk_lens, default=0),
+            decode_num_splits=triton_attention.decode_num_splits(nd, self.model.config.num_kv_heads,
+                                                                 max(positions[:nd]) + 1) if nd else 1,
+        )
+        return meta, input_t, positions_t, rows_t, sample_seqs
+
+
+def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(position in ids, first id, length) of each run of consecutive ids: [4, 5, 6, 9] -> [(0, 4, 3), (3, 9, 1)]."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """One token per row: greedy rows by one argmax, the others from their own seeded generator."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, seq in enumerate(seqs):
+        params = seq.params
+        if params.greedy:
+            continue
+        probs = torch.softmax(logits[row].float().cpu() / params.temperature, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            keep = sorted_probs.cumsum(0) - sorted_probs < params.top_p  # always keeps the top token
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+        tokens[row] = int(torch.multinomial(probs, 1, generator=seq.generator))
+    return tokens

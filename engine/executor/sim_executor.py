@@ -1,0 +1,81 @@
+"""The simulated executor: runs nothing, predicts each step's duration, and keeps virtual time.
+
+It stands where the ModelRunner stands: the engine hands it the scheduler's output and gets a
+StepResult back (the sequences that receive a token, the step's composition, its timings), so every
+KV decision around it is the real scheduler's and block manager's. No weights, no KV tensors.
+
+Tokens are placeholders: the engine records them as null. A placeholder still enters the prefix
+cache's block hashes, so it is chosen to keep the real engine's equalities: greedy decoding continues
+equal contexts equally (-1 for every greedy token), a sampled sequence's tokens depend on its seed and
+sample index (a negative id from both). Which id the real model would emit is unknowable here, so a
+request stops at its `output_tokens` or `max_tokens`, never at EOS.
+"""
+from __future__ import annotations
+
+from engine.executor.cost_model import CostModel
+from engine.executor.model_runner import StepResult
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+GREEDY_TOKEN = -1
+
+
+class SimExecutor:
+    is_cuda = False
+
+    def __init__(self, cost: CostModel, bytes_per_block: int) -> None:
+        self.cost = cost
+        self.bytes_per_block = bytes_per_block
+        self.now_s = 0.0        # virtual time, seconds
+
+    def clock(self) -> float:
+        return self.now_s
+
+    def advance_to(self, t: float) -> None:
+        """Idle until `t` (nothing to run before the next arrival)."""
+        if t > self.now_s:
+            self.now_s = t
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        result = StepResult()
+        timing = result.timing
+        cost = self.cost
+        total_ms = 0.0
+        if out.swap_out:
+            timing.swap_out = cost.swap_ms(len(out.swap_out) * self.bytes_per_block)
+            total_ms += timing.swap_out
+        if out.swap_in:
+            timing.swap_in = cost.swap_ms(len(out.swap_in) * self.bytes_per_block)
+            total_ms += timing.swap_in
+        if out.copies:
+            total_ms += cost.copy_ms(len(out.copies) * self.bytes_per_block)
+        if out.seqs:
+            # the model runner's batch order: decodes first, then prefill chunks (sampling order follows it)
+            decodes: list[Sequence] = []
+            prefill_samples: list[Sequence] = []
+            num_prefill = num_kv = 0
+            num_pairs = 0.0
+            for seq, num_new in zip(out.seqs, out.num_new_tokens):
+                start = seq.num_computed_tokens
+                end = start + num_new
+                num_kv += end
+                if not seq.is_prefilling:
+                    decodes.append(seq)
+                    continue
+                num_prefill += num_new
+                num_pairs += num_new * (start + (num_new + 1) / 2)
+                if end == seq.num_tokens:
+                    prefill_samples.append(seq)
+            result.sample_seqs = decodes + prefill_samples
+            result.num_prefill_tokens = num_prefill
+            result.num_decode_tokens = len(decodes)
+            timing.forward = cost.forward_ms(num_prefill, len(decodes), num_kv, num_pairs)
+            total_ms += timing.forward
+        self.now_s += total_ms / 1000
+        return result
+
+    @staticmethod
+    def tokens(seqs: list[Sequence]) -> list[int]:
+        """Placeholder tokens for the sequences that sample this step."""
+        return [GREEDY_TOKEN if seq.params.greedy else -2 - hash((seq.params.seed, seq.sample)) % (1 << 30)
+                for seq in seqs]

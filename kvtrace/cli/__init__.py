@@ -1,0 +1,14 @@
+"""The `kvtrace` command line: the top of the package (nothing in kvtrace imports it). Each command
+module registers its commands on the shared Typer app when imported here."""
+from __future__ import annotations
+
+from kvtrace.cli import calibrate, export, model, record, sql, sweep, view, workload  # noqa: F401  (registration)
+from kvtrace.cli.app import app
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

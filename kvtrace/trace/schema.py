@@ -1,0 +1,136 @@
+"""The trace's tables as Arrow schemas: the one definition of docs/trace-format.md in code.
+
+The recorder writes chunks with these schemas; `kvtrace.trace.db` reads them and falls back on them to
+give a table with no chunk yet (or a column an older trace lacks) its proper type.
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 2                 # 2: tokens.prev_step and tokens.prev_ts_s (see docs/trace-format.md)
+
+# One row per sequence (a request with n samples has n rows), written when it finishes.
+REQUESTS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("req_id", pa.string()),               # workload id
+    ("sample", pa.int32()),                # 0..n-1
+    ("n", pa.int32()),                     # samples the request asked for
+    ("priority", pa.int32()),              # lower value = more important
+    ("arrival_s", pa.float64()),
+    ("prompt_tokens", pa.int32()),
+    ("max_tokens", pa.int32()),
+    ("output_tokens", pa.int32()),         # tokens delivered
+    ("first_scheduled_s", pa.float64()),   # null if never scheduled
+    ("first_token_s", pa.float64()),       # null if no token
+    ("finish_s", pa.float64()),
+    ("finish_reason", pa.string()),        # stop | length | rejected | capacity | aborted
+    ("preemptions", pa.int32()),
+    ("swaps", pa.int32()),                 # of those, preemptions by swap
+    ("recomputed_tokens", pa.int64()),     # positions computed again after recompute (cache hits excluded)
+    ("prefix_hit_tokens", pa.int64()),     # positions served from the prefix cache
+])
+
+# One row per engine step.
+STEPS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("step", pa.int64()),
+    ("start_s", pa.float64()),             # host wall times of the step
+    ("end_s", pa.float64()),
+    ("device_ms", pa.float64()),           # forward time on the device (host clock on CPU)
+    ("running", pa.int32()),               # queue sizes after scheduling
+    ("waiting", pa.int32()),
+    ("swapped", pa.int32()),
+    ("prefill_tokens", pa.int32()),        # prompt / history tokens computed (includes recompute)
+    ("decode_tokens", pa.int32()),
+    ("recompute_tokens", pa.int32()),      # of prefill_tokens, positions computed before (wasted)
+    ("preemptions", pa.int32()),           # preemptions decided this step
+    ("free_blocks", pa.int32()),           # device blocks free after scheduling (includes cached)
+    ("used_blocks", pa.int32()),           # device blocks referenced by some sequence
+    ("cached_blocks", pa.int32()),         # free blocks still holding reusable prefix-cache KV
+    ("total_blocks", pa.int32()),          # the device pool's size
+    ("kv_tokens", pa.int64()),             # KV positions stored in the used blocks (a shared block counts once)
+])
+
+# One row per KV-cache event; which columns matter depends on `kind` (see the doc's table).
+KV_EVENTS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("seq", pa.int64()),                   # global order of events within the run
+    ("step", pa.int64()),
+    ("ts_s", pa.float64()),
+    ("kind", pa.string()),                 # admit alloc free preempt swap_out swap_in reprefill
+                                           # prefix_hit evict cow finish
+    ("req_id", pa.string()),               # empty for evict
+    ("sample", pa.int32()),
+    ("blocks", pa.list_(pa.int32())),      # physical device block ids concerned
+    ("num_blocks", pa.int32()),            # len(blocks)
+    ("num_tokens", pa.int32()),            # token positions concerned
+    ("bytes", pa.int64()),                 # bytes copied (swap, cow), else 0
+    ("duration_ms", pa.float64()),         # copy duration (swap_out / swap_in), else null
+    ("reason", pa.string()),
+    ("num_cached_tokens", pa.int32()),     # reprefill: positions served from the prefix cache
+    ("num_recomputed_tokens", pa.int32()), # reprefill: positions computed again
+    ("src_blocks", pa.list_(pa.int32())),  # swap: host block ids; cow: source device block
+])
+
+# One row per emitted token.
+TOKENS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("req_id", pa.string()),
+    ("sample", pa.int32()),
+    ("idx", pa.int32()),                   # 0-based position in the output
+    ("token_id", pa.int32()),              # null with --no-token-ids
+    ("step", pa.int64()),                  # step that produced it
+    ("ts_s", pa.float64()),                # when it became available (end of that step)
+    # the same sequence's previous token (idx - 1): null for idx 0. Schema 2; older traces lack
+    # them and the analyses compute them (analyses/_itl.sql), so ITL is a scan, not a regrouping.
+    ("prev_step", pa.int64()),
+    ("prev_ts_s", pa.float64()),
+])
+
+
+
+def token_predecessors(req_id: list, sample: list, idx: list, step: list, ts_s: list) -> tuple[list, list]:
+    """prev_step and prev_ts_s of a table's tokens, for a writer that has them all at once: each
+    token's predecessor is the previous token of its sequence by idx (None for the first), as
+    analyses/_itl.sql computes it for traces without these columns."""
+    order = sorted(range(len(idx)), key=lambda i: (req_id[i], sample[i], idx[i]))
+    prev_step: list = [None] * len(idx)
+    prev_ts_s: list = [None] * len(idx)
+    for before, i in zip(order, order[1:]):
+        if req_id[before] == req_id[i] and sample[before] == sample[i]:
+            prev_step[i], prev_ts_s[i] = step[before], ts_s[before]
+    return prev_step, prev_ts_s
+
+
+# NVML samples at ~10 Hz (CUDA only).
+GPU_SAMPLES_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("ts_s", pa.float64()),
+    ("mem_used_bytes", pa.int64()),
+    ("util_pct", pa.float64()),
+    ("pcie_tx_bytes_s", pa.float64()),
+    ("pcie_rx_bytes_s", pa.float64()),
+    ("power_w", pa.float64()),
+])
+
+# table name -> schema; the folder of a run holding a table's chunks has the table's name.
+TABLES: dict[str, pa.Schema] = {
+    "requests": REQUESTS_SCHEMA,
+    "steps": STEPS_SCHEMA,
+    "kv_events": KV_EVENTS_SCHEMA,
+    "tokens": TOKENS_SCHEMA,
+    "gpu_samples": GPU_SAMPLES_SCHEMA,
+}
+
+
+# Tables only some runs have: a view over them exists for every run (empty where a run has none).
+CLIENT_TOKENS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("req_id", pa.string()),
+    ("sample", pa.int32()),
+    ("idx", pa.int32()),                   # 0-based position in the output
+    ("token_id", pa.int32()),
+    ("ts_s", pa.float64()),                # when the client received it (same clock and origin as the trace)
+])
+
+OPTIONAL_TABLES = {"client_tokens": CLIENT_TOKENS_SCHEMA}   # kvtrace record --endpoint (docs/vllm.md)

@@ -1,0 +1,493 @@
+"""vLLM V1 scheduler subclasses that record kvtrace's trace tables from inside the engine loop.
+
+Select with vLLM's `scheduler_cls` option (`--scheduler-cls` on `vllm serve`):
+`kvtrace.vllm.capture.scheduler.KvtraceScheduler` (synchronous scheduling, vLLM's default on CPU) or
+`kvtrace.vllm.capture.scheduler.KvtraceAsyncScheduler` (async scheduling, vLLM's default on GPUs).
+`KVTRACE_CAPTURE_DIR` names the capture folder; `KVTRACE_CAPTURE_SELF_CHECK=1` compares, every step,
+the pool state replayed from the captured events with the pool's own.
+
+What is wrapped, and nothing else (vLLM is not patched globally, and nothing changes a decision):
+the scheduler's own `schedule`, `update_from_output`, `_preempt_request`, `_free_request` and
+`reset_prefix_cache`, and on this scheduler's own KV cache manager and block pool the instance's
+`allocate_slots`, `free`, `get_new_blocks`, `free_blocks`, `touch` and `_maybe_evict_cached_block`.
+Events are kept as tuples during a step and turned into columns once per step; request ids are
+vLLM's (with the random suffix its frontend adds), mapped back to the workload's by the importer.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+from pathlib import Path
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from kvtrace.vllm.capture import guard
+from kvtrace.vllm.capture.sink import Sink
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "aborted",
+    RequestStatus.FINISHED_IGNORED: "rejected",
+}
+ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+class _ReqState:
+    """What the capture keeps of one request between steps."""
+
+    __slots__ = ("ever", "recomputed", "prefix_hits", "preemptions", "first_scheduled", "first_token", "emitted",
+                 "reprefill_target", "reprefill_cached", "reprefill_recomputed")
+
+    def __init__(self) -> None:
+        self.ever = 0                 # most KV positions it ever had computed
+        self.recomputed = 0
+        self.prefix_hits = 0
+        self.preemptions = 0
+        self.first_scheduled: float | None = None
+        self.first_token: float | None = None
+        self.emitted = 0
+        self.reprefill_target = 0     # while re-prefilling after a preemption: the positions to get back
+        self.reprefill_cached = 0
+        self.reprefill_recomputed = 0
+
+
+class _Capture:
+    """The recorder's state; one per scheduler."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        folder = os.environ.get("KVTRACE_CAPTURE_DIR")
+        if not folder:
+            raise RuntimeError("kvtrace capture: set KVTRACE_CAPTURE_DIR to the capture folder "
+                               "(kvtrace record --engine vllm does; see docs/vllm.md for vllm serve)")
+        import vllm
+        version = getattr(vllm, "__version__", "unknown")
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            if os.environ.get("KVTRACE_VLLM_ANY_VERSION") != "1":
+                guard.check_version(version)
+            guard.check_instance(scheduler)
+            kvm = scheduler.kv_cache_manager
+            pool = kvm.block_pool
+            guard.check_classes(type(scheduler), type(kvm), type(pool), type(pool.null_block), Request, RequestStatus)
+        except guard.VllmChanged as exc:   # EngineCore's exception stays in its log: say it where kvtrace reads
+            self._write_json("error.json", {"error": str(exc), "vllm_version": version})
+            raise
+        self.sink = Sink(self.folder)
+        self.scheduler = scheduler
+        self.pool = pool
+        self.kvm = kvm
+        self.null_id = pool.null_block.block_id
+        self.block_size = scheduler.block_size
+        self.total_blocks = pool.num_gpu_blocks - 1        # block 0 is vLLM's null block
+        self.states: dict[str, _ReqState] = {}
+        self.events: list[tuple] = []                      # (kind, req, blocks, num_tokens, reason, cached, recomputed)
+        self.seq = 0
+        self.step = -1
+        self.step_preemptions = 0
+        self.pending: dict[int, tuple] = {}                # id(scheduler_output) -> the step's row so far
+        self.finishing: list[tuple[Request, _ReqState]] = []
+        self.current: str = ""                             # the request a block-pool call is for
+        self.alloc_reason = "other"
+        self.free_reason = "other"
+        self.cached_free = 0                               # free blocks that still hold a prefix-cache hash
+        self.self_check = os.environ.get("KVTRACE_CAPTURE_SELF_CHECK") == "1"
+        self.held: dict[str, set[int]] = {}                # self-check: blocks per request, from the events
+        self.check_errors: list[str] = []
+        self.num_check_errors = 0
+        self.num_checked_steps = 0
+        self.closed = False
+        self.hook_s = 0.0                                  # time in the step hooks (after_schedule, after_update)
+        self.is_async = isinstance(scheduler, AsyncScheduler)
+        self.wall_minus_monotonic = time.time() - time.monotonic()
+        self._wrap_pool()
+        self._write_json("capture.json", {
+            "vllm_version": version, "pid": os.getpid(), "scheduler": type(scheduler).__name__,
+            "async_scheduling": isinstance(scheduler, AsyncScheduler), "started_monotonic": time.monotonic(),
+            "block_size": self.block_size, "num_gpu_blocks": pool.num_gpu_blocks, "null_block": self.null_id,
+            "enable_prefix_caching": bool(getattr(pool, "enable_caching", False)),
+            "max_num_seqs": scheduler.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": scheduler.scheduler_config.max_num_batched_tokens,
+            "max_model_len": getattr(scheduler, "max_model_len", None),
+            "watermark_blocks": getattr(kvm, "watermark_blocks", None),
+            "self_check": self.self_check,
+        })
+        atexit.register(self.close)
+
+    def _write_json(self, name: str, data: dict) -> None:
+        tmp = self.folder / f".{name}.tmp"
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, self.folder / name)
+
+    def state(self, rid: str) -> _ReqState:
+        st = self.states.get(rid)
+        if st is None:
+            st = self.states[rid] = _ReqState()
+        return st
+
+    # ---- the block pool and KV cache manager of this scheduler ----------------------------------------
+    def _wrap_pool(self) -> None:
+        pool, kvm, cap = self.pool, self.kvm, self
+        get_new_blocks, free_blocks = pool.get_new_blocks, pool.free_blocks
+        touch, maybe_evict = pool.touch, pool._maybe_evict_cached_block
+        allocate_slots, free = kvm.allocate_slots, kvm.free
+
+        def get_new_blocks_(num_blocks):
+            blocks = get_new_blocks(num_blocks)
+            if blocks:
+                cap.events.append(("alloc", cap.current, [b.block_id for b in blocks], 0, cap.alloc_reason, 0, 0))
+            return blocks
+
+        def free_blocks_(ordered_blocks):
+            blocks = list(ordered_blocks)
+            free_blocks(blocks)
+            freed = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
+            if freed:
+                cap.cached_free += sum(1 for b in freed if b.block_hash is not None)
+                cap.events.append(("free", cap.current, [b.block_id for b in freed], 0, cap.free_reason, 0, 0))
+
+        def touch_(blocks):
+            for b in blocks:
+                if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None:
+                    cap.cached_free -= 1
+            return touch(blocks)
+
+        def maybe_evict_(block):
+            evicted = maybe_evict(block)
+            if evicted:
+                if block.ref_cnt == 0:
+                    cap.cached_free -= 1
+                cap.events.append(("evict", "", [block.block_id], 0, None, 0, 0))
+            return evicted
+
+        def allocate_slots_(request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
+                            *args, **kwargs):
+            status = request.status
+            admitting = status in ADMITTING
+            rid = request.request_id
+            cap.current = rid
+            placeholders = request.num_output_placeholders   # async: sampled, not yet delivered
+            cap.alloc_reason = ("prefill" if admitting
+                                or request.num_computed_tokens < request.num_tokens + placeholders - 1
+                                or not request.num_output_tokens + placeholders else "decode")
+            mark = len(cap.events)
+            try:
+                result = allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                        *args, **kwargs)
+            finally:
+                cap.current = ""
+            if result is not None and admitting:
+                cap.admitted(request, status, num_new_computed_tokens, new_computed_blocks, mark)
+            return result
+
+        def free_(request):
+            cap.current = request.request_id
+            try:
+                return free(request)
+            finally:
+                cap.current = ""
+
+        pool.get_new_blocks = get_new_blocks_
+        pool.free_blocks = free_blocks_
+        pool.touch = touch_
+        pool._maybe_evict_cached_block = maybe_evict_
+        kvm.allocate_slots = allocate_slots_
+        kvm.free = free_
+
+    def admitted(self, request: Request, status, num_hit: int, hit_blocks, mark: int) -> None:
+        """A waiting or preempted request got its blocks: it is scheduled this step."""
+        rid = request.request_id
+        st = self.state(rid)
+        resumed = status == RequestStatus.PREEMPTED
+        reason = "resume-recompute" if resumed else "new"
+        rows = [("admit", rid, None, request.num_tokens - num_hit, reason, 0, 0)]
+        if num_hit:
+            ids = [b for b in hit_blocks.get_block_ids()[0] if b != self.null_id] if hit_blocks is not None else []
+            rows.append(("prefix_hit", rid, ids, num_hit, reason, 0, 0))
+            st.prefix_hits += num_hit
+        self.events[mark:mark] = rows     # before the blocks it was given, as kvtrace's engine orders them
+        if resumed:
+            st.reprefill_target = request.num_tokens
+            st.reprefill_cached = num_hit
+            st.reprefill_recomputed = 0
+
+    # ---- the scheduler's own steps -------------------------------------------------------------------
+    def after_schedule(self, out, start: float) -> None:
+        end = time.monotonic()
+        try:
+            self._after_schedule(out, start, end)
+        finally:
+            self.hook_s += time.monotonic() - end
+
+    def _after_schedule(self, out, start: float, end: float) -> None:
+        sched = self.scheduler
+        prefill = decode = recompute = 0
+        requests = sched.requests
+        is_async = self.is_async
+        for rid, n in out.num_scheduled_tokens.items():
+            req = requests[rid]
+            st = self.states.get(rid) or self.state(rid)
+            stop = req.num_computed_tokens
+            begin = stop - n
+            # async: tokens sampled but not delivered count as known, less the one this step will sample
+            extra = req.num_output_placeholders - (is_async and not req.is_prefill_chunk)
+            if begin >= req.num_tokens + extra - 1 and req.num_output_tokens + extra:  # a prompt's last token is prefill
+                decode += n
+            else:
+                prefill += n
+            again = min(stop, st.ever) - begin
+            if again > 0:
+                recompute += again
+                st.recomputed += again
+            else:
+                again = 0
+            if stop > st.ever:
+                st.ever = stop
+            if st.reprefill_target:
+                st.reprefill_recomputed += again
+                if stop >= st.reprefill_target:
+                    self.events.append(("reprefill", rid, None, st.reprefill_target, None, st.reprefill_cached,
+                                        st.reprefill_recomputed))
+                    st.reprefill_target = 0
+            if st.first_scheduled is None:
+                st.first_scheduled = start
+        free = self.pool.get_num_free_blocks()
+        used = self.total_blocks - free
+        bs = self.block_size
+        gaps = 0
+        for req in sched.running:
+            filled = req.num_computed_tokens % bs
+            if filled:
+                gaps += bs - filled
+        row = (self.step, start, end, len(sched.running), len(sched.waiting), prefill, decode, recompute,
+               self.step_preemptions, free, used, self.cached_free, used * bs - gaps)
+        # what this scheduling did belongs to its step, however late its output is processed (async)
+        self.pending[id(out)] = (row, self.events, self.finishing)
+        self.events, self.finishing = [], []
+
+    def preempting(self, request: Request) -> None:
+        rid = request.request_id
+        st = self.state(rid)
+        blocks = [b for b in self.kvm.get_block_ids(rid)[0] if b != self.null_id]
+        if st.reprefill_target:   # cut short while re-prefilling: what it did redo, before the preemption
+            self.events.append(("reprefill", rid, None, st.reprefill_target, "interrupted", st.reprefill_cached,
+                                st.reprefill_recomputed))
+            st.reprefill_target = 0
+        self.events.append(("preempt", rid, blocks, request.num_computed_tokens, "recompute", 0, 0))
+        st.preemptions += 1
+        self.step_preemptions += 1
+
+    def after_update(self, out, outputs, start: float) -> None:
+        t = time.monotonic()
+        self._after_update(out, outputs, start)
+        self.hook_s += time.monotonic() - t
+
+    def _after_update(self, out, outputs, start: float) -> None:
+        now = time.monotonic()
+        row, events, finishing = self.pending.pop(id(out), (None, [], []))
+        step = row[0] if row is not None else self.step
+        self.events[:0] = events
+        self.finishing[:0] = finishing
+        t = self.sink.columns["tokens"]
+        states = self.states
+        for engine_outputs in outputs.values():
+            for o in engine_outputs.outputs:
+                ids = o.new_token_ids
+                if not ids:
+                    continue
+                st = states.get(o.request_id) or self.state(o.request_id)
+                if st.first_token is None:
+                    st.first_token = now
+                k = len(ids)
+                t["req_id"].extend([o.request_id] * k)
+                t["sample"].extend([0] * k)
+                t["idx"].extend(range(st.emitted, st.emitted + k))
+                t["token_id"].extend(ids)
+                t["step"].extend([step] * k)
+                t["ts_s"].extend([now] * k)
+                st.emitted += k
+        self.finish_pending(now, step)
+        if row is not None:
+            self.write_step(row, now, (start - row[2]) * 1e3)
+        self.flush_events(step, now)
+        if self.self_check:
+            self.check(step)
+        if self.scheduler.has_unfinished_requests():
+            self.sink.maybe_flush(now)
+        else:   # idle until the next request: keep nothing back
+            self.sink.flush()
+
+    def write_step(self, row: tuple, end: float, device_ms: float | None) -> None:
+        s = self.sink.columns["steps"]
+        (step, begin, sched_end, running, waiting, prefill, decode, recompute, preemptions, free, used, cached,
+         kv) = row
+        for name, value in (("step", step), ("start_s", begin), ("end_s", end),
+                            ("device_ms", device_ms), ("running", running),
+                            ("waiting", waiting), ("swapped", 0), ("prefill_tokens", prefill),
+                            ("decode_tokens", decode), ("recompute_tokens", recompute),
+                            ("preemptions", preemptions), ("free_blocks", free), ("used_blocks", used),
+                            ("cached_blocks", cached), ("total_blocks", self.total_blocks), ("kv_tokens", kv)):
+            s[name].append(value)
+
+    def finish_pending(self, now: float, step: int) -> None:
+        """Requests freed since the last step: their finish event and request row."""
+        if not self.finishing:
+            return
+        q = self.sink.columns["requests"]
+        offset = self.wall_minus_monotonic
+        for request, st in self.finishing:
+            rid = request.request_id
+            reason = FINISH_REASONS.get(request.status, str(request.status).lower())
+            self.events.append(("finish", rid, None, request.num_output_tokens, reason, 0, 0))
+            arrival = request.arrival_time - offset if request.arrival_time else None
+            for name, value in (("req_id", rid), ("sample", 0), ("n", 1), ("priority", request.priority),
+                                ("arrival_s", arrival), ("prompt_tokens", request.num_prompt_tokens),
+                                ("max_tokens", request.max_tokens), ("output_tokens", request.num_output_tokens),
+                                ("first_scheduled_s", st.first_scheduled), ("first_token_s", st.first_token),
+                                ("finish_s", now), ("finish_reason", reason), ("preemptions", st.preemptions),
+                                ("swaps", 0), ("recomputed_tokens", st.recomputed),
+                                ("prefix_hit_tokens", st.prefix_hits)):
+                q[name].append(value)
+            self.states.pop(rid, None)
+        self.finishing = []
+
+    def flush_events(self, step: int, now: float) -> None:
+        if not self.events:
+            return
+        k = self.sink.columns["kv_events"]
+        for kind, rid, blocks, num_tokens, reason, cached, recomputed in self.events:
+            k["seq"].append(self.seq)
+            self.seq += 1
+            k["step"].append(step)
+            k["ts_s"].append(now)
+            k["kind"].append(kind)
+            k["req_id"].append(rid)
+            k["sample"].append(0)
+            k["blocks"].append(blocks)
+            k["num_blocks"].append(len(blocks) if blocks else 0)
+            k["num_tokens"].append(num_tokens)
+            k["bytes"].append(0)
+            k["duration_ms"].append(None)
+            k["reason"].append(reason)
+            k["num_cached_tokens"].append(cached)
+            k["num_recomputed_tokens"].append(recomputed)
+            k["src_blocks"].append(None)
+        if self.self_check:
+            self._replay(self.events)
+        self.events = []
+
+    # ---- self-check: the pool state the events describe against the pool's own -------------------------
+    def _replay(self, events: list[tuple]) -> None:
+        held = self.held
+        for kind, rid, blocks, *_ in events:
+            if kind in ("alloc", "prefix_hit") and rid:
+                held.setdefault(rid, set()).update(blocks)
+            elif kind in ("preempt", "finish"):
+                held.pop(rid, None)
+
+    def check(self, step: int) -> None:
+        self.num_checked_steps += 1
+        problems = []
+        in_use: set[int] = set()
+        for rid, blocks in self.held.items():
+            own = {b for b in self.kvm.get_block_ids(rid)[0] if b != self.null_id}
+            if own != blocks:
+                problems.append(f"step {step}: {rid} holds {sorted(own)} but the events say {sorted(blocks)}")
+            in_use |= blocks
+        pool_used = self.total_blocks - self.pool.get_num_free_blocks()
+        if len(in_use) != pool_used:
+            problems.append(f"step {step}: {pool_used} blocks in use but the events account for {len(in_use)}")
+        cached = sum(1 for b in self.pool.blocks if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None)
+        if cached != self.cached_free:
+            problems.append(f"step {step}: {cached} cached free blocks but the capture counted {self.cached_free}")
+        if problems:
+            self.num_check_errors += len(problems)
+            self.check_errors.extend(problems[: max(0, 20 - len(self.check_errors))])
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        # async: the last step's output is never processed (the engine stops once every request has
+        # finished); its row and what its scheduling did are written as they are, without tokens
+        for row, events, finishing in self.pending.values():
+            self.events[:0] = events
+            self.finishing[:0] = finishing
+            self.finish_pending(row[2], row[0])
+            self.write_step(row, row[2], None)
+            self.flush_events(row[0], row[2])
+        self.pending.clear()
+        self.finish_pending(time.monotonic(), self.step)
+        self.flush_events(self.step, time.monotonic())
+        self.sink.close()
+        self._write_json("done.json", {
+            "steps": self.step + 1, "events": self.seq, "hook_s": self.hook_s, "self_check_steps": self.num_checked_steps,
+            "self_check_errors": self.num_check_errors, "self_check_examples": self.check_errors,
+            "writer_error": repr(self.sink.error) if self.sink.error else None,
+        })
+
+
+class _CaptureMixin:
+    """Wraps the scheduler's steps; every decision stays vLLM's own."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._kvtrace = _Capture(self)
+
+    def schedule(self, *args, **kwargs):
+        cap = self._kvtrace
+        start = time.monotonic()
+        cap.step += 1
+        cap.step_preemptions = 0
+        out = super().schedule(*args, **kwargs)
+        cap.after_schedule(out, start)
+        return out
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        start = time.monotonic()
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._kvtrace.after_update(scheduler_output, outputs, start)
+        return outputs
+
+    def _preempt_request(self, request, *args, **kwargs):
+        cap = self._kvtrace
+        cap.preempting(request)
+        cap.free_reason = "preempt"
+        try:
+            return super()._preempt_request(request, *args, **kwargs)
+        finally:
+            cap.free_reason = "other"
+
+    def _free_request(self, request, *args, **kwargs):
+        cap = self._kvtrace
+        cap.finishing.append((request, cap.state(request.request_id)))
+        cap.free_reason = "finish"
+        try:
+            return super()._free_request(request, *args, **kwargs)
+        finally:
+            cap.free_reason = "other"
+
+    def reset_prefix_cache(self, *args, **kwargs):
+        done = super().reset_prefix_cache(*args, **kwargs)
+        if done:
+            self._kvtrace.cached_free = 0
+        return done
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            self._kvtrace.close()
+
+
+class KvtraceScheduler(_CaptureMixin, Scheduler):
+    """vLLM's Scheduler, recorded."""
+
+
+class KvtraceAsyncScheduler(_CaptureMixin, AsyncScheduler):
+    """vLLM's AsyncScheduler (async scheduling), recorded."""
