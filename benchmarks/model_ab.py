@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def model_module(revision: str | None) -> types.ModuleType:
     """engine/model/llama.py at `revision` (None: the working tree) as a fresh module."""
     if revision is None:
-        source = (REPO / "engine" / "model.py").read_text()
+        source = (REPO / "engine" / "model" / "llama.py").read_text()
     else:
         source = subprocess.run(["git", "show", f"{revision}:engine/model/llama.py"], cwd=REPO, check=True,
                                 capture_output=True, text=True).stdout

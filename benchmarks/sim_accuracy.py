@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> None:
         profile = folder / "cpu-here.json"
         fit = kvtrace("calibrate", str(real[CALIBRATION][0]), "-o", str(profile), "--name", "cpu-here")
         if args.save_profile:
-            shutil.copy(profile, ROOT / "engine" / "profiles" / "cpu-here.json")
+            shutil.copy(profile, ROOT / "engine" / "executor" / "profiles" / "cpu-here.json")
         rows = []
         met = True
         for i, (name, (_, options)) in enumerate(RUNS.items()):
