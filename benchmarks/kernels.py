@@ -53,10 +53,12 @@ def timed(fn) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def linear_section(section: Section, weights: list[torch.Tensor], rows_list: list[int], repeats: int) -> None:
+def linear_section(section: Section, weights: list[torch.Tensor], rows_list: list[int], repeats: int) -> str:
+    """Adds the linear layers' table; returns its speed-ups over oneDNN in a line."""
     layers = {kernel: [Linear(w, None, kernel) for w in weights] for kernel in KERNELS}
     weight_bytes = sum(w.numel() * 4 for w in weights)
     table = []
+    speedups = []
     with torch.inference_mode():
         for rows in rows_list:
             inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
@@ -69,12 +71,14 @@ def linear_section(section: Section, weights: list[torch.Tensor], rows_list: lis
             table.append([str(rows)] + [f"{median(ms[k]):.1f} ({weight_bytes / median(ms[k]) / 1e6:.0f} GB/s)"
                                         for k in KERNELS]
                          + [fmt_ratio(ratios(ms["onednn"], ms["kvtrace"])), fmt_ratio(ratios(ms["torch"], ms["kvtrace"]))])
+            speedups.append(f"{rows} {median(ratios(ms['onednn'], ms['kvtrace'])):.2f}×")
             print(f"  linear, {rows} rows done", flush=True)
     section.add(f"Linear layers: all {len(weights)} of SmolLM2-135M ({weight_bytes / 1e6:.0f} MB fp32), one pass = "
                 f"each layer once on `rows` random rows; {repeats} passes per kernel, interleaved, after one warm-up. "
                 f"GB/s = weight bytes / pass time.")
     section.add(markdown_table(["rows", "kvtrace ms", "oneDNN ms", "F.linear ms", "speed-up vs oneDNN",
                                 "speed-up vs F.linear"], table))
+    return "linear vs oneDNN at " + ", ".join(speedups) + " rows"
 
 
 def torch_decode_attention(q, k_cache, v_cache, tables, lens, scale):
@@ -88,12 +92,14 @@ def torch_decode_attention(q, k_cache, v_cache, tables, lens, scale):
     return F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, scale=scale)
 
 
-def attention_section(section: Section, kernels, positions_list: list[int], repeats: int) -> None:
+def attention_section(section: Section, kernels, positions_list: list[int], repeats: int) -> str:
+    """Adds the decode attention's table; returns its speed-ups over the torch path in a line."""
     num_seqs, num_heads, num_kv_heads, head_dim, block_size = 8, 9, 3, 64, 32
     pool_blocks = 4096  # 4096 blocks x 24 KB x 2 = 200 MB: no repeat finds the last one's blocks in cache
     k_cache = torch.randn(pool_blocks, block_size, num_kv_heads, head_dim)
     v_cache = torch.randn(pool_blocks, block_size, num_kv_heads, head_dim)
     table = []
+    speedups = []
     with torch.inference_mode():
         for positions in positions_list:
             per_seq = -(-positions // block_size)
@@ -115,11 +121,13 @@ def attention_section(section: Section, kernels, positions_list: list[int], repe
             table.append([str(positions), f"{kv_bytes / 1e6:.1f}"]
                          + [f"{1000 * median(ms[n]):.0f} ({kv_bytes / median(ms[n]) / 1e6:.0f} GB/s)" for n in ms]
                          + [fmt_ratio(ratios(ms["torch"], ms["kvtrace"]))])
+            speedups.append(f"{positions} {median(ratios(ms['torch'], ms['kvtrace'])):.2f}×")
     section.add(f"Decode attention, one layer: {num_seqs} sequences, {num_heads} query heads on {num_kv_heads} KV heads "
                 f"of {head_dim}, blocks of {block_size}, each repeat on blocks no earlier repeat touched; {repeats} "
                 f"repeats each, interleaved, after one warm-up. GB/s = K and V bytes read / time.")
     section.add(markdown_table(["positions / seq", "KV MB read", "kvtrace µs", "torch µs (gather + mask + SDPA)",
                                 "speed-up"], table))
+    return "paged decode attention vs torch at " + ", ".join(speedups) + " positions"
 
 
 def run(args: argparse.Namespace) -> None:
@@ -128,7 +136,7 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"kvtrace's CPU kernels are not available here: {cpu_kernels.unavailable_reason()}")
     section = Section("kernels")
     weights = smollm2_linear_weights(ensure_weights(args.weights))
-    linear_section(section, weights, [int(r) for r in args.rows.split(",")], args.repeats)
+    linear = linear_section(section, weights, [int(r) for r in args.rows.split(",")], args.repeats)
     del weights
-    attention_section(section, kernels, [int(p) for p in args.positions.split(",")], args.repeats)
-    section.write()
+    attention = attention_section(section, kernels, [int(p) for p in args.positions.split(",")], args.repeats)
+    section.write(f"kvtrace's kernels: {linear}; {attention}")

@@ -27,11 +27,13 @@ def load_average() -> str:
 
 
 def git_revision() -> str:
-    """Short commit, with '+changes' when the engine differs from it."""
+    """Short commit, with '+changes' when a tracked file differs from it (but the results that the
+    suites themselves write: RESULTS.md and log/)."""
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "engine/"], cwd=REPO).returncode
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", ":(exclude)benchmarks/RESULTS.md",
+                                ":(exclude)benchmarks/log"], cwd=REPO).returncode
         return rev + ("+changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -41,6 +43,7 @@ def describe_machine() -> str:
     return f"{cpu_name()}, {os.cpu_count()} cores, {memory_gib():.1f} GiB memory, {platform.system()}"
 
 
-def describe_software() -> str:
+def describe_software(revision: str | None = None) -> str:
+    """Versions, and the commit (`revision`, else git_revision() now)."""
     return (f"Python {platform.python_version()}, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), kvtrace {kvtrace.__version__} (git {git_revision()})")
+            f"({torch.get_num_threads()} threads), kvtrace {kvtrace.__version__} (git {revision or git_revision()})")

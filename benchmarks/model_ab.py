@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> None:
     variants = {f"base ({args.base})": model_module(args.base), "working tree": model_module(None)}
     section = Section("model-ab")
     rows = []
+    speedups = []
     loaded = None
     for batch in [int(b) for b in args.batches.split(",")]:
         max_len = args.context + 4 * args.repeats + 16
@@ -84,10 +85,12 @@ def run(args: argparse.Namespace) -> None:
         same = all(base.outputs[(str(i), 0)].token_ids == new.outputs[(str(i), 0)].token_ids for i in range(batch))
         rows.append([str(batch), f"{median(times[base_name]):.1f}", f"{median(times[new_name]):.1f}",
                      fmt_ratio(ratios(times[base_name], times[new_name])), "yes" if same else "no"])
+        speedups.append(f"batch {batch} {median(ratios(times[base_name], times[new_name])):.2f}×"
+                        + ("" if same else " (tokens differ)"))
         print(f"  batch {batch}: {rows[-1]}", flush=True)
         del engines, base, new
     section.add(f"Decode steps after {args.context}-token prompts, SmolLM2-135M fp32, block size {BLOCK_SIZE}, "
                 f"{torch.get_num_threads()} threads; {args.repeats} interleaved rounds of 4 steps per model.")
     section.add(markdown_table(["batch", f"base ({args.base}) ms/step", "working tree ms/step",
                                 "speed-up (base / working tree)", "same greedy tokens"], rows))
-    section.write()
+    section.write(f"decode step, {args.base} / working tree: {', '.join(speedups)}")

@@ -239,8 +239,10 @@ def run(args: argparse.Namespace) -> None:
                                 "step / bound", "tok/s"], rows))
     for text in profiles:
         section.add(text)
+    headline = "decode step / its memory bound: " + ", ".join(f"batch {b} {r:.2f}×" for b, r in ratio_at.items())
     if 8 in ratio_at:
         met = ratio_at[8] <= GOAL
         section.add(f"Goal: decode step within {GOAL}× of the bound at batch 8: **{'met' if met else 'missed'}** "
                     f"({ratio_at[8]:.2f}×).")
-    section.write()
+        headline += f"; goal ≤ {GOAL}× at batch 8: {'met' if met else 'missed'}"
+    section.write(headline)

@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> None:
         subprocess.run([sys.executable, str(ROOT / "scripts" / "paged_kv_workload.py"), "-o",
                         str(workloads["paged-kv 4,000 backlog, paged 16"])], check=True)
         rows = []
+        medians: dict[str, float] = {}
         for name, options in SCENARIOS.items():
             if args.skip_paged_kv and name.startswith("paged-kv"):
                 continue
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> None:
                 "SELECT count(*), sum(running), max(end_s) FROM steps").fetchall()[0]
             rows_written = sum(meta["summary"]["rows"].values())
             wall = median(walls)
+            medians[name] = wall
             rows.append([name, f"{meta['workload']['num_requests']:,}", f"{simulated_s:,.0f}", f"{steps:,}",
                          f"{rows_written:,}", " ".join(f"{w:.1f}" for w in walls), f"{wall:.1f}",
                          f"{median(cpus):.1f}", f"{steps / wall:,.0f} / {steps / median(cpus):,.0f}",
@@ -101,4 +103,7 @@ def run(args: argparse.Namespace) -> None:
                 + (f"\n\nShareGPT-like vs Vidur 0.0.26 ({VIDUR_WALL_S} s of wall time here, no KV trace): "
                    f"**{vs_vidur[0]:.2f}x** its time in wall time, **{vs_vidur[1]:.2f}x** in CPU time."
                    if "vs_vidur" in locals() else ""))
-    section.write()
+    headline = "median wall s of `record --engine sim`: " + "; ".join(f"{n} {w:.1f} s" for n, w in medians.items())
+    if "vs_vidur" in locals():
+        headline += f" (ShareGPT-like: {vs_vidur[0]:.2f}× Vidur's {VIDUR_WALL_S} s)"
+    section.write(headline)

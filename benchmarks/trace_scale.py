@@ -447,7 +447,8 @@ def exact_check(run: Path) -> list[str]:
     return lines
 
 
-def main() -> None:
+def main() -> list[tuple[int, str, Measured]]:
+    """Measures; returns (kv_events, command label, result) of every command run on the current code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=float, action="append",
                         help="KV events to generate (about); repeat for several sizes (default 10e6)")
@@ -483,6 +484,7 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="kvtrace-scale-"))
     header = ["events", "command"] + [f"{name} {what}" for name, _ in checkouts for what in ("wall", "peak RSS")]
     rows = []
+    measured = []
     for run in runs:
         counts = _counts(run)
         size_mb = sum(f.stat().st_size for f in run.rglob("*.parquet")) / 1e6
@@ -497,6 +499,8 @@ def main() -> None:
                 result = measure([sys.executable, "-m", "kvtrace", *argv], code, rss_cap, args.timeout,
                                  env={"COLUMNS": "80"})
                 row += result.cells(rss_cap, args.timeout)
+                if name == "after":
+                    measured.append((counts["kv_events"], label, result))
                 if label == "report" and not result.stopped and not result.error:
                     row[-2] += f", {(out / 'report.html').stat().st_size / 1e6:.1f} MB"
                 print(f"  {name:6s} {label:36s} " + " | ".join(result.cells(rss_cap, args.timeout)), flush=True)
@@ -509,6 +513,7 @@ def main() -> None:
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    return measured
 
 
 if __name__ == "__main__":

@@ -76,4 +76,4 @@ def run(args: argparse.Namespace) -> None:
                                rows)
                 + f"\n\nTraced / untraced duration: **{fmt_ratio(slowdown)}** (median of pairwise ratios, range). "
                   f"Goal ≤ {GOAL:.2f} (≤ 2 % slower): **{'met' if met else 'missed'}**.")
-    section.write()
+    section.write(f"traced / untraced replay: {fmt_ratio(slowdown)}; goal ≤ {GOAL:.2f}: {'met' if met else 'missed'}")

@@ -61,4 +61,5 @@ def run(args: argparse.Namespace) -> None:
                   f"ratios, range)\n- greedy tokens: {agreement(kv[0], peer[0])}\n"
                   f"- transformers' TTFT/ITL are per batch: a request waits for the batches before it.\n\n"
                   f"Goal kvtrace ≥ {GOAL:.0f}× transformers: **{'met' if met else 'missed'}**.")
-    section.write()
+    section.write(f"kvtrace / transformers output tok/s: {fmt_ratio(throughput)}; goal ≥ {GOAL:.0f}×: "
+                  f"{'met' if met else 'missed'}")
