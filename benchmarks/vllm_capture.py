@@ -121,8 +121,8 @@ def run(args: argparse.Namespace) -> None:
                 f"replay, warm-up included).")
     workload = f"{args.requests} requests, {args.max_num_seqs} running"
     if args.a_a:
-        section.write(f"A/A control, neither engine captures: the second engine took {100 * (captured / plain - 1):+.1f} % "
-                      f"of the first's replay time ({workload})")
+        section.write(f"A/A control, neither engine captures: the second engine took "
+                      f"{100 * (captured / plain - 1):+.1f} % of the first's replay time ({workload})")
     else:
         section.write(f"recording costs {100 * (captured / plain - 1):+.1f} % of vLLM's replay time ({workload}); "
                       f"goal ≤ 2 %: {'met' if captured / plain <= 1.02 else 'missed'}")
