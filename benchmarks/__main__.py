@@ -1,4 +1,4 @@
-"""`python -m benchmarks <suite> [options]`: run one suite, print its table, append it to RESULTS.md."""
+"""`python -m benchmarks <suite> [options]`: run one suite, print its report, log it, update RESULTS.md."""
 from __future__ import annotations
 
 import argparse
