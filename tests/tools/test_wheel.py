@@ -176,9 +176,8 @@ print(json.dumps({{"missing": missing, "files": files, "scheduler": scheduler, "
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not os.environ.get("KVTRACE_VLLM_PYTHON"),
-                    reason=os.environ.get("KVTRACE_VLLM_UNAVAILABLE") or "no vLLM environment: run "
-                                                                        "scripts/vllm_env.sh and set KVTRACE_VLLM_PYTHON")
+@pytest.mark.skipif(not os.environ.get("KVTRACE_VLLM_PYTHON"), reason=os.environ.get("KVTRACE_VLLM_UNAVAILABLE")
+                    or "no vLLM environment: run scripts/vllm_env.sh and set KVTRACE_VLLM_PYTHON")
 def test_vllms_python_imports_the_capture_scheduler_from_the_wheel(installed):
     """vLLM's own environment (no kvtrace installed) imports the scheduler class vllm-env names,
     from the installed wheel, and the capture's guard accepts that vLLM."""
