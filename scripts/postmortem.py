@@ -81,8 +81,8 @@ STEP_MS, DECODE_MS, PREFILL_MS = 18.0, 1.6, 0.8     # the modelled clock: smollm
 def modelled_clock() -> Iterator[None]:
     """While inside: the engine's and the replay's clock advance by each step's modelled time (and
     by the replay's idle sleeps), not by the host's."""
-    import engine.llm_engine
     import engine.executor.model_runner
+    import engine.llm_engine
     import kvtrace.record.replay
 
     now = [0.0]
