@@ -37,10 +37,10 @@ import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 import kvtrace.cli  # noqa: E402,F401  (registers every command)
+from kvtrace.cli.app import app  # noqa: E402  (the story's recordings run in this process: --modelled-clock)
+from kvtrace.trace import db  # noqa: E402
 from kvtrace.views import dashboard, headline  # noqa: E402
-from kvtrace.trace import db
-from kvtrace.cli.app import app  # noqa: E402
-from kvtrace.cli.view import dashboard_view  # noqa: E402
+from kvtrace.views.table import rich_table  # noqa: E402
 
 WORKLOAD = "traces/examples/assistant.jsonl"
 THRASH_SETTINGS = ["--num-gpu-blocks", "80"]      # the README's main command
@@ -81,8 +81,8 @@ STEP_MS, DECODE_MS, PREFILL_MS = 18.0, 1.6, 0.8     # the modelled clock: smollm
 def modelled_clock() -> Iterator[None]:
     """While inside: the engine's and the replay's clock advance by each step's modelled time (and
     by the replay's idle sleeps), not by the host's."""
-    import engine.llm_engine
     import engine.executor.model_runner
+    import engine.llm_engine
     import kvtrace.record.replay
 
     now = [0.0]
@@ -178,7 +178,7 @@ def tell(model: str, load_format: str, out: Path, runs: Path, *, modelled: bool 
         provenance=PROVENANCE_MODELLED.format(model=model) if modelled else PROVENANCE_REAL.format(model=model),
         command=_command(thrash_run, model, load_format, THRASH_SETTINGS),
         fix_command=_command(fix_run, model, load_format, FIX_SETTINGS),
-        dashboard=text_of(dashboard_view([thrash_run], params, WIDTH, None, None)),
+        dashboard=text_of(dashboard.view([thrash_run], params, WIDTH)),
         compare=text_of(headline.render([change])),
         answers="\n".join(ANSWER.format(question=q, query=query, result=result) for q, query, result in answers),
         charts="\n".join(f"![{c.title}](postmortem/{c.name}.png)\n\n{c.description}\n" for c in charts),
@@ -189,8 +189,7 @@ def tell(model: str, load_format: str, out: Path, runs: Path, *, modelled: bool 
 
 
 def _table(result):
-    from kvtrace.cli.sql import _rich_table
-    return _rich_table(result, 0)
+    return rich_table(result, 0)
 
 
 def _command(run: Path, model: str, load_format: str, settings: list[str]) -> str:

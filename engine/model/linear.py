@@ -69,7 +69,7 @@ class Linear:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_BATCH_HINT)
         else:
             self.weight = weight
-        # for callers that hand raw pointers to kvtrace's kernels (engine/kernels/cpu_forward.py)
+        # for callers that hand raw pointers to kvtrace's kernels (engine/model/cpu_forward.py)
         self.weight_ptr = self.weight.data_ptr() if kernel == "kvtrace" else None
         self.bias_ptr = None if bias is None or kernel != "kvtrace" else bias.data_ptr()
 

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.kernels import cpu_kernels, host_memory, triton_attention
-from engine.kernels.cpu_forward import forward_on_cpu_kernels
 from engine.kernels.cpu_kernels import packed_numel
 from engine.model.attention import prefill_attention
+from engine.model.cpu_forward import forward_on_cpu_kernels
 from engine.model.linear import Linear, pick_kernel
 
 
@@ -78,7 +78,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 class LlamaModel:
     """Norms and embeddings as plain tensors, projections as `Linear` (q/k/v and gate/up fused);
     forward over a flat batch of tokens. On a CPU with kvtrace's kernels the forward runs on them
-    (engine/kernels/cpu_forward.py); elsewhere on torch ops, below."""
+    (engine/model/cpu_forward.py); elsewhere on torch ops, below."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype) -> None:

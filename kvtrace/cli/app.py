@@ -1,6 +1,7 @@
 """The Typer application objects; command modules register themselves on these."""
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -57,3 +58,26 @@ def user_errors(func: F) -> F:
             fail(str(exc))
 
     return wrapper  # type: ignore[return-value]
+
+
+def paragraphs(text: str) -> str:
+    """A docstring with each paragraph (lines up to a blank line) on one line. Typer's Rich help
+    keeps a docstring's line breaks, which then fall mid-sentence at any width but the source's;
+    on one line, Rich wraps the paragraph to the terminal. A paragraph that starts with \\b (Click's
+    "keep as written") is kept."""
+    return "\n\n".join(p if p.startswith("\b") else " ".join(p.split())
+                       for p in inspect.cleandoc(text).split("\n\n"))
+
+
+def reflow_help(typer_app: typer.Typer) -> None:
+    """Every command's and group's help under `typer_app` as `paragraphs` (the options' help Typer
+    already reflows). Run once every command module has registered its commands."""
+    if typer_app.info.help:
+        typer_app.info.help = paragraphs(typer_app.info.help)
+    for command in typer_app.registered_commands:
+        text = command.help or inspect.getdoc(command.callback)
+        command.help = paragraphs(text) if text else text
+    for group in typer_app.registered_groups:
+        if group.help:
+            group.help = paragraphs(group.help)
+        reflow_help(group.typer_instance)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import shutil
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from kvtrace.cli.app import RUNS_HELP, app, parse_params, user_errors
 from kvtrace.errors import KvtraceError
 from kvtrace.trace import db
 from kvtrace.views import headline
+from kvtrace.views.table import format_cell, is_numeric, rich_table
 
 INTERACTIVE_HELP = """\
 Views: requests, steps, kv_events, tokens, gpu_samples (every row has run_id) and runs (meta.json).
@@ -41,39 +41,6 @@ class CompareFormat(str, Enum):
     json = "json"
 
 
-# --------------------------------------------------------------------------- formatting
-
-def _format_cell(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, float):
-        if math.isnan(value) or math.isinf(value):
-            return str(value)
-        if value == int(value) and abs(value) < 1e15:
-            return str(int(value))
-        if abs(value) >= 1000:
-            return f"{value:.2f}".rstrip("0").rstrip(".")
-        if abs(value) >= 1:
-            return f"{value:.3f}".rstrip("0").rstrip(".")
-        return f"{value:.4g}"
-    return str(value)
-
-
-def _is_numeric(type_: pa.DataType) -> bool:
-    return pa.types.is_integer(type_) or pa.types.is_floating(type_) or pa.types.is_decimal(type_)
-
-
-def _rich_table(result: pa.Table, max_rows: int) -> Table:
-    table = Table(show_edge=False, header_style="bold")
-    for field in result.schema:
-        table.add_column(Text(field.name), justify="right" if _is_numeric(field.type) else "left")
-    shown = result.slice(0, max_rows) if max_rows > 0 else result
-    # column by column: a result may repeat a column name (SELECT a.x, b.x)
-    for row in zip(*(column.to_pylist() for column in shown.columns)):
-        table.add_row(*(Text(_format_cell(v)) for v in row))
-    return table
-
-
 def _console(output: Path | None) -> Console:
     if output is not None:
         return Console(file=output.open("w"), width=100_000, color_system=None)
@@ -89,7 +56,7 @@ def write_result(result: pa.Table, fmt: OutputFormat, output: Path | None, max_r
         return
     if fmt is OutputFormat.table:
         console = _console(output)
-        console.print(_rich_table(result, max_rows))
+        console.print(rich_table(result, max_rows))
         if 0 < max_rows < result.num_rows:
             console.print(f"({max_rows} of {result.num_rows} rows shown; --max-rows 0 shows all, "
                           f"--format csv -o FILE writes all)")
@@ -304,7 +271,7 @@ def compare_rows(summary: pa.Table) -> list[dict]:
             continue
         values = summary.column(field.name).to_pylist()
         row = {"metric": field.name, "values": dict(zip(runs, values, strict=True))}
-        if _is_numeric(field.type):
+        if is_numeric(field.type):
             base = values[0]
             row["delta"] = {run: None if v is None or base is None else v - base
                             for run, v in zip(runs[1:], values[1:], strict=True)}
@@ -326,7 +293,7 @@ def workload_warning(con: duckdb.DuckDBPyConnection) -> str | None:
 def _signed(value: object, suffix: str = "") -> str:
     if value is None:
         return ""
-    text = _format_cell(value)
+    text = format_cell(value)
     return (text if text.startswith("-") else "+" + text) + suffix
 
 
@@ -376,9 +343,9 @@ def compare(
         table.add_column("Δ", justify="right")
         table.add_column("Δ%", justify="right")
     for row in rows:
-        cells = [row["metric"], _format_cell(row["values"][run_ids[0]])]
+        cells = [row["metric"], format_cell(row["values"][run_ids[0]])]
         for run in run_ids[1:]:
-            cells.append(_format_cell(row["values"][run]))
+            cells.append(format_cell(row["values"][run]))
             if "delta" in row:
                 cells += [_signed(row["delta"][run]), _signed(row["delta_pct"][run], "%")]
             else:

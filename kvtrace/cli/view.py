@@ -21,19 +21,12 @@ from kvtrace.sweep import view as sweep_view
 from kvtrace.trace import db
 from kvtrace.views import dashboard
 from kvtrace.views import report as report_charts
+from kvtrace.views.dashboard import view as dashboard_view  # the dashboard of runs at a width (tests render it)
 
 PARAM_HELP = "A parameter of the analyses shown (SLOs, thrash thresholds, ITL cliff threshold), NAME=VALUE."
 
 
 # --------------------------------------------------------------------------- kvtrace analyze
-
-def dashboard_view(runs: list[str], params: dict[str, str], width: int, top: int | None,
-                   buckets: int | None) -> RenderableType:
-    """The dashboard of `runs` laid out for `width` columns."""
-    data = dashboard.collect(db.connect(runs), params=params, buckets=buckets or dashboard.strip_width(width),
-                             top=top or dashboard.default_top(width))
-    return dashboard.render(data, width)
-
 
 def follow(console: Console, runs: list[str], view: Callable[[int], RenderableType],
            interval: float, sleep: Callable[[float], None] = time.sleep) -> None:

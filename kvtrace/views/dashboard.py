@@ -515,3 +515,11 @@ def render(data: dict, width: int) -> RenderableType:
     if len(figs) == 1:
         return render_run(figs[0], width, data["params"])
     return render_compare(figs, width)
+
+
+def view(runs: list[str], params: dict[str, str], width: int, top: int | None = None,
+         buckets: int | None = None) -> RenderableType:
+    """The dashboard of `runs` laid out for `width` columns (`kvtrace analyze`)."""
+    data = collect(db.connect(runs), params=params, buckets=buckets or strip_width(width),
+                   top=top or default_top(width))
+    return render(data, width)

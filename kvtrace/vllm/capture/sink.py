@@ -1,16 +1,19 @@
-"""Columnar buffers of the capture and the chunk files a background thread writes.
+"""Columnar buffers of the capture and the chunk files they are written to.
 
 The columns are those of kvtrace's trace tables (kvtrace/trace/schema.py; a test keeps the two equal)
 less `run_id`, which the importer adds. Times are raw `time.monotonic()` seconds (the importer
 rebases them on the run's origin): CLOCK_MONOTONIC is one clock for every process of the host, so
 the driver's arrival clock and the EngineCore's step clock line up. A chunk is a pickle of
 `{table: {column: list}}`, written to a hidden name and renamed into place, so a crash leaves only
-whole chunks; one is written every `flush_seconds` at a step, when a buffer reaches `max_rows`, and
-after a step that leaves the engine with nothing to do (a server between bursts keeps nothing back).
+whole chunks.
 
-The engine's own thread writes them: a background writer thread measured +3 % on the replay's wall
-time (benchmarks/RESULTS.md, vllm-capture), more than the writes themselves cost (a pickle of a
-couple of seconds' rows).
+There is no writer thread: the engine's own thread writes each chunk, synchronously, at the end of
+a step's `update_from_output` (scheduler.py): every `flush_seconds`, when a buffer reaches
+`max_rows`, after a step that leaves the engine with nothing to do (a server between bursts keeps
+nothing back), and at shutdown (`close`). A background writer thread was tried and measured +3 % on
+the replay's wall time (docs/vllm.md; the vllm-capture benchmark), more than the writes themselves cost
+(a pickle of a couple of seconds' rows). A failed write (a full disk) does not stop vLLM: the error
+is kept in `error` and reported in the capture's done.json.
 """
 from __future__ import annotations
 
