@@ -444,6 +444,7 @@ def test_analyses_on_one_run_match_the_multi_run_rows(root, con):
 
 # --------------------------------------------------------------------------- a recorded trace
 
+@pytest.mark.long  # records runs through the engine and the CLI
 def test_every_analysis_on_a_recorded_run(tmp_path):
     """The recorder's four-block story (tests/cli/test_record.py): B is preempted at step 2, by
     recompute in one run and by swap in the other; the analyses agree with the raw tables."""

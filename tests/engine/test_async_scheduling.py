@@ -33,6 +33,7 @@ def outputs(seqs) -> list[list[int]]:
     return [s.token_ids[s.num_prompt_tokens:] for s in seqs]
 
 
+@pytest.mark.long  # a 24-run seed sweep (about a minute)
 def test_greedy_output_and_block_accounting_survive_async_preemption(make_engine):
     """Across seeds with preemptions, async gives the tokens sync gives, the pool balances after every
     step, and some sequence is preempted with its token in flight (delivered while it waits)."""

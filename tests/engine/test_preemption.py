@@ -108,6 +108,7 @@ def run_workload(make_engine, workload, independent=None, **settings):
     return engine, [s.token_ids for s in seqs]
 
 
+@pytest.mark.long  # a property test of whole random workloads (minutes)
 @settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), num_requests=st.integers(2, 8), slack=st.integers(0, 6),
        num_cpu_blocks=st.integers(0, 10), budget=st.sampled_from([8, 16, 64]),
@@ -195,6 +196,7 @@ def test_request_outgrowing_the_pool_finishes_with_capacity(make_engine):
         assert seq.num_output_tokens == 12 - 5 + 1  # filled all 12 slots, then one more token sampled
 
 
+@pytest.mark.long  # a property test of whole random workloads
 @settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), mode=st.sampled_from(["recompute", "swap"]),
        policy=st.sampled_from(["newest", "priority", "fewest-computed", "newest-sparing"]))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -92,6 +93,7 @@ def test_recompute_reuses_still_cached_blocks(make_engine):
     assert sum(r.num_recompute_tokens for r in tracer.records) == 4
 
 
+@pytest.mark.long  # a property test of whole random workloads
 @settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), slack=st.integers(0, 8), num_cpu_blocks=st.integers(0, 12))
 def test_invariants_with_caching_and_samples(make_engine, seed, slack, num_cpu_blocks):
