@@ -10,6 +10,8 @@ from engine.sequence import SamplingParams
 
 
 class ListTracer:
+    """A Tracer that keeps every step record (and so every KV event) in memory."""
+
     def __init__(self) -> None:
         self.records = []
 
@@ -21,9 +23,8 @@ class ListTracer:
         return [e for r in self.records for e in r.events]
 
 
+# the four-block story's two prompts (tests/engine/test_preemption.py): 7 tokens each, 2 blocks of 4
 PROMPT_A = [11, 12, 13, 14, 15, 16, 17]
-
-
 PROMPT_B = [21, 22, 23, 24, 25, 26, 27]
 
 
