@@ -19,6 +19,8 @@ from kvtrace.cli.app import app
 from kvtrace.trace import db
 from tests.helpers.report import specs_of
 
+pytestmark = pytest.mark.long  # records runs through the engine and the CLI
+
 runner = CliRunner()
 MODES = ("recompute", "swap")
 

@@ -53,6 +53,7 @@ def test_the_page_opens_offline(page):
     assert html.count("window.vegaEmbed") == 1, "the bundle is inlined once, not per chart"
 
 
+@pytest.mark.long  # renders charts to files
 def test_timelines_are_downsampled():
     """A chart's data grows with the buckets asked for, not with the run's steps."""
     con = db.connect([RECOMPUTE, SWAP])
@@ -128,6 +129,7 @@ def test_the_charts_draw_in_headless_chromium(page):
 
 # --------------------------------------------------------------------------- single charts and errors
 
+@pytest.mark.long  # renders charts to files
 def test_svg_writes_one_file_per_chart(tmp_path):
     result = runner.invoke(app, ["report", str(SWAP), "--format", "svg", "-o", str(tmp_path / "charts")])
     assert result.exit_code == 0, result.output
@@ -138,6 +140,7 @@ def test_svg_writes_one_file_per_chart(tmp_path):
         assert text.lstrip().startswith("<svg") and "<path" in text, name
 
 
+@pytest.mark.long  # renders charts to files
 def test_png(tmp_path):
     result = runner.invoke(app, ["report", str(RECOMPUTE), "--format", "png", "-o", str(tmp_path)])
     assert result.exit_code == 0, result.output

@@ -14,6 +14,8 @@ from kvtrace.errors import KvtraceError
 from kvtrace.trace import db
 from kvtrace.views import dashboard
 
+pytestmark = pytest.mark.long  # a trace of a million events
+
 LEVELS = [0.0, 0.001, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999, 1.0]
 STATED_ERROR = 0.001     # the analyses' headers: each percentile within 0.1% of the exact one
 

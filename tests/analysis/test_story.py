@@ -13,6 +13,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.long  # replays the README's story on the tiny model (minutes)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -67,6 +67,7 @@ def analyses_of(run_dirs: list[Path]) -> dict[str, list[dict]]:
     return {info.name: db.records(db.run_analysis(con, info.name)) for info in db.list_analyses()}
 
 
+@pytest.mark.long  # records a run through the CLI
 def test_a_trace_without_them_is_analysed_the_same(tmp_path):
     """Schema 1 runs (no prev_* columns): _itl computes them with the window; every analysis
     gives what it gives on the same run with them, alone and beside a schema 2 run."""
@@ -82,6 +83,7 @@ def test_a_trace_without_them_is_analysed_the_same(tmp_path):
     assert any(row["metric"] == "itl" for row in mixed["latency"])
 
 
+@pytest.mark.long  # records a run through the CLI
 def test_a_writer_that_leaves_them_null_is_read_as_schema_1(tmp_path):
     """A trace with the columns but no values in them (a writer that adopted the schema but not
     the predecessors) must not lose its ITL: the analyses compute the predecessors."""

@@ -90,6 +90,7 @@ def test_bad_input_runs_nothing(tmp_path, args, message):
     assert not (out / "runs").exists()
 
 
+@pytest.mark.long  # runs a sweep of recordings (tens of seconds)
 def test_a_sweep_whose_points_all_fail_stops_early(tmp_path):
     out = tmp_path / "failing"
     result = CliRunner().invoke(app, ["sweep", "-w", str(WORKLOAD), "--model", "tiny", "--num-gpu-blocks", "2",
@@ -178,6 +179,7 @@ def twelve_points(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.long  # runs a sweep of recordings (tens of seconds)
 def test_twelve_points_in_parallel_match_each_runs_own_analyses(twelve_points):
     """On the simulated engine, in parallel: the table is each run's own summary."""
     shown = _show(twelve_points)
@@ -228,6 +230,7 @@ def test_rerunning_a_completed_sweep_runs_nothing(twelve_points):
     assert before == {p.name: (p / "meta.json").stat().st_mtime_ns for p in (twelve_points / "runs").iterdir()}
 
 
+@pytest.mark.long  # runs a sweep of recordings (tens of seconds)
 def test_interrupted_sweep_resumes_with_only_the_missing_points(tmp_path):
     out = tmp_path / "resume"
     args = ["--set", "max_num_seqs=1:6:+1", "--jobs", "1"]
@@ -256,6 +259,7 @@ def test_interrupted_sweep_resumes_with_only_the_missing_points(tmp_path):
     assert len(_show(out)["points"]) == 6
 
 
+@pytest.mark.long  # runs a sweep of recordings (tens of seconds)
 @pytest.mark.skipif(os.environ.get("KVTRACE_SKIP_RAY") == "1", reason="KVTRACE_SKIP_RAY=1")
 def test_ray_gives_the_same_table(tmp_path, twelve_points):
     pytest.importorskip("ray")
@@ -284,6 +288,7 @@ KNEE_RECORD = ["--engine", "sim", "--model", "llama-3-8b", "--hardware", "h100-s
                "--max-num-batched-tokens", "8192"]
 
 
+@pytest.mark.long  # runs a sweep of recordings (tens of seconds)
 def test_a_workload_built_to_have_a_knee_gets_it_named(tmp_path):
     """Admitting more sequences than the pool can carry to the end of their answers: past the knee
     the engine preempts and re-prefills, and the streams stall."""
@@ -303,6 +308,7 @@ def test_a_workload_built_to_have_a_knee_gets_it_named(tmp_path):
     assert f"above it preemptions rise from 0 to {by_seqs[64]['preemptions']:,} and ITL p99 rises" in sentence
 
 
+@pytest.mark.long  # runs a sweep of recordings (tens of seconds)
 def test_a_workload_without_a_knee_is_said_to_have_none(tmp_path):
     """Light traffic that the pool carries at every cap: the cap does not matter."""
     workload = _synth(tmp_path / "light.jsonl", "--num-requests", "40", "--rate", "1", "--prompt-median", "150",

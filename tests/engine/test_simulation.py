@@ -100,6 +100,7 @@ def test_simulated_decisions_are_the_real_engines(tiny_loaded, name, seed):
     assert all(t is not None for r in real.records for t in r.token_ids)
 
 
+@pytest.mark.long  # the real SmolLM2 weights through both engines (a minute)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["recompute", "swap"])
 def test_simulated_decisions_are_the_real_engines_on_smollm2(name):
