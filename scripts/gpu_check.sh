@@ -101,7 +101,7 @@ step install install
 if [ ${#failed[@]} -ne 0 ]; then exit 1; fi
 export PYTHONPATH="$PWD/.whl/site:$PWD"
 
-step pytest "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_triton_attention.py \
+step pytest "$PY" -m pytest -q -p no:cacheprovider -rs tests/engine/test_cuda.py tests/engine/test_triton_attention.py \
     -k "not under_the_interpreter"
 step swap "$PY" scripts/swap_bandwidth.py --device cuda --out "$OUT/swap.json"
 

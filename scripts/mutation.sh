@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The mutation check (scripts/mutation.py): plant small bugs one at a time in the scheduler, the
-# block manager, the engine loop, the replay, the workload reader and analyses/_*.sql, run a fast
-# relevant subset of the tests against each (of a Python target's, those that run the mutated
+# block manager, the engine loop, the replay, the workload reader and analyses/_*.sql, run the tests
+# of the target's component folders against each (tests/engine, tests/workload, tests/cli,
+# tests/analysis, less those marked `long`; of a Python target's, those that run the mutated
 # statement), and report the survivors. CPU-heavy: it runs at the lowest priority, one mutant at a
-# time, within --budget-min (default 60). Needs cosmic-ray and coverage (pip install -e ".[mutation]"). Results: benchmarks/mutation/results.{md,json}.
+# time, within --budget-min (default 60). Needs cosmic-ray and coverage (pip install -e ".[mutation]").
+# Results: benchmarks/mutation/results.md and summary.json (committed), results.json (the detail, not).
 #
 #   bash scripts/mutation.sh                                   # everything, 60 min budget
 #   bash scripts/mutation.sh --only engine/scheduler.py analyses/_goodput.sql --budget-min 20

@@ -14,7 +14,7 @@ goodput, a lower ITL p99). A failed check exits 1 and names the figure.
 
 --modelled-clock replaces the host clock of the engine and the replay with a model of
 smollm2-135m's steps on 2 CPU cores (fitted to recorded runs: 18 ms a step, 1.6 ms per decoding
-sequence, 0.8 ms per prefill token), so that a faster model (the tiny one, in tests/test_story.py)
+sequence, 0.8 ms per prefill token), so that a faster model (the tiny one, in tests/analysis/test_story.py)
 or a busy machine replays the same shape of load; the forward, scheduler, block manager, trace
 and analyses stay real. The document says which clock it was written with.
 """
@@ -233,7 +233,7 @@ replays smollm2-135m itself on the host clock and rewrites this page."""
 
 DOC = """# Postmortem: a replay that thrashed, and the fix
 
-<!-- Written by scripts/postmortem.py; do not edit by hand. tests/test_story.py runs the same
+<!-- Written by scripts/postmortem.py; do not edit by hand. tests/analysis/test_story.py runs the same
      script on the tiny model, so a change that breaks the story fails the tests. -->
 
 {provenance}

