@@ -31,4 +31,4 @@ else
     export KVTRACE_VLLM_UNAVAILABLE="the vLLM environment could not be built: $(tail -n 1 /tmp/kvtrace-vllm-env.log)"
     echo "warning: $KVTRACE_VLLM_UNAVAILABLE" >&2
 fi
-exec "$PY" -m pytest -q -p no:cacheprovider -m vllm tests/vllm
+exec "$PY" -m pytest -q -p no:cacheprovider -m vllm tests

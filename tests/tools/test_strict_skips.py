@@ -20,6 +20,10 @@ def test_needs_a_gpu():
 def test_needs_an_outside_tool():
     pytest.skip("no trace_processor binary")
 """
+NO_AVX512 = """
+def test_needs_avx512():
+    pytest.skip("kvtrace kernels unavailable here (this CPU has no AVX-512)")
+"""
 HIDDEN = """
 @pytest.mark.skipif(True, reason="no chromium binary")
 def test_hidden_area():
@@ -48,3 +52,15 @@ def test_unexpected_skips_fail_ci(pytester, monkeypatch, env, hidden, code):
         assert ("unexpected skips: the run FAILS" in out) == bool(env)
     if env:  # the allowed skips are listed with their reasons
         assert "test_demo.py::test_needs_an_outside_tool: no trace_processor binary" in out
+
+
+@pytest.mark.parametrize("has_avx512, code", [(False, 0), (True, 1)])
+def test_a_missing_avx512_may_skip_only_where_the_cpu_lacks_it(pytester, monkeypatch, has_avx512, code):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("CI", "true")
+    monkeypatch.delenv("KVTRACE_STRICT_SKIPS", raising=False)
+    pytester.makeconftest(f"import tests.helpers.strict_skips as s\ns.cpu_has_avx512 = lambda: {has_avx512}\n"
+                          "pytest_plugins = ['tests.helpers.strict_skips']\n")
+    pytester.makepyfile(test_demo="import pytest\n" + NO_AVX512)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret == code, result.stdout.str()
