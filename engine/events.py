@@ -66,6 +66,20 @@ class RequestStats:
     prefix_hit_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class Occupancy:
+    """The KV pool and the queues right after a step is scheduled (taken once per step; the steps
+    row's columns of the same names)."""
+
+    num_running: int        # sequences scheduled to run (running after this step's preemptions)
+    num_waiting: int        # new, or preempted by recompute and waiting to be admitted again
+    num_swapped: int        # preempted by swap, their KV in host memory
+    num_free_blocks: int    # device blocks on the free queue (cached ones included)
+    num_used_blocks: int    # device blocks some sequence holds
+    num_cached_blocks: int  # free blocks still holding reusable prefix-cache KV
+    num_kv_tokens: int      # KV positions the used blocks hold once this step's tokens are written
+
+
 @dataclass(slots=True)
 class StepRecord:
     """Everything that happened in one engine step."""

@@ -11,7 +11,7 @@ from engine import events as ev
 from engine.block_manager import BlockManager
 from engine.config import DTYPES as config_dtypes
 from engine.config import EngineConfig, ModelConfig, resolve_batch_limits
-from engine.events import KVEvent, NullTracer, RequestStats, StepRecord, Tracer
+from engine.events import KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
 from engine.executor.cost_model import CostModel, load_profile, weight_params
 from engine.executor.model_runner import ModelRunner, StepResult, resolve_device, sample
 from engine.executor.sim_executor import SimExecutor
@@ -99,7 +99,7 @@ class _InFlight:
     result: StepResult
     events: list[KVEvent]
     num_sched_events: int
-    occupancy: tuple
+    occupancy: Occupancy
     num_recompute: int
     sampled: list[tuple[Sequence, int]]
     finished: list[Sequence]   # rejected while it was scheduled
@@ -267,8 +267,9 @@ class LLMEngine:
         self.num_finished_seqs += len(finished)
         self.num_preemptions += out.num_preemptions
         end_s = self.now()
-        self._record(self.step_counter, start_s, end_s, out, result, sched_events + self.block_manager.take_events(),
-                     len(sched_events), emitted, finished, num_recompute, occupancy)
+        self._record(step=self.step_counter, start_s=start_s, end_s=end_s, out=out, result=result,
+                     kv_events=sched_events + self.block_manager.take_events(), num_sched_events=len(sched_events),
+                     occupancy=occupancy, num_recompute=num_recompute, emitted=emitted, finished=finished)
         self.step_counter += 1
         self._check_progress(bool(emitted or finished))
         return emitted
@@ -312,8 +313,10 @@ class LLMEngine:
                     bm.cache_full_blocks(seq, seq.num_computed_tokens - (id(seq) in sampling))
             for seq in stopped:
                 sched.finish(seq)
-            self._record(prev.step, prev.start_s, end_s, prev.out, prev.result, prev.events + bm.take_events(),
-                         prev.num_sched_events, emitted, prev.finished + stopped, prev.num_recompute, prev.occupancy)
+            self._record(step=prev.step, start_s=prev.start_s, end_s=end_s, out=prev.out, result=prev.result,
+                         kv_events=prev.events + bm.take_events(), num_sched_events=prev.num_sched_events,
+                         occupancy=prev.occupancy, num_recompute=prev.num_recompute, emitted=emitted,
+                         finished=prev.finished + stopped)
             self.num_finished_seqs += len(stopped)
         sampled = [(seq, token) for seq, token in (self._sample(result) if result.sample_seqs else [])
                    if seq.status == SequenceStatus.RUNNING]
@@ -322,19 +325,22 @@ class LLMEngine:
             seq.num_undelivered += 1
         self.num_finished_seqs += len(finished_now)
         self.num_preemptions += out.num_preemptions
-        self._in_flight = _InFlight(self.step_counter, start_s, out, result, events, num_sched_events, occupancy,
-                                    num_recompute, sampled, finished_now)
+        self._in_flight = _InFlight(step=self.step_counter, start_s=start_s, out=out, result=result, events=events,
+                                    num_sched_events=num_sched_events, occupancy=occupancy,
+                                    num_recompute=num_recompute, sampled=sampled, finished=finished_now)
         self.step_counter += 1
         self._check_progress(bool(emitted or stopped or finished_now))
         return emitted
 
-    def _occupancy(self, out: SchedulerOutput) -> tuple:
-        """The pool right after scheduling (the steps row's columns): queues, blocks, and the KV
-        positions the used blocks hold once this step's tokens are written."""
+    def _occupancy(self, out: SchedulerOutput) -> Occupancy:
+        """The pool right after scheduling: queues, blocks, and the KV positions the used blocks hold
+        once this step's tokens are written."""
         bm, sched = self.block_manager, self.scheduler
-        return (len(sched.running), len(sched.waiting), len(sched.swapped), bm.num_free_blocks,
-                bm.num_used_blocks, bm.num_cached_free_blocks,
-                bm.num_kv_positions(sched.running) + sum(out.num_new_tokens))
+        return Occupancy(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
+            num_free_blocks=bm.num_free_blocks, num_used_blocks=bm.num_used_blocks,
+            num_cached_blocks=bm.num_cached_free_blocks,
+            num_kv_tokens=bm.num_kv_positions(sched.running) + sum(out.num_new_tokens))
 
     def _check_progress(self, progressed: bool) -> None:
         if progressed or not self.has_unfinished():
@@ -432,9 +438,9 @@ class LLMEngine:
         return children
 
     # ---- tracing ------------------------------------------------------------------------
-    def _record(self, step: int, start_s: float, end_s: float, out: SchedulerOutput, result: StepResult,
-                kv_events: list[KVEvent], num_sched_events: int, emitted: list[tuple[Sequence, int]],
-                finished: list[Sequence], num_recompute: int, occupancy: tuple) -> None:
+    def _record(self, *, step: int, start_s: float, end_s: float, out: SchedulerOutput, result: StepResult,
+                kv_events: list[KVEvent], num_sched_events: int, occupancy: Occupancy, num_recompute: int,
+                emitted: list[tuple[Sequence, int]], finished: list[Sequence]) -> None:
         """Hand the step's record on (once its device timings resolve). The first `num_sched_events`
         events were decided while scheduling (stamped at the step's start), the rest after the forward."""
         for seq in finished:
@@ -446,14 +452,14 @@ class LLMEngine:
         for e in kv_events[num_sched_events:]:  # after the forward: re-prefill done, finish
             e.step = step
             e.ts_s = end_s
-        running, waiting, swapped, free, used, cached, kv_tokens = occupancy  # after scheduling
+        pool = occupancy  # after scheduling
         record = StepRecord(
             step=step, start_s=start_s, end_s=end_s, device_ms=None,
-            num_running=running, num_waiting=waiting, num_swapped=swapped,
+            num_running=pool.num_running, num_waiting=pool.num_waiting, num_swapped=pool.num_swapped,
             num_prefill_tokens=result.num_prefill_tokens, num_decode_tokens=result.num_decode_tokens,
-            num_recompute_tokens=num_recompute, num_free_blocks=free,
-            num_used_blocks=used, num_cached_blocks=cached,
-            num_total_blocks=self.block_manager.num_blocks, num_kv_tokens=kv_tokens,
+            num_recompute_tokens=num_recompute, num_free_blocks=pool.num_free_blocks,
+            num_used_blocks=pool.num_used_blocks, num_cached_blocks=pool.num_cached_blocks,
+            num_total_blocks=self.block_manager.num_blocks, num_kv_tokens=pool.num_kv_tokens,
             num_preemptions=out.num_preemptions, events=kv_events,
             token_req_ids=[s.req_id for s, _ in emitted], token_samples=[s.sample for s, _ in emitted],
             token_idx=[s.num_output_tokens - 1 for s, _ in emitted],
@@ -493,9 +499,10 @@ class LLMEngine:
                 if seq.num_undelivered:
                     seq.token_ids.pop()
                     seq.num_undelivered -= 1
-            self._record(prev.step, prev.start_s, prev.start_s, prev.out, prev.result,
-                         prev.events + self.block_manager.take_events(), prev.num_sched_events, [],
-                         prev.finished, prev.num_recompute, prev.occupancy)
+            self._record(step=prev.step, start_s=prev.start_s, end_s=prev.start_s, out=prev.out, result=prev.result,
+                         kv_events=prev.events + self.block_manager.take_events(),
+                         num_sched_events=prev.num_sched_events, occupancy=prev.occupancy,
+                         num_recompute=prev.num_recompute, emitted=[], finished=prev.finished)
         self._flush_records(wait=True)
 
     def _stats(self, seq: Sequence, finish_s: float) -> RequestStats:
