@@ -1,7 +1,6 @@
 """The engine loop: add requests, step, hand each step's events to the tracer."""
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, replace
 
@@ -11,9 +10,17 @@ from engine import events as ev
 from engine.block_manager import BlockManager
 from engine.config import DTYPES as config_dtypes
 from engine.config import EngineConfig, ModelConfig, resolve_batch_limits
-from engine.events import KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
+from engine.events import (
+    KVEvent,
+    NullTracer,
+    Occupancy,
+    RequestStats,
+    StepRecord,
+    Tracer,
+)
+from engine.executor import Executor, StepResult
 from engine.executor.cost_model import CostModel, load_profile, weight_params
-from engine.executor.model_runner import ModelRunner, StepResult, resolve_device, sample
+from engine.executor.model_runner import ModelRunner, resolve_device
 from engine.executor.sim_executor import SimExecutor
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_config, load_weights
@@ -109,30 +116,28 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tracer: Tracer | None = None, *, loaded=None) -> None:
         self.config = config
         dtype = DTYPES[config.dtype]
+        # which executor runs the steps is decided here, once: the loop only calls the Executor protocol
         self.simulated = config.engine == "sim"   # no model: a cost model predicts each step (virtual time)
-        self.device = torch.device("cpu") if self.simulated else resolve_device(config.device)
-        device_memory = None
         if self.simulated:
+            self.device = torch.device("cpu")
             if config.num_gpu_blocks is None and config.kv_cache_memory is None and config.gpu_memory_utilization is None:
                 config = self.config = replace(config, gpu_memory_utilization=0.9)  # vLLM's default
             self.model_config, self.model_source = (loaded.config, loaded.source) if loaded else load_config(config.model)
             self.cost_model = CostModel(load_profile(config.hardware or "h100-sxm"), self.model_config, config.dtype)
-            device_memory = self.cost_model.profile.memory_bytes or None
-        else:
-            if loaded is None:
-                loaded = load_weights(config.model, config.load_format, dtype=dtype, seed=config.seed)
-            self.model_config, self.model_source = loaded.config, loaded.source
-            if self.device.type == "cuda":
-                device_memory = torch.cuda.get_device_properties(self.device).total_memory
-        mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        if self.simulated:
             profile = self.cost_model.profile
+            device_memory = profile.memory_bytes or None
             device_type = "cpu" if not profile.memory_bytes or "cpu" in profile.name else "cuda"
             device_name = profile.name
         else:
+            self.device = resolve_device(config.device)
+            if loaded is None:
+                loaded = load_weights(config.model, config.load_format, dtype=dtype, seed=config.seed)
+            self.model_config, self.model_source = loaded.config, loaded.source
             device_type = self.device.type
+            device_memory = torch.cuda.get_device_properties(self.device).total_memory if device_type == "cuda" else None
             device_name = torch.cuda.get_device_name(self.device) if device_type == "cuda" else ""
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         config = self.config = resolve_batch_limits(config, self.max_model_len, device_type, device_memory, device_name)
         self.stop_token_ids = frozenset(mc.stop_token_ids)
         self.geometry = pool_geometry(config, mc, self.max_model_len, device_memory)
@@ -147,15 +152,15 @@ class LLMEngine:
                                    long_prefill_token_threshold=config.long_prefill_token_threshold,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    swap_groups=config.n_mode == "cow")
+        self.runner: Executor
         if self.simulated:
             self.model = None
-            self.runner: ModelRunner | SimExecutor = SimExecutor(self.cost_model, g.bytes_per_block)
-            self.clock = self.runner.clock
+            self.runner = SimExecutor(self.cost_model, g.bytes_per_block)
         else:
             self.model = LlamaModel(mc, loaded.weights, self.device, dtype)
             # block ids run 1..num_gpu_blocks: the KV tensor has a slot for the null block 0 too
             self.runner = ModelRunner(self.model, g.num_gpu_blocks + 1, g.block_size, g.num_cpu_blocks)
-            self.clock = time.perf_counter
+        self.clock = self.runner.clock
         self.tracer: Tracer = tracer or NullTracer()
         self.time_origin = self.clock()
         self.step_counter = 0
@@ -182,10 +187,7 @@ class LLMEngine:
 
     def idle_until(self, t: float) -> None:
         """Nothing to run before `t`: sleep a little (real), or jump there (simulated)."""
-        if self.simulated:
-            self.runner.advance_to(t + self.time_origin)
-        else:
-            time.sleep(min(max(t - self.now(), 0.0), 0.05))
+        self.runner.idle_until(t + self.time_origin)
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     *, arrival_s: float | None = None, priority: int = 0) -> Sequence:
@@ -380,12 +382,7 @@ class LLMEngine:
                 for child in self._fork(parent):
                     seqs.append(child)
                     rows.append(row)
-        if self.simulated:
-            tokens = SimExecutor.tokens(seqs)
-        else:
-            logits = result.logits if len(rows) == len(result.sample_seqs) else result.logits[rows]
-            tokens = sample(logits, seqs)
-        return list(zip(seqs, tokens))
+        return list(zip(seqs, self.runner.sample(result, seqs, rows)))
 
     def _deliver(self, sampled: list[tuple[Sequence, int]], now: float) -> list[tuple[Sequence, int]]:
         """Process sampled tokens (already the last of their sequences' token_ids): first-token time,
@@ -463,7 +460,7 @@ class LLMEngine:
             num_preemptions=out.num_preemptions, events=kv_events,
             token_req_ids=[s.req_id for s, _ in emitted], token_samples=[s.sample for s, _ in emitted],
             token_idx=[s.num_output_tokens - 1 for s, _ in emitted],
-            token_ids=[None] * len(emitted) if self.simulated else [t for _, t in emitted],
+            token_ids=[t for _, t in emitted] if self.runner.emits_token_ids else [None] * len(emitted),
             finished=[self._stats(s, end_s) for s in finished],
         )
         self._pending_records.append((record, result, out))

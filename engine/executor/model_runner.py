@@ -15,43 +15,16 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 
+from engine.executor import StepResult
 from engine.executor.cuda_graphs import DecodeGraphs
 from engine.executor.step_inputs import StepInputs
 from engine.kernels import host_memory, triton_attention
 from engine.model.llama import AttentionMetadata, LlamaModel
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
-
-
-@dataclass
-class StepTiming:
-    """Device timings of one step, resolved when `ready()`."""
-
-    forward: tuple | float | None = None                 # (start, end) CUDA events, or ms
-    swap_out: tuple | float | None = None
-    swap_in: tuple | float | None = None
-
-    def ready(self) -> bool:
-        return all(not isinstance(t, tuple) or t[1].query() for t in (self.forward, self.swap_out, self.swap_in))
-
-    @staticmethod
-    def ms(t: tuple | float | None) -> float | None:
-        if isinstance(t, tuple):
-            return t[0].elapsed_time(t[1])
-        return t
-
-
-@dataclass
-class StepResult:
-    sample_seqs: list[Sequence] = field(default_factory=list)  # sequences whose last token got logits
-    logits: torch.Tensor | None = None                           # [len(sample_seqs), vocab]
-    timing: StepTiming = field(default_factory=StepTiming)
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,6 +60,11 @@ def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, stage
 
 
 class ModelRunner:
+    """The Executor of the real engine: the model's forward on its KV tensors, then sampling."""
+
+    emits_token_ids = True
+    clock = staticmethod(time.perf_counter)   # host time (the attribute itself: now() reads it often)
+
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_cpu_blocks: int) -> None:
         self.model = model
         self.device = model.device
@@ -125,6 +103,10 @@ class ModelRunner:
             max_blocks_per_seq = min(num_blocks, -(-c.max_position_embeddings // block_size))
             self.decode_graphs = DecodeGraphs(model, self.kv_caches, num_blocks, max_blocks_per_seq,
                                               self.step_inputs)
+
+    def idle_until(self, t: float) -> None:
+        """Nothing to run before clock time `t`: sleep towards it, at most 50 ms (arrivals may come sooner)."""
+        time.sleep(min(max(t - time.perf_counter(), 0.0), 0.05))
 
     # ---- KV copies ----------------------------------------------------------------------
     def _event_pair(self) -> tuple:
@@ -345,6 +327,12 @@ class ModelRunner:
                                                                  max(positions[:nd]) + 1) if nd else 1,
         )
         return meta, input_t, positions_t, rows_t, sample_seqs
+
+
+    def sample(self, result: StepResult, seqs: list[Sequence], rows: list[int]) -> list[int]:
+        """Tokens of `seqs` from their logit rows (the module's sample(), below)."""
+        logits = result.logits if len(rows) == len(result.sample_seqs) else result.logits[rows]
+        return sample(logits, seqs)
 
 
 def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
