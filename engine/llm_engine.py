@@ -9,15 +9,8 @@ import torch
 from engine import events as ev
 from engine.block_manager import BlockManager
 from engine.config import DTYPES as config_dtypes
-from engine.config import EngineConfig, ModelConfig, resolve_batch_limits
-from engine.events import (
-    KVEvent,
-    NullTracer,
-    Occupancy,
-    RequestStats,
-    StepRecord,
-    Tracer,
-)
+from engine.config import EngineConfig, KVReserve, ModelConfig, NMode, PreemptionMode, resolve_batch_limits
+from engine.events import FinishReason, KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
 from engine.executor import Executor, StepResult
 from engine.executor.cost_model import CostModel, load_profile, weight_params
 from engine.executor.model_runner import ModelRunner, resolve_device
@@ -93,7 +86,7 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
     elif config.swap_space is not None:
         num_cpu_blocks = config.swap_space // bytes_per_block
     else:
-        num_cpu_blocks = num_gpu_blocks if config.preemption_mode == "swap" else 0
+        num_cpu_blocks = num_gpu_blocks if config.preemption_mode == PreemptionMode.SWAP else 0
     return PoolGeometry(num_gpu_blocks, num_cpu_blocks, config.block_size, bytes_per_block, derivation)
 
 
@@ -151,7 +144,7 @@ class LLMEngine:
                                    preemption_policy=config.preemption_policy,
                                    long_prefill_token_threshold=config.long_prefill_token_threshold,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
-                                   swap_groups=config.n_mode == "cow")
+                                   swap_groups=config.n_mode == NMode.COW)
         self.runner: Executor
         if self.simulated:
             self.model = None
@@ -206,7 +199,7 @@ class LLMEngine:
         reserved = self.reserved_tokens(len(prompt_token_ids), params.max_tokens)
         # n > 1: V1 queues n independent sequences that share the prompt through the prefix cache;
         # --n-mode cow queues one and forks the others when its prompt is done
-        num_seqs = params.n if self.config.n_mode == "independent" else 1
+        num_seqs = params.n if self.config.n_mode == NMode.INDEPENDENT else 1
         seqs = []
         for index in range(num_seqs):
             seq = Sequence(str(req_id), index, prompt_token_ids, params, arrival, priority, self._num_requests)
@@ -218,7 +211,7 @@ class LLMEngine:
         self._num_requests += 1
         for seq in seqs:
             if len(prompt_token_ids) + 1 > self.max_model_len:
-                seq.finish_reason = "rejected"
+                seq.finish_reason = FinishReason.REJECTED
                 self._pending_finished.append(seq)
                 seq.status = SequenceStatus.FINISHED
             else:
@@ -227,9 +220,9 @@ class LLMEngine:
 
     def reserved_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """--kv-reserve: positions a request holds from admission, as a pre-paging server did (0: on demand)."""
-        if self.config.kv_reserve == "none":
+        if self.config.kv_reserve == KVReserve.NONE:
             return 0
-        if self.config.kv_reserve == "max-model-len":
+        if self.config.kv_reserve == KVReserve.MAX_MODEL_LEN:
             return self.max_model_len
         return min(num_prompt_tokens + max_tokens, self.max_model_len)
 
@@ -395,11 +388,11 @@ class LLMEngine:
             if seq.first_token_s is None:
                 seq.first_token_s = now
             if not seq.params.ignore_eos and token in self.stop_token_ids:
-                seq.finish_reason = "stop"
+                seq.finish_reason = FinishReason.STOP
             elif seq.num_output_tokens == seq.params.output_tokens:  # where the recorded request stopped
-                seq.finish_reason = "stop"
+                seq.finish_reason = FinishReason.STOP
             elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
+                seq.finish_reason = FinishReason.LENGTH
             emitted.append((seq, token))
         return emitted
 
@@ -507,7 +500,7 @@ class LLMEngine:
             req_id=seq.req_id, sample=seq.sample, n=seq.params.n, priority=seq.priority,
             arrival_s=seq.arrival_s, prompt_tokens=seq.num_prompt_tokens, max_tokens=seq.params.max_tokens,
             output_tokens=seq.num_output_tokens, first_scheduled_s=seq.first_scheduled_s,
-            first_token_s=seq.first_token_s, finish_s=finish_s, finish_reason=seq.finish_reason or "aborted",
+            first_token_s=seq.first_token_s, finish_s=finish_s, finish_reason=seq.finish_reason or FinishReason.ABORTED,
             preemptions=seq.num_preemptions, swaps=seq.num_swaps, recomputed_tokens=seq.num_recomputed_tokens,
             prefix_hit_tokens=seq.num_prefix_hit_tokens,
         )
@@ -517,7 +510,7 @@ class LLMEngine:
         now = self.now()
         stats = []
         for seq in self.scheduler.all_seqs():
-            seq.finish_reason = "aborted"
+            seq.finish_reason = FinishReason.ABORTED
             stats.append(self._stats(seq, now))
         return stats
 
