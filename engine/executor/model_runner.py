@@ -64,7 +64,15 @@ class ModelRunner:
     """The Executor of the real engine: the model's forward on its KV tensors, then sampling."""
 
     emits_token_ids = True
-    clock = staticmethod(time.perf_counter)   # host time (the attribute itself: now() reads it often)
+
+    # the host's clock and sleep, each one place that a modelled clock can stand in for (scripts/postmortem.py)
+    @staticmethod
+    def clock() -> float:
+        return time.perf_counter()
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        time.sleep(seconds)
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_cpu_blocks: int) -> None:
         self.model = model
@@ -107,7 +115,7 @@ class ModelRunner:
 
     def idle_until(self, t: float) -> None:
         """Nothing to run before clock time `t`: sleep towards it, at most 50 ms (arrivals may come sooner)."""
-        time.sleep(min(max(t - time.perf_counter(), 0.0), 0.05))
+        self.sleep(min(max(t - self.clock(), 0.0), 0.05))
 
     # ---- KV copies ----------------------------------------------------------------------
     def _event_pair(self) -> tuple:
