@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from engine import events as ev
-from engine.events import KVEvent
+from engine.events import AllocReason, FreeReason, KVEvent
 from engine.sequence import Sequence
 
 
@@ -235,7 +235,7 @@ class BlockManager:
             num_tokens = seq.num_reserved_tokens
         new_ids = self._allocate_blocks(self.blocks_for(num_tokens) - len(cached_ids))
         if new_ids:
-            self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason="prefill"))
+            self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason=AllocReason.PREFILL))
         seq.block_table = list(cached_ids) + new_ids
         seq.block_hashes = [self.blocks[b].hash for b in cached_ids]
         seq.num_computed_tokens = num_cached_tokens
@@ -266,7 +266,7 @@ class BlockManager:
             self._release_blocks((src,))  # still referenced by the other sharers
             seq.block_table[index] = dst
             num_tokens = seq.num_computed_tokens - index * self.block_size
-            self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=[dst], reason="cow"))
+            self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=[dst], reason=AllocReason.COW))
             self.events.append(KVEvent(ev.COW, seq.req_id, seq.sample, blocks=[dst], src_blocks=[src],
                                        num_tokens=num_tokens))
             copy = (src, dst)
@@ -275,7 +275,7 @@ class BlockManager:
         if num_needed > 0:
             new_ids = self._allocate_blocks(num_needed)
             seq.block_table += new_ids
-            reason = "prefill" if seq.is_prefilling else "decode"
+            reason = AllocReason.PREFILL if seq.is_prefilling else AllocReason.DECODE
             self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason=reason))
         if self.enable_prefix_caching:   # never past the delivered tokens (V1's request.num_tokens)
             self.cache_full_blocks(seq, min(num_tokens, seq.num_tokens - seq.num_undelivered))
@@ -347,7 +347,7 @@ class BlockManager:
             seq.host_block_table = [host_of[b] for b in seq.block_table]
             copies.append(mine)
         for seq in seqs:
-            self._release_table(seq, "preempt")  # num_computed_tokens stays: the KV lives on the host
+            self._release_table(seq, FreeReason.PREEMPT)  # num_computed_tokens stays: the KV lives on the host
         return copies
 
     def num_swap_in_blocks(self, seqs: list[Sequence], new_tokens: list[int]) -> int:
@@ -388,7 +388,7 @@ class BlockManager:
                     self.blocks[block_id].ref_count += 1
             if mine:
                 self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=[d for _, d in mine],
-                                           reason="swap_in"))
+                                           reason=AllocReason.SWAP_IN))
             seq.block_table = [device_of[h] for h in seq.host_block_table]
             seq.block_hashes = []
             copies.append(mine)

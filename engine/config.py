@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
 from pathlib import Path
 
 
@@ -172,13 +173,36 @@ def parse_bytes(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-PREEMPTION_MODES = ("recompute", "swap")
-PREEMPTION_POLICIES = ("newest", "priority", "fewest-computed", "newest-sparing")
-N_MODES = ("independent", "cow")
+class PreemptionMode(StrEnum):
+    RECOMPUTE = "recompute"   # vLLM V1: drop the victim's KV, compute it again when it resumes
+    SWAP = "swap"             # vLLM V0: copy the victim's KV to host memory (recompute when the host is full)
+
+
+class PreemptionPolicy(StrEnum):
+    NEWEST = "newest"                    # V1: the last admitted
+    PRIORITY = "priority"                # V1: the least urgent (priority value, then arrival)
+    FEWEST_COMPUTED = "fewest-computed"  # kvtrace's: the one with the least KV, sparing the just-resumed
+    NEWEST_SPARING = "newest-sparing"    # kvtrace's: the newest, sparing the just-resumed
+
+
+class NMode(StrEnum):
+    INDEPENDENT = "independent"   # V1: n requests that share the prompt through the prefix cache
+    COW = "cow"                   # V0: one prefill, then n - 1 forks sharing its blocks (copy-on-write)
+
+
+class KVReserve(StrEnum):
+    NONE = "none"                    # on-demand paging
+    MAX_MODEL_LEN = "max-model-len"  # hold the max model length from admission
+    MAX_TOKENS = "max-tokens"        # hold the prompt plus max_tokens from admission
+
+
+PREEMPTION_MODES = tuple(m.value for m in PreemptionMode)
+PREEMPTION_POLICIES = tuple(p.value for p in PreemptionPolicy)
+N_MODES = tuple(m.value for m in NMode)
 VLLM_VERSION = "0.32.0"   # the vLLM whose V1 scheduler and block pool the engine follows by default
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("real", "sim")
-KV_RESERVE = ("none", "max-model-len", "max-tokens")
+KV_RESERVE = tuple(r.value for r in KVReserve)
 
 
 @dataclass
@@ -230,8 +254,8 @@ class EngineConfig:
             raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.n_mode not in N_MODES:
             raise ValueError(f"--n-mode must be one of {', '.join(N_MODES)}, got {self.n_mode!r}")
-        if self.async_scheduling and (self.preemption_mode == "swap" or self.n_mode == "cow"):
-            option = "--preemption-mode swap" if self.preemption_mode == "swap" else "--n-mode cow"
+        if self.async_scheduling and (self.preemption_mode == PreemptionMode.SWAP or self.n_mode == NMode.COW):
+            option = "--preemption-mode swap" if self.preemption_mode == PreemptionMode.SWAP else "--n-mode cow"
             raise ValueError(f"--async-scheduling is vLLM V1's and cannot be combined with {option} (vLLM V0's)")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"--watermark must be in [0, 1), got {self.watermark}")
@@ -298,13 +322,13 @@ def resolve_batch_limits(config: EngineConfig, max_model_len: int, device_type: 
 def scheduling_description(config: EngineConfig) -> dict:
     """What meta.json says about whose scheduling a run follows, and which options depart from it."""
     departures = []
-    if config.preemption_mode == "swap":
+    if config.preemption_mode == PreemptionMode.SWAP:
         departures.append("preemption by swap to host memory (vLLM V0's, falling back to recompute)")
-    if config.preemption_policy in ("fewest-computed", "newest-sparing"):
+    if config.preemption_policy in (PreemptionPolicy.FEWEST_COMPUTED, PreemptionPolicy.NEWEST_SPARING):
         departures.append(f"kvtrace's {config.preemption_policy} victim policy")
-    if config.n_mode == "cow":
+    if config.n_mode == NMode.COW:
         departures.append("n > 1 forked after one prefill, with copy-on-write (vLLM V0's)")
-    if config.kv_reserve != "none":
+    if config.kv_reserve != KVReserve.NONE:
         departures.append(f"--kv-reserve {config.kv_reserve}: whole-context reservation at admission")
     return {"follows": f"vLLM {VLLM_VERSION} V1 scheduler and block pool", "departures": departures,
             "async_scheduling": config.async_scheduling}

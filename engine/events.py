@@ -8,6 +8,7 @@ Publishing is the tracer's job; the default tracer does nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
 
 # kv event kinds (see docs/trace-format.md)
@@ -21,7 +22,44 @@ COW = "cow"                # copy-on-write (src_blocks -> blocks)
 PREFIX_HIT = "prefix_hit"  # blocks served from the prefix cache
 EVICT = "evict"            # a cached free block reclaimed for new use
 ADMIT = "admit"            # a sequence was scheduled from waiting (reason = new | resume-recompute | resume-swap)
-FINISH = "finish"          # a sequence finished (reason = stop | length | rejected | capacity)
+FINISH = "finish"          # a sequence finished (reason = stop | length | rejected | capacity | aborted)
+
+
+# The reasons an event carries, by kind. The values are the trace's (analyses/ reads them); the
+# vLLM capture (kvtrace/vllm/capture/, which cannot import the engine) writes the same strings.
+class AdmitReason(StrEnum):     # admit, and the prefix_hit of that admission
+    NEW = "new"                           # first admission
+    RESUME_RECOMPUTE = "resume-recompute"  # preempted by recompute: its KV is computed again
+    RESUME_SWAP = "resume-swap"           # preempted by swap: its KV is copied back from the host
+
+
+class AllocReason(StrEnum):
+    PREFILL = "prefill"    # blocks for prompt (or re-prefilled history) positions
+    DECODE = "decode"      # a block for the next generated token
+    COW = "cow"            # the private copy of a shared block (copy-on-write)
+    SWAP_IN = "swap_in"    # device blocks for KV coming back from the host
+
+
+class FreeReason(StrEnum):
+    PREEMPT = "preempt"    # a victim gives up its device blocks (by recompute: its KV is gone; by swap: copied out)
+    FINISH = "finish"      # a finished sequence releases its blocks
+
+
+class PreemptReason(StrEnum):
+    RECOMPUTE = "recompute"                     # KV dropped, computed again on resume
+    SWAP = "swap"                               # KV copied to host memory
+    SWAP_FULL_FALLBACK = "swap-full-fallback"   # swap mode, but the host was full: recompute
+
+
+class FinishReason(StrEnum):   # also the requests table's finish_reason
+    STOP = "stop"          # a stop token, or the recorded request's own output length
+    LENGTH = "length"      # max_tokens, or the max model length
+    REJECTED = "rejected"  # can never fit the pool (or the max model length): never ran
+    CAPACITY = "capacity"  # outgrew the whole pool after it ran
+    ABORTED = "aborted"    # unfinished when the run was interrupted
+
+
+REPREFILL_INTERRUPTED = "interrupted"   # reprefill: preempted again before its history was computed
 
 
 @dataclass(slots=True)
@@ -64,6 +102,20 @@ class RequestStats:
     swaps: int
     recomputed_tokens: int
     prefix_hit_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Occupancy:
+    """The KV pool and the queues right after a step is scheduled (taken once per step; the steps
+    row's columns of the same names)."""
+
+    num_running: int        # sequences scheduled to run (running after this step's preemptions)
+    num_waiting: int        # new, or preempted by recompute and waiting to be admitted again
+    num_swapped: int        # preempted by swap, their KV in host memory
+    num_free_blocks: int    # device blocks on the free queue (cached ones included)
+    num_used_blocks: int    # device blocks some sequence holds
+    num_cached_blocks: int  # free blocks still holding reusable prefix-cache KV
+    num_kv_tokens: int      # KV positions the used blocks hold once this step's tokens are written
 
 
 @dataclass(slots=True)

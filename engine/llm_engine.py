@@ -1,7 +1,6 @@
 """The engine loop: add requests, step, hand each step's events to the tracer."""
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, replace
 
@@ -10,10 +9,11 @@ import torch
 from engine import events as ev
 from engine.block_manager import BlockManager
 from engine.config import DTYPES as config_dtypes
-from engine.config import EngineConfig, ModelConfig, resolve_batch_limits
-from engine.events import KVEvent, NullTracer, RequestStats, StepRecord, Tracer
+from engine.config import EngineConfig, KVReserve, ModelConfig, NMode, PreemptionMode, resolve_batch_limits
+from engine.events import FinishReason, KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
+from engine.executor import Executor, StepResult
 from engine.executor.cost_model import CostModel, load_profile, weight_params
-from engine.executor.model_runner import ModelRunner, StepResult, resolve_device, sample
+from engine.executor.model_runner import ModelRunner, resolve_device
 from engine.executor.sim_executor import SimExecutor
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_config, load_weights
@@ -86,7 +86,7 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
     elif config.swap_space is not None:
         num_cpu_blocks = config.swap_space // bytes_per_block
     else:
-        num_cpu_blocks = num_gpu_blocks if config.preemption_mode == "swap" else 0
+        num_cpu_blocks = num_gpu_blocks if config.preemption_mode == PreemptionMode.SWAP else 0
     return PoolGeometry(num_gpu_blocks, num_cpu_blocks, config.block_size, bytes_per_block, derivation)
 
 
@@ -99,7 +99,7 @@ class _InFlight:
     result: StepResult
     events: list[KVEvent]
     num_sched_events: int
-    occupancy: tuple
+    occupancy: Occupancy
     num_recompute: int
     sampled: list[tuple[Sequence, int]]
     finished: list[Sequence]   # rejected while it was scheduled
@@ -109,30 +109,28 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tracer: Tracer | None = None, *, loaded=None) -> None:
         self.config = config
         dtype = DTYPES[config.dtype]
+        # which executor runs the steps is decided here, once: the loop only calls the Executor protocol
         self.simulated = config.engine == "sim"   # no model: a cost model predicts each step (virtual time)
-        self.device = torch.device("cpu") if self.simulated else resolve_device(config.device)
-        device_memory = None
         if self.simulated:
+            self.device = torch.device("cpu")
             if config.num_gpu_blocks is None and config.kv_cache_memory is None and config.gpu_memory_utilization is None:
                 config = self.config = replace(config, gpu_memory_utilization=0.9)  # vLLM's default
             self.model_config, self.model_source = (loaded.config, loaded.source) if loaded else load_config(config.model)
             self.cost_model = CostModel(load_profile(config.hardware or "h100-sxm"), self.model_config, config.dtype)
-            device_memory = self.cost_model.profile.memory_bytes or None
-        else:
-            if loaded is None:
-                loaded = load_weights(config.model, config.load_format, dtype=dtype, seed=config.seed)
-            self.model_config, self.model_source = loaded.config, loaded.source
-            if self.device.type == "cuda":
-                device_memory = torch.cuda.get_device_properties(self.device).total_memory
-        mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        if self.simulated:
             profile = self.cost_model.profile
+            device_memory = profile.memory_bytes or None
             device_type = "cpu" if not profile.memory_bytes or "cpu" in profile.name else "cuda"
             device_name = profile.name
         else:
+            self.device = resolve_device(config.device)
+            if loaded is None:
+                loaded = load_weights(config.model, config.load_format, dtype=dtype, seed=config.seed)
+            self.model_config, self.model_source = loaded.config, loaded.source
             device_type = self.device.type
+            device_memory = torch.cuda.get_device_properties(self.device).total_memory if device_type == "cuda" else None
             device_name = torch.cuda.get_device_name(self.device) if device_type == "cuda" else ""
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         config = self.config = resolve_batch_limits(config, self.max_model_len, device_type, device_memory, device_name)
         self.stop_token_ids = frozenset(mc.stop_token_ids)
         self.geometry = pool_geometry(config, mc, self.max_model_len, device_memory)
@@ -146,16 +144,16 @@ class LLMEngine:
                                    preemption_policy=config.preemption_policy,
                                    long_prefill_token_threshold=config.long_prefill_token_threshold,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
-                                   swap_groups=config.n_mode == "cow")
+                                   swap_groups=config.n_mode == NMode.COW)
+        self.runner: Executor
         if self.simulated:
             self.model = None
-            self.runner: ModelRunner | SimExecutor = SimExecutor(self.cost_model, g.bytes_per_block)
-            self.clock = self.runner.clock
+            self.runner = SimExecutor(self.cost_model, g.bytes_per_block)
         else:
             self.model = LlamaModel(mc, loaded.weights, self.device, dtype)
             # block ids run 1..num_gpu_blocks: the KV tensor has a slot for the null block 0 too
             self.runner = ModelRunner(self.model, g.num_gpu_blocks + 1, g.block_size, g.num_cpu_blocks)
-            self.clock = time.perf_counter
+        self.clock = self.runner.clock
         self.tracer: Tracer = tracer or NullTracer()
         self.time_origin = self.clock()
         self.step_counter = 0
@@ -182,10 +180,7 @@ class LLMEngine:
 
     def idle_until(self, t: float) -> None:
         """Nothing to run before `t`: sleep a little (real), or jump there (simulated)."""
-        if self.simulated:
-            self.runner.advance_to(t + self.time_origin)
-        else:
-            time.sleep(min(max(t - self.now(), 0.0), 0.05))
+        self.runner.idle_until(t + self.time_origin)
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     *, arrival_s: float | None = None, priority: int = 0) -> Sequence:
@@ -204,7 +199,7 @@ class LLMEngine:
         reserved = self.reserved_tokens(len(prompt_token_ids), params.max_tokens)
         # n > 1: V1 queues n independent sequences that share the prompt through the prefix cache;
         # --n-mode cow queues one and forks the others when its prompt is done
-        num_seqs = params.n if self.config.n_mode == "independent" else 1
+        num_seqs = params.n if self.config.n_mode == NMode.INDEPENDENT else 1
         seqs = []
         for index in range(num_seqs):
             seq = Sequence(str(req_id), index, prompt_token_ids, params, arrival, priority, self._num_requests)
@@ -216,7 +211,7 @@ class LLMEngine:
         self._num_requests += 1
         for seq in seqs:
             if len(prompt_token_ids) + 1 > self.max_model_len:
-                seq.finish_reason = "rejected"
+                seq.finish_reason = FinishReason.REJECTED
                 self._pending_finished.append(seq)
                 seq.status = SequenceStatus.FINISHED
             else:
@@ -225,9 +220,9 @@ class LLMEngine:
 
     def reserved_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """--kv-reserve: positions a request holds from admission, as a pre-paging server did (0: on demand)."""
-        if self.config.kv_reserve == "none":
+        if self.config.kv_reserve == KVReserve.NONE:
             return 0
-        if self.config.kv_reserve == "max-model-len":
+        if self.config.kv_reserve == KVReserve.MAX_MODEL_LEN:
             return self.max_model_len
         return min(num_prompt_tokens + max_tokens, self.max_model_len)
 
@@ -267,8 +262,9 @@ class LLMEngine:
         self.num_finished_seqs += len(finished)
         self.num_preemptions += out.num_preemptions
         end_s = self.now()
-        self._record(self.step_counter, start_s, end_s, out, result, sched_events + self.block_manager.take_events(),
-                     len(sched_events), emitted, finished, num_recompute, occupancy)
+        self._record(step=self.step_counter, start_s=start_s, end_s=end_s, out=out, result=result,
+                     kv_events=sched_events + self.block_manager.take_events(), num_sched_events=len(sched_events),
+                     occupancy=occupancy, num_recompute=num_recompute, emitted=emitted, finished=finished)
         self.step_counter += 1
         self._check_progress(bool(emitted or finished))
         return emitted
@@ -312,8 +308,10 @@ class LLMEngine:
                     bm.cache_full_blocks(seq, seq.num_computed_tokens - (id(seq) in sampling))
             for seq in stopped:
                 sched.finish(seq)
-            self._record(prev.step, prev.start_s, end_s, prev.out, prev.result, prev.events + bm.take_events(),
-                         prev.num_sched_events, emitted, prev.finished + stopped, prev.num_recompute, prev.occupancy)
+            self._record(step=prev.step, start_s=prev.start_s, end_s=end_s, out=prev.out, result=prev.result,
+                         kv_events=prev.events + bm.take_events(), num_sched_events=prev.num_sched_events,
+                         occupancy=prev.occupancy, num_recompute=prev.num_recompute, emitted=emitted,
+                         finished=prev.finished + stopped)
             self.num_finished_seqs += len(stopped)
         sampled = [(seq, token) for seq, token in (self._sample(result) if result.sample_seqs else [])
                    if seq.status == SequenceStatus.RUNNING]
@@ -322,19 +320,22 @@ class LLMEngine:
             seq.num_undelivered += 1
         self.num_finished_seqs += len(finished_now)
         self.num_preemptions += out.num_preemptions
-        self._in_flight = _InFlight(self.step_counter, start_s, out, result, events, num_sched_events, occupancy,
-                                    num_recompute, sampled, finished_now)
+        self._in_flight = _InFlight(step=self.step_counter, start_s=start_s, out=out, result=result, events=events,
+                                    num_sched_events=num_sched_events, occupancy=occupancy,
+                                    num_recompute=num_recompute, sampled=sampled, finished=finished_now)
         self.step_counter += 1
         self._check_progress(bool(emitted or stopped or finished_now))
         return emitted
 
-    def _occupancy(self, out: SchedulerOutput) -> tuple:
-        """The pool right after scheduling (the steps row's columns): queues, blocks, and the KV
-        positions the used blocks hold once this step's tokens are written."""
+    def _occupancy(self, out: SchedulerOutput) -> Occupancy:
+        """The pool right after scheduling: queues, blocks, and the KV positions the used blocks hold
+        once this step's tokens are written."""
         bm, sched = self.block_manager, self.scheduler
-        return (len(sched.running), len(sched.waiting), len(sched.swapped), bm.num_free_blocks,
-                bm.num_used_blocks, bm.num_cached_free_blocks,
-                bm.num_kv_positions(sched.running) + sum(out.num_new_tokens))
+        return Occupancy(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
+            num_free_blocks=bm.num_free_blocks, num_used_blocks=bm.num_used_blocks,
+            num_cached_blocks=bm.num_cached_free_blocks,
+            num_kv_tokens=bm.num_kv_positions(sched.running) + sum(out.num_new_tokens))
 
     def _check_progress(self, progressed: bool) -> None:
         if progressed or not self.has_unfinished():
@@ -374,12 +375,7 @@ class LLMEngine:
                 for child in self._fork(parent):
                     seqs.append(child)
                     rows.append(row)
-        if self.simulated:
-            tokens = SimExecutor.tokens(seqs)
-        else:
-            logits = result.logits if len(rows) == len(result.sample_seqs) else result.logits[rows]
-            tokens = sample(logits, seqs)
-        return list(zip(seqs, tokens))
+        return list(zip(seqs, self.runner.sample(result, seqs, rows)))
 
     def _deliver(self, sampled: list[tuple[Sequence, int]], now: float) -> list[tuple[Sequence, int]]:
         """Process sampled tokens (already the last of their sequences' token_ids): first-token time,
@@ -392,11 +388,11 @@ class LLMEngine:
             if seq.first_token_s is None:
                 seq.first_token_s = now
             if not seq.params.ignore_eos and token in self.stop_token_ids:
-                seq.finish_reason = "stop"
+                seq.finish_reason = FinishReason.STOP
             elif seq.num_output_tokens == seq.params.output_tokens:  # where the recorded request stopped
-                seq.finish_reason = "stop"
+                seq.finish_reason = FinishReason.STOP
             elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
+                seq.finish_reason = FinishReason.LENGTH
             emitted.append((seq, token))
         return emitted
 
@@ -432,9 +428,9 @@ class LLMEngine:
         return children
 
     # ---- tracing ------------------------------------------------------------------------
-    def _record(self, step: int, start_s: float, end_s: float, out: SchedulerOutput, result: StepResult,
-                kv_events: list[KVEvent], num_sched_events: int, emitted: list[tuple[Sequence, int]],
-                finished: list[Sequence], num_recompute: int, occupancy: tuple) -> None:
+    def _record(self, *, step: int, start_s: float, end_s: float, out: SchedulerOutput, result: StepResult,
+                kv_events: list[KVEvent], num_sched_events: int, occupancy: Occupancy, num_recompute: int,
+                emitted: list[tuple[Sequence, int]], finished: list[Sequence]) -> None:
         """Hand the step's record on (once its device timings resolve). The first `num_sched_events`
         events were decided while scheduling (stamped at the step's start), the rest after the forward."""
         for seq in finished:
@@ -446,18 +442,18 @@ class LLMEngine:
         for e in kv_events[num_sched_events:]:  # after the forward: re-prefill done, finish
             e.step = step
             e.ts_s = end_s
-        running, waiting, swapped, free, used, cached, kv_tokens = occupancy  # after scheduling
+        pool = occupancy  # after scheduling
         record = StepRecord(
             step=step, start_s=start_s, end_s=end_s, device_ms=None,
-            num_running=running, num_waiting=waiting, num_swapped=swapped,
+            num_running=pool.num_running, num_waiting=pool.num_waiting, num_swapped=pool.num_swapped,
             num_prefill_tokens=result.num_prefill_tokens, num_decode_tokens=result.num_decode_tokens,
-            num_recompute_tokens=num_recompute, num_free_blocks=free,
-            num_used_blocks=used, num_cached_blocks=cached,
-            num_total_blocks=self.block_manager.num_blocks, num_kv_tokens=kv_tokens,
+            num_recompute_tokens=num_recompute, num_free_blocks=pool.num_free_blocks,
+            num_used_blocks=pool.num_used_blocks, num_cached_blocks=pool.num_cached_blocks,
+            num_total_blocks=self.block_manager.num_blocks, num_kv_tokens=pool.num_kv_tokens,
             num_preemptions=out.num_preemptions, events=kv_events,
             token_req_ids=[s.req_id for s, _ in emitted], token_samples=[s.sample for s, _ in emitted],
             token_idx=[s.num_output_tokens - 1 for s, _ in emitted],
-            token_ids=[None] * len(emitted) if self.simulated else [t for _, t in emitted],
+            token_ids=[t for _, t in emitted] if self.runner.emits_token_ids else [None] * len(emitted),
             finished=[self._stats(s, end_s) for s in finished],
         )
         self._pending_records.append((record, result, out))
@@ -493,9 +489,10 @@ class LLMEngine:
                 if seq.num_undelivered:
                     seq.token_ids.pop()
                     seq.num_undelivered -= 1
-            self._record(prev.step, prev.start_s, prev.start_s, prev.out, prev.result,
-                         prev.events + self.block_manager.take_events(), prev.num_sched_events, [],
-                         prev.finished, prev.num_recompute, prev.occupancy)
+            self._record(step=prev.step, start_s=prev.start_s, end_s=prev.start_s, out=prev.out, result=prev.result,
+                         kv_events=prev.events + self.block_manager.take_events(),
+                         num_sched_events=prev.num_sched_events, occupancy=prev.occupancy,
+                         num_recompute=prev.num_recompute, emitted=[], finished=prev.finished)
         self._flush_records(wait=True)
 
     def _stats(self, seq: Sequence, finish_s: float) -> RequestStats:
@@ -503,7 +500,7 @@ class LLMEngine:
             req_id=seq.req_id, sample=seq.sample, n=seq.params.n, priority=seq.priority,
             arrival_s=seq.arrival_s, prompt_tokens=seq.num_prompt_tokens, max_tokens=seq.params.max_tokens,
             output_tokens=seq.num_output_tokens, first_scheduled_s=seq.first_scheduled_s,
-            first_token_s=seq.first_token_s, finish_s=finish_s, finish_reason=seq.finish_reason or "aborted",
+            first_token_s=seq.first_token_s, finish_s=finish_s, finish_reason=seq.finish_reason or FinishReason.ABORTED,
             preemptions=seq.num_preemptions, swaps=seq.num_swaps, recomputed_tokens=seq.num_recomputed_tokens,
             prefix_hit_tokens=seq.num_prefix_hit_tokens,
         )
@@ -513,7 +510,7 @@ class LLMEngine:
         now = self.now()
         stats = []
         for seq in self.scheduler.all_seqs():
-            seq.finish_reason = "aborted"
+            seq.finish_reason = FinishReason.ABORTED
             stats.append(self._stats(seq, now))
         return stats
 

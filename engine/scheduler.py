@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from engine import events as ev
 from engine.block_manager import BlockManager
-from engine.events import KVEvent
+from engine.config import PreemptionMode, PreemptionPolicy
+from engine.events import REPREFILL_INTERRUPTED, AdmitReason, FinishReason, FreeReason, KVEvent, PreemptReason
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -40,9 +41,9 @@ def urgency(seq: Sequence) -> tuple:
 
 def victim_key(policy: str, seq: Sequence) -> tuple:
     """Sort key of preemption candidates: the largest key is preempted first."""
-    if policy == "priority":
+    if policy == PreemptionPolicy.PRIORITY:
         return urgency(seq)
-    if policy == "fewest-computed":
+    if policy == PreemptionPolicy.FEWEST_COMPUTED:
         return (-seq.num_computed_tokens, seq.admitted_order)
     return (seq.admitted_order,)  # newest, newest-sparing
 
@@ -121,7 +122,7 @@ class Scheduler:
                     preempted_self = True
                     break
             if preempted_self:
-                if self.preemption_policy in ("newest", "priority"):
+                if self.preemption_policy in (PreemptionPolicy.NEWEST, PreemptionPolicy.PRIORITY):
                     break  # V1: the sequence that preempted itself ends the running pass
                 continue
             num_hashed = len(seq.block_hashes)
@@ -159,13 +160,13 @@ class Scheduler:
                 if bm.can_ever_hold(max(seq.num_tokens, seq.num_computed_tokens + 1, seq.num_reserved_tokens)):
                     break
                 self.swapped.popleft()  # outgrew the whole pool: it can never resume
-                seq.finish_reason = "capacity"
+                seq.finish_reason = FinishReason.CAPACITY
                 out.rejected.append(seq)
                 continue
             for _ in group:
                 self.swapped.popleft()
             for seq in group:
-                self._admit(seq, "resume-swap", seq.num_tokens - seq.num_computed_tokens)
+                self._admit(seq, AdmitReason.RESUME_SWAP, seq.num_tokens - seq.num_computed_tokens)
             copies = bm.swap_in(group)
             for seq, mine in zip(group, copies):
                 out.swap_in.extend(mine)
@@ -195,7 +196,7 @@ class Scheduler:
                 break
             if not bm.can_ever_hold(max(seq.num_tokens + 1, seq.num_reserved_tokens)):
                 self.waiting.remove(seq)
-                seq.finish_reason = "rejected" if seq.num_output_tokens == 0 else "capacity"
+                seq.finish_reason = FinishReason.REJECTED if seq.num_output_tokens == 0 else FinishReason.CAPACITY
                 out.rejected.append(seq)
                 continue
             cached_ids = bm.match_prefix(seq)
@@ -213,7 +214,7 @@ class Scheduler:
             self.waiting.remove(seq)
             num_forks += seq.num_pending_forks
             resumed = seq.num_ever_computed > 0
-            reason = "resume-recompute" if resumed else "new"
+            reason = AdmitReason.RESUME_RECOMPUTE if resumed else AdmitReason.NEW
             self._admit(seq, reason, seq.num_tokens - num_cached)
             bm.allocate(seq, cached_ids, num_new, reason)
             seq.num_prefix_hit_tokens += num_cached
@@ -234,7 +235,7 @@ class Scheduler:
         self.running.append(seq)
 
     def _next_waiting(self) -> Sequence:
-        if self.preemption_policy == "priority":
+        if self.preemption_policy == PreemptionPolicy.PRIORITY:
             return min(self.waiting, key=urgency)
         return self.waiting[0]
 
@@ -242,7 +243,7 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         seq.admitted_order = self._admit_counter
         self._admit_counter += 1
-        seq.protected = reason != "new"
+        seq.protected = reason != AdmitReason.NEW
         self.running.append(seq)
         self.bm.events.append(KVEvent(ev.ADMIT, seq.req_id, seq.sample, num_tokens=num_tokens, reason=reason))
 
@@ -256,9 +257,9 @@ class Scheduler:
         blocks are all shared frees nothing).
         """
         policy = self.preemption_policy
-        if policy == "newest":
+        if policy == PreemptionPolicy.NEWEST:
             return self.running[-1]
-        if policy == "priority":
+        if policy == PreemptionPolicy.PRIORITY:
             return max(self.running, key=urgency)
         others = [s for s in self.running if s is not needing and not s.protected]
         freeing = [s for s in others if any(self.bm.blocks[b].ref_count == 1 for b in s.block_table)]
@@ -270,7 +271,7 @@ class Scheduler:
     def _swap_group(self, victim: Sequence) -> list[Sequence]:
         """The sequences preempted with `victim`: with swap and copy-on-write samples, every running
         sample of its request (vLLM V0 swapped a sequence group whole), if the host has room."""
-        if self.preemption_mode != "swap" or not self.swap_groups:
+        if self.preemption_mode != PreemptionMode.SWAP or not self.swap_groups:
             return [victim]
         group = [s for s in self.running if s.req_id == victim.req_id]
         return group if len(group) > 1 and self.bm.can_swap_out(group) else [victim]
@@ -285,17 +286,17 @@ class Scheduler:
             seq.num_preemptions += 1
             held[id(seq)] = list(seq.block_table)
             if seq.reprefill_target:  # cut short while re-prefilling: record what it did redo
-                self.record_reprefill(seq, "interrupted")
+                self.record_reprefill(seq, REPREFILL_INTERRUPTED)
         # A copy-on-write decided for a victim earlier in this step has not run yet: drop it.
         # Its new block holds nothing yet; a swap copies the shared source block instead.
         tables = {b for seq in seqs for b in held[id(seq)]}
         pending_cow = {dst: src for src, dst in out.copies if dst in tables}
         if pending_cow:
             out.copies = [(src, dst) for src, dst in out.copies if dst not in pending_cow]
-        if self.preemption_mode == "swap" and self.bm.can_swap_out(seqs):
+        if self.preemption_mode == PreemptionMode.SWAP and self.bm.can_swap_out(seqs):
             for seq in seqs:
                 self.bm.events.append(KVEvent(ev.PREEMPT, seq.req_id, seq.sample, blocks=held[id(seq)],
-                                              num_tokens=seq.num_computed_tokens, reason="swap"))
+                                              num_tokens=seq.num_computed_tokens, reason=PreemptReason.SWAP))
             copies = self.bm.swap_out(seqs)
             for seq, mine in zip(seqs, copies):
                 out.swap_out.extend((pending_cow.get(d, d), h) for d, h in mine)
@@ -307,11 +308,12 @@ class Scheduler:
                 seq.num_swaps += 1
                 self.swapped.append(seq)
             return
-        reason = "recompute" if self.preemption_mode == "recompute" else "swap-full-fallback"
+        reason = (PreemptReason.RECOMPUTE if self.preemption_mode == PreemptionMode.RECOMPUTE
+                  else PreemptReason.SWAP_FULL_FALLBACK)
         for seq in seqs:
             self.bm.events.append(KVEvent(ev.PREEMPT, seq.req_id, seq.sample, blocks=held[id(seq)],
                                           num_tokens=seq.num_computed_tokens, reason=reason))
-            self.bm.free(seq, "preempt")
+            self.bm.free(seq, FreeReason.PREEMPT)
             seq.status = SequenceStatus.WAITING
             seq.protected = False
             self.waiting.appendleft(seq)
@@ -331,4 +333,4 @@ class Scheduler:
         else:
             self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.bm.free(seq, "finish")
+        self.bm.free(seq, FreeReason.FINISH)

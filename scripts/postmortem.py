@@ -90,7 +90,7 @@ def modelled_clock() -> Iterator[None]:
     clock = types.SimpleNamespace(perf_counter=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s),
                                   monotonic=time.monotonic)
     runner = engine.executor.model_runner.ModelRunner
-    saved = engine.llm_engine.time, kvtrace.record.replay.time, runner.execute
+    saved = vars(runner)["clock"], vars(runner)["sleep"], kvtrace.record.replay.time, runner.execute
     execute = runner.execute
 
     def timed_execute(self, out):
@@ -101,12 +101,13 @@ def modelled_clock() -> Iterator[None]:
             result.timing.forward = ms
         return result
 
-    engine.llm_engine.time = kvtrace.record.replay.time = clock
+    runner.clock, runner.sleep = staticmethod(clock.perf_counter), staticmethod(clock.sleep)
+    kvtrace.record.replay.time = clock
     runner.execute = timed_execute
     try:
         yield
     finally:
-        engine.llm_engine.time, kvtrace.record.replay.time, runner.execute = saved
+        runner.clock, runner.sleep, kvtrace.record.replay.time, runner.execute = saved
 
 
 class StoryBroken(Exception):

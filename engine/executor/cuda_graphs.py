@@ -3,7 +3,8 @@
 A decode step of a small model is a few hundred short kernels; launched one by one from Python, the
 launches, not the GPU, set the pace. At start-up the runner captures the decode forward once per
 batch size in CAPTURE_SIZES (largest first, sharing one memory pool); a decode-only step then pads
-its batch to the next captured size, copies its inputs into the graph's static buffers and replays.
+its batch to the next captured size, copies its rows (engine/executor/batch.py) into the graph's
+static buffers and replays.
 
 Static inputs, each a view of a buffer allocated once:
     vectors [4, max_batch]       rows: input_ids, positions, slots, context lengths
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.executor.batch import FlatBatch
 from engine.executor.step_inputs import StepInputs
 from engine.kernels import triton_attention
 from engine.model.llama import AttentionMetadata, LlamaModel
@@ -66,22 +68,21 @@ class DecodeGraphs:
             logits = self.model.forward(*inputs)
         return graph, logits
 
-    def run(self, seqs: list) -> torch.Tensor | None:
-        """Logits [len(seqs), vocab] of a decode-only batch, or None when it is larger than any graph."""
+    def run(self, batch: FlatBatch) -> torch.Tensor | None:
+        """Logits [num_decodes, vocab] of a decode-only batch, or None when it is larger than any graph."""
+        seqs = batch.decodes
         num_seqs = len(seqs)
         if num_seqs > self.max_batch:
             return None
         size = next(s for s in CAPTURE_SIZES if s >= num_seqs)
-        bs = self.block_size
         width = max(len(s.block_table) for s in seqs)
         pad = size - num_seqs
         # [input_ids | positions | slots | context lengths], each `size` long, then tables size x width
         buf = self.step_inputs.host(4 * size + size * width)
-        positions = [s.num_computed_tokens for s in seqs]
-        buf[:size] = [s.token_ids[p] for s, p in zip(seqs, positions)] + [0] * pad
+        positions = batch.positions
+        buf[:size] = batch.input_ids + [0] * pad
         buf[size:2 * size] = positions + [0] * pad
-        buf[2 * size:3 * size] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)] + \
-            [self.pad_slot] * pad
+        buf[2 * size:3 * size] = batch.slots + [self.pad_slot] * pad
         buf[3 * size:4 * size] = [p + 1 for p in positions] + [1] * pad
         at = 4 * size
         for s in seqs:

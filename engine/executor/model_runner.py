@@ -15,43 +15,17 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 
+from engine.executor import StepResult
+from engine.executor.batch import FlatBatch, flatten
 from engine.executor.cuda_graphs import DecodeGraphs
 from engine.executor.step_inputs import StepInputs
 from engine.kernels import host_memory, triton_attention
 from engine.model.llama import AttentionMetadata, LlamaModel
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
-
-
-@dataclass
-class StepTiming:
-    """Device timings of one step, resolved when `ready()`."""
-
-    forward: tuple | float | None = None                 # (start, end) CUDA events, or ms
-    swap_out: tuple | float | None = None
-    swap_in: tuple | float | None = None
-
-    def ready(self) -> bool:
-        return all(not isinstance(t, tuple) or t[1].query() for t in (self.forward, self.swap_out, self.swap_in))
-
-    @staticmethod
-    def ms(t: tuple | float | None) -> float | None:
-        if isinstance(t, tuple):
-            return t[0].elapsed_time(t[1])
-        return t
-
-
-@dataclass
-class StepResult:
-    sample_seqs: list[Sequence] = field(default_factory=list)  # sequences whose last token got logits
-    logits: torch.Tensor | None = None                           # [len(sample_seqs), vocab]
-    timing: StepTiming = field(default_factory=StepTiming)
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,6 +61,19 @@ def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, stage
 
 
 class ModelRunner:
+    """The Executor of the real engine: the model's forward on its KV tensors, then sampling."""
+
+    emits_token_ids = True
+
+    # the host's clock and sleep, each one place that a modelled clock can stand in for (scripts/postmortem.py)
+    @staticmethod
+    def clock() -> float:
+        return time.perf_counter()
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        time.sleep(seconds)
+
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_cpu_blocks: int) -> None:
         self.model = model
         self.device = model.device
@@ -125,6 +112,10 @@ class ModelRunner:
             max_blocks_per_seq = min(num_blocks, -(-c.max_position_embeddings // block_size))
             self.decode_graphs = DecodeGraphs(model, self.kv_caches, num_blocks, max_blocks_per_seq,
                                               self.step_inputs)
+
+    def idle_until(self, t: float) -> None:
+        """Nothing to run before clock time `t`: sleep towards it, at most 50 ms (arrivals may come sooner)."""
+        self.sleep(min(max(t - self.clock(), 0.0), 0.05))
 
     # ---- KV copies ----------------------------------------------------------------------
     def _event_pair(self) -> tuple:
@@ -198,126 +189,76 @@ class ModelRunner:
             self.copy_blocks(out.copies)
         if not out.seqs:
             return result
+        batch = flatten(out, self.block_size)
+        result.sample_seqs = batch.sample_seqs
+        result.num_decode_tokens, result.num_prefill_tokens = batch.num_decodes, batch.num_prefill_tokens
         if self.is_cuda:
-            return self._execute_on_cuda(out, result)
-        prepare = self._prepare_paged if self.paged_inputs else self._prepare
-        meta, input_ids, positions, logit_rows, result.sample_seqs = prepare(out, result)
+            return self._execute_on_cuda(batch, result)
+        to_tensors = self._paged_tensors if self.paged_inputs else self._tensors
+        meta, input_ids, positions, logit_rows = to_tensors(batch)
         t0 = time.perf_counter()
         result.logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logit_rows)
         result.timing.forward = (time.perf_counter() - t0) * 1000
         return result
 
-    def _execute_on_cuda(self, out: SchedulerOutput, result: StepResult) -> StepResult:
+    def _execute_on_cuda(self, batch: FlatBatch, result: StepResult) -> StepResult:
         """The forward between two CUDA events, from a graph when the batch is decode-only and small
         enough. Nothing here waits for the device: the host first reads it when sampling."""
         stream = torch.cuda.current_stream(self.device)
         start, end = self._event_pair()
-        if self.decode_graphs is not None and not any(s.is_prefilling for s in out.seqs):
+        if self.decode_graphs is not None and not batch.chunk_rows:
             start.record(stream)
-            result.logits = self.decode_graphs.run(out.seqs)
-            result.sample_seqs, result.num_decode_tokens = list(out.seqs), len(out.seqs)
+            result.logits = self.decode_graphs.run(batch)
         if result.logits is None:  # prefill chunks in the batch, or more decodes than any graph
-            meta, input_ids, positions, logit_rows, result.sample_seqs = self._prepare_paged(out, result)
+            meta, input_ids, positions, logit_rows = self._paged_tensors(batch)
             start.record(stream)
             result.logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logit_rows)
         end.record(stream)
         result.timing.forward = (start, end)
         return result
 
-    def _prepare(self, out: SchedulerOutput, result: StepResult):
-        """Flatten the batch: decodes first, then prefill chunks (see AttentionMetadata)."""
-        bs = self.block_size
-        decodes: list[Sequence] = []
-        prefills: list[tuple[Sequence, int]] = []
-        for seq, num_new in zip(out.seqs, out.num_new_tokens):
-            if not seq.is_prefilling:
-                decodes.append(seq)
-            else:
-                prefills.append((seq, num_new))
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_seqs: list[Sequence] = []
-        logit_rows: list[int] = []
-        for row, seq in enumerate(decodes):
-            pos = seq.num_computed_tokens
-            input_ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-            sample_seqs.append(seq)
-            logit_rows.append(row)
-        prefill_meta = []
-        for seq, num_new in prefills:
-            row = len(input_ids)
-            start = seq.num_computed_tokens
-            end = start + num_new
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            block_ids = torch.tensor(table[:-(-end // bs)], device=self.device) if start else None
-            prefill_meta.append((row, num_new, start, block_ids))
-            if end == seq.num_tokens:
-                sample_seqs.append(seq)
-                logit_rows.append(row + num_new - 1)
-        result.num_decode_tokens = len(decodes)
-        result.num_prefill_tokens = len(input_ids) - len(decodes)
+    def _tensors(self, batch: FlatBatch) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch's metadata, input ids, positions and logit rows, one tensor per list (the CPU
+        kernels' and torch's path on CPU)."""
+        device = self.device
+        decodes = batch.decodes
         decode_tables = decode_lens = None
         if decodes:
             max_blocks = max(len(s.block_table) for s in decodes)
             decode_tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes],
-                                         device=self.device)
-            decode_lens = torch.tensor([s.num_computed_tokens + 1 for s in decodes], device=self.device)
+                                         device=device)
+            decode_lens = torch.tensor([p + 1 for p in batch.positions[:len(decodes)]], device=device)
+        prefills = [(row, n, start, torch.tensor(table, device=device) if start else None)
+                    for row, n, start, table in zip(batch.chunk_rows, batch.chunk_lens, batch.chunk_starts,
+                                                    batch.prefill_tables)]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=self.device),
+            slot_mapping=torch.tensor(batch.slots, device=device),
             num_decodes=len(decodes),
             decode_block_tables=decode_tables,
             decode_context_lens=decode_lens,
-            prefills=prefill_meta,
+            prefills=prefills,
         )
-        return (meta, torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
-                torch.tensor(logit_rows, dtype=torch.long, device=self.device), sample_seqs)
+        return (meta, torch.tensor(batch.input_ids, device=device), torch.tensor(batch.positions, device=device),
+                torch.tensor(batch.logit_rows, dtype=torch.long, device=device))
 
-
-    def _prepare_paged(self, out: SchedulerOutput, result: StepResult):
-        """`_prepare`'s result, every integer sent in one copy (step_inputs.py), plus the prefill chunks'
+    def _paged_tensors(self, batch: FlatBatch) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_tensors`'s result, every integer sent in one copy (step_inputs.py), plus the prefill chunks'
         block tables for the Triton kernel. Layout of the one int64 buffer:
             [input_ids T | positions T | slots T | logit_rows R | decode lens D | chunks 3 x P |
              decode tables D x wd | prefill tables P x wp]
         """
-        bs = self.block_size
-        decodes = [s for s in out.seqs if not s.is_prefilling]
-        prefills = [(s, n) for s, n in zip(out.seqs, out.num_new_tokens) if s.is_prefilling]
-        input_ids = [s.token_ids[s.num_computed_tokens] for s in decodes]
-        positions = [s.num_computed_tokens for s in decodes]
-        sample_seqs = list(decodes)
-        logit_rows = list(range(len(decodes)))
-        chunk_rows, chunk_lens, chunk_starts, prefill_tables = [], [], [], []
-        for seq, num_new in prefills:
-            row, start, end = len(input_ids), seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            chunk_rows.append(row)
-            chunk_lens.append(num_new)
-            chunk_starts.append(start)
-            prefill_tables.append(seq.block_table[:-(-end // bs)])
-            if end == seq.num_tokens:
-                sample_seqs.append(seq)
-                logit_rows.append(row + num_new - 1)
-        decode_tables = [s.block_table for s in decodes]
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(decode_tables, positions)]
-        for (seq, _), row, n in zip(prefills, chunk_rows, chunk_lens):
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in positions[row:row + n])
-        nt, nr, nd, npf = len(input_ids), len(logit_rows), len(decodes), len(prefills)
+        decode_tables = [s.block_table for s in batch.decodes]
+        prefill_tables = batch.prefill_tables
+        positions, chunk_lens = batch.positions, batch.chunk_lens
+        nt, nr, nd, npf = len(batch.input_ids), len(batch.logit_rows), len(decode_tables), len(prefill_tables)
         wd = max((len(t) for t in decode_tables), default=0)
         wp = max((len(t) for t in prefill_tables), default=0)
         size = 3 * nt + nr + nd + 3 * npf + nd * wd + npf * wp
         buf = self.step_inputs.host(size)
-        buf[:nt], buf[nt:2 * nt], buf[2 * nt:3 * nt] = input_ids, positions, slots
+        buf[:nt], buf[nt:2 * nt], buf[2 * nt:3 * nt] = batch.input_ids, positions, batch.slots
         at = 3 * nt
-        for values in (logit_rows, [s.num_computed_tokens + 1 for s in decodes], chunk_rows, chunk_lens,
-                       chunk_starts):
+        for values in (batch.logit_rows, [p + 1 for p in positions[:nd]], batch.chunk_rows, chunk_lens,
+                       batch.chunk_starts):
             buf[at:at + len(values)] = values
             at += len(values)
         for rows, width in ((decode_tables, wd), (prefill_tables, wp)):
@@ -329,22 +270,25 @@ class ModelRunner:
         views = dev.split([nt, nt, nt, nr, nd, 3 * npf, nd * wd, npf * wp])
         input_t, positions_t, slots_t, rows_t, lens_t, chunks_t, dtables_t, ptables_t = views
         ptables_t = ptables_t.view(npf, wp)
-        result.num_decode_tokens = nd
-        result.num_prefill_tokens = nt - nd
         meta = AttentionMetadata(
             slot_mapping=slots_t,
             num_decodes=nd,
             decode_block_tables=dtables_t.view(nd, wd) if nd else None,
             decode_context_lens=lens_t if nd else None,
             prefills=[(row, n, start, ptables_t[i, :len(prefill_tables[i])] if start else None)
-                      for i, (row, n, start) in enumerate(zip(chunk_rows, chunk_lens, chunk_starts))],
+                      for i, (row, n, start) in enumerate(zip(batch.chunk_rows, chunk_lens, batch.chunk_starts))],
             prefill_chunks=chunks_t.view(3, npf) if npf else None,
             prefill_block_tables=ptables_t if npf else None,
             max_prefill_len=max(chunk_lens, default=0),
             decode_num_splits=triton_attention.decode_num_splits(nd, self.model.config.num_kv_heads,
                                                                  max(positions[:nd]) + 1) if nd else 1,
         )
-        return meta, input_t, positions_t, rows_t, sample_seqs
+        return meta, input_t, positions_t, rows_t
+
+    def sample(self, result: StepResult, seqs: list[Sequence], rows: list[int]) -> list[int]:
+        """Tokens of `seqs` from their logit rows (the module's sample(), below)."""
+        logits = result.logits if len(rows) == len(result.sample_seqs) else result.logits[rows]
+        return sample(logits, seqs)
 
 
 def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:

@@ -1,8 +1,9 @@
 """The simulated executor: runs nothing, predicts each step's duration, and keeps virtual time.
 
-It stands where the ModelRunner stands: the engine hands it the scheduler's output and gets a
-StepResult back (the sequences that receive a token, the step's composition, its timings), so every
-KV decision around it is the real scheduler's and block manager's. No weights, no KV tensors.
+It stands where the ModelRunner stands (both are engine/executor's Executor): the engine hands it
+the scheduler's output and gets a StepResult back (the sequences that receive a token, the step's
+composition, its timings), so every KV decision around it is the real scheduler's and block
+manager's. No weights, no KV tensors.
 
 Tokens are placeholders: the engine records them as null. A placeholder still enters the prefix
 cache's block hashes, so it is chosen to keep the real engine's equalities: greedy decoding continues
@@ -12,8 +13,8 @@ request stops at its `output_tokens` or `max_tokens`, never at EOS.
 """
 from __future__ import annotations
 
+from engine.executor import StepResult
 from engine.executor.cost_model import CostModel
-from engine.executor.model_runner import StepResult
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 
@@ -21,7 +22,10 @@ GREEDY_TOKEN = -1
 
 
 class SimExecutor:
+    """The Executor of `--engine sim`: virtual time, predicted step durations, placeholder tokens."""
+
     is_cuda = False
+    emits_token_ids = False   # placeholders: the trace records them as null
 
     def __init__(self, cost: CostModel, bytes_per_block: int) -> None:
         self.cost = cost
@@ -31,8 +35,8 @@ class SimExecutor:
     def clock(self) -> float:
         return self.now_s
 
-    def advance_to(self, t: float) -> None:
-        """Idle until `t` (nothing to run before the next arrival)."""
+    def idle_until(self, t: float) -> None:
+        """Idle until `t` (nothing to run before the next arrival): virtual time jumps there."""
         if t > self.now_s:
             self.now_s = t
 
@@ -74,8 +78,7 @@ class SimExecutor:
         self.now_s += total_ms / 1000
         return result
 
-    @staticmethod
-    def tokens(seqs: list[Sequence]) -> list[int]:
-        """Placeholder tokens for the sequences that sample this step."""
+    def sample(self, result: StepResult, seqs: list[Sequence], rows: list[int]) -> list[int]:
+        """Placeholder tokens for the sequences that sample this step (no logits: `rows` unused)."""
         return [GREEDY_TOKEN if seq.params.greedy else -2 - hash((seq.params.seed, seq.sample)) % (1 << 30)
                 for seq in seqs]

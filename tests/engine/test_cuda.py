@@ -88,7 +88,7 @@ def test_triton_graphs_cow_and_prefix_hits_match_dense_reference(make_engine, ti
     seen = capture_logits(engine)
     graph_steps = []
     run = engine.runner.decode_graphs.run
-    engine.runner.decode_graphs.run = lambda seqs: graph_steps.append(len(seqs)) or run(seqs)
+    engine.runner.decode_graphs.run = lambda batch: graph_steps.append(batch.num_decodes) or run(batch)
     for i, (prompt, max_tokens) in enumerate(shared_prefix_workload(random.Random(3), 8)):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=1 + i % 2))
         engine.step()  # staggered arrivals: later prompts hit the earlier ones' cached blocks

@@ -1,0 +1,68 @@
+"""A scheduled batch flattened into token rows: what every forward path of the model runner reads.
+
+The runner turns this into tensors in one of two ways (model_runner.py): one tensor per list (the
+CPU path), or every integer in one copy (CUDA and Triton, step_inputs.py); a decode-only batch on
+CUDA replays a graph from the same rows (cuda_graphs.py). Rows are laid out decodes first, then
+prefill chunks (see AttentionMetadata):
+
+    rows:  [ d0 d1 ... d(D-1) | chunk 0: positions start0 .. end0-1 | chunk 1 ... ]
+           a decode computes one token, at position num_computed_tokens
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class FlatBatch:
+    decodes: list[Sequence]          # [D] sequences that compute one token, in batch order
+    input_ids: list[int]             # [T] the token each row computes
+    positions: list[int]             # [T] its position in its sequence
+    slots: list[int]                 # [T] where its K and V go: block_table[pos // bs] * bs + pos % bs
+    sample_seqs: list[Sequence]      # sequences whose last row gets logits: every decode, each finished prefill
+    logit_rows: list[int]            # [R] those rows
+    chunk_rows: list[int]            # [P] each prefill chunk's first row
+    chunk_lens: list[int]            # [P] its number of tokens
+    chunk_starts: list[int]          # [P] its first position (0: nothing before it in the cache)
+    prefill_tables: list[list[int]]  # [P] the block ids that cover positions 0 .. the chunk's end
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decodes)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return len(self.input_ids) - len(self.decodes)
+
+
+def flatten(out: SchedulerOutput, block_size: int) -> FlatBatch:
+    """The step's tokens as rows, decodes first, then prefill chunks."""
+    bs = block_size
+    decodes = [s for s in out.seqs if not s.is_prefilling]
+    prefills = [(s, n) for s, n in zip(out.seqs, out.num_new_tokens) if s.is_prefilling]
+    positions = [s.num_computed_tokens for s in decodes]
+    input_ids = [s.token_ids[p] for s, p in zip(decodes, positions)]
+    slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, positions)]
+    sample_seqs = list(decodes)
+    logit_rows = list(range(len(decodes)))
+    chunk_rows, chunk_lens, chunk_starts, prefill_tables = [], [], [], []
+    for seq, num_new in prefills:
+        row, start = len(input_ids), seq.num_computed_tokens
+        end = start + num_new
+        table = seq.block_table
+        input_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        chunk_rows.append(row)
+        chunk_lens.append(num_new)
+        chunk_starts.append(start)
+        prefill_tables.append(table[:-(-end // bs)])
+        if end == seq.num_tokens:
+            sample_seqs.append(seq)
+            logit_rows.append(row + num_new - 1)
+    return FlatBatch(decodes=decodes, input_ids=input_ids, positions=positions, slots=slots,
+                     sample_seqs=sample_seqs, logit_rows=logit_rows, chunk_rows=chunk_rows, chunk_lens=chunk_lens,
+                     chunk_starts=chunk_starts, prefill_tables=prefill_tables)

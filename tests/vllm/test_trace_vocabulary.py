@@ -1,0 +1,59 @@
+"""The vLLM capture writes the engine's trace vocabulary: its event kinds and reason strings are the
+values of engine/events.py's constants. The capture runs inside vLLM's environment and cannot import
+the engine, so it spells them out; this reads its source and checks every spelling."""
+from __future__ import annotations
+
+import ast
+from enum import StrEnum
+from pathlib import Path
+
+from engine import events as ev
+
+CAPTURE = Path(__file__).resolve().parents[1] / "kvtrace" / "vllm" / "capture" / "scheduler.py"
+CAPTURE_ONLY = {"other"}   # a block vLLM allocates or frees outside any step the capture can attribute
+
+
+def _strings(node: ast.AST | None) -> set[str]:
+    """The string constants an expression can evaluate to (through conditional expressions)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, ast.IfExp):
+        return _strings(node.body) | _strings(node.orelse)
+    return set()
+
+
+def _capture_vocabulary() -> dict[str, set[str]]:
+    tree = ast.parse(CAPTURE.read_text())
+    found: dict[str, set[str]] = {"kind": set(), "event reason": set(), "alloc_reason": set(),
+                                  "free_reason": set(), "reason": set(), "finish": set()}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Tuple) and len(node.elts) == 7 and _strings(node.elts[0]):
+            found["kind"] |= _strings(node.elts[0])          # (kind, req, blocks, num_tokens, reason, ...)
+            found["event reason"] |= _strings(node.elts[4])
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
+                if name in ("alloc_reason", "free_reason", "reason"):
+                    found[name] |= _strings(node.value)
+                if name == "FINISH_REASONS":
+                    found["finish"] |= {s for v in node.value.values for s in _strings(v)}
+    return found
+
+
+def _values(enum: type[StrEnum]) -> set[str]:
+    return {m.value for m in enum}
+
+
+def test_the_capture_writes_the_engines_event_kinds_and_reasons():
+    found = _capture_vocabulary()
+    kinds = {v for k, v in vars(ev).items() if k.isupper() and isinstance(v, str) and not k.startswith("REPREFILL_")}
+    assert found["kind"] and found["kind"] <= kinds, found["kind"] - kinds
+    assert found["alloc_reason"] <= _values(ev.AllocReason) | CAPTURE_ONLY, found["alloc_reason"]
+    assert found["free_reason"] <= _values(ev.FreeReason) | CAPTURE_ONLY, found["free_reason"]
+    assert found["finish"] and found["finish"] <= _values(ev.FinishReason), found["finish"]
+    assert found["reason"] <= _values(ev.AdmitReason), found["reason"]
+    event_reasons = (_values(ev.PreemptReason) | _values(ev.AdmitReason) | {ev.REPREFILL_INTERRUPTED})
+    assert found["event reason"] <= event_reasons, found["event reason"] - event_reasons
+    # every hand-written spelling was seen: the walk above did not miss the capture's event tuples
+    assert {"alloc", "free", "admit", "prefix_hit", "preempt", "reprefill", "finish"} <= found["kind"]
+    assert {"prefill", "decode"} <= found["alloc_reason"] and {"preempt", "finish"} <= found["free_reason"]
