@@ -49,61 +49,61 @@ class DeferredSignals:
 @app.command()
 @user_errors
 def record(
-    workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload JSONL (see docs/workload-format.md).")],
-    model: Annotated[str, typer.Option(help=f"Model: {PRESETS_HELP}.")] = "smollm2-135m",
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Run folder (default: traces/runs/<time>-<model>, and traces/runs/latest points to it).")] = None,
-    engine: Annotated[str, typer.Option(help="real (run the model), sim (the same scheduler and block manager, "
+    workload: Annotated[Path, typer.Option("--workload", "-w", rich_help_panel="Workload and run", help="Workload JSONL (see docs/workload-format.md).")],
+    model: Annotated[str, typer.Option(rich_help_panel="Model and device", help=f"Model: {PRESETS_HELP}.")] = "smollm2-135m",
+    out: Annotated[Path | None, typer.Option("--out", "-o", rich_help_panel="Workload and run", help="Run folder (default: traces/runs/<time>-<model>, and traces/runs/latest points to it).")] = None,
+    engine: Annotated[str, typer.Option(rich_help_panel="Model and device", help="real (run the model), sim (the same scheduler and block manager, "
                                              "step times from a cost model, virtual time; see docs/simulation.md) "
                                              "or vllm (an unmodified vLLM, recorded from inside; see docs/vllm.md).")] = "real",
-    hardware: Annotated[str | None, typer.Option(help="--engine sim: h100-sxm (default), h200, a100-80gb, l40s, "
+    hardware: Annotated[str | None, typer.Option(rich_help_panel="Model and device", help="--engine sim: h100-sxm (default), h200, a100-80gb, l40s, "
                                                       "cpu-here, or a profile JSON from kvtrace calibrate.")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
-    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16 (default: float32; bfloat16 with --engine sim).")] = None,
-    load_format: Annotated[str, typer.Option(help="auto, or dummy for random weights of the model's shape.")] = "auto",
-    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
-    num_gpu_blocks: Annotated[int | None, typer.Option(help="Device KV blocks (overrides --kv-cache-memory).")] = None,
-    kv_cache_memory: Annotated[str | None, typer.Option(help="Device KV pool size, bytes or e.g. 2GiB.")] = None,
-    num_cpu_blocks: Annotated[int | None, typer.Option(help="Host swap blocks.")] = None,
-    swap_space: Annotated[str | None, typer.Option(help="Host swap space, bytes or e.g. 4GiB.")] = None,
-    gpu_memory_utilization: Annotated[float | None, typer.Option(help="Size the KV pool as vLLM does: this share of the device's memory, less weights and activations (CUDA or --engine sim).")] = None,
-    kv_reserve: Annotated[str, typer.Option(help="none (on-demand paging), max-model-len or max-tokens: a request holds the blocks of its whole context from admission, as pre-paging servers did.")] = "none",
-    preemption_mode: Annotated[str, typer.Option(help="recompute (vLLM V1) or swap (vLLM V0's, falling back to "
+    device: Annotated[str, typer.Option(rich_help_panel="Model and device", help="cpu or cuda[:N].")] = "cpu",
+    dtype: Annotated[str | None, typer.Option(rich_help_panel="Model and device", help="float32, bfloat16 or float16 (default: float32; bfloat16 with --engine sim).")] = None,
+    load_format: Annotated[str, typer.Option(rich_help_panel="Model and device", help="auto, or dummy for random weights of the model's shape.")] = "auto",
+    block_size: Annotated[int, typer.Option(rich_help_panel="KV cache", help="Tokens per KV block.")] = 16,
+    num_gpu_blocks: Annotated[int | None, typer.Option(rich_help_panel="KV cache", help="Device KV blocks (overrides --kv-cache-memory).")] = None,
+    kv_cache_memory: Annotated[str | None, typer.Option(rich_help_panel="KV cache", help="Device KV pool size, bytes or e.g. 2GiB.")] = None,
+    num_cpu_blocks: Annotated[int | None, typer.Option(rich_help_panel="KV cache", help="Host swap blocks.")] = None,
+    swap_space: Annotated[str | None, typer.Option(rich_help_panel="KV cache", help="Host swap space, bytes or e.g. 4GiB.")] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(rich_help_panel="KV cache", help="Size the KV pool as vLLM does: this share of the device's memory, less weights and activations (CUDA or --engine sim).")] = None,
+    kv_reserve: Annotated[str, typer.Option(rich_help_panel="KV cache", help="none (on-demand paging), max-model-len or max-tokens: a request holds the blocks of its whole context from admission, as pre-paging servers did.")] = "none",
+    preemption_mode: Annotated[str, typer.Option(rich_help_panel="Scheduling", help="recompute (vLLM V1) or swap (vLLM V0's, falling back to "
                                                       "recompute when host space runs out).")] = "recompute",
-    preemption_policy: Annotated[str, typer.Option(help="newest or priority (vLLM V1), fewest-computed or "
+    preemption_policy: Annotated[str, typer.Option(rich_help_panel="Scheduling", help="newest or priority (vLLM V1), fewest-computed or "
                                                         "newest-sparing (kvtrace's; see docs/scheduling.md).")] = "newest",
-    n_mode: Annotated[str, typer.Option(help="n > 1: independent (vLLM V1: n requests sharing the prompt through "
+    n_mode: Annotated[str, typer.Option(rich_help_panel="Scheduling", help="n > 1: independent (vLLM V1: n requests sharing the prompt through "
                                              "the prefix cache) or cow (vLLM V0: one prefill, samples forked "
                                              "with copy-on-write).")] = "independent",
-    max_num_seqs: Annotated[int | None, typer.Option(help="Most sequences in a batch (default: vLLM's for the "
+    max_num_seqs: Annotated[int | None, typer.Option(rich_help_panel="Scheduling", help="Most sequences in a batch (default: vLLM's for the "
                                                           "device: 256 on CPU, 1024 on an H100/H200).")] = None,
-    max_num_batched_tokens: Annotated[int | None, typer.Option(help="Token budget of a step (default: vLLM's for "
+    max_num_batched_tokens: Annotated[int | None, typer.Option(rich_help_panel="Scheduling", help="Token budget of a step (default: vLLM's for "
                                                                     "the device: 4096 on CPU, 16384 on an H100/H200).")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="Longest sequence (default: the model's).")] = None,
-    watermark: Annotated[float, typer.Option(help="Fraction of the pool kept free when admitting while other "
+    max_model_len: Annotated[int | None, typer.Option(rich_help_panel="Scheduling", help="Longest sequence (default: the model's).")] = None,
+    watermark: Annotated[float, typer.Option(rich_help_panel="KV cache", help="Fraction of the pool kept free when admitting while other "
                                                   "requests run (vLLM V1's; default 0).")] = 0.0,
-    long_prefill_token_threshold: Annotated[int, typer.Option(help="Cap a prefill chunk at this many tokens while "
+    long_prefill_token_threshold: Annotated[int, typer.Option(rich_help_panel="Scheduling", help="Cap a prefill chunk at this many tokens while "
                                                                    "other requests run (vLLM V1's; 0: no cap).")] = 0,
-    enable_chunked_prefill: Annotated[bool, typer.Option(help="Split prompts over steps; --no-enable-chunked-prefill: "
-                                                              "a prompt waits until it fits one step's budget.")] = True,
-    async_scheduling: Annotated[bool, typer.Option(help="Schedule each step before the last one's output is "
+    enable_chunked_prefill: Annotated[bool, typer.Option(rich_help_panel="Switches", help="Split prompts over steps; off: a prompt "
+                                                              "waits until it fits one step's budget.")] = True,
+    async_scheduling: Annotated[bool, typer.Option(rich_help_panel="Switches", help="Schedule each step before the last one's output is "
                                                         "processed (vLLM V1's default on GPUs; finished requests free "
                                                         "their blocks a step later).")] = False,
-    enable_prefix_caching: Annotated[bool, typer.Option(help="Share cached full blocks between requests.")] = True,
-    seed: Annotated[int, typer.Option(help="Seed for synthesised prompts, sampling and dummy weights.")] = 0,
-    max_requests: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
-    time_scale: Annotated[float | None, typer.Option(help="Arrivals X times faster than the workload says.")] = None,
-    backlog: Annotated[bool, typer.Option(help="All requests arrive at t=0.")] = False,
-    no_token_ids: Annotated[bool, typer.Option("--no-token-ids", help="Do not record token ids.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
-    vllm_python: Annotated[str | None, typer.Option(help="--engine vllm: the Python of your vLLM environment "
+    enable_prefix_caching: Annotated[bool, typer.Option(rich_help_panel="Switches", help="Share cached full blocks between requests.")] = True,
+    seed: Annotated[int, typer.Option(rich_help_panel="Workload and run", help="Seed for synthesised prompts, sampling and dummy weights.")] = 0,
+    max_requests: Annotated[int | None, typer.Option(rich_help_panel="Workload and run", help="Replay only the first N requests.")] = None,
+    time_scale: Annotated[float | None, typer.Option(rich_help_panel="Workload and run", help="Arrivals X times faster than the workload says.")] = None,
+    backlog: Annotated[bool, typer.Option(rich_help_panel="Switches", help="All requests arrive at t=0.")] = False,
+    no_token_ids: Annotated[bool, typer.Option("--no-token-ids", rich_help_panel="Workload and run", help="Do not record token ids.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel="Workload and run", help="No progress bar or summary.")] = False,
+    vllm_python: Annotated[str | None, typer.Option(rich_help_panel="vLLM", help="--engine vllm: the Python of your vLLM environment "
                                                          "(default: $KVTRACE_VLLM_PYTHON, or this one if it imports vllm).")] = None,
-    vllm_arg: Annotated[list[str] | None, typer.Option(help="--engine vllm: any other vLLM engine argument, KEY=VALUE "
+    vllm_arg: Annotated[list[str] | None, typer.Option(rich_help_panel="vLLM", help="--engine vllm: any other vLLM engine argument, KEY=VALUE "
                                                            "(repeatable), e.g. enforce_eager=true.")] = None,
-    endpoint: Annotated[str | None, typer.Option(help="Replay against a running vllm serve that captures (http://HOST:PORT; "
+    endpoint: Annotated[str | None, typer.Option(rich_help_panel="vLLM", help="Replay against a running vllm serve that captures (http://HOST:PORT; "
                                                       "implies --engine vllm; see kvtrace vllm-env).")] = None,
-    capture_dir: Annotated[Path | None, typer.Option(help="--endpoint: the server's capture folder (KVTRACE_CAPTURE_DIR).")] = None,
-    request_timeout: Annotated[float, typer.Option(help="--endpoint: seconds a request may wait for its next token.")] = 600.0,
-    self_check: Annotated[bool, typer.Option(help="--engine vllm: compare, every step, the pool state the captured "
+    capture_dir: Annotated[Path | None, typer.Option(rich_help_panel="vLLM", help="--endpoint: the server's capture folder (KVTRACE_CAPTURE_DIR).")] = None,
+    request_timeout: Annotated[float, typer.Option(rich_help_panel="vLLM", help="--endpoint: seconds a request may wait for its next token.")] = 600.0,
+    self_check: Annotated[bool, typer.Option(rich_help_panel="Switches", help="--engine vllm: compare, every step, the pool state the captured "
                                                   "events describe with vLLM's own (slower; the result is in meta.json).")] = False,
     sweep_point: Annotated[str | None, typer.Option(hidden=True, help="Set by kvtrace sweep: the point, as JSON, "
                                                                       "kept in meta.json under 'sweep'.")] = None,
