@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine import events as ev
 
-CAPTURE = Path(__file__).resolve().parents[1] / "kvtrace" / "vllm" / "capture" / "scheduler.py"
+CAPTURE = Path(__file__).resolve().parents[2] / "kvtrace" / "vllm" / "capture" / "scheduler.py"
 CAPTURE_ONLY = {"other"}   # a block vLLM allocates or frees outside any step the capture can attribute
 
 
