@@ -21,7 +21,7 @@ from kvtrace.sweep import view as sweep_view
 from kvtrace.trace import db
 from kvtrace.views import dashboard
 from kvtrace.views import report as report_charts
-from kvtrace.views.dashboard import view as dashboard_view  # the dashboard of runs at a width (tests render it)
+from kvtrace.views.dashboard import view as dashboard_view  # the dashboard of runs at a width
 
 PARAM_HELP = "A parameter of the analyses shown (SLOs, thrash thresholds, ITL cliff threshold), NAME=VALUE."
 
