@@ -8,6 +8,7 @@ from functools import wraps
 from typing import TypeVar
 
 import typer
+from typer.core import TyperCommand
 
 from kvtrace.errors import KvtraceError
 
@@ -69,12 +70,34 @@ def paragraphs(text: str) -> str:
                        for p in inspect.cleandoc(text).split("\n\n"))
 
 
+class SwitchesAsOneName(TyperCommand):
+    """A command whose --help shows an on/off switch as one name, `--[no-]enable-prefix-caching`.
+    Typer gives the two forms a column each, and at 80 columns Rich then cuts both
+    ("--enable-chunked-pr…  --no-enable-chunke…"). Only the help changes: both forms still parse."""
+
+    def format_help(self, ctx, formatter) -> None:
+        switches = [(p, p.opts) for p in self.params
+                    if len(p.opts) == 1 and p.secondary_opts == ["--no-" + p.opts[0].removeprefix("--")]]
+        try:
+            for param, opts in switches:
+                param.opts, param.secondary_opts = ["--[no-]" + opts[0].removeprefix("--")], []
+                param._get_default_string = lambda *, _on=bool(param.default), **_: "on" if _on else "off"
+            super().format_help(ctx, formatter)
+        finally:
+            for param, opts in switches:
+                param.opts, param.secondary_opts = opts, ["--no-" + opts[0].removeprefix("--")]
+                del param._get_default_string
+
+
 def reflow_help(typer_app: typer.Typer) -> None:
     """Every command's and group's help under `typer_app` as `paragraphs` (the options' help Typer
-    already reflows). Run once every command module has registered its commands."""
+    already reflows), its switches shown as one name each (SwitchesAsOneName). Run once every
+    command module has registered its commands."""
     if typer_app.info.help:
         typer_app.info.help = paragraphs(typer_app.info.help)
     for command in typer_app.registered_commands:
+        if command.cls in (None, TyperCommand):
+            command.cls = SwitchesAsOneName
         text = command.help or inspect.getdoc(command.callback)
         command.help = paragraphs(text) if text else text
     for group in typer_app.registered_groups:

@@ -102,6 +102,7 @@ def find_paragraph(lines: list[str], text: str, width: int) -> str | None:
 def test_help_reads_as_wrapped_paragraphs(path, command, width):
     lines = render(path, width)
     assert all(len(line) <= width for line in lines), "\n".join(lines)
+    assert not [line for line in lines if "…" in line], "cut short:\n" + "\n".join(lines)
     texts = expected(command, options=(path, width) not in OPTIONS_TOO_WIDE)
     assert texts, f"kvtrace {' '.join(path)} has no help"
     problems = {text: problem for text in texts if (problem := find_paragraph(lines, text, width))}
@@ -117,3 +118,16 @@ def test_the_checker_sees_a_hard_line_break():
     assert find_paragraph(boxed, text, 30) is None
     assert find_paragraph(["│ --opt  one two three      │", "│        four five six      │"], text, 30)
     assert find_paragraph([" one two", " three"], text, 30) == "not shown whole in one column"
+
+
+def test_a_switch_shows_one_name_and_keeps_both_forms():
+    """A --x/--no-x switch reads `--[no-]x` with its default as on/off, and after the help has been
+    shown both forms still parse and the sweep still finds the off form."""
+    from kvtrace.sweep.grid import record_knobs
+
+    lines = render(("record",), 80)
+    assert any("--[no-]enable-prefix-caching" in line for line in lines)
+    command = typer.main.get_command(app).commands["record"]
+    assert record_knobs(command)["enable_prefix_caching"].off_flag == "--no-enable-prefix-caching"
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        assert runner.invoke(app, ["record", flag, "--help"]).exit_code == 0
