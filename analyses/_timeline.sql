@@ -20,6 +20,8 @@
 --                     (runs.ordinal + 1) * 2^40 + kv_events.seq, unique among many runs
 --   flow_step         the step that preempted or resumed it, where the flow starts
 --
+-- _timeline_flows: the flows starting at each step that starts one: step, flow_ids (ascending)
+--
 -- _timeline_steps: one row per step, the engine track's slices:
 --   step, start_ns, end_ns, name (prefill | decode | prefill+decode | empty, with " +recompute"
 --   when it recomputed positions), device_ms, prefill_tokens, decode_tokens, recompute_tokens,
@@ -34,7 +36,8 @@
 --
 -- _timeline_engine: _timeline_steps and _timeline_instants as one stream for the engine track, to
 -- be read in order of (step, part, ts_ns, seq): a step's row (part 0: ts_ns = its start, end_ns,
--- the step's columns) comes before its instants (part 1: the instant's columns)
+-- the step's columns) comes before its instants (part 1: the instant's columns). A filter on step
+-- reaches the tables' scans, so the stream can be read a window of steps at a time
 --
 -- _step_counters: one row per step, the counters after its scheduling, at its start:
 --   step, ts_ns, free_blocks, used_blocks, cached_blocks, kv_tokens, running, waiting, swapped
@@ -68,13 +71,13 @@ SELECT m.run_id, m.req_id, m.sample, m.state, _ns(m.start_s) AS start_ns, _ns(m.
        CASE WHEN m.has_flow THEN m.step END AS flow_step
 FROM marked m JOIN runs r USING (run_id);
 
+CREATE OR REPLACE VIEW _timeline_flows AS
+SELECT run_id, flow_step AS step, list(flow_id ORDER BY flow_id) AS flow_ids
+FROM _timeline_phases
+WHERE flow_id IS NOT NULL
+GROUP BY run_id, flow_step;
+
 CREATE OR REPLACE VIEW _timeline_steps AS
-WITH flows AS (
-    SELECT run_id, flow_step AS step, list(flow_id ORDER BY flow_id) AS flow_ids
-    FROM _timeline_phases
-    WHERE flow_id IS NOT NULL
-    GROUP BY run_id, flow_step
-)
 SELECT s.run_id, s.step, _ns(s.start_s) AS start_ns, _ns(s.end_s) AS end_ns,
        CASE WHEN s.prefill_tokens > 0 AND s.decode_tokens > 0 THEN 'prefill+decode'
             WHEN s.prefill_tokens > 0 THEN 'prefill'
@@ -83,7 +86,7 @@ SELECT s.run_id, s.step, _ns(s.start_s) AS start_ns, _ns(s.end_s) AS end_ns,
        || CASE WHEN s.recompute_tokens > 0 THEN ' +recompute' ELSE '' END AS name,
        s.device_ms, s.prefill_tokens, s.decode_tokens, s.recompute_tokens, s.preemptions,
        coalesce(f.flow_ids, []::BIGINT[]) AS flow_ids
-FROM steps s LEFT JOIN flows f USING (run_id, step);
+FROM steps s LEFT JOIN _timeline_flows f USING (run_id, step);
 
 CREATE OR REPLACE VIEW _timeline_instants AS
 SELECT e.run_id, e.step, _ns(e.ts_s) AS ts_ns, e.seq, e.kind,

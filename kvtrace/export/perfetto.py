@@ -18,12 +18,14 @@ Tracks of each run, under one top-level group per run (in the order the runs wer
 Every row comes from the SQL library's timeline views (analyses/_timeline.sql), which read a
 sequence's states from _sequence_states like the report's Gantt; this module only orders the rows
 and writes them as packets, streaming: query results are read in Arrow batches and packets are
-appended to the file as they are made (kvtrace/export/perfetto_writer.py), so memory stays flat.
+appended to the file as they are made (kvtrace/export/perfetto_writer.py), so memory stays flat;
+the engine track, whose query gathers every evicted block, is read a window of steps at a time.
 Timestamps are integer nanoseconds on each run's clock (seconds since it started); the same runs
 give the same bytes.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 from collections.abc import Iterator
@@ -38,6 +40,7 @@ from kvtrace.trace import db
 
 BATCH_ROWS = 8_192             # rows per Arrow batch read from DuckDB (as Python objects, a few MB)
 DUCKDB_MEMORY = "128MB"        # DuckDB's working memory; sorts and aggregations beyond it spill to disk
+WINDOW_EVENTS = 1_000_000      # about this many kv_events per window of steps of the engine track's stream
 
 # column of _timeline_counters -> (track name, unit shown, axis key: counters with one share a y axis)
 COUNTERS: dict[str, tuple[str, str, str]] = {
@@ -108,6 +111,7 @@ def export_perfetto(runs: list[str | Path], output: Path) -> ExportSummary:
         with file, tempfile.TemporaryDirectory(prefix="kvtrace-export-") as spill:
             con.execute(f"SET memory_limit = '{DUCKDB_MEMORY}'")
             con.execute(f"SET temp_directory = '{spill}'")
+            db.keep(con, "_timeline_flows")     # once, not in each of the engine track's windows
             summary = _write_runs(con, TraceWriter(file), output)
             con.close()
         os.replace(temp, output)
@@ -139,9 +143,9 @@ def _scalar(con: duckdb.DuckDBPyConnection, query: str, run_id: str):
     return con.sql(query, params={"run": run_id}).fetchall()[0][0]
 
 
-def _rows(con: duckdb.DuckDBPyConnection, query: str, run_id: str) -> Iterator[tuple]:
-    """The rows of a query about one run, read in Arrow batches."""
-    reader = con.sql(query, params={"run": run_id}).to_arrow_reader(BATCH_ROWS)
+def _rows(con: duckdb.DuckDBPyConnection, query: str, run_id: str, **params: object) -> Iterator[tuple]:
+    """The rows of a query about one run (and its other `params`), read in Arrow batches."""
+    reader = con.sql(query, params={"run": run_id, **params}).to_arrow_reader(BATCH_ROWS)
     for batch in reader:
         yield from zip(*(column.to_pylist() for column in batch.columns))
 
@@ -173,13 +177,39 @@ def _write_run(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str,
     _write_requests(con, writer, run_id, tracks)
 
 
+def _engine_windows(con: duckdb.DuckDBPyConnection, run_id: str) -> Iterator[tuple[str, dict]]:
+    """The run's steps cut into windows of about WINDOW_EVENTS kv_events, in order, as (condition
+    on step, its params); then the rows without a step, which sort last."""
+    starts = [row[0] for row in _rows(con, f"""
+        SELECT min(step) FROM (
+            SELECT step, sum(count(*)) OVER (ORDER BY step) AS events_to_here
+            FROM kv_events WHERE run_id = $run AND step IS NOT NULL GROUP BY step)
+        GROUP BY (events_to_here - 1) // {WINDOW_EVENTS}
+        ORDER BY 1""", run_id)]
+    if len(starts) < 2:
+        yield "step IS NOT NULL", {}
+    else:
+        yield "step < $hi", {"hi": starts[1]}
+        for lo, hi in zip(starts[1:], starts[2:]):
+            yield "step >= $lo AND step < $hi", {"lo": lo, "hi": hi}
+        yield "step >= $lo", {"lo": starts[-1]}
+    yield "step IS NULL", {}
+
+
 def _write_engine(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str, track: int) -> None:
     """Step slices with the instants of each step inside them: one ordered stream (_timeline_engine),
-    a step's slice closed when the next step's rows begin."""
-    rows = _rows(con, "SELECT step, part, ts_ns, end_ns, name, device_ms, prefill_tokens, decode_tokens, "
-                      "recompute_tokens, preemptions, flow_ids, sequence, blocks, num_blocks, num_tokens, kv_bytes, "
-                      "bytes_copied, duration_ms, reason FROM _timeline_engine WHERE run_id = $run "
-                      "ORDER BY step, part, ts_ns, seq", run_id)
+    a step's slice closed when the next step's rows begin.
+
+    The stream is read a window of steps at a time (_engine_windows), so that what DuckDB holds at
+    once (the step's evicted blocks gathered, the flows joined, the rows sorted) is a window's, not
+    the run's: read whole, the stream of 10M kv_events did not fit in DUCKDB_MEMORY (nor in twice
+    that) although each of its parts did."""
+    rows = itertools.chain.from_iterable(
+        _rows(con, "SELECT step, part, ts_ns, end_ns, name, device_ms, prefill_tokens, decode_tokens, "
+                   "recompute_tokens, preemptions, flow_ids, sequence, blocks, num_blocks, num_tokens, kv_bytes, "
+                   f"bytes_copied, duration_ms, reason FROM _timeline_engine WHERE run_id = $run AND {where} "
+                   "ORDER BY step, part, ts_ns, seq", run_id, **params)
+        for where, params in _engine_windows(con, run_id))
     open_step, open_end = None, 0
     for (step, part, ts, end, name, device_ms, prefill, decode, recompute, preemptions, flow_ids,
          sequence, blocks, num_blocks, num_tokens, kv_bytes, copied, duration_ms, reason) in rows:

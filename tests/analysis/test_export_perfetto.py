@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 import kvtrace.cli  # noqa: F401  (registers the commands)
 from kvtrace.cli.app import app
+from kvtrace.export import perfetto
 from kvtrace.trace import db
 from tests.helpers.cli import one_line_error, record, write_workload
 
@@ -242,6 +243,18 @@ def test_a_second_export_is_byte_identical(exported, tmp_path):
     result = CliRunner().invoke(app, ["export", "perfetto", *map(str, RUNS), "-o", str(again)])
     assert result.exit_code == 0, result.output
     assert again.read_bytes() == path.read_bytes()
+
+
+def test_the_engine_track_read_in_windows_of_steps_is_the_same_file(exported, tmp_path, monkeypatch):
+    """A window of about 50 kv_events' steps cuts each fixture's engine track into a dozen windows
+    or more (a step's rows never split); the file is the one read whole."""
+    monkeypatch.setattr(perfetto, "WINDOW_EVENTS", 50)
+    con = db.connect(RUNS)
+    assert all(len(list(perfetto._engine_windows(con, run.name))) >= 12 for run in RUNS)
+    path, _ = exported
+    windowed = tmp_path / "windowed.pftrace"
+    perfetto.export_perfetto(RUNS, windowed)
+    assert windowed.read_bytes() == path.read_bytes()
 
 
 # --------------------------------------------------------------------------- fresh runs and bad input

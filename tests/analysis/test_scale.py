@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 
+import duckdb
 import pytest
 from rich.console import Console
 
@@ -114,6 +115,20 @@ def test_memory_settings(monkeypatch, tmp_path, big_run):
     monkeypatch.setenv("KVTRACE_MEMORY_LIMIT", "lots")
     with pytest.raises(KvtraceError, match="KVTRACE_MEMORY_LIMIT='lots'"):
         db.connect([big_run])
+
+
+def test_perfetto_export_in_bounded_memory(monkeypatch, tmp_path, big_run):
+    """The engine track read a window of steps at a time fits DuckDB memory that its stream read
+    whole does not (at 10M events it needed more than 256 MB; here, at 1M, more than 56 MB)."""
+    from kvtrace.export import perfetto
+    monkeypatch.setattr(perfetto, "DUCKDB_MEMORY", "56MB")
+    monkeypatch.setattr(perfetto, "WINDOW_EVENTS", 100_000)
+    summary = perfetto.export_perfetto([big_run], tmp_path / "windows.pftrace")
+    assert summary.num_kv_events == 977_176
+    monkeypatch.setattr(perfetto, "WINDOW_EVENTS", 10**12)         # one window: the whole stream
+    with pytest.raises(duckdb.OutOfMemoryException):
+        perfetto.export_perfetto([big_run], tmp_path / "whole.pftrace")
+    assert not (tmp_path / "whole.pftrace").exists()
 
 
 def test_thrash_windows_are_the_sliding_frame(big_run):
