@@ -43,6 +43,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
+def tf32_matmuls(device_type: str, dtype: torch.dtype) -> bool:
+    """Run fp32 matmuls as TF32 on the tensor cores? On CUDA yes, as vLLM does with fp32 models (fp32
+    without it runs on the CUDA cores, several times slower); `KVTRACE_TF32=0` keeps full fp32 (what a
+    comparison with an fp32 reference wants). The attention kernels keep full-precision dots either way."""
+    return device_type == "cuda" and dtype == torch.float32 and os.environ.get("KVTRACE_TF32", "1") != "0"
+
+
 def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
     """The blocks `block_ids` of every layer, block-major like the host swap space (the batched
     swap-out's device side; plain tensor indexing, so it is tested on CPU as well).
@@ -86,6 +93,8 @@ class ModelRunner:
             # CUDA events record on the current device's stream (on cuda:1 they timed an idle cuda:0)
             self.device = resolve_device(str(self.device))
             torch.cuda.set_device(self.device)
+            # torch's switch is per process: set it both ways, so that each engine gets its own choice
+            torch.backends.cuda.matmul.allow_tf32 = tf32_matmuls(self.device.type, self.dtype)
         # CUDA (and Triton's interpreter) take a step's integers in one copy (step_inputs.py); the CPU
         # kernels keep their own path
         self.paged_inputs = self.is_cuda or model.use_triton

@@ -77,11 +77,14 @@ def shared_prefix_workload(rng: random.Random, num_requests: int) -> list[tuple[
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_triton_graphs_cow_and_prefix_hits_match_dense_reference(make_engine, tiny_loaded, dtype):
+def test_triton_graphs_cow_and_prefix_hits_match_dense_reference(make_engine, tiny_loaded, dtype, monkeypatch):
     """Triton attention, decode graphs, copy-on-write (n=2 forks share a partial block) and prefix hits,
-    against the dense fp32 forward; bf16 within its rounding."""
+    against the dense fp32 forward; bf16 within its rounding. fp32 without TF32 (the engine's default
+    on CUDA): the reference is full fp32."""
     from tests.helpers.engine_runs import capture_logits
     from tests.helpers.reference_model import reference_forward
+
+    monkeypatch.setenv("KVTRACE_TF32", "0")
 
     engine = make_engine(device="cuda", dtype=dtype, max_num_batched_tokens=24, enable_prefix_caching=True)
     assert engine.model.use_triton and engine.runner.decode_graphs is not None
