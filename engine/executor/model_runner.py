@@ -12,6 +12,7 @@ engine's flush.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -252,9 +253,12 @@ class ModelRunner:
 
     def _paged_tensors(self, batch: FlatBatch) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`_tensors`'s result, every integer sent in one copy (step_inputs.py), plus the prefill chunks'
-        block tables for the Triton kernel. Layout of the one int64 buffer:
-            [input_ids T | positions T | slots T | logit_rows R | decode lens D | chunks 3 x P |
-             decode tables D x wd | prefill tables P x wp]
+        block tables for the Triton kernel. Layout of the one int64 buffer, each part starting on a
+        16-byte boundary (`_aligned`):
+            [input_ids T | positions T | slots T | logit_rows R | decode lens D | chunks 3 x P' |
+             decode tables D x wd | prefill tables P x wp]          (P': P rounded up to even)
+        Triton specialises a pointer on its 16-byte alignment: parts that start wherever the previous
+        one ended would compile the kernels again for each new mix of offsets (1.4-3.6 s each, mid-run).
         """
         decode_tables = [s.block_table for s in batch.decodes]
         prefill_tables = batch.prefill_tables
@@ -262,22 +266,26 @@ class ModelRunner:
         nt, nr, nd, npf = len(batch.input_ids), len(batch.logit_rows), len(decode_tables), len(prefill_tables)
         wd = max((len(t) for t in decode_tables), default=0)
         wp = max((len(t) for t in prefill_tables), default=0)
-        size = 3 * nt + nr + nd + 3 * npf + nd * wd + npf * wp
+        chunk_width = _aligned(npf)   # each of the three chunk rows aligned too
+        lengths = [nt, nt, nt, nr, nd, 3 * chunk_width, nd * wd, npf * wp]
+        starts = list(itertools.accumulate((_aligned(n) for n in lengths), initial=0))
+        size = starts[-1]
         buf = self.step_inputs.host(size)
-        buf[:nt], buf[nt:2 * nt], buf[2 * nt:3 * nt] = batch.input_ids, positions, batch.slots
-        at = 3 * nt
-        for values in (batch.logit_rows, [p + 1 for p in positions[:nd]], batch.chunk_rows, chunk_lens,
-                       batch.chunk_starts):
+        for at, values in zip(starts, (batch.input_ids, positions, batch.slots, batch.logit_rows,
+                                       [p + 1 for p in positions[:nd]])):
             buf[at:at + len(values)] = values
-            at += len(values)
-        for rows, width in ((decode_tables, wd), (prefill_tables, wp)):
+        for i, values in enumerate((batch.chunk_rows, chunk_lens, batch.chunk_starts)):
+            at = starts[5] + i * chunk_width
+            buf[at:at + npf] = values
+        for at, rows, width in ((starts[6], decode_tables, wd), (starts[7], prefill_tables, wp)):
             for table in rows:
                 buf[at:at + len(table)] = table
                 buf[at + len(table):at + width] = 0
                 at += width
         dev = self.step_inputs.send(size)
-        views = dev.split([nt, nt, nt, nr, nd, 3 * npf, nd * wd, npf * wp])
+        views = [dev[at:at + n] for at, n in zip(starts, lengths)]
         input_t, positions_t, slots_t, rows_t, lens_t, chunks_t, dtables_t, ptables_t = views
+        chunks_t = chunks_t.view(3, chunk_width)[:, :npf]
         ptables_t = ptables_t.view(npf, wp)
         meta = AttentionMetadata(
             slot_mapping=slots_t,
@@ -286,7 +294,7 @@ class ModelRunner:
             decode_context_lens=lens_t if nd else None,
             prefills=[(row, n, start, ptables_t[i, :len(prefill_tables[i])] if start else None)
                       for i, (row, n, start) in enumerate(zip(batch.chunk_rows, chunk_lens, batch.chunk_starts))],
-            prefill_chunks=chunks_t.view(3, npf) if npf else None,
+            prefill_chunks=chunks_t if npf else None,
             prefill_block_tables=ptables_t if npf else None,
             max_prefill_len=max(chunk_lens, default=0),
             decode_num_splits=triton_attention.decode_num_splits(nd, self.model.config.num_kv_heads,
@@ -298,6 +306,11 @@ class ModelRunner:
         """Tokens of `seqs` from their logit rows (the module's sample(), below)."""
         logits = result.logits if len(rows) == len(result.sample_seqs) else result.logits[rows]
         return sample(logits, seqs)
+
+
+def _aligned(n: int) -> int:
+    """n int64 values rounded up to a whole number of 16-byte units."""
+    return n + (n & 1)
 
 
 def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
