@@ -14,7 +14,7 @@ from engine.config import (SWAP_SPACE_DEFAULT, EngineConfig, KVReserve, ModelCon
 from engine.events import FinishReason, KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
 from engine.executor import Executor, StepResult
 from engine.executor.cost_model import CostModel, load_profile, weight_params
-from engine.executor.model_runner import ModelRunner, resolve_device
+from engine.executor.model_runner import ModelRunner, resolve_device, swap_staging_reserve
 from engine.executor.sim_executor import SimExecutor
 from engine.model.llama import LlamaModel
 from engine.model.loader import checkpoint_dtype, load_config, load_weights
@@ -81,6 +81,8 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
         util = config.gpu_memory_utilization
         weights = weight_params(model_config)[1] * element
         activations = (forward_peak if cuda else activation_reserve)(config, model_config, element)
+        if cuda and config.preemption_mode == PreemptionMode.SWAP:   # the swaps' staging buffer
+            activations += swap_staging_reserve(bytes_per_block, model_config.num_layers)
         memory = int(device_memory * util) - weights - activations - NON_TORCH_RESERVE
         num_gpu_blocks = max(max(memory, 0) // bytes_per_block - 1, 0)  # V1's null block is one of them
         derivation = {

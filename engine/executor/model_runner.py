@@ -28,6 +28,8 @@ from engine.model.llama import AttentionMetadata, LlamaModel
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 
+SWAP_STAGING_BYTES = 256 << 20   # the device buffer that swaps pass through on CUDA (staging_blocks)
+
 
 def resolve_device(name: str) -> torch.device:
     """`--device` as a torch.device, a CUDA one with its ordinal made explicit ('cuda' is the current
@@ -51,14 +53,32 @@ def tf32_matmuls(device_type: str, dtype: torch.dtype) -> bool:
     return device_type == "cuda" and dtype == torch.float32 and os.environ.get("KVTRACE_TF32", "1") != "0"
 
 
-def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
-    """The blocks `block_ids` of every layer, block-major like the host swap space (the batched
-    swap-out's device side; plain tensor indexing, so it is tested on CPU as well).
+def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The blocks `block_ids` of every layer, block-major like the host swap space, written into `out`
+    (the batched swap-out's device side; plain tensor indexing, so it is tested on CPU as well). One
+    layer at a time: beside `out` it holds one layer's blocks at most (stacking every layer and then
+    making a permuted copy of the stack held twice the swapped bytes).
 
     kv_caches[layer]: [2, num_blocks, block_size, num_kv_heads, head_dim]
-    returns:          [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]
+    out:              [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]
     """
-    return torch.stack([kv[:, block_ids] for kv in kv_caches]).permute(2, 0, 1, 3, 4, 5).contiguous()
+    for layer, kv in enumerate(kv_caches):
+        out[:, layer] = kv[:, block_ids].transpose(0, 1)   # kv[:, block_ids]: [2, n, bs, nkv, hd]
+    return out
+
+
+def staging_blocks(block_bytes: int, num_cpu_blocks: int | None = None) -> int:
+    """Blocks of the device buffer that swaps pass through on CUDA: SWAP_STAGING_BYTES' worth (at least
+    one), no more than the host pool holds; a larger swap goes through it in parts."""
+    blocks = max(1, SWAP_STAGING_BYTES // block_bytes)
+    return blocks if num_cpu_blocks is None else min(blocks, num_cpu_blocks)
+
+
+def swap_staging_reserve(block_bytes: int, num_layers: int) -> int:
+    """Device memory a swap holds on CUDA (llm_engine.pool_geometry reserves it): the staging buffer
+    and one layer's blocks that gather_blocks holds beside it."""
+    staged = staging_blocks(block_bytes) * block_bytes
+    return staged + -(-staged // num_layers)
 
 
 def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, staged: torch.Tensor) -> None:
@@ -116,6 +136,13 @@ class ModelRunner:
         else:
             self.host_cache = torch.zeros(host_shape, dtype=self.dtype)
         self.swap_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        # swaps go through one preallocated device buffer, in parts when larger: its size is fixed and
+        # reserved (llm_engine.pool_geometry), and the swap stream orders one part's reuse after the last
+        self.staging = None
+        if self.is_cuda and num_cpu_blocks:
+            block_bytes = math.prod(host_shape[1:]) * self.host_cache.element_size()
+            self.staging = torch.empty((staging_blocks(block_bytes, num_cpu_blocks), *host_shape[1:]),
+                                       device=self.device, dtype=self.dtype)
         # decode-only steps from CUDA graphs (cuda_graphs.py); KVTRACE_CUDA_GRAPHS=0 launches eagerly
         self.decode_graphs = None
         if self.is_cuda and model.use_triton and os.environ.get("KVTRACE_CUDA_GRAPHS", "1") != "0":
@@ -150,11 +177,12 @@ class ModelRunner:
         self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))  # KV written before copying
         with torch.cuda.stream(self.swap_stream):
             start.record(self.swap_stream)
-            staged = gather_blocks(self.kv_caches, dev_ids)
-            for i, h, n in consecutive_runs(host_ids):  # one DMA per run of neighbouring host blocks
-                self.host_cache[h:h + n].copy_(staged[i:i + n], non_blocking=True)
+            for first, part in self._staged_parts(len(host_ids)):
+                staged = gather_blocks(self.kv_caches, dev_ids[first:first + part], self.staging[:part])
+                # one DMA per run of neighbouring host blocks
+                for i, h, n in consecutive_runs(host_ids[first:first + part]):
+                    self.host_cache[h:h + n].copy_(staged[i:i + n], non_blocking=True)
             end.record(self.swap_stream)
-            staged.record_stream(self.swap_stream)
         # the released device blocks may be reused by this step's forward: wait for the copy
         torch.cuda.current_stream(self.device).wait_event(end)
         return start, end
@@ -173,14 +201,19 @@ class ModelRunner:
         self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))  # new blocks no longer in use
         with torch.cuda.stream(self.swap_stream):
             start.record(self.swap_stream)
-            staged = torch.empty((len(host_ids), *self.host_cache.shape[1:]), device=self.device, dtype=self.dtype)
-            for i, h, n in consecutive_runs(host_ids):
-                staged[i:i + n].copy_(self.host_cache[h:h + n], non_blocking=True)
-            scatter_blocks(self.kv_caches, dev_ids, staged)
+            for first, part in self._staged_parts(len(host_ids)):
+                staged = self.staging[:part]
+                for i, h, n in consecutive_runs(host_ids[first:first + part]):
+                    staged[i:i + n].copy_(self.host_cache[h:h + n], non_blocking=True)
+                scatter_blocks(self.kv_caches, dev_ids[first:first + part], staged)
             end.record(self.swap_stream)
-            staged.record_stream(self.swap_stream)
         torch.cuda.current_stream(self.device).wait_event(end)  # restored before the forward reads it
         return start, end
+
+    def _staged_parts(self, num_blocks: int) -> list[tuple[int, int]]:
+        """(first, count) of each part of a swap of num_blocks that fits the staging buffer."""
+        cap = self.staging.shape[0]
+        return [(first, min(cap, num_blocks - first)) for first in range(0, num_blocks, cap)]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks on the device, in every layer."""

@@ -32,6 +32,23 @@ def test_four_block_scenario_on_cuda(make_engine, mode):
         assert all(e.duration_ms is not None and e.duration_ms > 0 for e in swaps)
 
 
+def test_swaps_larger_than_the_staging_buffer_go_through_it_in_parts(make_engine, monkeypatch):
+    from engine.executor import model_runner
+
+    monkeypatch.setattr(model_runner, "SWAP_STAGING_BYTES", 1)   # a staging buffer of one block
+
+    def make(tracer=None, **overrides):
+        return make_engine(tracer, device="cuda", **overrides)
+
+    reference, _, a_ref, b_ref = four_block_engine(make, "swap", num_gpu_blocks=16)
+    run_checked(reference)
+    engine, tracer, a, b = four_block_engine(make, "swap")
+    run_checked(engine)
+    assert engine.runner.staging.shape[0] == 1
+    assert [e.bytes for e in tracer.events if e.kind in ("swap_out", "swap_in")] == [2 * engine.geometry.bytes_per_block] * 2
+    assert (a.token_ids, b.token_ids) == (a_ref.token_ids, b_ref.token_ids)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_transparency_on_cuda(make_engine, mode):
     rng = random.Random(7)
