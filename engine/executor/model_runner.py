@@ -7,7 +7,7 @@ events that the engine resolves later, never with a synchronisation of their own
 On CUDA nothing in `execute` waits for the device: its integers travel in one non-blocking copy
 (step_inputs.py), decode-only batches replay a CUDA graph (cuda_graphs.py), and greedy sampling is
 an argmax on the device. The host waits at one documented point per step, the end: `sample()`
-reading the tokens (a non-greedy row also reads its logits there), and at the end of a run, the
+reading the tokens (the non-greedy rows read their logits there, in one copy), and at the end of a run, the
 engine's flush.
 """
 from __future__ import annotations
@@ -358,13 +358,18 @@ def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row: greedy rows by one argmax, the others from their own seeded generator."""
+    """One token per row: greedy rows by one argmax, the others from their own seeded generator. The
+    host reads the device twice at most, however many rows sample: the argmax tokens, and the
+    non-greedy rows' logits in one copy."""
     tokens = logits.argmax(dim=-1).tolist()
-    for row, seq in enumerate(seqs):
+    rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
+    if not rows:
+        return tokens
+    host_logits = (logits if len(rows) == len(seqs) else logits[rows]).float().cpu()   # [len(rows), vocab]
+    for row, row_logits in zip(rows, host_logits):
+        seq = seqs[row]
         params = seq.params
-        if params.greedy:
-            continue
-        probs = torch.softmax(logits[row].float().cpu() / params.temperature, dim=-1)
+        probs = torch.softmax(row_logits / params.temperature, dim=-1)
         if params.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             keep = sorted_probs.cumsum(0) - sorted_probs < params.top_p  # always keeps the top token
