@@ -201,6 +201,10 @@ PREEMPTION_POLICIES = tuple(p.value for p in PreemptionPolicy)
 N_MODES = tuple(m.value for m in NMode)
 VLLM_VERSION = "0.32.0"   # the vLLM whose V1 scheduler and block pool the engine follows by default
 DTYPES = ("float32", "bfloat16", "float16")
+SWAP_SPACE_DEFAULT = 4 << 30   # vLLM V0's --swap-space default: the host pool in swap mode on CUDA
+# the most of a CUDA device's memory the real engine may plan for: the activation reserve is an estimate
+# from shapes (vLLM measures a profiling run instead); what it misses must fit in the rest
+MAX_GPU_MEMORY_UTILIZATION = 0.95
 ENGINES = ("real", "sim")
 KV_RESERVE = tuple(r.value for r in KVReserve)
 
@@ -212,7 +216,7 @@ class EngineConfig:
     model: str = "tiny"                  # built-in name, HF folder or .gguf file
     load_format: str = "auto"            # auto | dummy
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"                  # auto: the model's on CUDA (vLLM's), float32 elsewhere (device_defaults)
     seed: int = 0
     block_size: int = 16
     num_gpu_blocks: int | None = None    # device KV blocks; else from kv_cache_memory
@@ -263,8 +267,8 @@ class EngineConfig:
             raise ValueError(f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
         if self.preemption_policy not in PREEMPTION_POLICIES:
             raise ValueError(f"--preemption-policy must be one of {', '.join(PREEMPTION_POLICIES)}, got {self.preemption_policy!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -277,6 +281,11 @@ class EngineConfig:
             raise ValueError("--hardware is for --engine sim (the real engine runs on --device)")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if (self.engine == "real" and self.device.startswith("cuda") and self.gpu_memory_utilization is not None
+                and self.gpu_memory_utilization > MAX_GPU_MEMORY_UTILIZATION):
+            raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization} is above "
+                             f"{MAX_GPU_MEMORY_UTILIZATION}: the activation reserve is estimated from shapes, not "
+                             f"measured, and the rest of the device is the margin for what it misses")
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if isinstance(self.swap_space, str):
@@ -297,6 +306,29 @@ def batch_defaults(device_type: str, device_memory: int | None, device_name: str
     if memory >= 160 * GiB or (memory >= 70 * GiB and "a100" not in device_name.lower()):
         return 1024, 16384
     return 256, 8192
+
+
+def device_defaults(config: EngineConfig, device_type: str, checkpoint_dtype: str | None = None,
+                    bf16_supported: bool = True) -> EngineConfig:
+    """The config with the defaults that depend on the device filled in where not given, as vLLM picks
+    them on a GPU: on CUDA the model's dtype (its checkpoint's when 16-bit, else bf16, or fp16 where the
+    GPU has no bf16: vLLM's "auto") and a KV pool of 0.9 of the device's memory; --engine sim models a
+    GPU and takes the same pool. The CPU keeps float32 (kvtrace's CPU kernels are fp32) and a pool of at
+    most 1 GiB (llm_engine.pool_geometry)."""
+    cuda = config.engine == "real" and device_type == "cuda"
+    dtype = config.dtype
+    if dtype == "auto":
+        if not cuda:
+            dtype = "float32"
+        elif checkpoint_dtype in ("bfloat16", "float16"):
+            dtype = checkpoint_dtype
+        else:
+            dtype = "bfloat16" if bf16_supported else "float16"
+    util = config.gpu_memory_utilization
+    if ((cuda or config.engine == "sim") and util is None and config.num_gpu_blocks is None
+            and config.kv_cache_memory is None):
+        util = 0.9   # vLLM's default
+    return replace(config, dtype=dtype, gpu_memory_utilization=util)
 
 
 def resolve_batch_limits(config: EngineConfig, max_model_len: int, device_type: str, device_memory: int | None,

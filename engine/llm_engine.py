@@ -9,14 +9,15 @@ import torch
 from engine import events as ev
 from engine.block_manager import BlockManager
 from engine.config import DTYPES as config_dtypes
-from engine.config import EngineConfig, KVReserve, ModelConfig, NMode, PreemptionMode, resolve_batch_limits
+from engine.config import (SWAP_SPACE_DEFAULT, EngineConfig, KVReserve, ModelConfig, NMode, PreemptionMode,
+                           device_defaults, resolve_batch_limits)
 from engine.events import FinishReason, KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
 from engine.executor import Executor, StepResult
 from engine.executor.cost_model import CostModel, load_profile, weight_params
-from engine.executor.model_runner import ModelRunner, resolve_device
+from engine.executor.model_runner import ModelRunner, resolve_device, swap_staging_reserve
 from engine.executor.sim_executor import SimExecutor
 from engine.model.llama import LlamaModel
-from engine.model.loader import load_config, load_weights
+from engine.model.loader import checkpoint_dtype, load_config, load_weights
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
 
@@ -46,10 +47,30 @@ def activation_reserve(config: EngineConfig, mc: ModelConfig, element: int) -> i
     return config.max_num_batched_tokens * per_token * element + config.max_num_seqs * mc.vocab_size * 4
 
 
+def forward_peak(config: EngineConfig, mc: ModelConfig, element: int) -> int:
+    """Peak memory of the real engine's own forward over a full step (engine/model/llama.py), counted
+    tensor by tensor: per token, at the MLP, the residual stream, the last layer's MLP output (bound
+    until the next replaces it), the norm's output and the new MLP output (4 x hidden), with gate_up,
+    silu(gate) and their product (4 x intermediate); at attention the same residual tensors with qkv,
+    RoPE's output and temporaries, the attention output and o_proj's; then the logits of every
+    sequence in the dtype and their fp32 copy."""
+    h, d = mc.hidden_size, mc.head_dim
+    mlp = 4 * h + 4 * mc.intermediate_size
+    attention = 4 * h + (mc.num_heads + 2 * mc.num_kv_heads) * d + 3 * (mc.num_heads + mc.num_kv_heads) * d \
+        + mc.num_heads * d
+    logits = config.max_num_seqs * mc.vocab_size * (element + 4)
+    return config.max_num_batched_tokens * max(mlp, attention) * element + logits
+
+
 def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                  device_memory: int | None = None) -> PoolGeometry:
-    """Size the device and host pools from the config; ValueError when no block fits."""
-    element = torch.tensor([], dtype=DTYPES[config.dtype]).element_size()
+                  device_memory: int | None = None, device_type: str = "cpu") -> PoolGeometry:
+    """Size the device and host pools from the config; ValueError when no block fits. On CUDA the
+    activation reserve is the real forward's peak and swap mode's host pool defaults to vLLM V0's
+    4 GiB; elsewhere (CPU, --engine sim: vLLM's profile) they are the shape estimate and the device
+    pool's size."""
+    cuda = config.engine == "real" and device_type == "cuda"
+    dtype = device_defaults(config, device_type).dtype   # a config not resolved by LLMEngine: its auto
+    element = torch.tensor([], dtype=DTYPES[dtype]).element_size()
     bytes_per_block = model_config.kv_values_per_token * config.block_size * element
     derivation = None
     if config.num_gpu_blocks is not None:
@@ -59,7 +80,9 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
             raise ValueError("--gpu-memory-utilization needs a device whose memory is known: CUDA, or --engine sim")
         util = config.gpu_memory_utilization
         weights = weight_params(model_config)[1] * element
-        activations = activation_reserve(config, model_config, element)
+        activations = (forward_peak if cuda else activation_reserve)(config, model_config, element)
+        if cuda and config.preemption_mode == PreemptionMode.SWAP:   # the swaps' staging buffer
+            activations += swap_staging_reserve(bytes_per_block, model_config.num_layers)
         memory = int(device_memory * util) - weights - activations - NON_TORCH_RESERVE
         num_gpu_blocks = max(max(memory, 0) // bytes_per_block - 1, 0)  # V1's null block is one of them
         derivation = {
@@ -86,7 +109,9 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
     elif config.swap_space is not None:
         num_cpu_blocks = config.swap_space // bytes_per_block
     else:
-        num_cpu_blocks = num_gpu_blocks if config.preemption_mode == PreemptionMode.SWAP else 0
+        # on CUDA not the device pool's size: that pinned ~108 GiB on a 128 GiB host beside the weights
+        swap = config.preemption_mode == PreemptionMode.SWAP
+        num_cpu_blocks = (SWAP_SPACE_DEFAULT // bytes_per_block if cuda else num_gpu_blocks) if swap else 0
     return PoolGeometry(num_gpu_blocks, num_cpu_blocks, config.block_size, bytes_per_block, derivation)
 
 
@@ -108,13 +133,11 @@ class _InFlight:
 class LLMEngine:
     def __init__(self, config: EngineConfig, tracer: Tracer | None = None, *, loaded=None) -> None:
         self.config = config
-        dtype = DTYPES[config.dtype]
         # which executor runs the steps is decided here, once: the loop only calls the Executor protocol
         self.simulated = config.engine == "sim"   # no model: a cost model predicts each step (virtual time)
         if self.simulated:
             self.device = torch.device("cpu")
-            if config.num_gpu_blocks is None and config.kv_cache_memory is None and config.gpu_memory_utilization is None:
-                config = self.config = replace(config, gpu_memory_utilization=0.9)  # vLLM's default
+            config = self.config = device_defaults(config, "sim")
             self.model_config, self.model_source = (loaded.config, loaded.source) if loaded else load_config(config.model)
             self.cost_model = CostModel(load_profile(config.hardware or "h100-sxm"), self.model_config, config.dtype)
             profile = self.cost_model.profile
@@ -123,6 +146,10 @@ class LLMEngine:
             device_name = profile.name
         else:
             self.device = resolve_device(config.device)
+            cuda = self.device.type == "cuda"
+            config = self.config = device_defaults(config, self.device.type, checkpoint_dtype(config.model),
+                                                   bf16_supported=cuda and torch.cuda.is_bf16_supported())
+            dtype = DTYPES[config.dtype]
             if loaded is None:
                 loaded = load_weights(config.model, config.load_format, dtype=dtype, seed=config.seed)
             self.model_config, self.model_source = loaded.config, loaded.source
@@ -133,7 +160,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         config = self.config = resolve_batch_limits(config, self.max_model_len, device_type, device_memory, device_name)
         self.stop_token_ids = frozenset(mc.stop_token_ids)
-        self.geometry = pool_geometry(config, mc, self.max_model_len, device_memory)
+        self.geometry = pool_geometry(config, mc, self.max_model_len, device_memory, device_type)
         g = self.geometry
         # V1 sizes the watermark on the whole pool, its null block included
         self.block_manager = BlockManager(g.num_gpu_blocks, g.block_size, g.num_cpu_blocks,

@@ -212,6 +212,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="1GiB", help="tracing: device KV pool")
     parser.add_argument("--out", type=Path, required=True, help="JSON file for the figures")
     args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():   # before loading a model's weights
+        parser.error(f"--device {args.device}: CUDA is not available on this machine")
     figures = {"roofline": roofline, "tracing": tracing, "syncs": syncs}[args.figure](args)
     args.out.write_text(json.dumps(figures, indent=1))
 

@@ -42,7 +42,9 @@ def tiny_loaded():
 @pytest.fixture
 def make_engine(tiny_loaded):
     def make(tracer=None, loaded=None, **overrides) -> LLMEngine:
-        settings = dict(model="tiny", load_format="dummy", block_size=4, num_gpu_blocks=256, watermark=0.0)
+        # float32 everywhere: on CUDA `auto` would run tiny in bf16, and the CUDA tests were written for fp32
+        settings = dict(model="tiny", load_format="dummy", dtype="float32", block_size=4, num_gpu_blocks=256,
+                        watermark=0.0)
         settings.update(overrides)
         return LLMEngine(EngineConfig(**settings), tracer, loaded=loaded or tiny_loaded)
     return make

@@ -7,11 +7,12 @@ events that the engine resolves later, never with a synchronisation of their own
 On CUDA nothing in `execute` waits for the device: its integers travel in one non-blocking copy
 (step_inputs.py), decode-only batches replay a CUDA graph (cuda_graphs.py), and greedy sampling is
 an argmax on the device. The host waits at one documented point per step, the end: `sample()`
-reading the tokens (a non-greedy row also reads its logits there), and at the end of a run, the
+reading the tokens (the non-greedy rows read their logits there, in one copy), and at the end of a run, the
 engine's flush.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -26,6 +27,8 @@ from engine.kernels import host_memory, triton_attention
 from engine.model.llama import AttentionMetadata, LlamaModel
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+
+SWAP_STAGING_BYTES = 256 << 20   # the device buffer that swaps pass through on CUDA (staging_blocks)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -43,14 +46,39 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
-    """The blocks `block_ids` of every layer, block-major like the host swap space (the batched
-    swap-out's device side; plain tensor indexing, so it is tested on CPU as well).
+def tf32_matmuls(device_type: str, dtype: torch.dtype) -> bool:
+    """Run fp32 matmuls as TF32 on the tensor cores? On CUDA yes, as vLLM does with fp32 models (fp32
+    without it runs on the CUDA cores, several times slower); `KVTRACE_TF32=0` keeps full fp32 (what a
+    comparison with an fp32 reference wants). The attention kernels keep full-precision dots either way."""
+    return device_type == "cuda" and dtype == torch.float32 and os.environ.get("KVTRACE_TF32", "1") != "0"
+
+
+def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The blocks `block_ids` of every layer, block-major like the host swap space, written into `out`
+    (the batched swap-out's device side; plain tensor indexing, so it is tested on CPU as well). One
+    layer at a time: beside `out` it holds one layer's blocks at most (stacking every layer and then
+    making a permuted copy of the stack held twice the swapped bytes).
 
     kv_caches[layer]: [2, num_blocks, block_size, num_kv_heads, head_dim]
-    returns:          [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]
+    out:              [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]
     """
-    return torch.stack([kv[:, block_ids] for kv in kv_caches]).permute(2, 0, 1, 3, 4, 5).contiguous()
+    for layer, kv in enumerate(kv_caches):
+        out[:, layer] = kv[:, block_ids].transpose(0, 1)   # kv[:, block_ids]: [2, n, bs, nkv, hd]
+    return out
+
+
+def staging_blocks(block_bytes: int, num_cpu_blocks: int | None = None) -> int:
+    """Blocks of the device buffer that swaps pass through on CUDA: SWAP_STAGING_BYTES' worth (at least
+    one), no more than the host pool holds; a larger swap goes through it in parts."""
+    blocks = max(1, SWAP_STAGING_BYTES // block_bytes)
+    return blocks if num_cpu_blocks is None else min(blocks, num_cpu_blocks)
+
+
+def swap_staging_reserve(block_bytes: int, num_layers: int) -> int:
+    """Device memory a swap holds on CUDA (llm_engine.pool_geometry reserves it): the staging buffer
+    and one layer's blocks that gather_blocks holds beside it."""
+    staged = staging_blocks(block_bytes) * block_bytes
+    return staged + -(-staged // num_layers)
 
 
 def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, staged: torch.Tensor) -> None:
@@ -86,6 +114,8 @@ class ModelRunner:
             # CUDA events record on the current device's stream (on cuda:1 they timed an idle cuda:0)
             self.device = resolve_device(str(self.device))
             torch.cuda.set_device(self.device)
+            # torch's switch is per process: set it both ways, so that each engine gets its own choice
+            torch.backends.cuda.matmul.allow_tf32 = tf32_matmuls(self.device.type, self.dtype)
         # CUDA (and Triton's interpreter) take a step's integers in one copy (step_inputs.py); the CPU
         # kernels keep their own path
         self.paged_inputs = self.is_cuda or model.use_triton
@@ -106,6 +136,13 @@ class ModelRunner:
         else:
             self.host_cache = torch.zeros(host_shape, dtype=self.dtype)
         self.swap_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        # swaps go through one preallocated device buffer, in parts when larger: its size is fixed and
+        # reserved (llm_engine.pool_geometry), and the swap stream orders one part's reuse after the last
+        self.staging = None
+        if self.is_cuda and num_cpu_blocks:
+            block_bytes = math.prod(host_shape[1:]) * self.host_cache.element_size()
+            self.staging = torch.empty((staging_blocks(block_bytes, num_cpu_blocks), *host_shape[1:]),
+                                       device=self.device, dtype=self.dtype)
         # decode-only steps from CUDA graphs (cuda_graphs.py); KVTRACE_CUDA_GRAPHS=0 launches eagerly
         self.decode_graphs = None
         if self.is_cuda and model.use_triton and os.environ.get("KVTRACE_CUDA_GRAPHS", "1") != "0":
@@ -140,11 +177,12 @@ class ModelRunner:
         self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))  # KV written before copying
         with torch.cuda.stream(self.swap_stream):
             start.record(self.swap_stream)
-            staged = gather_blocks(self.kv_caches, dev_ids)
-            for i, h, n in consecutive_runs(host_ids):  # one DMA per run of neighbouring host blocks
-                self.host_cache[h:h + n].copy_(staged[i:i + n], non_blocking=True)
+            for first, part in self._staged_parts(len(host_ids)):
+                staged = gather_blocks(self.kv_caches, dev_ids[first:first + part], self.staging[:part])
+                # one DMA per run of neighbouring host blocks
+                for i, h, n in consecutive_runs(host_ids[first:first + part]):
+                    self.host_cache[h:h + n].copy_(staged[i:i + n], non_blocking=True)
             end.record(self.swap_stream)
-            staged.record_stream(self.swap_stream)
         # the released device blocks may be reused by this step's forward: wait for the copy
         torch.cuda.current_stream(self.device).wait_event(end)
         return start, end
@@ -163,14 +201,19 @@ class ModelRunner:
         self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))  # new blocks no longer in use
         with torch.cuda.stream(self.swap_stream):
             start.record(self.swap_stream)
-            staged = torch.empty((len(host_ids), *self.host_cache.shape[1:]), device=self.device, dtype=self.dtype)
-            for i, h, n in consecutive_runs(host_ids):
-                staged[i:i + n].copy_(self.host_cache[h:h + n], non_blocking=True)
-            scatter_blocks(self.kv_caches, dev_ids, staged)
+            for first, part in self._staged_parts(len(host_ids)):
+                staged = self.staging[:part]
+                for i, h, n in consecutive_runs(host_ids[first:first + part]):
+                    staged[i:i + n].copy_(self.host_cache[h:h + n], non_blocking=True)
+                scatter_blocks(self.kv_caches, dev_ids[first:first + part], staged)
             end.record(self.swap_stream)
-            staged.record_stream(self.swap_stream)
         torch.cuda.current_stream(self.device).wait_event(end)  # restored before the forward reads it
         return start, end
+
+    def _staged_parts(self, num_blocks: int) -> list[tuple[int, int]]:
+        """(first, count) of each part of a swap of num_blocks that fits the staging buffer."""
+        cap = self.staging.shape[0]
+        return [(first, min(cap, num_blocks - first)) for first in range(0, num_blocks, cap)]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks on the device, in every layer."""
@@ -243,9 +286,12 @@ class ModelRunner:
 
     def _paged_tensors(self, batch: FlatBatch) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`_tensors`'s result, every integer sent in one copy (step_inputs.py), plus the prefill chunks'
-        block tables for the Triton kernel. Layout of the one int64 buffer:
-            [input_ids T | positions T | slots T | logit_rows R | decode lens D | chunks 3 x P |
-             decode tables D x wd | prefill tables P x wp]
+        block tables for the Triton kernel. Layout of the one int64 buffer, each part starting on a
+        16-byte boundary (`_aligned`):
+            [input_ids T | positions T | slots T | logit_rows R | decode lens D | chunks 3 x P' |
+             decode tables D x wd | prefill tables P x wp]          (P': P rounded up to even)
+        Triton specialises a pointer on its 16-byte alignment: parts that start wherever the previous
+        one ended would compile the kernels again for each new mix of offsets (1.4-3.6 s each, mid-run).
         """
         decode_tables = [s.block_table for s in batch.decodes]
         prefill_tables = batch.prefill_tables
@@ -253,22 +299,26 @@ class ModelRunner:
         nt, nr, nd, npf = len(batch.input_ids), len(batch.logit_rows), len(decode_tables), len(prefill_tables)
         wd = max((len(t) for t in decode_tables), default=0)
         wp = max((len(t) for t in prefill_tables), default=0)
-        size = 3 * nt + nr + nd + 3 * npf + nd * wd + npf * wp
+        chunk_width = _aligned(npf)   # each of the three chunk rows aligned too
+        lengths = [nt, nt, nt, nr, nd, 3 * chunk_width, nd * wd, npf * wp]
+        starts = list(itertools.accumulate((_aligned(n) for n in lengths), initial=0))
+        size = starts[-1]
         buf = self.step_inputs.host(size)
-        buf[:nt], buf[nt:2 * nt], buf[2 * nt:3 * nt] = batch.input_ids, positions, batch.slots
-        at = 3 * nt
-        for values in (batch.logit_rows, [p + 1 for p in positions[:nd]], batch.chunk_rows, chunk_lens,
-                       batch.chunk_starts):
+        for at, values in zip(starts, (batch.input_ids, positions, batch.slots, batch.logit_rows,
+                                       [p + 1 for p in positions[:nd]])):
             buf[at:at + len(values)] = values
-            at += len(values)
-        for rows, width in ((decode_tables, wd), (prefill_tables, wp)):
+        for i, values in enumerate((batch.chunk_rows, chunk_lens, batch.chunk_starts)):
+            at = starts[5] + i * chunk_width
+            buf[at:at + npf] = values
+        for at, rows, width in ((starts[6], decode_tables, wd), (starts[7], prefill_tables, wp)):
             for table in rows:
                 buf[at:at + len(table)] = table
                 buf[at + len(table):at + width] = 0
                 at += width
         dev = self.step_inputs.send(size)
-        views = dev.split([nt, nt, nt, nr, nd, 3 * npf, nd * wd, npf * wp])
+        views = [dev[at:at + n] for at, n in zip(starts, lengths)]
         input_t, positions_t, slots_t, rows_t, lens_t, chunks_t, dtables_t, ptables_t = views
+        chunks_t = chunks_t.view(3, chunk_width)[:, :npf]
         ptables_t = ptables_t.view(npf, wp)
         meta = AttentionMetadata(
             slot_mapping=slots_t,
@@ -277,7 +327,7 @@ class ModelRunner:
             decode_context_lens=lens_t if nd else None,
             prefills=[(row, n, start, ptables_t[i, :len(prefill_tables[i])] if start else None)
                       for i, (row, n, start) in enumerate(zip(batch.chunk_rows, chunk_lens, batch.chunk_starts))],
-            prefill_chunks=chunks_t.view(3, npf) if npf else None,
+            prefill_chunks=chunks_t if npf else None,
             prefill_block_tables=ptables_t if npf else None,
             max_prefill_len=max(chunk_lens, default=0),
             decode_num_splits=triton_attention.decode_num_splits(nd, self.model.config.num_kv_heads,
@@ -289,6 +339,11 @@ class ModelRunner:
         """Tokens of `seqs` from their logit rows (the module's sample(), below)."""
         logits = result.logits if len(rows) == len(result.sample_seqs) else result.logits[rows]
         return sample(logits, seqs)
+
+
+def _aligned(n: int) -> int:
+    """n int64 values rounded up to a whole number of 16-byte units."""
+    return n + (n & 1)
 
 
 def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
@@ -303,13 +358,18 @@ def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row: greedy rows by one argmax, the others from their own seeded generator."""
+    """One token per row: greedy rows by one argmax, the others from their own seeded generator. The
+    host reads the device twice at most, however many rows sample: the argmax tokens, and the
+    non-greedy rows' logits in one copy."""
     tokens = logits.argmax(dim=-1).tolist()
-    for row, seq in enumerate(seqs):
+    rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
+    if not rows:
+        return tokens
+    host_logits = (logits if len(rows) == len(seqs) else logits[rows]).float().cpu()   # [len(rows), vocab]
+    for row, row_logits in zip(rows, host_logits):
+        seq = seqs[row]
         params = seq.params
-        if params.greedy:
-            continue
-        probs = torch.softmax(logits[row].float().cpu() / params.temperature, dim=-1)
+        probs = torch.softmax(row_logits / params.temperature, dim=-1)
         if params.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             keep = sorted_probs.cumsum(0) - sorted_probs < params.top_p  # always keeps the top token

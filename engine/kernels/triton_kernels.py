@@ -6,7 +6,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# table_stride is the step's widest block table: unspecialised, so that its value (1, a multiple of
+# 16 or neither) never makes another variant of the kernel
+@triton.jit(do_not_specialize=["table_stride"])
 def decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                   partial_acc_ptr, partial_m_ptr, partial_l_ptr,
                   qk_scale, q_stride_seq, q_stride_head, out_stride_seq, out_stride_head, table_stride,
@@ -78,7 +80,7 @@ def merge_splits_kernel(partial_acc_ptr, partial_m_ptr, partial_l_ptr, out_ptr, 
     tl.store(out_ptr + seq * out_stride_seq + head * out_stride_head + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
 
-@triton.jit
+@triton.jit(do_not_specialize=["table_stride"])   # as decode_kernel's
 def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, chunk_rows_ptr,
                    chunk_lens_ptr, chunk_starts_ptr,
                    qk_scale, q_stride_tok, q_stride_head, out_stride_tok, out_stride_head, table_stride,

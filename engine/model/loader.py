@@ -45,6 +45,23 @@ def load_config(model: str) -> tuple[ModelConfig, str]:
     raise ValueError(f"cannot load {path}: expected a Hugging Face folder or a .gguf file")
 
 
+def checkpoint_dtype(model: str) -> str | None:
+    """The dtype `model`'s checkpoint holds, what vLLM's `--dtype auto` runs on a GPU: an HF folder's
+    `torch_dtype` (or `dtype`); bfloat16 for the built-in real shapes (their published checkpoints are);
+    None for a GGUF (kvtrace dequantises it to fp32), `tiny` and what cannot be read."""
+    if model in PRESETS:
+        return None if model == "tiny" else "bfloat16"
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        return None
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = cfg.get("torch_dtype") or cfg.get("dtype")
+    return value if value in ("float32", "bfloat16", "float16") else None
+
+
 def load_weights(model: str, load_format: str = "auto", dtype: torch.dtype = torch.float32,
                  seed: int = 0) -> LoadedModel:
     """Load `model` (preset name, HF folder or .gguf file); `dummy` gives random weights of its shape."""

@@ -58,7 +58,8 @@ def record(
     hardware: Annotated[str | None, typer.Option(rich_help_panel="Model and device", help="--engine sim: h100-sxm (default), h200, a100-80gb, l40s, "
                                                       "cpu-here, or a profile JSON from kvtrace calibrate.")] = None,
     device: Annotated[str, typer.Option(rich_help_panel="Model and device", help="cpu or cuda[:N].")] = "cpu",
-    dtype: Annotated[str | None, typer.Option(rich_help_panel="Model and device", help="float32, bfloat16 or float16 (default: float32; bfloat16 with --engine sim).")] = None,
+    dtype: Annotated[str | None, typer.Option(rich_help_panel="Model and device", help="auto, float32, bfloat16 or float16 (default auto: the model's dtype on CUDA, as vLLM's, "
+                                                            "float32 on CPU; bfloat16 with --engine sim).")] = None,
     load_format: Annotated[str, typer.Option(rich_help_panel="Model and device", help="auto, or dummy for random weights of the model's shape.")] = "auto",
     block_size: Annotated[int, typer.Option(rich_help_panel="KV cache", help="Tokens per KV block.")] = 16,
     num_gpu_blocks: Annotated[int | None, typer.Option(rich_help_panel="KV cache", help="Device KV blocks (overrides --kv-cache-memory).")] = None,
@@ -123,8 +124,8 @@ def record(
         raise KvtraceError("--capture-dir goes with --endpoint")
     if engine not in ("real", "sim", "vllm"):
         raise KvtraceError(f"--engine must be one of real, sim, vllm, got {engine!r}")
-    if dtype is None:
-        dtype = "bfloat16" if engine == "sim" else "float32"
+    if dtype is None:  # auto: the model's dtype on CUDA, float32 on CPU (engine/config.py, device_defaults)
+        dtype = {"sim": "bfloat16", "vllm": "float32"}.get(engine, "auto")
     if engine == "vllm":
         _record_vllm(locals())
         return

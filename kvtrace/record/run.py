@@ -99,7 +99,7 @@ class Recording:
             "command": command,
             "engine_config": engine.config.to_dict(),
             "scheduling": scheduling_description(engine.config),
-            "model": {"name": mc.name, "source": engine.model_source, "dtype": config.dtype,
+            "model": {"name": mc.name, "source": engine.model_source, "dtype": engine.config.dtype,
                       "shape": {"layers": mc.num_layers, "hidden": mc.hidden_size, "heads": mc.num_heads,
                                 "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "vocab": mc.vocab_size},
                       "max_model_len": engine.max_model_len},

@@ -32,6 +32,23 @@ def test_four_block_scenario_on_cuda(make_engine, mode):
         assert all(e.duration_ms is not None and e.duration_ms > 0 for e in swaps)
 
 
+def test_swaps_larger_than_the_staging_buffer_go_through_it_in_parts(make_engine, monkeypatch):
+    from engine.executor import model_runner
+
+    monkeypatch.setattr(model_runner, "SWAP_STAGING_BYTES", 1)   # a staging buffer of one block
+
+    def make(tracer=None, **overrides):
+        return make_engine(tracer, device="cuda", **overrides)
+
+    reference, _, a_ref, b_ref = four_block_engine(make, "swap", num_gpu_blocks=16)
+    run_checked(reference)
+    engine, tracer, a, b = four_block_engine(make, "swap")
+    run_checked(engine)
+    assert engine.runner.staging.shape[0] == 1
+    assert [e.bytes for e in tracer.events if e.kind in ("swap_out", "swap_in")] == [2 * engine.geometry.bytes_per_block] * 2
+    assert (a.token_ids, b.token_ids) == (a_ref.token_ids, b_ref.token_ids)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_transparency_on_cuda(make_engine, mode):
     rng = random.Random(7)
@@ -77,11 +94,14 @@ def shared_prefix_workload(rng: random.Random, num_requests: int) -> list[tuple[
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_triton_graphs_cow_and_prefix_hits_match_dense_reference(make_engine, tiny_loaded, dtype):
+def test_triton_graphs_cow_and_prefix_hits_match_dense_reference(make_engine, tiny_loaded, dtype, monkeypatch):
     """Triton attention, decode graphs, copy-on-write (n=2 forks share a partial block) and prefix hits,
-    against the dense fp32 forward; bf16 within its rounding."""
+    against the dense fp32 forward; bf16 within its rounding. fp32 without TF32 (the engine's default
+    on CUDA): the reference is full fp32."""
     from tests.helpers.engine_runs import capture_logits
     from tests.helpers.reference_model import reference_forward
+
+    monkeypatch.setenv("KVTRACE_TF32", "0")
 
     engine = make_engine(device="cuda", dtype=dtype, max_num_batched_tokens=24, enable_prefix_caching=True)
     assert engine.model.use_triton and engine.runner.decode_graphs is not None

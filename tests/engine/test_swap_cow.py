@@ -173,7 +173,7 @@ def test_batched_swap_copies_move_each_block_to_its_own_slot(make_engine):
     swap_out = [(5, 2), (1, 0), (6, 3)]             # (device block, host block)
     runner.swap_out(swap_out)                        # the CPU path: one copy per block and layer
     dev_ids = torch.tensor([d for d, _ in swap_out])
-    staged = gather_blocks(runner.kv_caches, dev_ids)
+    staged = gather_blocks(runner.kv_caches, dev_ids, torch.full((3, *runner.host_cache.shape[1:]), float("nan")))
     assert staged.shape == (3, *runner.host_cache.shape[1:])
     for i, (_, h) in enumerate(swap_out):
         assert torch.equal(staged[i], runner.host_cache[h]), i
@@ -190,3 +190,25 @@ def test_batched_swap_copies_move_each_block_to_its_own_slot(make_engine):
             assert torch.equal(got[:, d], runner.host_cache[h][layer]), (layer, d)
         untouched = [b for b in range(8) if b not in (7, 3, 0)]
         assert torch.equal(got[:, untouched], old[:, untouched]), layer
+
+
+def test_the_swap_out_gather_holds_one_layer_beside_its_output():
+    """Staging a swap-out on the device: besides its output buffer (the runner's preallocated staging,
+    reserved in the pool's sizing) gather_blocks holds at most one layer's blocks; stacking every
+    layer and making a permuted copy of the stack held twice the swapped bytes, unreserved."""
+    import torch
+
+    from engine.executor.model_runner import gather_blocks
+    from tests.helpers.memory import PeakMemory
+
+    num_layers = 4
+    generator = torch.Generator().manual_seed(0)
+    kv_caches = [torch.randn(2, 32, 4, 2, 8, generator=generator) for _ in range(num_layers)]  # [2, blocks, bs, nkv, hd]
+    block_ids = torch.tensor([3, 5, 7, 9, 11, 2, 1, 0])
+    expected = torch.stack([kv[:, block_ids] for kv in kv_caches]).permute(2, 0, 1, 3, 4, 5)
+    out = torch.empty(expected.shape)
+    with PeakMemory() as memory:
+        gather_blocks(kv_caches, block_ids, out)
+    assert torch.equal(out, expected)
+    assert 0 < memory.peak <= out.nbytes // num_layers
+
