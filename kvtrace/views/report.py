@@ -96,9 +96,12 @@ def request_gantt(states: list[dict], run_ids: list[str], arrows: list[dict] | N
     requester are both shown) as lines from the requester's row to the victim's at the preemption's
     time, a dot at the victim's end."""
     label = "datum.sample > 0 ? datum.req_id + '/' + datum.sample : datum.req_id"
-    values = [{**row, "kind": "state"} for row in states] + [
-        {"kind": "arrow", "run_id": a["run_id"], "req_id": a["req_id"], "sample": a["sample"], "ts_s": a["ts_s"],
-         "requester_req_id": a["requester_req_id"], "requester_sample": a["requester_sample"],
+    # one table of rows with the same columns: a state's (kind state) or a preemption's (kind arrow)
+    empty_state = {"rank": None, "state": None, "start_s": None, "end_s": None, "duration_ms": None}
+    values = [{**row, "kind": "state", "ts_s": None, "requester_req_id": None, "requester_sample": None,
+               "victim_reason": None} for row in states] + [
+        {**empty_state, "kind": "arrow", "run_id": a["run_id"], "req_id": a["req_id"], "sample": a["sample"],
+         "ts_s": a["ts_s"], "requester_req_id": a["requester_req_id"], "requester_sample": a["requester_sample"],
          "victim_reason": a["victim_reason"]} for a in arrows or []]
     y = alt.Y("request:N", title="request", sort=alt.EncodingSortField("rank", order="ascending"))
     bars = alt.Chart().transform_filter("datum.kind == 'state'").mark_bar(height={"band": 0.8}).encode(
