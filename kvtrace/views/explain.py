@@ -7,8 +7,9 @@ in docs/explain.md); `render_story()` and `render_worst()` lay them out for the 
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import duckdb
 from rich.console import Group, RenderableType
@@ -64,8 +65,6 @@ class Explainer:
 
     con: duckdb.DuckDBPyConnection
     run_id: str
-    _gaps: list[dict] | None = field(default=None, repr=False)
-    _itl_p99_ms: list[float | None] = field(default_factory=list, repr=False)
 
     @classmethod
     def open(cls, run: str) -> Explainer:
@@ -79,18 +78,15 @@ class Explainer:
     def rows(self, analysis: str, **params: object) -> list[dict]:
         return [r for r in db.records(db.run_analysis(self.con, analysis, **params)) if r["run_id"] == self.run_id]
 
+    @functools.cached_property
     def gaps(self) -> list[dict]:
         """The run's inter-token gaps above its p99 ITL (itl_cliffs with the p99 as the threshold)."""
-        if self._gaps is None:
-            self._gaps = self.rows("itl_cliffs", threshold_ms=0, median_multiple=0)
-        return self._gaps
+        return self.rows("itl_cliffs", threshold_ms=0, median_multiple=0)
 
+    @functools.cached_property
     def itl_p99_ms(self) -> float | None:
         """The run's p99 ITL (latency.sql), the threshold of the gaps (itl_cliffs computes it alike)."""
-        if not self._itl_p99_ms:
-            rows = self.rows("latency")
-            self._itl_p99_ms.append(next((r["p99_ms"] for r in rows if r["metric"] == "itl"), None))
-        return self._itl_p99_ms[0]
+        return next((r["p99_ms"] for r in self.rows("latency") if r["metric"] == "itl"), None)
 
     def request_ids(self) -> set[str]:
         return {row[0] for row in self.con.execute(
@@ -117,13 +113,13 @@ def story(ex: Explainer, req_id: str, sample: int = 0, *, request: dict | None =
                           "wait_ms": row["wait_ms"], "causes": []})
         waits[-1]["causes"].append({"cause": row["cause"], "cause_ms": row["cause_ms"], "share": row["share"]})
     preemptions = [_drop_ids(r) for r in ex.rows("preemptions", req_id=req_id, sample=sample)]
-    gaps = [_drop_ids(r) for r in ex.gaps() if r["req_id"] == req_id and r["sample"] == sample]
+    gaps = [_drop_ids(r) for r in ex.gaps if r["req_id"] == req_id and r["sample"] == sample]
     causes_recorded = bool(ex.con.execute(
         "SELECT coalesce(schema_version, 0) >= 3 FROM runs WHERE run_id = ?", [ex.run_id]).fetchone()[0])
     data = {
         "run_id": ex.run_id, "req_id": req_id, "sample": sample, "causes_recorded": causes_recorded,
         "request": request, "phases": phases, "waits": waits, "preemptions": preemptions,
-        "itl_p99_ms": ex.itl_p99_ms(), "gaps": gaps,
+        "itl_p99_ms": ex.itl_p99_ms, "gaps": gaps,
     }
     data["verdict"] = verdict(data)
     return data

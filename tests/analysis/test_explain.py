@@ -146,7 +146,7 @@ def test_the_sql_gives_the_storys_numbers(runs):
 
 def test_worst_lists_the_obviously_slow_request_first(runs):
     data = explained(runs["one-slow", "real"], "--worst", "3")
-    assert [r["req_id"] for r in data["requests"]][0] == "B" and data["by"] == "e2e"
+    assert data["requests"][0]["req_id"] == "B" and data["by"] == "e2e"
     assert [r["rank"] for r in data["requests"]] == [1, 2, 3]
     assert all(r["verdict"] for r in data["requests"])
     by_preemptions = explained(runs["four-block", "real"], "--worst", "1", "--by", "preemptions")
