@@ -186,7 +186,7 @@ def tell(model: str, load_format: str, out: Path, runs: Path, *, modelled: bool 
         fix_command=_command(fix_run, model, load_format, FIX_SETTINGS),
         dashboard=text_of(dashboard.view([thrash_run], params, WIDTH)),
         compare=text_of(headline.render([change])),
-        explained=text_of(explain.render_story(story), 100), verdict=story["verdict"],
+        explained=text_of(explain.render_story(story), 100),
         answers="\n".join(ANSWER.format(question=q, query=query, result=result) for q, query, result in answers),
         charts="\n".join(f"![{c.title}](postmortem/{c.name}.png)\n\n{c.description}\n" for c in charts),
         **_figures(thrash, fix),
@@ -291,9 +291,9 @@ kvtrace explain traces/runs/thrash {worst}
 {explained}
 ```
 
-In a sentence: {verdict}. The requesters are the other side of the story: the dashboard's *noisy
-neighbours* ranks the requests whose growth preempted the most others (`kvtrace sql
-traces/runs/thrash --analysis noisy_neighbours`).
+The requesters are the other side of the story: the dashboard's *noisy neighbours* ranks the
+requests whose growth preempted the most others (`kvtrace sql traces/runs/thrash --analysis
+noisy_neighbours`).
 
 ## The SQL you run next
 

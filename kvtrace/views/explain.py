@@ -47,6 +47,7 @@ PHASE_WORDS = {
 WAIT_WORDS = {"waiting": "queued", "preempted": "waited to resume", "swapped": "waited swapped out"}
 # a wait or gap shorter than this share of the request's end-to-end time is left out of the verdict
 NOTABLE_SHARE = 0.05
+MAX_NAMED = 3        # requesters named in a verdict; the rest are counted
 
 
 def parse_request(text: str, known: set[str]) -> tuple[str, int]:
@@ -193,8 +194,12 @@ def verdict(data: dict) -> str:
     parts = [_wait_part(data, "waiting", e2e)]
     if data["preemptions"]:
         by: Counter = Counter((p["requester_req_id"], p["requester_sample"]) for p in data["preemptions"])
+        named = by.most_common(MAX_NAMED)
         whom = ", ".join(f"{_times(count)} by {_who(rid, s, data)}" if len(by) > 1 else _who(rid, s, data)
-                         for (rid, s), count in by.most_common())
+                         for (rid, s), count in named)
+        if len(by) > MAX_NAMED:
+            rest = sum(by.values()) - sum(count for _, count in named)
+            whom += f", {_times(rest)} by {len(by) - MAX_NAMED} others"
         reasons = sorted({p["victim_reason"] for p in data["preemptions"] if p["victim_reason"]})
         text = f"preempted {_times(len(data['preemptions']))}" + (f" by {whom}" if len(by) == 1 else f": {whom}")
         if reasons:
