@@ -123,13 +123,13 @@ class Scheduler:
                 victim, why = self._pick_victim(seq)
                 victims = self._swap_group(victim)
                 i -= sum(1 for v in victims if v is not seq and running.index(v) < i)
-                for victim in victims:
-                    if id(victim) in scheduled:  # already in this step's batch: take it back out
-                        num_victim, num_hashed = scheduled.pop(id(victim))
+                for taken in victims:
+                    if id(taken) in scheduled:  # already in this step's batch: take it back out
+                        num_victim, num_hashed = scheduled.pop(id(taken))
                         budget += num_victim
-                        j = out.seqs.index(victim)
+                        j = out.seqs.index(taken)
                         del out.seqs[j], out.num_new_tokens[j]
-                        bm.uncache_from(victim, num_hashed)  # cached when scheduled, never computed
+                        bm.uncache_from(taken, num_hashed)  # cached when scheduled, never computed
                 self._preempt(victims, out, seq, {id(victim): why})
                 if seq in victims:
                     preempted_self = True
