@@ -14,7 +14,8 @@ from typing import Protocol
 # kv event kinds (see docs/trace-format.md)
 ALLOC = "alloc"            # blocks given to a sequence
 FREE = "free"              # blocks whose reference count fell to zero
-PREEMPT = "preempt"        # a sequence lost its place; reason = recompute | swap | swap-full-fallback
+PREEMPT = "preempt"        # a sequence lost its place; reason = recompute | swap | swap-full-fallback;
+                           # requester_* = the sequence that needed the blocks, victim_reason = why this one
 SWAP_OUT = "swap_out"      # blocks copied device -> host (blocks = device ids, src_blocks = host ids)
 SWAP_IN = "swap_in"        # blocks copied host -> device (blocks = new device ids, src_blocks = host ids)
 REPREFILL = "reprefill"    # a resumed sequence finished re-prefilling its history (reason=interrupted if preempted first)
@@ -51,6 +52,24 @@ class PreemptReason(StrEnum):
     SWAP_FULL_FALLBACK = "swap-full-fallback"   # swap mode, but the host was full: recompute
 
 
+class VictimReason(StrEnum):   # preempt: why the policy chose this victim
+    NEWEST = "newest"                    # admitted last among the candidates (newest, newest-sparing)
+    LOWEST_PRIORITY = "lowest-priority"  # the least urgent: largest priority value, then latest arrival
+    FEWEST_COMPUTED = "fewest-computed"  # the candidate with the least computed KV (fewest-computed)
+    ONLY_CANDIDATE = "only-candidate"    # every other running sequence was spared: the requester yields
+    SWAP_GROUP = "swap-group"            # a sample of the victim's request, swapped out with it
+
+
+class AdmissionStop(StrEnum):  # the steps row's admission_stop: why admission stopped this step
+    NOTHING_WAITING = "nothing-waiting"  # every waiting (and swapped) sequence was admitted, or none waited
+    SEATS = "seats"                      # max_num_seqs sequences running
+    BUDGET = "budget"                    # the step's token budget (max_num_batched_tokens) spent
+    BLOCKS = "blocks"                    # too few free blocks for the next one's whole prompt (or swap-in)
+    WATERMARK = "watermark"              # it would fit, but not above the free-block watermark
+    PREEMPTION = "preemption"            # a preemption earlier in the step: V1 admits nothing then
+    OTHER = "other"                      # the vLLM capture only: vLLM held it back for a reason of its own
+
+
 class FinishReason(StrEnum):   # also the requests table's finish_reason
     STOP = "stop"          # a stop token, or the recorded request's own output length
     LENGTH = "length"      # max_tokens, or the max model length
@@ -77,6 +96,9 @@ class KVEvent:
     num_cached_tokens: int = 0            # reprefill: positions served from the prefix cache
     num_recomputed_tokens: int = 0        # reprefill: positions computed again (had KV before)
     src_blocks: list[int] | None = None   # swap: host block ids; cow: source device blocks
+    requester_req_id: str | None = None   # preempt: the sequence whose allocation could not be served
+    requester_sample: int | None = None
+    victim_reason: str | None = None      # preempt: a VictimReason
     step: int = 0
     ts_s: float = 0.0
     seq: int = 0                          # global order within the run, set when handed over
@@ -138,6 +160,7 @@ class StepRecord:
     num_total_blocks: int
     num_kv_tokens: int              # KV positions stored in used blocks (a shared one counted once)
     num_preemptions: int
+    admission_stop: str | None = None   # an AdmissionStop: why no further sequence was admitted
     events: list[KVEvent] = field(default_factory=list)
     # emitted tokens, as parallel lists (cheap to build, cheap to turn into columns)
     token_req_ids: list[str] = field(default_factory=list)

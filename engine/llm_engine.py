@@ -450,7 +450,7 @@ class LLMEngine:
             num_recompute_tokens=num_recompute, num_free_blocks=pool.num_free_blocks,
             num_used_blocks=pool.num_used_blocks, num_cached_blocks=pool.num_cached_blocks,
             num_total_blocks=self.block_manager.num_blocks, num_kv_tokens=pool.num_kv_tokens,
-            num_preemptions=out.num_preemptions, events=kv_events,
+            num_preemptions=out.num_preemptions, admission_stop=out.admission_stop, events=kv_events,
             token_req_ids=[s.req_id for s, _ in emitted], token_samples=[s.sample for s, _ in emitted],
             token_idx=[s.num_output_tokens - 1 for s, _ in emitted],
             token_ids=[t for _, t in emitted] if self.runner.emits_token_ids else [None] * len(emitted),

@@ -7,7 +7,16 @@ from dataclasses import dataclass, field
 from engine import events as ev
 from engine.block_manager import BlockManager
 from engine.config import PreemptionMode, PreemptionPolicy
-from engine.events import REPREFILL_INTERRUPTED, AdmitReason, FinishReason, FreeReason, KVEvent, PreemptReason
+from engine.events import (
+    REPREFILL_INTERRUPTED,
+    AdmissionStop,
+    AdmitReason,
+    FinishReason,
+    FreeReason,
+    KVEvent,
+    PreemptReason,
+    VictimReason,
+)
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -31,6 +40,9 @@ class SchedulerOutput:
     # sequences that finished without running (rejected: can never fit)
     rejected: list[Sequence] = field(default_factory=list)
     num_preemptions: int = 0
+    # why admission stopped: what held back the front of the swapped and waiting queues (an
+    # AdmissionStop; nothing-waiting when both are empty at the end of the step's scheduling)
+    admission_stop: str = AdmissionStop.NOTHING_WAITING
 
 
 def urgency(seq: Sequence) -> tuple:
@@ -108,7 +120,8 @@ class Scheduler:
                 num_new = budget
             preempted_self = False
             while not bm.can_grow(seq, num_new):
-                victims = self._swap_group(self._pick_victim(seq))
+                victim, why = self._pick_victim(seq)
+                victims = self._swap_group(victim)
                 i -= sum(1 for v in victims if v is not seq and running.index(v) < i)
                 for victim in victims:
                     if id(victim) in scheduled:  # already in this step's batch: take it back out
@@ -117,7 +130,7 @@ class Scheduler:
                         j = out.seqs.index(victim)
                         del out.seqs[j], out.num_new_tokens[j]
                         bm.uncache_from(victim, num_hashed)  # cached when scheduled, never computed
-                self._preempt(victims, out)
+                self._preempt(victims, out, seq, {id(victim): why})
                 if seq in victims:
                     preempted_self = True
                     break
@@ -136,6 +149,8 @@ class Scheduler:
             i += 1
 
         if out.num_preemptions:
+            if self.waiting or self.swapped:
+                out.admission_stop = AdmissionStop.PREEMPTION
             return out
 
         # 2. vLLM V0's swap mode: swapped sequences come back before anything new is admitted (a
@@ -145,6 +160,7 @@ class Scheduler:
             while len(group) < len(self.swapped) and self.swapped[len(group)].req_id == group[0].req_id:
                 group.append(self.swapped[len(group)])
             if running and len(running) + len(group) > self.max_num_seqs:  # alone, may outnumber it (as admitted)
+                out.admission_stop = AdmissionStop.SEATS
                 break
             new_tokens = []
             left = budget
@@ -152,12 +168,14 @@ class Scheduler:
                 new_tokens.append(min(seq.num_tokens - seq.num_computed_tokens, left))
                 left -= new_tokens[-1]
             if 0 in new_tokens:
+                out.admission_stop = AdmissionStop.BUDGET
                 break
             if len(group) > 1 and bm.num_swap_in_blocks(group, new_tokens) > bm.num_blocks:
                 group, new_tokens = group[:1], new_tokens[:1]  # together they outgrew the pool: one by one
             if not bm.can_swap_in(group, new_tokens):
                 seq = group[0]
                 if bm.can_ever_hold(max(seq.num_tokens, seq.num_computed_tokens + 1, seq.num_reserved_tokens)):
+                    out.admission_stop = AdmissionStop.BLOCKS
                     break
                 self.swapped.popleft()  # outgrew the whole pool: it can never resume
                 seq.finish_reason = FinishReason.CAPACITY
@@ -182,6 +200,8 @@ class Scheduler:
                 out.num_new_tokens.append(num_new)
                 budget -= num_new
         if self.swapped:
+            if budget <= 0:
+                out.admission_stop = AdmissionStop.BUDGET
             return out
 
         # 3. Waiting sequences (new, or preempted by recompute), front first. A running request
@@ -190,9 +210,11 @@ class Scheduler:
         num_forks = sum(s.num_pending_forks for s in running) if self.waiting else 0
         while self.waiting and budget > 0:
             if len(running) + num_forks >= self.max_num_seqs:
+                out.admission_stop = AdmissionStop.SEATS
                 break
             seq = self._next_waiting()
             if seq.num_pending_forks and running and len(running) + num_forks + 1 + seq.num_pending_forks > self.max_num_seqs:
+                out.admission_stop = AdmissionStop.SEATS
                 break
             if not bm.can_ever_hold(max(seq.num_tokens + 1, seq.num_reserved_tokens)):
                 self.waiting.remove(seq)
@@ -206,10 +228,13 @@ class Scheduler:
                 num_new = threshold
             if num_new > budget:
                 if not self.enable_chunked_prefill:
+                    out.admission_stop = AdmissionStop.BUDGET
                     break
                 num_new = budget
             # V1's watermark holds back admissions only while something else runs
             if not bm.can_allocate(seq, cached_ids, watermark=bool(running)):
+                out.admission_stop = (AdmissionStop.WATERMARK if running and bm.can_allocate(seq, cached_ids, watermark=False)
+                                      else AdmissionStop.BLOCKS)
                 break
             self.waiting.remove(seq)
             num_forks += seq.num_pending_forks
@@ -225,6 +250,8 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_new_tokens.append(num_new)
             budget -= num_new
+        if self.waiting and budget <= 0:
+            out.admission_stop = AdmissionStop.BUDGET
         return out
 
     def adopt(self, seq: Sequence) -> None:
@@ -247,9 +274,9 @@ class Scheduler:
         self.running.append(seq)
         self.bm.events.append(KVEvent(ev.ADMIT, seq.req_id, seq.sample, num_tokens=num_tokens, reason=reason))
 
-    def _pick_victim(self, needing: Sequence) -> Sequence:
-        """The running sequence to preempt so that `needing` can get blocks; `needing` itself is a
-        candidate (it may be the newest).
+    def _pick_victim(self, needing: Sequence) -> tuple[Sequence, str]:
+        """The running sequence to preempt so that `needing` can get blocks, and why the policy chose
+        it (a VictimReason); `needing` itself is a candidate (it may be the newest).
 
         V1's policies (newest, priority) take the last admitted or the least urgent, unconditionally.
         kvtrace's newest-sparing and fewest-computed spare sequences resumed but not yet progressed
@@ -258,15 +285,18 @@ class Scheduler:
         """
         policy = self.preemption_policy
         if policy == PreemptionPolicy.NEWEST:
-            return self.running[-1]
+            return self.running[-1], VictimReason.NEWEST
         if policy == PreemptionPolicy.PRIORITY:
-            return max(self.running, key=urgency)
+            return max(self.running, key=urgency), VictimReason.LOWEST_PRIORITY
+        why = VictimReason.FEWEST_COMPUTED if policy == PreemptionPolicy.FEWEST_COMPUTED else VictimReason.NEWEST
         others = [s for s in self.running if s is not needing and not s.protected]
+        if not others:
+            return needing, VictimReason.ONLY_CANDIDATE
         freeing = [s for s in others if any(self.bm.blocks[b].ref_count == 1 for b in s.block_table)]
-        if needing.protected and others:  # a resumed sequence re-prefilling in chunks is spared too
-            return max(freeing or others, key=lambda s: victim_key(policy, s))
+        if needing.protected:  # a resumed sequence re-prefilling in chunks is spared too
+            return max(freeing or others, key=lambda s: victim_key(policy, s)), why
         candidates = (freeing or others) + [needing]
-        return max(candidates, key=lambda s: victim_key(policy, s))
+        return max(candidates, key=lambda s: victim_key(policy, s)), why
 
     def _swap_group(self, victim: Sequence) -> list[Sequence]:
         """The sequences preempted with `victim`: with swap and copy-on-write samples, every running
@@ -276,9 +306,14 @@ class Scheduler:
         group = [s for s in self.running if s.req_id == victim.req_id]
         return group if len(group) > 1 and self.bm.can_swap_out(group) else [victim]
 
-    def _preempt(self, seqs: list[Sequence], out: SchedulerOutput) -> None:
-        """Preempt the sequences: swap them out together (swap mode, when the host has room), else
-        drop their KV to recompute it later."""
+    def _preempt(self, seqs: list[Sequence], out: SchedulerOutput, requester: Sequence | None = None,
+                 reasons: dict[int, str] | None = None) -> None:
+        """Preempt the sequences so that `requester` can grow: swap them out together (swap mode, when
+        the host has room), else drop their KV to recompute it later. `reasons`: id(seq) -> why the
+        policy chose it (the others of a swap group went with it)."""
+        requester_req_id = requester.req_id if requester is not None else None
+        requester_sample = requester.sample if requester is not None else None
+        reasons = reasons or {}
         held = {}
         for seq in seqs:
             self.running.remove(seq)
@@ -295,8 +330,10 @@ class Scheduler:
             out.copies = [(src, dst) for src, dst in out.copies if dst not in pending_cow]
         if self.preemption_mode == PreemptionMode.SWAP and self.bm.can_swap_out(seqs):
             for seq in seqs:
-                self.bm.events.append(KVEvent(ev.PREEMPT, seq.req_id, seq.sample, blocks=held[id(seq)],
-                                              num_tokens=seq.num_computed_tokens, reason=PreemptReason.SWAP))
+                self.bm.events.append(KVEvent(
+                    ev.PREEMPT, seq.req_id, seq.sample, blocks=held[id(seq)], num_tokens=seq.num_computed_tokens,
+                    reason=PreemptReason.SWAP, requester_req_id=requester_req_id, requester_sample=requester_sample,
+                    victim_reason=reasons.get(id(seq), VictimReason.SWAP_GROUP)))
             copies = self.bm.swap_out(seqs)
             for seq, mine in zip(seqs, copies):
                 out.swap_out.extend((pending_cow.get(d, d), h) for d, h in mine)
@@ -311,8 +348,10 @@ class Scheduler:
         reason = (PreemptReason.RECOMPUTE if self.preemption_mode == PreemptionMode.RECOMPUTE
                   else PreemptReason.SWAP_FULL_FALLBACK)
         for seq in seqs:
-            self.bm.events.append(KVEvent(ev.PREEMPT, seq.req_id, seq.sample, blocks=held[id(seq)],
-                                          num_tokens=seq.num_computed_tokens, reason=reason))
+            self.bm.events.append(KVEvent(
+                ev.PREEMPT, seq.req_id, seq.sample, blocks=held[id(seq)], num_tokens=seq.num_computed_tokens,
+                reason=reason, requester_req_id=requester_req_id, requester_sample=requester_sample,
+                victim_reason=reasons.get(id(seq), VictimReason.SWAP_GROUP)))
             self.bm.free(seq, FreeReason.PREEMPT)
             seq.status = SequenceStatus.WAITING
             seq.protected = False

@@ -67,6 +67,7 @@ class TraceWriter:
         s["cached_blocks"].append(r.num_cached_blocks)
         s["total_blocks"].append(r.num_total_blocks)
         s["kv_tokens"].append(r.num_kv_tokens)
+        s["admission_stop"].append(r.admission_stop)
         if r.events:
             k = self._columns["kv_events"]
             for e in r.events:
@@ -85,6 +86,9 @@ class TraceWriter:
                 k["num_cached_tokens"].append(e.num_cached_tokens)
                 k["num_recomputed_tokens"].append(e.num_recomputed_tokens)
                 k["src_blocks"].append(e.src_blocks)
+                k["requester_req_id"].append(e.requester_req_id)
+                k["requester_sample"].append(e.requester_sample)
+                k["victim_reason"].append(e.victim_reason)
         num_tokens = len(r.token_req_ids)
         if num_tokens:
             t = self._columns["tokens"]

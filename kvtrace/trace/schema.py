@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2                 # 2: tokens.prev_step and tokens.prev_ts_s (see docs/trace-format.md)
+SCHEMA_VERSION = 3                 # 2: tokens.prev_step and tokens.prev_ts_s; 3: the causes (steps.admission_stop,
+                                   # kv_events.requester_req_id, requester_sample, victim_reason); see docs/trace-format.md
 
 # One row per sequence (a request with n samples has n rows), written when it finishes.
 REQUESTS_SCHEMA = pa.schema([
@@ -49,6 +50,9 @@ STEPS_SCHEMA = pa.schema([
     ("cached_blocks", pa.int32()),         # free blocks still holding reusable prefix-cache KV
     ("total_blocks", pa.int32()),          # the device pool's size
     ("kv_tokens", pa.int64()),             # KV positions stored in the used blocks (a shared block counts once)
+    # why admission stopped in this step (schema 3; null in older traces): nothing-waiting | seats |
+    # budget | blocks | watermark | preemption | other (engine/events.py AdmissionStop)
+    ("admission_stop", pa.string()),
 ])
 
 # One row per KV-cache event; which columns matter depends on `kind` (see the doc's table).
@@ -70,6 +74,12 @@ KV_EVENTS_SCHEMA = pa.schema([
     ("num_cached_tokens", pa.int32()),     # reprefill: positions served from the prefix cache
     ("num_recomputed_tokens", pa.int32()), # reprefill: positions computed again
     ("src_blocks", pa.list_(pa.int32())),  # swap: host block ids; cow: source device block
+    # preempt (schema 3; null in older traces and for other kinds): the sequence whose allocation
+    # could not be served, and why the policy chose this victim (newest | lowest-priority |
+    # fewest-computed | only-candidate | swap-group)
+    ("requester_req_id", pa.string()),
+    ("requester_sample", pa.int32()),
+    ("victim_reason", pa.string()),
 ])
 
 # One row per emitted token.

@@ -51,8 +51,10 @@ def read_chunks(capture: Path) -> dict[str, dict[str, list]]:
         except Exception as exc:   # a chunk is renamed into place whole; anything else is not ours
             raise KvtraceError(f"{path}: not a readable capture chunk ({exc})") from exc
         for table, cols in chunk.items():
-            for name, values in cols.items():
-                columns[table][name].extend(values)
+            num_rows = len(next(iter(cols.values()), []))
+            for name, values in columns[table].items():
+                # a chunk of an older capture lacks the newer columns (schema 3's causes): null
+                values.extend(cols.get(name, [None] * num_rows))
     return columns
 
 
@@ -89,13 +91,18 @@ def convert(capture: Path, run_dir: Path, run_id: str, items: list[Item], origin
     if window is not None:
         _keep_window(columns, *window)
     by_index = {item.index: item for item in items}
-    raw = [*columns["requests"]["req_id"], *columns["kv_events"]["req_id"], *columns["tokens"]["req_id"]]
+    raw = [*columns["requests"]["req_id"], *columns["kv_events"]["req_id"], *columns["tokens"]["req_id"],
+           *(r for r in columns["kv_events"]["requester_req_id"] if r)]
     ids = map_ids(raw, by_index)
     for table in ("requests", "kv_events", "tokens"):
         cols = columns[table]
         mapped = [ids.get(r, (r, 0)) for r in cols["req_id"]]
         cols["req_id"] = [m[0] for m in mapped]
         cols["sample"] = [m[1] for m in mapped]
+    k = columns["kv_events"]   # a preemption's requester, in the workload's ids too
+    requesters = [ids.get(r, (r, 0)) if r else (None, None) for r in k["requester_req_id"]]
+    k["requester_req_id"] = [m[0] for m in requesters]
+    k["requester_sample"] = [m[1] for m in requesters]
     for table, names in TIME_COLUMNS.items():
         for name in names:
             columns[table][name] = [None if t is None else t - origin for t in columns[table][name]]

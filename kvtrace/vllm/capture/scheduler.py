@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
@@ -86,10 +87,18 @@ class _Capture:
         self.block_size = scheduler.block_size
         self.total_blocks = pool.num_gpu_blocks - 1        # block 0 is vLLM's null block
         self.states: dict[str, _ReqState] = {}
-        self.events: list[tuple] = []                      # (kind, req, blocks, num_tokens, reason, cached, recomputed)
+        # (kind, req, blocks, num_tokens, reason, cached, recomputed[, requester, victim_reason])
+        self.events: list[tuple] = []
         self.seq = 0
         self.step = -1
         self.step_preemptions = 0
+        self.needing = ""                                  # the running request whose allocate_slots last failed
+        self.admit_failed = False                          # a waiting request's allocate_slots failed this step
+        # vLLM's victim: the least urgent (priority policy), else the newest, running[-1]
+        self.victim_reason = "lowest-priority" if scheduler.policy == SchedulingPolicy.PRIORITY else "newest"
+        self.max_seats = getattr(scheduler, "max_num_active_reqs", scheduler.max_num_running_reqs)
+        self.max_step_tokens = getattr(scheduler, "max_num_scheduled_tokens",
+                                       scheduler.scheduler_config.max_num_batched_tokens)
         self.pending: dict[int, tuple] = {}                # id(scheduler_output) -> the step's row so far
         self.finishing: list[tuple[Request, _ReqState]] = []
         self.current: str = ""                             # the request a block-pool call is for
@@ -183,6 +192,11 @@ class _Capture:
                 cap.current = ""
             if result is not None and admitting:
                 cap.admitted(request, status, num_new_computed_tokens, new_computed_blocks, mark)
+            elif result is None:   # vLLM preempts for a running request, stops admitting for a waiting one
+                if admitting:
+                    cap.admit_failed = True
+                else:
+                    cap.needing = rid
             return result
 
         def free_(request):
@@ -265,10 +279,26 @@ class _Capture:
             if filled:
                 gaps += bs - filled
         row = (self.step, start, end, len(sched.running), len(sched.waiting), prefill, decode, recompute,
-               self.step_preemptions, free, used, self.cached_free, used * bs - gaps)
+               self.step_preemptions, free, used, self.cached_free, used * bs - gaps, self.admission_stop(out))
         # what this scheduling did belongs to its step, however late its output is processed (async)
         self.pending[id(out)] = (row, self.events, self.finishing)
         self.events, self.finishing = [], []
+
+    def admission_stop(self, out) -> str:
+        """Why vLLM admitted no further waiting request this step, from what the step left behind
+        (docs/trace-format.md): vLLM does not say, so the checks follow its waiting loop's order."""
+        sched = self.scheduler
+        if not len(sched.waiting) and not len(getattr(sched, "kv_holding_waiting", ())):
+            return "nothing-waiting"
+        if self.step_preemptions:
+            return "preemption"                    # the waiting loop runs only without preemptions
+        if len(sched.running) >= self.max_seats:
+            return "seats"
+        if sum(out.num_scheduled_tokens.values()) >= self.max_step_tokens:
+            return "budget"
+        if self.admit_failed:
+            return "blocks"                        # allocate_slots refused a waiting request
+        return "other"
 
     def preempting(self, request: Request) -> None:
         rid = request.request_id
@@ -278,7 +308,10 @@ class _Capture:
             self.events.append(("reprefill", rid, None, st.reprefill_target, "interrupted", st.reprefill_cached,
                                 st.reprefill_recomputed))
             st.reprefill_target = 0
-        self.events.append(("preempt", rid, blocks, request.num_computed_tokens, "recompute", 0, 0))
+        # vLLM preempts inside the allocate_slots loop of the running request it could not serve
+        # (that request itself when it is the newest); the victim is running[-1] or the least urgent
+        self.events.append(("preempt", rid, blocks, request.num_computed_tokens, "recompute", 0, 0,
+                            self.needing or None, self.victim_reason))
         st.preemptions += 1
         self.step_preemptions += 1
 
@@ -325,13 +358,14 @@ class _Capture:
     def write_step(self, row: tuple, end: float, device_ms: float | None) -> None:
         s = self.sink.columns["steps"]
         (step, begin, sched_end, running, waiting, prefill, decode, recompute, preemptions, free, used, cached,
-         kv) = row
+         kv, admission_stop) = row
         for name, value in (("step", step), ("start_s", begin), ("end_s", end),
                             ("device_ms", device_ms), ("running", running),
                             ("waiting", waiting), ("swapped", 0), ("prefill_tokens", prefill),
                             ("decode_tokens", decode), ("recompute_tokens", recompute),
                             ("preemptions", preemptions), ("free_blocks", free), ("used_blocks", used),
-                            ("cached_blocks", cached), ("total_blocks", self.total_blocks), ("kv_tokens", kv)):
+                            ("cached_blocks", cached), ("total_blocks", self.total_blocks), ("kv_tokens", kv),
+                            ("admission_stop", admission_stop)):
             s[name].append(value)
 
     def finish_pending(self, now: float, step: int) -> None:
@@ -360,7 +394,7 @@ class _Capture:
         if not self.events:
             return
         k = self.sink.columns["kv_events"]
-        for kind, rid, blocks, num_tokens, reason, cached, recomputed in self.events:
+        for kind, rid, blocks, num_tokens, reason, cached, recomputed, *cause in self.events:
             k["seq"].append(self.seq)
             self.seq += 1
             k["step"].append(step)
@@ -377,6 +411,10 @@ class _Capture:
             k["num_cached_tokens"].append(cached)
             k["num_recomputed_tokens"].append(recomputed)
             k["src_blocks"].append(None)
+            requester, victim_reason = cause or (None, None)
+            k["requester_req_id"].append(requester)
+            k["requester_sample"].append(0 if requester else None)
+            k["victim_reason"].append(victim_reason)
         if self.self_check:
             self._replay(self.events)
         self.events = []
@@ -444,6 +482,7 @@ class _CaptureMixin:
         start = time.monotonic()
         cap.step += 1
         cap.step_preemptions = 0
+        cap.needing, cap.admit_failed = "", False
         out = super().schedule(*args, **kwargs)
         cap.after_schedule(out, start)
         return out

@@ -28,10 +28,10 @@ COLUMNS = {
                  "preemptions", "swaps", "recomputed_tokens", "prefix_hit_tokens"),
     "steps": ("step", "start_s", "end_s", "device_ms", "running", "waiting", "swapped", "prefill_tokens",
               "decode_tokens", "recompute_tokens", "preemptions", "free_blocks", "used_blocks",
-              "cached_blocks", "total_blocks", "kv_tokens"),
+              "cached_blocks", "total_blocks", "kv_tokens", "admission_stop"),
     "kv_events": ("seq", "step", "ts_s", "kind", "req_id", "sample", "blocks", "num_blocks", "num_tokens",
                   "bytes", "duration_ms", "reason", "num_cached_tokens", "num_recomputed_tokens",
-                  "src_blocks"),
+                  "src_blocks", "requester_req_id", "requester_sample", "victim_reason"),
     "tokens": ("req_id", "sample", "idx", "token_id", "step", "ts_s"),
 }
 
