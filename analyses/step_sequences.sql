@@ -14,6 +14,9 @@
 --   blocks_allocated device blocks it was given (alloc events)
 --   blocks_freed     device blocks it gave back (free events)
 --   events           its events in the step, in order: kind, with the reason after a colon
+--   preempted_for    a preemption in the step: the sequence whose allocation it served (req_id,
+--                    /sample after the first; null in traces before schema 3)
+--   victim_reason    and why the policy chose this sequence (newest, lowest-priority, ...)
 --   first_seq        kv_events.seq of its first event in the step (null without one)
 WITH step AS (
     SELECT run_id, step, start_s, end_s FROM steps WHERE step = $step
@@ -22,6 +25,9 @@ events AS (
     SELECT e.run_id, e.req_id, e.sample,
            string_agg(e.kind || coalesce(':' || e.reason, ''), ' ' ORDER BY e.seq) AS events,
            min(e.seq) AS first_seq,
+           first(e.requester_req_id || CASE WHEN e.requester_sample > 0 THEN '/' || e.requester_sample ELSE '' END
+                 ORDER BY e.seq) FILTER (WHERE e.kind = 'preempt') AS preempted_for,
+           first(e.victim_reason ORDER BY e.seq) FILTER (WHERE e.kind = 'preempt') AS victim_reason,
            coalesce(sum(e.num_blocks) FILTER (WHERE e.kind = 'alloc'), 0)::BIGINT AS blocks_allocated,
            coalesce(sum(e.num_blocks) FILTER (WHERE e.kind = 'free'), 0)::BIGINT AS blocks_freed
     FROM kv_events e JOIN step USING (run_id, step)
@@ -48,7 +54,7 @@ SELECT l.run_id, l.req_id, l.sample, st.state,
        coalesce(t.tokens, 0) AS tokens,
        coalesce(e.blocks_allocated, 0) AS blocks_allocated,
        coalesce(e.blocks_freed, 0) AS blocks_freed,
-       e.events, e.first_seq
+       e.events, e.preempted_for, e.victim_reason, e.first_seq
 FROM listed l
 LEFT JOIN states st USING (run_id, req_id, sample)
 LEFT JOIN emitted t USING (run_id, req_id, sample)

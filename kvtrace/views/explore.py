@@ -149,11 +149,13 @@ class RequestScreen(Screen):
         width = self.app.size.width
         title = Text()
         title.append(f" {seq_name(self.req_id, self.sample)} ", "bold reverse")
-        title.append(f"  {fmt_num(row.get('prompt_tokens'))} prompt → {fmt_num(row.get('output_tokens'))} out · "
-                     f"{row.get('finish_reason') or 'unfinished'} · arrived {fmt_s(row.get('arrival_s'))}")
+        title.append(f"  {fmt_num(row.get('prompt_tokens'))} → {fmt_num(row.get('output_tokens'))} tok · "
+                     f"{row.get('finish_reason') or 'unfinished'} · arrived {fmt_s(row.get('arrival_s'))} · "
+                     f"preempted {row.get('preemptions', 0)}×")
+        if row.get("recomputed_tokens"):
+            title.append(f", {fmt_num(row['recomputed_tokens'], 'tok')} recomputed")
         figures = Text(f"TTFT {fmt_ms(row.get('ttft_ms'))} · E2E {fmt_ms(row.get('e2el_ms'))} · queued "
-                       f"{fmt_ms(row.get('queueing_ms'))} · preempted {row.get('preemptions', 0)}× · stalled "
-                       f"{fmt_ms(row.get('stall_ms'))} · recomputed {fmt_num(row.get('recomputed_tokens'), 'tok')}")
+                       f"{fmt_ms(row.get('queueing_ms'))} · stalled {fmt_ms(row.get('stall_ms'))}")
         buckets = max(width - explore_timeline.LABEL_WIDTH - 2, 10)
         rows = self.run.timeline(self.req_id, self.sample, buckets)
         yield Static(Group(title, figures, explore_timeline.timeline(rows),
@@ -171,9 +173,12 @@ class RequestScreen(Screen):
     def happened(state: dict) -> str:
         """The mark that began the state, in words."""
         if state["event"] == "preempt":
-            by = state.get("requester_req_id")
-            who = f" for {seq_name(by, state.get('requester_sample'))}" if by else ""
-            return f"preempted{who} ({state['reason']}): {fmt_num(state['num_tokens'])} KV positions lost"
+            by = state["requester_req_id"]
+            lost = f"{fmt_num(state['num_tokens'])} positions lost"
+            if by is None:     # a trace before schema 3: no requester
+                return f"preempted ({state['reason']}): {lost}"
+            why = f", {state['victim_reason']}" if state["victim_reason"] else ""
+            return f"for {seq_name(by, state['requester_sample'])} ({state['reason']}{why}): {lost} · g"
         if state["event"] == "admit":
             return "admitted" if state["reason"] == "new" else f"readmitted ({state['reason']})"
         if state["event"] == "reprefill":
@@ -236,11 +241,18 @@ class StepScreen(Screen):
         text.append(f" step {self.number} ", "bold reverse")
         text.append(f"  at {fmt_s(step.get('start_s'))} · {fmt_ms(step.get('device_ms'))} on the device")
         text.append(f"\nrunning {step.get('running')} · waiting {step.get('waiting')} · swapped {step.get('swapped')}"
-                    f" · computed {fmt_num(step.get('prefill_tokens'))} prefill + {fmt_num(step.get('decode_tokens'))}"
+                    f" · {fmt_num(step.get('prefill_tokens'))} prefill + {fmt_num(step.get('decode_tokens'))}"
                     f" decode tok ({fmt_num(step.get('recompute_tokens'))} again)")
         text.append(f"\npool {step.get('used_blocks')} of {step.get('total_blocks')} blocks used, "
-                    f"{step.get('free_blocks')} free ({step.get('cached_blocks')} cached) · "
-                    f"{step.get('preemptions')} preempted")
+                    f"{step.get('free_blocks')} free ({step.get('cached_blocks')} cached)")
+        if step.get("admission_stop"):     # schema 3
+            text.append(f" · admission stopped: {step['admission_stop']}")
+        victims = [f"{seq_name(r['req_id'], r['sample'])} for {r['preempted_for']} ({r['victim_reason'] or '?'})"
+                   for r in step["sequences"] if r["preempted_for"]]
+        if victims:
+            text.append("\npreempted " + ", ".join(victims))
+        elif step.get("preemptions"):      # a trace before schema 3 names no requester
+            text.append(f"\n{step['preemptions']} preempted")
         self.query_one("#step", Static).update(text)
         table = self.query_one("#sequences", Table)
         table.clear()

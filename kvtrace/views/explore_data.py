@@ -62,10 +62,13 @@ class RunData:
     @functools.cache
     def states(self, req_id: str, sample: int) -> list[dict]:
         """The sequence's states as intervals (request_timeline.sql), each with the step its mark
-        fell in and, for a preemption, the event's blocks and positions lost."""
+        fell in and, for a preemption, the event's blocks and positions lost, the sequence that
+        needed the blocks (requester_req_id, requester_sample) and why the policy chose this one
+        (victim_reason); those two are null in traces before schema 3."""
         rows = db.records(db.run_analysis(self.con, "request_timeline", req_id=req_id))
         marks = {(r["state"], r["start_s"]): r for r in db.records(self.con.sql("""
-            SELECT s.state, s.start_s, e.step, e.kind, e.reason, e.num_blocks, e.num_tokens
+            SELECT s.state, s.start_s, e.step, e.kind, e.reason, e.num_blocks, e.num_tokens,
+                   e.requester_req_id, e.requester_sample, e.victim_reason
             FROM _sequence_states s LEFT JOIN kv_events e ON e.run_id = s.run_id AND e.seq = s.start_seq
             WHERE s.req_id = ? AND s.sample = ?""", params=[req_id, sample]).to_arrow_table())}
         out = []
@@ -74,7 +77,10 @@ class RunData:
                 continue
             mark = marks.get((row["state"], row["start_s"]), {})
             out.append({**row, "step": mark.get("step"), "event": mark.get("kind"), "reason": mark.get("reason"),
-                        "num_blocks": mark.get("num_blocks"), "num_tokens": mark.get("num_tokens")})
+                        "num_blocks": mark.get("num_blocks"), "num_tokens": mark.get("num_tokens"),
+                        "requester_req_id": mark.get("requester_req_id"),
+                        "requester_sample": mark.get("requester_sample"),
+                        "victim_reason": mark.get("victim_reason")})
         return out
 
     @functools.cache

@@ -84,7 +84,8 @@ def test_a_request_its_timeline_a_step_and_back():
     assert len(state.rstrip()) <= 80 and state.split("▕")[1].startswith("·") and state.rstrip().endswith("█")
     assert "░" in state and len(pool.split("▕")[1].rstrip()) > 50
     assert "▼" in next(line for line in lines if line.startswith("preempt "))
-    assert "waiting" in story and "preempted (recompute)" in story and "KV positions lost" in story
+    # a trace before schema 3 (the fixtures): no requester to name
+    assert "waiting" in story and "preempted (recompute): " in story and " positions lost" in story
     preempt = db.connect([RECOMPUTE]).execute(
         "SELECT step FROM kv_events WHERE kind = 'preempt' AND req_id = ? ORDER BY seq", [req]).fetchall()[0][0]
     assert f" step {preempt} " in step and f" step {preempt + 1} " in next_step
@@ -134,13 +135,17 @@ def test_the_four_block_story(tmp_path):
                          "0", "--no-enable-prefix-caching", "--backlog", "--num-cpu-blocks", "4")
     assert result.exit_code == 0, result.output
     # sorted by preemptions B comes first: open it, go to its preemption, open that step
-    screens = drive(Explorer([str(run)]), ["enter", ("down", "down", "down"), "enter"])
+    # then back, and g on the preemption: A's story
+    screens = drive(Explorer([str(run)]), ["enter", ("down", "down", "down"), "enter", "escape", "g"])
     assert first_request(screens[0]) == "B"
-    story, step = screens[1], screens[3]
-    assert " B " in story and "preempted 1×" in story and "recomputed 8 tok" in story
-    assert "preempted (recompute): 8 KV positions lost" in story
-    assert next(line for line in step.splitlines() if line.split()[:2] == ["B", "preempted"])
+    story, step, requester = screens[1], screens[3], screens[5]
+    assert " B " in story and "preempted 1×, 8 tok recomputed" in story
+    preempt = next(line for line in story.splitlines() if line.split()[:1] == ["preempted"])
+    assert "for A (recompute, newest): 8 positions lost" in preempt
+    b = next(line for line in step.splitlines() if line.split()[:2] == ["B", "preempted"])
+    assert "preempt:recompute" in b and "preempted B for A (newest)" in step
     assert next(line for line in step.splitlines() if line.split()[:2] == ["A", "decode"])
+    assert " A " in requester and "preempted 0×" in requester
 
 
 def test_errors_are_one_line(tmp_path):
