@@ -169,16 +169,19 @@ class RequestScreen(Screen):
         yield table
         yield Footer()
 
-    @staticmethod
-    def happened(state: dict) -> str:
+    def happened(self, state: dict) -> str:
         """The mark that began the state, in words."""
         if state["event"] == "preempt":
+            kept = "swapped out" if state["reason"] == "swap" else "lost"
+            what = f"{fmt_num(state['num_tokens'])} positions {kept}"
+            if state["reason"] == "swap-full-fallback":
+                what += " (host full)"
             by = state["requester_req_id"]
-            lost = f"{fmt_num(state['num_tokens'])} positions lost"
             if by is None:     # a trace before schema 3: no requester
-                return f"preempted ({state['reason']}): {lost}"
-            why = f", {state['victim_reason']}" if state["victim_reason"] else ""
-            return f"for {seq_name(by, state['requester_sample'])} ({state['reason']}{why}): {lost} · g"
+                return f"preempted: {what}"
+            who = "itself" if (by, state["requester_sample"]) == (self.req_id, self.sample) \
+                else seq_name(by, state["requester_sample"])
+            return f"for {who} ({state['victim_reason'] or '?'}): {what}"
         if state["event"] == "admit":
             return "admitted" if state["reason"] == "new" else f"readmitted ({state['reason']})"
         if state["event"] == "reprefill":
