@@ -1,0 +1,56 @@
+-- Helper: every preemption with its cause (schema 3) and what it cost the victim.
+--
+-- A preemption's aftermath is what its victim's events say until its next preemption: the admit
+-- that resumed it, the re-prefill of its history (recompute) or the swap copies (swap).
+--
+-- _preemptions: one row per preempt event.
+--   run_id, req_id, sample   the victim
+--   preemption_no      1 = the victim's first preemption
+--   seq, step, ts_s    the preempt event (kv_events.seq), its step and time (s)
+--   reason             recompute | swap | swap-full-fallback (kv_events.reason)
+--   requester_req_id, requester_sample   the sequence whose allocation could not be served (it
+--                      needed the blocks; the victim itself when it was its own growth); null in
+--                      traces before schema 3
+--   victim_reason      why the policy chose this victim: newest | lowest-priority |
+--                      fewest-computed | only-candidate | swap-group (null before schema 3)
+--   self_preempted     requester and victim are the same sequence
+--   positions_lost     KV positions the victim had computed (kv_events.num_tokens); by swap they are
+--                      copied out, not lost
+--   resumed_s          when it was admitted again (null if never)
+--   wait_ms            resumed_s - ts_s (ms)
+--   cached_tokens      of its history, positions served from the prefix cache on resume
+--   recomputed_tokens  positions computed again on resume (the re-prefill, done or cut short)
+--   recompute_ms_est   recomputed_tokens x its run's device time per recomputed position
+--                      (_recompute: a step's device time shared among its tokens; ms, estimate)
+--   swap_ms            measured copy time of its swap-out and swap-in (ms; 0 by recompute)
+CREATE OR REPLACE VIEW _preemptions AS
+WITH events AS (
+    SELECT run_id, req_id, sample, seq, step, ts_s, kind, reason, num_tokens, num_cached_tokens,
+           num_recomputed_tokens, duration_ms, requester_req_id, requester_sample, victim_reason,
+           sum(CASE WHEN kind = 'preempt' THEN 1 ELSE 0 END)
+               OVER (PARTITION BY run_id, req_id, sample ORDER BY seq) AS preemption_no
+    FROM kv_events
+    WHERE kind IN ('preempt', 'admit', 'reprefill', 'swap_out', 'swap_in') AND req_id <> ''
+),
+aftermath AS (
+    SELECT run_id, req_id, sample, preemption_no,
+           min(ts_s) FILTER (WHERE kind = 'admit') AS resumed_s,
+           coalesce(sum(num_cached_tokens) FILTER (WHERE kind = 'reprefill'), 0)::BIGINT AS cached_tokens,
+           coalesce(sum(num_recomputed_tokens) FILTER (WHERE kind = 'reprefill'), 0)::BIGINT AS recomputed_tokens,
+           coalesce(sum(duration_ms) FILTER (WHERE kind IN ('swap_out', 'swap_in')), 0) AS swap_ms
+    FROM events
+    WHERE preemption_no > 0
+    GROUP BY run_id, req_id, sample, preemption_no
+)
+SELECT e.run_id, e.req_id, e.sample, e.preemption_no::BIGINT AS preemption_no, e.seq, e.step, e.ts_s,
+       e.reason, e.requester_req_id, e.requester_sample, e.victim_reason,
+       e.requester_req_id = e.req_id AND e.requester_sample = e.sample AS self_preempted,
+       e.num_tokens AS positions_lost,
+       a.resumed_s, (a.resumed_s - e.ts_s) * 1000 AS wait_ms,
+       a.cached_tokens, a.recomputed_tokens,
+       a.recomputed_tokens * rc.recompute_device_ms / nullif(rc.recomputed_tokens, 0) AS recompute_ms_est,
+       a.swap_ms
+FROM events e
+JOIN aftermath a USING (run_id, req_id, sample, preemption_no)
+LEFT JOIN _recompute rc USING (run_id)
+WHERE e.kind = 'preempt';

@@ -1,0 +1,305 @@
+"""Why was this request slow: a request's story (`kvtrace explain`), gathered from the SQL library.
+
+Every figure comes from an analysis (request_story, wait_causes, preemptions, itl_cliffs,
+worst_requests; see analyses/); this module selects the request's rows, groups them and words a
+verdict. `story()` and `worst()` return plain dicts, the `--json` output (its shape is documented
+in docs/explain.md); `render_story()` and `render_worst()` lay them out for the terminal.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import duckdb
+from rich.console import Group, RenderableType
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
+
+from kvtrace.errors import KvtraceError
+from kvtrace.trace import db
+from kvtrace.views.dashboard import fmt_ms
+
+WORST_BY = ("ttft", "e2e", "itl", "preemptions")
+
+# a wait's cause in words ("waited 2.1 s for free blocks")
+CAUSE_WORDS = {
+    "seats": "for a seat (max_num_seqs)",
+    "budget": "for the token budget",
+    "blocks": "for free blocks",
+    "watermark": "under the free-block watermark",
+    "preemption": "behind a preemption",
+    "nothing-waiting": "for the next step",
+    "other": "for vLLM (a reason of its own)",
+    "unknown": "(cause not recorded: trace before schema 3)",
+    "idle": "for the engine to start a step",
+}
+PHASE_WORDS = {
+    "waiting": "queued",
+    "prefill": "prefill",
+    "decode": "decode",
+    "preempted": "preempted, waiting to resume",
+    "swapped": "swapped out, waiting to resume",
+    "reprefill": "re-prefill",
+    "finished": "finished",
+}
+WAIT_WORDS = {"waiting": "queued", "preempted": "waited to resume", "swapped": "waited swapped out"}
+# a wait or gap shorter than this share of the request's end-to-end time is left out of the verdict
+NOTABLE_SHARE = 0.05
+
+
+def parse_request(text: str, known: set[str]) -> tuple[str, int]:
+    """REQ_ID or REQ_ID:SAMPLE; an id that itself holds a colon is taken whole when the run has it."""
+    if text in known:
+        return text, 0
+    req_id, sep, sample = text.rpartition(":")
+    if sep and sample.isdigit() and req_id in known:
+        return req_id, int(sample)
+    return text, 0
+
+
+@dataclass
+class Explainer:
+    """One run's connection, and what every story of the run shares (its ITL cliffs)."""
+
+    con: duckdb.DuckDBPyConnection
+    run_id: str
+    _gaps: list[dict] | None = field(default=None, repr=False)
+    _itl_p99_ms: list[float | None] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def open(cls, run: str) -> Explainer:
+        con = db.connect([run])
+        run_ids = [row[0] for row in con.execute("SELECT run_id FROM runs ORDER BY ordinal").fetchall()]
+        if len(run_ids) != 1:
+            raise KvtraceError(f"{run}: explain takes one run, this holds {len(run_ids)} "
+                               f"({', '.join(run_ids[:5])}{', …' if len(run_ids) > 5 else ''}); name one")
+        return cls(con, run_ids[0])
+
+    def rows(self, analysis: str, **params: object) -> list[dict]:
+        return [r for r in db.records(db.run_analysis(self.con, analysis, **params)) if r["run_id"] == self.run_id]
+
+    def gaps(self) -> list[dict]:
+        """The run's inter-token gaps above its p99 ITL (itl_cliffs with the p99 as the threshold)."""
+        if self._gaps is None:
+            self._gaps = self.rows("itl_cliffs", threshold_ms=0, median_multiple=0)
+        return self._gaps
+
+    def itl_p99_ms(self) -> float | None:
+        """The run's p99 ITL (latency.sql), the threshold of the gaps (itl_cliffs computes it alike)."""
+        if not self._itl_p99_ms:
+            rows = self.rows("latency")
+            self._itl_p99_ms.append(next((r["p99_ms"] for r in rows if r["metric"] == "itl"), None))
+        return self._itl_p99_ms[0]
+
+    def request_ids(self) -> set[str]:
+        return {row[0] for row in self.con.execute(
+            "SELECT DISTINCT req_id FROM requests WHERE run_id = ?", [self.run_id]).fetchall()}
+
+
+def story(ex: Explainer, req_id: str, sample: int = 0, *, request: dict | None = None) -> dict:
+    """The story of one sequence (one sample of a request): its phases, its waits with their causes,
+    its preemptions with their requesters, its gaps above the run's p99 ITL, and a verdict."""
+    if request is None:
+        found = [r for r in ex.rows("worst_requests", by="e2e", limit=2**31 - 1)
+                 if r["req_id"] == req_id and r["sample"] == sample]
+        if not found:
+            ids = sorted(ex.request_ids())
+            hint = f" (it has {len(ids)}: {', '.join(ids[:5])}{', …' if len(ids) > 5 else ''})" if ids else ""
+            raise KvtraceError(f"run {ex.run_id} has no request {req_id!r} with sample {sample}{hint}")
+        request = found[0]
+    request = {k: v for k, v in request.items() if k not in ("run_id", "req_id", "sample", "rank")}
+    phases = [_drop_ids(r) for r in ex.rows("request_story", req_id=req_id, sample=sample)]
+    waits: list[dict] = []
+    for row in ex.rows("wait_causes", req_id=req_id, sample=sample):
+        if not waits or (waits[-1]["state"], waits[-1]["start_s"]) != (row["state"], row["start_s"]):
+            waits.append({"state": row["state"], "start_s": row["start_s"], "end_s": row["end_s"],
+                          "wait_ms": row["wait_ms"], "causes": []})
+        waits[-1]["causes"].append({"cause": row["cause"], "cause_ms": row["cause_ms"], "share": row["share"]})
+    preemptions = [_drop_ids(r) for r in ex.rows("preemptions", req_id=req_id, sample=sample)]
+    gaps = [_drop_ids(r) for r in ex.gaps() if r["req_id"] == req_id and r["sample"] == sample]
+    causes_recorded = bool(ex.con.execute(
+        "SELECT coalesce(schema_version, 0) >= 3 FROM runs WHERE run_id = ?", [ex.run_id]).fetchone()[0])
+    data = {
+        "run_id": ex.run_id, "req_id": req_id, "sample": sample, "causes_recorded": causes_recorded,
+        "request": request, "phases": phases, "waits": waits, "preemptions": preemptions,
+        "itl_p99_ms": ex.itl_p99_ms(), "gaps": gaps,
+    }
+    data["verdict"] = verdict(data)
+    return data
+
+
+def worst(ex: Explainer, n: int, by: str = "e2e") -> dict:
+    """The n worst sequences of the run by `by`, each with its figures and its story's verdict."""
+    if by not in WORST_BY:
+        raise KvtraceError(f"--by must be one of {', '.join(WORST_BY)}, got {by!r}")
+    if n < 1:
+        raise KvtraceError(f"--worst must be >= 1, got {n}")
+    rows = []
+    for row in ex.rows("worst_requests", by=by, limit=n):
+        told = story(ex, row["req_id"], row["sample"], request=row)
+        rows.append({**_drop_ids(row, keep=("req_id", "sample")), "verdict": told["verdict"]})
+    return {"run_id": ex.run_id, "by": by, "requests": rows}
+
+
+def _drop_ids(row: dict, keep: tuple[str, ...] = ()) -> dict:
+    return {k: v for k, v in row.items() if k not in ("run_id", "req_id", "sample") or k in keep}
+
+
+# --------------------------------------------------------------------------- the verdict
+
+def _times(count: int) -> str:
+    return {1: "once", 2: "twice"}.get(count, f"{count} times")
+
+
+def _who(req_id: str | None, sample: int | None, data: dict) -> str:
+    if req_id is None:
+        return "an unrecorded requester"
+    if req_id == data["req_id"] and sample == data["sample"]:
+        return "its own growth"
+    return f"{req_id}'s growth" if not sample else f"{req_id}:{sample}'s growth"
+
+
+def _main_cause(waits: list[dict]) -> tuple[str, float] | None:
+    """The cause with the most time over these waits, and its share of their time."""
+    total = sum(w["wait_ms"] or 0 for w in waits)
+    by_cause: Counter = Counter()
+    for wait in waits:
+        for c in wait["causes"]:
+            by_cause[c["cause"]] += c["cause_ms"] or 0
+    if not by_cause or total <= 0:
+        return None
+    cause, ms = by_cause.most_common(1)[0]
+    return cause, ms / total
+
+
+def _wait_part(data: dict, state: str, e2e: float) -> str | None:
+    """"queued 2.1 s, mostly for free blocks (77%)": the waits in `state`, if notable."""
+    waits = [w for w in data["waits"] if w["state"] == state]
+    total = sum(w["wait_ms"] or 0 for w in waits)
+    if not waits or total <= NOTABLE_SHARE * e2e:
+        return None
+    text = f"{WAIT_WORDS[state]} {fmt_ms(total)}"
+    main = _main_cause(waits)
+    if main is not None:
+        cause, share = main
+        text += f", {'mostly ' if share < 0.995 else ''}{CAUSE_WORDS.get(cause, cause)}"
+        if share < 0.995:
+            text += f" ({share * 100:.0f}%)"
+    return text
+
+
+def verdict(data: dict) -> str:
+    """The story in a sentence: the notable waits and their main cause, the preemptions by
+    requester, the recomputed work, the gaps above p99."""
+    request = data["request"]
+    e2e = request.get("e2el_ms") or 0
+    parts = [_wait_part(data, "waiting", e2e)]
+    if data["preemptions"]:
+        by: Counter = Counter((p["requester_req_id"], p["requester_sample"]) for p in data["preemptions"])
+        whom = ", ".join(f"{_times(count)} by {_who(rid, s, data)}" if len(by) > 1 else _who(rid, s, data)
+                         for (rid, s), count in by.most_common())
+        reasons = sorted({p["victim_reason"] for p in data["preemptions"] if p["victim_reason"]})
+        text = f"preempted {_times(len(data['preemptions']))}" + (f" by {whom}" if len(by) == 1 else f": {whom}")
+        if reasons:
+            text += f" (chosen as {' / '.join(reasons)})"
+        lost = sum(p["positions_lost"] or 0 for p in data["preemptions"])
+        text += f", {lost} KV positions lost"
+        parts.append(text)
+        parts += [_wait_part(data, "preempted", e2e), _wait_part(data, "swapped", e2e)]
+        recomputed = sum(p["recomputed_tokens"] or 0 for p in data["preemptions"])
+        cached = sum(p["cached_tokens"] or 0 for p in data["preemptions"])
+        if recomputed or cached:
+            ms = sum(p["recompute_ms_est"] or 0 for p in data["preemptions"])
+            text = f"{recomputed} tokens recomputed" + (f", ~{fmt_ms(ms)}" if ms else "")
+            if cached:
+                text += f" ({cached} back from the prefix cache)"
+            parts.append(text)
+    if data["gaps"]:
+        longest = max(data["gaps"], key=lambda g: g["gap_ms"])
+        count = len(data["gaps"])
+        parts.append(f"{count} gap{'s' if count > 1 else ''} above the run's p99 ITL "
+                     f"(longest {fmt_ms(longest['gap_ms'])}, {longest['cause'].replace('_', ' ')})")
+    parts = [p for p in parts if p]
+    if not parts:
+        ttft = request.get("ttft_ms")
+        return (f"nothing held it back: first token after {fmt_ms(ttft)}, {fmt_ms(e2e)} end to end"
+                if ttft is not None else f"{request.get('finish_reason') or 'unfinished'} without a token")
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- the terminal
+
+def _table(*columns: tuple[str, str]) -> Table:
+    table = Table(show_edge=False, header_style="bold", pad_edge=False)
+    for name, justify in columns:
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    return table
+
+
+def render_story(data: dict) -> RenderableType:
+    r = data["request"]
+    name = data["req_id"] if not data["sample"] else f"{data['req_id']}:{data['sample']}"
+    head = Text.assemble(
+        (name, "bold"), f" in run {data['run_id']}: {r.get('finish_reason') or 'unfinished'}, ",
+        f"{fmt_ms(r.get('e2el_ms'))} end to end, first token after {fmt_ms(r.get('ttft_ms'))}, "
+        f"{r.get('output_tokens')} tokens")
+    parts: list[RenderableType] = [head, Text.assemble(("verdict: ", "bold"), data["verdict"]), Text("")]
+
+    phases = _table(("#", "right"), ("phase", "left"), ("start", "right"), ("duration", "right"),
+                    ("steps", "right"), ("", "left"))
+    for p in data["phases"]:
+        note = f"preemption {p['preemption_no']}" if p["preemption_no"] else p["finish_reason"] or ""
+        duration = "" if p["phase"] == "finished" else fmt_ms(p["duration_ms"])
+        steps = "" if p["phase"] == "finished" else (
+            f"{p['num_steps']} from {p['first_step']}" if p["num_steps"] else "0")
+        phases.add_row(str(p["phase_no"]), PHASE_WORDS.get(p["phase"], p["phase"]), f"{p['start_s']:.3f} s",
+                       duration, steps, note)
+    parts += [Text("Phases", style="bold"), phases, Text("")]
+
+    if data["waits"]:
+        waits = _table(("wait", "left"), ("start", "right"), ("duration", "right"), ("causes, by share of time", "left"))
+        for w in data["waits"]:
+            causes = " · ".join(f"{c['cause']} {c['share'] * 100:.0f}%" for c in w["causes"] if c["share"] is not None)
+            waits.add_row(WAIT_WORDS[w["state"]], f"{w['start_s']:.3f} s", fmt_ms(w["wait_ms"]), causes)
+        parts += [Text("Waits", style="bold"), waits, Text("")]
+        if not data["causes_recorded"]:
+            parts += [Text("(this trace predates schema 3: the causes were not recorded)", style="dim"), Text("")]
+
+    if data["preemptions"]:
+        pre = _table(("#", "right"), ("step", "right"), ("by", "left"), ("chosen as", "left"), ("mode", "left"),
+                     ("lost", "right"), ("resumed after", "right"), ("cached", "right"), ("recomputed", "right"))
+        for p in data["preemptions"]:
+            by = p["requester_req_id"] if p["requester_req_id"] is not None else "–"
+            if p["requester_sample"]:
+                by += f":{p['requester_sample']}"
+            if p["self_preempted"]:
+                by += " (itself)"
+            recomputed = f"{p['recomputed_tokens']}" + (f" (~{fmt_ms(p['recompute_ms_est'])})"
+                                                        if p["recompute_ms_est"] else "")
+            pre.add_row(str(p["preemption_no"]), str(p["step"]), by, p["victim_reason"] or "–", p["reason"],
+                        f"{p['positions_lost']}", fmt_ms(p["wait_ms"]), str(p["cached_tokens"]), recomputed)
+        parts += [Text("Preemptions (lost: KV positions; cached and recomputed: on resume)", style="bold"), pre,
+                  Text("")]
+
+    if data["gaps"]:
+        gaps = _table(("token", "right"), ("gap", "right"), ("cause", "left"), ("steps", "right"))
+        for g in data["gaps"]:
+            gaps.add_row(str(g["idx"]), fmt_ms(g["gap_ms"]), g["cause"], f"{g['prev_step']}–{g['step']}")
+        parts += [Text(f"Gaps above the run's p99 ITL ({fmt_ms(data['itl_p99_ms'])})", style="bold"), gaps]
+    return Group(*parts)
+
+
+def render_worst(data: dict) -> RenderableType:
+    """One line of figures per request, its verdict below it (readable at 80 columns)."""
+    lines: list[RenderableType] = [
+        Text(f"The {len(data['requests'])} worst requests of run {data['run_id']} by {data['by']}", style="bold")]
+    for r in data["requests"]:
+        name = r["req_id"] if not r["sample"] else f"{r['req_id']}:{r['sample']}"
+        preempted = f"{r['preemptions']} preemption{'s' if r['preemptions'] != 1 else ''}"
+        lines.append(Text.assemble(
+            (f"{r['rank']:>2}. ", "bold"), (name, "bold"),
+            f"  e2e {fmt_ms(r['e2el_ms'])} · ttft {fmt_ms(r['ttft_ms'])} · max itl {fmt_ms(r['max_itl_ms'])}"
+            f" · {preempted}"))
+        lines.append(Padding(Text(r["verdict"]), (0, 0, 0, 4)))
+    return Group(*lines)
