@@ -3,9 +3,10 @@
     runs      (several runs given) pick one: Enter
     overview  the dashboard's key figures, then every request: t TTFT, e E2E, p preemptions,
               r recomputed tokens sort it (again: the other way); Enter opens a request
-    request   its figures, a timeline of its states against the pool's occupancy, its states one
-              a row; Enter on a row opens the step its mark fell in, g on a preemption jumps to
-              the request that needed the blocks (where the trace names it)
+    request   its figures and verdict, a timeline of its states against the pool's occupancy, its
+              story's phases one a row (kvtrace explain's story: waits with their causes,
+              preemptions with their requesters); Enter on a row opens the step it began in, g on
+              a preemption jumps to the request that needed the blocks (where the trace names it)
     step      what ran in one step; Enter opens a request, [ and ] the previous and next step
 
 Escape goes back, q quits. The figures are explore_data's (the SQL library's); this module only
@@ -20,18 +21,15 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
-from kvtrace.views import dashboard, explore_timeline
+from kvtrace.errors import KvtraceError
+from kvtrace.views import dashboard, explore_story
 from kvtrace.views.dashboard import fmt_ms, fmt_num
 from kvtrace.views.explore_data import RunData, list_runs
+from kvtrace.views.explore_story import seq_name
 
 # the requests table's sort keys: key -> (column of request_summary.sql, what the status line says)
 SORTS = {"t": ("ttft_ms", "TTFT"), "e": ("e2el_ms", "E2E"), "p": ("preemptions", "preemptions"),
          "r": ("recomputed_tokens", "recomputed tokens")}
-
-
-def seq_name(req_id: str, sample: int | None) -> str:
-    """A sequence as the dashboard names it: the request, /sample for samples after the first."""
-    return req_id + (f"/{sample}" if sample else "")
 
 
 def fmt_s(value: float | None) -> str:
@@ -130,11 +128,11 @@ class OverviewScreen(Screen):
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         sample, _, req_id = event.row_key.value.partition(":")
-        self.app.push_screen(RequestScreen(self.run, req_id, int(sample)))
+        self.app.open_request(self.run, req_id, int(sample))
 
 
 class RequestScreen(Screen):
-    """One request: its figures, its timeline against the pool, its states."""
+    """One request: its figures and verdict, its timeline against the pool, its story's phases."""
 
     BINDINGS = [Binding("g", "requester", "requester"),
                 Binding("escape", "app.pop_screen", "back"), Binding("q", "app.quit", "quit")]
@@ -142,7 +140,8 @@ class RequestScreen(Screen):
     def __init__(self, run: RunData, req_id: str, sample: int) -> None:
         super().__init__()
         self.run, self.req_id, self.sample = run, req_id, sample
-        self.states = run.states(req_id, sample)
+        self.story = run.story(req_id, sample)
+        self.phases = explore_story.phase_rows(self.story)
 
     def compose(self) -> ComposeResult:
         row = self.run.request(self.req_id, self.sample) or {}
@@ -156,57 +155,36 @@ class RequestScreen(Screen):
             title.append(f", {fmt_num(row['recomputed_tokens'], 'tok')} recomputed")
         figures = Text(f"TTFT {fmt_ms(row.get('ttft_ms'))} · E2E {fmt_ms(row.get('e2el_ms'))} · queued "
                        f"{fmt_ms(row.get('queueing_ms'))} · stalled {fmt_ms(row.get('stall_ms'))}")
-        buckets = max(width - explore_timeline.LABEL_WIDTH - 2, 10)
+        verdict = Text.assemble(("verdict: ", "bold"), self.story["verdict"])
+        buckets = max(width - explore_story.LABEL_WIDTH - 2, 10)
         rows = self.run.timeline(self.req_id, self.sample, buckets)
-        yield Static(Group(title, figures, explore_timeline.timeline(rows),
-                           explore_timeline.legend({r["state"] for r in self.states})), id="story")
-        table = Table(id="states")
-        table.add_columns("state", "from", "for", "step", "what happened")
-        for i, state in enumerate(self.states):
-            table.add_row(state["state"], "+" + fmt_s(state["start_s"] - (row.get("arrival_s") or 0)),
-                          fmt_ms(state["duration_ms"]), "–" if state["step"] is None else str(state["step"]),
-                          self.happened(state), key=str(i))
+        yield Static(Group(title, figures, verdict, explore_story.timeline(rows),
+                           explore_story.legend({p["phase"] for p in self.phases})), id="story")
+        table = Table(id="phases")
+        table.add_columns("phase", "from", "for", "step", "what")
+        for i, phase in enumerate(self.phases):
+            table.add_row(phase["phase"], phase["from"], phase["for"], phase["steps"], phase["note"], key=str(i))
         yield table
         yield Footer()
 
-    def happened(self, state: dict) -> str:
-        """The mark that began the state, in words."""
-        if state["event"] == "preempt":
-            kept = "swapped out" if state["reason"] == "swap" else "lost"
-            what = f"{fmt_num(state['num_tokens'])} positions {kept}"
-            if state["reason"] == "swap-full-fallback":
-                what += " (host full)"
-            by = state["requester_req_id"]
-            if by is None:     # a trace before schema 3: no requester
-                return f"preempted: {what}"
-            who = "itself" if (by, state["requester_sample"]) == (self.req_id, self.sample) \
-                else seq_name(by, state["requester_sample"])
-            return f"for {who} ({state['victim_reason'] or '?'}): {what}"
-        if state["event"] == "admit":
-            return "admitted" if state["reason"] == "new" else f"readmitted ({state['reason']})"
-        if state["event"] == "reprefill":
-            return "history recomputed"
-        return {"waiting": "arrived", "decode": "first token"}.get(state["state"], "")
-
     def selected(self) -> dict | None:
-        table = self.query_one("#states", Table)
-        return self.states[table.cursor_row] if self.states and table.row_count else None
+        table = self.query_one("#phases", Table)
+        return self.phases[table.cursor_row] if self.phases and table.row_count else None
 
     def action_step(self) -> None:
-        state = self.selected()
-        if state is None:
+        phase = self.selected()
+        if phase is None:
             return
-        step = state["step"] if state["step"] is not None else self.run.step_at(state["start_s"])
+        step = phase["step"] if phase["step"] is not None else self.run.step_at(phase["start_s"])
         if step is not None:
             self.app.push_screen(StepScreen(self.run, step))
 
     def action_requester(self) -> None:
-        state = self.selected()
-        requester = state and state.get("requester_req_id")
-        if not requester:
-            self.notify("no requester here: pick a preemption of a trace that names it", severity="warning")
+        phase = self.selected()
+        if not phase or phase["requester"] is None:
+            self.notify("g: on a preemption whose requester the trace names (schema 3)", severity="warning")
             return
-        self.app.push_screen(RequestScreen(self.run, requester, state.get("requester_sample") or 0))
+        self.app.open_request(self.run, *phase["requester"])
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.action_step()
@@ -266,7 +244,7 @@ class StepScreen(Screen):
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         sample, _, req_id = event.row_key.value.partition(":")
-        self.app.push_screen(RequestScreen(self.run, req_id, int(sample)))
+        self.app.open_request(self.run, req_id, int(sample))
 
 
 class Explorer(App):
@@ -295,3 +273,11 @@ class Explorer(App):
         if path not in self.opened:
             self.opened[path] = RunData(path)
         self.push_screen(OverviewScreen(self.opened[path]))
+
+    def open_request(self, run: RunData, req_id: str, sample: int) -> None:
+        try:
+            screen = RequestScreen(run, req_id, sample)
+        except KvtraceError as exc:      # e.g. a sequence still running, with no row in `requests` yet
+            self.notify(str(exc), severity="warning")
+            return
+        self.push_screen(screen)

@@ -2,9 +2,10 @@
 kvtrace/views/explore.py, only lays these out).
 
 One `RunData` per run, on a connection of its own: the dashboard's figures (dashboard.collect),
-the requests table (request_summary.sql), one request's timeline against the pool
-(request_pool.sql) and its states (request_timeline.sql), what ran in a step (step_sequences.sql
-and the step's row of `steps`). Each is computed once and kept.
+the requests table (request_summary.sql), one request's story (kvtrace explain's, from
+request_story, wait_causes and preemptions) and its timeline against the pool (request_pool.sql),
+what ran in a step (step_sequences.sql and the step's row of `steps`). Each is computed once and
+kept.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import functools
 from pathlib import Path
 
 from kvtrace.trace import db
-from kvtrace.views import dashboard
+from kvtrace.views import dashboard, explain
 
 TIMELINE_BUCKETS = 60     # intervals of a request's timeline where the width is not known
 
@@ -59,29 +60,15 @@ class RunData:
         pool's occupancy in each."""
         return db.records(db.run_analysis(self.con, "request_pool", req_id=req_id, sample=sample, buckets=buckets))
 
+    @functools.cached_property
+    def explainer(self) -> explain.Explainer:
+        return explain.Explainer(self.con, self.run_id)
+
     @functools.cache
-    def states(self, req_id: str, sample: int) -> list[dict]:
-        """The sequence's states as intervals (request_timeline.sql), each with the step its mark
-        fell in and, for a preemption, the event's blocks and positions lost, the sequence that
-        needed the blocks (requester_req_id, requester_sample) and why the policy chose this one
-        (victim_reason); those two are null in traces before schema 3."""
-        rows = db.records(db.run_analysis(self.con, "request_timeline", req_id=req_id))
-        marks = {(r["state"], r["start_s"]): r for r in db.records(self.con.sql("""
-            SELECT s.state, s.start_s, e.step, e.kind, e.reason, e.num_blocks, e.num_tokens,
-                   e.requester_req_id, e.requester_sample, e.victim_reason
-            FROM _sequence_states s LEFT JOIN kv_events e ON e.run_id = s.run_id AND e.seq = s.start_seq
-            WHERE s.req_id = ? AND s.sample = ?""", params=[req_id, sample]).to_arrow_table())}
-        out = []
-        for row in rows:
-            if row["sample"] != sample:
-                continue
-            mark = marks.get((row["state"], row["start_s"]), {})
-            out.append({**row, "step": mark.get("step"), "event": mark.get("kind"), "reason": mark.get("reason"),
-                        "num_blocks": mark.get("num_blocks"), "num_tokens": mark.get("num_tokens"),
-                        "requester_req_id": mark.get("requester_req_id"),
-                        "requester_sample": mark.get("requester_sample"),
-                        "victim_reason": mark.get("victim_reason")})
-        return out
+    def story(self, req_id: str, sample: int) -> dict:
+        """The sequence's story as `kvtrace explain` tells it (kvtrace/views/explain.py's story():
+        phases, waits with their causes, preemptions with their requesters, gaps, verdict)."""
+        return explain.story(self.explainer, req_id, sample)
 
     @functools.cache
     def step(self, step: int) -> dict | None:

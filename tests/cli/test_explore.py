@@ -84,8 +84,10 @@ def test_a_request_its_timeline_a_step_and_back():
     assert len(state.rstrip()) <= 80 and state.split("▕")[1].startswith("·") and state.rstrip().endswith("█")
     assert "░" in state and len(pool.split("▕")[1].rstrip()) > 50
     assert "▼" in next(line for line in lines if line.startswith("preempt "))
-    # a trace before schema 3 (the fixtures): no requester to name
-    assert "waiting" in story and "preempted: " in story and " positions lost" in story
+    # a trace before schema 3 (the fixtures): no requester to name, the waits' causes unknown
+    preempted = next(line for line in lines if line.split()[:1] == ["preempted"])
+    assert "preempted: " in preempted and " lost" in preempted
+    assert "verdict: " in story and "unknown" in next(line for line in lines if line.split()[:1] == ["waiting"])
     preempt = db.connect([RECOMPUTE]).execute(
         "SELECT step FROM kv_events WHERE kind = 'preempt' AND req_id = ? ORDER BY seq", [req]).fetchall()[0][0]
     assert f" step {preempt} " in step and f" step {preempt + 1} " in next_step
@@ -141,7 +143,9 @@ def test_the_four_block_story(tmp_path):
     story, step, requester = screens[1], screens[3], screens[5]
     assert " B " in story and "preempted 1×, 8 tok recomputed" in story
     preempt = next(line for line in story.splitlines() if line.split()[:1] == ["preempted"])
-    assert "for A (newest): 8 positions lost" in preempt
+    assert "for A (newest), 8 lost" in preempt
+    # the verdict, as kvtrace explain words it
+    assert "verdict: " in story and "by A's growth" in story and "8 KV positions lost" in story
     b = next(line for line in step.splitlines() if line.split()[:2] == ["B", "preempted"])
     assert "preempt:recompute" in b and "preempted B for A (newest)" in step
     assert next(line for line in step.splitlines() if line.split()[:2] == ["A", "decode"])
@@ -189,5 +193,6 @@ def test_explore_in_a_real_terminal(tmp_path):
 def test_a_swapped_request_keeps_its_positions():
     screens = drive(Explorer([str(RUNS / "tiny-swap")]), ["enter"])
     story = screens[1]
-    assert "preempted: " in story and " positions swapped out" in story and " positions lost" not in story
+    preempted = next(line for line in story.splitlines() if line.split()[:1] == ["swapped"])
+    assert "preempted: " in preempted and " swapped out" in preempted and " lost" not in preempted
     assert "░ swapped" in story    # the legend: the states it went through
