@@ -459,6 +459,7 @@ def test_request_pool(con):
     assert all(r["used_frac"] is not None for r in fine) and sum(r["steps"] for r in fine) == 6
     assert rows(con, "request_pool", req_id="nobody") == []
     assert rows(con, "request_pool", req_id="B", sample=1) == []
+    assert rows(con, "request_pool", req_id="B", sample=0, buckets=4) == rows(con, "request_pool", req_id="B", buckets=4)
 
 
 def test_step_sequences(con):
