@@ -19,6 +19,13 @@
 --                     resumption (reprefill; after a swap-in the decode or prefill that follows):
 --                     (runs.ordinal + 1) * 2^40 + kv_events.seq, unique among many runs
 --   flow_step         the step that preempted or resumed it, where the flow starts
+--   requester_flow_id a preempted or swapped interval whose preemption another sequence needed
+--                     (schema 3's requester): the flow from that requester's track, 2^39 above
+--                     flow_id's (same kv_events.seq)
+--
+-- _timeline_requester_flows: one row per preemption by another sequence (schema 3), the instant
+-- on the requester's track where its flow to the victim starts:
+--   req_id, sample (the requester), ts_ns, victim (track name), victim_reason, flow_id
 --
 -- _timeline_steps: one row per step, the engine track's slices:
 --   step, start_ns, end_ns, name (prefill | decode | prefill+decode | empty, with " +recompute"
@@ -58,15 +65,34 @@ FROM requests;
 CREATE OR REPLACE VIEW _timeline_phases AS
 WITH marked AS (
     SELECT st.run_id, st.req_id, st.sample, st.state, st.start_s, st.end_s, e.seq, e.step,
-           coalesce(e.kind = 'preempt' OR (e.kind = 'admit' AND e.reason LIKE 'resume-%'), false) AS has_flow
+           coalesce(e.kind = 'preempt' OR (e.kind = 'admit' AND e.reason LIKE 'resume-%'), false) AS has_flow,
+           coalesce(e.kind = 'preempt' AND e.requester_req_id IS NOT NULL
+                    AND (e.requester_req_id, e.requester_sample) <> (e.req_id, e.sample), false) AS has_requester
     FROM _sequence_states st
-    LEFT JOIN (SELECT run_id, seq, step, kind, reason FROM kv_events WHERE kind IN ('preempt', 'admit')) e
+    LEFT JOIN (SELECT run_id, seq, step, kind, reason, req_id, sample, requester_req_id, requester_sample
+               FROM kv_events WHERE kind IN ('preempt', 'admit')) e
            ON e.run_id = st.run_id AND e.seq = st.start_seq
 )
 SELECT m.run_id, m.req_id, m.sample, m.state, _ns(m.start_s) AS start_ns, _ns(m.end_s) AS end_ns,
        CASE WHEN m.has_flow THEN (r.ordinal + 1)::BIGINT * 1099511627776 + m.seq END AS flow_id,
-       CASE WHEN m.has_flow THEN m.step END AS flow_step
+       CASE WHEN m.has_flow THEN m.step END AS flow_step,
+       CASE WHEN m.has_requester THEN (r.ordinal + 1)::BIGINT * 1099511627776 + 549755813888 + m.seq
+       END AS requester_flow_id
 FROM marked m JOIN runs r USING (run_id);
+
+CREATE OR REPLACE VIEW _timeline_requester_flows AS
+SELECT e.run_id, e.requester_req_id AS req_id, e.requester_sample AS sample, _ns(e.ts_s) AS ts_ns,
+       _sequence_name(e.req_id, e.sample, q.n) AS victim, e.victim_reason,
+       (r.ordinal + 1)::BIGINT * 1099511627776 + 549755813888 + e.seq AS flow_id
+FROM kv_events e
+JOIN runs r USING (run_id)
+LEFT JOIN requests q USING (run_id, req_id, sample)
+WHERE e.kind = 'preempt' AND e.requester_req_id IS NOT NULL
+  AND (e.requester_req_id, e.requester_sample) <> (e.req_id, e.sample)
+  -- both ends on a track: the victim's interval from this preemption exists (not zero-length)
+  AND EXISTS (SELECT 1 FROM _sequence_states st WHERE st.run_id = e.run_id AND st.start_seq = e.seq)
+  AND EXISTS (SELECT 1 FROM requests rq WHERE rq.run_id = e.run_id AND rq.req_id = e.requester_req_id
+                                          AND rq.sample = e.requester_sample);
 
 CREATE OR REPLACE VIEW _timeline_steps AS
 WITH flows AS (

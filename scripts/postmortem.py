@@ -39,7 +39,7 @@ from rich.console import Console  # noqa: E402
 import kvtrace.cli  # noqa: E402,F401  (registers every command)
 from kvtrace.cli.app import app  # noqa: E402  (the story's recordings run in this process: --modelled-clock)
 from kvtrace.trace import db  # noqa: E402
-from kvtrace.views import dashboard, headline  # noqa: E402
+from kvtrace.views import dashboard, explain, headline  # noqa: E402
 from kvtrace.views.table import rich_table  # noqa: E402
 
 WORKLOAD = "traces/examples/assistant.jsonl"
@@ -166,6 +166,11 @@ def tell(model: str, load_format: str, out: Path, runs: Path, *, modelled: bool 
     summary = db.run_analysis(con, "summary", **dashboard.split_params(params, ("summary",))["summary"])
     (change,) = headline.headline(summary, headline.settings_changed(con))
     claims = check(thrash, fix, change)
+    story = explain.story(explain.Explainer.open(str(thrash_run)), thrash["most_preempted"][0]["req_id"],
+                          thrash["most_preempted"][0]["sample"])
+    if not story["preemptions"] or any(p["requester_req_id"] is None for p in story["preemptions"]):
+        raise StoryBroken(f"the most preempted request's story names no requester: {story['preemptions']}")
+    claims.append(f"the most preempted request, {story['req_id']}, is explained: {story['verdict']}")
 
     images = out / "postmortem"
     images.mkdir(parents=True, exist_ok=True)
@@ -181,6 +186,7 @@ def tell(model: str, load_format: str, out: Path, runs: Path, *, modelled: bool 
         fix_command=_command(fix_run, model, load_format, FIX_SETTINGS),
         dashboard=text_of(dashboard.view([thrash_run], params, WIDTH)),
         compare=text_of(headline.render([change])),
+        explained=text_of(explain.render_story(story), 100), verdict=story["verdict"],
         answers="\n".join(ANSWER.format(question=q, query=query, result=result) for q, query, result in answers),
         charts="\n".join(f"![{c.title}](postmortem/{c.name}.png)\n\n{c.description}\n" for c in charts),
         **_figures(thrash, fix),
@@ -270,6 +276,24 @@ Read it from the verdict down:
 - **most preempted**: request {worst} was preempted {worst_times} times and spent {worst_stall} of
   its life stalled. Newest-first preemption is deliberate: the oldest requests finish, the newest
   pay.
+
+## Why was request {worst} slow?
+
+The dashboard names the most preempted request; `kvtrace explain` tells its story: its phases, why
+each wait lasted (the step's reason for admitting nothing more), who needed the blocks each time it
+was preempted, and what it cost (see [explain.md](explain.md)).
+
+```bash
+kvtrace explain traces/runs/thrash {worst}
+```
+
+```
+{explained}
+```
+
+In a sentence: {verdict}. The requesters are the other side of the story: the dashboard's *noisy
+neighbours* ranks the requests whose growth preempted the most others (`kvtrace sql
+traces/runs/thrash --analysis noisy_neighbours`).
 
 ## The SQL you run next
 

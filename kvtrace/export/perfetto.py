@@ -13,7 +13,9 @@ Tracks of each run, under one top-level group per run (in the order the runs wer
                       reason), its states nested inside it
     flows             from the step that preempted a sequence to its preempted or swapped slice,
                       and from the step that resumed it to its reprefill (or, after a swap-in, the
-                      decode or prefill that follows)
+                      decode or prefill that follows); and (schema 3) from the requester whose
+                      growth needed the blocks, an instant "preempts <victim>" on its track, to
+                      the victim's preempted or swapped slice
 
 Every row comes from the SQL library's timeline views (analyses/_timeline.sql), which read a
 sequence's states from _sequence_states like the report's Gantt; this module only orders the rows
@@ -209,30 +211,51 @@ def _write_counters(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id:
 
 
 def _write_requests(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str, tracks: RunTracks) -> None:
-    """Per sequence track: the request's slice, its states nested inside it."""
+    """Per sequence track: the request's slice, its states nested inside it, and inside those the
+    instants where its growth preempted another sequence (a flow to the victim's slice)."""
+    outgoing: dict[int, list[tuple]] = {}   # rank -> (ts_ns, victim, victim_reason, flow_id), in time order
+    for rank, ts, victim, why, flow_id in _rows(con, """
+            SELECT s.rank, f.ts_ns, f.victim, f.victim_reason, f.flow_id
+            FROM _timeline_requester_flows f JOIN _timeline_sequences s USING (run_id, req_id, sample)
+            WHERE f.run_id = $run ORDER BY s.rank, f.ts_ns, f.flow_id""", run_id):
+        outgoing.setdefault(rank, []).append((ts, victim, why, flow_id))
     rows = _rows(con, """
         SELECT s.rank, s.name, s.arrival_ns, s.finish_ns, s.prompt_tokens, s.output_tokens, s.preemptions,
                s.swaps, s.recomputed_tokens, s.prefix_hit_tokens, s.finish_reason,
-               p.state, p.start_ns, p.end_ns, p.flow_id
+               p.state, p.start_ns, p.end_ns, p.flow_id, p.requester_flow_id
         FROM _timeline_sequences s
         LEFT JOIN _timeline_phases p USING (run_id, req_id, sample)
         WHERE s.run_id = $run
         ORDER BY s.rank, p.start_ns""", run_id)
-    open_track, open_end = None, 0
+
+    def preempts(track: int, pending: list[tuple], before: int | None) -> None:
+        """The requester instants of `pending` before `before` (all when None), written and removed."""
+        while pending and (before is None or pending[0][0] < before):
+            ts, victim, why, flow_id = pending.pop(0)
+            writer.instant(track, ts, f"preempts {victim}", (("victim", victim), ("victim_reason", why)),
+                           flow_ids=(flow_id,))
+
+    open_track, open_end, pending = None, 0, []
     for (rank, name, arrival, finish, prompt, output, preemptions, swaps, recomputed, prefix_hits, reason,
-         state, start, end, flow_id) in rows:
+         state, start, end, flow_id, requester_flow_id) in rows:
         track = tracks.sequence(rank)
         if track != open_track:
             if open_track is not None:
+                preempts(open_track, pending, None)
                 writer.slice_end(open_track, open_end)
+            pending = list(outgoing.get(rank, ()))
             writer.slice_begin(track, arrival, name, (
                 ("prompt_tokens", prompt), ("output_tokens", output), ("preemptions", preemptions),
                 ("swaps", swaps), ("recomputed_tokens", recomputed), ("prefix_hit_tokens", prefix_hits),
                 ("finish_reason", reason)), intern_name=False)
             open_track, open_end = track, finish if finish is not None else arrival
         if state is not None:
-            writer.slice_begin(track, start, state, terminating_flow_ids=() if flow_id is None else (flow_id,))
+            preempts(track, pending, start)
+            terminating = tuple(f for f in (flow_id, requester_flow_id) if f is not None)
+            writer.slice_begin(track, start, state, terminating_flow_ids=terminating)
+            preempts(track, pending, end)
             writer.slice_end(track, end)
             open_end = max(open_end, end)
     if open_track is not None:
+        preempts(open_track, pending, None)
         writer.slice_end(open_track, open_end)

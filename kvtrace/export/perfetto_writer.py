@@ -132,12 +132,14 @@ class TraceWriter:
         self._write_reused(TYPE_SLICE_END, track, ts)
         self._write_last(TYPE_SLICE_END)
 
-    def instant(self, track: int, ts: int, name: str, args: Args = ()) -> None:
-        if self._write_shaped(TYPE_INSTANT, track, ts, name, args, (), ()):
+    def instant(self, track: int, ts: int, name: str, args: Args = (), flow_ids: Iterable[int] = ()) -> None:
+        if self._write_shaped(TYPE_INSTANT, track, ts, name, args, flow_ids, ()):
             return
         packet, event = self._event(track, ts, TYPE_INSTANT)
         event.name_iid = self._event_name(packet, name)
         self._args(packet, event, args)
+        if flow_ids:
+            event.flow_ids.extend(flow_ids)
         self._write(packet)
 
     def counter(self, track: int, ts: int, value: int) -> None:

@@ -35,7 +35,7 @@ LEVELS = " ▁▂▃▄▅▆▇█"             # 1/8 steps of a character cell
 # the analyses the dashboard shows; --param values go to those that declare them, except the
 # params that the dashboard's own options set
 ANALYSES = ("summary", "thrash", "thrash_windows", "latency", "itl_cliff_summary", "most_preempted",
-            "pool_timeline")
+            "noisy_neighbours", "pool_timeline")
 OPTION_PARAMS = {"buckets", "limit", "req_id", "top"}  # set by the commands themselves
 RUN_COLUMNS = """run_id, status, error, model, dtype, device, device_type, preemption_mode, preemption_policy,
     enable_prefix_caching, block_size, num_gpu_blocks, num_cpu_blocks, bytes_per_block,
@@ -63,6 +63,7 @@ def collect(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = N
     per = split_params(params or {})
     per["pool_timeline"]["buckets"] = str(buckets)
     per["most_preempted"]["limit"] = str(top)
+    per["noisy_neighbours"]["limit"] = str(top)
     # several of the analyses below read each; the sequences' latencies (every token grouped by
     # sequence) feed both the histograms and the goodput, so they are kept first
     db.keep(con, "_sequence_latency", "_latency_hist", "_recompute", "_stall_spans")
@@ -85,6 +86,7 @@ def collect(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = N
             "latency": {row.pop("metric"): row for row in of("latency", rid)},
             "itl_tail": of("itl_cliff_summary", rid),
             "most_preempted": of("most_preempted", rid),
+            "noisy_neighbours": of("noisy_neighbours", rid),
             "pool_timeline": of("pool_timeline", rid),
         })
     used = {name: db.analysis_params(name, **per[name]) for name in ANALYSES}
@@ -375,6 +377,32 @@ def most_preempted(rows: list[dict]) -> Table:
     return table
 
 
+def noisy_neighbours(rows: list[dict]) -> Table:
+    """noisy_neighbours.sql's rows: whose growth preempted others, and what it cost them."""
+    recomputed = any(r["recomputed_tokens"] for r in rows)
+    columns = [("request", "left"), ("preempted", "right"), ("others", "right"), ("their KV lost", "right")] + [
+        ("recomputed", "right")] * recomputed + [("they waited", "right")]
+    table = Table(box=None, padding=(0, 1), header_style="bold", show_edge=False, pad_edge=False)
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=True)
+    for row in rows:
+        cells = [row["req_id"] + (f"/{row['sample']}" if row["sample"] else ""), f"{row['preemptions']}×",
+                 str(row["victims"]), fmt_num(row["positions_lost"], "tok")]
+        cells += [fmt_num(row["recomputed_tokens"], "tok")] * recomputed
+        cells += [fmt_ms(row["victims_wait_ms"])]
+        table.add_row(*cells)
+    return table
+
+
+def noisy_title(rows: list[dict]) -> str:
+    """The worst requester in a few words, for the most preempted table's title where there is no
+    room for the noisy neighbours' own table (stacked: one run fits 80 x 24)."""
+    top = rows[0]
+    name = top["req_id"] + (f"/{top['sample']}" if top["sample"] else "")
+    return (f"most preempted · noisiest: {name} preempted {top['preemptions']}× "
+            f"({fmt_num(top['positions_lost'], 'tok')} of others' KV)")
+
+
 def _title(text: str) -> Rule:
     return Rule(Text(text, "bold"), align="left", style="dim")
 
@@ -423,10 +451,17 @@ def render_run(fig: dict, width: int, params: dict) -> RenderableType:
         latency = Group(_title(itl_title), itl_ladder(itl, min(right - 20, 24)),
                         _title(tail_title(fig["itl_tail"], right)), tail_causes(fig["itl_tail"], min(right, 48)))
     figures = Group(key_figures(fig["summary"], fig["thrash"], left), thrash_verdict(fig["thrash"]))
-    preempted = Group(_title("most preempted"), most_preempted(fig["most_preempted"]))
-    head = header(fig["run"], fig["summary"])
+    noisy = fig.get("noisy_neighbours") or []
     if width < TWO_COLUMNS_WIDTH:
-        return Group(head, figures, pool, latency, preempted)
+        title = noisy_title(noisy) if noisy else "most preempted"
+        preempted = Group(_title(title if len(title) <= width - 4 else "most preempted"),
+                          most_preempted(fig["most_preempted"]))
+        return Group(header(fig["run"], fig["summary"]), figures, pool, latency, preempted)
+    preempted = Group(_title("most preempted"), most_preempted(fig["most_preempted"]))
+    if noisy:   # beside the victims, their requesters (schema 3 records them)
+        preempted = Group(preempted, _title("noisy neighbours: whose growth preempted others"),
+                          noisy_neighbours(noisy))
+    head = header(fig["run"], fig["summary"])
     grid = Table.grid(padding=(0, 1))
     grid.add_column(width=left)
     grid.add_column(width=right)

@@ -91,14 +91,38 @@ def pool_occupancy(timeline: list[dict], windows: list[dict], run_ids: list[str]
     return alt.layer(*layers, data=data).properties(width=WIDTH, height=240)
 
 
-def request_gantt(states: list[dict], run_ids: list[str]) -> alt.TopLevelMixin:
-    chart = alt.Chart(alt.Data(values=states)).mark_bar(height={"band": 0.8}).encode(
-        alt.X("start_s:Q", title="time (s)"), alt.X2("end_s:Q"),
-        alt.Y("request:N", title="request", sort=alt.EncodingSortField("rank", order="ascending")),
+def request_gantt(states: list[dict], run_ids: list[str], arrows: list[dict] | None = None) -> alt.TopLevelMixin:
+    """The states of the chosen sequences as bars; `arrows` (preemptions.sql's rows whose victim and
+    requester are both shown) as lines from the requester's row to the victim's at the preemption's
+    time, a dot at the victim's end."""
+    label = "datum.sample > 0 ? datum.req_id + '/' + datum.sample : datum.req_id"
+    # one table of rows with the same columns: a state's (kind state) or a preemption's (kind arrow)
+    empty_state = {"rank": None, "state": None, "start_s": None, "end_s": None, "duration_ms": None}
+    values = [{**row, "kind": "state", "ts_s": None, "requester_req_id": None, "requester_sample": None,
+               "victim_reason": None} for row in states] + [
+        {**empty_state, "kind": "arrow", "run_id": a["run_id"], "req_id": a["req_id"], "sample": a["sample"],
+         "ts_s": a["ts_s"], "requester_req_id": a["requester_req_id"], "requester_sample": a["requester_sample"],
+         "victim_reason": a["victim_reason"]} for a in arrows or []]
+    y = alt.Y("request:N", title="request", sort=alt.EncodingSortField("rank", order="ascending"))
+    bars = alt.Chart().transform_filter("datum.kind == 'state'").mark_bar(height={"band": 0.8}).encode(
+        alt.X("start_s:Q", title="time (s)"), alt.X2("end_s:Q"), y,
         alt.Color("state:N", scale=alt.Scale(domain=STATES, range=STATE_COLORS), title="state"),
         tooltip=["run_id:N", "request:N", "state:N", "start_s:Q", "end_s:Q",
                  alt.Tooltip("duration_ms:Q", format=".1f")],
-    ).transform_calculate(request="datum.sample > 0 ? datum.req_id + '/' + datum.sample : datum.req_id")
+    ).transform_calculate(request=label)
+    layers = [bars]
+    if arrows:
+        arrow = alt.Chart().transform_filter("datum.kind == 'arrow'").transform_calculate(
+            request=label,
+            requester="datum.requester_sample > 0 ? datum.requester_req_id + '/' + datum.requester_sample "
+                      ": datum.requester_req_id")
+        tooltip = ["run_id:N", alt.Tooltip("requester:N", title="requester"), alt.Tooltip("request:N", title="victim"),
+                   "victim_reason:N", "ts_s:Q"]
+        layers += [arrow.mark_rule(color="black", strokeWidth=1.5).encode(
+                       alt.X("ts_s:Q"), alt.Y("requester:N"), alt.Y2("request:N"), tooltip=tooltip),
+                   arrow.mark_point(color="black", filled=True, size=30, opacity=1).encode(
+                       alt.X("ts_s:Q"), alt.Y("request:N"), tooltip=tooltip)]
+    chart = alt.layer(*layers, data=alt.Data(values=values))
     if len(run_ids) > 1:
         return chart.properties(width=WIDTH - 60, height=alt.Step(16)).facet(
             row=alt.Row("run_id:N", title=None, sort=run_ids)).resolve_scale(y="independent")
@@ -168,6 +192,35 @@ def recompute_swap(timeline: list[dict], run_ids: list[str]) -> alt.TopLevelMixi
     return alt.vconcat(recompute, swap)
 
 
+def gantt_arrows(con: duckdb.DuckDBPyConnection, states: list[dict], requests: int) -> tuple[list[dict], list[dict]]:
+    """The preemptions of the Gantt's sequences by another sequence whose requester is shown (schema
+    3 records it), and the states of the requesters not shown yet (request_story.sql; up to
+    `requests` of each run, the most frequent first), ranked after the victims."""
+    shown = {(r["run_id"], r["req_id"], r["sample"]) for r in states}
+    preemptions = [p for p in _rows(con, "preemptions") if (p["run_id"], p["req_id"], p["sample"]) in shown
+                   and p["requester_req_id"] is not None and not p["self_preempted"]]
+    counts: dict[tuple, int] = {}
+    for p in preemptions:
+        key = (p["run_id"], p["requester_req_id"], p["requester_sample"])
+        if key not in shown:
+            counts[key] = counts.get(key, 0) + 1
+    added: list[dict] = []
+    per_run: dict[str, int] = {}
+    for (run_id, req_id, sample), _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        if per_run.get(run_id, 0) >= requests:
+            continue
+        per_run[run_id] = per_run.get(run_id, 0) + 1
+        rank = requests + per_run[run_id]
+        added += [{**row, "rank": rank} for row in _rows(con, "request_story", req_id=req_id, sample=sample)
+                  if row["run_id"] == run_id and row["phase"] != "finished"]
+        shown.add((run_id, req_id, sample))
+    arrows = [p for p in preemptions if (p["run_id"], p["requester_req_id"], p["requester_sample"]) in shown]
+    states_added = [{"run_id": r["run_id"], "req_id": r["req_id"], "sample": r["sample"], "rank": r["rank"],
+                     "state": r["phase"], "start_s": r["start_s"], "end_s": r["end_s"],
+                     "duration_ms": r["duration_ms"]} for r in added]
+    return arrows, states_added
+
+
 ANALYSES = ("pool_timeline", "thrash_windows", "request_timeline", "latency_cdf",
             "itl_cliff_summary", "summary")
 
@@ -187,6 +240,8 @@ def build(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = Non
     rates = rows("pool_timeline", buckets=max(buckets // RATE_BUCKETS_DIVISOR, 1))
     windows = rows("thrash_windows")
     states = rows("request_timeline", top=requests)  # each run's own most preempted, ranked in that run
+    arrows, requesters = gantt_arrows(con, states, requests)     # and the requests that preempted them
+    states += requesters
     cdf = rows("latency_cdf")
     tail = rows("itl_cliff_summary")
     itl = [row for row in cdf if row["metric"] == "itl"]
@@ -199,7 +254,9 @@ def build(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = Non
                     pool_occupancy(timeline, windows, run_ids)),
         ReportChart("request_gantt", "Most preempted requests",
                     f"What the {requests} most preempted requests of each run went through, state by state. "
-                    "From most_preempted.sql and request_timeline.sql.", request_gantt(states, run_ids)),
+                    "Black lines: a preemption, from the request whose growth needed the blocks to its victim (dot). "
+                    "From most_preempted.sql, request_timeline.sql and preemptions.sql.",
+                    request_gantt(states, run_ids, arrows)),
         ReportChart("itl_cdf", "Inter-token latency and its tail",
                     "Cumulative distribution of every gap between consecutive tokens (log scale), and the time "
                     "spent in gaps above each run's cliff threshold by cause. From latency_cdf.sql and "

@@ -25,15 +25,18 @@ def _strings(node: ast.AST | None) -> set[str]:
 def _capture_vocabulary() -> dict[str, set[str]]:
     tree = ast.parse(CAPTURE.read_text())
     found: dict[str, set[str]] = {"kind": set(), "event reason": set(), "alloc_reason": set(),
-                                  "free_reason": set(), "reason": set(), "finish": set()}
+                                  "free_reason": set(), "reason": set(), "finish": set(), "victim_reason": set(),
+                                  "admission_stop": set()}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Tuple) and len(node.elts) == 7 and _strings(node.elts[0]):
+        if isinstance(node, ast.Tuple) and len(node.elts) in (7, 9) and _strings(node.elts[0]):
             found["kind"] |= _strings(node.elts[0])          # (kind, req, blocks, num_tokens, reason, ...)
             found["event reason"] |= _strings(node.elts[4])
+        elif isinstance(node, ast.FunctionDef) and node.name == "admission_stop":
+            found["admission_stop"] |= {s for r in ast.walk(node) if isinstance(r, ast.Return) for s in _strings(r.value)}
         elif isinstance(node, ast.Assign):
             for target in node.targets:
                 name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
-                if name in ("alloc_reason", "free_reason", "reason"):
+                if name in ("alloc_reason", "free_reason", "reason", "victim_reason"):
                     found[name] |= _strings(node.value)
                 if name == "FINISH_REASONS":
                     found["finish"] |= {s for v in node.value.values for s in _strings(v)}
@@ -57,3 +60,6 @@ def test_the_capture_writes_the_engines_event_kinds_and_reasons():
     # every hand-written spelling was seen: the walk above did not miss the capture's event tuples
     assert {"alloc", "free", "admit", "prefix_hit", "preempt", "reprefill", "finish"} <= found["kind"]
     assert {"prefill", "decode"} <= found["alloc_reason"] and {"preempt", "finish"} <= found["free_reason"]
+    # schema 3's causes: vLLM's two victim policies, and every admission stop vLLM can show
+    assert found["victim_reason"] == {"newest", "lowest-priority"} <= _values(ev.VictimReason)
+    assert found["admission_stop"] == _values(ev.AdmissionStop) - {"watermark"}, found["admission_stop"]

@@ -120,6 +120,35 @@ def _balanced_and_recompute_consistent(run: Path) -> None:
     assert requests == steps == events > 0
 
 
+def test_preemption_requesters_follow_vllms_scheduling_order(recorded):
+    """vLLM preempts for the running request whose allocate_slots failed, and takes the newest running
+    request (running[-1], the last admitted; the requester itself when it is the newest). Replayed
+    from the trace's own admit, preempt and finish events: each victim is the last admitted of the
+    requests running then, its requester one of them admitted no later; and each step with a
+    preemption and requests waiting admitted nothing, for that reason."""
+    con = db.connect([recorded])
+    events = con.execute("SELECT kind, req_id, requester_req_id, victim_reason FROM kv_events "
+                         "WHERE kind IN ('admit', 'preempt', 'finish') ORDER BY seq").fetchall()
+    running: list[str] = []
+    checked = 0
+    for kind, req_id, requester, victim_reason in events:
+        if kind == "admit":
+            running.append(req_id)
+        elif kind == "preempt":
+            assert running and running[-1] == req_id, (req_id, running)
+            assert requester in running, (requester, running)
+            assert victim_reason == "newest"
+            running.remove(req_id)
+            checked += 1
+        elif req_id in running:
+            running.remove(req_id)
+    assert checked == con.execute("SELECT count(*) FROM kv_events WHERE kind = 'preempt'").fetchone()[0] > 0
+    stops = con.execute("SELECT admission_stop, preemptions > 0, waiting > 0 FROM steps").fetchall()
+    assert all(stop is not None for stop, _, _ in stops)
+    assert {stop for stop, preempted, waiting in stops if preempted and waiting} == {"preemption"}
+    assert {stop for stop, _, waiting in stops if not waiting} <= {"nothing-waiting"}
+
+
 def test_resumed_requests_hit_the_prefix_cache_instead_of_recomputing(recorded):
     """A victim's history comes back partly from vLLM's prefix cache: each re-prefill's cached plus
     recomputed positions are exactly the positions it held when preempted, and some were cached."""

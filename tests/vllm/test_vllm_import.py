@@ -69,6 +69,31 @@ def test_a_capture_becomes_a_run_rebased_mapped_and_windowed(tmp_path):
     assert con.execute("SELECT start_s FROM steps").fetchone()[0] == pytest.approx(0.1)
 
 
+def test_a_preemptions_requester_maps_back_and_an_older_capture_reads_without_causes(tmp_path):
+    capture = tmp_path / "capture"
+    preempt = {"seq": 0, "step": 3, "ts_s": 100.2, "kind": "preempt", "req_id": "1_kvt3-deadbeef", "sample": 0,
+               "blocks": [1], "num_blocks": 1, "num_tokens": 40, "bytes": 0, "reason": "recompute",
+               "num_cached_tokens": 0, "num_recomputed_tokens": 0, "requester_req_id": "kvt0-1a2b3c4d",
+               "requester_sample": 0, "victim_reason": "newest"}
+    step = {"step": 3, "start_s": 100.1, "end_s": 100.2, "total_blocks": 16, "admission_stop": "preemption"}
+    new = chunk({"kv_events": [preempt], "steps": [step]})
+    # a chunk of a capture from before schema 3: no cause columns at all
+    old = chunk({"kv_events": [{**preempt, "seq": 1, "step": 4}], "steps": [{**step, "step": 4}]})
+    for table in old.values():
+        for column in ("requester_req_id", "requester_sample", "victim_reason", "admission_stop"):
+            table.pop(column, None)
+    write_capture(capture, [new, old])
+    run = tmp_path / "run"
+    convert(capture, run, "run", list(ITEMS.values()), origin=100.0, interrupted=False)
+    (run / "meta.json").write_text('{"run_id": "run", "schema_version": 3}')
+    con = db.connect([run])
+    assert con.execute("SELECT step, req_id, sample, requester_req_id, requester_sample, victim_reason FROM kv_events "
+                       "ORDER BY seq").fetchall() == [(3, "chat-b", 1, "chat-a", 0, "newest"),
+                                                       (4, "chat-b", 1, None, None, None)]
+    assert con.execute("SELECT step, admission_stop FROM steps ORDER BY step").fetchall() == [
+        (3, "preemption"), (4, None)]
+
+
 def test_an_interrupted_capture_accounts_for_every_sample(tmp_path):
     capture = tmp_path / "capture"
     write_capture(capture, [chunk({

@@ -1,0 +1,189 @@
+"""`kvtrace explain` on runs recorded here, through the engine and through the simulator: the causes
+in the trace (schema 3), the SQL that reads them, the story and the verdict.
+
+The four-block story of tests/engine/test_preemption.py: A and B fill the 4-block pool; at step 2 A
+needs a block and B is preempted (8 positions recomputed). Then three queues, each bound by one
+thing: seats (--max-num-seqs 2), the token budget (--max-num-batched-tokens 16, long prompts), and
+the pool (a prompt that does not fit beside the one running).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import kvtrace.cli  # noqa: F401  (registers every command)
+from kvtrace.cli.app import app
+from kvtrace.trace import db
+from kvtrace.views import explain
+from tests.helpers.cli import one_line_error, write_workload
+from tests.helpers.cli import record as record_cli
+
+pytestmark = pytest.mark.long  # records runs through the engine and the simulator
+
+ENGINES = {"real": (), "sim": ("--engine", "sim", "--hardware", "l40s")}
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "runs"
+
+
+def request(req_id: str, num_prompt: int, max_tokens: int, first: int = 11) -> dict:
+    return {"id": req_id, "arrival_s": 0, "prompt_token_ids": list(range(first, first + num_prompt)),
+            "max_tokens": max_tokens, "ignore_eos": True}
+
+
+SCENARIOS = {
+    # name: (requests, record options)
+    "four-block": ([request("A", 7, 6, 11), request("B", 7, 4, 21)],
+                   ("--block-size", "4", "--num-gpu-blocks", "4", "--watermark", "0", "--no-enable-prefix-caching")),
+    "seats": ([request(r, 8, 4, 11 + 10 * i) for i, r in enumerate("ABCD")],
+              ("--block-size", "4", "--num-gpu-blocks", "64", "--max-num-seqs", "2")),
+    "budget": ([request("A", 40, 2, 11), request("B", 40, 2, 111)],
+               ("--block-size", "4", "--num-gpu-blocks", "64", "--max-num-batched-tokens", "16")),
+    "blocks": ([request("A", 16, 6, 11), request("B", 12, 2, 111)],
+               ("--block-size", "4", "--num-gpu-blocks", "6", "--watermark", "0", "--no-enable-prefix-caching")),
+    "one-slow": ([request("A", 8, 2, 11), request("B", 8, 40, 21), request("C", 8, 2, 31)],
+                 ("--block-size", "4", "--num-gpu-blocks", "64")),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    root = tmp_path_factory.mktemp("explain")
+    recorded = {}
+    for name, (rows, options) in SCENARIOS.items():
+        workload = write_workload(root / f"{name}.jsonl", rows)
+        for engine, engine_options in ENGINES.items():
+            if name == "one-slow" and engine == "sim":
+                continue
+            result, out = record_cli(root, workload, f"{name}-{engine}", "--backlog", *options, *engine_options)
+            assert result.exit_code == 0, result.output
+            recorded[name, engine] = out
+    return recorded
+
+
+def explained(run: Path, *args: str) -> dict:
+    result = CliRunner().invoke(app, ["explain", str(run), *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def main_cause(story: dict, state: str) -> str:
+    """The cause with the most time over the story's waits in `state`."""
+    totals: dict[str, float] = {}
+    for wait in story["waits"]:
+        if wait["state"] == state:
+            for c in wait["causes"]:
+                totals[c["cause"]] = totals.get(c["cause"], 0) + c["cause_ms"]
+    return max(totals, key=totals.get)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_four_block_preemption_names_its_requester_step_and_cost(runs, engine):
+    story = explained(runs["four-block", engine], "B")
+    assert story["causes_recorded"] and story["req_id"] == "B"
+    [p] = story["preemptions"]
+    assert (p["requester_req_id"], p["requester_sample"], p["victim_reason"], p["self_preempted"]) == (
+        "A", 0, "newest", False)
+    assert (p["step"], p["reason"], p["positions_lost"], p["cached_tokens"], p["recomputed_tokens"]) == (
+        2, "recompute", 8, 0, 8)
+    assert p["recompute_ms_est"] > 0 and p["wait_ms"] > 0
+    # waiting to resume: the step of the preemption admits nothing, then A holds the blocks
+    [wait] = [w for w in story["waits"] if w["state"] == "preempted"]
+    assert {c["cause"] for c in wait["causes"]} == {"preemption", "blocks"}
+    assert main_cause(story, "preempted") == "blocks"
+    assert sum(c["share"] for c in wait["causes"]) == pytest.approx(1)
+    phases = [ph["phase"] for ph in story["phases"]]
+    assert phases == ["waiting", "prefill", "decode", "preempted", "reprefill", "decode", "finished"][
+        (phases[0] != "waiting"):]
+    assert next(ph for ph in story["phases"] if ph["phase"] == "preempted")["preemption_no"] == 1
+    assert "A's growth" in story["verdict"] and "8 tokens recomputed" in story["verdict"]
+    assert "for free blocks" in story["verdict"]
+    # A was never preempted; its story says so
+    assert explained(runs["four-block", engine], "A")["preemptions"] == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("scenario, req_id, cause", [
+    ("seats", "C", "seats"), ("seats", "D", "seats"), ("budget", "B", "budget"), ("blocks", "B", "blocks")])
+def test_a_queue_bound_by_one_thing_is_put_down_to_it(runs, engine, scenario, req_id, cause):
+    story = explained(runs[scenario, engine], req_id)
+    assert story["preemptions"] == []
+    assert main_cause(story, "waiting") == cause
+    waited = sum(w["wait_ms"] for w in story["waits"])
+    assert waited > 0
+    share = sum(c["cause_ms"] for w in story["waits"] for c in w["causes"] if c["cause"] == cause) / waited
+    assert share > 0.9, story["waits"]
+    assert story["verdict"].startswith(f"queued {explain.fmt_ms(waited)}")
+    assert explain.CAUSE_WORDS[cause] in story["verdict"]
+
+
+@pytest.mark.parametrize("scenario", ["four-block", "seats", "budget", "blocks"])
+def test_the_simulator_gives_the_engines_causes(runs, scenario):
+    """The same scheduler decides in both: the same admission stops step by step, the same requesters."""
+    def causes(run: Path):
+        con = db.connect([run])
+        return (con.sql("SELECT step, admission_stop FROM steps ORDER BY step").fetchall(),
+                con.sql("SELECT step, req_id, requester_req_id, victim_reason FROM kv_events "
+                        "WHERE kind = 'preempt' ORDER BY seq").fetchall())
+    real, sim = causes(runs[scenario, "real"]), causes(runs[scenario, "sim"])
+    assert real == sim
+    assert {stop for _, stop in real[0]} >= {"nothing-waiting"} and None not in {stop for _, stop in real[0]}
+
+
+def test_the_sql_gives_the_storys_numbers(runs):
+    run = runs["four-block", "real"]
+    con = db.connect([run])
+    story = explained(run, "B")
+    rows = db.records(db.run_analysis(con, "preemptions", req_id="B"))
+    assert [{k: v for k, v in r.items() if k not in ("run_id", "req_id", "sample")} for r in rows] == story["preemptions"]
+    noisy = db.records(db.run_analysis(con, "noisy_neighbours"))
+    assert [(r["req_id"], r["rank"], r["preemptions"], r["victims"], r["positions_lost"], r["recomputed_tokens"])
+            for r in noisy] == [("A", 1, 1, 1, 8, 8)]
+    phases = db.run_analysis(con, "request_story", req_id="B").num_rows
+    assert phases == len(story["phases"])
+
+
+def test_worst_lists_the_obviously_slow_request_first(runs):
+    data = explained(runs["one-slow", "real"], "--worst", "3")
+    assert [r["req_id"] for r in data["requests"]][0] == "B" and data["by"] == "e2e"
+    assert [r["rank"] for r in data["requests"]] == [1, 2, 3]
+    assert all(r["verdict"] for r in data["requests"])
+    by_preemptions = explained(runs["four-block", "real"], "--worst", "1", "--by", "preemptions")
+    assert [(r["req_id"], r["preemptions"]) for r in by_preemptions["requests"]] == [("B", 1)]
+    assert "A's growth" in by_preemptions["requests"][0]["verdict"]
+
+
+def test_the_terminal_story_and_the_dashboard_name_the_requester(runs):
+    run = runs["four-block", "real"]
+    result = CliRunner().invoke(app, ["explain", str(run), "B"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "preempted, waiting to resume" in result.stdout and "Preemptions" in result.stdout
+    assert "A's growth" in " ".join(result.stdout.split())
+    wide = CliRunner().invoke(app, ["analyze", str(run)], env={"COLUMNS": "160"})
+    assert "noisy neighbours" in wide.stdout and "most preempted" in wide.stdout
+    narrow = CliRunner().invoke(app, ["analyze", str(run)], env={"COLUMNS": "80"})
+    assert "noisiest: A preempted 1×" in narrow.stdout and len(narrow.stdout.splitlines()) <= 24
+
+
+def test_a_run_before_schema_3_still_explains_with_the_causes_unknown():
+    run = FIXTURES / "tiny-recompute"
+    top = explained(run, "--worst", "1", "--by", "preemptions")["requests"][0]
+    story = explained(run, top["req_id"])
+    assert not story["causes_recorded"]
+    assert story["preemptions"] and all(p["requester_req_id"] is None for p in story["preemptions"])
+    assert {c["cause"] for w in story["waits"] for c in w["causes"]} <= {"unknown", "idle"}
+    assert "an unrecorded requester" in story["verdict"]
+
+
+def test_explain_refuses_what_it_cannot_answer(runs):
+    run = str(runs["four-block", "real"])
+    assert "no request 'Q'" in one_line_error(["explain", run, "Q"])
+    assert "or --worst N" in one_line_error(["explain", run])
+    assert "not both" in one_line_error(["explain", run, "B", "--worst", "2"])
+    assert "--worst must be >= 1" in one_line_error(["explain", run, "--worst", "0"])
+    assert "explain takes one run" in one_line_error(["explain", str(FIXTURES), "--worst", "1"])
+    # REQ_ID:SAMPLE
+    assert explained(Path(run), "B:0")["sample"] == 0
