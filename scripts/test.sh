@@ -6,14 +6,19 @@ bash scripts/setup.sh
 # what only the tests need: pytest, Hypothesis, Triton (its interpreter runs the GPU kernels on the
 # CPU) and the Ray extra (the sweep test starts a local Ray cluster); the main job needs none of them
 "${PYTHON:-python3}" -m pip install --quiet -e ".[test,ray]"
-# the report's browser test needs Chromium; a skipped test would hide the area, so no Chromium
-# is an error here (and CI=true fails the run on any skip but cuda/external: tests/helpers/strict_skips.py)
-if ! command -v chromium >/dev/null 2>&1; then
+# the report's browser test needs Chromium, and kvtrace explore's terminal test tmux; a skipped
+# test would hide the area, so either missing is an error here (and CI=true fails the run on any
+# skip but cuda/external: tests/helpers/strict_skips.py)
+missing=""
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+command -v tmux >/dev/null 2>&1 || missing="$missing tmux"
+if [ -n "$missing" ]; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-            || { echo "error: could not install chromium (apt-get install chromium failed)" >&2; exit 1; }
+        # shellcheck disable=SC2086  (one Debian package per word)
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null) \
+            || { echo "error: could not install$missing (apt-get install$missing failed)" >&2; exit 1; }
     else
-        echo "error: no chromium, and no apt-get as root to install it; install chromium and rerun" >&2
+        echo "error: no$missing, and no apt-get as root to install it; install$missing and rerun" >&2
         exit 1
     fi
 fi

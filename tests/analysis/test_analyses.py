@@ -118,8 +118,8 @@ def test_every_analysis_documents_itself_and_runs_on_an_empty_run(tmp_path):
         "summary"}
     # nothing happened in this run: no per-sequence or per-event row, and the per-run figures are zero
     no_rows = {"client_latency", "itl_cliff_summary", "itl_cliffs", "latency", "latency_cdf", "most_preempted",
-               "recompute_by_request",
-               "request_timeline", "swap", "thrash_windows",
+               "recompute_by_request", "request_pool", "request_summary",
+               "request_timeline", "step_sequences", "swap", "thrash_windows",
                "noisy_neighbours", "preemptions", "request_story", "wait_causes", "worst_requests"}
     for info in infos:
         assert info.description.endswith(("?", ".")), info.name
@@ -418,6 +418,66 @@ def test_most_preempted(con):
          "output_tokens": 3, "finish_reason": "length"},
     ]]
     assert rows(con, "most_preempted", limit=0) == []
+
+
+def test_request_summary(con):
+    # A: arrives at 0, admitted at once, tokens at 0.25 .. 1.0; B: arrives at 0.1875, scheduled at
+    # 0.25, first token 0.5, preempted 0.5 .. 1.0, finished at 1.5 (recompute: its 4 positions again)
+    got = by(rows(con, "request_summary"), "run_id", "req_id")
+    assert got["rec", "A"] == approx({
+        "run_id": "rec", "req_id": "A", "sample": 0, "arrival_s": 0.0, "prompt_tokens": 6, "output_tokens": 4,
+        "finish_reason": "length", "ttft_ms": 250.0, "tpot_ms": 250.0, "e2el_ms": 1000.0, "queueing_ms": 0.0,
+        "preemptions": 0, "swaps": 0, "recomputed_tokens": 0, "stall_ms": 0.0})
+    assert got["rec", "B"] == approx({
+        "run_id": "rec", "req_id": "B", "sample": 0, "arrival_s": 0.1875, "prompt_tokens": 4, "output_tokens": 3,
+        "finish_reason": "length", "ttft_ms": 312.5, "tpot_ms": 500.0, "e2el_ms": 1312.5, "queueing_ms": 62.5,
+        "preemptions": 1, "swaps": 0, "recomputed_tokens": 4, "stall_ms": 500.0})
+    assert (got["swp", "B"]["swaps"], got["swp", "B"]["recomputed_tokens"], got["swp", "B"]["stall_ms"]) == (1, 0, 500.0)
+    # the same preemptions, recomputed positions and stall as the most preempted table
+    for r in rows(con, "most_preempted"):
+        assert {k: got[r["run_id"], r["req_id"]][k] for k in ("preemptions", "recomputed_tokens", "stall_ms")} == {
+            k: r[k] for k in ("preemptions", "recomputed_tokens", "stall_ms")}
+
+
+def test_request_pool(con):
+    # B's life, 0.1875 .. 1.5, in 4 intervals of 0.328125 s, their middles at 0.352, 0.680, 1.008,
+    # 1.336: prefill, preempted, reprefill (1.0 .. 1.25), decode. Steps end every 0.25 s; rec's
+    # pool (3 blocks) holds 2, 3, 2, 3, 2, 2 blocks after steps 0 .. 5: the first interval has the
+    # steps ending 0.25 and 0.5 (mean 5/6), the last those ending 1.25 and 1.5 (its end included).
+    # B's preemption (step 2, stamped at its start, 0.5) falls in the first.
+    got = [(r["bucket"], r["start_s"], r["end_s"], r["state"], r["used_frac"], r["steps"], r["preemptions"],
+            r["own_preemptions"]) for r in rows(con, "request_pool", req_id="B", buckets=4) if r["run_id"] == "rec"]
+    assert got == [approx(r) for r in [
+        (0, 0.1875, 0.515625, "prefill", 5 / 6, 2, 1, 1),
+        (1, 0.515625, 0.84375, "preempted", 2 / 3, 1, 0, 0),
+        (2, 0.84375, 1.171875, "reprefill", 1.0, 1, 0, 0),
+        (3, 1.171875, 1.5, "decode", 2 / 3, 2, 0, 0),
+    ]]
+    assert [r["state"] for r in rows(con, "request_pool", req_id="B", buckets=4) if r["run_id"] == "swp"] == [
+        "prefill", "swapped", "decode", "decode"]
+    # more intervals than steps: an interval in which no step ended has the running step's occupancy
+    fine = [r for r in rows(con, "request_pool", req_id="B", buckets=40) if r["run_id"] == "rec"]
+    assert all(r["used_frac"] is not None for r in fine) and sum(r["steps"] for r in fine) == 6
+    assert rows(con, "request_pool", req_id="nobody") == []
+    assert rows(con, "request_pool", req_id="B", sample=1) == []
+    assert rows(con, "request_pool", req_id="B", sample=0, buckets=4) == rows(con, "request_pool", req_id="B", buckets=4)
+
+
+def test_step_sequences(con):
+    # step 2 (0.5 .. 0.75): B preempted at its start, A decodes its third token
+    got = [(r["run_id"], r["req_id"], r["state"], r["tokens"], r["blocks_allocated"], r["blocks_freed"], r["events"])
+           for r in rows(con, "step_sequences", step=2)]
+    assert got == [
+        ("rec", "B", "preempted", 0, 0, 1, "preempt:recompute free:preempt"),
+        ("rec", "A", "decode", 1, 0, 0, None),
+        ("swp", "B", "swapped", 0, 0, 2, "preempt:swap swap_out free:preempt"),
+        ("swp", "A", "decode", 1, 0, 0, None),
+    ]
+    # step 1: B admitted with one block, A and B each given a token
+    assert [(r["req_id"], r["state"], r["tokens"], r["blocks_allocated"], r["events"])
+            for r in rows(con, "step_sequences", step=1) if r["run_id"] == "rec"] == [
+        ("B", "prefill", 1, 1, "admit:new alloc:prefill"), ("A", "decode", 1, 0, None)]
+    assert rows(con, "step_sequences", step=99) == []
 
 
 def test_summary(con):
