@@ -3,8 +3,12 @@ the tests fails. Run it (scripts/mutation.sh) before calling a change to these f
 
 Python targets go through cosmic-ray (8.x) with the operators that make realistic bugs (boundary and
 negated comparisons, + and -, * and /, numbers off by one, not, and/or, True/False, loops that
-never run, break/continue). analyses/_*.sql get mutants of our own: comparison operators flipped,
-min/max and sum/avg swapped, AND/OR swapped, + and - swapped, one at a time.
+never run, break/continue), and then through the operators of our own that make the bugs cosmic-ray
+cannot (scripts/mutation_operators.py: an attribute, name or call result replaced by a constant, a
+term of and/or dropped, a statement deleted, two arguments swapped, an index off by one).
+analyses/_*.sql get mutants of our own: comparison operators flipped, min/max and sum/avg swapped,
+AND/OR swapped, + and - swapped, one at a time. Every operator belongs to a family (FAMILIES), and
+the results give the score of each family, so a new blind spot shows itself.
 
 Everything runs in a scratch copy of the work tree (git's tracked and unignored files), so the
 checkout is never touched. The run has a time budget: a target that does not finish is reported
@@ -30,7 +34,11 @@ fixture that does), in their usual order. A test that never runs the mutated sta
 did, so it cannot kill the mutant: the selection changes no outcome, only the time. A statement outside
 any function (run at import) gets all the tests; a mutant that no test reaches survives without a run.
 
-    python scripts/mutation.py [--budget-min 30] [--only NAME ...] [--sample K] [--out DIR]
+The vLLM capture's scheduler (kvtrace/vllm/capture/scheduler.py) imports vLLM: outside vLLM's venv
+no test can run it, and its tests that need no vLLM read its source (the trace vocabulary), so its
+mutants run all those tests, and a survivor there is untested rather than equivalent (NEEDS_VLLM).
+
+    python scripts/mutation.py [--budget-min 30] [--only NAME ...] [--sample K] [--sample-own K] [--out DIR]
 """
 from __future__ import annotations
 
@@ -52,6 +60,9 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mutation_operators  # noqa: E402 - beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider"]
 PYTEST = [sys.executable, "-m", "pytest", *PYTEST_ARGS]
@@ -71,7 +82,11 @@ TARGETS: dict[str, list[str]] = {
     "engine/scheduler.py": ["tests/engine"],
     "engine/block_manager.py": ["tests/engine"],
     "engine/llm_engine.py": ["tests/engine"],
+    "kvtrace/vllm/capture/scheduler.py": ["tests/vllm"],   # without vLLM: the tests that read its source
 }
+# targets only vLLM's Python can import: no test runs their statements here, so every mutant gets all
+# the target's tests (those that read its source), and a survivor is marked as untested
+NEEDS_VLLM = {"kvtrace/vllm/capture/scheduler.py"}
 SQL_FOLDERS = ["tests/analysis"]                                 # every analyses/_*.sql
 
 
@@ -82,6 +97,23 @@ def tests_of(target: str) -> list[str]:
 
 
 EQUIVALENT = ROOT / "benchmarks" / "mutation" / "equivalent.json"
+
+# each operator's family: cosmic-ray's, the SQL mutants' and our own (mutation_operators.FAMILIES)
+FAMILIES = [  # (operator name pattern, family), the first match wins
+    (r"ReplaceComparisonOperator_|(LtE_Lt|Lt_LtE|GtE_Gt|Gt_GtE|Eq_NotEq|NotEq_Eq)$", "comparison"),
+    (r"ReplaceBinaryOperator_|(Add_Sub|Sub_Add)$", "arithmetic"),
+    (r"NumberReplacer$", "number"),
+    (r"AddNot$|ReplaceTrueWithFalse$|ReplaceFalseWithTrue$|ReplaceAndWithOr$|ReplaceOrWithAnd$|(And_Or|Or_And)$",
+     "boolean"),
+    (r"ZeroIterationForLoop$|ReplaceBreakWithContinue$|ReplaceContinueWithBreak$", "loop/flow"),
+    (r"(min_max|max_min|sum_avg|avg_sum)$", "aggregate"),
+    *((f"{prefix}(_|$)", name) for prefix, name in mutation_operators.FAMILIES.items()),
+]
+
+
+def family(operator: str) -> str:
+    return next((name for pattern, name in FAMILIES if re.match(pattern, operator)), "other")
+
 
 KEEP_OPERATORS = [
     r"core/ReplaceComparisonOperator_(Lt_LtE|LtE_Lt|Gt_GtE|GtE_Gt|Eq_NotEq|NotEq_Eq|Is_IsNot|IsNot_Is"
@@ -119,6 +151,8 @@ class TargetResult:
     # outcome -> number of mutants, for a row read from summary.json, whose `mutants` lists only the
     # survivors and timeouts (empty: `mutants` lists every mutant)
     counts: dict[str, int] = field(default_factory=dict)
+    family_counts: dict[str, dict[str, int]] = field(default_factory=dict)   # the same, per operator family
+    sample_own: int = 1     # the sample of our own operators' mutants
 
     def count(self, outcome: str) -> int:
         if self.counts:
@@ -128,6 +162,16 @@ class TargetResult:
     @property
     def num_mutants(self) -> int:
         return sum(self.counts.values()) if self.counts else len(self.mutants)
+
+    def families(self) -> dict[str, dict[str, int]]:
+        """Operator family -> outcome -> number of mutants ({} for a row summarised before families)."""
+        if self.counts:
+            return self.family_counts
+        out: dict[str, dict[str, int]] = {}
+        for m in self.mutants:
+            counts = out.setdefault(family(m.operator), dict.fromkeys(OUTCOMES, 0))
+            counts[m.outcome] += 1
+        return out
 
 
 # ---------------------------------------------------------------- the scratch copy
@@ -174,11 +218,11 @@ class ForkRunner:
             "the runner must not import the project: the children import the mutated copy"
 
     def run(self, tests: list[str], timeout: float, fresh: str | None = None,
-            coverage_of: tuple[str, Path] | None = None) -> str:
+            coverage_of: tuple[list[str], Path] | None = None) -> str:
         """'killed' if the tests fail, 'survived' if they pass, 'timeout' past the limit. `fresh`: a
         module path whose cached bytecode is dropped first (the mutated file), and no bytecode is
         written by the child (a mutant and the original can share size and mtime second).
-        `coverage_of` (target, path): measure which tests run which of the target's lines, into path
+        `coverage_of` (targets, path): measure which tests run which of the targets' lines, into path
         (see measure_coverage)."""
         if fresh:
             for pyc in (self.work / fresh).parent.glob(f"__pycache__/{Path(fresh).stem}.*.pyc"):
@@ -199,7 +243,7 @@ class ForkRunner:
                 os.environ["KVTRACE_STRICT_SKIPS"] = "0"    # a test this machine cannot run is not a kill
                 import pytest
                 if coverage_of:
-                    code = measure_coverage(tests, self.work / coverage_of[0], coverage_of[1])
+                    code = measure_coverage(tests, {t: self.work / t for t in coverage_of[0]}, coverage_of[1])
                 else:
                     code = int(pytest.main([*PYTEST_ARGS, *tests]))
             except BaseException:                      # noqa: BLE001 - report and exit, whatever it was
@@ -249,10 +293,11 @@ class ForkRunner:
 
 # ---------------------------------------------------------------- which tests run which lines
 
-def measure_coverage(tests: list[str], source: Path, out: Path) -> int:
-    """Run the tests (in the forked child) with coverage of `source` only, each test in a context of
-    its own ("t:" node id) and each fixture's set-up in one named for the fixture ("f:" name: a module
-    fixture's work belongs to every test that uses it, not only to the first). Writes {"tests": node
+def measure_coverage(tests: list[str], sources: dict[str, Path], out: Path) -> int:
+    """Run the tests (in the forked child) with coverage of the `sources` only (targets that share
+    these tests: one run for all), each test in a context of its own ("t:" node id) and each
+    fixture's set-up in one named for the fixture ("f:" name: a module fixture's work belongs to
+    every test that uses it, not only to the first). Writes, for each source's name, {"tests": node
     ids in the order they ran, "fixtures": {node id: fixture names}, "lines": {line: contexts}}; lines
     run outside any test (at import or collection) have the context ""."""
     import coverage
@@ -277,20 +322,22 @@ def measure_coverage(tests: list[str], source: Path, out: Path) -> int:
             yield
             cov.switch_context("t:" + outer.nodeid if isinstance(outer, pytest.Item) else "")
 
-    cov = coverage.Coverage(data_file=None, include=[str(source)], branch=False)
+    cov = coverage.Coverage(data_file=None, include=[str(p) for p in sources.values()], branch=False)
     cov.start()
     try:
         code = int(pytest.main([*PYTEST_ARGS, *tests], plugins=[Contexts()]))
     finally:
         cov.stop()
     data = cov.get_data()
-    lines: dict[int, set[str]] = {}
-    for measured in data.measured_files():
-        if Path(measured).resolve() == source.resolve():
-            for line, contexts in data.contexts_by_lineno(measured).items():
-                lines.setdefault(line, set()).update(contexts)
-    out.write_text(json.dumps({"tests": tests_run, "fixtures": fixtures,
-                               "lines": {str(k): sorted(v) for k, v in lines.items()}}))
+    found: dict[str, dict] = {}
+    for name, source in sources.items():
+        lines: dict[int, set[str]] = {}
+        for measured in data.measured_files():
+            if Path(measured).resolve() == source.resolve():
+                for line, contexts in data.contexts_by_lineno(measured).items():
+                    lines.setdefault(line, set()).update(contexts)
+        found[name] = {"tests": tests_run, "fixtures": fixtures, "lines": {str(k): sorted(v) for k, v in lines.items()}}
+    out.write_text(json.dumps(found))
     return code
 
 
@@ -334,26 +381,53 @@ def tests_for(span: tuple[int, int] | None, covered: dict) -> list[str] | None:
 
 # ---------------------------------------------------------------- Python targets (cosmic-ray)
 
+def coverage_of(runner: ForkRunner, target: str, tests: list[str], targets: list[str], cache: dict) -> dict:
+    """Which tests run which lines of the target: measured once for all the `targets` that share its
+    tests (the first of them to ask pays for the run), kept in `cache`."""
+    key = tuple(tests)
+    if key not in cache:
+        start = time.monotonic()
+        sharing = [t for t in targets if t not in NEEDS_VLLM and tests_of(t) == tests]
+        covered_path = runner.work / ".mutation-coverage.json"
+        if runner.run(tests, 1800, coverage_of=(sharing, covered_path)) != "survived":
+            raise SystemExit(f"{target}: the tests fail under coverage:\n{runner.output()}")
+        cache[key] = json.loads(covered_path.read_text())
+        for name, covered in cache[key].items():
+            print(f"  {name}: {len(covered['tests'])} tests, {len(covered['lines'])} lines covered "
+                  f"({time.monotonic() - start:.0f} s)", flush=True)
+    return cache[key][target]
+
+
+def python_target(runner: ForkRunner, target: str, tests: list[str], deadline: float, sample: int,
+                  sample_own: int, test_timeout: float, covered: dict | None) -> TargetResult:
+    """A Python target's row: cosmic-ray's mutants, then our own (own_target), in one TargetResult.
+    With `covered` (coverage_of), each mutant gets only the tests that execute its statement
+    (tests_for); without (a target in NEEDS_VLLM, or --all-tests), all the target's tests."""
+    result = TargetResult(target, tests, **run_stamp(), sample=sample, by_coverage=covered is not None,
+                          sample_own=sample_own)
+    start = time.monotonic()
+    cosmic_ray_target(runner, target, tests, deadline, sample, test_timeout, covered, result)
+    if not result.interrupted:
+        own_target(runner, target, tests, deadline, sample_own, test_timeout, covered, result)
+    if target in NEEDS_VLLM:
+        for m in result.mutants:
+            if m.outcome == "survived":
+                m.note = "untested: it runs only inside vLLM"
+    result.complete = not any(m.outcome == "not run" for m in result.mutants)
+    result.seconds = time.monotonic() - start
+    return result
+
+
 def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadline: float, sample: int,
-                      test_timeout: float, by_coverage: bool = True) -> TargetResult:
+                      test_timeout: float, covered: dict | None, result: TargetResult) -> None:
     """cosmic-ray makes and applies the mutants (init, operator filter, mutate_and_test); the tests
-    of each run in a forked child (ForkRunner) instead of a fresh interpreter: with `by_coverage`,
-    only the tests that execute the mutated statement (measure_coverage, tests_for)."""
+    of each run in a forked child (ForkRunner) instead of a fresh interpreter: with `covered`, only
+    the tests that execute the mutated statement. The mutants are added to `result`."""
     from cosmic_ray import mutating
     from cosmic_ray.work_db import use_db
     from cosmic_ray.work_item import TestOutcome
 
     work = runner.work
-    result = TargetResult(target, tests, **run_stamp(), sample=sample, by_coverage=by_coverage)
-    start = time.monotonic()
-    covered = None
-    if by_coverage:
-        covered_path = work / ".mutation-coverage.json"
-        if runner.run(tests, 1800, coverage_of=(target, covered_path)) != "survived":
-            raise SystemExit(f"{target}: the tests fail under coverage:\n{runner.output()}")
-        covered = json.loads(covered_path.read_text())
-        print(f"  {target}: {len(covered['tests'])} tests, {len(covered['lines'])} lines covered "
-              f"({time.monotonic() - start:.0f} s)", flush=True)
     source = (work / target).read_text()
     chosen: list[str] | None = None                    # the current mutant's tests (None: all of them)
     session = work / f".mutation-{target.replace('/', '_')}.sqlite"
@@ -426,9 +500,37 @@ def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadlin
         note = "no test runs this line" if (outcome or {}).get("output") == "[no test runs this line]" else ""
         result.mutants.append(Mutant(target, mutation["start_pos"][0], mutation["operator_name"].removeprefix("core/"),
                                      state, diff, note=note))
-    result.complete = not any(m.outcome == "not run" for m in result.mutants)
-    result.seconds = time.monotonic() - start
-    return result
+
+
+def own_target(runner: ForkRunner, target: str, tests: list[str], deadline: float, sample: int,
+               test_timeout: float, covered: dict | None, result: TargetResult) -> None:
+    """Our own operators' mutants (mutation_operators), every `sample`-th in file order, each planted
+    in the scratch copy and run like cosmic-ray's: the same tests by coverage, timeout and outcomes."""
+    path = runner.work / target
+    original = path.read_text()
+    chosen_mutants = mutation_operators.mutants(original)[::sample]
+    try:
+        for n, (line, operator, mutated, diff) in enumerate(chosen_mutants, start=1):
+            if time.monotonic() >= deadline:
+                result.mutants.append(Mutant(target, line, operator, "not run", diff))
+                continue
+            chosen = None if covered is None else tests_for(statement_span(original, line), covered)
+            if chosen == []:
+                result.mutants.append(Mutant(target, line, operator, "survived", diff, note="no test runs this line"))
+                state = "survived"
+            else:
+                path.write_text(mutated)
+                try:
+                    state = runner.run(tests if chosen is None else chosen, test_timeout, fresh=target)
+                except (KeyboardInterrupt, SystemExit):     # stopped: keep what was covered
+                    result.interrupted = True
+                    break
+                result.mutants.append(Mutant(target, line, operator, state, diff))
+            ran = "all tests" if chosen is None else f"{len(chosen)} tests"
+            print(f"  {target}:{line} {operator} [{n}/{len(chosen_mutants)}] {state} ({ran})"
+                  + (f"  {_changed(diff)}" if state == "survived" else ""), flush=True)
+    finally:
+        path.write_text(original)
 
 
 def _changed(diff: str) -> str:
@@ -580,11 +682,13 @@ def markdown(results: list[TargetResult], equivalents: list[dict] | None = None)
                    f"{equivalent} | {r.count('timeout')} | {r.count('error')} | {r.count('not run')} | {score} | "
                    f"{r.seconds:.0f} s | {r.date or '?'} `{r.commit or '?'}`"
                    + (f", every {r.sample}th mutant" if r.sample > 1 else "")
+                   + (f", every {r.sample_own}th of our own operators'" if r.sample_own != r.sample else "")
                    + (", tests by coverage" if r.by_coverage else "") + " |")
     out.append("\nEach row is its target's last run (run: its date, UTC, and commit; `+changes`: with uncommitted "
                "changes; tests by coverage: each mutant ran the tests that execute its statement). Score: (killed + "
                "timeout) / (mutants run - equivalent). Equivalent survivors: "
                f"{EQUIVALENT.relative_to(ROOT)}.\n")
+    out.extend(family_table(results, equivalents))
     for r in results:
         survivors = [m for m in r.mutants if m.outcome == "survived"]
         if survivors:
@@ -598,6 +702,37 @@ def markdown(results: list[TargetResult], equivalents: list[dict] | None = None)
     return "\n".join(out) + "\n"
 
 
+def family_table(results: list[TargetResult], equivalents: list[dict]) -> list[str]:
+    """The score per operator family, over all targets and per target: `score of N` (N: the mutants
+    run, less the equivalent ones); a row summarised before families were counted shows `?`."""
+    names = list(dict.fromkeys(name for _, name in FAMILIES))
+    cells: dict[str, dict[str, list[int]]] = {}          # target -> family -> [caught, run]
+    for r in results:
+        families = r.families()
+        if not families:
+            continue
+        row = cells[r.target] = {}
+        for name, counts in families.items():
+            equivalent = sum(m.outcome == "survived" and family(m.operator) == name
+                             and equivalence(m, equivalents) is not None for m in r.mutants)
+            caught = counts.get("killed", 0) + counts.get("timeout", 0)
+            row[name] = [caught, caught + counts.get("survived", 0) - equivalent]
+    total = {name: [sum(row.get(name, [0, 0])[i] for row in cells.values()) for i in (0, 1)] for name in names}
+
+    def cell(value: list[int] | None) -> str:
+        return f"{value[0] / value[1]:.0%} of {value[1]}" if value and value[1] else "-"
+    out = ["\nScore per operator family ((killed + timeout) / (mutants run - equivalent), of how many): "
+           "cosmic-ray's comparison, arithmetic, number, boolean and loop/flow, the SQL mutants' aggregate, and "
+           "our own (scripts/mutation_operators.py).\n",
+           "| target | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names),
+           "| all targets | " + " | ".join(cell(total[name]) for name in names) + " |"]
+    for r in results:
+        row = cells.get(r.target)
+        out.append(f"| `{r.target}` | " + " | ".join(cell(row.get(name)) if row is not None else "?" for name in names)
+                   + " |")
+    return out
+
+
 OUTCOMES = ("killed", "survived", "timeout", "error", "not run")
 LISTED = ("survived", "timeout")   # the mutants summary.json lists one by one (--report-only, --recheck); the rest are counted
 
@@ -605,7 +740,8 @@ LISTED = ("survived", "timeout")   # the mutants summary.json lists one by one (
 def _row(r: dict) -> TargetResult:
     return TargetResult(r["target"], r["tests"], [Mutant(**m) for m in r["mutants"]], r["seconds"], r["complete"],
                         r.get("interrupted", False), r.get("date", ""), r.get("commit", ""), r.get("sample", 1),
-                        r.get("by_coverage", False), r.get("counts") or {})
+                        r.get("by_coverage", False), r.get("counts") or {}, r.get("family_counts") or {},
+                        r.get("sample_own", r.get("sample", 1)))
 
 
 def load(out: Path) -> list[TargetResult]:
@@ -624,6 +760,7 @@ def summarised(r: TargetResult) -> dict:
     (their diffs cut to the changed lines)."""
     row = asdict(r)
     row["counts"] = {outcome: r.count(outcome) for outcome in OUTCOMES}
+    row["family_counts"] = r.families()
     row["mutants"] = [{**asdict(m), "diff": _diff_lines(m.diff)} for m in r.mutants if m.outcome in LISTED]
     return row
 
@@ -652,6 +789,22 @@ def write(out: Path, results: list[TargetResult]) -> None:
     (out / "results.md").write_text(markdown(results))
 
 
+def sample_for(target: str, entries: list[str] | None, k: int, otherwise: int) -> int:
+    """The sample of a target from --sample-of / --sample-own entries: TARGET=K for that target, a
+    bare K for every target; a bare target name takes `k`; no entries: `k` for all; unnamed: `otherwise`."""
+    if entries is None:
+        return k
+    for entry in entries:
+        name, _, value = entry.rpartition("=")
+        if name == target:
+            return int(value)
+        if not name and value.isdigit():
+            otherwise = int(value)
+        elif not name and value == target:
+            return k
+    return otherwise
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-min", type=float, default=60.0, help="stop starting mutants after this")
@@ -659,7 +812,11 @@ def main() -> int:
                         "analyses/_NAME.sql, or 'sql' for every analyses/_*.sql")
     parser.add_argument("--sample", type=int, default=1, help="run every K-th mutant of the Python targets")
     parser.add_argument("--sample-of", nargs="*", default=None,
-                        help="the Python targets --sample applies to (default: all of them)")
+                        help="the Python targets --sample applies to (default: all of them); TARGET=K: that "
+                             "target's own K")
+    parser.add_argument("--sample-own", nargs="*", default=None,
+                        help="run every K-th mutant of our own operators (K, or TARGET=K for one target; "
+                             "default: the target's --sample)")
     parser.add_argument("--test-timeout", type=float, default=None,
                         help="seconds before a mutant counts as a timeout (default: 6x the unmutated run, at least 30)")
     parser.add_argument("--all-tests", action="store_true",
@@ -687,6 +844,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # clean up (restore, write results) when stopped
     deadline = time.monotonic() + args.budget_min * 60
     names = args.only or [*TARGETS, "sql"]
+    unmutated: dict[tuple, float] = {}                 # the tests' unmutated time, by test selection
+    coverage_cache: dict[tuple, dict] = {}
     _copied_commit()                                   # the commit the scratch copy is made from
     work = scratch_copy()
     runner = ForkRunner(work, work / ".mutation-test.log")
@@ -695,13 +854,18 @@ def main() -> int:
         runner.check_reads_the_copy()
         for name in names:
             tests = tests_of(name)
-            began = time.monotonic()
-            if runner.run(tests, 600) != "survived":
-                print(f"{name}: the tests fail without any mutant: fix them first\n{runner.output()}", file=sys.stderr)
-                return 2
-            timeout = args.test_timeout or max(30.0, 6 * (time.monotonic() - began))
-            print(f"{name}: unmutated tests {time.monotonic() - began:.1f} s; a mutant's limit {timeout:.0f} s",
-                  flush=True)
+            past_budget = time.monotonic() >= deadline     # no more runs: its mutants are listed as not run
+            if tuple(tests) not in unmutated and not past_budget:  # targets sharing tests share this run
+                began = time.monotonic()
+                if runner.run(tests, 600) != "survived":
+                    print(f"{name}: the tests fail without any mutant: fix them first\n{runner.output()}",
+                          file=sys.stderr)
+                    return 2
+                unmutated[tuple(tests)] = time.monotonic() - began
+            seconds = unmutated.get(tuple(tests), 0.0)
+            timeout = args.test_timeout or max(30.0, 6 * seconds)
+            print(f"{name}: unmutated tests {seconds:.1f} s; a mutant's limit {timeout:.0f} s"
+                  + (" (past the budget: nothing runs)" if past_budget else ""), flush=True)
             if name == "sql" or name.endswith(".sql"):
                 files = sorted((work / "analyses").glob("_*.sql")) if name == "sql" else [work / name]
                 for sql in files:
@@ -709,9 +873,11 @@ def main() -> int:
                     print(markdown(results[-1:]).splitlines()[2], flush=True)
                     write(args.out, results)
             else:
-                sample = args.sample if args.sample_of is None or name in args.sample_of else 1
-                results.append(cosmic_ray_target(runner, name, tests, deadline, sample, timeout,
-                                                 by_coverage=not args.all_tests))
+                sample = sample_for(name, args.sample_of, args.sample, 1)
+                sample_own = sample_for(name, args.sample_own, sample, sample)
+                covered = None if args.all_tests or name in NEEDS_VLLM or past_budget else coverage_of(
+                    runner, name, tests, [n for n in names if n in TARGETS], coverage_cache)
+                results.append(python_target(runner, name, tests, deadline, sample, sample_own, timeout, covered))
                 print(markdown(results[-1:]).splitlines()[2], flush=True)
                 write(args.out, results)
                 if results[-1].interrupted:
