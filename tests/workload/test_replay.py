@@ -1,7 +1,7 @@
 """What a replay takes from the workload (kvtrace/record/replay.py): arrivals on the replay clock,
 counts that must be positive (checked when the file is read, before anything runs), what `kvtrace
-record` refuses up front and how it says so, each request's own seed, the progress callback (and the counts it sees), a stop
-between steps, and the replay's summary in meta.json."""
+record` refuses up front and how it says so, each request's own seed, the progress callback and the
+counts it sees, a stop between steps, the memory a replay keeps, and the replay's summary in meta.json."""
 from __future__ import annotations
 
 import json
