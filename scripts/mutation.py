@@ -399,16 +399,17 @@ def coverage_of(runner: ForkRunner, target: str, tests: list[str], targets: list
 
 
 def python_target(runner: ForkRunner, target: str, tests: list[str], deadline: float, sample: int,
-                  sample_own: int, test_timeout: float, covered: dict | None) -> TargetResult:
+                  sample_own: int, test_timeout: float, covered: dict | None,
+                  skip_equivalent: bool = False) -> TargetResult:
     """A Python target's row: cosmic-ray's mutants, then our own (own_target), in one TargetResult.
     With `covered` (coverage_of), each mutant gets only the tests that execute its statement
     (tests_for); without (a target in NEEDS_VLLM, or --all-tests), all the target's tests."""
     result = TargetResult(target, tests, **run_stamp(), sample=sample, by_coverage=covered is not None,
                           sample_own=sample_own)
     start = time.monotonic()
-    cosmic_ray_target(runner, target, tests, deadline, sample, test_timeout, covered, result)
+    cosmic_ray_target(runner, target, tests, deadline, sample, test_timeout, covered, result, skip_equivalent)
     if not result.interrupted:
-        own_target(runner, target, tests, deadline, sample_own, test_timeout, covered, result)
+        own_target(runner, target, tests, deadline, sample_own, test_timeout, covered, result, skip_equivalent)
     if target in NEEDS_VLLM:
         for m in result.mutants:
             if m.outcome == "survived":
@@ -418,8 +419,23 @@ def python_target(runner: ForkRunner, target: str, tests: list[str], deadline: f
     return result
 
 
+SKIPPED_EQUIVALENT = "listed equivalent, not run (--skip-equivalent)"
+
+
+def listed_equivalent(target: str, original: str, mutated: str) -> bool:
+    """Whether the mutant (the target's text before and after) is listed in equivalent.json."""
+    import difflib
+    diff = list(difflib.unified_diff(original.splitlines(), mutated.splitlines(), lineterm="", n=0))
+    hunks = [ln for ln in diff if ln.startswith("@@")]
+    if len(hunks) != 1:
+        return False
+    line = int(re.match(r"@@ -(\d+)", hunks[0]).group(1))
+    return equivalence(Mutant(target, line, "", "survived", "\n".join(diff)), load_equivalents()) is not None
+
+
 def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadline: float, sample: int,
-                      test_timeout: float, covered: dict | None, result: TargetResult) -> None:
+                      test_timeout: float, covered: dict | None, result: TargetResult,
+                      skip_equivalent: bool = False) -> None:
     """cosmic-ray makes and applies the mutants (init, operator filter, mutate_and_test); the tests
     of each run in a forked child (ForkRunner) instead of a fresh interpreter: with `covered`, only
     the tests that execute the mutated statement. The mutants are added to `result`."""
@@ -451,6 +467,8 @@ def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadlin
     def run_tests(_command, timeout):
         if chosen == []:
             return TestOutcome.SURVIVED, "[no test runs this line]"
+        if skip_equivalent and listed_equivalent(target, source, (work / target).read_text()):
+            return TestOutcome.SURVIVED, "[listed equivalent]"
         outcome = runner.run(tests if chosen is None else chosen, timeout, fresh=target)
         return {"killed": TestOutcome.KILLED, "survived": TestOutcome.SURVIVED,
                 "timeout": TestOutcome.KILLED}[outcome], f"[{outcome}]\n{runner.output()}"
@@ -497,13 +515,14 @@ def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadlin
         else:
             state = {"killed": "killed", "survived": "survived"}.get(outcome["test_outcome"], "error")
         diff = (outcome or {}).get("diff") or ""
-        note = "no test runs this line" if (outcome or {}).get("output") == "[no test runs this line]" else ""
+        note = {"[no test runs this line]": "no test runs this line",
+                "[listed equivalent]": SKIPPED_EQUIVALENT}.get((outcome or {}).get("output"), "")
         result.mutants.append(Mutant(target, mutation["start_pos"][0], mutation["operator_name"].removeprefix("core/"),
                                      state, diff, note=note))
 
 
 def own_target(runner: ForkRunner, target: str, tests: list[str], deadline: float, sample: int,
-               test_timeout: float, covered: dict | None, result: TargetResult) -> None:
+               test_timeout: float, covered: dict | None, result: TargetResult, skip_equivalent: bool = False) -> None:
     """Our own operators' mutants (mutation_operators), every `sample`-th in file order, each planted
     in the scratch copy and run like cosmic-ray's: the same tests by coverage, timeout and outcomes."""
     path = runner.work / target
@@ -517,6 +536,10 @@ def own_target(runner: ForkRunner, target: str, tests: list[str], deadline: floa
             chosen = None if covered is None else tests_for(statement_span(original, line), covered)
             if chosen == []:
                 result.mutants.append(Mutant(target, line, operator, "survived", diff, note="no test runs this line"))
+                state = "survived"
+            elif skip_equivalent and equivalence(Mutant(target, line, operator, "survived", diff),
+                                                 load_equivalents()) is not None:
+                result.mutants.append(Mutant(target, line, operator, "survived", diff, note=SKIPPED_EQUIVALENT))
                 state = "survived"
             else:
                 path.write_text(mutated)
@@ -820,6 +843,12 @@ def main() -> int:
     parser.add_argument("--test-timeout", type=float, default=None,
                         help="seconds before a mutant counts as a timeout (default: 6x the unmutated run, at least "
                              "30; given, a target measured by coverage skips the unmutated run)")
+    parser.add_argument("--skip-equivalent", action="store_true",
+                        help="do not run the mutants listed in equivalent.json (they survive, noted as not run): "
+                             "a listed one runs all its tests, minutes each on a loaded machine")
+    parser.add_argument("--coverage-from", type=Path, default=None,
+                        help="a .mutation-coverage.json kept from an earlier run of the same code and tests: "
+                             "its targets skip the coverage run")
     parser.add_argument("--all-tests", action="store_true",
                         help="run every mutant against all its target's tests, not only those that execute it")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "mutation")
@@ -847,6 +876,9 @@ def main() -> int:
     names = args.only or [*TARGETS, "sql"]
     unmutated: dict[tuple, float] = {}                 # the tests' unmutated time, by test selection
     coverage_cache: dict[tuple, dict] = {}
+    if args.coverage_from:                             # a coverage run kept from before (same code and tests)
+        kept = json.loads(args.coverage_from.read_text())
+        coverage_cache[tuple(tests_of(next(iter(kept))))] = kept
     _copied_commit()                                   # the commit the scratch copy is made from
     work = scratch_copy()
     runner = ForkRunner(work, work / ".mutation-test.log")
@@ -882,7 +914,8 @@ def main() -> int:
                 sample_own = sample_for(name, args.sample_own, sample, sample)
                 covered = None if not by_coverage or past_budget else coverage_of(
                     runner, name, tests, [n for n in names if n in TARGETS], coverage_cache)
-                results.append(python_target(runner, name, tests, deadline, sample, sample_own, timeout, covered))
+                results.append(python_target(runner, name, tests, deadline, sample, sample_own, timeout, covered,
+                                             args.skip_equivalent))
                 print(markdown(results[-1:]).splitlines()[2], flush=True)
                 write(args.out, results)
                 if results[-1].interrupted:

@@ -154,3 +154,12 @@ def test_a_targets_sample_is_its_own_entry_or_the_default():
     assert pick("a.py", ["a.py"], 3, 1) == 3 and pick("b.py", ["a.py"], 3, 1) == 1
     assert pick("a.py", ["a.py=5", "b.py"], 3, 1) == 5 and pick("b.py", ["a.py=5", "b.py"], 3, 1) == 3
     assert pick("c.py", ["4", "a.py=2"], 1, 1) == 4 and pick("a.py", ["4", "a.py=2"], 1, 1) == 2  # --sample-own
+
+
+def test_a_mutant_listed_as_equivalent_is_recognised_from_the_texts_before_and_after():
+    # --skip-equivalent: cosmic-ray's mutant is known only as the mutated file; equivalent.json lists it
+    source = (ROOT / "engine" / "block_manager.py").read_text()
+    line = "            dst = self._allocate_blocks(1)[0]\n"
+    assert source.count(line) == 1
+    assert mutation.listed_equivalent("engine/block_manager.py", source, source.replace(line, line.replace("[0]", "[ -1]")))  # cosmic-ray spells it so
+    assert not mutation.listed_equivalent("engine/block_manager.py", source, source.replace(line, line.replace("[0]", "[1]")))
