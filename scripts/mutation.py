@@ -111,6 +111,11 @@ FAMILIES = [  # (operator name pattern, family), the first match wins
 ]
 
 
+GENERATOR_FAMILIES = {"cosmic-ray": ("comparison", "arithmetic", "number", "boolean", "loop/flow"),
+                      "sql": ("comparison", "arithmetic", "boolean", "aggregate"),
+                      "own": tuple(mutation_operators.FAMILIES.values())}
+
+
 def family(operator: str) -> str:
     return next((name for pattern, name in FAMILIES if re.match(pattern, operator)), "other")
 
@@ -153,6 +158,17 @@ class TargetResult:
     counts: dict[str, int] = field(default_factory=dict)
     family_counts: dict[str, dict[str, int]] = field(default_factory=dict)   # the same, per operator family
     sample_own: int = 1     # the sample of our own operators' mutants
+    # which operators made the row's mutants: a Python target has a row for cosmic-ray's ("cosmic-ray") and
+    # one for ours ("own"), each replaced by the next run of its operators; a SQL target's row: "sql"
+    generator: str = "cosmic-ray"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.target, self.generator
+
+    @property
+    def label(self) -> str:
+        return f"`{self.target}`" + (" (own operators)" if self.generator == "own" else "")
 
     def count(self, outcome: str) -> int:
         if self.counts:
@@ -399,24 +415,28 @@ def coverage_of(runner: ForkRunner, target: str, tests: list[str], targets: list
 
 
 def python_target(runner: ForkRunner, target: str, tests: list[str], deadline: float, sample: int,
-                  sample_own: int, test_timeout: float, covered: dict | None,
-                  skip_equivalent: bool = False) -> TargetResult:
-    """A Python target's row: cosmic-ray's mutants, then our own (own_target), in one TargetResult.
-    With `covered` (coverage_of), each mutant gets only the tests that execute its statement
-    (tests_for); without (a target in NEEDS_VLLM, or --all-tests), all the target's tests."""
-    result = TargetResult(target, tests, **run_stamp(), sample=sample, by_coverage=covered is not None,
-                          sample_own=sample_own)
-    start = time.monotonic()
-    cosmic_ray_target(runner, target, tests, deadline, sample, test_timeout, covered, result, skip_equivalent)
-    if not result.interrupted:
-        own_target(runner, target, tests, deadline, sample_own, test_timeout, covered, result, skip_equivalent)
-    if target in NEEDS_VLLM:
-        for m in result.mutants:
-            if m.outcome == "survived":
-                m.note = "untested: it runs only inside vLLM"
-    result.complete = not any(m.outcome == "not run" for m in result.mutants)
-    result.seconds = time.monotonic() - start
-    return result
+                  sample_own: int, test_timeout: float, covered: dict | None, skip_equivalent: bool = False,
+                  operators: str = "all") -> list[TargetResult]:
+    """A Python target's rows: cosmic-ray's mutants, then our own (own_target), as `operators` asks
+    ("all", "cosmic-ray", "own"). With `covered` (coverage_of), each mutant gets only the tests that
+    execute its statement (tests_for); without (a target in NEEDS_VLLM, or --all-tests), all its tests."""
+    rows = []
+    for generator in ("cosmic-ray", "own"):
+        if operators not in ("all", generator) or (rows and rows[-1].interrupted):
+            continue
+        result = TargetResult(target, tests, **run_stamp(), sample=sample if generator == "cosmic-ray" else sample_own,
+                              by_coverage=covered is not None, sample_own=sample_own, generator=generator)
+        start = time.monotonic()
+        run = cosmic_ray_target if generator == "cosmic-ray" else own_target
+        run(runner, target, tests, deadline, result.sample, test_timeout, covered, result, skip_equivalent)
+        if target in NEEDS_VLLM:
+            for m in result.mutants:
+                if m.outcome == "survived":
+                    m.note = "untested: it runs only inside vLLM"
+        result.complete = not any(m.outcome == "not run" for m in result.mutants)
+        result.seconds = time.monotonic() - start
+        rows.append(result)
+    return rows
 
 
 SKIPPED_EQUIVALENT = "listed equivalent, not run (--skip-equivalent)"
@@ -609,7 +629,7 @@ def sql_mutants(text: str) -> list[tuple[int, str, str, str]]:
 def sql_target(runner: ForkRunner, target: str, deadline: float, test_timeout: float) -> TargetResult:
     work = runner.work
     tests = tests_of(target)
-    result = TargetResult(target, tests, **run_stamp())
+    result = TargetResult(target, tests, **run_stamp(), generator="sql")
     start = time.monotonic()
     path = work / target
     original = path.read_text()
@@ -701,11 +721,10 @@ def markdown(results: list[TargetResult], equivalents: list[dict] | None = None)
         equivalent = sum(m.outcome == "survived" and equivalence(m, equivalents) is not None for m in r.mutants)
         ran = r.count("killed") + r.count("survived") + r.count("timeout") - equivalent
         score = f"{(r.count('killed') + r.count('timeout')) / ran:.0%}" if ran else "-"
-        out.append(f"| `{r.target}` | {r.num_mutants} | {r.count('killed')} | {r.count('survived') - equivalent} | "
+        out.append(f"| {r.label} | {r.num_mutants} | {r.count('killed')} | {r.count('survived') - equivalent} | "
                    f"{equivalent} | {r.count('timeout')} | {r.count('error')} | {r.count('not run')} | {score} | "
                    f"{r.seconds:.0f} s | {r.date or '?'} `{r.commit or '?'}`"
                    + (f", every {r.sample}th mutant" if r.sample > 1 else "")
-                   + (f", every {r.sample_own}th of our own operators'" if r.sample_own != r.sample else "")
                    + (", tests by coverage" if r.by_coverage else "") + " |")
     out.append("\nEach row is its target's last run (run: its date, UTC, and commit; `+changes`: with uncommitted "
                "changes; tests by coverage: each mutant ran the tests that execute its statement). Score: (killed + "
@@ -715,7 +734,7 @@ def markdown(results: list[TargetResult], equivalents: list[dict] | None = None)
     for r in results:
         survivors = [m for m in r.mutants if m.outcome == "survived"]
         if survivors:
-            out.append(f"\nSurvivors in `{r.target}` (tests: `{' '.join(r.tests)}`):\n")
+            out.append(f"\nSurvivors in {r.label} (tests: `{' '.join(r.tests)}`):\n")
             for m in survivors:
                 reason = equivalence(m, equivalents)
                 out.append(f"- line {m.line}, {m.operator}: `{_changed(m.diff)}`"
@@ -730,16 +749,19 @@ def family_table(results: list[TargetResult], equivalents: list[dict]) -> list[s
     run, less the equivalent ones); a row summarised before families were counted shows `?`."""
     names = list(dict.fromkeys(name for _, name in FAMILIES))
     cells: dict[str, dict[str, list[int]]] = {}          # target -> family -> [caught, run]
+    unknown: set[tuple[str, str]] = set()                # (target, family) of a row summarised before families
     for r in results:
         families = r.families()
         if not families:
+            unknown |= {(r.target, name) for name in GENERATOR_FAMILIES.get(r.generator, ())}
             continue
-        row = cells[r.target] = {}
+        row = cells.setdefault(r.target, {})
         for name, counts in families.items():
             equivalent = sum(m.outcome == "survived" and family(m.operator) == name
                              and equivalence(m, equivalents) is not None for m in r.mutants)
             caught = counts.get("killed", 0) + counts.get("timeout", 0)
-            row[name] = [caught, caught + counts.get("survived", 0) - equivalent]
+            before = row.get(name, [0, 0])
+            row[name] = [before[0] + caught, before[1] + caught + counts.get("survived", 0) - equivalent]
     total = {name: [sum(row.get(name, [0, 0])[i] for row in cells.values()) for i in (0, 1)] for name in names}
 
     def cell(value: list[int] | None) -> str:
@@ -749,10 +771,10 @@ def family_table(results: list[TargetResult], equivalents: list[dict]) -> list[s
            "our own (scripts/mutation_operators.py).\n",
            "| target | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names),
            "| all targets | " + " | ".join(cell(total[name]) for name in names) + " |"]
-    for r in results:
-        row = cells.get(r.target)
-        out.append(f"| `{r.target}` | " + " | ".join(cell(row.get(name)) if row is not None else "?" for name in names)
-                   + " |")
+    for target in dict.fromkeys(r.target for r in results):
+        row = cells.get(target)
+        out.append(f"| `{target}` | " + " | ".join("?" if (target, name) in unknown else cell((row or {}).get(name))
+                                                  for name in names) + " |")
     return out
 
 
@@ -764,7 +786,8 @@ def _row(r: dict) -> TargetResult:
     return TargetResult(r["target"], r["tests"], [Mutant(**m) for m in r["mutants"]], r["seconds"], r["complete"],
                         r.get("interrupted", False), r.get("date", ""), r.get("commit", ""), r.get("sample", 1),
                         r.get("by_coverage", False), r.get("counts") or {}, r.get("family_counts") or {},
-                        r.get("sample_own", r.get("sample", 1)))
+                        r.get("sample_own", r.get("sample", 1)),
+                        r.get("generator") or ("sql" if r["target"].endswith(".sql") else "cosmic-ray"))
 
 
 def load(out: Path) -> list[TargetResult]:
@@ -774,8 +797,8 @@ def load(out: Path) -> list[TargetResult]:
     detail = [_row(r) for r in json.loads(detail_path.read_text())] if detail_path.exists() else []
     if not summary_path.exists():
         return detail
-    same_run = {(r.target, r.date, r.commit): r for r in detail}
-    return [same_run.get((r.target, r.date, r.commit), r) for r in map(_row, json.loads(summary_path.read_text()))]
+    same_run = {(r.key, r.date, r.commit): r for r in detail}
+    return [same_run.get((r.key, r.date, r.commit), r) for r in map(_row, json.loads(summary_path.read_text()))]
 
 
 def summarised(r: TargetResult) -> dict:
@@ -794,10 +817,11 @@ def _diff_lines(diff: str) -> str:
 
 
 def merged(previous: list[TargetResult], results: list[TargetResult]) -> list[TargetResult]:
-    """The previous rows with those of the targets in `results` replaced (in place; new targets last)."""
-    fresh = {r.target: r for r in results}
-    kept = [fresh.pop(r.target, r) for r in previous]
-    return kept + [r for r in results if r.target in fresh]
+    """The previous rows with those of the targets (and operators) in `results` replaced (in place; new
+    ones last)."""
+    fresh = {r.key: r for r in results}
+    kept = [fresh.pop(r.key, r) for r in previous]
+    return kept + [r for r in results if r.key in fresh]
 
 
 def write(out: Path, results: list[TargetResult]) -> None:
@@ -843,6 +867,8 @@ def main() -> int:
     parser.add_argument("--test-timeout", type=float, default=None,
                         help="seconds before a mutant counts as a timeout (default: 6x the unmutated run, at least "
                              "30; given, a target measured by coverage skips the unmutated run)")
+    parser.add_argument("--operators", choices=("all", "cosmic-ray", "own"), default="all",
+                        help="the Python targets' operators to run: each has its own row, which a run of them replaces")
     parser.add_argument("--skip-equivalent", action="store_true",
                         help="do not run the mutants listed in equivalent.json (they survive, noted as not run): "
                              "a listed one runs all its tests, minutes each on a loaded machine")
@@ -914,9 +940,11 @@ def main() -> int:
                 sample_own = sample_for(name, args.sample_own, sample, sample)
                 covered = None if not by_coverage or past_budget else coverage_of(
                     runner, name, tests, [n for n in names if n in TARGETS], coverage_cache)
-                results.append(python_target(runner, name, tests, deadline, sample, sample_own, timeout, covered,
-                                             args.skip_equivalent))
-                print(markdown(results[-1:]).splitlines()[2], flush=True)
+                rows = python_target(runner, name, tests, deadline, sample, sample_own, timeout, covered,
+                                     args.skip_equivalent, args.operators)
+                results.extend(rows)
+                for line in markdown(rows).splitlines()[2:2 + len(rows)]:
+                    print(line, flush=True)
                 write(args.out, results)
                 if results[-1].interrupted:
                     raise SystemExit(143)
