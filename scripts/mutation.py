@@ -746,7 +746,8 @@ def markdown(results: list[TargetResult], equivalents: list[dict] | None = None)
 
 def family_table(results: list[TargetResult], equivalents: list[dict]) -> list[str]:
     """The score per operator family, over all targets and per target: `score of N` (N: the mutants
-    run, less the equivalent ones); a row summarised before families were counted shows `?`."""
+    run, less the equivalent ones); a row summarised before families were counted shows `?` (and the
+    total over all targets `+ ?`)."""
     names = list(dict.fromkeys(name for _, name in FAMILIES))
     cells: dict[str, dict[str, list[int]]] = {}          # target -> family -> [caught, run]
     unknown: set[tuple[str, str]] = set()                # (target, family) of a row summarised before families
@@ -770,7 +771,8 @@ def family_table(results: list[TargetResult], equivalents: list[dict]) -> list[s
            "cosmic-ray's comparison, arithmetic, number, boolean and loop/flow, the SQL mutants' aggregate, and "
            "our own (scripts/mutation_operators.py).\n",
            "| target | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names),
-           "| all targets | " + " | ".join(cell(total[name]) for name in names) + " |"]
+           "| all targets | " + " | ".join(cell(total[name]) + (" + ?" if any(f == name for _, f in unknown) else "")
+                                           for name in names) + " |"]
     for target in dict.fromkeys(r.target for r in results):
         row = cells.get(target)
         out.append(f"| `{target}` | " + " | ".join("?" if (target, name) in unknown else cell((row or {}).get(name))
