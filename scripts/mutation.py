@@ -12,9 +12,11 @@ the results give the score of each family, so a new blind spot shows itself.
 
 Everything runs in a scratch copy of the work tree (git's tracked and unignored files), so the
 checkout is never touched. The run has a time budget: a target that does not finish is reported
-with what was covered. Results: a JSON file and a Markdown table (survivors listed with their diff),
-written again after each target. The files keep one row per target: a run (--only) replaces the rows
-of the targets it ran and keeps the others' last results, each row with the date and commit of its run.
+with what was covered, and nothing starts past it (a target reached late lists its mutants as not
+run). Results: a JSON file and a Markdown table (survivors listed with their diff; the score per
+operator family), written again after each target. The files keep one row per target and operator set
+(a Python target's cosmic-ray row and its own-operators row): a run (--only, --operators) replaces the
+rows it ran and keeps the others' last results, each row with the date and commit of its run.
 
 Each mutant's tests run in a child forked from this process, which has already imported the heavy
 third-party modules (torch, duckdb, pyarrow, pytest, ...) but nothing of the project: the child
