@@ -3,14 +3,20 @@ the tests fails. Run it (scripts/mutation.sh) before calling a change to these f
 
 Python targets go through cosmic-ray (8.x) with the operators that make realistic bugs (boundary and
 negated comparisons, + and -, * and /, numbers off by one, not, and/or, True/False, loops that
-never run, break/continue). analyses/_*.sql get mutants of our own: comparison operators flipped,
-min/max and sum/avg swapped, AND/OR swapped, + and - swapped, one at a time.
+never run, break/continue), and then through the operators of our own that make the bugs cosmic-ray
+cannot (scripts/mutation_operators.py: an attribute, name or call result replaced by a constant, a
+term of and/or dropped, a statement deleted, two arguments swapped, an index off by one).
+analyses/_*.sql get mutants of our own: comparison operators flipped, min/max and sum/avg swapped,
+AND/OR swapped, + and - swapped, one at a time. Every operator belongs to a family (FAMILIES), and
+the results give the score of each family, so a new blind spot shows itself.
 
 Everything runs in a scratch copy of the work tree (git's tracked and unignored files), so the
 checkout is never touched. The run has a time budget: a target that does not finish is reported
-with what was covered. Results: a JSON file and a Markdown table (survivors listed with their diff),
-written again after each target. The files keep one row per target: a run (--only) replaces the rows
-of the targets it ran and keeps the others' last results, each row with the date and commit of its run.
+with what was covered, and nothing starts past it (a Python target reached late keeps its last rows;
+a SQL file's mutants are listed as not run). Results: a JSON file and a Markdown table (survivors listed with their diff; the score per
+operator family), written again after each target. The files keep one row per target and operator set
+(a Python target's cosmic-ray row and its own-operators row): a run (--only, --operators) replaces the
+rows it ran and keeps the others' last results, each row with the date and commit of its run.
 
 Each mutant's tests run in a child forked from this process, which has already imported the heavy
 third-party modules (torch, duckdb, pyarrow, pytest, ...) but nothing of the project: the child
@@ -30,7 +36,11 @@ fixture that does), in their usual order. A test that never runs the mutated sta
 did, so it cannot kill the mutant: the selection changes no outcome, only the time. A statement outside
 any function (run at import) gets all the tests; a mutant that no test reaches survives without a run.
 
-    python scripts/mutation.py [--budget-min 30] [--only NAME ...] [--sample K] [--out DIR]
+The vLLM capture's scheduler (kvtrace/vllm/capture/scheduler.py) imports vLLM: outside vLLM's venv
+no test can run it, and its tests that need no vLLM read its source (the trace vocabulary), so its
+mutants run all those tests, and a survivor there is untested rather than equivalent (NEEDS_VLLM).
+
+    python scripts/mutation.py [--budget-min 30] [--only NAME ...] [--sample K] [--sample-own K] [--out DIR]
 """
 from __future__ import annotations
 
@@ -52,6 +62,9 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mutation_operators  # noqa: E402 - beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider"]
 PYTEST = [sys.executable, "-m", "pytest", *PYTEST_ARGS]
@@ -71,7 +84,11 @@ TARGETS: dict[str, list[str]] = {
     "engine/scheduler.py": ["tests/engine"],
     "engine/block_manager.py": ["tests/engine"],
     "engine/llm_engine.py": ["tests/engine"],
+    "kvtrace/vllm/capture/scheduler.py": ["tests/vllm"],   # without vLLM: the tests that read its source
 }
+# targets only vLLM's Python can import: no test runs their statements here, so every mutant gets all
+# the target's tests (those that read its source), and a survivor is marked as untested
+NEEDS_VLLM = {"kvtrace/vllm/capture/scheduler.py"}
 SQL_FOLDERS = ["tests/analysis"]                                 # every analyses/_*.sql
 
 
@@ -82,6 +99,28 @@ def tests_of(target: str) -> list[str]:
 
 
 EQUIVALENT = ROOT / "benchmarks" / "mutation" / "equivalent.json"
+
+# each operator's family: cosmic-ray's, the SQL mutants' and our own (mutation_operators.FAMILIES)
+FAMILIES = [  # (operator name pattern, family), the first match wins
+    (r"ReplaceComparisonOperator_|(LtE_Lt|Lt_LtE|GtE_Gt|Gt_GtE|Eq_NotEq|NotEq_Eq)$", "comparison"),
+    (r"ReplaceBinaryOperator_|(Add_Sub|Sub_Add)$", "arithmetic"),
+    (r"NumberReplacer$", "number"),
+    (r"AddNot$|ReplaceTrueWithFalse$|ReplaceFalseWithTrue$|ReplaceAndWithOr$|ReplaceOrWithAnd$|(And_Or|Or_And)$",
+     "boolean"),
+    (r"ZeroIterationForLoop$|ReplaceBreakWithContinue$|ReplaceContinueWithBreak$", "loop/flow"),
+    (r"(min_max|max_min|sum_avg|avg_sum)$", "aggregate"),
+    *((f"{prefix}(_|$)", name) for prefix, name in mutation_operators.FAMILIES.items()),
+]
+
+
+GENERATOR_FAMILIES = {"cosmic-ray": ("comparison", "arithmetic", "number", "boolean", "loop/flow"),
+                      "sql": ("comparison", "arithmetic", "boolean", "aggregate"),
+                      "own": tuple(mutation_operators.FAMILIES.values())}
+
+
+def family(operator: str) -> str:
+    return next((name for pattern, name in FAMILIES if re.match(pattern, operator)), "other")
+
 
 KEEP_OPERATORS = [
     r"core/ReplaceComparisonOperator_(Lt_LtE|LtE_Lt|Gt_GtE|GtE_Gt|Eq_NotEq|NotEq_Eq|Is_IsNot|IsNot_Is"
@@ -119,6 +158,19 @@ class TargetResult:
     # outcome -> number of mutants, for a row read from summary.json, whose `mutants` lists only the
     # survivors and timeouts (empty: `mutants` lists every mutant)
     counts: dict[str, int] = field(default_factory=dict)
+    family_counts: dict[str, dict[str, int]] = field(default_factory=dict)   # the same, per operator family
+    sample_own: int = 1     # the sample of our own operators' mutants
+    # which operators made the row's mutants: a Python target has a row for cosmic-ray's ("cosmic-ray") and
+    # one for ours ("own"), each replaced by the next run of its operators; a SQL target's row: "sql"
+    generator: str = "cosmic-ray"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.target, self.generator
+
+    @property
+    def label(self) -> str:
+        return f"`{self.target}`" + (" (own operators)" if self.generator == "own" else "")
 
     def count(self, outcome: str) -> int:
         if self.counts:
@@ -128,6 +180,16 @@ class TargetResult:
     @property
     def num_mutants(self) -> int:
         return sum(self.counts.values()) if self.counts else len(self.mutants)
+
+    def families(self) -> dict[str, dict[str, int]]:
+        """Operator family -> outcome -> number of mutants ({} for a row summarised before families)."""
+        if self.counts:
+            return self.family_counts
+        out: dict[str, dict[str, int]] = {}
+        for m in self.mutants:
+            counts = out.setdefault(family(m.operator), dict.fromkeys(OUTCOMES, 0))
+            counts[m.outcome] += 1
+        return out
 
 
 # ---------------------------------------------------------------- the scratch copy
@@ -174,11 +236,11 @@ class ForkRunner:
             "the runner must not import the project: the children import the mutated copy"
 
     def run(self, tests: list[str], timeout: float, fresh: str | None = None,
-            coverage_of: tuple[str, Path] | None = None) -> str:
+            coverage_of: tuple[list[str], Path] | None = None) -> str:
         """'killed' if the tests fail, 'survived' if they pass, 'timeout' past the limit. `fresh`: a
         module path whose cached bytecode is dropped first (the mutated file), and no bytecode is
         written by the child (a mutant and the original can share size and mtime second).
-        `coverage_of` (target, path): measure which tests run which of the target's lines, into path
+        `coverage_of` (targets, path): measure which tests run which of the targets' lines, into path
         (see measure_coverage)."""
         if fresh:
             for pyc in (self.work / fresh).parent.glob(f"__pycache__/{Path(fresh).stem}.*.pyc"):
@@ -199,7 +261,7 @@ class ForkRunner:
                 os.environ["KVTRACE_STRICT_SKIPS"] = "0"    # a test this machine cannot run is not a kill
                 import pytest
                 if coverage_of:
-                    code = measure_coverage(tests, self.work / coverage_of[0], coverage_of[1])
+                    code = measure_coverage(tests, {t: self.work / t for t in coverage_of[0]}, coverage_of[1])
                 else:
                     code = int(pytest.main([*PYTEST_ARGS, *tests]))
             except BaseException:                      # noqa: BLE001 - report and exit, whatever it was
@@ -249,10 +311,11 @@ class ForkRunner:
 
 # ---------------------------------------------------------------- which tests run which lines
 
-def measure_coverage(tests: list[str], source: Path, out: Path) -> int:
-    """Run the tests (in the forked child) with coverage of `source` only, each test in a context of
-    its own ("t:" node id) and each fixture's set-up in one named for the fixture ("f:" name: a module
-    fixture's work belongs to every test that uses it, not only to the first). Writes {"tests": node
+def measure_coverage(tests: list[str], sources: dict[str, Path], out: Path) -> int:
+    """Run the tests (in the forked child) with coverage of the `sources` only (targets that share
+    these tests: one run for all), each test in a context of its own ("t:" node id) and each
+    fixture's set-up in one named for the fixture ("f:" name: a module fixture's work belongs to
+    every test that uses it, not only to the first). Writes, for each source's name, {"tests": node
     ids in the order they ran, "fixtures": {node id: fixture names}, "lines": {line: contexts}}; lines
     run outside any test (at import or collection) have the context ""."""
     import coverage
@@ -277,20 +340,22 @@ def measure_coverage(tests: list[str], source: Path, out: Path) -> int:
             yield
             cov.switch_context("t:" + outer.nodeid if isinstance(outer, pytest.Item) else "")
 
-    cov = coverage.Coverage(data_file=None, include=[str(source)], branch=False)
+    cov = coverage.Coverage(data_file=None, include=[str(p) for p in sources.values()], branch=False)
     cov.start()
     try:
         code = int(pytest.main([*PYTEST_ARGS, *tests], plugins=[Contexts()]))
     finally:
         cov.stop()
     data = cov.get_data()
-    lines: dict[int, set[str]] = {}
-    for measured in data.measured_files():
-        if Path(measured).resolve() == source.resolve():
-            for line, contexts in data.contexts_by_lineno(measured).items():
-                lines.setdefault(line, set()).update(contexts)
-    out.write_text(json.dumps({"tests": tests_run, "fixtures": fixtures,
-                               "lines": {str(k): sorted(v) for k, v in lines.items()}}))
+    found: dict[str, dict] = {}
+    for name, source in sources.items():
+        lines: dict[int, set[str]] = {}
+        for measured in data.measured_files():
+            if Path(measured).resolve() == source.resolve():
+                for line, contexts in data.contexts_by_lineno(measured).items():
+                    lines.setdefault(line, set()).update(contexts)
+        found[name] = {"tests": tests_run, "fixtures": fixtures, "lines": {str(k): sorted(v) for k, v in lines.items()}}
+    out.write_text(json.dumps(found))
     return code
 
 
@@ -334,26 +399,73 @@ def tests_for(span: tuple[int, int] | None, covered: dict) -> list[str] | None:
 
 # ---------------------------------------------------------------- Python targets (cosmic-ray)
 
+def coverage_of(runner: ForkRunner, target: str, tests: list[str], targets: list[str], cache: dict) -> dict:
+    """Which tests run which lines of the target: measured once for all the `targets` that share its
+    tests (the first of them to ask pays for the run), kept in `cache`."""
+    key = tuple(tests)
+    if key not in cache:
+        start = time.monotonic()
+        sharing = [t for t in targets if t not in NEEDS_VLLM and tests_of(t) == tests]
+        covered_path = runner.work / ".mutation-coverage.json"
+        if runner.run(tests, 1800, coverage_of=(sharing, covered_path)) != "survived":
+            raise SystemExit(f"{target}: the tests fail under coverage:\n{runner.output()}")
+        cache[key] = json.loads(covered_path.read_text())
+        for name, covered in cache[key].items():
+            print(f"  {name}: {len(covered['tests'])} tests, {len(covered['lines'])} lines covered "
+                  f"({time.monotonic() - start:.0f} s)", flush=True)
+    return cache[key][target]
+
+
+def python_target(runner: ForkRunner, target: str, tests: list[str], deadline: float, sample: int,
+                  sample_own: int, test_timeout: float, covered: dict | None, skip_equivalent: bool = False,
+                  operators: str = "all") -> list[TargetResult]:
+    """A Python target's rows: cosmic-ray's mutants, then our own (own_target), as `operators` asks
+    ("all", "cosmic-ray", "own"). With `covered` (coverage_of), each mutant gets only the tests that
+    execute its statement (tests_for); without (a target in NEEDS_VLLM, or --all-tests), all its tests."""
+    rows = []
+    for generator in ("cosmic-ray", "own"):
+        if operators not in ("all", generator) or (rows and rows[-1].interrupted):
+            continue
+        result = TargetResult(target, tests, **run_stamp(), sample=sample if generator == "cosmic-ray" else sample_own,
+                              by_coverage=covered is not None, sample_own=sample_own, generator=generator)
+        start = time.monotonic()
+        run = cosmic_ray_target if generator == "cosmic-ray" else own_target
+        run(runner, target, tests, deadline, result.sample, test_timeout, covered, result, skip_equivalent)
+        if target in NEEDS_VLLM:
+            for m in result.mutants:
+                if m.outcome == "survived":
+                    m.note = "untested: it runs only inside vLLM"
+        result.complete = not any(m.outcome == "not run" for m in result.mutants)
+        result.seconds = time.monotonic() - start
+        rows.append(result)
+    return rows
+
+
+SKIPPED_EQUIVALENT = "listed equivalent, not run (--skip-equivalent)"
+
+
+def listed_equivalent(target: str, original: str, mutated: str) -> bool:
+    """Whether the mutant (the target's text before and after) is listed in equivalent.json."""
+    import difflib
+    diff = list(difflib.unified_diff(original.splitlines(), mutated.splitlines(), lineterm="", n=0))
+    hunks = [ln for ln in diff if ln.startswith("@@")]
+    if len(hunks) != 1:
+        return False
+    line = int(re.match(r"@@ -(\d+)", hunks[0]).group(1))
+    return equivalence(Mutant(target, line, "", "survived", "\n".join(diff)), load_equivalents()) is not None
+
+
 def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadline: float, sample: int,
-                      test_timeout: float, by_coverage: bool = True) -> TargetResult:
+                      test_timeout: float, covered: dict | None, result: TargetResult,
+                      skip_equivalent: bool = False) -> None:
     """cosmic-ray makes and applies the mutants (init, operator filter, mutate_and_test); the tests
-    of each run in a forked child (ForkRunner) instead of a fresh interpreter: with `by_coverage`,
-    only the tests that execute the mutated statement (measure_coverage, tests_for)."""
+    of each run in a forked child (ForkRunner) instead of a fresh interpreter: with `covered`, only
+    the tests that execute the mutated statement. The mutants are added to `result`."""
     from cosmic_ray import mutating
     from cosmic_ray.work_db import use_db
     from cosmic_ray.work_item import TestOutcome
 
     work = runner.work
-    result = TargetResult(target, tests, **run_stamp(), sample=sample, by_coverage=by_coverage)
-    start = time.monotonic()
-    covered = None
-    if by_coverage:
-        covered_path = work / ".mutation-coverage.json"
-        if runner.run(tests, 1800, coverage_of=(target, covered_path)) != "survived":
-            raise SystemExit(f"{target}: the tests fail under coverage:\n{runner.output()}")
-        covered = json.loads(covered_path.read_text())
-        print(f"  {target}: {len(covered['tests'])} tests, {len(covered['lines'])} lines covered "
-              f"({time.monotonic() - start:.0f} s)", flush=True)
     source = (work / target).read_text()
     chosen: list[str] | None = None                    # the current mutant's tests (None: all of them)
     session = work / f".mutation-{target.replace('/', '_')}.sqlite"
@@ -377,6 +489,8 @@ def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadlin
     def run_tests(_command, timeout):
         if chosen == []:
             return TestOutcome.SURVIVED, "[no test runs this line]"
+        if skip_equivalent and listed_equivalent(target, source, (work / target).read_text()):
+            return TestOutcome.SURVIVED, "[listed equivalent]"
         outcome = runner.run(tests if chosen is None else chosen, timeout, fresh=target)
         return {"killed": TestOutcome.KILLED, "survived": TestOutcome.SURVIVED,
                 "timeout": TestOutcome.KILLED}[outcome], f"[{outcome}]\n{runner.output()}"
@@ -423,12 +537,45 @@ def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadlin
         else:
             state = {"killed": "killed", "survived": "survived"}.get(outcome["test_outcome"], "error")
         diff = (outcome or {}).get("diff") or ""
-        note = "no test runs this line" if (outcome or {}).get("output") == "[no test runs this line]" else ""
+        note = {"[no test runs this line]": "no test runs this line",
+                "[listed equivalent]": SKIPPED_EQUIVALENT}.get((outcome or {}).get("output"), "")
         result.mutants.append(Mutant(target, mutation["start_pos"][0], mutation["operator_name"].removeprefix("core/"),
                                      state, diff, note=note))
-    result.complete = not any(m.outcome == "not run" for m in result.mutants)
-    result.seconds = time.monotonic() - start
-    return result
+
+
+def own_target(runner: ForkRunner, target: str, tests: list[str], deadline: float, sample: int,
+               test_timeout: float, covered: dict | None, result: TargetResult, skip_equivalent: bool = False) -> None:
+    """Our own operators' mutants (mutation_operators), every `sample`-th in file order, each planted
+    in the scratch copy and run like cosmic-ray's: the same tests by coverage, timeout and outcomes."""
+    path = runner.work / target
+    original = path.read_text()
+    chosen_mutants = mutation_operators.mutants(original)[::sample]
+    try:
+        for n, (line, operator, mutated, diff) in enumerate(chosen_mutants, start=1):
+            if time.monotonic() >= deadline:
+                result.mutants.append(Mutant(target, line, operator, "not run", diff))
+                continue
+            chosen = None if covered is None else tests_for(statement_span(original, line), covered)
+            if chosen == []:
+                result.mutants.append(Mutant(target, line, operator, "survived", diff, note="no test runs this line"))
+                state = "survived"
+            elif skip_equivalent and equivalence(Mutant(target, line, operator, "survived", diff),
+                                                 load_equivalents()) is not None:
+                result.mutants.append(Mutant(target, line, operator, "survived", diff, note=SKIPPED_EQUIVALENT))
+                state = "survived"
+            else:
+                path.write_text(mutated)
+                try:
+                    state = runner.run(tests if chosen is None else chosen, test_timeout, fresh=target)
+                except (KeyboardInterrupt, SystemExit):     # stopped: keep what was covered
+                    result.interrupted = True
+                    break
+                result.mutants.append(Mutant(target, line, operator, state, diff))
+            ran = "all tests" if chosen is None else f"{len(chosen)} tests"
+            print(f"  {target}:{line} {operator} [{n}/{len(chosen_mutants)}] {state} ({ran})"
+                  + (f"  {_changed(diff)}" if state == "survived" else ""), flush=True)
+    finally:
+        path.write_text(original)
 
 
 def _changed(diff: str) -> str:
@@ -484,7 +631,7 @@ def sql_mutants(text: str) -> list[tuple[int, str, str, str]]:
 def sql_target(runner: ForkRunner, target: str, deadline: float, test_timeout: float) -> TargetResult:
     work = runner.work
     tests = tests_of(target)
-    result = TargetResult(target, tests, **run_stamp())
+    result = TargetResult(target, tests, **run_stamp(), generator="sql")
     start = time.monotonic()
     path = work / target
     original = path.read_text()
@@ -576,7 +723,7 @@ def markdown(results: list[TargetResult], equivalents: list[dict] | None = None)
         equivalent = sum(m.outcome == "survived" and equivalence(m, equivalents) is not None for m in r.mutants)
         ran = r.count("killed") + r.count("survived") + r.count("timeout") - equivalent
         score = f"{(r.count('killed') + r.count('timeout')) / ran:.0%}" if ran else "-"
-        out.append(f"| `{r.target}` | {r.num_mutants} | {r.count('killed')} | {r.count('survived') - equivalent} | "
+        out.append(f"| {r.label} | {r.num_mutants} | {r.count('killed')} | {r.count('survived') - equivalent} | "
                    f"{equivalent} | {r.count('timeout')} | {r.count('error')} | {r.count('not run')} | {score} | "
                    f"{r.seconds:.0f} s | {r.date or '?'} `{r.commit or '?'}`"
                    + (f", every {r.sample}th mutant" if r.sample > 1 else "")
@@ -585,10 +732,11 @@ def markdown(results: list[TargetResult], equivalents: list[dict] | None = None)
                "changes; tests by coverage: each mutant ran the tests that execute its statement). Score: (killed + "
                "timeout) / (mutants run - equivalent). Equivalent survivors: "
                f"{EQUIVALENT.relative_to(ROOT)}.\n")
+    out.extend(family_table(results, equivalents))
     for r in results:
         survivors = [m for m in r.mutants if m.outcome == "survived"]
         if survivors:
-            out.append(f"\nSurvivors in `{r.target}` (tests: `{' '.join(r.tests)}`):\n")
+            out.append(f"\nSurvivors in {r.label} (tests: `{' '.join(r.tests)}`):\n")
             for m in survivors:
                 reason = equivalence(m, equivalents)
                 out.append(f"- line {m.line}, {m.operator}: `{_changed(m.diff)}`"
@@ -598,6 +746,42 @@ def markdown(results: list[TargetResult], equivalents: list[dict] | None = None)
     return "\n".join(out) + "\n"
 
 
+def family_table(results: list[TargetResult], equivalents: list[dict]) -> list[str]:
+    """The score per operator family, over all targets and per target: `score of N` (N: the mutants
+    run, less the equivalent ones); a row summarised before families were counted shows `?` (and the
+    total over all targets `+ ?`)."""
+    names = list(dict.fromkeys(name for _, name in FAMILIES))
+    cells: dict[str, dict[str, list[int]]] = {}          # target -> family -> [caught, run]
+    unknown: set[tuple[str, str]] = set()                # (target, family) of a row summarised before families
+    for r in results:
+        families = r.families()
+        if not families:
+            unknown |= {(r.target, name) for name in GENERATOR_FAMILIES.get(r.generator, ())}
+            continue
+        row = cells.setdefault(r.target, {})
+        for name, counts in families.items():
+            equivalent = sum(m.outcome == "survived" and family(m.operator) == name
+                             and equivalence(m, equivalents) is not None for m in r.mutants)
+            caught = counts.get("killed", 0) + counts.get("timeout", 0)
+            before = row.get(name, [0, 0])
+            row[name] = [before[0] + caught, before[1] + caught + counts.get("survived", 0) - equivalent]
+    total = {name: [sum(row.get(name, [0, 0])[i] for row in cells.values()) for i in (0, 1)] for name in names}
+
+    def cell(value: list[int] | None) -> str:
+        return f"{value[0] / value[1]:.0%} of {value[1]}" if value and value[1] else "-"
+    out = ["\nScore per operator family ((killed + timeout) / (mutants run - equivalent), of how many): "
+           "cosmic-ray's comparison, arithmetic, number, boolean and loop/flow, the SQL mutants' aggregate, and "
+           "our own (scripts/mutation_operators.py).\n",
+           "| target | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names),
+           "| all targets | " + " | ".join(cell(total[name]) + (" + ?" if any(f == name for _, f in unknown) else "")
+                                           for name in names) + " |"]
+    for target in dict.fromkeys(r.target for r in results):
+        row = cells.get(target)
+        out.append(f"| `{target}` | " + " | ".join("?" if (target, name) in unknown else cell((row or {}).get(name))
+                                                  for name in names) + " |")
+    return out
+
+
 OUTCOMES = ("killed", "survived", "timeout", "error", "not run")
 LISTED = ("survived", "timeout")   # the mutants summary.json lists one by one (--report-only, --recheck); the rest are counted
 
@@ -605,7 +789,9 @@ LISTED = ("survived", "timeout")   # the mutants summary.json lists one by one (
 def _row(r: dict) -> TargetResult:
     return TargetResult(r["target"], r["tests"], [Mutant(**m) for m in r["mutants"]], r["seconds"], r["complete"],
                         r.get("interrupted", False), r.get("date", ""), r.get("commit", ""), r.get("sample", 1),
-                        r.get("by_coverage", False), r.get("counts") or {})
+                        r.get("by_coverage", False), r.get("counts") or {}, r.get("family_counts") or {},
+                        r.get("sample_own", r.get("sample", 1)),
+                        r.get("generator") or ("sql" if r["target"].endswith(".sql") else "cosmic-ray"))
 
 
 def load(out: Path) -> list[TargetResult]:
@@ -615,8 +801,8 @@ def load(out: Path) -> list[TargetResult]:
     detail = [_row(r) for r in json.loads(detail_path.read_text())] if detail_path.exists() else []
     if not summary_path.exists():
         return detail
-    same_run = {(r.target, r.date, r.commit): r for r in detail}
-    return [same_run.get((r.target, r.date, r.commit), r) for r in map(_row, json.loads(summary_path.read_text()))]
+    same_run = {(r.key, r.date, r.commit): r for r in detail}
+    return [same_run.get((r.key, r.date, r.commit), r) for r in map(_row, json.loads(summary_path.read_text()))]
 
 
 def summarised(r: TargetResult) -> dict:
@@ -624,6 +810,7 @@ def summarised(r: TargetResult) -> dict:
     (their diffs cut to the changed lines)."""
     row = asdict(r)
     row["counts"] = {outcome: r.count(outcome) for outcome in OUTCOMES}
+    row["family_counts"] = r.families()
     row["mutants"] = [{**asdict(m), "diff": _diff_lines(m.diff)} for m in r.mutants if m.outcome in LISTED]
     return row
 
@@ -634,10 +821,11 @@ def _diff_lines(diff: str) -> str:
 
 
 def merged(previous: list[TargetResult], results: list[TargetResult]) -> list[TargetResult]:
-    """The previous rows with those of the targets in `results` replaced (in place; new targets last)."""
-    fresh = {r.target: r for r in results}
-    kept = [fresh.pop(r.target, r) for r in previous]
-    return kept + [r for r in results if r.target in fresh]
+    """The previous rows with those of the targets (and operators) in `results` replaced (in place; new
+    ones last)."""
+    fresh = {r.key: r for r in results}
+    kept = [fresh.pop(r.key, r) for r in previous]
+    return kept + [r for r in results if r.key in fresh]
 
 
 def write(out: Path, results: list[TargetResult]) -> None:
@@ -652,6 +840,22 @@ def write(out: Path, results: list[TargetResult]) -> None:
     (out / "results.md").write_text(markdown(results))
 
 
+def sample_for(target: str, entries: list[str] | None, k: int, otherwise: int) -> int:
+    """The sample of a target from --sample-of / --sample-own entries: TARGET=K for that target, a
+    bare K for every target; a bare target name takes `k`; no entries: `k` for all; unnamed: `otherwise`."""
+    if entries is None:
+        return k
+    for entry in entries:
+        name, _, value = entry.rpartition("=")
+        if name == target:
+            return int(value)
+        if not name and value.isdigit():
+            otherwise = int(value)
+        elif not name and value == target:
+            return k
+    return otherwise
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-min", type=float, default=60.0, help="stop starting mutants after this")
@@ -659,9 +863,22 @@ def main() -> int:
                         "analyses/_NAME.sql, or 'sql' for every analyses/_*.sql")
     parser.add_argument("--sample", type=int, default=1, help="run every K-th mutant of the Python targets")
     parser.add_argument("--sample-of", nargs="*", default=None,
-                        help="the Python targets --sample applies to (default: all of them)")
+                        help="the Python targets --sample applies to (default: all of them); TARGET=K: that "
+                             "target's own K")
+    parser.add_argument("--sample-own", nargs="*", default=None,
+                        help="run every K-th mutant of our own operators (K, or TARGET=K for one target; "
+                             "default: the target's --sample)")
     parser.add_argument("--test-timeout", type=float, default=None,
-                        help="seconds before a mutant counts as a timeout (default: 6x the unmutated run, at least 30)")
+                        help="seconds before a mutant counts as a timeout (default: 6x the unmutated run, at least "
+                             "30; given, a target measured by coverage skips the unmutated run)")
+    parser.add_argument("--operators", choices=("all", "cosmic-ray", "own"), default="all",
+                        help="the Python targets' operators to run: each has its own row, which a run of them replaces")
+    parser.add_argument("--skip-equivalent", action="store_true",
+                        help="do not run the mutants listed in equivalent.json (they survive, noted as not run): "
+                             "a listed one runs all its tests, minutes each on a loaded machine")
+    parser.add_argument("--coverage-from", type=Path, default=None,
+                        help="a .mutation-coverage.json kept from an earlier run of the same code and tests: "
+                             "its targets skip the coverage run")
     parser.add_argument("--all-tests", action="store_true",
                         help="run every mutant against all its target's tests, not only those that execute it")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "mutation")
@@ -687,6 +904,11 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # clean up (restore, write results) when stopped
     deadline = time.monotonic() + args.budget_min * 60
     names = args.only or [*TARGETS, "sql"]
+    unmutated: dict[tuple, float] = {}                 # the tests' unmutated time, by test selection
+    coverage_cache: dict[tuple, dict] = {}
+    if args.coverage_from:                             # a coverage run kept from before (same code and tests)
+        kept = json.loads(args.coverage_from.read_text())
+        coverage_cache[tuple(tests_of(next(iter(kept))))] = kept
     _copied_commit()                                   # the commit the scratch copy is made from
     work = scratch_copy()
     runner = ForkRunner(work, work / ".mutation-test.log")
@@ -695,13 +917,25 @@ def main() -> int:
         runner.check_reads_the_copy()
         for name in names:
             tests = tests_of(name)
-            began = time.monotonic()
-            if runner.run(tests, 600) != "survived":
-                print(f"{name}: the tests fail without any mutant: fix them first\n{runner.output()}", file=sys.stderr)
-                return 2
-            timeout = args.test_timeout or max(30.0, 6 * (time.monotonic() - began))
-            print(f"{name}: unmutated tests {time.monotonic() - began:.1f} s; a mutant's limit {timeout:.0f} s",
-                  flush=True)
+            past_budget = time.monotonic() >= deadline
+            if past_budget and name in TARGETS:            # nothing more runs: its last rows stay as they are
+                print(f"{name}: past the budget, not run (its last rows are kept)", flush=True)
+                continue
+            by_coverage = name in TARGETS and name not in NEEDS_VLLM and not args.all_tests
+            # with --test-timeout, the coverage run is the check that the tests pass unmutated
+            needed = not (args.test_timeout and by_coverage)
+            if tuple(tests) not in unmutated and not past_budget and needed:  # targets sharing tests share it
+                began = time.monotonic()
+                if runner.run(tests, 600) != "survived":
+                    print(f"{name}: the tests fail without any mutant: fix them first\n{runner.output()}",
+                          file=sys.stderr)
+                    return 2
+                unmutated[tuple(tests)] = time.monotonic() - began
+            seconds = unmutated.get(tuple(tests), 0.0)
+            timeout = args.test_timeout or max(30.0, 6 * seconds)
+            print(f"{name}: unmutated tests {seconds:.1f} s; a mutant's limit {timeout:.0f} s" if needed else
+                  f"{name}: a mutant's limit {timeout:.0f} s (the tests pass unmutated: checked under coverage)"
+                  + (" (past the budget: nothing runs)" if past_budget else ""), flush=True)
             if name == "sql" or name.endswith(".sql"):
                 files = sorted((work / "analyses").glob("_*.sql")) if name == "sql" else [work / name]
                 for sql in files:
@@ -709,10 +943,15 @@ def main() -> int:
                     print(markdown(results[-1:]).splitlines()[2], flush=True)
                     write(args.out, results)
             else:
-                sample = args.sample if args.sample_of is None or name in args.sample_of else 1
-                results.append(cosmic_ray_target(runner, name, tests, deadline, sample, timeout,
-                                                 by_coverage=not args.all_tests))
-                print(markdown(results[-1:]).splitlines()[2], flush=True)
+                sample = sample_for(name, args.sample_of, args.sample, 1)
+                sample_own = sample_for(name, args.sample_own, sample, sample)
+                covered = None if not by_coverage or past_budget else coverage_of(
+                    runner, name, tests, [n for n in names if n in TARGETS], coverage_cache)
+                rows = python_target(runner, name, tests, deadline, sample, sample_own, timeout, covered,
+                                     args.skip_equivalent, args.operators)
+                results.extend(rows)
+                for line in markdown(rows).splitlines()[2:2 + len(rows)]:
+                    print(line, flush=True)
                 write(args.out, results)
                 if results[-1].interrupted:
                     raise SystemExit(143)

@@ -1,11 +1,14 @@
 """The scheduler's running pass and swap-in pass (engine/scheduler.py, its first part): the budget's
-last tokens, samples coming back together, chunk caps, and max_num_seqs when swapped samples return.
+last tokens, samples coming back together, the watermark a swap-in keeps, chunk caps, and
+max_num_seqs when swapped samples return.
 
 Some states the swap-in pass decides on (a group coming back beside a running prefill that leaves it a
 token or two of budget) take a long, fragile run to reach through the engine; those tests drive the
 Scheduler and its BlockManager directly and say how the engine reaches the same state.
 """
 from __future__ import annotations
+
+import pytest
 
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -23,9 +26,10 @@ def swap_ins(tracer) -> list[tuple]:
 
 # ---------------------------------------------------------------- the scheduler on its own
 
-def scheduler(num_blocks: int = 32, **settings) -> Scheduler:
-    """Blocks of 4, no prefix cache, no watermark, swap mode, the newest policy."""
-    bm = BlockManager(num_blocks, block_size=4, num_cpu_blocks=32, enable_prefix_caching=False, watermark_blocks=0)
+def scheduler(num_blocks: int = 32, watermark_blocks: int = 0, **settings) -> Scheduler:
+    """Blocks of 4, no prefix cache, no watermark (unless given), swap mode, the newest policy."""
+    bm = BlockManager(num_blocks, block_size=4, num_cpu_blocks=32, enable_prefix_caching=False,
+                      watermark_blocks=watermark_blocks)
     args = dict(max_num_seqs=8, max_num_batched_tokens=8, preemption_mode="swap", preemption_policy="newest")
     args.update(settings)
     return Scheduler(bm, **args)
@@ -106,6 +110,30 @@ def test_independent_samples_coming_back_together_share_the_budget_by_what_each_
     for seq in reversed(samples):
         sched._preempt([seq], SchedulerOutput())
     assert step(sched) == [("X", 2, 9), ("X", 1, 1), ("X", 0, 1)]
+
+
+@pytest.mark.parametrize("watermark_blocks, comes_back", [(0, True), (2, False)])
+def test_a_swapped_sequence_comes_back_only_above_the_watermark(watermark_blocks, comes_back):
+    # Guards can_swap_in's watermark: a swapped sequence comes back only if the pool keeps
+    # watermark_blocks free after it, as an admission beside running sequences does. 6 blocks, token
+    # budget 16. C (4 tokens) and A (12 tokens) are admitted in step 0 (A's 3 blocks and the
+    # watermark's 2 fit the 5 left after C's): 2 blocks free. C is swapped out (3 free); in step 1 A's
+    # decode takes its fourth block (2 free) and C needs 2: its host block and one for its 5th
+    # position. With no watermark C fits and comes back; with a watermark of 2 it would leave none
+    # free, so it waits in the swapped queue
+    sched = scheduler(num_blocks=6, watermark_blocks=watermark_blocks, max_num_batched_tokens=16)
+    c, a = sequence("C", 4), sequence("A", 12)
+    sched.add(c)
+    sched.add(a)
+    assert step(sched) == [("C", 0, 4), ("A", 0, 12)]
+    sched._preempt([c], SchedulerOutput())
+    assert list(sched.swapped) == [c] and sched.bm.num_free_blocks == 3
+    if comes_back:
+        assert step(sched) == [("A", 0, 1), ("C", 0, 1)]
+        assert not sched.swapped and sched.bm.num_free_blocks == 0
+    else:
+        assert step(sched) == [("A", 0, 1)]
+        assert list(sched.swapped) == [c] and sched.bm.num_free_blocks == 2
 
 
 # ---------------------------------------------------------------- the long-prefill threshold

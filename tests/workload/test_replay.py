@@ -1,7 +1,7 @@
 """What a replay takes from the workload (kvtrace/record/replay.py): arrivals on the replay clock,
 counts that must be positive (checked when the file is read, before anything runs), what `kvtrace
-record` refuses up front and how it says so, each request's own seed, the progress callback, a stop
-between steps, and the replay's summary in meta.json."""
+record` refuses up front and how it says so, each request's own seed, the progress callback and the
+counts it sees, a stop between steps, the memory a replay keeps, and the replay's summary in meta.json."""
 from __future__ import annotations
 
 import json
@@ -154,6 +154,22 @@ def test_the_progress_callback_comes_every_quarter_second_then_at_the_end(make_e
     assert stats.num_requests == 3 and stats.num_output_tokens == 3 + 2 * 7 and stats.num_steps == 7
     assert runs[0] == [1, 2, 3, 4, 5, 6, 7, 7]      # every 0 s: after each step, then the end
     assert runs[1] == [1, 3, 5, 7, 7]               # by default every 0.25 s (2 steps), then the end
+
+
+def test_the_progress_callback_sees_the_counts_of_the_run_so_far(make_engine):
+    # every 0 s: after each step the callback gets the finished samples and the preemptions so far,
+    # not only the steps (A, 2 tokens, finishes in step 1; B, 5 tokens, in step 4)
+    engine, items = replay_of(make_engine, [{"prompt_tokens": 6, "max_tokens": 2}, {"prompt_tokens": 5, "max_tokens": 5}])
+    seen = []
+    replay(engine, items, on_progress=lambda s: seen.append((s.num_steps, s.num_finished)), progress_every_s=0.0)
+    assert seen == [(1, 0), (2, 1), (3, 1), (4, 1), (5, 2), (5, 2)]
+
+
+def test_a_replay_keeps_no_finished_sequences_in_memory(make_engine):
+    # a long replay must stay flat in memory: the trace keeps what matters, the engine's outputs nothing
+    engine, items = replay_of(make_engine, [{"prompt_tokens": 6, "max_tokens": 2, "n": 2}, {"prompt_tokens": 5, "max_tokens": 3}])
+    stats = replay(engine, items)
+    assert stats.num_finished == 3 and engine.outputs == {}
 
 
 def test_a_backlog_arrives_all_at_once_at_zero(make_engine):
