@@ -380,8 +380,9 @@ def most_preempted(rows: list[dict]) -> Table:
 def noisy_neighbours(rows: list[dict]) -> Table:
     """noisy_neighbours.sql's rows: whose growth preempted others, and what it cost them."""
     recomputed = any(r["recomputed_tokens"] for r in rows)
-    columns = [("request", "left"), ("preempted", "right"), ("others", "right"), ("their KV lost", "right")] + [
-        ("recomputed", "right")] * recomputed + [("they waited", "right")]
+    # short headers: the table shares the left column (about 60 wide at 120) with the key figures
+    columns = [("request", "left"), ("preempts", "right"), ("victims", "right"), ("KV lost", "right")] + [
+        ("recomputed", "right")] * recomputed + [("waited", "right")]
     table = Table(box=None, padding=(0, 1), header_style="bold", show_edge=False, pad_edge=False)
     for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=True)
