@@ -16,8 +16,10 @@
 --   self_preempted     requester and victim are the same sequence
 --   positions_lost     KV positions the victim had computed (kv_events.num_tokens); by swap they are
 --                      copied out, not lost
---   resumed_s          when it was admitted again (null if never)
---   wait_ms            resumed_s - ts_s (ms)
+--   resumed_s          when it was admitted again (null if never): when the scheduler decided it,
+--                      which for a vLLM capture (events stamped at their step's end) is the start
+--                      of the admitting step, as in _sequence_states
+--   wait_ms            resumed_s - the preemption's decision time (ms; the same rule)
 --   cached_tokens      of its history, positions served from the prefix cache on resume
 --   recomputed_tokens  positions computed again on resume (the re-prefill, done or cut short)
 --   recompute_ms_est   recomputed_tokens x its run's device time per recomputed position
@@ -25,16 +27,19 @@
 --   swap_ms            measured copy time of its swap-out and swap-in (ms; 0 by recompute)
 CREATE OR REPLACE VIEW _preemptions AS
 WITH events AS (
-    SELECT run_id, req_id, sample, seq, step, ts_s, kind, reason, num_tokens, num_cached_tokens,
-           num_recomputed_tokens, duration_ms, requester_req_id, requester_sample, victim_reason,
-           sum(CASE WHEN kind = 'preempt' THEN 1 ELSE 0 END)
-               OVER (PARTITION BY run_id, req_id, sample ORDER BY seq) AS preemption_no
-    FROM kv_events
-    WHERE kind IN ('preempt', 'admit', 'reprefill', 'swap_out', 'swap_in') AND req_id <> ''
+    SELECT e.run_id, e.req_id, e.sample, e.seq, e.step, e.ts_s, e.kind, e.reason, e.num_tokens,
+           e.num_cached_tokens, e.num_recomputed_tokens, e.duration_ms, e.requester_req_id,
+           e.requester_sample, e.victim_reason,
+           CASE WHEN e.ts_s >= st.end_s THEN st.start_s ELSE e.ts_s END AS decided_s,
+           sum(CASE WHEN e.kind = 'preempt' THEN 1 ELSE 0 END)
+               OVER (PARTITION BY e.run_id, e.req_id, e.sample ORDER BY e.seq) AS preemption_no
+    FROM kv_events e
+    LEFT JOIN steps st USING (run_id, step)
+    WHERE e.kind IN ('preempt', 'admit', 'reprefill', 'swap_out', 'swap_in') AND e.req_id <> ''
 ),
 aftermath AS (
     SELECT run_id, req_id, sample, preemption_no,
-           min(ts_s) FILTER (WHERE kind = 'admit') AS resumed_s,
+           min(decided_s) FILTER (WHERE kind = 'admit') AS resumed_s,
            coalesce(sum(num_cached_tokens) FILTER (WHERE kind = 'reprefill'), 0)::BIGINT AS cached_tokens,
            coalesce(sum(num_recomputed_tokens) FILTER (WHERE kind = 'reprefill'), 0)::BIGINT AS recomputed_tokens,
            coalesce(sum(duration_ms) FILTER (WHERE kind IN ('swap_out', 'swap_in')), 0) AS swap_ms
@@ -46,7 +51,7 @@ SELECT e.run_id, e.req_id, e.sample, e.preemption_no::BIGINT AS preemption_no, e
        e.reason, e.requester_req_id, e.requester_sample, e.victim_reason,
        e.requester_req_id = e.req_id AND e.requester_sample = e.sample AS self_preempted,
        e.num_tokens AS positions_lost,
-       a.resumed_s, (a.resumed_s - e.ts_s) * 1000 AS wait_ms,
+       a.resumed_s, (a.resumed_s - e.decided_s) * 1000 AS wait_ms,
        a.cached_tokens, a.recomputed_tokens,
        a.recomputed_tokens * rc.recompute_device_ms / nullif(rc.recomputed_tokens, 0) AS recompute_ms_est,
        a.swap_ms

@@ -10,8 +10,11 @@
 --   admit, reason resume-recompute         -> reprefill (computing its history again)
 --   reprefill done; admit resume-swap      -> decode (prefill if it had no token yet)
 --   finish                                 -> (the end)
--- An admit at or after the first token (a vLLM capture stamps a step's events at its end, the time
--- of the tokens it gave) starts decode, like the end of a reprefill.
+-- An admit or preempt is marked at the time the scheduler decided it. A vLLM capture stamps a step's
+-- events at the step's end (the time of the tokens it gave), so an event stamped at or after its
+-- step's end is marked at the step's start, when vLLM scheduled it: a request admitted in a step is
+-- in prefill for that step, a victim stalls from it. An admit at or after the first token starts
+-- decode, like the end of a reprefill.
 -- A reprefill is done at the end of the step it completed in. Marks at the same time are ordered
 -- arrival, first token, then events by seq; intervals of zero length are dropped. A reprefill
 -- cut short (reason interrupted) is not a mark: the preempt that cut it is.
@@ -50,7 +53,9 @@ WITH marks AS (
                ELSE 'preempted'
            END
     FROM (SELECT e.run_id, e.req_id, e.sample, e.seq, e.kind, e.reason, r.first_token_s,
-                 CASE WHEN e.kind = 'reprefill' THEN coalesce(st.end_s, e.ts_s) ELSE e.ts_s END AS ts_s
+                 CASE WHEN e.kind = 'reprefill' THEN coalesce(st.end_s, e.ts_s)
+                      WHEN e.ts_s >= st.end_s THEN st.start_s   -- stamped at its step's end: decided at its start
+                      ELSE e.ts_s END AS ts_s
           FROM kv_events e
           LEFT JOIN requests r USING (run_id, req_id, sample)
           LEFT JOIN steps st USING (run_id, step)
@@ -71,7 +76,9 @@ WHERE state <> 'finished' AND end_s > start_s;
 CREATE OR REPLACE VIEW _stall_spans AS
 WITH events AS (
     SELECT e.run_id, e.req_id, e.sample, e.seq,
-           CASE WHEN e.kind = 'reprefill' THEN coalesce(st.end_s, e.ts_s) ELSE e.ts_s END AS ts_s,
+           CASE WHEN e.kind = 'reprefill' THEN coalesce(st.end_s, e.ts_s)
+                WHEN e.ts_s >= st.end_s THEN st.start_s
+                ELSE e.ts_s END AS ts_s,
            CASE WHEN e.kind = 'admit' AND e.reason = 'resume-recompute' THEN 'reprefill'
                 WHEN e.kind = 'preempt' AND e.reason = 'swap' THEN 'swapped'
                 WHEN e.kind = 'preempt' THEN 'preempted' END AS state

@@ -1,14 +1,13 @@
 """Why was this request slow: a request's story (`kvtrace explain`), gathered from the SQL library.
 
 Every figure comes from an analysis (request_story, wait_causes, preemptions, itl_cliffs,
-worst_requests; see analyses/); this module selects the request's rows, groups them and words a
+worst_requests, request_verdict; see analyses/); this module selects the request's rows, groups them and words a
 verdict. `story()` and `worst()` return plain dicts, the `--json` output (its shape is documented
 in docs/explain.md); `render_story()` and `render_worst()` lay them out for the terminal.
 """
 from __future__ import annotations
 
 import functools
-from collections import Counter
 from dataclasses import dataclass
 
 import duckdb
@@ -121,6 +120,7 @@ def story(ex: Explainer, req_id: str, sample: int = 0, *, request: dict | None =
         "run_id": ex.run_id, "req_id": req_id, "sample": sample, "causes_recorded": causes_recorded,
         "request": request, "phases": phases, "waits": waits, "preemptions": preemptions,
         "itl_p99_ms": ex.itl_p99_ms, "gaps": gaps,
+        "figures": _drop_ids(ex.rows("request_verdict", req_id=req_id, sample=sample)[0]),
     }
     data["verdict"] = verdict(data)
     return data
@@ -157,29 +157,18 @@ def _who(req_id: str | None, sample: int | None, data: dict) -> str:
     return f"{req_id}'s growth" if not sample else f"{req_id}:{sample}'s growth"
 
 
-def _main_cause(waits: list[dict]) -> tuple[str, float] | None:
-    """The cause with the most time over these waits, and its share of their time."""
-    total = sum(w["wait_ms"] or 0 for w in waits)
-    by_cause: Counter = Counter()
-    for wait in waits:
-        for c in wait["causes"]:
-            by_cause[c["cause"]] += c["cause_ms"] or 0
-    if not by_cause or total <= 0:
-        return None
-    cause, ms = by_cause.most_common(1)[0]
-    return cause, ms / total
+# the verdict's waits: (WAIT_WORDS key, request_verdict's column prefix)
+VERDICT_WAITS = (("waiting", "queued"), ("preempted", "resume_wait"), ("swapped", "swapped_wait"))
 
 
-def _wait_part(data: dict, state: str, e2e: float) -> str | None:
+def _wait_part(figures: dict, state: str, prefix: str, e2e: float) -> str | None:
     """"queued 2.1 s, mostly for free blocks (77%)": the waits in `state`, if notable."""
-    waits = [w for w in data["waits"] if w["state"] == state]
-    total = sum(w["wait_ms"] or 0 for w in waits)
-    if not waits or total <= NOTABLE_SHARE * e2e:
+    total = figures[f"{prefix}_ms"] or 0
+    if total <= 0 or total <= NOTABLE_SHARE * e2e:
         return None
     text = f"{WAIT_WORDS[state]} {fmt_ms(total)}"
-    main = _main_cause(waits)
-    if main is not None:
-        cause, share = main
+    cause, share = figures[f"{prefix}_cause"], figures[f"{prefix}_cause_share"]
+    if cause is not None and share is not None:
         text += f", {'mostly ' if share < 0.995 else ''}{CAUSE_WORDS.get(cause, cause)}"
         if share < 0.995:
             text += f" ({share * 100:.0f}%)"
@@ -188,44 +177,43 @@ def _wait_part(data: dict, state: str, e2e: float) -> str | None:
 
 def verdict(data: dict) -> str:
     """The story in a sentence: the notable waits and their main cause, the preemptions by
-    requester, the recomputed work, the gaps above p99."""
-    request = data["request"]
-    e2e = request.get("e2el_ms") or 0
-    parts = [_wait_part(data, "waiting", e2e)]
-    if data["preemptions"]:
-        by: Counter = Counter((p["requester_req_id"], p["requester_sample"]) for p in data["preemptions"])
-        named = by.most_common(MAX_NAMED)
-        whom = ", ".join(f"{_times(count)} by {_who(rid, s, data)}" if len(by) > 1 else _who(rid, s, data)
-                         for (rid, s), count in named)
-        if len(by) > MAX_NAMED:
-            rest = sum(by.values()) - sum(count for _, count in named)
-            whom += f", {_times(rest)} by {len(by) - MAX_NAMED} others"
-        reasons = sorted({p["victim_reason"] for p in data["preemptions"] if p["victim_reason"]})
-        text = f"preempted {_times(len(data['preemptions']))}" + (f" by {whom}" if len(by) == 1 else f": {whom}")
-        if reasons:
-            text += f" (chosen as {' / '.join(reasons)})"
-        lost = sum(p["positions_lost"] or 0 for p in data["preemptions"])
-        text += f", {lost} KV positions lost"
+    requester, the recomputed work, the gaps above p99. The figures are request_verdict's
+    (data["figures"]); this only words them."""
+    figures = data["figures"]
+    e2e = figures["e2el_ms"] or 0
+    parts = [_wait_part(figures, *VERDICT_WAITS[0], e2e)]
+    if figures["preemptions"]:
+        requesters = figures["requesters"]
+        named = requesters[:MAX_NAMED]
+        many = len(requesters) > 1
+        whom = ", ".join(f"{_times(r['preemptions'])} by {_who(r['req_id'], r['sample'], data)}" if many
+                         else _who(r["req_id"], r["sample"], data) for r in named)
+        if len(requesters) > MAX_NAMED:
+            rest = sum(r["preemptions"] for r in requesters[MAX_NAMED:])
+            whom += f", {_times(rest)} by {len(requesters) - MAX_NAMED} others"
+        text = f"preempted {_times(figures['preemptions'])}" + (f": {whom}" if many else f" by {whom}")
+        if figures["victim_reasons"]:
+            text += f" (chosen as {' / '.join(figures['victim_reasons'])})"
+        text += f", {figures['positions_lost']} KV positions lost"
         parts.append(text)
-        parts += [_wait_part(data, "preempted", e2e), _wait_part(data, "swapped", e2e)]
-        recomputed = sum(p["recomputed_tokens"] or 0 for p in data["preemptions"])
-        cached = sum(p["cached_tokens"] or 0 for p in data["preemptions"])
+        parts += [_wait_part(figures, state, prefix, e2e) for state, prefix in VERDICT_WAITS[1:]]
+        recomputed, cached = figures["recomputed_tokens"], figures["cached_tokens"]
         if recomputed or cached:
-            ms = sum(p["recompute_ms_est"] or 0 for p in data["preemptions"])
+            ms = figures["recompute_ms_est"]
             text = f"{recomputed} tokens recomputed" + (f", ~{fmt_ms(ms)}" if ms else "")
             if cached:
                 text += f" ({cached} back from the prefix cache)"
             parts.append(text)
-    if data["gaps"]:
-        longest = max(data["gaps"], key=lambda g: g["gap_ms"])
-        count = len(data["gaps"])
+    if figures["gaps"]:
+        count = figures["gaps"]
         parts.append(f"{count} gap{'s' if count > 1 else ''} above the run's p99 ITL "
-                     f"(longest {fmt_ms(longest['gap_ms'])}, {longest['cause'].replace('_', ' ')})")
+                     f"(longest {fmt_ms(figures['longest_gap_ms'])}, "
+                     f"{figures['longest_gap_cause'].replace('_', ' ')})")
     parts = [p for p in parts if p]
     if not parts:
-        ttft = request.get("ttft_ms")
+        ttft = figures["ttft_ms"]
         return (f"nothing held it back: first token after {fmt_ms(ttft)}, {fmt_ms(e2e)} end to end"
-                if ttft is not None else f"{request.get('finish_reason') or 'unfinished'} without a token")
+                if ttft is not None else f"{data['request'].get('finish_reason') or 'unfinished'} without a token")
     return "; ".join(parts)
 
 

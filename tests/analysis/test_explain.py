@@ -142,6 +142,13 @@ def test_the_sql_gives_the_storys_numbers(runs):
             for r in noisy] == [("A", 1, 1, 1, 8, 8)]
     phases = db.run_analysis(con, "request_story", req_id="B").num_rows
     assert phases == len(story["phases"])
+    # the verdict's figures are request_verdict's, and its totals those of the rows above
+    [figures] = db.records(db.run_analysis(con, "request_verdict", req_id="B"))
+    assert {k: v for k, v in figures.items() if k not in ("run_id", "req_id", "sample")} == story["figures"]
+    assert figures["requesters"] == [{"req_id": "A", "sample": 0, "preemptions": 1}]
+    assert figures["resume_wait_ms"] == pytest.approx(
+        sum(w["wait_ms"] for w in story["waits"] if w["state"] == "preempted"))
+    assert (figures["positions_lost"], figures["recomputed_tokens"], figures["resume_wait_cause"]) == (8, 8, "blocks")
 
 
 def test_worst_lists_the_obviously_slow_request_first(runs):
@@ -187,3 +194,52 @@ def test_explain_refuses_what_it_cannot_answer(runs):
     assert "explain takes one run" in one_line_error(["explain", str(FIXTURES), "--worst", "1"])
     # REQ_ID:SAMPLE
     assert explained(Path(run), "B:0")["sample"] == 0
+
+
+def _stamped_at_step_end(run: Path, out: Path) -> Path:
+    """A copy of a run whose admit and preempt events carry their step's end time, as a vLLM capture
+    stamps every event of a step (kvtrace/vllm/capture: at the end of update_from_output)."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    shutil.copytree(run, out)
+    steps = pq.read_table(out / "steps").select(["step", "end_s"]).to_pydict()
+    end_of = dict(zip(steps["step"], steps["end_s"]))
+    moved = 0
+    for path in (out / "kv_events").glob("*.parquet"):
+        events = pq.read_table(path)
+        kinds, stamped = events["kind"].to_pylist(), events["ts_s"].to_pylist()
+        ts = [end_of[step] if kind in ("admit", "preempt") else t
+              for kind, step, t in zip(kinds, events["step"].to_pylist(), stamped)]
+        events = events.set_column(events.schema.get_field_index("ts_s"), "ts_s", pa.array(ts, pa.float64()))
+        moved += pc.sum(pc.not_equal(events["ts_s"], pa.array(stamped))).as_py()
+        pq.write_table(events, path)
+    assert moved > 0
+    return out
+
+
+@pytest.mark.parametrize("scenario, req_id", [("four-block", "B"), ("blocks", "B"), ("seats", "D")])
+def test_events_stamped_at_their_steps_end_tell_the_same_story(runs, tmp_path, scenario, req_id):
+    """A vLLM capture stamps a step's events when the step ends: a request admitted in a step is still in
+    prefill for that step (not queued until its first token), and a victim stalls from the step's start."""
+    run = runs[scenario, "real"]
+    story = explained(run, req_id)
+    late = explained(_stamped_at_step_end(run, tmp_path / "late"), req_id)
+    assert [p["phase"] for p in late["phases"]] == [p["phase"] for p in story["phases"]]
+    steps = {row[0]: row[1:] for row in db.connect([run]).sql("SELECT step, start_s, end_s FROM steps").fetchall()}
+    for ph, orig in zip(late["phases"], story["phases"]):
+        assert ph["first_step"] == orig["first_step"], (ph, orig)
+        if ph["phase"] in ("prefill", "preempted", "reprefill"):
+            # marked at the start of the step that decided it; the engine stamped it a little later
+            assert ph["start_s"] == steps[ph["first_step"]][0]
+            assert 0 <= orig["start_s"] - ph["start_s"] < steps[ph["first_step"]][1] - steps[ph["first_step"]][0]
+    assert late["verdict"].split(",")[0].split()[0] == story["verdict"].split(",")[0].split()[0]
+    assert [w["state"] for w in late["waits"]] == [w["state"] for w in story["waits"]]
+    assert main_cause(late, late["waits"][0]["state"]) == main_cause(story, story["waits"][0]["state"])
+    assert [p["step"] for p in late["preemptions"]] == [p["step"] for p in story["preemptions"]]
+    for s in (story, late):   # a preemption's wait is its phase of waiting to resume, by either stamp
+        waits = [ph["duration_ms"] for ph in s["phases"] if ph["phase"] in ("preempted", "swapped")]
+        assert [p["wait_ms"] for p in s["preemptions"]] == pytest.approx(waits)

@@ -196,16 +196,18 @@ def _stall_edge_run(root):
         return {"req_id": req_id, "sample": 0, "n": 1, "arrival_s": arrival_s, "first_token_s": first_token_s,
                 "finish_s": finish_s, "finish_reason": "length" if finish_s is not None else None}
 
+    # every admit and preempt before its step's end (one stamped at or after it is marked at the
+    # step's start, as a vLLM capture's are: test_sql_helpers); step 9 has no steps row
     marks = [  # req_id, step, ts_s, kind, reason
         ("P", 0, 0.1, "admit", "new"), ("P", 1, 0.3, "preempt", "recompute"),
         ("P", 1, 0.3, "admit", "resume-recompute"), ("P", 1, 0.3, "reprefill", None),
-        ("P", 2, 0.6, "preempt", "swap"),
-        ("Q", 0, 0.1, "admit", "new"), ("Q", 0, 0.2, "preempt", "recompute"),
+        ("P", 3, 0.6, "preempt", "swap"),
+        ("Q", 0, 0.1, "admit", "new"), ("Q", 1, 0.2, "preempt", "recompute"),
         ("Q", 2, 0.3, "admit", "resume-recompute"), ("Q", 2, 0.35, "reprefill", "interrupted"),
         ("Q", 2, 0.4, "preempt", "recompute"),
         ("R", 0, 0.1, "admit", "new"), ("R", 3, 0.7, "preempt", "swap"),
-        ("S", 0, 0.1, "admit", "new"), ("S", 1, 0.5, "preempt", "recompute"), ("S", 3, 0.8, "admit", "resume-recompute"),
-        ("T", 0, 0.9, "preempt", "recompute"), ("T", 9, 1.2, "admit", "resume-recompute"),
+        ("S", 0, 0.1, "admit", "new"), ("S", 3, 0.5, "preempt", "recompute"), ("S", 9, 0.8, "admit", "resume-recompute"),
+        ("T", 9, 0.9, "preempt", "recompute"), ("T", 9, 1.2, "admit", "resume-recompute"),
         ("T", 9, 1.2, "reprefill", None),
     ]
     events = [{"seq": seq, "step": step, "ts_s": ts_s, "kind": kind, "req_id": req_id, "sample": 0,

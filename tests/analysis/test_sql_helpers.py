@@ -333,9 +333,10 @@ def test_a_flow_id_is_the_runs_base_plus_the_events_seq(tmp_path):
 
 def test_a_sequence_admitted_in_the_step_of_its_first_token_is_decoding_after_it(tmp_path):
     # a vLLM capture stamps a step's events at its end, the time of the tokens it gave: X is admitted
-    # (new) and gives its first token in the step ending at 2 u. From then on it decodes; its admit is
-    # not a prefill that lasts to the finish. (The admit-new rule once got this
-    # case wrong while every other case was right: flipping `kind = 'admit'` went unnoticed.)
+    # (new) and gives its first token in the step from 1 u to 2 u. It is in prefill for that step (vLLM
+    # scheduled it at the step's start), then decodes; its admit is not a prefill that lasts to the
+    # finish, nor a queue that lasts to its first token. (The admit-new rule once got this case wrong
+    # while every other case was right: flipping `kind = 'admit'` went unnoticed.)
     steps = [{"step": k, "start_s": (k + 1) * U, "end_s": (k + 2) * U, "prefill_tokens": 4 if k == 0 else 0,
               "decode_tokens": 0 if k == 0 else 1} for k in range(3)]
     events = [event(0, 2 * U, "admit", "X", "new", step=0)]
@@ -343,7 +344,7 @@ def test_a_sequence_admitted_in_the_step_of_its_first_token_is_decoding_after_it
     con = db.connect([write_run(tmp_path, "capture", steps=steps, kv_events=events, tokens=tokens,
                                 requests=[timed_request("X", 0.0, 2 * U, 4 * U, output_tokens=3)])])
     got = [(r["state"], r["start_s"] / U, r["end_s"] / U) for r in rows(con, "request_timeline", req_id="X")]
-    assert got == [("waiting", 0, 2), ("decode", 2, 4)]
+    assert got == [("waiting", 0, 1), ("prefill", 1, 2), ("decode", 2, 4)]
 
 
 STALL_ROWS = """SELECT req_id, state, start_s / {u}, end_s / {u}, start_seq FROM {view}

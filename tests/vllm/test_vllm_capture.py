@@ -168,6 +168,25 @@ def test_resumed_requests_hit_the_prefix_cache_instead_of_recomputing(recorded):
     assert sum(r[1] for r in rows) > 0     # what vLLM's own prefix-cache counters leave out
 
 
+def test_a_captured_requests_story_has_its_prefill_and_its_queue(recorded):
+    """The capture stamps a step's events at the step's end, with its tokens: the story still puts a
+    request admitted in step k in prefill from step k's start (when vLLM scheduled it) to its first
+    token, and its queue ends there, not at the first token."""
+    con = db.connect([recorded])
+    rows = con.execute("""
+        SELECT r.req_id, r.arrival_s, r.first_scheduled_s, r.first_token_s, st.start_s
+        FROM requests r JOIN kv_events e ON e.req_id = r.req_id AND e.kind = 'admit' AND e.reason = 'new'
+        JOIN steps st ON st.step = e.step""").fetchall()
+    assert len(rows) == 16
+    for req_id, arrival, scheduled, first_token, step_start in rows:
+        story = json.loads(kvtrace("explain", recorded, req_id, "--json").stdout)
+        phases = {ph["phase"]: ph for ph in story["phases"]}
+        assert phases["prefill"]["start_s"] == pytest.approx(step_start) == pytest.approx(scheduled), req_id
+        assert phases["prefill"]["end_s"] == pytest.approx(first_token), req_id
+        queued = sum(w["wait_ms"] for w in story["waits"] if w["state"] == "waiting")
+        assert queued == pytest.approx((scheduled - arrival) * 1000, abs=1e-3), req_id
+
+
 def test_every_analysis_and_the_dashboard_run(recorded):
     con = db.connect([recorded])
     for info in db.list_analyses():
