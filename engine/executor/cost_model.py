@@ -42,7 +42,8 @@ class HardwareProfile:
     host_bytes_s: float                     # host link, one direction (PCIe, NVLink-C2C)
     flops_efficiency: float = 0.6           # share of peak the linear layers reach
     attention_efficiency: float = 0.35      # share of peak prefill attention reaches
-    bandwidth_efficiency: float = 0.8       # share of memory bandwidth weight / KV reads reach
+    bandwidth_efficiency: float = 0.8       # share of memory bandwidth the weights' read reaches
+    kv_bandwidth_efficiency: float | None = None  # share the attention kernel's KV reads reach (None: as the weights')
     host_efficiency: float = 0.8            # share of host-link bandwidth a swap reaches
     step_overhead_ms: float = 1.5           # scheduling, launches and sampling per step
     coefficients: dict[str, float] = field(default_factory=dict)  # fitted: replace the derived ones
@@ -128,13 +129,14 @@ class CostModel:
         """Every coefficient from the device's public figures and the model's shape."""
         flops = p.peak_flops.get(dtype) or max(p.peak_flops.values())
         memory = p.memory_bytes_s * p.bandwidth_efficiency
+        kv_memory = p.memory_bytes_s * (p.kv_bandwidth_efficiency or p.bandwidth_efficiency)
         token_ms = 2 * linear_params / (flops * p.flops_efficiency) * 1e3
         return {
             "step_ms": p.step_overhead_ms,
             "weights_ms": self.weight_bytes / memory * 1e3,
             "prefill_token_ms": token_ms,
             "decode_token_ms": token_ms,
-            "kv_token_ms": self.kv_bytes_per_token / memory * 1e3,
+            "kv_token_ms": self.kv_bytes_per_token / kv_memory * 1e3,
             "attention_pair_ms": 4 * mc.num_layers * mc.num_heads * mc.head_dim / (flops * p.attention_efficiency) * 1e3,
             "swap_ms": 0.01,
             "swap_byte_ms": 1e3 / (p.host_bytes_s * p.host_efficiency),
