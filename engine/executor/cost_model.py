@@ -68,8 +68,8 @@ _TB = 1e12
 # takes H100's. L40S has no measurement: it keeps the datasheet defaults.
 _A100 = dict(flops_efficiency=0.66, bandwidth_efficiency=0.75, kv_bandwidth_efficiency=0.93, attention_efficiency=0.21,
              layer_overhead_ms=0.023)
-_H100 = dict(flops_efficiency=0.59, bandwidth_efficiency=0.90, kv_bandwidth_efficiency=0.93, attention_efficiency=0.21,
-             layer_overhead_ms=0.045)
+_H100 = dict(flops_efficiency=0.59, bandwidth_efficiency=0.89, kv_bandwidth_efficiency=0.93, attention_efficiency=0.21,
+             layer_overhead_ms=0.044)
 # Public datasheet figures (dense tensor-core FLOP/s; fp32 runs as TF32 on the tensor cores).
 PROFILES: dict[str, HardwareProfile] = {
     "h100-sxm": HardwareProfile(

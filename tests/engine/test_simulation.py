@@ -149,7 +149,7 @@ def test_h100_roofline_for_llama_3_8b():
     decode_1 = cost.forward_ms(0, 1, 1000, 0)
     decode_256 = cost.forward_ms(0, 256, 256 * 100, 0)
     prefill_8k = cost.forward_ms(8192, 0, 8192, 8192 * 8193 / 2)
-    assert 5 < decode_1 < 9                 # 16 GB at 90% of 3.35 TB/s, plus overhead
+    assert 5 < decode_1 < 9                 # 16 GB at 89% of 3.35 TB/s, plus host and per-layer overheads
     # short-context decode batches ride mostly on the weights' read: not wholly, where weights and compute
     # are close (Vidur's H100 Llama-2-7B layer: 0.29 ms for 256 tokens, 0.18 ms for 1)
     assert decode_256 < 1.6 * decode_1
