@@ -9,9 +9,9 @@ median signed error). What is compared, like with like:
 
 - **layer, attention kernel excepted** (Vidur's MLP table): the sum of the layer's operations, as Vidur
   composes a block (norms, fused QKV projection, rope, output projection, gate/up projection, SiLU,
-  down projection, one residual add), against the cost model's linear term for one layer,
-  `max(weights_ms, token_ms · N)` of a model without embedding and LM head (which Vidur does not time),
-  divided by the number of layers. N tokens cost the same whether they are a prefill chunk or a decode
+  down projection, one residual add), against the cost model's price of N tokens without attention,
+  `forward_ms(N, 0, 0, 0)` less the host's overhead, of a model without embedding and LM head (which
+  Vidur does not time), divided by the number of layers. N tokens cost the same whether they are a prefill chunk or a decode
   batch: the kinds are token-count ranges.
 - **attention, decode** (A100, Llama-2-7B): `attn_decode` for a batch of B sequences with C cached tokens
   each, against `kv_token_ms · B · (C + 1)` per layer.
@@ -19,10 +19,11 @@ median signed error). What is compared, like with like:
   `kv_token_ms · (s + n) + attention_pair_ms · n · (s + (n + 1) / 2)` per layer.
 - **step** (A100, Llama-2-7B): a whole forward's GPU time composed from the two tables, the layers' count
   times (the layer's MLP-table time for the step's tokens + its attention kernel), against
-  `forward_ms − step_ms` of that model (the same as above, the sum done by the cost model itself).
+  `forward_ms` of that model less the host's overhead (the sum done by the cost model itself).
 
-`step_ms` (scheduling, launches, sampling: host work between kernels) is left out of every comparison:
-Vidur's tables time GPU kernels only.
+The host's overhead (`step_overhead_ms`: scheduling, launches, sampling) is left out of every
+comparison: Vidur's tables time GPU kernels only. The rest of `step_ms`, `layer_overhead_ms` per layer,
+is device time and stays in. `--fit` fits the profiles' factors to the same data (`fit`).
 """
 from __future__ import annotations
 
@@ -100,6 +101,11 @@ def read_rows(path: Path, every: int = 1) -> list[dict[str, str]]:
     return list(_read(path))[::every]
 
 
+def layer_ms(row: dict[str, str]) -> float:
+    """One MLP-table row's layer time: the sum of its operations' medians."""
+    return sum(float(v) for k, v in row.items() if k != "num_tokens")
+
+
 def compare(device: str, model: str, every: int = 1, profile: HardwareProfile | None = None) -> list[Comparison]:
     """Every measured point of one device and model, predicted with `profile` (default: the shipped one).
     `every` keeps one MLP-table row in that many (a slice for the tests)."""
@@ -110,19 +116,17 @@ def compare(device: str, model: str, every: int = 1, profile: HardwareProfile | 
     step_ms = cm.coefficients["step_ms"]
     folder = DATA / device / model
     out: list[Comparison] = []
-    layer_ms: dict[int, float] = {}
     for row in read_rows(folder / "mlp.csv", every):
         n = int(row["num_tokens"])
-        measured = sum(float(v) for k, v in row.items() if k != "num_tokens")
-        layer_ms[n] = measured
+        measured = layer_ms(row)
         predicted = (cm.forward_ms(n, 0, 0, 0) - host_ms) / layers
         kind = next(label for low, high, label in LAYER_RANGES if low <= n <= high)
         out.append(Comparison(device, model, kind, f"N={n}", measured, predicted))
     attention = folder / "attention.csv"
     if not attention.exists():
         return out
-    mlp_rows = read_rows(folder / "mlp.csv")   # the step needs the layer time at the step's token count
-    mlp_ms = {int(r["num_tokens"]): sum(float(v) for k, v in r.items() if k != "num_tokens") for r in mlp_rows}
+    # a step needs the layer's time at its token count (the last of a duplicated count)
+    mlp_ms = {int(r["num_tokens"]): layer_ms(r) for r in read_rows(folder / "mlp.csv")}
     for row in read_rows(attention):   # 46 rows: never sliced
         batch, chunk, cached = int(row["batch_size"]), int(row["prefill_chunk_size"]), int(row["kv_cache_size"])
         measured = float(row["attn_median_ms"])
@@ -178,28 +182,33 @@ FITTED_ON = {("layer_overhead_ms", "bandwidth_efficiency"): (LAYER_RANGES[0][2],
 
 
 # the values each fitted field may take
-GRIDS = {"layer_overhead_ms": [v / 1000 for v in range(0, 61)]}
+GRIDS = {"layer_overhead_ms": [v / 1000 for v in range(61)]}
 EFFICIENCY_GRID = [v / 100 for v in range(10, 101)]
 
 
+def fit_error(device: str, profile: HardwareProfile, kinds: tuple[str, ...]) -> float:
+    """The largest median |error| over `kinds` and the device's models; nan when nothing measures them."""
+    errors: dict[tuple[str, str], list[float]] = {}
+    for model in MODELS:
+        if (DATA / device / model).is_dir():
+            for c in compare(device, model, profile=profile):
+                if c.kind in kinds:
+                    errors.setdefault((model, c.kind), []).append(abs(c.error))
+    return max(statistics.median(e) for e in errors.values()) if errors else float("nan")
+
+
 def fit(device: str) -> dict[str, float]:
-    """The profile's fields, in FITTED_ON's order, each group's values minimising the largest median
-    |error| over its kinds and the device's models (on a grid; for two fields, every 5th value, then
-    every value within 5 of the best); a group that `device` has no measurement of is left out."""
+    """The profile's fields, in FITTED_ON's order, each group's values minimising `fit_error` over its
+    kinds (on a grid; for two fields, every 5th value, then every value within 5 of the best); a group
+    that `device` has no measurement of is left out."""
     profile = load_profile(PROFILES[device])
     fitted: dict[str, float] = {}
     for names, kinds in FITTED_ON.items():
-        def cost(values: tuple[float, ...]) -> float:
-            trial = dataclasses.replace(profile, **fitted, **dict(zip(names, values)))
-            errors: dict[tuple[str, str], list[float]] = {}
-            for model in MODELS:
-                if (DATA / device / model).is_dir():
-                    for c in compare(device, model, profile=trial):
-                        if c.kind in kinds:
-                            errors.setdefault((model, c.kind), []).append(abs(c.error))
-            return max(statistics.median(e) for e in errors.values()) if errors else float("nan")
+        def cost(values: tuple[float, ...], names: tuple[str, ...] = names, kinds: tuple[str, ...] = kinds) -> float:
+            return fit_error(device, dataclasses.replace(profile, **{**fitted, **dict(zip(names, values))}), kinds)
         grids = [GRIDS.get(name, EFFICIENCY_GRID) for name in names]
-        if cost(tuple(g[len(g) // 2] for g in grids)) != cost(tuple(g[len(g) // 2] for g in grids)):
+        middle = tuple(g[len(g) // 2] for g in grids)
+        if cost(middle) != cost(middle):
             continue   # nan: nothing measures them here
         if len(names) == 1:   # one field: its whole grid
             fitted[names[0]] = min(grids[0], key=lambda v: cost((v,)))
@@ -236,12 +245,13 @@ def run(args: argparse.Namespace) -> None:
     for device, model in models:
         cm = CostModel(load_profile(PROFILES[device]), layers_only(MODELS[model]), DTYPE)
         c = cm.coefficients
-        coefficients.append([PROFILES[device], model, f"{c['weights_ms'] / MODELS[model].num_layers:.4g}",
-                             f"{c['prefill_token_ms'] / MODELS[model].num_layers * 1e3:.4g}",
-                             f"{c['kv_token_ms'] / MODELS[model].num_layers * 1e6:.4g}",
-                             f"{c['attention_pair_ms'] / MODELS[model].num_layers * 1e9:.4g}"])
+        layers = MODELS[model].num_layers
+        coefficients.append([PROFILES[device], model, f"{cm.profile.layer_overhead_ms:.4g}",
+                             f"{c['weights_ms'] / layers:.4g}",
+                             f"{c['prefill_token_ms'] / layers * 1e3:.4g}", f"{c['kv_token_ms'] / layers * 1e6:.4g}",
+                             f"{c['attention_pair_ms'] / layers * 1e9:.4g}"])
     section.add("Coefficients used, per layer: " + markdown_table(
-        ["profile", "model", "weights ms", "token µs", "KV token ns", "attention pair ps"], coefficients))
+        ["profile", "model", "fixed ms", "weights ms", "token µs", "KV token ns", "attention pair ps"], coefficients))
     if args.fit:
         fits = []
         for device, profile_name in PROFILES.items():

@@ -66,10 +66,10 @@ _TB = 1e12
 # sequences, attention pairs on prefill chunks of > 128 tokens. Vidur measured attention on A100 only
 # (in the tables that could be had): H100 and H200 take A100's attention shares; H200, a faster-memory H100,
 # takes H100's. L40S has no measurement: it keeps the datasheet defaults.
-_A100 = dict(flops_efficiency=0.66, bandwidth_efficiency=0.75, kv_bandwidth_efficiency=0.93, attention_efficiency=0.21,
-             layer_overhead_ms=0.023)
-_H100 = dict(flops_efficiency=0.59, bandwidth_efficiency=0.89, kv_bandwidth_efficiency=0.93, attention_efficiency=0.21,
-             layer_overhead_ms=0.044)
+_A100 = {"flops_efficiency": 0.66, "bandwidth_efficiency": 0.75, "kv_bandwidth_efficiency": 0.93,
+         "attention_efficiency": 0.21, "layer_overhead_ms": 0.023}
+_H100 = {"flops_efficiency": 0.59, "bandwidth_efficiency": 0.89, "kv_bandwidth_efficiency": 0.93,
+         "attention_efficiency": 0.21, "layer_overhead_ms": 0.044}
 # Public datasheet figures (dense tensor-core FLOP/s; fp32 runs as TF32 on the tensor cores).
 PROFILES: dict[str, HardwareProfile] = {
     "h100-sxm": HardwareProfile(
