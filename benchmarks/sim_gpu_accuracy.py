@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> None:
     summary = summarize(comparisons)
     models = sorted({(c.device, c.model) for c in comparisons})
     section.add("Vidur's published operator timings (benchmarks/data/vidur/: one decoder layer, fp16, one GPU) "
-                "against kvtrace's cost model on the matching shipped profile; step_ms (host work) left out. "
+                "against kvtrace's cost model on the matching shipped profile; the host's overhead per step left out. "
                 f"Models: {', '.join(f'{d}/{m}' for d, m in models)}. Each row: measured points, median and p90 "
                 "of |predicted − measured| / measured, bias (median signed error; + = predicted slower).")
     rows = []
