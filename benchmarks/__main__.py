@@ -17,6 +17,7 @@ SUITES = {
     "kernels": "benchmarks.kernels",
     "sim-speed": "benchmarks.sim_speed",
     "sim-accuracy": "benchmarks.sim_accuracy",
+    "sim-gpu-accuracy": "benchmarks.sim_gpu_accuracy",
     "vllm-capture": "benchmarks.vllm_capture",
 }
 

@@ -2,7 +2,7 @@
 
 A step's forward time, in milliseconds:
 
-    step_ms + max(weights_ms, prefill_token_ms * P + decode_token_ms * D)
+    step_ms + hypot(weights_ms, prefill_token_ms * P + decode_token_ms * D)
             + kv_token_ms * K + attention_pair_ms * A
 
     P  prompt / history tokens computed (prefill chunks)
@@ -10,8 +10,10 @@ A step's forward time, in milliseconds:
     K  KV positions the step's attention reads (every scheduled sequence's context, its new tokens included)
     A  query-key pairs of the prefill chunks (a chunk of n new tokens after s cached ones: n * (s + (n + 1) / 2))
 
-The max is a roofline: a small batch waits for the weights to stream from memory, a large one for
-the matrix units. Swap copies add `swap_ms + bytes * swap_byte_ms` per direction and step; copy-on-write
+The hypot (the square root of the sum of squares) is a soft roofline: a small batch waits for the
+weights to stream from memory, a large one for the matrix units, and where the two are close neither
+hides the other (Vidur's A100 / H100 layer timings, docs/simulation.md: a layer of 128-512 tokens takes
+up to 40 % longer than the larger of the two). Swap copies add `swap_ms + bytes * swap_byte_ms` per direction and step; copy-on-write
 moves a block twice through device memory. A built-in profile derives every coefficient from public
 figures for a device (peak dense FLOP/s for the dtype, memory and host-link bandwidth) and the model's
 shape, with efficiency factors; a calibrated profile (`kvtrace calibrate`) gives fitted coefficients
@@ -20,6 +22,7 @@ that replace the derived ones.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,9 +45,11 @@ class HardwareProfile:
     host_bytes_s: float                     # host link, one direction (PCIe, NVLink-C2C)
     flops_efficiency: float = 0.6           # share of peak the linear layers reach
     attention_efficiency: float = 0.35      # share of peak prefill attention reaches
-    bandwidth_efficiency: float = 0.8       # share of memory bandwidth weight / KV reads reach
+    bandwidth_efficiency: float = 0.8       # share of memory bandwidth the weights' read reaches
+    kv_bandwidth_efficiency: float | None = None  # share the attention kernel's KV reads reach (None: as the weights')
     host_efficiency: float = 0.8            # share of host-link bandwidth a swap reaches
-    step_overhead_ms: float = 1.5           # scheduling, launches and sampling per step
+    step_overhead_ms: float = 1.5           # scheduling, launches and sampling per step (host)
+    layer_overhead_ms: float = 0.0          # device time per decoder layer that no token count changes
     coefficients: dict[str, float] = field(default_factory=dict)  # fitted: replace the derived ones
     source: str = ""                        # where the figures come from
     fitted_on: dict | None = None           # calibrated profiles: the runs, model and fit error
@@ -54,20 +59,38 @@ class HardwareProfile:
 
 
 _TB = 1e12
+# Efficiency factors fitted to Vidur's published operator timings (benchmarks/data/vidur/, one decoder layer
+# of Llama-2/3 7B-70B in fp16 on one GPU; `python -m benchmarks sim-gpu-accuracy --fit`, docs/simulation.md):
+# the fixed time per layer and the weights' read on layers of 1-64 tokens (the models' 7B and 70B layers set
+# the two apart), the matrix units on layers of every token count, KV reads on decode attention of >= 32
+# sequences, attention pairs on prefill chunks of > 128 tokens. Vidur measured attention on A100 only
+# (in the tables that could be had): H100 and H200 take A100's attention shares; H200, a faster-memory H100,
+# takes H100's. L40S has no measurement: it keeps the datasheet defaults.
+_A100 = {"flops_efficiency": 0.66, "bandwidth_efficiency": 0.75, "kv_bandwidth_efficiency": 0.93,
+         "attention_efficiency": 0.21, "layer_overhead_ms": 0.023}
+_H100 = {"flops_efficiency": 0.59, "bandwidth_efficiency": 0.89, "kv_bandwidth_efficiency": 0.93,
+         "attention_efficiency": 0.21, "layer_overhead_ms": 0.044}
 # Public datasheet figures (dense tensor-core FLOP/s; fp32 runs as TF32 on the tensor cores).
 PROFILES: dict[str, HardwareProfile] = {
     "h100-sxm": HardwareProfile(
         "h100-sxm", 80 * 10**9, {"bfloat16": 989.4 * _TB, "float16": 989.4 * _TB, "float32": 494.7 * _TB},
-        3.35 * _TB, 64e9, source="NVIDIA H100 SXM5 datasheet: 989 TFLOP/s BF16 dense, 3.35 TB/s HBM3, PCIe Gen5 x16"),
+        3.35 * _TB, 64e9, **_H100,
+        source="NVIDIA H100 SXM5 datasheet: 989 TFLOP/s BF16 dense, 3.35 TB/s HBM3, PCIe Gen5 x16; efficiencies "
+               "fitted to Vidur's H100 linear-layer timings (attention: A100's)"),
     "h200": HardwareProfile(
         "h200", 141 * 10**9, {"bfloat16": 989.4 * _TB, "float16": 989.4 * _TB, "float32": 494.7 * _TB},
-        4.8 * _TB, 64e9, source="NVIDIA H200 SXM datasheet: 989 TFLOP/s BF16 dense, 4.8 TB/s HBM3e, PCIe Gen5 x16"),
+        4.8 * _TB, 64e9, **_H100,
+        source="NVIDIA H200 SXM datasheet: 989 TFLOP/s BF16 dense, 4.8 TB/s HBM3e, PCIe Gen5 x16; efficiencies "
+               "H100's (not measured on H200)"),
     "a100-80gb": HardwareProfile(
         "a100-80gb", 80 * 10**9, {"bfloat16": 312 * _TB, "float16": 312 * _TB, "float32": 156 * _TB},
-        2.039 * _TB, 32e9, source="NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s BF16 dense, 2.039 TB/s HBM2e, PCIe Gen4 x16"),
+        2.039 * _TB, 32e9, **_A100,
+        source="NVIDIA A100 80GB SXM datasheet: 312 TFLOP/s BF16 dense, 2.039 TB/s HBM2e, PCIe Gen4 x16; "
+               "efficiencies fitted to Vidur's A100 timings"),
     "l40s": HardwareProfile(
         "l40s", 48 * 10**9, {"bfloat16": 362.05 * _TB, "float16": 362.05 * _TB, "float32": 183 * _TB},
-        0.864 * _TB, 32e9, source="NVIDIA L40S datasheet: 362 TFLOP/s BF16 dense, 864 GB/s GDDR6, PCIe Gen4 x16"),
+        0.864 * _TB, 32e9, source="NVIDIA L40S datasheet: 362 TFLOP/s BF16 dense, 864 GB/s GDDR6, PCIe Gen4 x16; "
+                                  "efficiencies: the defaults (not measured)"),
 }
 CALIBRATED = ("cpu-here",)   # shipped fitted profiles, engine/executor/profiles/<name>.json
 
@@ -128,13 +151,14 @@ class CostModel:
         """Every coefficient from the device's public figures and the model's shape."""
         flops = p.peak_flops.get(dtype) or max(p.peak_flops.values())
         memory = p.memory_bytes_s * p.bandwidth_efficiency
+        kv_memory = p.memory_bytes_s * (p.kv_bandwidth_efficiency or p.bandwidth_efficiency)
         token_ms = 2 * linear_params / (flops * p.flops_efficiency) * 1e3
         return {
-            "step_ms": p.step_overhead_ms,
+            "step_ms": p.step_overhead_ms + mc.num_layers * p.layer_overhead_ms,
             "weights_ms": self.weight_bytes / memory * 1e3,
             "prefill_token_ms": token_ms,
             "decode_token_ms": token_ms,
-            "kv_token_ms": self.kv_bytes_per_token / memory * 1e3,
+            "kv_token_ms": self.kv_bytes_per_token / kv_memory * 1e3,
             "attention_pair_ms": 4 * mc.num_layers * mc.num_heads * mc.head_dim / (flops * p.attention_efficiency) * 1e3,
             "swap_ms": 0.01,
             "swap_byte_ms": 1e3 / (p.host_bytes_s * p.host_efficiency),
@@ -143,8 +167,8 @@ class CostModel:
 
     def forward_ms(self, num_prefill: int, num_decode: int, num_kv: int, num_pairs: float) -> float:
         compute = self._prefill * num_prefill + self._decode * num_decode
-        return (self._step + (compute if compute > self._weights else self._weights)
-                + self._kv * num_kv + self._pair * num_pairs)
+        # exact where one term is 0: a calibrated profile (weights_ms 0) prices compute alone
+        return self._step + math.hypot(self._weights, compute) + self._kv * num_kv + self._pair * num_pairs
 
     def swap_ms(self, num_bytes: int) -> float:
         return self.coefficients["swap_ms"] + num_bytes * self.coefficients["swap_byte_ms"]

@@ -149,10 +149,12 @@ def test_h100_roofline_for_llama_3_8b():
     decode_1 = cost.forward_ms(0, 1, 1000, 0)
     decode_256 = cost.forward_ms(0, 256, 256 * 100, 0)
     prefill_8k = cost.forward_ms(8192, 0, 8192, 8192 * 8193 / 2)
-    assert 5 < decode_1 < 9                 # 16 GB at 80% of 3.35 TB/s, plus overhead
-    assert decode_256 < 1.5 * decode_1      # short-context decode batches ride on the weights' read
+    assert 5 < decode_1 < 9                 # 16 GB at 89% of 3.35 TB/s, plus host and per-layer overheads
+    # short-context decode batches ride mostly on the weights' read: not wholly, where weights and compute
+    # are close (Vidur's H100 Llama-2-7B layer: 0.29 ms for 256 tokens, 0.18 ms for 1)
+    assert decode_256 < 1.6 * decode_1
     assert cost.forward_ms(0, 256, 256 * 4000, 0) > 2 * decode_1   # long contexts: the KV read dominates
-    assert 200 < prefill_8k < 320           # compute-bound: 8k tokens x 15 GFLOP at 60% of 989 TFLOP/s, plus attention
+    assert 200 < prefill_8k < 320           # compute-bound: 8k tokens x 15 GFLOP at 59% of 989 TFLOP/s, plus attention
 
 
 def test_kv_reserve_holds_the_whole_context_from_admission(make_engine):
