@@ -19,6 +19,7 @@ from kvtrace.workload.format import (
     validate_lengths,
     workload_sha256,
 )
+from kvtrace.workload.from_run import workload_from_run
 from kvtrace.workload.importers import FORMATS, ImportOptions, import_trace
 from kvtrace.workload.synth import PRESETS, SynthConfig, generate
 
@@ -116,6 +117,19 @@ def import_(
     command = _command_line(["import", fmt, str(file)], {k: v for k, v in given.items() if k not in ("fmt", "file")})
     _write(result.requests, out, [command, *result.comments])
     typer.echo(result.summary(str(file)), err=True)
+
+
+@workload_app.command("from-run")
+@user_errors
+def from_run(
+    run: Annotated[Path, typer.Argument(help="A run folder: kvtrace's engine, the simulator or a vLLM capture.")],
+    out: OutOption = None,
+) -> None:
+    """A run's traffic as a workload: arrivals, prompt lengths, where each request stopped, priority, n,
+    sampling, and the prompts' shared blocks as hash_ids at the run's block size; no token content."""
+    result = workload_from_run(run)
+    _write(result.requests, out, [shlex.join(["kvtrace", "workload", "from-run", str(run)]), *result.comments(run)])
+    typer.echo(result.summary(run, str(out or "stdout")), err=True)
 
 
 def _percentiles(values: list[int]) -> str:
