@@ -185,3 +185,9 @@ def check(
     typer.echo(f"output tokens (max_tokens): {_percentiles(outputs)}, total {sum(outputs)}")
     if groups:
         typer.echo(f"prefix groups: {len(groups)}, over {sum(r.prefix_group is not None for r in requests)} requests")
+    hashed = [r for r in requests if r.hash_ids]
+    if hashed:
+        blocks = [(r.hash_block_size, h) for r in hashed for h in r.hash_ids]
+        sizes = ", ".join(str(size) for size in sorted({r.hash_block_size for r in hashed}))
+        typer.echo(f"block hashes: {len(hashed)} requests, {len(set(blocks))} distinct blocks of {sizes} tokens, "
+                   f"{len(blocks) - len(set(blocks))} repeat an earlier request's")

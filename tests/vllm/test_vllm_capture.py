@@ -306,3 +306,41 @@ def test_ctrl_c_leaves_a_readable_interrupted_trace(workload, tmp_path):
     assert sum(reasons.values()) == 16 and reasons.get("aborted", 0) > 0   # every request accounted for
     assert con.execute("SELECT count(*) FROM tokens").fetchone()[0] > 0
     assert not (run / ".vllm-capture").exists()
+
+
+# the captured traffic replayed by the simulator (docs/sweep.md, "What if, on a run's traffic"): a backlog
+# decides no scheduling by time, so preemptions and prefix hits are the scheduler's own (kvtrace's against
+# vLLM's, on the same pool); TTFT and ITL come from a cost model fitted to this run's own steps (host
+# times of a CPU shared with other work: the fit's error is what the latency tolerances allow for)
+ROUND_TRIP_TOLERANCES = {"preemptions": 0.25, "prefix_hit_tokens": 0.25, "ttft_p50_ms": 0.35, "ttft_p99_ms": 0.35,
+                         "itl_p50_ms": 0.35, "itl_p99_ms": 0.6}
+
+
+def test_the_captured_traffic_replays_in_the_simulator_within_tolerances(recorded, tmp_path):
+    traffic = tmp_path / "traffic.jsonl"
+    kvtrace("workload", "from-run", recorded, "-o", traffic)
+    profile = tmp_path / "calibrated.json"
+    kvtrace("calibrate", recorded, "-o", profile)
+    settings = json.loads((recorded / "meta.json").read_text())["vllm"]["settings"]
+    sim = tmp_path / "sim"
+    kvtrace("record", "--engine", "sim", "--hardware", profile, "--model", "smollm2-135m", "--dtype", "float32",
+            "-w", traffic, "-o", sim, "--backlog", "--block-size", settings["block_size"],
+            "--num-gpu-blocks", settings["num_gpu_blocks"] - 1, "--max-num-seqs", settings["max_num_seqs"],
+            "--max-num-batched-tokens", settings["max_num_batched_tokens"], "-q")
+    figures = {}
+    for name, run in (("vllm", recorded), ("sim", sim)):
+        con = db.connect([run])
+        summary = db.run_analysis(con, "summary").to_pylist()[0]
+        summary["prefix_hit_tokens"] = con.execute("SELECT sum(prefix_hit_tokens) FROM requests").fetchone()[0]
+        figures[name] = summary
+    lines = [f"{'':18}{'vLLM':>12}{'simulated':>12}{'error':>9}{'allowed':>9}"]
+    errors = {}
+    for key, allowed in ROUND_TRIP_TOLERANCES.items():
+        real, predicted = figures["vllm"][key], figures["sim"][key]
+        errors[key] = abs(predicted - real) / max(abs(real), 1e-9)
+        lines.append(f"{key:18}{real:>12.4g}{predicted:>12.4g}{100 * errors[key]:>8.1f}%{100 * allowed:>8.0f}%")
+    print("\n".join(lines))   # side by side (pytest -s)
+    assert figures["vllm"]["preemptions"] > 0 and figures["vllm"]["prefix_hit_tokens"] > 0
+    assert figures["sim"]["completed_requests"] == figures["vllm"]["completed_requests"] == 16
+    over = {k: f"{100 * e:.0f}%" for k, e in errors.items() if e > ROUND_TRIP_TOLERANCES[k]}
+    assert not over, "\n".join(lines)

@@ -77,3 +77,14 @@ def test_equal_hashes_hit_the_prefix_cache_in_both_engines(make_engine, engine):
     hits = {e.req_id: e.num_tokens for e in tracer.events if e.kind == "prefix_hit"}
     # b repeats a's two blocks, c its first; d's first block differs, so its second cannot hit (a chain)
     assert hits == {"b": 8, "c": 4}
+
+
+def test_check_counts_the_blocks_hashes_share(tmp_path):
+    rows = [{"arrival_s": 0, "prompt_tokens": 9, "hash_ids": [0, 1], "hash_block_size": 4, "max_tokens": 2},
+            {"arrival_s": 1, "prompt_tokens": 8, "hash_ids": [0, 2], "hash_block_size": 4, "max_tokens": 2}]
+    from typer.testing import CliRunner
+
+    from kvtrace.cli.app import app
+    result = CliRunner().invoke(app, ["workload", "check", str(write_workload(tmp_path / "w.jsonl", rows))])
+    assert result.exit_code == 0, result.output
+    assert "block hashes: 2 requests, 3 distinct blocks of 4 tokens, 1 repeat an earlier request's" in result.stdout
