@@ -158,11 +158,11 @@ def _sampled_requests(con) -> set[str]:
     """Requests of n > 1 whose samples' recorded token ids differ (so they were not greedy)."""
     rows = con.execute("""
         WITH samples AS (
-            SELECT req_id, sample, list(token_id ORDER BY idx) AS ids FROM tokens
-            WHERE token_id IS NOT NULL GROUP BY req_id, sample)
-        SELECT req_id FROM samples GROUP BY req_id
-        HAVING count(*) > 1 AND count(DISTINCT ids[1:(SELECT min(len(s.ids)) FROM samples s
-                                                      WHERE s.req_id = samples.req_id)]) > 1""").fetchall()
+            SELECT req_id, list(token_id ORDER BY idx) AS ids FROM tokens
+            WHERE token_id IS NOT NULL GROUP BY req_id, sample),
+        cut AS (   -- each sample's ids up to the shortest sample's length
+            SELECT req_id, ids[1:min(len(ids)) OVER (PARTITION BY req_id)] AS ids FROM samples)
+        SELECT req_id FROM cut GROUP BY req_id HAVING count(DISTINCT ids) > 1""").fetchall()
     return {row[0] for row in rows}
 
 
