@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Annotated
@@ -19,8 +21,11 @@ from kvtrace.errors import KvtraceError
 from kvtrace.sweep.grid import MAX_POINTS_WITHOUT_YES, grid_size, parse_grid, record_knobs
 from kvtrace.sweep.runner import LocalRunner, RayRunner, Sweep, make_spec, point_command, threads_per_point
 from kvtrace.sweep.view import objective, points_of, recommend, summary_rows, table
+from kvtrace.workload.format import save_workload
+from kvtrace.workload.from_run import workload_from_run
 
 PARAM_HELP = "A parameter of sweep_summary.sql (SLOs, thrash thresholds), NAME=VALUE."
+FROM_RUN_WORKLOAD = "from-run.jsonl"   # in the sweep folder: the workload `--from-run` made of the run
 
 
 class RunByDefault(TyperGroup):
@@ -102,9 +107,10 @@ class ProgressLine:
 @user_errors
 def run(
     ctx: typer.Context,
-    workload: Annotated[Path, typer.Option("--workload", "-w", help="Workload JSONL, replayed at every point.")],
     set_: Annotated[list[str], typer.Option("--set", help="KNOB=VALUES: a record option and its values, a list "
                                                           "(16,32,64) or a range (64:512:x2, 0.5GiB:4GiB:+0.5GiB).")],
+    workload: Annotated[Path | None, typer.Option("--workload", "-w", help="Workload JSONL, replayed at every point.")]
+    = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Sweep folder (default: sweeps/<time>).")] = None,
     jobs: Annotated[int | None, typer.Option(help="Points run at once as local processes, each with its share of "
                                                   "the cores (default: one per core).")] = None,
@@ -116,15 +122,22 @@ def run(
     objective_name: Annotated[str, typer.Option("--objective", help="What 'best' means in the final table.")]
     = "goodput",
     param: Annotated[list[str] | None, typer.Option("--param", "-p", help=PARAM_HELP)] = None,
+    from_run: Annotated[Path | None, typer.Option(
+        "--from-run", metavar="RUN",
+        help=f"Instead of -w: the traffic of this run (kvtrace workload from-run), kept as {FROM_RUN_WORKLOAD} "
+             "in the sweep folder.")] = None,
 ) -> None:
     """Replay WORKLOAD at every point of a grid of `kvtrace record` settings (any record option may
     be swept with --set; other record options given here are shared by every point), then show the
     table and the knee. Re-running the same command resumes: completed points are kept.
-    `kvtrace sweep --workload ...` is the same as `kvtrace sweep run --workload ...`.
+    `kvtrace sweep --workload ...` is the same as `kvtrace sweep run --workload ...`; `--from-run RUN`
+    sweeps a run's traffic instead (docs/sweep.md, "What if, on a run's traffic").
 
     Example: kvtrace sweep -w chat.jsonl --model tiny --backlog --set max_num_seqs=8:64:x2
     --set preemption_mode=recompute,swap -o sweeps/chat
     """
+    if (workload is None) == (from_run is None):
+        raise KvtraceError("give the traffic to replay: --workload FILE or --from-run RUN (one of them)")
     obj = objective(objective_name)
     knobs = record_knobs(_record_command())
     shared = list(ctx.args)
@@ -139,8 +152,10 @@ def run(
         raise KvtraceError(f"--cpus-per-point must be >= 1, got {cpus_per_point}")
     folder = out or Path("sweeps") / time.strftime("%Y%m%d-%H%M%S")
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", folder.resolve().name)
-    spec = make_spec(name, workload, shared, grid)
-    sweep = Sweep.open(folder, spec)
+    if from_run is None:
+        sweep = Sweep.open(folder, make_spec(name, workload, shared, grid))
+    else:
+        sweep = _open_from_run(folder, name, from_run, shared, grid)
     _validate_points(sweep, knobs)
     sweep.refresh()
     parallel = jobs or threads_per_point(1)
@@ -171,6 +186,26 @@ def run(
         _show(folder, obj, parse_params(param), as_json=False)
     if failed:
         raise typer.Exit(code=1)
+
+
+def _open_from_run(folder: Path, name: str, run: Path, shared: list[str], grid: dict[str, list[str]]) -> Sweep:
+    """The sweep of a run's traffic: the workload is made first, beside the folder, and moved into it
+    only once the folder is known to be this sweep's (new, or the same one resumed: the same bytes)."""
+    result = workload_from_run(run)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    fd, staged = tempfile.mkstemp(prefix=f".{folder.name}.", suffix=".jsonl", dir=folder.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            save_workload(result.requests, f, comments=[f"kvtrace workload from-run {run}", *result.comments(run)])
+        spec = make_spec(name, Path(staged), shared, grid)
+        spec.workload = str(folder / FROM_RUN_WORKLOAD)
+        sweep = Sweep.open(folder, spec)
+        folder.mkdir(parents=True, exist_ok=True)
+        os.replace(staged, folder / FROM_RUN_WORKLOAD)
+    finally:
+        if os.path.exists(staged):
+            os.unlink(staged)
+    return sweep
 
 
 def _show(folder: Path, obj, params: dict[str, str], as_json: bool) -> None:

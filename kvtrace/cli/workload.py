@@ -19,6 +19,7 @@ from kvtrace.workload.format import (
     validate_lengths,
     workload_sha256,
 )
+from kvtrace.workload.from_run import workload_from_run
 from kvtrace.workload.importers import FORMATS, ImportOptions, import_trace
 from kvtrace.workload.synth import PRESETS, SynthConfig, generate
 
@@ -118,6 +119,19 @@ def import_(
     typer.echo(result.summary(str(file)), err=True)
 
 
+@workload_app.command("from-run")
+@user_errors
+def from_run(
+    run: Annotated[Path, typer.Argument(help="A run folder: kvtrace's engine, the simulator or a vLLM capture.")],
+    out: OutOption = None,
+) -> None:
+    """A run's traffic as a workload: arrivals, prompt lengths, where each request stopped, priority, n,
+    sampling, and the prompts' shared blocks as hash_ids at the run's block size; no token content."""
+    result = workload_from_run(run)
+    _write(result.requests, out, [shlex.join(["kvtrace", "workload", "from-run", str(run)]), *result.comments(run)])
+    typer.echo(result.summary(run, str(out or "stdout")), err=True)
+
+
 def _percentiles(values: list[int]) -> str:
     if not values:
         return "-"
@@ -171,3 +185,9 @@ def check(
     typer.echo(f"output tokens (max_tokens): {_percentiles(outputs)}, total {sum(outputs)}")
     if groups:
         typer.echo(f"prefix groups: {len(groups)}, over {sum(r.prefix_group is not None for r in requests)} requests")
+    hashed = [r for r in requests if r.hash_ids]
+    if hashed:
+        blocks = [(r.hash_block_size, h) for r in hashed for h in r.hash_ids]
+        sizes = ", ".join(str(size) for size in sorted({r.hash_block_size for r in hashed}))
+        typer.echo(f"block hashes: {len(hashed)} requests, {len(set(blocks))} distinct blocks of {sizes} tokens, "
+                   f"{len(blocks) - len(set(blocks))} repeat an earlier request's")

@@ -7,6 +7,7 @@ deterministically, so that a workload file stays small and a replay stays reprod
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import math
@@ -24,7 +25,7 @@ from kvtrace.errors import KvtraceError
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "prompt_tokens")
 FIELDS = ("id", "arrival_s", *PROMPT_FIELDS, "max_tokens", "output_tokens", "ignore_eos", "n", "priority",
-          "temperature", "top_p", "seed", "prefix_group", "prefix_tokens")
+          "temperature", "top_p", "seed", "prefix_group", "prefix_tokens", "hash_ids", "hash_block_size")
 NUM_SPECIAL_IDS = 17   # SmolLM2's ids 0..16 are special tokens; synthetic prompts avoid that range
 MAX_LISTED = 10        # problems listed in one error message before "and N more"
 
@@ -48,6 +49,8 @@ class WorkloadRequest:
     seed: int | None = None                  # sampling seed
     prefix_group: str | None = None          # requests of a group share their first prefix_tokens ids
     prefix_tokens: int | None = None
+    hash_ids: list[int] | None = None        # one per full block of a count prompt: equal ids, equal blocks
+    hash_block_size: int | None = None       # tokens per hash id; comes with hash_ids
     line: int = 0                            # line in the file it came from (0: not from a file)
 
     def __post_init__(self) -> None:
@@ -64,7 +67,8 @@ class WorkloadRequest:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         for name, default in (("n", 1), ("priority", 0), ("temperature", 0.0), ("top_p", 1.0),
-                              ("seed", None), ("prefix_group", None), ("prefix_tokens", None)):
+                              ("seed", None), ("prefix_group", None), ("prefix_tokens", None),
+                              ("hash_ids", None), ("hash_block_size", None)):
             if getattr(self, name) != default:
                 out[name] = getattr(self, name)
         return out
@@ -95,6 +99,8 @@ _TYPES = {
     "seed": (_is_int, "an integer"),
     "prefix_group": (lambda v: isinstance(v, str), "a string"),
     "prefix_tokens": (_is_int, "an integer"),
+    "hash_ids": (lambda v: isinstance(v, list) and all(map(_is_int, v)), "a list of integers"),
+    "hash_block_size": (_is_int, "an integer"),
 }
 
 
@@ -120,7 +126,7 @@ def _value_problems(req: WorkloadRequest | SimpleNamespace) -> list[str]:
             problems.append("prompt_token_ids must not be empty")
         elif min(req.prompt_token_ids) < 0:
             problems.append(f"prompt_token_ids must be >= 0, got {min(req.prompt_token_ids)}")
-    for name in ("prompt_tokens", "max_tokens", "output_tokens", "n", "prefix_tokens"):
+    for name in ("prompt_tokens", "max_tokens", "output_tokens", "n", "prefix_tokens", "hash_block_size"):
         value = getattr(req, name)
         if value is not None and value < 1:
             problems.append(f"{name} must be >= 1, got {value}")
@@ -140,7 +146,26 @@ def _value_problems(req: WorkloadRequest | SimpleNamespace) -> list[str]:
         elif req.prefix_tokens is not None and req.prefix_tokens > req.prompt_tokens:
             problems.append(f"prefix_tokens {req.prefix_tokens} exceeds prompt_tokens {req.prompt_tokens} "
                             "(prompt_tokens counts the whole prompt, prefix included)")
+    problems += _hash_problems(req)
     return problems
+
+
+def _hash_problems(req: WorkloadRequest | SimpleNamespace) -> list[str]:
+    """What is wrong with a request's hash_ids (the prefix structure of a count prompt, block by block)."""
+    if (req.hash_ids is None) != (req.hash_block_size is None):
+        return ["hash_ids and hash_block_size go together (hash_block_size: the tokens each hash id stands for)"]
+    if req.hash_ids is None:
+        return []
+    if req.prompt_tokens is None:
+        return ["hash_ids needs a prompt_tokens count (the prompt's ids are synthesised from the hashes)"]
+    if req.prefix_group is not None:
+        return ["give prefix_group or hash_ids, not both"]
+    if req.hash_block_size is not None and req.hash_block_size >= 1:
+        num_full_blocks = req.prompt_tokens // req.hash_block_size
+        if len(req.hash_ids) > num_full_blocks:
+            return [f"hash_ids has {len(req.hash_ids)} ids but prompt_tokens {req.prompt_tokens} holds only "
+                    f"{num_full_blocks} full blocks of {req.hash_block_size} tokens (one id per full block)"]
+    return []
 
 
 def _parse_line(text: str, line: int) -> tuple[WorkloadRequest | None, list[str]]:
@@ -237,6 +262,11 @@ def synthetic_ids(key: str, num_tokens: int, *, vocab_size: int, seed: int = 0) 
     return rng.integers(low, vocab_size, size=num_tokens).tolist()
 
 
+@functools.lru_cache(maxsize=1 << 16)   # a workload's shared blocks are synthesised once
+def _hash_block_ids(hash_id: int, block_size: int, vocab_size: int, seed: int) -> tuple[int, ...]:
+    return tuple(synthetic_ids(f"block:{block_size}:{hash_id}", block_size, vocab_size=vocab_size, seed=seed))
+
+
 def encode_text(tokenizer, text: str) -> list[int]:
     """Token ids of `text`; takes a tokenizer whose encode() gives a list or an object with `.ids`."""
     encoded = tokenizer.encode(text)
@@ -251,7 +281,11 @@ def resolve_prompt_ids(req: WorkloadRequest, *, vocab_size: int, tokenizer=None,
     """The prompt's token ids: text encoded, ids checked, counts synthesised from (seed, id).
 
     A count prompt in a prefix group is the group's shared prefix (synthesised from (seed, group))
-    followed by the request's own `prompt_tokens - prefix_tokens` ids.
+    followed by the request's own `prompt_tokens - prefix_tokens` ids. A count prompt with hash_ids is
+    one block of `hash_block_size` ids per hash (synthesised from (seed, block size, hash), so equal
+    hashes give equal blocks) followed by the request's own ids:
+
+      [ block of hash_ids[0] ][ block of hash_ids[1] ] ... [ own ids: the rest of prompt_tokens ]
     """
     where = _where(req)
     if req.prompt is not None:
@@ -272,6 +306,8 @@ def resolve_prompt_ids(req: WorkloadRequest, *, vocab_size: int, tokenizer=None,
     prefix: list[int] = []
     if req.prefix_group is not None:
         prefix = synthetic_ids(f"prefix:{req.prefix_group}", req.prefix_tokens, vocab_size=vocab_size, seed=seed)
+    for hash_id in req.hash_ids or ():
+        prefix += _hash_block_ids(hash_id, req.hash_block_size, vocab_size, seed)
     own = synthetic_ids(f"request:{req.id}", req.prompt_tokens - len(prefix), vocab_size=vocab_size, seed=seed)
     return prefix + own
 

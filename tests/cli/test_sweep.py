@@ -321,3 +321,41 @@ def test_a_workload_without_a_knee_is_said_to_have_none(tmp_path):
     assert all(p["preemptions"] == 0 for p in _show(out)["points"])
     sentence = result.stdout.strip().splitlines()[-1]
     assert sentence.startswith("No knee: goodput stays within 5% of its best"), sentence
+
+
+# --------------------------------------------------------------------------- a run's traffic
+
+def test_the_traffic_to_replay_is_one_of_a_workload_and_a_run(tmp_path):
+    line = one_line_error(["sweep", *SHARED, "--set", "max_num_seqs=1,2", "-o", str(tmp_path / "s")])
+    assert line == "kvtrace: error: give the traffic to replay: --workload FILE or --from-run RUN (one of them)"
+    line = one_line_error(["sweep", "-w", str(WORKLOAD), "--from-run", str(tmp_path), "--set", "max_num_seqs=1,2"])
+    assert line == "kvtrace: error: give the traffic to replay: --workload FILE or --from-run RUN (one of them)"
+    assert "cannot be turned into a workload: no meta.json" in one_line_error(
+        ["sweep", "--from-run", str(tmp_path), *SHARED, "--set", "max_num_seqs=1,2", "-o", str(tmp_path / "s")])
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.long  # a recording, then a sweep of two (tens of seconds)
+def test_a_sweep_of_a_runs_traffic_replays_its_workload_and_resumes(tmp_path):
+    run = tmp_path / "run"
+    result = CliRunner().invoke(app, ["record", "-w", str(WORKLOAD), *SIM, "-o", str(run), "-q"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "sweep"
+    args = ["sweep", "--from-run", str(run), *SIM, "--set", "max_num_seqs=2,8", "--jobs", "2", "-o", str(out)]
+    result = subprocess.run([sys.executable, "-m", "kvtrace", *args], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((out / "sweep.json").read_text())
+    assert saved["workload"] == str(out / "from-run.jsonl")
+    assert [p["status"] for p in saved["points"]] == ["completed", "completed"]
+    assert "prefix structure from tokens" in (out / "from-run.jsonl").read_text()
+    # the same command again resumes (the workload made again is the same bytes); another run is another sweep
+    again = subprocess.run([sys.executable, "-m", "kvtrace", *args], capture_output=True, text=True)
+    assert again.returncode == 0 and "2 already completed, 0 to run" in again.stderr
+    before = (out / "from-run.jsonl").read_bytes()
+    other = tmp_path / "other-run"
+    result = CliRunner().invoke(app, ["record", "-w", str(WORKLOAD), *SIM, "--max-requests", "5", "-o", str(other), "-q"])
+    assert result.exit_code == 0, result.output
+    line = one_line_error(["sweep", "--from-run", str(other), *SIM, "--set", "max_num_seqs=2,8", "-o", str(out)])
+    assert "holds another sweep (its workload_sha256 differ)" in line
+    assert (out / "from-run.jsonl").read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []   # no staged file left

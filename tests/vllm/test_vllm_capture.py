@@ -325,3 +325,67 @@ def test_ctrl_c_leaves_a_readable_interrupted_trace(workload, tmp_path):
     assert sum(reasons.values()) == 16 and reasons.get("aborted", 0) > 0   # every request accounted for
     assert con.execute("SELECT count(*) FROM tokens").fetchone()[0] > 0
     assert not (run / ".vllm-capture").exists()
+
+
+# the captured traffic replayed by the simulator (docs/sweep.md, "What if, on a run's traffic"). A backlog
+# decides nothing by time, so preemptions, prefix hits, and TTFT and ITL counted in steps are the two
+# schedulers' own (kvtrace's against vLLM's, on the same pool): tight tolerances. TTFT and ITL in ms come
+# from a cost model fitted to this run's own steps (`kvtrace calibrate`: host times of a CPU); they are
+# held to their tolerances when the host was quiet (calibrate left out at most 10 % of the steps as
+# stalled by other work), and otherwise only from above: a simulator that models no stalls must not
+# predict a slower run than a host that had them.
+ROUND_TRIP_TOLERANCES = {"preemptions": 0.1, "prefix_hit_tokens": 0.1, "ttft_p50_steps": 0.1, "ttft_p99_steps": 0.1,
+                         "itl_p50_steps": 0.1, "itl_p99_steps": 0.1, "ttft_p50_ms": 0.35, "ttft_p99_ms": 0.35,
+                         "itl_p50_ms": 0.35, "itl_p99_ms": 0.6}
+QUIET_HOST_STALLED_SHARE = 0.1
+
+
+def round_trip_figures(run: Path) -> dict[str, float]:
+    """The figures the round trip compares: the summary's, and TTFT / ITL counted in steps."""
+    con = db.connect([run])
+    figures = db.run_analysis(con, "summary").to_pylist()[0]
+    figures["prefix_hit_tokens"] = con.execute("SELECT sum(prefix_hit_tokens) FROM requests").fetchone()[0]
+    first_step = con.execute("SELECT min(step) FROM steps").fetchone()[0]
+    ttft = con.execute("""SELECT quantile_cont(first, 0.5), quantile_cont(first, 0.99) FROM (
+                              SELECT min(step) - $1 + 1 AS first FROM tokens GROUP BY req_id, sample)""",
+                       [first_step]).fetchone()
+    itl = con.execute("""SELECT quantile_cont(step - prev_step, 0.5), quantile_cont(step - prev_step, 0.99)
+                         FROM tokens WHERE prev_step IS NOT NULL""").fetchone()
+    figures.update(ttft_p50_steps=ttft[0], ttft_p99_steps=ttft[1], itl_p50_steps=itl[0], itl_p99_steps=itl[1])
+    return figures
+
+
+def round_trip_table(real: dict, predicted: dict, quiet: bool) -> tuple[list[str], list[str]]:
+    """The side-by-side lines, and the figures outside their tolerance."""
+    lines = [f"{'':18}{'captured':>12}{'simulated':>12}{'error':>9}{'allowed':>9}"]
+    over = []
+    for key, allowed in ROUND_TRIP_TOLERANCES.items():
+        error = (predicted[key] - real[key]) / max(abs(real[key]), 1e-9)
+        one_sided = key.endswith("_ms") and not quiet
+        lines.append(f"{key:18}{real[key]:>12.4g}{predicted[key]:>12.4g}{100 * error:>+8.1f}%"
+                     f"{('<=+' if one_sided else '±') + f'{100 * allowed:.0f}%':>9}")
+        if (error > allowed) if one_sided else (abs(error) > allowed):
+            over.append(key)
+    return lines, over
+
+
+def test_the_captured_traffic_replays_in_the_simulator_within_tolerances(recorded, tmp_path):
+    traffic = tmp_path / "traffic.jsonl"
+    kvtrace("workload", "from-run", recorded, "-o", traffic)
+    profile = tmp_path / "calibrated.json"
+    kvtrace("calibrate", recorded, "-o", profile)
+    fit = json.loads(profile.read_text())["fitted_on"]["error"]
+    stalled_share = fit["stalled_steps"] / (fit["steps"] + fit["stalled_steps"])
+    settings = json.loads((recorded / "meta.json").read_text())["vllm"]["settings"]
+    sim = tmp_path / "sim"
+    kvtrace("record", "--engine", "sim", "--hardware", profile, "--model", "smollm2-135m", "--dtype", "float32",
+            "-w", traffic, "-o", sim, "--backlog", "--block-size", settings["block_size"],
+            "--num-gpu-blocks", settings["num_gpu_blocks"] - 1, "--max-num-seqs", settings["max_num_seqs"],
+            "--max-num-batched-tokens", settings["max_num_batched_tokens"], "-q")
+    real, predicted = round_trip_figures(recorded), round_trip_figures(sim)
+    lines, over = round_trip_table(real, predicted, quiet=stalled_share <= QUIET_HOST_STALLED_SHARE)
+    lines.append(f"calibrate left out {100 * stalled_share:.0f}% of the steps as stalled")
+    print("\n".join(lines))   # side by side (pytest -s)
+    assert real["preemptions"] > 0 and real["prefix_hit_tokens"] > 0
+    assert predicted["completed_requests"] == real["completed_requests"] == 16
+    assert not over, "\n".join(lines)
