@@ -99,7 +99,7 @@ def run(workload: dict, bug: str | None = None) -> list[dict]:
     pending = sorted(workload["requests"], key=lambda r: r["arrival_step"])
     steps: list[dict] = []
     step = 0
-    max_steps = workload.get("max_steps", 100_000)
+    max_steps = workload.get("max_steps", 3000)
 
     def active() -> bool:   # requests to serve, or (async) a step in flight whose output is to process
         in_flight = engine._in_flight

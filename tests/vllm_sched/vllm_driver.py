@@ -111,7 +111,11 @@ def run(model: str, workload: dict) -> list[dict]:
     steps: list[dict] = []
     prev = None
     step = 0
-    max_steps = workload.get("max_steps", 100_000)
+    max_steps = workload.get("max_steps", 3000)
+    # vLLM's frontend stamps each request with its own arrival time (a request's samples share it):
+    # requests arriving in one step keep their order, as kvtrace's arrival order does
+    for index, r in enumerate(pending):
+        r["arrival_time"] = r["arrival_step"] + index * 1e-6
     while pending or sched.has_unfinished_requests() or prev is not None:
         if not sched.has_unfinished_requests() and pending and prev is None:
             step = max(step, pending[0]["arrival_step"])   # idle until the next arrival
@@ -121,7 +125,7 @@ def run(model: str, workload: dict) -> list[dict]:
                 params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True)
                 sched.add_request(Request(request_id=f"{r['id']}:{sample}", prompt_token_ids=list(r["prompt"]),
                                           sampling_params=params, pooling_params=None,
-                                          arrival_time=float(r["arrival_step"]), priority=r.get("priority", 0),
+                                          arrival_time=r["arrival_time"], priority=r.get("priority", 0),
                                           block_hasher=hasher))
         if not sched.has_unfinished_requests() and prev is None:
             continue
@@ -143,12 +147,13 @@ def run(model: str, workload: dict) -> list[dict]:
                 kind = "resumed" if statuses[rid][1] > 0 else "new"
                 admitted.append([rid, kind, request.num_computed_tokens - n, after[rid]])
         preempted = list(rec.preempted)
-        if cfg["async"]:
+        executed = output_for(sched, so)   # what the model runner returns for this step, run now
+        if cfg["async"]:   # the engine core's batch queue: this step's output is processed next step
             if prev is not None:
-                sched.update_from_output(prev, output_for(sched, prev))
-            prev = so if so.total_num_scheduled_tokens else None
+                sched.update_from_output(*prev)
+            prev = (so, executed) if so.total_num_scheduled_tokens else None
         else:
-            sched.update_from_output(so, output_for(sched, so))
+            sched.update_from_output(so, executed)
         _, _, queue = rec.pool()
         record = {"step": step, "scheduled": scheduled, "preempted": preempted, "admitted": admitted,
                   "grown": grown, "num_free": num_free, "num_cached": num_cached,
@@ -160,9 +165,6 @@ def run(model: str, workload: dict) -> list[dict]:
         step += 1
         if len(steps) > max_steps:
             raise RuntimeError(f"no end after {max_steps} steps")
-        if prev is None and not so.total_num_scheduled_tokens and not rec.finished and not pending \
-                and sched.has_unfinished_requests():
-            raise RuntimeError("stuck: nothing scheduled, nothing finished, nothing to arrive")
     return steps
 
 
