@@ -171,6 +171,9 @@ def run(model: str, workload: dict) -> list[dict]:
 def main() -> int:
     model = sys.argv[1]
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # no model runs: vLLM's CPU platform, also for a GPU wheel on a machine without one (its
+    # scheduler is the same Python; scripts/vllm_sched_env.sh's 0.33 venv is such a wheel)
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     out = os.fdopen(os.dup(1), "w", buffering=1)   # stdout carries only the answers
     os.dup2(2, 1)
     import vllm
