@@ -67,7 +67,7 @@ def workloads(draw, asynchronous: bool) -> dict:
     need = [-(-positions(len(r["prompt"]), r["max_tokens"], max_model_len) // block_size) for r in requests]
     total = sum(n * r["n"] for n, r in zip(need, requests))
     slack = max(total - max(need), 0)   # 0: just fits the longest request; slack: holds every request at once
-    num_blocks = max(need) + draw(st.sampled_from([0, 1, 2, slack // 4, slack // 2, slack + 4]))
+    num_blocks = max(need) + draw(st.sampled_from([0, 0, 1, 2, slack // 4, slack // 2, slack + 4]))
     return {"config": {"block_size": block_size, "num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
                        "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
                        "long_prefill_token_threshold": threshold, "policy": policy, "async": asynchronous,
