@@ -115,6 +115,14 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
     return PoolGeometry(num_gpu_blocks, num_cpu_blocks, config.block_size, bytes_per_block, derivation)
 
 
+def in_batch_order(seqs: list[Sequence], out: SchedulerOutput) -> list[Sequence]:
+    """The sequences in the order the step scheduled them, which is the order V1 frees those that
+    finish (update_from_output walks the scheduled requests); samples forked this step (--n-mode cow)
+    come last. The executor's sampling order differs: decodes first, then prefill chunks."""
+    position = {id(seq): i for i, seq in enumerate(out.seqs)}
+    return sorted(seqs, key=lambda seq: position.get(id(seq), len(position)))
+
+
 @dataclass
 class _InFlight:
     """A step scheduled and run whose output is not processed yet (async scheduling)."""
@@ -171,7 +179,7 @@ class LLMEngine:
                                    preemption_policy=config.preemption_policy,
                                    long_prefill_token_threshold=config.long_prefill_token_threshold,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
-                                   swap_groups=config.n_mode == NMode.COW)
+                                   swap_groups=config.n_mode == NMode.COW, max_model_len=self.max_model_len)
         self.runner: Executor
         if self.simulated:
             self.model = None
@@ -279,10 +287,9 @@ class LLMEngine:
         self._pending_finished = []
         # --n-mode cow, rejected before forking: every sample finishes
         finished += [s for seq in finished if seq.num_pending_forks for s in self._unforked_samples(seq)]
-        for seq, _ in emitted:
-            if seq.finish_reason:
-                finished.append(seq)
-                self.scheduler.finish(seq)
+        for seq in in_batch_order([seq for seq, _ in emitted if seq.finish_reason], out):
+            finished.append(seq)
+            self.scheduler.finish(seq)
         for seq in out.rejected:
             seq.status = SequenceStatus.FINISHED
             self.block_manager.free_host(seq)  # a swapped sequence that outgrew the pool
@@ -322,7 +329,7 @@ class LLMEngine:
         if prev is not None:   # the previous step's output: deliver, check stops
             end_s = self.now()
             emitted = self._deliver(prev.sampled, end_s)
-            stopped = [seq for seq, _ in emitted if seq.finish_reason]
+            stopped = in_batch_order([seq for seq, _ in emitted if seq.finish_reason], prev.out)
         result = self.runner.execute(out)   # before the frees: a just-stopped sequence may still run
         num_recompute = self._account(out, start_s) if out.seqs else 0
         events += bm.take_events()

@@ -72,7 +72,7 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  preemption_mode: str, preemption_policy: str, long_prefill_token_threshold: int = 0,
-                 enable_chunked_prefill: bool = True, swap_groups: bool = False) -> None:
+                 enable_chunked_prefill: bool = True, swap_groups: bool = False, max_model_len: int = 0) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -81,6 +81,7 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.enable_chunked_prefill = enable_chunked_prefill
         self.swap_groups = swap_groups          # --n-mode cow: a request's samples swap together
+        self.max_model_len = max_model_len      # a sequence stops at this many tokens (0: no limit)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # in admission order, oldest first
         self.swapped: deque[Sequence] = deque()
@@ -118,6 +119,13 @@ class Scheduler:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
+            if self.max_model_len and num_new > self.max_model_len - 1 - seq.num_computed_tokens:
+                # no input position at or past the max model length: async, a sequence whose
+                # in-flight token reaches it is not scheduled again (it finishes on delivery)
+                num_new = self.max_model_len - 1 - seq.num_computed_tokens
+                if num_new <= 0:
+                    i += 1
+                    continue
             preempted_self = False
             while not bm.can_grow(seq, num_new):
                 victim, why = self._pick_victim(seq)
@@ -216,7 +224,7 @@ class Scheduler:
             if seq.num_pending_forks and running and len(running) + num_forks + 1 + seq.num_pending_forks > self.max_num_seqs:
                 out.admission_stop = AdmissionStop.SEATS
                 break
-            if not bm.can_ever_hold(max(seq.num_tokens + 1, seq.num_reserved_tokens)):
+            if not bm.can_ever_hold(max(self._num_positions_to_progress(seq), seq.num_reserved_tokens)):
                 self.waiting.remove(seq)
                 seq.finish_reason = FinishReason.REJECTED if seq.num_output_tokens == 0 else FinishReason.CAPACITY
                 out.rejected.append(seq)
@@ -261,9 +269,20 @@ class Scheduler:
         self._admit_counter += 1
         self.running.append(seq)
 
+    def _num_positions_to_progress(self, seq: Sequence) -> int:
+        """KV positions a waiting sequence needs to get past its next token: its tokens, and the
+        position of the token it samples next unless that token is its last (the last sampled token
+        is never stored). V1 admits a prompt that exactly fills the pool with max_tokens 1; one that
+        would need one block more to decode can never finish (V1 would preempt it forever): it is
+        rejected instead."""
+        last = (seq.num_output_tokens + 1 >= seq.stop_length
+                or 0 < self.max_model_len <= seq.num_tokens + 1)
+        return seq.num_tokens if last else seq.num_tokens + 1
+
     def _next_waiting(self) -> Sequence:
         if self.preemption_policy == PreemptionPolicy.PRIORITY:
-            return min(self.waiting, key=urgency)
+            # V1's waiting heap breaks a tie by request id: a request's samples in index order
+            return min(self.waiting, key=lambda seq: (*urgency(seq), seq.sample))
         return self.waiting[0]
 
     def _admit(self, seq: Sequence, reason: str, num_tokens: int) -> None:

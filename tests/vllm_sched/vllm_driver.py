@@ -1,0 +1,198 @@
+"""vLLM's own Scheduler / AsyncScheduler stepped without a model: the vLLM side of the scheduler-level
+differential (tests/vllm_sched/test_sched_differential.py).
+
+Runs inside a vLLM venv with the standard library and vLLM only. The scheduler is built as vLLM's
+unit tests build it (tests/v1/core/utils.py, create_scheduler): configs by hand, a KVCacheConfig of
+one full-attention group, no tokenizer, no workers. Each model output is a placeholder: one token
+(-1, what kvtrace's simulator samples for a greedy sequence) for every scheduled request that is
+not a prefill chunk; no EOS, so requests finish by max_tokens or max_model_len.
+
+    python vllm_driver.py MODEL_FOLDER < workloads.jsonl > records.jsonl
+
+One workload a line in ({"config": {...}, "requests": [...]}, tests/vllm_sched/workloads.py says the
+fields), one answer a line out: {"steps": [STEP, ...]} or {"error": "..."}. A STEP is
+tests/vllm_sched/record.py's: kvtrace's side writes the same.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+TOKEN = -1   # the placeholder every step samples (kvtrace's GREEDY_TOKEN)
+HASH_FN = None   # the block hash function, set once vLLM is imported
+
+
+def build(model: str, cfg: dict):
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    block_size = cfg["block_size"]
+    num_blocks = cfg["num_blocks"] + 1   # kvtrace counts usable blocks; vLLM's pool holds the null block too
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=cfg["max_num_seqs"], max_num_batched_tokens=cfg["max_num_batched_tokens"],
+        max_model_len=cfg["max_model_len"], is_encoder_decoder=False,
+        long_prefill_token_threshold=cfg["long_prefill_token_threshold"], enable_chunked_prefill=True,
+        policy=cfg["policy"], async_scheduling=cfg["async"])
+    model_config = ModelConfig(model=model, skip_tokenizer_init=True, dtype="float32", seed=0,
+                               max_model_len=cfg["max_model_len"])
+    cache_config = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
+                               enable_prefix_caching=cfg["enable_prefix_caching"])
+    vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config,
+                             cache_config=cache_config)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size, num_kv_heads=1, head_size=1,
+                                                                       dtype=torch.float32))])
+    cache_config.num_gpu_blocks = num_blocks
+    cls = AsyncScheduler if cfg["async"] else Scheduler
+    return cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=False,
+               structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size)
+
+
+class Recorder:
+    """Watches one scheduler: preemptions and frees in the order vLLM makes them."""
+
+    def __init__(self, sched) -> None:
+        self.sched = sched
+        self.preempted: list[str] = []
+        self.finished: list[str] = []
+        preempt, free = sched._preempt_request, sched._free_request
+
+        def _preempt_request(request, *args, **kwargs):
+            self.preempted.append(request.request_id)
+            return preempt(request, *args, **kwargs)
+
+        def _free_request(request, *args, **kwargs):
+            self.finished.append(request.request_id)
+            return free(request, *args, **kwargs)
+
+        sched._preempt_request = _preempt_request
+        sched._free_request = _free_request
+
+    def tables(self) -> dict[str, list[int]]:
+        kvm = self.sched.kv_cache_manager
+        return {rid: list(kvm.get_block_ids(rid)[0]) for rid in self.sched.requests
+                if self.sched.requests[rid].status.name == "RUNNING"}
+
+    def pool(self) -> tuple[int, int, list[int]]:
+        pool = self.sched.kv_cache_manager.block_pool
+        free = pool.free_block_queue.get_all_free_blocks()
+        return len(free), sum(1 for b in free if b.block_hash is not None), [b.block_id for b in free]
+
+
+def output_for(sched, so):
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(so.num_scheduled_tokens)
+    sampled = []
+    for rid in req_ids:
+        request = sched.requests.get(rid)
+        sampled.append([] if request is None or request.is_prefill_chunk else [TOKEN])
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=sampled)
+
+
+def run(model: str, workload: dict) -> list[dict]:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    cfg = workload["config"]
+    sched = build(model, cfg)
+    rec = Recorder(sched)
+    hasher = get_request_block_hasher(cfg["block_size"], HASH_FN)
+    pending = sorted(workload["requests"], key=lambda r: r["arrival_step"])   # stable: file order within a step
+    steps: list[dict] = []
+    prev = None
+    step = 0
+    max_steps = workload.get("max_steps", 3000)
+    # vLLM's frontend stamps each request with its own arrival time (a request's samples share it):
+    # requests arriving in one step keep their order, as kvtrace's arrival order does
+    for index, r in enumerate(pending):
+        r["arrival_time"] = r["arrival_step"] + index * 1e-6
+    while pending or sched.has_unfinished_requests() or prev is not None:
+        if not sched.has_unfinished_requests() and pending and prev is None:
+            step = max(step, pending[0]["arrival_step"])   # idle until the next arrival
+        while pending and pending[0]["arrival_step"] <= step:
+            r = pending.pop(0)
+            for sample in range(r.get("n", 1)):
+                params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True)
+                sched.add_request(Request(request_id=f"{r['id']}:{sample}", prompt_token_ids=list(r["prompt"]),
+                                          sampling_params=params, pooling_params=None,
+                                          arrival_time=r["arrival_time"], priority=r.get("priority", 0),
+                                          block_hasher=hasher))
+        if not sched.has_unfinished_requests() and prev is None:
+            continue
+        before = rec.tables()
+        statuses = {rid: (req.status.name, req.num_preemptions) for rid, req in sched.requests.items()}
+        rec.preempted, rec.finished = [], []
+        so = sched.schedule()
+        after = rec.tables()
+        num_free, num_cached, _ = rec.pool()
+        scheduled = [[rid, n] for rid, n in so.num_scheduled_tokens.items()]
+        admitted, grown = [], []
+        for rid, n in scheduled:
+            request = sched.requests[rid]
+            if rid in before:
+                new = after[rid][len(before[rid]):]
+                if new:
+                    grown.append([rid, new])
+            else:
+                kind = "resumed" if statuses[rid][1] > 0 else "new"
+                admitted.append([rid, kind, request.num_computed_tokens - n, after[rid]])
+        preempted = list(rec.preempted)
+        executed = output_for(sched, so)   # what the model runner returns for this step, run now
+        if cfg["async"]:   # the engine core's batch queue: this step's output is processed next step
+            if prev is not None:
+                sched.update_from_output(*prev)
+            prev = (so, executed) if so.total_num_scheduled_tokens else None
+        else:
+            sched.update_from_output(so, executed)
+        _, _, queue = rec.pool()
+        record = {"step": step, "scheduled": scheduled, "preempted": preempted, "admitted": admitted,
+                  "grown": grown, "num_free": num_free, "num_cached": num_cached,
+                  "finished": list(rec.finished), "free_queue": queue}
+        if cfg["async"]:
+            record["placeholders"] = sorted([rid, req.num_output_placeholders] for rid, req in sched.requests.items()
+                                            if req.num_output_placeholders)
+        steps.append(record)
+        step += 1
+        if len(steps) > max_steps:
+            raise RuntimeError(f"no end after {max_steps} steps")
+    return steps
+
+
+def main() -> int:
+    model = sys.argv[1]
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # no model runs: vLLM's CPU platform, also for a GPU wheel on a machine without one (its
+    # scheduler is the same Python; scripts/vllm_sched_env.sh's 0.33 venv is such a wheel)
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    out = os.fdopen(os.dup(1), "w", buffering=1)   # stdout carries only the answers
+    os.dup2(2, 1)
+    import vllm
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    global HASH_FN
+    from vllm.utils.hashing import sha256
+    HASH_FN = sha256   # what vLLM's prefix cache hashes with by default (bytes: the pool appends a group id)
+    init_none_hash(HASH_FN)
+    out.write(json.dumps({"ready": True, "vllm_version": vllm.__version__}) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            answer = {"steps": run(model, json.loads(line))}
+        except Exception as exc:   # say it and carry on: one workload's failure is the test's report
+            answer = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+        out.write(json.dumps(answer) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

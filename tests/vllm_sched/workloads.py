@@ -1,0 +1,84 @@
+"""Hypothesis workloads for the scheduler-level differential.
+
+A workload is {"config": CONFIG, "requests": [REQUEST, ...]}:
+    CONFIG   block_size, num_blocks (usable, the null block not counted), max_num_seqs,
+             max_num_batched_tokens, max_model_len, long_prefill_token_threshold (0: none),
+             policy ("fcfs" | "priority"), async (bool), enable_prefix_caching (bool)
+    REQUEST  id (zero-padded: vLLM breaks priority ties by id, kvtrace by arrival order), prompt
+             (token ids), max_tokens, n, priority, arrival_step
+
+Every request can complete alone in the pool (vLLM's scheduler would preempt itself forever
+otherwise): its stored positions, prompt + max_tokens - 1 capped at max_model_len - 1 (the last
+sampled token is never stored), fit. The pool ranges from "just fits the longest request" to ample.
+"""
+from __future__ import annotations
+
+import random
+
+from hypothesis import strategies as st
+
+
+def positions(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
+    """KV positions a request ever stores."""
+    return min(prompt_len + max_tokens - 1, max_model_len - 1)
+
+
+@st.composite
+def workloads(draw, asynchronous: bool) -> dict:
+    """Hypothesis draws the structure (sizes, kinds, limits, arrivals) and a seed; the token ids come
+    from the seed, which keeps generation cheap enough for thousands of workloads a run (shrinking
+    still shortens prompts and drops requests)."""
+    block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    vocab = draw(st.sampled_from([3, 50, 500]))   # a tiny vocabulary repeats blocks: accidental prefix hits
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randint(1, vocab) for _ in range(n)]
+    systems = [tokens(n) for n in draw(st.lists(st.integers(1, 48), min_size=1, max_size=3))]
+    long_prompts = draw(st.booleans())
+    arrivals = draw(st.sampled_from(["backlog", "over-time"]))
+    policy = draw(st.sampled_from(["fcfs", "priority"]))
+    num_requests = draw(st.integers(1, 10))
+    requests = []
+    step = 0
+    for i in range(num_requests):
+        kind = draw(st.sampled_from(["random", "shared", "shared", "long"] if long_prompts else ["random", "shared"]))
+        if kind == "random":
+            prompt = tokens(draw(st.integers(1, 40)))
+        elif kind == "shared":   # a burst on a shared system prompt
+            prompt = systems[draw(st.integers(0, len(systems) - 1))] + tokens(draw(st.integers(0, 20)))
+        else:                    # long: chunked over several steps
+            prompt = tokens(draw(st.integers(60, 200)))
+        if arrivals == "over-time":
+            step += draw(st.integers(0, 6))
+        requests.append({
+            "id": f"r{i:02d}", "prompt": prompt,
+            "max_tokens": draw(st.one_of(st.integers(1, 3), st.integers(1, 24))),
+            "n": draw(st.sampled_from([1, 1, 1, 2, 3])),
+            "priority": draw(st.integers(0, 3)) if policy == "priority" else 0,
+            "arrival_step": step,
+        })
+    longest_prompt = max(len(r["prompt"]) for r in requests)
+    max_model_len = longest_prompt + 1 + draw(st.sampled_from([0, 2, 8, 1000]))   # some stop at the limit
+    max_num_seqs = draw(st.integers(1, 8))
+    max_num_batched_tokens = max(max_num_seqs, draw(st.sampled_from([4, 8, 16, 32, 64, 256])))
+    threshold = draw(st.sampled_from([0, 0, 1, 4, 16, 48]))
+    threshold = min(threshold, max_model_len)
+    need = [-(-positions(len(r["prompt"]), r["max_tokens"], max_model_len) // block_size) for r in requests]
+    total = sum(n * r["n"] for n, r in zip(need, requests))
+    slack = max(total - max(need), 0)   # 0: just fits the longest request; slack: holds every request at once
+    num_blocks = max(need) + draw(st.sampled_from([0, 0, 1, 2, slack // 4, slack // 2, slack + 4]))
+    return {"config": {"block_size": block_size, "num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
+                       "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
+                       "long_prefill_token_threshold": threshold, "policy": policy, "async": asynchronous,
+                       "enable_prefix_caching": draw(st.sampled_from([True, True, True, False]))},
+            "requests": requests}
+
+
+def tally(steps: list[dict]) -> dict[str, int]:
+    """What a workload exercised: preemptions, prefix hits, resumptions (the corpus must not be vacuous)."""
+    admitted = [a for s in steps for a in s["admitted"]]
+    return {"workloads": 1, "steps": len(steps),
+            "preempting": int(any(s["preempted"] for s in steps)),
+            "hitting": int(any(a[2] > 0 for a in admitted)),
+            "resuming": int(any(a[1] == "resumed" for a in admitted))}
