@@ -8,8 +8,9 @@ ids are vLLM's own (`cmpl-…` from the OpenAI server, or the client's X-Request
 suffix), shown as they are.
 
 A window's run holds every request whose life overlaps it. Requests that arrived before the window
-are marked `in_flight_at_start` in the run's `capture_requests` table (their `arrival_s` is negative
-on the run's clock, which starts at the window's start); a request not finished by the window's
+are marked `in_flight_at_start` in the run's `capture_requests` table; the run's clock starts at the
+earliest of the window's start and those arrivals (times stay non-negative, as Perfetto's must be;
+meta.json's capture.window.start_s is the window's start on it). A request not finished by the window's
 end gets `finish_reason` 'in-flight', `finish_s` the window's end and the counts of what the window
 saw of it, and is marked `in_flight_at_end`.
 """
@@ -224,10 +225,12 @@ def capture_run(capture: Path, run_dir: Path, *, since: float | None, until: flo
             or (c.last >= lo - LOOK_AROUND_S and c.first <= hi + LOOK_AROUND_S)]
     columns = read_chunks(capture, near)
     marks = _cut(columns, mono_lo, mono_hi)
-    rebase(columns, mono_lo)
+    origin = min([mono_lo, *(t for t in columns["requests"]["arrival_s"] if t is not None)])
+    rebase(columns, origin)
     rows = write_tables(columns, run_dir, run_dir.name)
     rows["capture_requests"] = _write_marks(run_dir, run_dir.name, marks)
     meta = _meta(server, run_dir, lo, hi, rows, command)
+    meta["capture"]["window"].update(start_s=mono_lo - origin, end_s=mono_hi - origin)
     write_json_atomic(run_dir / "meta.json", meta)
     return meta
 
@@ -333,8 +336,8 @@ def _meta(server: Server, run_dir: Path, lo: float, hi: float, rows: dict, comma
                                                            "since_unix": lo, "until_unix": hi},
                     "request_ids": "vLLM's own (no workload): the OpenAI server's cmpl-… ids, or the "
                                    "client's X-Request-Id with vLLM's suffix",
-                    "origin": "the run's clock starts at the window's start; requests in flight then have "
-                              "a negative arrival_s (capture_requests.in_flight_at_start)"},
+                    "origin": "the run's clock starts at the earliest of the window's start and the arrivals "
+                              "of the requests in flight then (capture_requests.in_flight_at_start)"},
         "vllm": {"version": i.get("vllm_version"), "scheduler": i.get("scheduler"),
                  "async_scheduling": i.get("async_scheduling"), "server_id": server.server_id, "pid": i.get("pid")},
         "started_at": _iso(lo), "ended_at": _iso(hi), "status": "completed", "error": None,
