@@ -79,9 +79,7 @@ class Server:
         parts = sorted(c.part for c in self.chunks)
         gaps = []
         if not parts:
-            if self.identity:
-                gaps.append("every chunk removed by retention" if self.identity.get("server_id") else "no chunks")
-            return gaps
+            return ["no chunk kept (none written yet, or every one removed by retention)"]
         if parts[0] > 0:
             first = self.chunks[0].first
             span = f" (from the start {_time(self.started)} to {_time(first)})" if first and self.started else ""
