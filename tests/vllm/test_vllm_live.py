@@ -29,7 +29,7 @@ from tests.helpers.vllm_runs import VLLM_MARKS, VLLM_PYTHON, kvtrace
 
 pytestmark = VLLM_MARKS
 ROOT = Path(__file__).resolve().parents[2]
-SERVE = ["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks-override", "9", "--max-model-len", "128",
+SERVE = ["--dtype", "float32", "--block-size", "32", "--num-gpu-blocks-override", "6", "--max-model-len", "128",
          "--max-num-seqs", "8", "--gpu-memory-utilization", "0.3", "--enforce-eager"]
 CLS = "kvtrace.vllm.capture.scheduler.KvtraceCaptureScheduler"
 
@@ -78,7 +78,7 @@ class Server:
         def one(i: int) -> None:
             try:
                 stream = self.client.completions.create(
-                    model=self.model, prompt=f"Request {name} {i}: " + "the quick brown fox jumps " * 6,
+                    model=self.model, prompt=f"Request {name} {i}: " + "the quick brown fox jumps " * 8,
                     max_tokens=max_tokens, stream=True, temperature=0.0, extra_body={"ignore_eos": True},
                     extra_headers={"X-Request-Id": f"{name}-{i}"})
                 got = sum(1 for chunk in stream if chunk.choices and chunk.choices[0].text is not None)
@@ -203,7 +203,7 @@ def test_a_window_of_the_second_burst_holds_exactly_its_requests(production, tmp
     assert con.execute("SELECT count(*) FROM requests WHERE finish_reason = 'length'").fetchone()[0] == 4
     flags = con.execute("SELECT bool_or(in_flight_at_start), bool_or(in_flight_at_end), min(len(block_hashes)) "
                         "FROM capture_requests").fetchone()
-    assert flags[:2] == (False, False) and flags[2] >= 1   # each prompt's full blocks of 16, hashed
+    assert flags[:2] == (False, False) and flags[2] >= 1   # each prompt's full blocks of 32, hashed
     for info in db.list_analyses():
         db.run_analysis(con, info.name)
     kvtrace("analyze", run)
