@@ -241,7 +241,8 @@ def test_a_full_filesystem_stops_the_capture_and_the_server_answers(production):
 
 def test_sigkill_mid_burst_leaves_a_readable_folder_and_retention_drops_the_oldest(production, tmp_path):
     capture = tmp_path / "killed"
-    lines = kvtrace("vllm-env", "--capture-dir", capture, "--max-bytes", "12KB").stdout
+    # a TMPDIR of its own: the capture path vllm-env prints (a link to this kvtrace) is per TMPDIR
+    lines = kvtrace("vllm-env", "--capture-dir", capture, "--max-bytes", "12KB", env={"TMPDIR": str(tmp_path)}).stdout
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
     for line in lines.splitlines():
         if line.startswith("export "):
