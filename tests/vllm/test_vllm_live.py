@@ -49,6 +49,8 @@ def _preemptions(port: int) -> float:
 
 class Server:
     def __init__(self, python: str, capture: Path, log: Path, env: dict) -> None:
+        """Serve from the log's folder: `python -m` puts the working directory first on sys.path,
+        and the checkout's kvtrace must not shadow the installed one."""
         from kvtrace.vllm.record import model_folder
 
         self.port, self.capture, self.log = _free_port(), capture, log
@@ -57,7 +59,7 @@ class Server:
             [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--port", str(self.port),
              "--scheduler-cls", CLS, *SERVE],
             env={**env, "KVTRACE_CAPTURE_DIR": str(capture), "VLLM_USE_AOT_COMPILE": "0"},
-            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=log.parent)
         deadline = time.monotonic() + 900
         while True:
             try:
@@ -68,7 +70,8 @@ class Server:
                 assert time.monotonic() < deadline, "the server did not start"
                 time.sleep(1)
         import openai
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=600)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=600,
+                                    max_retries=0)   # one POST per request: the counts are exact
 
     def burst(self, name: str, num: int, max_tokens: int = 40, wait: bool = True) -> list[threading.Thread]:
         """`num` streaming completions at once, as an application sends them; each request's id
@@ -154,9 +157,10 @@ def production(tmp_path_factory):
     capture = root / "capture"
     no_tmpfs = _mount_tmpfs(capture, "8m")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON") and k != "VIRTUAL_ENV"}
-    server = Server(python, capture, root / "serve.log", env)
-    found = {"root": root, "capture": capture, "server": server, "no_tmpfs": no_tmpfs, "venv_python": python}
+    server = None
     try:
+        server = Server(python, capture, root / "serve.log", env)
+        found = {"root": root, "capture": capture, "server": server, "no_tmpfs": no_tmpfs, "venv_python": python}
         server.burst("first", 3)
         found["between"] = time.time()
         _wait_for(capture, "first", 3)
@@ -169,7 +173,8 @@ def production(tmp_path_factory):
         found["until"] = time.time()
         yield found
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
         if no_tmpfs is None:
             subprocess.run(["umount", str(capture)], capture_output=True)
 
