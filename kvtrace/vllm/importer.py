@@ -57,21 +57,19 @@ class Chunk:
 
 def list_chunks(capture: Path) -> list[Chunk]:
     """Every chunk of the folder, each server's in order, servers in the order of their ids (their
-    start times): `chunks/<server id>/<part>_<first>_<last>_<arrivals>.pkl`, and the older layout
-    `chunks/<pid>-<part>.pkl` (one server per folder, its id the pid)."""
+    start times): `chunks/<server id>_<part>_<first>_<last>_<arrivals>.pkl` (kvtrace/vllm/capture/sink.py),
+    and the older layout `chunks/<pid>-<part>.pkl` (one server per folder, its id the pid)."""
     found = []
     for path in (capture / "chunks").glob("*.pkl"):
-        pid, _, part = path.stem.partition("-")
-        if pid.isdigit() and part.isdigit():
-            found.append(Chunk(path, pid, int(part), size=_size(path)))
-    for path in (capture / "chunks").glob("*/*.pkl"):
         fields = path.stem.split("_")
         try:
-            if len(fields) == 4:
-                found.append(Chunk(path, path.parent.name, int(fields[0]), float(fields[1]), float(fields[2]),
-                                   int(fields[3]), _size(path)))
-            else:
-                found.append(Chunk(path, path.parent.name, int(fields[0]), size=_size(path)))
+            if len(fields) == 5:
+                found.append(Chunk(path, fields[0], int(fields[1]), float(fields[2]), float(fields[3]),
+                                   int(fields[4]), _size(path)))
+                continue
+            pid, _, part = path.stem.partition("-")
+            if pid.isdigit() and part.isdigit():
+                found.append(Chunk(path, pid, int(part), size=_size(path)))
         except ValueError:
             continue   # not a chunk's name
     return sorted(found, key=lambda c: (c.server_id.isdigit(), c.server_id, c.part))

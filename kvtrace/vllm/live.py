@@ -1,7 +1,7 @@
 """A capture folder of live traffic (`vllm serve` with kvtrace's scheduler): its servers, and any
 window of what they served as a run (`kvtrace capture ls` / `kvtrace capture run`, docs/vllm.md).
 
-Each server wrote its identity to `servers/<id>.json` and its chunks to `chunks/<id>/`, each named
+Each server wrote its identity to `servers/<id>.json` and its chunks to `chunks/<id>_…`, each named
 with the wall-clock span of its steps (kvtrace/vllm/capture/sink.py): what a folder holds is known
 from the names, and a window reads only the chunks near it. Live traffic has no workload: request
 ids are vLLM's own (`cmpl-…` from the OpenAI server, or the client's X-Request-Id with vLLM's
@@ -329,7 +329,7 @@ def _meta(server: Server, run_dir: Path, lo: float, hi: float, rows: dict, comma
         "workload": None,
         "replay": {"mode": "live", "time_scale": 1.0},
         "seed": None, "record_token_ids": bool(i.get("token_ids")),
-        "capture": {"folder": str(server.chunks[0].path.parents[2]) if server.chunks else None,
+        "capture": {"folder": str(server.chunks[0].path.parents[1]) if server.chunks else None,
                     "server": describe(server), "window": {"since": _iso(lo), "until": _iso(hi),
                                                            "since_unix": lo, "until_unix": hi},
                     "request_ids": "vLLM's own (no workload): the OpenAI server's cmpl-… ids, or the "

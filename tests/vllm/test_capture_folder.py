@@ -1,5 +1,5 @@
 """`kvtrace capture ls` and `kvtrace capture run` on a capture folder built by hand (no vLLM): the
-layout the capture writes (servers/<id>.json, chunks/<id>/<part>_<first>_<last>_<arrivals>.pkl),
+layout the capture writes (servers/<id>.json, chunks/<id>_<part>_<first>_<last>_<arrivals>.pkl),
 windows with requests in flight across their edges, retention's gaps, and bad input.
 
 The folder holds one server whose monotonic clock is the wall clock less 1,000,000 s. Five requests,
@@ -67,13 +67,14 @@ def _write(folder, parts=range(10)) -> None:
         "salt_id": "abcd1234", "token_ids": False, "wall_minus_monotonic": OFFSET, "block_size": 16,
         "num_gpu_blocks": 17, "max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 256,
         "enable_prefix_caching": True, "policy": "fcfs"}))
-    chunks = folder / "chunks" / SERVER
+    chunks = folder / "chunks"
     chunks.mkdir(parents=True)
     for part in parts:   # two seconds a chunk
         rows = _rows(100 + 2 * part, 102 + 2 * part)
         cols = {t: {c: [r.get(c) for r in rows[t]] for c in cs} for t, cs in CHUNK_COLUMNS.items() if rows[t]}
         first, last = OFFSET + 100 + 2 * part, OFFSET + 101.5 + 2 * part
-        (chunks / f"{part:06d}_{first:.3f}_{last:.3f}_{len(rows['arrivals'])}.pkl").write_bytes(pickle.dumps(cols))
+        (chunks / f"{SERVER}_{part:06d}_{first:.3f}_{last:.3f}_{len(rows['arrivals'])}.pkl").write_bytes(
+            pickle.dumps(cols))
 
 
 def _cli(*args) -> str:

@@ -29,7 +29,7 @@ def _step(sink: Sink, t: float) -> None:
 
 
 def _parts(folder) -> list[int]:
-    return sorted(int(p.name.split("_")[0]) for p in (folder / "chunks" / SERVER).glob("*.pkl"))
+    return sorted(int(p.name.split("_")[1]) for p in (folder / "chunks").glob(f"{SERVER}_*.pkl"))
 
 
 def test_sizes_and_ages_parse():
@@ -57,7 +57,7 @@ def test_the_oldest_whole_chunks_go_first_and_ls_says_so(tmp_path):
     aged = Sink(tmp_path / "roomy", SERVER + "b", max_age_s=0.0)   # lists the folder's chunks at start
     _step(aged, 9.0)
     aged.flush()
-    assert _parts(tmp_path / "roomy") == [] and len(list((tmp_path / "roomy" / "chunks").glob("*/*.pkl"))) == 1
+    assert _parts(tmp_path / "roomy") == [] and len(list((tmp_path / "roomy" / "chunks").glob("*.pkl"))) == 1
 
 
 def test_a_full_disk_stops_the_capture_with_one_warning(tmp_path, monkeypatch, caplog):

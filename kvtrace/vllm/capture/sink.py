@@ -6,10 +6,10 @@ rebases them on the run's origin): CLOCK_MONOTONIC is one clock for every proces
 the driver's arrival clock and the EngineCore's step clock line up. A chunk is a pickle of
 `{table: {column: list}}`, written to a hidden name and renamed into place, so a crash (a SIGKILL
 included) leaves only whole chunks: at most the rows of the last couple of seconds are lost. Each
-server writes its chunks under `chunks/<server id>/` (its identity is `servers/<server id>.json`),
-each named `<part>_<first>_<last>_<arrivals>.pkl`: its number, the wall-clock span of its steps
-(Unix seconds) and the requests that arrived in it, so that `kvtrace capture ls` and `capture run`
-know what a chunk holds without reading it.
+server's chunks are `chunks/<server id>_<part>_<first>_<last>_<arrivals>.pkl` (its identity is
+`servers/<server id>.json`): the server, the chunk's number, the wall-clock span of its steps (Unix
+seconds) and the requests that arrived in it, so that `kvtrace capture ls` and `capture run` know
+what a chunk holds without reading it.
 Besides the trace's tables a chunk may hold `arrivals`, the capture's own: one row per request when
 the scheduler takes it, with its prompt's block hashes salted per capture (scheduler.py).
 
@@ -80,9 +80,9 @@ class Sink:
     def __init__(self, folder: Path, server_id: str, *, max_bytes: int = 4 * 1024**3, max_age_s: float = 7 * 86400,
                  log: logging.Logger | None = None, wall_minus_monotonic: float | None = None,
                  max_rows: int = 100_000, flush_seconds: float = 2.0) -> None:
-        self.chunks = Path(folder) / "chunks"
-        self.folder = self.chunks / server_id
+        self.folder = Path(folder) / "chunks"
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.server_id = server_id
         self.max_rows = max_rows
         self.flush_seconds = flush_seconds
         self.max_bytes, self.max_age_s = max_bytes, max_age_s
@@ -103,7 +103,7 @@ class Sink:
         return {table: {c: [] for c in cols} for table, cols in CHUNK_COLUMNS.items()}
 
     def _listed(self):
-        for path in [*self.chunks.glob("*.pkl"), *self.chunks.glob("*/*.pkl")]:
+        for path in self.folder.glob("*.pkl"):
             try:
                 st = path.stat()
             except OSError:
@@ -130,8 +130,8 @@ class Sink:
         first, last = (min(steps["start_s"]), max(steps["end_s"])) if steps else (now, now)
         offset = self.wall_minus_monotonic
         name = f"{part:06d}_{first + offset:.3f}_{last + offset:.3f}_{len(chunk.get('arrivals', {}).get('req_id', ()))}"
-        final = self.folder / f"{name}.pkl"
-        tmp = self.folder / f".{name}.pkl.tmp"
+        final = self.folder / f"{self.server_id}_{name}.pkl"
+        tmp = self.folder / f".{self.server_id}_{name}.pkl.tmp"
         try:
             with open(tmp, "wb") as f:
                 pickle.dump(chunk, f, protocol=4)
