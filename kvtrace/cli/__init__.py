@@ -2,7 +2,7 @@
 module registers its commands on the shared Typer app when imported here."""
 from __future__ import annotations
 
-from kvtrace.cli import calibrate, explain, explore, export, model, record, sql, sweep, view, workload  # noqa: F401  (registration)
+from kvtrace.cli import calibrate, capture, explain, explore, export, model, record, sql, sweep, view, workload  # noqa: F401  (registration)
 from kvtrace.cli.app import app, reflow_help
 
 reflow_help(app)

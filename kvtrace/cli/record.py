@@ -174,20 +174,36 @@ def record(
 @user_errors
 def vllm_env(
     capture_dir: Annotated[Path, typer.Option(help="Where the server's capture writes its chunks.")],
-    async_scheduling: Annotated[bool, typer.Option(help="The server schedules asynchronously (vLLM's default on GPUs).")] = False,
+    async_scheduling: Annotated[bool | None, typer.Option(
+        "--async-scheduling/--no-async-scheduling",
+        help="Force the async (or the synchronous) scheduler subclass; by default the one class follows "
+             "the server's own choice (async on GPUs).")] = None,
+    max_bytes: Annotated[str, typer.Option(help="Disk budget of the folder: the oldest chunks go first (4GiB, 500MB).")] = "4GiB",
+    max_age: Annotated[str, typer.Option(help="Age limit of a chunk (7d, 12h, 90m, 600 seconds).")] = "7d",
+    token_ids: Annotated[bool, typer.Option(
+        help="Keep the output token ids (a test server's; live traffic's ids are its users' text).")] = False,
 ) -> None:
     """Shell lines that make `vllm serve` capture a kvtrace trace: eval "$(kvtrace vllm-env --capture-dir DIR)".
 
-    Then start the server with the scheduler they name, and replay against it with
-    kvtrace record --endpoint http://HOST:PORT --capture-dir DIR --model MODEL -w W.jsonl -o RUN.
+    Then start the server with --scheduler-cls "$KVTRACE_SCHEDULER_CLS" (one class for every server: it
+    subclasses the Scheduler or AsyncScheduler vLLM would have used). Turn any window of its traffic
+    into a run with kvtrace capture run DIR -o RUN --last 15m, or replay a workload against it with
+    kvtrace record --endpoint http://HOST:PORT --capture-dir DIR --model MODEL -w W.jsonl -o RUN
+    (a server started with --token-ids, to compare tokens).
     """
+    from kvtrace.vllm.capture.sink import parse_age, parse_bytes
     from kvtrace.vllm.record import capture_path
 
+    parse_bytes(max_bytes, "--max-bytes")
+    parse_age(max_age, "--max-age")
     folder = capture_dir.expanduser().resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    cls = "KvtraceAsyncScheduler" if async_scheduling else "KvtraceScheduler"
+    cls = {None: "KvtraceCaptureScheduler", True: "KvtraceAsyncScheduler", False: "KvtraceScheduler"}[async_scheduling]
     print(f'export PYTHONPATH="{capture_path()}${{PYTHONPATH:+:$PYTHONPATH}}"')
     print(f'export KVTRACE_CAPTURE_DIR="{folder}"')
+    print(f'export KVTRACE_CAPTURE_MAX_BYTES="{max_bytes}"')
+    print(f'export KVTRACE_CAPTURE_MAX_AGE="{max_age}"')
+    print(f'export KVTRACE_CAPTURE_TOKEN_IDS="{1 if token_ids else 0}"')
     print(f'export KVTRACE_SCHEDULER_CLS="kvtrace.vllm.capture.scheduler.{cls}"')
     print('# now: vllm serve MODEL --scheduler-cls "$KVTRACE_SCHEDULER_CLS" ...')
 

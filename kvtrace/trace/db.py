@@ -86,6 +86,7 @@ _DUCKDB_TYPES = {
     pa.float64(): "DOUBLE",
     pa.bool_(): "BOOLEAN",
     pa.list_(pa.int32()): "INTEGER[]",
+    pa.list_(pa.int64()): "BIGINT[]",
 }
 
 _PARAM_RE = re.compile(r"^param:\s*(\w+)\s*=\s*('[^']*'|\S+)\s*(.*)$")

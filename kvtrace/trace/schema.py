@@ -143,4 +143,19 @@ CLIENT_TOKENS_SCHEMA = pa.schema([
     ("ts_s", pa.float64()),                # when the client received it (same clock and origin as the trace)
 ])
 
-OPTIONAL_TABLES = {"client_tokens": CLIENT_TOKENS_SCHEMA}   # kvtrace record --endpoint (docs/vllm.md)
+# One row per request of a run cut from live traffic (kvtrace capture run; docs/vllm.md).
+CAPTURE_REQUESTS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("req_id", pa.string()),               # vLLM's request id (live traffic has no workload)
+    ("sample", pa.int32()),
+    ("in_flight_at_start", pa.bool_()),    # arrived before the window (its arrival_s is negative)
+    ("in_flight_at_end", pa.bool_()),      # not finished by the window's end (finish_reason 'in-flight')
+    # the prompt's full blocks as vLLM hashed them (its prefix cache's keys), hashed again with a key
+    # of this capture that is never written: equal prefixes have equal leading hashes within one
+    # capture (servers/<id>.json's salt_id), and nothing can be matched to text. Null without
+    # vLLM's prefix caching.
+    ("block_hashes", pa.list_(pa.int64())),
+])
+
+OPTIONAL_TABLES = {"client_tokens": CLIENT_TOKENS_SCHEMA,         # kvtrace record --endpoint (docs/vllm.md)
+                   "capture_requests": CAPTURE_REQUESTS_SCHEMA}   # kvtrace capture run

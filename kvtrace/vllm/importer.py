@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from kvtrace.errors import KvtraceError
 from kvtrace.trace.schema import TABLES, token_predecessors
-from kvtrace.vllm.capture.sink import COLUMNS
+from kvtrace.vllm.capture.sink import CHUNK_COLUMNS, COLUMNS
 
 _ID = re.compile(r"^(?:(?P<sample>\d+)_)?(?:cmpl-)?kvt(?P<index>\d+)(?:-(?P<prompt>\d+))?(?:-[0-9A-Za-z]+)?$")
 TIME_COLUMNS = {"requests": ("arrival_s", "first_scheduled_s", "first_token_s", "finish_s"),
@@ -41,13 +41,56 @@ class Item:
     output_tokens: int | None
 
 
-def read_chunks(capture: Path) -> dict[str, dict[str, list]]:
-    columns = {table: {c: [] for c in cols} for table, cols in COLUMNS.items()}
-    files = sorted((capture / "chunks").glob("*.pkl"),
-                   key=lambda p: tuple(int(x) for x in p.stem.split("-")))
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk file: its server, its number and, from its name, the wall-clock span of its steps
+    (Unix seconds) and the requests that arrived in it (None in a chunk of an older capture)."""
+
+    path: Path
+    server_id: str
+    part: int
+    first: float | None = None
+    last: float | None = None
+    num_arrivals: int | None = None
+    size: int = 0
+
+
+def list_chunks(capture: Path) -> list[Chunk]:
+    """Every chunk of the folder, each server's in order, servers in the order of their ids (their
+    start times): `chunks/<server id>_<part>_<first>_<last>_<arrivals>.pkl` (kvtrace/vllm/capture/sink.py),
+    and the older layout `chunks/<pid>-<part>.pkl` (one server per folder, its id the pid)."""
+    found = []
+    for path in (capture / "chunks").glob("*.pkl"):
+        fields = path.stem.split("_")
+        try:
+            if len(fields) == 5:
+                found.append(Chunk(path, fields[0], int(fields[1]), float(fields[2]), float(fields[3]),
+                                   int(fields[4]), _size(path)))
+                continue
+            pid, _, part = path.stem.partition("-")
+            if pid.isdigit() and part.isdigit():
+                found.append(Chunk(path, pid, int(part), size=_size(path)))
+        except ValueError:
+            continue   # not a chunk's name
+    return sorted(found, key=lambda c: (c.server_id.isdigit(), c.server_id, c.part))
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def read_chunks(capture: Path, chunks: list[Chunk] | None = None) -> dict[str, dict[str, list]]:
+    """The columns of `chunks` (default: every chunk of the folder), `arrivals` among them."""
+    columns = {table: {c: [] for c in cols} for table, cols in CHUNK_COLUMNS.items()}
+    files = [c.path for c in (list_chunks(capture) if chunks is None else chunks)]
     for path in files:
         try:
             chunk = pickle.loads(path.read_bytes())
+        except FileNotFoundError:
+            continue   # retention removed it since it was listed: a running server's oldest
         except Exception as exc:   # a chunk is renamed into place whole; anything else is not ours
             raise KvtraceError(f"{path}: not a readable capture chunk ({exc})") from exc
         for table, cols in chunk.items():
@@ -73,7 +116,7 @@ def map_ids(raw_ids: Sequence[str], items: dict[int, Item]) -> dict[str, tuple[s
 WINDOW_COLUMNS = {"requests": "finish_s", "steps": "start_s", "kv_events": "ts_s", "tokens": "ts_s"}
 
 
-def _keep_window(columns: dict[str, dict[str, list]], lo: float, hi: float) -> None:
+def keep_window(columns: dict[str, dict[str, list]], lo: float, hi: float) -> None:
     """Only what happened between lo and hi (a server's capture folder holds every run it served)."""
     for table, name in WINDOW_COLUMNS.items():
         cols = columns[table]
@@ -89,7 +132,7 @@ def convert(capture: Path, run_dir: Path, run_id: str, items: list[Item], origin
     """Write the run's tables from the capture; return the rows per table."""
     columns = read_chunks(capture)
     if window is not None:
-        _keep_window(columns, *window)
+        keep_window(columns, *window)
     by_index = {item.index: item for item in items}
     raw = [*columns["requests"]["req_id"], *columns["kv_events"]["req_id"], *columns["tokens"]["req_id"],
            *(r for r in columns["kv_events"]["requester_req_id"] if r)]
@@ -103,16 +146,27 @@ def convert(capture: Path, run_dir: Path, run_id: str, items: list[Item], origin
     requesters = [ids.get(r, (r, 0)) if r else (None, None) for r in k["requester_req_id"]]
     k["requester_req_id"] = [m[0] for m in requesters]
     k["requester_sample"] = [m[1] for m in requesters]
-    for table, names in TIME_COLUMNS.items():
-        for name in names:
-            columns[table][name] = [None if t is None else t - origin for t in columns[table][name]]
+    rebase(columns, origin)
     if not record_token_ids:
         columns["tokens"]["token_id"] = [None] * len(columns["tokens"]["token_id"])
     _fill_requests(columns, items, interrupted)
+    return write_tables(columns, run_dir, run_id)
+
+
+def rebase(columns: dict[str, dict[str, list]], origin: float) -> None:
+    """Every time of the trace's tables on the run's clock: seconds since `origin` (monotonic)."""
+    for table, names in TIME_COLUMNS.items():
+        for name in names:
+            columns[table][name] = [None if t is None else t - origin for t in columns[table][name]]
+
+
+def write_tables(columns: dict[str, dict[str, list]], run_dir: Path, run_id: str) -> dict[str, int]:
+    """The trace's tables of a run from the capture's columns (on the run's clock); the rows per table."""
     t = columns["tokens"]   # each token's predecessor in its sequence (schema 2), on the run's clock
     t["prev_step"], t["prev_ts_s"] = token_predecessors(t["req_id"], t["sample"], t["idx"], t["step"], t["ts_s"])
     rows = {}
-    for table, cols in columns.items():
+    for table in COLUMNS:
+        cols = columns[table]
         schema = TABLES[table]
         num = len(next(iter(cols.values())))
         arrays = [pa.array([run_id] * num, pa.string()) if f.name == "run_id" else pa.array(cols[f.name], f.type)

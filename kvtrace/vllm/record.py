@@ -251,7 +251,7 @@ class VllmRecording:
         results_path = capture / "results.json"
         config = {"model": str(self.folder), "engine_args": self.engine_args, "capture_dir": str(capture),
                   "requests": str(requests_path), "results": str(results_path), "self_check": self.opts.self_check,
-                  "capture": self.opts.capture}
+                  "capture": self.opts.capture, "token_ids": self.record_token_ids}
         (capture / "driver.json").write_text(json.dumps(config))
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
         env["PYTHONPATH"] = str(capture_path())

@@ -146,7 +146,7 @@ def test_the_capture_imports_with_the_standard_library_only(installed):
     and its guard import with nothing but the standard library and the path vllm-env prints, and
     the scheduler module is missing only vLLM."""
     path, cls = installed.capture_path()
-    assert cls == "kvtrace.vllm.capture.scheduler.KvtraceScheduler"
+    assert cls == "kvtrace.vllm.capture.scheduler.KvtraceCaptureScheduler"   # one class for every server
     assert Path(path, "kvtrace").resolve().is_relative_to(installed.venv.resolve())
     script = f"""
 import importlib, json, sys

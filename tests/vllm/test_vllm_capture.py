@@ -244,7 +244,7 @@ def served(workload, tmp_path_factory) -> Path:
     """The same workload replayed over loopback against `vllm serve` started with kvtrace's capture."""
     tmp_path = tmp_path_factory.mktemp("vllm-served")
     capture = tmp_path / "capture"
-    lines = kvtrace("vllm-env", "--capture-dir", capture).stdout
+    lines = kvtrace("vllm-env", "--capture-dir", capture, "--token-ids").stdout   # compared with the client's
     env = dict(os.environ)
     for line in lines.splitlines():
         if line.startswith("export "):

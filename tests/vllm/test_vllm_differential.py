@@ -114,6 +114,8 @@ def test_async_scheduling_makes_vllms_decisions(name, tmp_path):
     """--async-scheduling against vLLM's AsyncScheduler and two-batch queue (kept on on this CPU)."""
     compare(name, tmp_path, ["--async-scheduling"])
     assert json.loads((tmp_path / "vllm" / "meta.json").read_text())["vllm"]["async_scheduling"] is True
+    # the driver names the one class; it followed vLLM's own choice
+    assert json.loads((tmp_path / "vllm" / "meta.json").read_text())["vllm"]["scheduler"] == "KvtraceAsyncScheduler"
 
 
 def compare(name: str, tmp_path: Path, extra: list[str]) -> None:

@@ -22,8 +22,8 @@ import sys
 import time
 import traceback
 
-SCHEDULERS = {False: "kvtrace.vllm.capture.scheduler.KvtraceScheduler",
-              True: "kvtrace.vllm.capture.scheduler.KvtraceAsyncScheduler"}
+# the one class: it becomes the subclass of the scheduler vLLM's configuration chose (scheduler.py)
+SCHEDULER = "kvtrace.vllm.capture.scheduler.KvtraceCaptureScheduler"
 
 
 def _counter(llm, name: str) -> float:
@@ -92,6 +92,8 @@ def main() -> int:
         os.environ["KVTRACE_CAPTURE_DIR"] = config["capture_dir"]
         if config.get("self_check"):
             os.environ["KVTRACE_CAPTURE_SELF_CHECK"] = "1"
+        if config.get("token_ids", True):   # a replay of a workload is not users' content
+            os.environ["KVTRACE_CAPTURE_TOKEN_IDS"] = "1"
     try:
         import vllm
         from vllm import LLM
@@ -101,7 +103,7 @@ def main() -> int:
         if args.get("async_scheduling"):
             _keep_async_scheduling()
         if config.get("capture", True):
-            args["scheduler_cls"] = SCHEDULERS[bool(args.get("async_scheduling"))]
+            args["scheduler_cls"] = SCHEDULER
         start = time.monotonic()
         llm = LLM(model=config["model"], disable_log_stats=False, **args)
         results["startup_s"] = time.monotonic() - start

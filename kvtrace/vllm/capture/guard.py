@@ -40,7 +40,8 @@ REQUEST_FIELDS = ("request_id", "status", "num_computed_tokens", "num_tokens", "
                   "num_output_tokens", "arrival_time", "priority", "num_output_placeholders", "is_prefill_chunk")
 STATUSES = ("WAITING", "RUNNING", "PREEMPTED", "FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED",
             "FINISHED_IGNORED")
-SCHEDULER_FIELDS = ("running", "waiting", "kv_cache_manager", "block_size", "policy", "max_num_running_reqs")
+SCHEDULER_FIELDS = ("running", "waiting", "requests", "kv_cache_manager", "block_size", "policy",
+                    "max_num_running_reqs")
 
 
 class VllmChanged(RuntimeError):

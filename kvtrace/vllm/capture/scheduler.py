@@ -1,10 +1,15 @@
 """vLLM V1 scheduler subclasses that record kvtrace's trace tables from inside the engine loop.
 
 Select with vLLM's `scheduler_cls` option (`--scheduler-cls` on `vllm serve`):
-`kvtrace.vllm.capture.scheduler.KvtraceScheduler` (synchronous scheduling, vLLM's default on CPU) or
-`kvtrace.vllm.capture.scheduler.KvtraceAsyncScheduler` (async scheduling, vLLM's default on GPUs).
-`KVTRACE_CAPTURE_DIR` names the capture folder; `KVTRACE_CAPTURE_SELF_CHECK=1` compares, every step,
-the pool state replayed from the captured events with the pool's own.
+`kvtrace.vllm.capture.scheduler.KvtraceCaptureScheduler` for every server. It becomes the kvtrace
+subclass of the scheduler vLLM's own configuration would have used: `KvtraceAsyncScheduler` (vLLM's
+AsyncScheduler) when `scheduler_config.async_scheduling` is on (vLLM's default on GPUs), else
+`KvtraceScheduler` (its Scheduler); those two names still force one or the other. The options come
+from the environment (`kvtrace vllm-env` prints them; docs/vllm.md): `KVTRACE_CAPTURE_DIR` the folder,
+`KVTRACE_CAPTURE_MAX_BYTES` and `KVTRACE_CAPTURE_MAX_AGE` its retention (sink.py),
+`KVTRACE_CAPTURE_TOKEN_IDS=1` keeps token ids (by default none are written: live traffic's token ids
+are its users' text), `KVTRACE_CAPTURE_SELF_CHECK=1` compares, every step, the pool state replayed
+from the captured events with the pool's own.
 
 What is wrapped, and nothing else (vLLM is not patched globally, and nothing changes a decision):
 the scheduler's own `schedule`, `update_from_output`, `_preempt_request`, `_free_request` and
@@ -16,9 +21,13 @@ vLLM's (with the random suffix its frontend adds), mapped back to the workload's
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
+import logging
 import os
+import secrets
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -27,7 +36,10 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from kvtrace.vllm.capture import guard
-from kvtrace.vllm.capture.sink import Sink
+from kvtrace.vllm.capture.sink import Sink, parse_age, parse_bytes
+
+# vLLM's handlers are on its "vllm" logger: a child of it writes where vLLM's own lines go
+logger = logging.getLogger("vllm.kvtrace.capture")
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -69,6 +81,15 @@ class _Capture:
         version = getattr(vllm, "__version__", "unknown")
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
+        started = datetime.now(timezone.utc)
+        # one folder can hold several servers (restarts, replicas): each writes under its own id
+        self.server_id = f"{started:%Y%m%dT%H%M%S}Z-{os.getpid()}"
+        # prefix structure without content: vLLM's block hashes (of token ids) hashed again with a key
+        # that is never written, so they match within this capture and cannot be matched to any text
+        self.salt = secrets.token_bytes(16)
+        self.salt_id = secrets.token_hex(4)
+        self.token_ids = os.environ.get("KVTRACE_CAPTURE_TOKEN_IDS") == "1"
+        self.wall_minus_monotonic = time.time() - time.monotonic()
         try:
             if os.environ.get("KVTRACE_VLLM_ANY_VERSION") != "1":
                 guard.check_version(version)
@@ -79,7 +100,10 @@ class _Capture:
         except guard.VllmChanged as exc:   # EngineCore's exception stays in its log: say it where kvtrace reads
             self._write_json("error.json", {"error": str(exc), "vllm_version": version})
             raise
-        self.sink = Sink(self.folder)
+        max_bytes = parse_bytes(os.environ.get("KVTRACE_CAPTURE_MAX_BYTES") or "4GiB", "KVTRACE_CAPTURE_MAX_BYTES")
+        max_age_s = parse_age(os.environ.get("KVTRACE_CAPTURE_MAX_AGE") or "7d", "KVTRACE_CAPTURE_MAX_AGE")
+        self.sink = Sink(self.folder, self.server_id, max_bytes=max_bytes, max_age_s=max_age_s, log=logger,
+                         wall_minus_monotonic=self.wall_minus_monotonic)
         self.scheduler = scheduler
         self.pool = pool
         self.kvm = kvm
@@ -113,11 +137,16 @@ class _Capture:
         self.closed = False
         self.hook_s = 0.0                                  # time in the step hooks (after_schedule, after_update)
         self.is_async = isinstance(scheduler, AsyncScheduler)
-        self.wall_minus_monotonic = time.time() - time.monotonic()
         self._wrap_pool()
-        self._write_json("capture.json", {
-            "vllm_version": version, "pid": os.getpid(), "scheduler": type(scheduler).__name__,
-            "async_scheduling": isinstance(scheduler, AsyncScheduler), "started_monotonic": time.monotonic(),
+        model = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
+        identity = {
+            "server_id": self.server_id, "started_at": started.isoformat(), "pid": os.getpid(),
+            "vllm_version": version, "model": getattr(model, "served_model_name", None) or getattr(model, "model", None),
+            "scheduler": type(scheduler).__name__, "async_scheduling": isinstance(scheduler, AsyncScheduler),
+            "policy": "priority" if scheduler.policy == SchedulingPolicy.PRIORITY else "fcfs",
+            "salt_id": self.salt_id, "token_ids": self.token_ids, "capture_module": __file__,
+            "max_bytes": max_bytes, "max_age_s": max_age_s,
+            "started_monotonic": time.monotonic(), "wall_minus_monotonic": self.wall_minus_monotonic,
             "block_size": self.block_size, "num_gpu_blocks": pool.num_gpu_blocks, "null_block": self.null_id,
             "enable_prefix_caching": bool(getattr(pool, "enable_caching", False)),
             "max_num_seqs": scheduler.scheduler_config.max_num_seqs,
@@ -125,13 +154,38 @@ class _Capture:
             "max_model_len": getattr(scheduler, "max_model_len", None),
             "watermark_blocks": getattr(kvm, "watermark_blocks", None),
             "self_check": self.self_check,
-        })
+        }
+        if isinstance(identity["model"], list):
+            identity["model"] = identity["model"][0]
+        self._write_json(f"servers/{self.server_id}.json", identity)
+        self._write_json("capture.json", identity)   # the newest server's, for kvtrace record --endpoint
+        logger.info("kvtrace capture %s: %s (retention %d bytes, %d s; token ids %s)", self.server_id,
+                    self.folder, max_bytes, max_age_s, "kept" if self.token_ids else "not kept")
         atexit.register(self.close)
 
     def _write_json(self, name: str, data: dict) -> None:
-        tmp = self.folder / f".{name}.tmp"
+        path = self.folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.tmp"
         tmp.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, self.folder / name)
+        os.replace(tmp, path)
+
+    def salted(self, block_hashes) -> list[int]:
+        """vLLM's block hashes as 63-bit integers keyed by this capture's salt."""
+        salt = self.salt
+        return [int.from_bytes(hashlib.blake2b(bytes(h), key=salt, digest_size=8).digest(), "big") >> 1
+                for h in block_hashes]
+
+    def arrived(self, request: Request) -> None:
+        """A request the scheduler has just taken: its arrival row (the capture's own table), so that a
+        window of live traffic knows every request in flight, finished or not."""
+        a = self.sink.columns["arrivals"]
+        arrival = request.arrival_time - self.wall_minus_monotonic if request.arrival_time else time.monotonic()
+        for name, value in (("req_id", request.request_id), ("arrival_s", arrival),
+                            ("prompt_tokens", request.num_prompt_tokens), ("max_tokens", request.max_tokens),
+                            ("priority", request.priority),
+                            ("block_hashes", self.salted(getattr(request, "block_hashes", ()) or ()))):
+            a[name].append(value)
 
     def state(self, rid: str) -> _ReqState:
         st = self.states.get(rid)
@@ -340,7 +394,7 @@ class _Capture:
                 t["req_id"].extend([o.request_id] * k)
                 t["sample"].extend([0] * k)
                 t["idx"].extend(range(st.emitted, st.emitted + k))
-                t["token_id"].extend(ids)
+                t["token_id"].extend(ids if self.token_ids else [None] * k)
                 t["step"].extend([step] * k)
                 t["ts_s"].extend([now] * k)
                 st.emitted += k
@@ -463,22 +517,43 @@ class _Capture:
         self.finish_pending(time.monotonic(), self.step)
         self.flush_events(self.step, time.monotonic())
         self.sink.close()
-        self._write_json("done.json", {
-            "steps": self.step + 1, "events": self.seq, "hook_s": self.hook_s, "self_check_steps": self.num_checked_steps,
-            "self_check_errors": self.num_check_errors, "self_check_examples": self.check_errors,
-            "writer_error": repr(self.sink.error) if self.sink.error else None,
-        })
+        if self.sink.error is not None and not self.folder.is_dir():
+            return   # the folder was removed: nothing to write the summary into
+        try:
+            self._write_json("done.json", {
+                "server_id": self.server_id,
+                "steps": self.step + 1, "events": self.seq, "hook_s": self.hook_s,
+                "self_check_steps": self.num_checked_steps,
+                "self_check_errors": self.num_check_errors, "self_check_examples": self.check_errors,
+                "writer_error": repr(self.sink.error) if self.sink.error else None,
+            })
+        except OSError:
+            pass   # the disk that stopped the capture; the log already says so
 
 
 class _CaptureMixin:
-    """Wraps the scheduler's steps; every decision stays vLLM's own."""
+    """Wraps the scheduler's steps; every decision stays vLLM's own. A capture that cannot start
+    (its folder cannot be made or written) says so in one line of vLLM's log and the scheduler runs
+    as vLLM's own, unrecorded (`_kvtrace` is None)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._kvtrace = _Capture(self)
+        try:
+            self._kvtrace: _Capture | None = _Capture(self)
+        except OSError as exc:
+            logger.warning("kvtrace capture not started (vLLM serves on): %s", exc)
+            self._kvtrace = None
+
+    def add_request(self, request, *args, **kwargs):
+        new = request.request_id not in self.requests   # a streaming session's next chunk is not a new request
+        super().add_request(request, *args, **kwargs)
+        if new and self._kvtrace is not None:
+            self._kvtrace.arrived(request)
 
     def schedule(self, *args, **kwargs):
         cap = self._kvtrace
+        if cap is None:
+            return super().schedule(*args, **kwargs)
         start = time.monotonic()
         cap.step += 1
         cap.step_preemptions = 0
@@ -490,11 +565,14 @@ class _CaptureMixin:
     def update_from_output(self, scheduler_output, model_runner_output):
         start = time.monotonic()
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        self._kvtrace.after_update(scheduler_output, outputs, start)
+        if self._kvtrace is not None:
+            self._kvtrace.after_update(scheduler_output, outputs, start)
         return outputs
 
     def _preempt_request(self, request, *args, **kwargs):
         cap = self._kvtrace
+        if cap is None:
+            return super()._preempt_request(request, *args, **kwargs)
         cap.preempting(request)
         cap.free_reason = "preempt"
         try:
@@ -504,6 +582,8 @@ class _CaptureMixin:
 
     def _free_request(self, request, *args, **kwargs):
         cap = self._kvtrace
+        if cap is None:
+            return super()._free_request(request, *args, **kwargs)
         cap.finishing.append((request, cap.state(request.request_id)))
         cap.free_reason = "finish"
         try:
@@ -513,7 +593,7 @@ class _CaptureMixin:
 
     def reset_prefix_cache(self, *args, **kwargs):
         done = super().reset_prefix_cache(*args, **kwargs)
-        if done:
+        if done and self._kvtrace is not None:
             self._kvtrace.cached_free = 0
         return done
 
@@ -521,7 +601,8 @@ class _CaptureMixin:
         try:
             super().shutdown()
         finally:
-            self._kvtrace.close()
+            if self._kvtrace is not None:
+                self._kvtrace.close()
 
 
 class KvtraceScheduler(_CaptureMixin, Scheduler):
@@ -530,3 +611,23 @@ class KvtraceScheduler(_CaptureMixin, Scheduler):
 
 class KvtraceAsyncScheduler(_CaptureMixin, AsyncScheduler):
     """vLLM's AsyncScheduler (async scheduling), recorded."""
+
+
+class KvtraceCaptureScheduler:
+    """The one class to name for every server: an instance is the kvtrace subclass of the scheduler
+    vLLM's configuration chose, so an async server stays async.
+
+    vLLM resolves `scheduler_cls` and calls it once, in EngineCore, as `cls(vllm_config=..., ...)`,
+    after its platform hook has had the last word on `scheduler_config.async_scheduling`; without a
+    `scheduler_cls` it would have used AsyncScheduler when that is on, Scheduler otherwise
+    (SchedulerConfig.get_scheduler_cls, the same in 0.32 and 0.33). `__new__` makes that same choice
+    and returns the instance it builds (not an instance of this class, so Python does not call
+    `__init__` again)."""
+
+    def __new__(cls, *args, **kwargs):
+        return chosen_scheduler(kwargs["vllm_config"] if "vllm_config" in kwargs else args[0])(*args, **kwargs)
+
+
+def chosen_scheduler(vllm_config) -> type:
+    """KvtraceAsyncScheduler where vLLM would have used its AsyncScheduler, else KvtraceScheduler."""
+    return KvtraceAsyncScheduler if vllm_config.scheduler_config.async_scheduling else KvtraceScheduler

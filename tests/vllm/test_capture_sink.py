@@ -1,0 +1,93 @@
+"""The capture's sink without vLLM (it is standard library only): retention by bytes and by age, and
+a write that fails (a full disk, simulated: ENOSPC from the write itself, since a real full filesystem
+needs a mount, which tests/vllm/test_vllm_live.py makes where it may) or a removed folder stops the
+capture with one warning and never raises."""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import shutil
+
+from typer.testing import CliRunner
+
+from kvtrace.cli.app import app
+from kvtrace.vllm.capture import sink as sink_module
+from kvtrace.vllm.capture.sink import Sink, parse_age, parse_bytes
+
+SERVER = "20261201T030000Z-77"
+
+
+def _step(sink: Sink, t: float) -> None:
+    row = {"step": int(t), "start_s": t, "end_s": t + 0.5}
+    for name, values in sink.columns["steps"].items():
+        values.append(row.get(name, 0))
+    sink.columns["arrivals"]["req_id"].append(f"r{int(t)}")
+    for name in ("arrival_s", "prompt_tokens", "max_tokens", "priority"):
+        sink.columns["arrivals"][name].append(0)
+    sink.columns["arrivals"]["block_hashes"].append([1, 2, 3])
+
+
+def _parts(folder) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in (folder / "chunks").glob(f"{SERVER}_*.pkl"))
+
+
+def test_sizes_and_ages_parse():
+    assert parse_bytes("4GiB", "x") == 4 * 1024**3 and parse_bytes("500MB", "x") == 500_000_000
+    assert parse_bytes("1000", "x") == 1000 and parse_age("7d", "x") == 7 * 86400 and parse_age("90m", "x") == 5400
+
+
+def test_the_oldest_whole_chunks_go_first_and_ls_says_so(tmp_path):
+    folder = tmp_path / "capture"
+    sink = Sink(folder, SERVER, max_bytes=1, wall_minus_monotonic=0.0)   # a budget below one chunk
+    for t in range(5):
+        _step(sink, float(t))
+        sink.flush()
+    assert _parts(folder) == [4] and sink.num_removed == 4   # the newest always stays
+    (folder / "servers").mkdir()
+    (folder / "servers" / f"{SERVER}.json").write_text(json.dumps({"server_id": SERVER, "pid": 77}))
+    out = CliRunner().invoke(app, ["capture", "ls", str(folder)]).stdout
+    assert "gap: chunks 0–3 removed by retention" in out and "1 requests" in out
+
+    budget = Sink(tmp_path / "roomy", SERVER, max_bytes=10**9, max_age_s=10**6)
+    for t in range(3):
+        _step(budget, float(t))
+        budget.flush()
+    assert _parts(tmp_path / "roomy") == [0, 1, 2]
+    aged = Sink(tmp_path / "roomy", SERVER + "b", max_age_s=0.0)   # lists the folder's chunks at start
+    _step(aged, 9.0)
+    aged.flush()
+    assert _parts(tmp_path / "roomy") == [] and len(list((tmp_path / "roomy" / "chunks").glob("*.pkl"))) == 1
+
+
+def test_a_full_disk_stops_the_capture_with_one_warning(tmp_path, monkeypatch, caplog):
+    sink = Sink(tmp_path / "capture", SERVER)
+    _step(sink, 0.0)
+    sink.flush()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sink_module.pickle, "dump", full)
+    with caplog.at_level(logging.WARNING, logger="vllm.kvtrace.capture"):
+        for t in range(1, 4):
+            _step(sink, float(t))
+            sink.flush()   # never raises
+    assert [r.getMessage() for r in caplog.records if "kvtrace capture stopped" in r.getMessage()] == [
+        f"kvtrace capture stopped (vLLM serves on): cannot write into {sink.folder}: "
+        "[Errno 28] No space left on device"]
+    assert _parts(tmp_path / "capture") == [0] and isinstance(sink.error, OSError)
+    assert not list((tmp_path / "capture").rglob("*.tmp"))          # no half-written chunk left
+    assert not sink.columns["steps"]["step"]                         # rows are dropped, not kept in memory
+
+
+def test_a_removed_folder_stops_the_capture(tmp_path, caplog):
+    sink = Sink(tmp_path / "capture", SERVER)
+    shutil.rmtree(tmp_path / "capture")
+    with caplog.at_level(logging.WARNING, logger="vllm.kvtrace.capture"):
+        _step(sink, 0.0)
+        sink.flush()
+        _step(sink, 1.0)
+        sink.flush()
+    assert len([r for r in caplog.records if "kvtrace capture stopped" in r.getMessage()]) == 1
+    assert not (tmp_path / "capture").exists()
