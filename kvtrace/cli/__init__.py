@@ -2,8 +2,10 @@
 module registers its commands on the shared Typer app when imported here."""
 from __future__ import annotations
 
-from kvtrace.cli import calibrate, explain, explore, export, model, record, sql, sweep, view, workload  # noqa: F401  (registration)
-from kvtrace.cli.app import app, reflow_help
+from kvtrace.cli import calibrate, capture_live, explain, explore, export, model, record, sql, sweep, view, workload  # noqa: F401  (registration)
+from kvtrace.cli.app import app, capture_app, reflow_help
+
+capture_live.register(capture_app)
 
 reflow_help(app)
 

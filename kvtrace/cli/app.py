@@ -25,6 +25,10 @@ app.add_typer(workload_app, name="workload")
 export_app = typer.Typer(help="Export runs for other tools (Perfetto's timeline).", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 app.add_typer(export_app, name="export")
+# issue 29, part B: a group of its own for `capture watch` / `capture metrics` (cli/capture_live.py)
+# until the `capture` group of part A (cli/capture.py) takes them with capture_live.register
+capture_app = typer.Typer(help="A vLLM server's capture folder: watch it, export its metrics.", no_args_is_help=True)
+app.add_typer(capture_app, name="capture")
 
 F = TypeVar("F", bound=Callable)
 

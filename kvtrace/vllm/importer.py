@@ -73,7 +73,7 @@ def map_ids(raw_ids: Sequence[str], items: dict[int, Item]) -> dict[str, tuple[s
 WINDOW_COLUMNS = {"requests": "finish_s", "steps": "start_s", "kv_events": "ts_s", "tokens": "ts_s"}
 
 
-def _keep_window(columns: dict[str, dict[str, list]], lo: float, hi: float) -> None:
+def keep_window(columns: dict[str, dict[str, list]], lo: float, hi: float) -> None:
     """Only what happened between lo and hi (a server's capture folder holds every run it served)."""
     for table, name in WINDOW_COLUMNS.items():
         cols = columns[table]
@@ -89,7 +89,7 @@ def convert(capture: Path, run_dir: Path, run_id: str, items: list[Item], origin
     """Write the run's tables from the capture; return the rows per table."""
     columns = read_chunks(capture)
     if window is not None:
-        _keep_window(columns, *window)
+        keep_window(columns, *window)
     by_index = {item.index: item for item in items}
     raw = [*columns["requests"]["req_id"], *columns["kv_events"]["req_id"], *columns["tokens"]["req_id"],
            *(r for r in columns["kv_events"]["requester_req_id"] if r)]
@@ -111,6 +111,12 @@ def convert(capture: Path, run_dir: Path, run_id: str, items: list[Item], origin
     _fill_requests(columns, items, interrupted)
     t = columns["tokens"]   # each token's predecessor in its sequence (schema 2), on the run's clock
     t["prev_step"], t["prev_ts_s"] = token_predecessors(t["req_id"], t["sample"], t["idx"], t["step"], t["ts_s"])
+    return write_tables(columns, run_dir, run_id)
+
+
+def write_tables(columns: dict[str, dict[str, list]], run_dir: Path, run_id: str) -> dict[str, int]:
+    """Write the trace tables (every column of their schemas, tokens' predecessors included) into
+    `run_dir`, one Parquet chunk each; return the rows per table."""
     rows = {}
     for table, cols in columns.items():
         schema = TABLES[table]
