@@ -103,7 +103,7 @@ def metrics(
     port: Annotated[int, typer.Option(help="The port to serve /metrics on.")] = 9400,
     host: Annotated[str, typer.Option(help="The address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     window: Annotated[str, typer.Option(help="The window of the thrash verdict, and how long the exporter "
-                                              "keeps rows in memory (5m, 60s).")] = "5m",
+                                              "keeps finished requests' rows in memory (1m, 5m).")] = "1m",
     refresh: Annotated[str, typer.Option(help="Time between reads of the folder (2s: the capture's flush).")] = "2s",
     param: Annotated[list[str] | None, typer.Option(
         "--param", "-p", help="A parameter of thrash.sql (window_s, min_preempt_per_s, ...), NAME=VALUE.")] = None,
@@ -137,3 +137,4 @@ def metrics(
     finally:
         server.shutdown()
         thread.join(timeout=5)
+        exporter.close()

@@ -19,11 +19,13 @@ import json
 import math
 import pickle
 import re
+import shutil
 import tempfile
 import threading
 from collections import defaultdict
 from pathlib import Path
 
+import duckdb
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine.events import PreemptReason
@@ -131,21 +133,26 @@ class LiveTrace:
     def write_run(self, server: str, run_dir: Path, run_id: str, *, window_s: float | None,
                   info: dict, command: str) -> dict[str, int]:
         """A run folder of what is kept of `server` (the last `window_s` seconds of it when given),
-        on a clock that starts with its first step."""
+        on a clock that starts with the window (else with its first step); the rows per table."""
         columns = {t: {c: list(v) for c, v in cols.items()} for t, cols in self.servers[server].items()}
         t = columns["tokens"]   # predecessors before the window: a gap that ends in it counts
         t["prev_step"], t["prev_ts_s"] = token_predecessors(t["req_id"], t["sample"], t["idx"], t["step"], t["ts_s"])
         end = self.end_s(server) or 0.0
         if window_s is not None:
             keep_window(columns, end - window_s, end)
-        origin = min(columns["steps"]["start_s"], default=end)
+        # the window's start is 0 (a request that arrived before it has a negative arrival)
+        origin = end - window_s if window_s is not None else min(columns["steps"]["start_s"], default=end)
         for table, names in TIME_COLUMNS.items():
             for name in names:
                 columns[table][name] = [None if v is None else v - origin for v in columns[table][name]]
         t["prev_ts_s"] = [None if v is None else v - origin for v in columns["tokens"]["prev_ts_s"]]
         rows = write_tables(columns, run_dir, run_id)
+        for table, num in rows.items():   # rewritten in place (the exporter's views stay): none left over
+            if not num:
+                (run_dir / table / "part-00000.parquet").unlink(missing_ok=True)
         (run_dir / "meta.json").write_text(json.dumps(run_meta(run_id, info, command, rows)))
-        return rows
+        # and the tokens with a predecessor (db's runs.token_gaps_recorded: whether there are any)
+        return {**rows, "token_gaps": sum(v is not None for v in t["prev_ts_s"])}
 
 
 def _keep(cols: dict[str, list], mask: list[bool]) -> None:
@@ -167,8 +174,11 @@ def run_meta(run_id: str, info: dict, command: str, rows: dict[str, int]) -> dic
     version = info.get("vllm_version")
     return {
         "run_id": run_id, "schema_version": SCHEMA_VERSION, "status": "running", "command": command,
-        "model": {"name": info.get("model")}, "device": {"name": f"vLLM {version}" if version else "vLLM"},
-        "engine_config": {"preemption_mode": "recompute", "enable_prefix_caching": info.get("enable_prefix_caching"),
+        "model": {"name": info.get("model") or "model ?", "dtype": info.get("dtype") or ""},
+        "device": {"name": f"vLLM {version}" if version else "vLLM", "type": "live"},
+        "workload": {"path": "live traffic", "num_requests": rows.get("requests", 0)},
+        "engine_config": {"preemption_mode": "recompute", "preemption_policy": "vLLM's",
+                          "enable_prefix_caching": info.get("enable_prefix_caching"),
                           "max_num_seqs": info.get("max_num_seqs"),
                           "max_num_batched_tokens": info.get("max_num_batched_tokens")},
         # vLLM's null block is no block a request can hold
@@ -199,6 +209,9 @@ class Exporter:
         self.pool: dict | None = None
         self.verdict: str | None = None
         self.lock = threading.Lock()                     # poll() and a scrape's collect()
+        self.folder = tempfile.TemporaryDirectory(prefix="kvtrace-live-")   # the live runs, rewritten each poll
+        self.con: duckdb.DuckDBPyConnection | None = None
+        self.signature: list | None = None
 
     def poll(self) -> int:
         """Read the chunks written since the last poll and update the figures; the chunks read."""
@@ -208,27 +221,28 @@ class Exporter:
         for server, chunk in chunks:
             self.trace.add(server, chunk)
         newest = self.trace.newest_server()
-        with tempfile.TemporaryDirectory(prefix="kvtrace-live-") as tmp:
-            runs = []
-            for server in self.trace.servers:
-                run = Path(tmp) / f"live-{server}"
-                self.trace.write_run(server, run, run.name, window_s=None, info={}, command="")
-                runs.append(run)
-            if newest is not None:
-                run = Path(tmp) / "window"
-                self.trace.write_run(newest, run, "window", window_s=self.window_s,
-                                     info=server_info(self.capture, newest), command="")
-                runs.append(run)
-            con = db.connect(runs)
-            counts = con.execute("SELECT run_id, metric, label, key, value FROM _exporter_counts "
-                                 "WHERE run_id <> 'window'").fetchall()
-            cursor = con.execute("SELECT * FROM _exporter_pool WHERE run_id = 'window'")
-            pool = [dict(zip([d[0] for d in cursor.description], row)) for row in cursor.fetchall()]
-            verdict = None
-            if newest is not None:
-                thrash = db.records(db.run_analysis(con, "thrash", **self.thrash_params))
-                verdict = next((r["verdict"] for r in thrash if r["run_id"] == "window"), None)
-            con.close()
+        folder = Path(self.folder.name)
+        runs: dict[Path, tuple] = {}   # run folder -> what its views depend on
+        for server in self.trace.servers:
+            run = folder / f"live-{server}"
+            rows = self.trace.write_run(server, run, run.name, window_s=None, info={}, command="")
+            runs[run] = tuple(t for t, n in rows.items() if n)
+        if newest is not None:
+            run = folder / "window"
+            rows = self.trace.write_run(newest, run, "window", window_s=self.window_s,
+                                        info=server_info(self.capture, newest), command="")
+            runs[run] = tuple(t for t, n in rows.items() if n)
+        for gone in set(folder.iterdir()) - set(runs):
+            shutil.rmtree(gone)
+        con = self._connect(runs)
+        counts = con.execute("SELECT run_id, metric, label, key, value FROM _exporter_counts "
+                             "WHERE run_id <> 'window'").fetchall()
+        cursor = con.execute("SELECT * FROM _exporter_pool WHERE run_id = 'window'")
+        pool = [dict(zip([d[0] for d in cursor.description], row)) for row in cursor.fetchall()]
+        verdict = None
+        if newest is not None:
+            thrash = db.records(db.run_analysis(con, "thrash", **self.thrash_params))
+            verdict = next((r["verdict"] for r in thrash if r["run_id"] == "window"), None)
         with self.lock:
             seen = set()
             for run_id, metric, label, key, value in counts:
@@ -246,6 +260,23 @@ class Exporter:
             self.verdict = verdict or self.verdict
         self.trace.prune()
         return len(chunks)
+
+    def _connect(self, runs: dict[Path, tuple]) -> duckdb.DuckDBPyConnection:
+        """The connection over `runs`, made again only when what its views and runs table read
+        changes (a run, a table that has rows, whether tokens carry their predecessors): the run
+        folders are rewritten in place, and the helpers take a second to install."""
+        signature = sorted((str(run), key) for run, key in runs.items())
+        if self.con is None or signature != self.signature:
+            if self.con is not None:
+                self.con.close()
+            self.con, self.signature = db.connect(list(runs)), signature
+        return self.con
+
+    def close(self) -> None:
+        if self.con is not None:
+            self.con.close()
+            self.con = None
+        self.folder.cleanup()
 
     def collect(self):
         """The metric families (prometheus_client's Collector protocol)."""
