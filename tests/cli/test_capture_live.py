@@ -17,80 +17,26 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from collections import Counter
 from pathlib import Path
 
 import pytest
-from prometheus_client import generate_latest
-from prometheus_client.core import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
-from kvtrace.trace import db
-from kvtrace.trace.schema import SCHEMA_VERSION
-from kvtrace.vllm.importer import convert
-from kvtrace.vllm.metrics import ITL_CAUSES, ChunkReader, Exporter
+from kvtrace.vllm.metrics import ChunkReader, Exporter
+from tests.helpers.capture_figures import COUNTERS, assert_figures, scraped, sql_figures
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "captures" / "bursts"
 PROMETHEUS = shutil.which("prometheus")
-COUNTERS = ("kvtrace_preemptions_total", "kvtrace_recomputed_tokens_total", "kvtrace_reprefill_cached_tokens_total",
-            "kvtrace_requests_finished_total", "kvtrace_steps_total", "kvtrace_itl_seconds_count",
-            "kvtrace_itl_seconds_sum", "kvtrace_itl_seconds_bucket")
 
 
 @pytest.fixture(scope="module")
 def expected(tmp_path_factory) -> dict[tuple[str, frozenset], float]:
-    """The exporter's figures as the SQL library computes them on the whole capture, converted."""
-    run = tmp_path_factory.mktemp("capture-sql") / "whole"
-    convert(FIXTURE, run, "whole", [], 0.0, interrupted=False)
-    (run / "meta.json").write_text(json.dumps({"run_id": "whole", "schema_version": SCHEMA_VERSION,
-                                               "status": "completed"}))
-    con = db.connect([run])
-    figures: dict[tuple[str, frozenset], float] = {}
-
-    def put(name: str, value: float, **labels: str) -> None:
-        figures[name, frozenset(labels.items())] = value
-
-    preemptions = Counter(r["reason"] for r in db.records(db.run_analysis(con, "preemptions")))
-    for reason in ("recompute", "swap", "swap-full-fallback"):
-        put("kvtrace_preemptions_total", preemptions[reason], reason=reason)
-    recompute = db.records(db.run_analysis(con, "recompute"))[0]
-    put("kvtrace_recomputed_tokens_total", recompute["recomputed_tokens"])
-    put("kvtrace_reprefill_cached_tokens_total", recompute["reprefill_cached_tokens"])
-    for reason, count in con.execute("SELECT finish_reason, count(*) FROM requests GROUP BY 1").fetchall():
-        put("kvtrace_requests_finished_total", count, finish_reason=reason)
-    put("kvtrace_steps_total", con.execute("SELECT count(*) FROM steps").fetchone()[0])
-    # every gap is a cliff above a threshold of a nanosecond: itl_cliffs' cause of every gap
-    cliffs = db.records(db.run_analysis(con, "itl_cliffs", threshold_ms=1e-6))
-    assert len(cliffs) == con.execute("SELECT count(*) FROM _itl").fetchone()[0]   # no gap of zero length
-    for cause in ITL_CAUSES:
-        gaps = [c["gap_ms"] / 1000 for c in cliffs if c["cause"] == cause]
-        put("kvtrace_itl_seconds_count", len(gaps), cause=cause)
-        put("kvtrace_itl_seconds_sum", sum(gaps), cause=cause)
-        put("kvtrace_itl_seconds_bucket", sum(g <= 0.1 for g in gaps), cause=cause, le="0.1")
-        put("kvtrace_itl_seconds_bucket", len(gaps), cause=cause, le="+Inf")
-    last = db.records(db.run_analysis(con, "pool"))[-1]
-    for name in ("used", "cached", "free", "total"):
-        put(f"kvtrace_kv_{name}_blocks", last[f"{name}_blocks"])
-    verdict = db.records(db.run_analysis(con, "thrash"))[0]["verdict"]
-    for name in ("none", "occasional", "sustained"):
-        put("kvtrace_thrash_verdict", float(name == verdict), verdict=name)
-    assert preemptions["recompute"] == 10 and verdict == "occasional"   # the fixture shows something
+    figures = sql_figures(FIXTURE, tmp_path_factory.mktemp("capture-sql"))
+    assert figures["kvtrace_preemptions_total", frozenset({("reason", "recompute")})] == 10   # the fixture shows
+    assert figures["kvtrace_thrash_verdict", frozenset({("verdict", "occasional")})] == 1     # something
     return figures
-
-
-def scraped(exporter: Exporter) -> dict[tuple[str, frozenset], float]:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(exporter)
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(generate_latest(registry).decode()) for s in family.samples}
-
-
-def assert_figures(got: dict, expected: dict) -> None:
-    for key, value in expected.items():
-        assert got.get(key) == pytest.approx(value, rel=1e-9, abs=1e-9), key
 
 
 def test_chunk_by_chunk_under_retention_the_counters_only_grow_and_end_at_the_sql(tmp_path, expected):
