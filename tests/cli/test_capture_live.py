@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from kvtrace.cli import app
 from kvtrace.vllm.metrics import ChunkReader, Exporter
-from tests.helpers.capture_figures import COUNTERS, assert_figures, scraped, sql_figures
+from tests.helpers.capture_figures import COUNTERS, assert_figures, scraped, sql_figures, sql_verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "captures" / "bursts"
@@ -60,7 +60,17 @@ def test_chunk_by_chunk_under_retention_the_counters_only_grow_and_end_at_the_sq
             assert now[key] >= value, key
         before = {key: value for key, value in now.items() if key[0] in COUNTERS}
     assert_figures(now, {k: v for k, v in expected.items() if k[0] != "kvtrace_thrash_verdict"})
+    verdict = sql_verdict(FIXTURE, tmp_path, 3.0)   # of the exporter's window, not of the whole capture
+    assert {k[1] for k, v in now.items() if k[0] == "kvtrace_thrash_verdict" and v == 1} == {
+        frozenset({("verdict", verdict)})}
     assert exporter.reader.num_read == len(chunks) and exporter.reader.num_unreadable == 0
+
+
+def test_the_verdict_is_thrash_sqls_on_the_last_window(tmp_path):
+    exporter = Exporter(FIXTURE, window_s=60.0)
+    exporter.poll()
+    assert exporter.verdict == sql_verdict(FIXTURE, tmp_path, 60.0) == "occasional"   # 3 preemptions in it
+    exporter.close()
 
 
 def test_a_chunk_removed_between_listing_and_reading_is_skipped(tmp_path, monkeypatch):

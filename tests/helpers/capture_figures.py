@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtrace.trace import db
 from kvtrace.trace.schema import SCHEMA_VERSION
-from kvtrace.vllm.importer import convert
+from kvtrace.vllm.importer import convert, read_chunks
 from kvtrace.vllm.metrics import ITL_CAUSES, Exporter
 
 Figures = dict[tuple[str, frozenset], float]   # (sample name, its labels) -> value
@@ -61,6 +61,19 @@ def sql_figures(capture: Path, scratch: Path) -> Figures:
         put("kvtrace_thrash_verdict", float(name == verdict), verdict=name)
     con.close()
     return figures
+
+
+def sql_verdict(capture: Path, scratch: Path, window_s: float) -> str:
+    """thrash.sql's verdict on the run of the capture's last `window_s` seconds (up to its last step's end)."""
+    end = max(read_chunks(capture)["steps"]["end_s"])
+    run = scratch / "last-window"
+    convert(capture, run, "last-window", [], 0.0, interrupted=False, window=(end - window_s, end))
+    (run / "meta.json").write_text(json.dumps({"run_id": "last-window", "schema_version": SCHEMA_VERSION,
+                                               "status": "completed"}))
+    con = db.connect([run])
+    verdict = db.records(db.run_analysis(con, "thrash"))[0]["verdict"]
+    con.close()
+    return verdict
 
 
 def scraped(exporter: Exporter) -> Figures:

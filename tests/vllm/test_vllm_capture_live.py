@@ -18,7 +18,7 @@ from rich.console import Console
 
 from kvtrace.vllm.metrics import Exporter
 from kvtrace.vllm.record import VllmOptions, VllmRecording, capture_path
-from tests.helpers.capture_figures import COUNTERS, assert_figures, scraped, sql_figures
+from tests.helpers.capture_figures import COUNTERS, assert_figures, scraped, sql_figures, sql_verdict
 from tests.helpers.vllm_runs import VLLM_MARKS, VLLM_PYTHON
 
 pytestmark = VLLM_MARKS
@@ -64,7 +64,11 @@ def test_the_exporter_follows_a_capture_that_vllm_is_writing(tmp_path):
     exporter.poll()   # what was written since the last poll
     results = json.loads((tmp_path / "results.json").read_text())
     expected = sql_figures(capture, tmp_path)
-    assert_figures(scraped(exporter), expected)
+    got = scraped(exporter)
+    assert_figures(got, {k: v for k, v in expected.items() if k[0] != "kvtrace_thrash_verdict"})
+    verdict = sql_verdict(capture, tmp_path, 5.0)   # the exporter's window, not the whole capture
+    assert {k[1] for k, v in got.items() if k[0] == "kvtrace_thrash_verdict" and v == 1} == {
+        frozenset({("verdict", verdict)})}
     assert expected["kvtrace_preemptions_total", frozenset({("reason", "recompute")})] == results["num_preemptions"]
     assert len(snapshots) > 2   # it followed the folder as it grew, not only at the end
     for before, after in zip(snapshots, snapshots[1:]):
