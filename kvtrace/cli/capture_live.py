@@ -7,11 +7,14 @@ on the run of the last minutes, metrics serves prometheus_client's exposition fo
 from __future__ import annotations
 
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Annotated
 
+import duckdb
+import pyarrow as pa
 import typer
 from rich.console import Console, RenderableType
 from rich.live import Live
@@ -128,10 +131,16 @@ def metrics(
     except OSError as exc:
         raise KvtraceError(f"--port {port}: cannot listen on {host} ({exc.strerror or exc})") from exc
     print(f"kvtrace: serving metrics of {capture} on http://{host}:{port}/metrics (Ctrl-C stops)", flush=True)
+    last_error = ""
     try:
         while True:
             time.sleep(refresh_s)
-            exporter.poll()
+            try:
+                exporter.poll()
+            except (KvtraceError, OSError, duckdb.Error, pa.ArrowException) as exc:   # serve on; say it once
+                if str(exc) != last_error:
+                    print(f"kvtrace: warning: reading {capture}: {exc}", file=sys.stderr, flush=True)
+                last_error = str(exc)
     except KeyboardInterrupt:
         pass
     finally:

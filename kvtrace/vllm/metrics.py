@@ -42,6 +42,7 @@ ITL_CAUSES = ("swap_wait", "preempted", "reprefill", "prefill_interference", "ot
 VERDICTS = ("none", "occasional", "sustained")                                          # thrash.sql
 POOL_GAUGES = {"used": "referenced by some sequence", "cached": "free, holding reusable prefix-cache KV",
                "free": "free (cached ones included)", "total": "in the pool"}   # pool.sql's columns
+BATCH_CHUNKS = 64    # chunk files added to the figures at a time (a 2 s chunk each while the server is busy)
 MAX_AGE_S = 3600.0   # rows of a sequence that never finished (a lost request) are dropped after this
 
 
@@ -54,8 +55,9 @@ class ChunkReader:
         self.num_read = 0
         self.num_unreadable = 0
 
-    def new_chunks(self) -> list[tuple[str, dict]]:
-        """(server, chunk) of every chunk file not read before, in each server's order."""
+    def new_chunks(self, limit: int | None = None) -> list[tuple[str, dict]]:
+        """(server, chunk) of the chunk files not read before (the first `limit` of them), in each
+        server's order."""
         try:
             names = {p.name: m for p in self.folder.iterdir() if (m := _CHUNK.match(p.name))}
         except FileNotFoundError:   # the server has not started capturing yet
@@ -63,6 +65,8 @@ class ChunkReader:
         self.seen &= set(names)     # forget what retention removed: the set stays as small as the folder
         found = []
         for name in sorted(set(names) - self.seen, key=lambda n: (names[n]["server"], int(names[n]["part"]))):
+            if limit is not None and len(found) == limit:
+                break
             self.seen.add(name)
             try:
                 chunk = pickle.loads((self.folder / name).read_bytes())
@@ -214,10 +218,18 @@ class Exporter:
         self.signature: list | None = None
 
     def poll(self) -> int:
-        """Read the chunks written since the last poll and update the figures; the chunks read."""
-        chunks = self.reader.new_chunks()
-        if not chunks:
-            return 0
+        """Read the chunks written since the last poll and update the figures; the chunks read.
+        A folder's history is taken `BATCH_CHUNKS` at a time, so that memory holds no more of it
+        than a window's worth and a batch."""
+        num_read = 0
+        while chunks := self.reader.new_chunks(BATCH_CHUNKS):
+            self._update(chunks)
+            num_read += len(chunks)
+            if len(chunks) < BATCH_CHUNKS:
+                break
+        return num_read
+
+    def _update(self, chunks: list[tuple[str, dict]]) -> None:
         for server, chunk in chunks:
             self.trace.add(server, chunk)
         newest = self.trace.newest_server()
@@ -259,7 +271,6 @@ class Exporter:
             self.pool = pool[0] if pool else self.pool
             self.verdict = verdict or self.verdict
         self.trace.prune()
-        return len(chunks)
 
     def _connect(self, runs: dict[Path, tuple]) -> duckdb.DuckDBPyConnection:
         """The connection over `runs`, made again only when what its views and runs table read
