@@ -9,6 +9,9 @@ a tiny retention removes the oldest, with a short window that makes the exporter
 from __future__ import annotations
 
 import json
+import os
+import pty
+import select
 import shutil
 import signal
 import socket
@@ -160,6 +163,29 @@ def test_watch_once_draws_the_dashboard_of_the_last_window():
     assert result.exit_code == 0, result.output
     assert "server 24953, last 90 s" in result.output
     assert "vLLM 0.32.0" in result.output and "thrash" in result.output
+
+
+def test_watch_redraws_until_ctrl_c():
+    """On a terminal (a pty: Rich's Live draws only there), the dashboard comes, then Ctrl-C ends it."""
+    primary, secondary = pty.openpty()
+    watch = subprocess.Popen([sys.executable, "-m", "kvtrace", "capture", "watch", str(FIXTURE), "--refresh", "200ms"],
+                             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary,
+                             env={**os.environ, "COLUMNS": "100", "LINES": "60"})
+    os.close(secondary)
+    out, deadline, interrupted = b"", time.monotonic() + 120, False
+    while watch.poll() is None and time.monotonic() < deadline:
+        if select.select([primary], [], [], 0.5)[0]:
+            try:
+                out += os.read(primary, 65536)
+            except OSError:   # the other side closed
+                break
+        if not interrupted and out.count(b"server 24953") >= 2:   # drawn, and drawn again
+            watch.send_signal(signal.SIGINT)
+            interrupted = True
+    watch.wait(timeout=30)
+    os.close(primary)
+    assert interrupted, out[-2000:]
+    assert watch.returncode == 0 and b"Traceback" not in out, out[-2000:]
 
 
 @pytest.mark.parametrize("args, message", [
