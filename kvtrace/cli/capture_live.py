@@ -1,8 +1,9 @@
 """`kvtrace capture watch` and `kvtrace capture metrics`: a running server's capture folder, live.
 
 `register(group)` adds both commands to a Typer group (the `capture` group). Both follow the folder
-with kvtrace/vllm/metrics.py; watch lays out the dashboard of `kvtrace analyze` (kvtrace/views/dashboard.py)
-on the run of the last minutes, metrics serves prometheus_client's exposition format.
+with kvtrace/vllm/live.py; watch lays out the dashboard of `kvtrace analyze` (kvtrace/views/dashboard.py)
+on the run of the last minutes, metrics serves kvtrace/vllm/metrics.py's figures in prometheus_client's
+exposition format.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from rich.text import Text
 from kvtrace.cli.app import parse_params, user_errors
 from kvtrace.errors import KvtraceError
 from kvtrace.views import dashboard
-from kvtrace.vllm.metrics import ChunkReader, Exporter, LiveTrace, server_info
+from kvtrace.vllm.live import ChunkReader, LiveTrace, server_info
+from kvtrace.vllm.metrics import Exporter
 
 CAPTURE_HELP = "The capture folder the server writes (KVTRACE_CAPTURE_DIR of `kvtrace vllm-env`)."
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")

@@ -26,7 +26,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli import app
-from kvtrace.vllm.metrics import ChunkReader, Exporter
+from kvtrace.vllm.live import ChunkReader
+from kvtrace.vllm.metrics import Exporter
 from tests.helpers.capture_figures import COUNTERS, assert_figures, scraped, sql_figures, sql_verdict
 
 ROOT = Path(__file__).resolve().parents[2]
