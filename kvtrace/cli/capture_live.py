@@ -25,7 +25,6 @@ from kvtrace.cli.app import parse_params, user_errors
 from kvtrace.errors import KvtraceError
 from kvtrace.views import dashboard
 from kvtrace.vllm.live import ChunkReader, LiveTrace, server_info
-from kvtrace.vllm.metrics import Exporter
 
 CAPTURE_HELP = "The capture folder the server writes (KVTRACE_CAPTURE_DIR of `kvtrace vllm-env`)."
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
@@ -119,8 +118,11 @@ def metrics(
 
     Counters start from what the folder holds when it starts and never go backwards after, whatever
     the capture's retention removes."""
+    # prometheus_client only for this command (as textual for explore)
     from prometheus_client import start_http_server
     from prometheus_client.core import CollectorRegistry
+
+    from kvtrace.vllm.metrics import Exporter
 
     window_s, refresh_s = parse_duration(window, "--window"), parse_duration(refresh, "--refresh")
     capture = _capture_folder(capture)
