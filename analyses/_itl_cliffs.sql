@@ -41,11 +41,7 @@ stalls AS (
 ),
 attributed AS (
     SELECT c.run_id, c.req_id, c.sample, c.idx, c.gap_ms,
-           CASE WHEN coalesce(st.swapped_ms, 0) > 0 THEN 'swap_wait'
-                WHEN coalesce(st.preempted_ms, 0) > 0 AND st.preempted_ms >= coalesce(st.reprefill_ms, 0) THEN 'preempted'
-                WHEN coalesce(st.reprefill_ms, 0) > 0 THEN 'reprefill'
-                WHEN step.prefill_tokens > 0 THEN 'prefill_interference'
-                ELSE 'other' END AS cause,
+           _itl_cause(st.swapped_ms, st.preempted_ms, st.reprefill_ms, step.prefill_tokens) AS cause,
            c.start_s, c.end_s, c.prev_step, c.step,
            coalesce(st.preempted_ms, 0) AS preempted_ms,
            coalesce(st.swapped_ms, 0) AS swapped_ms,

@@ -6,12 +6,14 @@ bash scripts/setup.sh
 # what only the tests need: pytest, Hypothesis, Triton (its interpreter runs the GPU kernels on the
 # CPU) and the Ray extra (the sweep test starts a local Ray cluster); the main job needs none of them
 "${PYTHON:-python3}" -m pip install --quiet -e ".[test,ray]"
-# the report's browser test needs Chromium, and kvtrace explore's terminal test tmux; a skipped
-# test would hide the area, so either missing is an error here (and CI=true fails the run on any
+# the report's browser test needs Chromium, kvtrace explore's terminal test tmux, and the exporter's
+# test a Prometheus server (Debian's prometheus, started on loopback); a skipped
+# test would hide the area, so any of them missing is an error here (and CI=true fails the run on any
 # skip but cuda/external: tests/helpers/strict_skips.py)
 missing=""
 command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
 command -v tmux >/dev/null 2>&1 || missing="$missing tmux"
+command -v prometheus >/dev/null 2>&1 || missing="$missing prometheus"   # the exporter's scrape test
 if [ -n "$missing" ]; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
         # shellcheck disable=SC2086  (one Debian package per word)

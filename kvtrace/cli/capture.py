@@ -15,7 +15,7 @@ from rich.console import Console
 
 from kvtrace.cli.app import app, user_errors
 
-capture_app = typer.Typer(help="A vLLM server's capture folder of live traffic: list it, turn a window of it into a run.",
+capture_app = typer.Typer(help="A vLLM server's capture folder of live traffic: list it, turn a window of it into a run, watch it, export its metrics.",
                           no_args_is_help=True)
 app.add_typer(capture_app, name="capture")
 

@@ -160,10 +160,15 @@ def rebase(columns: dict[str, dict[str, list]], origin: float) -> None:
             columns[table][name] = [None if t is None else t - origin for t in columns[table][name]]
 
 
-def write_tables(columns: dict[str, dict[str, list]], run_dir: Path, run_id: str) -> dict[str, int]:
-    """The trace's tables of a run from the capture's columns (on the run's clock); the rows per table."""
+def write_tables(columns: dict[str, dict[str, list]], run_dir: Path, run_id: str, *,
+                 predecessors: bool = True) -> dict[str, int]:
+    """The trace's tables of a run from the capture's columns (on the run's clock); the rows per table.
+    With `predecessors` False the tokens' prev_step / prev_ts_s are the caller's (a window that keeps
+    each sequence's token before it, kvtrace/vllm/follow.py)."""
     t = columns["tokens"]   # each token's predecessor in its sequence (schema 2), on the run's clock
-    t["prev_step"], t["prev_ts_s"] = token_predecessors(t["req_id"], t["sample"], t["idx"], t["step"], t["ts_s"])
+    if predecessors:
+        t["prev_step"], t["prev_ts_s"] = token_predecessors(t["req_id"], t["sample"], t["idx"], t["step"],
+                                                            t["ts_s"])
     rows = {}
     for table in COLUMNS:
         cols = columns[table]

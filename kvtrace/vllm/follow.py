@@ -1,0 +1,169 @@
+"""A running server's capture folder, followed: what `kvtrace capture metrics` (kvtrace/vllm/metrics.py)
+and `kvtrace capture watch` read (`kvtrace capture ls` / `run` read a folder once: kvtrace/vllm/live.py).
+
+`ChunkReader` reads each chunk file once, new files only: a chunk removed by the capture's retention
+before it was read is skipped, a hidden `.tmp` (a chunk being written) is not a chunk yet.
+`LiveTrace` keeps the rows of the last `keep_s` seconds per server (a chunk file's prefix, the
+EngineCore's pid) and, of the sequences still in flight, every row: a gap between two tokens is
+caused by what happened to its sequence since the earlier one, however long ago that was.
+`LiveTrace.write_run` turns what is kept into a run folder that kvtrace's SQL library reads like any other.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+from kvtrace.trace.schema import SCHEMA_VERSION, token_predecessors
+from kvtrace.vllm.capture.sink import COLUMNS
+from kvtrace.vllm.importer import TIME_COLUMNS, keep_window, list_chunks, read_json, write_tables
+
+MAX_AGE_S = 3600.0   # rows of a sequence that never finished (a lost request) are dropped after this
+
+
+class ChunkReader:
+    """The chunk files of a capture folder (importer.list_chunks: both layouts), each read once."""
+
+    def __init__(self, capture: Path) -> None:
+        self.capture = Path(capture)
+        self.seen: set[str] = set()
+        self.num_read = 0
+        self.num_unreadable = 0
+
+    def new_chunks(self, limit: int | None = None) -> list[tuple[str, dict]]:
+        """(server, chunk) of the chunk files not read before (the first `limit` of them), in each
+        server's order."""
+        if not (self.capture / "chunks").is_dir():   # the server has not started capturing yet
+            return []
+        chunks = list_chunks(self.capture)
+        self.seen &= {c.path.name for c in chunks}   # forget what retention removed: the set stays small
+        found = []
+        for c in chunks:
+            if c.path.name in self.seen:
+                continue
+            if limit is not None and len(found) == limit:
+                break
+            self.seen.add(c.path.name)
+            try:
+                chunk = pickle.loads(c.path.read_bytes())
+            except FileNotFoundError:   # removed by retention since the listing
+                continue
+            except (pickle.UnpicklingError, EOFError, OSError):   # chunks are renamed into place whole:
+                self.num_unreadable += 1                          # this one is not the capture's
+                continue
+            self.num_read += 1
+            found.append((c.server_id, chunk))
+        return found
+
+
+class LiveTrace:
+    """The capture's rows in memory, per server: the last `keep_s` seconds, and every row of the
+    sequences still in flight. Times stay on the capture's monotonic clock."""
+
+    def __init__(self, keep_s: float) -> None:
+        self.keep_s = keep_s
+        self.servers: dict[str, dict[str, dict[str, list]]] = {}
+
+    def add(self, server: str, chunk: dict) -> None:
+        columns = self.servers.setdefault(server, {t: {c: [] for c in cols} for t, cols in COLUMNS.items()})
+        for table, cols in chunk.items():
+            if table not in columns:
+                continue
+            num_rows = len(next(iter(cols.values()), []))
+            for name, values in columns[table].items():
+                values.extend(cols.get(name, [None] * num_rows))
+
+    def end_s(self, server: str) -> float | None:
+        """When the server's last step kept here ended (the capture's clock)."""
+        ends = self.servers[server]["steps"]["end_s"]
+        return max(ends) if ends else None
+
+    def newest_server(self) -> str | None:
+        ends = {s: e for s in self.servers if (e := self.end_s(s)) is not None}
+        return max(ends, key=ends.get) if ends else None
+
+    def prune(self) -> None:
+        """Drop what no later figure needs: finished sequences and steps older than `keep_s`
+        (a step a kept re-prefill names stays: its end is when the re-prefill was done), tokens
+        older than that but the last of each sequence still in flight (the next gap starts there)."""
+        for server, columns in list(self.servers.items()):
+            end = self.end_s(server)
+            if end is None:
+                continue
+            horizon, oldest = end - self.keep_s, end - max(self.keep_s, MAX_AGE_S)
+            q = columns["requests"]
+            done = {(r, s) for r, s, f in zip(q["req_id"], q["sample"], q["finish_s"]) if f is not None and f < horizon}
+            _keep(q, [(r, s) not in done for r, s in zip(q["req_id"], q["sample"])])
+            k = columns["kv_events"]
+            _keep(k, [t is not None and t >= oldest and (t >= horizon or (r, s) not in done and bool(r))
+                      for r, s, t in zip(k["req_id"], k["sample"], k["ts_s"])])
+            named = {st for st, kind in zip(k["step"], k["kind"]) if kind == "reprefill"}
+            st = columns["steps"]
+            _keep(st, [e >= horizon or step in named for step, e in zip(st["step"], st["end_s"])])
+            t = columns["tokens"]
+            last: dict[tuple, int] = {}
+            for i, key in enumerate(zip(t["req_id"], t["sample"])):
+                last[key] = i
+            tail = set(last.values())
+            _keep(t, [ts is not None and ts >= oldest and (ts >= horizon or (i in tail and key not in done))
+                      for i, (key, ts) in enumerate(zip(zip(t["req_id"], t["sample"]), t["ts_s"]))])
+            if not any(next(iter(cols.values())) for cols in columns.values()):
+                del self.servers[server]
+
+    def write_run(self, server: str, run_dir: Path, run_id: str, *, window_s: float | None,
+                  info: dict, command: str) -> dict[str, int]:
+        """A run folder of what is kept of `server` (the last `window_s` seconds of it when given),
+        on a clock that starts with the window (else with its first step); the rows per table."""
+        columns = {t: {c: list(v) for c, v in cols.items()} for t, cols in self.servers[server].items()}
+        t = columns["tokens"]   # predecessors before the window: a gap that ends in it counts
+        t["prev_step"], t["prev_ts_s"] = token_predecessors(t["req_id"], t["sample"], t["idx"], t["step"], t["ts_s"])
+        end = self.end_s(server) or 0.0
+        if window_s is not None:
+            keep_window(columns, end - window_s, end)
+        # the window's start is 0 (a request that arrived before it has a negative arrival)
+        origin = end - window_s if window_s is not None else min(columns["steps"]["start_s"], default=end)
+        for table, names in TIME_COLUMNS.items():
+            for name in names:
+                columns[table][name] = [None if v is None else v - origin for v in columns[table][name]]
+        t["prev_ts_s"] = [None if v is None else v - origin for v in columns["tokens"]["prev_ts_s"]]
+        rows = write_tables(columns, run_dir, run_id, predecessors=False)
+        for table, num in rows.items():   # rewritten in place (the exporter's views stay): none left over
+            if not num:
+                (run_dir / table / "part-00000.parquet").unlink(missing_ok=True)
+        (run_dir / "meta.json").write_text(json.dumps(run_meta(run_id, info, command, rows)))
+        # and the tokens with a predecessor (db's runs.token_gaps_recorded: whether there are any)
+        return {**rows, "token_gaps": sum(v is not None for v in t["prev_ts_s"])}
+
+
+def _keep(cols: dict[str, list], mask: list[bool]) -> None:
+    if all(mask):
+        return
+    for name, values in cols.items():
+        cols[name] = [v for v, m in zip(values, mask) if m]
+
+
+def server_info(capture: Path, server: str) -> dict:
+    """What capture.json says of the server, where it is the one that wrote it last."""
+    info = read_json(Path(capture) / "capture.json") or {}
+    return info if str(info.get("pid")) == server else {}
+
+
+def run_meta(run_id: str, info: dict, command: str, rows: dict[str, int]) -> dict:
+    """The meta.json of a live run: what the capture knows of the server (capture.json)."""
+    blocks = info.get("num_gpu_blocks")
+    version = info.get("vllm_version")
+    return {
+        "run_id": run_id, "schema_version": SCHEMA_VERSION, "status": "running", "command": command,
+        "model": {"name": info.get("model") or "model ?", "dtype": info.get("dtype") or ""},
+        "device": {"name": f"vLLM {version}" if version else "vLLM", "type": "live"},
+        "workload": {"path": "live traffic", "num_requests": rows.get("requests", 0)},
+        "engine_config": {"preemption_mode": "recompute", "preemption_policy": "vLLM's",
+                          "enable_prefix_caching": info.get("enable_prefix_caching"),
+                          "max_num_seqs": info.get("max_num_seqs"),
+                          "max_num_batched_tokens": info.get("max_num_batched_tokens")},
+        # vLLM's null block is no block a request can hold
+        "kv_pool": {"block_size": info.get("block_size"), "num_gpu_blocks": blocks - 1 if blocks else None},
+        "vllm": {"version": version, "scheduler": info.get("scheduler"),
+                 "async_scheduling": info.get("async_scheduling")},
+        "summary": {"rows": rows},
+    }

@@ -1,0 +1,174 @@
+"""`kvtrace capture metrics`: a Prometheus exporter that follows a running server's capture folder.
+
+`Exporter.poll` reads the chunks written since the last poll (kvtrace/vllm/follow.py), adds the rows
+it has not seen yet (analyses/_exporter.sql: one row per trace row that adds to a counter, with its
+identity) to counters that never go backwards, whatever the retention removes; the gauges are those
+of the last step; the thrash verdict is thrash.sql's on the run of the last `window_s` seconds. Its
+`collect` is a prometheus_client collector.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+import duckdb
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from engine.events import PreemptReason
+from kvtrace.trace import db
+from kvtrace.vllm.follow import ChunkReader, LiveTrace, server_info
+
+# the upper bounds of the ITL histogram (s): vLLM's own inter-token latency buckets, from 1 ms
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0, math.inf)
+ITL_CAUSES = ("swap_wait", "preempted", "reprefill", "prefill_interference", "other")   # itl_cliffs.sql
+VERDICTS = ("none", "occasional", "sustained")                                          # thrash.sql
+POOL_GAUGES = {"used": "referenced by some sequence", "cached": "free, holding reusable prefix-cache KV",
+               "free": "free (cached ones included)", "total": "in the pool"}   # pool.sql's columns
+BATCH_CHUNKS = 64    # chunk files added to the figures at a time (a 2 s chunk each while the server is busy)
+
+
+class Exporter:
+    """Counters, gauges and the ITL histogram of a capture folder, for prometheus_client."""
+
+    def __init__(self, capture: Path, *, window_s: float = 60.0, thrash_params: dict | None = None) -> None:
+        self.capture = Path(capture)
+        self.reader = ChunkReader(capture)
+        self.trace = LiveTrace(window_s)
+        self.window_s = window_s
+        self.thrash_params = thrash_params or {}
+        self.counts: dict[tuple[str, str], float] = defaultdict(float)   # (metric, label) -> total
+        for reason in PreemptReason:
+            self.counts["preemptions", reason.value] = 0.0
+        for metric in ("recomputed_tokens", "reprefill_cached_tokens", "steps"):
+            self.counts[metric, ""] = 0.0
+        self.itl = {cause: [0] * len(ITL_BUCKETS) for cause in ITL_CAUSES}   # per bucket, not cumulative
+        self.itl_sum = dict.fromkeys(ITL_CAUSES, 0.0)
+        self.seen: set[tuple[str, str, str]] = set()    # (run_id, metric, key) already counted
+        self.pool: dict | None = None
+        self.verdict: str | None = None
+        self.lock = threading.Lock()                     # poll() and a scrape's collect()
+        self.folder = tempfile.TemporaryDirectory(prefix="kvtrace-live-")   # the live runs, rewritten each poll
+        self.con: duckdb.DuckDBPyConnection | None = None
+        self.signature: list | None = None
+
+    def poll(self) -> int:
+        """Read the chunks written since the last poll and update the figures; the chunks read.
+        A folder's history is taken `BATCH_CHUNKS` at a time, so that memory holds no more of it
+        than a window's worth and a batch."""
+        num_read = 0
+        while chunks := self.reader.new_chunks(BATCH_CHUNKS):
+            self._update(chunks)
+            num_read += len(chunks)
+            if len(chunks) < BATCH_CHUNKS:
+                break
+        return num_read
+
+    def _update(self, chunks: list[tuple[str, dict]]) -> None:
+        for server, chunk in chunks:
+            self.trace.add(server, chunk)
+        newest = self.trace.newest_server()
+        folder = Path(self.folder.name)
+        runs: dict[Path, tuple] = {}   # run folder -> what its views depend on
+        for server in self.trace.servers:
+            run = folder / f"live-{server}"
+            rows = self.trace.write_run(server, run, run.name, window_s=None, info={}, command="")
+            runs[run] = tuple(t for t, n in rows.items() if n)
+        if newest is not None:
+            run = folder / "window"
+            rows = self.trace.write_run(newest, run, "window", window_s=self.window_s,
+                                        info=server_info(self.capture, newest), command="")
+            runs[run] = tuple(t for t, n in rows.items() if n)
+        for gone in set(folder.iterdir()) - set(runs):
+            shutil.rmtree(gone)
+        con = self._connect(runs)
+        counts = con.execute("SELECT run_id, metric, label, key, value FROM _exporter_counts "
+                             "WHERE run_id <> 'window'").fetchall()
+        cursor = con.execute("SELECT * FROM _exporter_pool WHERE run_id = 'window'")
+        pool = [dict(zip([d[0] for d in cursor.description], row)) for row in cursor.fetchall()]
+        verdict = None
+        if newest is not None:
+            thrash = db.records(db.run_analysis(con, "thrash", **self.thrash_params))
+            verdict = next((r["verdict"] for r in thrash if r["run_id"] == "window"), None)
+        with self.lock:
+            seen = set()
+            for run_id, metric, label, key, value in counts:
+                seen.add((run_id, metric, key))
+                if (run_id, metric, key) in self.seen:
+                    continue
+                if metric == "itl":
+                    bucket = next(i for i, bound in enumerate(ITL_BUCKETS) if value <= bound)
+                    self.itl.setdefault(label, [0] * len(ITL_BUCKETS))[bucket] += 1
+                    self.itl_sum[label] = self.itl_sum.get(label, 0.0) + value
+                else:
+                    self.counts[metric, label] += value
+            self.seen = seen   # what left the window is never seen again
+            self.pool = pool[0] if pool else self.pool
+            self.verdict = verdict or self.verdict
+        self.trace.prune()
+
+    def _connect(self, runs: dict[Path, tuple]) -> duckdb.DuckDBPyConnection:
+        """The connection over `runs`, made again only when what its views and runs table read
+        changes (a run, a table that has rows, whether tokens carry their predecessors): the run
+        folders are rewritten in place, and the helpers take a second to install."""
+        signature = sorted((str(run), key) for run, key in runs.items())
+        if self.con is None or signature != self.signature:
+            if self.con is not None:
+                self.con.close()
+            self.con, self.signature = db.connect(list(runs)), signature
+        return self.con
+
+    def close(self) -> None:
+        if self.con is not None:
+            self.con.close()
+            self.con = None
+        self.folder.cleanup()
+
+    def collect(self):
+        """The metric families (prometheus_client's Collector protocol)."""
+        with self.lock:
+            preemptions = CounterMetricFamily("kvtrace_preemptions", "Preemptions decided by the scheduler, "
+                                              "by how the victim gives up its KV (recompute, swap).", labels=["reason"])
+            for (metric, label), value in sorted(self.counts.items()):
+                if metric == "preemptions":
+                    preemptions.add_metric([label], value)
+            yield preemptions
+            yield CounterMetricFamily("kvtrace_recomputed_tokens", "KV positions computed again after a "
+                                      "recompute preemption (re-prefills).", value=self.counts["recomputed_tokens", ""])
+            yield CounterMetricFamily("kvtrace_reprefill_cached_tokens", "Positions of re-prefills served by the "
+                                      "prefix cache instead of computed again, when a preempted sequence resumed.",
+                                      value=self.counts["reprefill_cached_tokens", ""])
+            finished = CounterMetricFamily("kvtrace_requests_finished", "Sequences finished, by finish reason.",
+                                           labels=["finish_reason"])
+            for (metric, label), value in sorted(self.counts.items()):
+                if metric == "requests_finished":
+                    finished.add_metric([label], value)
+            yield finished
+            yield CounterMetricFamily("kvtrace_steps", "Engine steps.", value=self.counts["steps", ""])
+            yield CounterMetricFamily("kvtrace_capture_chunks_read", "Capture chunk files read.",
+                                      value=self.reader.num_read)
+            itl = HistogramMetricFamily("kvtrace_itl_seconds", "Inter-token latency: the gap between consecutive "
+                                        "tokens of a sequence, by cause (itl_cliffs.sql's rules).", labels=["cause"])
+            for cause, counts in self.itl.items():
+                cumulative, buckets = 0, []
+                for bound, count in zip(ITL_BUCKETS, counts):
+                    cumulative += count
+                    buckets.append(("+Inf" if math.isinf(bound) else repr(bound), cumulative))
+                itl.add_metric([cause], buckets, self.itl_sum[cause])
+            yield itl
+            if self.pool is not None:
+                for name, text in POOL_GAUGES.items():
+                    value = self.pool[f"{name}_blocks"]
+                    if value is not None:
+                        yield GaugeMetricFamily(f"kvtrace_kv_{name}_blocks", f"KV blocks {text}, after the last "
+                                                "step's scheduling.", value=value)
+            if self.verdict is not None:
+                verdict = GaugeMetricFamily("kvtrace_thrash_verdict", f"thrash.sql's verdict on the last "
+                                            f"{self.window_s:g} s: 1 for the verdict that holds.", labels=["verdict"])
+                for name in VERDICTS:
+                    verdict.add_metric([name], float(name == self.verdict))
+                yield verdict
