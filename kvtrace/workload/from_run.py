@@ -12,7 +12,8 @@ What is read, and from where (a run from kvtrace's engine, the simulator or a vL
   1. `tokens`: the prompts' ids, from the workload the run replayed when that file is still there
      with the recorded sha256 (text prompts need a tokenizer: then 2 or 3); each full block's chained
      hash of its ids. Exact.
-  2. `hashes`: block hashes the run recorded: a list column `block_hashes` of kv_events aligned with
+  2. `hashes`: block hashes the run recorded: `capture_requests.block_hashes` (a window of live
+     traffic, `kvtrace capture run`: salted per capture), a list column `block_hashes` of kv_events aligned with
      `blocks` on `alloc` / `prefix_hit` rows (a content-free capture's salted hashes), or a list column
      `block_hashes` / `hash_ids` of requests (the prompt's full blocks, in order).
   3. `kv_events`: which physical block each prompt block was, from the events (a `prefix_hit` maps a
@@ -184,6 +185,12 @@ def _prefix_structure(con, request_columns: set[str], meta: dict, workload: dict
         if hashes is not None:
             return "tokens", hashes
     event_columns = {row[0] for row in con.execute("DESCRIBE SELECT * FROM kv_events").fetchall()}
+    # a window of live traffic (kvtrace capture run): the prompt's salted block hashes, per request
+    captured = {rid: list(values[: prompt_tokens[rid] // block_size]) for rid, values in con.execute(
+        "SELECT req_id, block_hashes FROM capture_requests WHERE block_hashes IS NOT NULL ORDER BY req_id"
+    ).fetchall() if rid in prompt_tokens}
+    if captured:
+        return "hashes", captured
     recorded = next((c for c in HASH_COLUMNS if c in request_columns), None)
     if recorded is not None:
         hashes = {}

@@ -122,6 +122,14 @@ def test_a_window_holds_every_request_of_its_span_marked_across_its_edges(folder
     _cli("export", "perfetto", run, "-o", tmp_path / "window.pftrace")
     _cli("report", run, "-o", tmp_path / "window.html")
     assert "recompute" in _cli("explain", run, "d")
+    # the window's traffic as a workload: the prefix structure from the capture's salted hashes
+    _cli("workload", "from-run", run, "-o", tmp_path / "window.jsonl")
+    replay = [json.loads(line) for line in (tmp_path / "window.jsonl").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    assert [r["prompt_tokens"] for r in replay] == [40, 40, 40] and all("prompt" not in r for r in replay)
+    b, c, d = (r["hash_ids"] for r in replay)
+    assert b == c and len(b) == 2 and d[0] != b[0] and len(d) == 1
+    assert {11, 22, 33}.isdisjoint(b + d)   # renumbered: not the capture's values
 
 
 def test_last_is_the_newest_data_less_the_duration(folder, tmp_path):
