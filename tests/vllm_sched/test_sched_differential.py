@@ -56,7 +56,8 @@ def test_schedules_as_vllm(vllm, asynchronous):
     followed = vllm.version == VLLM_VERSION   # another version's differences are reported, not failed
     differing: list[str] = []
 
-    @settings(max_examples=NUM_WORKLOADS, **FAST)
+    # another version's differences are only reported: a quarter of the workloads finds them
+    @settings(max_examples=NUM_WORKLOADS if followed else max(NUM_WORKLOADS // 4, 50), **FAST)
     @given(workloads(asynchronous))
     def check(workload):
         theirs = vllm.run(workload)
