@@ -119,6 +119,8 @@ def in_batch_order(seqs: list[Sequence], out: SchedulerOutput) -> list[Sequence]
     """The sequences in the order the step scheduled them, which is the order V1 frees those that
     finish (update_from_output walks the scheduled requests); samples forked this step (--n-mode cow)
     come last. The executor's sampling order differs: decodes first, then prefill chunks."""
+    if len(seqs) < 2:   # most steps finish none or one: no per-step work over the batch
+        return seqs
     position = {id(seq): i for i, seq in enumerate(out.seqs)}
     return sorted(seqs, key=lambda seq: position.get(id(seq), len(position)))
 
