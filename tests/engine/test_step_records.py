@@ -185,14 +185,17 @@ def test_a_prefix_hit_needs_the_whole_chain_before_it(make_engine):
 def test_a_request_that_exactly_fits_the_pool_runs(make_engine):
     # 8 blocks of 4: 32 positions is the most a sequence can ever hold; the watermark (0.25) holds
     # back admissions while others run, not what can fit at all (as in vLLM V1). "fits" needs 31 + 1
-    # positions and runs; "too-big" needs 32 + 1 and is rejected.
+    # positions and runs; "exact" fills all 32 with its prompt and, with max_tokens 1, runs too (its
+    # one sampled token is never stored: V1 admits it, docs/scheduling.md); "too-big" needs 33 and
+    # is rejected.
     tracer = ListTracer()
     engine = make_engine(tracer, num_gpu_blocks=8, watermark=0.25, enable_prefix_caching=False)
     engine.add_request("fits", list(range(100, 131)), SamplingParams(max_tokens=1, ignore_eos=True))
-    engine.add_request("too-big", list(range(200, 232)), SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request("exact", list(range(200, 232)), SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request("too-big", list(range(300, 333)), SamplingParams(max_tokens=1, ignore_eos=True))
     run_checked(engine)
     finishes = {e.req_id: e.reason for e in tracer.events if e.kind == "finish"}
-    assert finishes == {"fits": "length", "too-big": "rejected"}
+    assert finishes == {"fits": "length", "exact": "length", "too-big": "rejected"}
 
 
 def test_every_step_records_the_pool_as_the_block_tables_hold_it(make_engine):

@@ -106,8 +106,9 @@ def test_every_target_runs_whole_component_folders_selected_by_markers_only():
         assert all((TESTS.parent / f).is_dir() and Path(f).parent == Path("tests") for f in folders), target
         chosen |= {Path(f).name for f in folders}
     # the folders of the code under mutation (vllm/: the capture's tests that need no vLLM, the marker
-    # deselects the rest); tools/ tests the tools
-    assert chosen == components - {"tools"}
+    # deselects the rest); tools/ tests the tools; vllm_sched/ has only tests that step vLLM's own
+    # scheduler (marker vllm), which the selection leaves out
+    assert chosen == components - {"tools", "vllm_sched"}
     assert mutation.tests_of("sql") == mutation.tests_of("analyses/_timeline.sql") == ["tests/analysis", *mutation.SELECTION]
     registered = (TESTS.parent / "pyproject.toml").read_text()               # pytest's markers
     for marker in ("long", "slow", "cuda", "vllm", "browser", "external"):
