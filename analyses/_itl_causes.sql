@@ -11,6 +11,10 @@ CREATE OR REPLACE MACRO _itl_cause(swapped_ms, preempted_ms, reprefill_ms, step_
          WHEN step_prefill_tokens > 0 THEN 'prefill_interference'
          ELSE 'other' END;
 
+-- _overlap_ms(a_start_s, a_end_s, b_start_s, b_end_s): how long two spans overlap, in ms (0 if apart)
+CREATE OR REPLACE MACRO _overlap_ms(a_start_s, a_end_s, b_start_s, b_end_s) AS
+    greatest(least(a_end_s, b_end_s) - greatest(a_start_s, b_start_s), 0) * 1000;
+
 -- _itl_causes: one row per row of _itl (every gap, cliff or not), what the Prometheus exporter's
 -- ITL histogram observes (kvtrace/vllm/metrics.py).
 --   run_id, req_id, sample, idx, step, prev_step, start_s, end_s, gap_ms   as in _itl
@@ -18,12 +22,9 @@ CREATE OR REPLACE MACRO _itl_cause(swapped_ms, preempted_ms, reprefill_ms, step_
 CREATE OR REPLACE VIEW _itl_causes AS
 WITH stalls AS (
     SELECT g.run_id, g.req_id, g.sample, g.idx,
-           sum(greatest(least(s.end_s, g.end_s) - greatest(s.start_s, g.start_s), 0) * 1000)
-               FILTER (WHERE s.state = 'preempted') AS preempted_ms,
-           sum(greatest(least(s.end_s, g.end_s) - greatest(s.start_s, g.start_s), 0) * 1000)
-               FILTER (WHERE s.state = 'swapped') AS swapped_ms,
-           sum(greatest(least(s.end_s, g.end_s) - greatest(s.start_s, g.start_s), 0) * 1000)
-               FILTER (WHERE s.state = 'reprefill') AS reprefill_ms
+           sum(_overlap_ms(s.start_s, s.end_s, g.start_s, g.end_s)) FILTER (WHERE s.state = 'preempted') AS preempted_ms,
+           sum(_overlap_ms(s.start_s, s.end_s, g.start_s, g.end_s)) FILTER (WHERE s.state = 'swapped') AS swapped_ms,
+           sum(_overlap_ms(s.start_s, s.end_s, g.start_s, g.end_s)) FILTER (WHERE s.state = 'reprefill') AS reprefill_ms
     FROM _itl g
     JOIN _stall_spans s
       ON s.run_id = g.run_id AND s.req_id = g.req_id AND s.sample = g.sample

@@ -26,12 +26,9 @@ cliffs AS (
 -- the part of each cliff the sequence spent preempted, swapped out or re-prefilling
 stalls AS (
     SELECT c.run_id, c.req_id, c.sample, c.idx,
-           sum(greatest(least(s.end_s, c.end_s) - greatest(s.start_s, c.start_s), 0) * 1000)
-               FILTER (WHERE s.state = 'preempted') AS preempted_ms,
-           sum(greatest(least(s.end_s, c.end_s) - greatest(s.start_s, c.start_s), 0) * 1000)
-               FILTER (WHERE s.state = 'swapped') AS swapped_ms,
-           sum(greatest(least(s.end_s, c.end_s) - greatest(s.start_s, c.start_s), 0) * 1000)
-               FILTER (WHERE s.state = 'reprefill') AS reprefill_ms
+           sum(_overlap_ms(s.start_s, s.end_s, c.start_s, c.end_s)) FILTER (WHERE s.state = 'preempted') AS preempted_ms,
+           sum(_overlap_ms(s.start_s, s.end_s, c.start_s, c.end_s)) FILTER (WHERE s.state = 'swapped') AS swapped_ms,
+           sum(_overlap_ms(s.start_s, s.end_s, c.start_s, c.end_s)) FILTER (WHERE s.state = 'reprefill') AS reprefill_ms
     FROM cliffs c
     JOIN _stall_spans s
       ON s.run_id = c.run_id AND s.req_id = c.req_id AND s.sample = c.sample
