@@ -14,7 +14,6 @@ import pty
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,14 @@ from typer.testing import CliRunner
 from kvtrace.cli import app
 from kvtrace.vllm.follow import ChunkReader
 from kvtrace.vllm.metrics import Exporter
-from tests.helpers.capture_figures import COUNTERS, assert_figures, scraped, sql_figures, sql_verdict
+from tests.helpers.capture_figures import (
+    COUNTERS,
+    assert_figures,
+    scraped,
+    sql_figures,
+    sql_verdict,
+)
+from tests.helpers.vllm_runs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "captures" / "bursts"
@@ -94,12 +100,6 @@ def test_a_chunk_removed_between_listing_and_reading_is_skipped(tmp_path, monkey
     assert reader.new_chunks() == []   # each chunk once
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str) -> bytes | None:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -123,7 +123,7 @@ def _wait(what: str, check, timeout_s: float = 90.0, procs: tuple = ()):
                                                "scripts/test.sh installs it)")
 def test_prometheus_scrapes_the_sql_of_the_window(tmp_path, expected):
     """A real Prometheus server scrapes the exporter; its HTTP API answers the SQL's figures."""
-    exporter_port, prometheus_port = _free_port(), _free_port()
+    exporter_port, prometheus_port = free_port(), free_port()
     exporter = subprocess.Popen([sys.executable, "-m", "kvtrace", "capture", "metrics", str(FIXTURE),
                                  "--port", str(exporter_port), "--refresh", "500ms", "--window", "10m"], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -11,17 +11,22 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from kvtrace.trace import db
-from tests.helpers.vllm_runs import EAGER, VLLM_MARKS, VLLM_PYTHON, kvtrace
+from tests.helpers.vllm_runs import (
+    EAGER,
+    VLLM_MARKS,
+    VLLM_PYTHON,
+    kvtrace,
+    start_vllm_server,
+    vllm_preemptions,
+)
 
 pytestmark = VLLM_MARKS
 POOL = ["--block-size", "32", "--num-gpu-blocks", "16", "--max-num-seqs", "16"]
@@ -226,19 +231,6 @@ def test_a_missing_vllm_method_makes_recording_refuse_with_its_name(workload, tm
     assert not run.exists()   # nothing that looks like a run
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _preemptions_metric(port: int) -> float:
-    """vLLM's own engine-wide preemption counter, from its Prometheus endpoint."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_preemptions") and not line.startswith("#"))
-
-
 @pytest.fixture(scope="module")
 def served(workload, tmp_path_factory) -> Path:
     """The same workload replayed over loopback against `vllm serve` started with kvtrace's capture."""
@@ -251,29 +243,17 @@ def served(workload, tmp_path_factory) -> Path:
             key, _, value = line.removeprefix("export ").partition("=")
             env[key] = value.strip('"').replace("${PYTHONPATH:+:$PYTHONPATH}", "")
     from kvtrace.vllm.record import model_folder
-    port = _free_port()
-    server = subprocess.Popen(
-        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder("smollm2-135m")),
-         "--port", str(port), "--scheduler-cls", env["KVTRACE_SCHEDULER_CLS"], "--dtype", "float32",
-         "--block-size", "32", "--num-gpu-blocks-override", "17", "--max-model-len", "254", "--max-num-seqs", "16",
-         "--gpu-memory-utilization", "0.3", "--enforce-eager"],
-        env={**env, "VLLM_USE_AOT_COMPILE": "0"}, stdout=open(tmp_path / "serve.log", "w"),
-        stderr=subprocess.STDOUT, start_new_session=True)
     run = tmp_path / "served"
+    server, port = start_vllm_server(
+        VLLM_PYTHON, str(model_folder("smollm2-135m")),
+        ["--scheduler-cls", env["KVTRACE_SCHEDULER_CLS"], "--dtype", "float32", "--block-size", "32",
+         "--num-gpu-blocks-override", "17", "--max-model-len", "254", "--max-num-seqs", "16",
+         "--gpu-memory-utilization", "0.3", "--enforce-eager"], env, tmp_path / "serve.log", timeout_s=600)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-                assert time.monotonic() < deadline, "the server did not start"
-                time.sleep(1)
-        before = _preemptions_metric(port)
+        before = vllm_preemptions(port)
         kvtrace("record", "--endpoint", f"http://127.0.0.1:{port}", "--capture-dir", capture, "--model",
                 "smollm2-135m", "-w", workload, "-o", run, "--backlog", "--block-size", "32", "-q")
-        (run / "server_preemptions.txt").write_text(str(_preemptions_metric(port) - before))
+        (run / "server_preemptions.txt").write_text(str(vllm_preemptions(port) - before))
     finally:
         os.killpg(server.pid, signal.SIGINT)
         server.wait(timeout=60)

@@ -9,39 +9,34 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import threading
 import time
 
-from rich.console import Console
-
 from kvtrace.vllm.metrics import Exporter
-from kvtrace.vllm.record import VllmOptions, VllmRecording, capture_path
-from tests.helpers.capture_figures import COUNTERS, assert_figures, scraped, sql_figures, sql_verdict
-from tests.helpers.vllm_runs import VLLM_MARKS, VLLM_PYTHON
+from kvtrace.vllm.record import capture_path
+from tests.helpers.capture_figures import (
+    COUNTERS,
+    assert_figures,
+    scraped,
+    sql_figures,
+    sql_verdict,
+)
+from tests.helpers.vllm_runs import (
+    VLLM_MARKS,
+    VLLM_PYTHON,
+    bursts_workload,
+    capture_driver_config,
+)
 
 pytestmark = VLLM_MARKS
 
 
 def test_the_exporter_follows_a_capture_that_vllm_is_writing(tmp_path):
-    rng = random.Random(1)
     workload = tmp_path / "bursts.jsonl"
-    workload.write_text("".join(json.dumps({"id": f"r{i}", "arrival_s": (0 if i < 8 else 4.0) + 0.01 * (i % 8),
-                                            "prompt_tokens": rng.randint(20, 200), "max_tokens": rng.randint(32, 96)})
-                                + "\n" for i in range(16)))
-    opts = VllmOptions(model="smollm2-135m", dtype="float32", seed=0, block_size=32, num_gpu_blocks=16,
-                       kv_cache_memory=None, max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=None,
-                       enable_prefix_caching=True, preemption_policy="newest", vllm_python=VLLM_PYTHON)
-    recording = VllmRecording(opts, workload, tmp_path / "unused", max_requests=None, time_scale=None,
-                              backlog=False, record_token_ids=False, command="", console=Console(quiet=True))
-    requests = tmp_path / "requests.jsonl"
-    requests.write_text("".join(json.dumps(item) + "\n" for item in recording.items))
+    bursts_workload(workload, 16, 4.0, seed=1)
     capture = tmp_path / "capture"
-    config = {"model": str(recording.folder), "engine_args": {**recording.engine_args, "enforce_eager": True},
-              "capture": True, "capture_dir": str(capture), "requests": str(requests),
-              "results": str(tmp_path / "results.json")}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    config = capture_driver_config(VLLM_PYTHON, workload, tmp_path, capture, record_token_ids=False)
 
     exporter = Exporter(capture, window_s=5.0)
     snapshots, stop = [], threading.Event()
@@ -55,7 +50,7 @@ def test_the_exporter_follows_a_capture_that_vllm_is_writing(tmp_path):
     follower = threading.Thread(target=follow)
     follower.start()
     try:
-        proc = subprocess.run([VLLM_PYTHON, "-m", "kvtrace.vllm.capture.driver", str(tmp_path / "config.json")],
+        proc = subprocess.run([VLLM_PYTHON, "-m", "kvtrace.vllm.capture.driver", str(config)],
                               capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(capture_path())})
     finally:
         stop.set()

@@ -19,13 +19,18 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from kvtrace.trace import db
-from tests.helpers.vllm_runs import VLLM_MARKS, VLLM_PYTHON, kvtrace
+from tests.helpers.vllm_runs import (
+    VLLM_MARKS,
+    VLLM_PYTHON,
+    kvtrace,
+    start_vllm_server,
+    vllm_preemptions,
+)
 
 pytestmark = VLLM_MARKS
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,41 +39,17 @@ SERVE = ["--dtype", "float32", "--block-size", "32", "--num-gpu-blocks-override"
 CLS = "kvtrace.vllm.capture.scheduler.KvtraceCaptureScheduler"
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _preemptions(port: int) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_preemptions") and not line.startswith("#"))
-
-
 class Server:
     def __init__(self, python: str, capture: Path, log: Path, env: dict) -> None:
         """Serve from the log's folder: `python -m` puts the working directory first on sys.path,
         and the checkout's kvtrace must not shadow the installed one."""
         from kvtrace.vllm.record import model_folder
 
-        self.port, self.capture, self.log = _free_port(), capture, log
+        self.capture, self.log = capture, log
         self.model = str(model_folder("smollm2-135m"))
-        self.proc = subprocess.Popen(
-            [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--port", str(self.port),
-             "--scheduler-cls", CLS, *SERVE],
-            env={**env, "KVTRACE_CAPTURE_DIR": str(capture), "VLLM_USE_AOT_COMPILE": "0"},
-            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=log.parent)
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2)
-                break
-            except OSError:
-                assert self.proc.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, "the server did not start"
-                time.sleep(1)
+        self.proc, self.port = start_vllm_server(
+            python, self.model, ["--scheduler-cls", CLS, *SERVE], {**env, "KVTRACE_CAPTURE_DIR": str(capture)},
+            log, cwd=log.parent)
         import openai
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=600,
                                     max_retries=0)   # one POST per request: the counts are exact
@@ -165,10 +146,10 @@ def production(tmp_path_factory):
         found["between"] = time.time()
         _wait_for(capture, "first", 3)
         time.sleep(1.0)
-        before = _preemptions(server.port)
+        before = vllm_preemptions(server.port)
         found["since"] = time.time()
         server.burst("second", 4)
-        found["preemptions"] = _preemptions(server.port) - before
+        found["preemptions"] = vllm_preemptions(server.port) - before
         _wait_for(capture, "second", 4)
         found["until"] = time.time()
         yield found
