@@ -44,7 +44,7 @@ from kvtrace.export.perfetto_writer import (EVENT_COLUMNS, TYPE_COUNTER, TYPE_IN
 from kvtrace.trace import db
 
 BATCH_ROWS = 8_192             # rows per Arrow batch read from DuckDB
-CHUNK_ROWS = 65_536            # rows turned into packets at once (numpy's working arrays: some tens of MB)
+CHUNK_ROWS = 16_384            # rows turned into packets at once (numpy's working arrays: some tens of MB)
 DUCKDB_MEMORY = "128MB"        # DuckDB's working memory; sorts and aggregations beyond it spill to disk
 WINDOW_EVENTS = 1_000_000      # about this many kv_events per window of steps of the engine track's stream
 
@@ -117,7 +117,8 @@ def export_perfetto(runs: list[str | Path], output: Path) -> ExportSummary:
         with file, tempfile.TemporaryDirectory(prefix="kvtrace-export-") as spill:
             con.execute(f"SET memory_limit = '{DUCKDB_MEMORY}'")
             con.execute(f"SET temp_directory = '{spill}'")
-            db.keep(con, "_timeline_flows")     # once, not in each of the engine track's windows
+            db.keep(con, "_timeline_phases", "_timeline_flows")     # once: the flows of the engine track's
+            #                                                        windows and the requests' states read them
             summary = _write_runs(con, TraceWriter(file), output)
             con.close()
         os.replace(temp, output)
@@ -276,7 +277,7 @@ def _write_requests(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id:
             FROM _timeline_sequences s
             LEFT JOIN _timeline_phases p USING (run_id, req_id, sample)
             WHERE s.run_id = $run
-            ORDER BY s.rank, p.start_ns""", run_id, "rank"):
+            ORDER BY s.rank, p.start_s""", run_id, "rank"):
         rank = _ints(rows["rank"])
         lo, hi = np.searchsorted(preempts_rank, rank[0], "left"), np.searchsorted(preempts_rank, rank[-1], "right")
         writer.events(_request_events(rows, preempts.slice(lo, hi - lo), tracks))
