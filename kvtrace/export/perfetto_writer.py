@@ -82,6 +82,7 @@ class _Rows:
     """One byte string per row, side by side: row i is the next lengths[i] bytes of data."""
     data: np.ndarray            # uint8
     lengths: np.ndarray         # int64, one per row
+    width: int = 0              # > 0: every row has 0 or `width` bytes
 
 
 @dataclass
@@ -104,17 +105,25 @@ def _lengths(n: int, pieces: list[_Piece]) -> np.ndarray:
     return total
 
 
-def _spread(n: int, mask: np.ndarray | None, data: np.ndarray, lengths: np.ndarray) -> _Rows:
+def _spread(n: int, mask: np.ndarray | None, data: np.ndarray, lengths: np.ndarray, width: int = 0) -> _Rows:
     """The byte strings of the rows of `mask` (all when None) as a column of n rows, empty elsewhere."""
     if mask is None:
-        return _Rows(data, lengths)
+        return _Rows(data, lengths, width)
     full = np.zeros(n, np.int64)
     full[mask] = lengths
-    return _Rows(data, full)
+    return _Rows(data, full, width)
 
 
 def _concat(n: int, pieces: list[_Piece]) -> _Rows:
     """Row by row, the pieces' byte strings one after another."""
+    merged: list[_Piece] = []
+    for piece in pieces:                # neighbouring constants in the same rows: one piece
+        if (isinstance(piece, _Const) and merged and isinstance(merged[-1], _Const)
+                and merged[-1].mask is piece.mask):
+            merged[-1] = _Const(merged[-1].data + piece.data, piece.mask)
+        else:
+            merged.append(piece)
+    pieces = merged
     lengths = _lengths(n, pieces)
     out = np.empty(int(lengths.sum()), np.uint8)
     at = np.zeros(n, np.int64)          # where the next piece's bytes go, row by row
@@ -125,6 +134,9 @@ def _concat(n: int, pieces: list[_Piece]) -> _Rows:
             rows = at if piece.mask is None else at[piece.mask]
             out[rows[:, None] + np.arange(size)] = np.frombuffer(piece.data, np.uint8)
             at += piece.lengths(n)
+        elif piece.width:
+            out[at[piece.lengths > 0][:, None] + np.arange(piece.width)] = piece.data.reshape(-1, piece.width)
+            at += piece.lengths
         else:
             if piece.data.size:
                 starts = np.cumsum(piece.lengths) - piece.lengths
@@ -139,19 +151,19 @@ def _varints(values: np.ndarray, mask: np.ndarray | None = None) -> _Rows:
     if mask is not None:
         values = values[mask]
     values = values.astype(np.int64, copy=False).view(np.uint64)
+    top = int(values.max(initial=0))
+    if top < 0x80:                                              # one byte each
+        return _spread(n, mask, values.astype(np.uint8), np.ones(len(values), np.int64), width=1)
+    width = (top.bit_length() + 6) // 7
+    # groups: [values, width] the 7-bit groups, low first, with the continuation bit where more follow
+    shifts = np.arange(0, 7 * width, 7, dtype=np.uint64)
+    groups = (values[:, None] >> shifts).astype(np.uint8) & 0x7F
     lengths = np.ones(len(values), np.int64)
-    for k in range(1, 10):
-        more = values >= np.uint64(1 << (7 * k))
-        if not more.any():
-            break
-        lengths += more
-    out = np.empty(int(lengths.sum()), np.uint8)
-    starts = np.cumsum(lengths) - lengths
-    for k in range(int(lengths.max(initial=0))):
-        rows = lengths > k
-        byte = (values[rows] >> np.uint64(7 * k)).astype(np.uint8) & 0x7F
-        out[starts[rows] + k] = byte | np.where(lengths[rows] > k + 1, 0x80, 0).astype(np.uint8)
-    return _spread(n, mask, out, lengths)
+    for k in range(1, width):
+        lengths += values >= np.uint64(1 << (7 * k))
+    used = np.arange(width) < lengths[:, None]
+    groups[:, :-1] |= (used[:, 1:] * 0x80).astype(np.uint8)
+    return _spread(n, mask, groups[used], lengths)
 
 
 def _fixed64(tag: bytes, values: np.ndarray, counts: np.ndarray) -> _Rows:
@@ -160,7 +172,7 @@ def _fixed64(tag: bytes, values: np.ndarray, counts: np.ndarray) -> _Rows:
     entry = np.empty((len(values), len(tag) + 8), np.uint8)
     entry[:, :len(tag)] = np.frombuffer(tag, np.uint8)
     entry[:, len(tag):] = values.astype(values.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1, 8)
-    return _Rows(entry.reshape(-1), counts * entry.shape[1])
+    return _Rows(entry.reshape(-1), counts * entry.shape[1], entry.shape[1] if counts.max(initial=0) <= 1 else 0)
 
 
 def _strings(column: pa.Array, mask: np.ndarray) -> _Rows:
@@ -192,10 +204,8 @@ def _numbers(column: pa.Array, dtype: type) -> np.ndarray:
 
 def _list_values(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """(values, how many per row) of a list<int64> column; a null list has none."""
-    column = pc.fill_null(column, pa.scalar([], column.type))
-    counts = np.asarray(pc.list_value_length(column).to_numpy(zero_copy_only=False), np.int64)
-    values = np.asarray(pc.list_flatten(column).to_numpy(zero_copy_only=False), np.int64)
-    return values, counts
+    counts = _numbers(pc.list_value_length(column), np.int64)
+    return np.asarray(column.flatten().to_numpy(zero_copy_only=False), np.int64), counts
 
 
 class TraceWriter:
