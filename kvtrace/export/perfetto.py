@@ -175,9 +175,10 @@ def _write_run(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str,
         writer.track(tracks.counter(index), name, parent=tracks.group, rank=1 + index, counter=counter)
     writer.track(tracks.requests, "Requests", parent=tracks.group, rank=1 + len(COUNTERS),
                  explicit_child_order=True, description="one track per sequence, ordered by arrival")
-    for rank, name in _rows(con, "SELECT rank, name FROM _timeline_sequences WHERE run_id = $run ORDER BY rank",
-                            run_id):
-        writer.track(tracks.sequence(rank), name, parent=tracks.requests, rank=rank)
+    for rows in _chunks(con, "SELECT rank, name FROM _timeline_sequences WHERE run_id = $run ORDER BY rank",
+                        run_id, None):
+        rank = _ints(rows["rank"])
+        writer.tracks(tracks.sequence(0) + rank, rows["name"].combine_chunks(), tracks.requests, rank)
 
     _write_engine(con, writer, run_id, tracks.engine)
     _write_counters(con, writer, run_id, tracks)

@@ -62,6 +62,8 @@ _TIMESTAMP, _SEQUENCE_ID, _TRACK_EVENT, _INTERNED, _FLAGS = b"\x40", b"\x50", b"
 _ANNOTATION, _TYPE, _NAME_IID, _TRACK_UUID = b"\x22", b"\x48", b"\x50", b"\x58"
 _NAME, _COUNTER_VALUE, _FLOW_IDS, _TERMINATING_FLOW_IDS = b"\xba\x01", b"\xf0\x01", b"\xf9\x02", b"\x81\x03"
 _ANNOTATION_NAME_IID = b"\x08"
+_TRACK_DESCRIPTOR = b"\xe2\x03"
+_UUID, _TRACK_NAME, _PARENT_UUID, _SIBLING_ORDER_RANK = b"\x08", b"\x12", b"\x28", b"\x60"
 # a debug annotation's value fields: bool_value, int_value, double_value, string_value
 _BOOL, _INT, _DOUBLE, _STRING = b"\x10", b"\x20", b"\x29", b"\x32"
 
@@ -258,6 +260,19 @@ class TraceWriter:
             track.counter.CopyFrom(counter)
         self._write(packet.SerializeToString())
 
+    def tracks(self, uuids: np.ndarray, names: pa.Array, parent: int, ranks: np.ndarray) -> None:
+        """Describe many tracks under one parent at once, as `track` would one by one."""
+        assert self._cleared, "the first packet of a sequence is a track descriptor"
+        n = len(uuids)
+        if n == 0:
+            return
+        everywhere = np.ones(n, bool)
+        text = _strings(names, everywhere)
+        descriptor = [*_field_varint(_UUID, uuids, None), *_field_bytes(_TRACK_NAME, [text], n, None),
+                      _Const(_PARENT_UUID + _varint(parent)), *_field_varint(_SIBLING_ORDER_RANK, ranks, None)]
+        packet = [_Const(_SEQUENCE_ID + _varint(self._sequence_id)), *_field_bytes(_TRACK_DESCRIPTOR, descriptor, n, None)]
+        self._write_rows(_concat(n, _field_bytes(_PACKET_TAG, packet, n, None)), n)
+
     def events(self, table: pa.Table) -> None:
         """Write one track event per row of `table` (columns: EVENT_COLUMNS, then the arguments), in
         its order. The packets are those the message classes would give, field by field."""
@@ -303,10 +318,7 @@ class TraceWriter:
             mask[rows] = True
             packet += _field_bytes(_INTERNED, [_spread(n, mask, body.data, body.lengths)], n, mask)
         packet.append(_Const(_FLAGS + _varint(NEEDS_STATE)))
-        framed = _concat(n, _field_bytes(_PACKET_TAG, packet, n, None))
-        self._flush()
-        self.file.write(framed.data.data)
-        self.num_packets += n
+        self._write_rows(_concat(n, _field_bytes(_PACKET_TAG, packet, n, None)), n)
 
     def close(self) -> None:
         self._flush()
@@ -366,6 +378,11 @@ class TraceWriter:
         else:
             raise TypeError(f"no debug annotation for values of type {kind}")
         return _field_bytes(_ANNOTATION, [name, *value], n, present)
+
+    def _write_rows(self, framed: _Rows, n: int) -> None:
+        self._flush()
+        self.file.write(framed.data.data)
+        self.num_packets += n
 
     def _write(self, data: bytes) -> None:
         self._chunks.append(_PACKET_TAG + _varint(len(data)))
