@@ -19,9 +19,12 @@ Tracks of each run, under one top-level group per run (in the order the runs wer
 
 Every row comes from the SQL library's timeline views (analyses/_timeline.sql), which read a
 sequence's states from _sequence_states like the report's Gantt; this module only orders the rows
-and writes them as packets, streaming: query results are read in Arrow batches and packets are
-appended to the file as they are made (kvtrace/export/perfetto_writer.py), so memory stays flat;
-the engine track, whose query gathers every evicted block, is read a window of steps at a time.
+and writes them as packets, streaming: query results are read in Arrow batches, a chunk of rows
+(whole steps, whole sequences) becomes a table of packets in file order (slice ends and requester
+instants put in place by sort keys), and the writer encodes the table with numpy and appends it
+to the file (kvtrace/export/perfetto_writer.py), so memory stays flat and no Python runs per
+packet; the engine track, whose query gathers every evicted block, is read a window of steps at
+a time.
 Timestamps are integer nanoseconds on each run's clock (seconds since it started); the same runs
 give the same bytes.
 """
@@ -39,8 +42,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrace.errors import KvtraceError
-from kvtrace.export.perfetto_writer import (EVENT_COLUMNS, TYPE_COUNTER, TYPE_INSTANT, TYPE_SLICE_BEGIN,
-                                            TYPE_SLICE_END, UNIT_BYTES, TraceWriter, pb)
+from kvtrace.export.perfetto_writer import (
+    EVENT_COLUMNS,
+    TYPE_COUNTER,
+    TYPE_INSTANT,
+    TYPE_SLICE_BEGIN,
+    TYPE_SLICE_END,
+    UNIT_BYTES,
+    TraceWriter,
+    pb,
+)
 from kvtrace.trace import db
 
 BATCH_ROWS = 8_192             # rows per Arrow batch read from DuckDB
@@ -399,12 +410,12 @@ def _events(n: int, schema: pa.Schema, **columns: object) -> pa.Table:
     """A table of n track events: the columns given (a column, or one value for every row), the
     others of `schema` null."""
     arrays = []
-    for field in schema:
-        value = columns.get(field.name)
+    for column in schema:
+        value = columns.get(column.name)
         if value is None:
-            arrays.append(pa.nulls(n, field.type))
+            arrays.append(pa.nulls(n, column.type))
         elif isinstance(value, (pa.Array, pa.ChunkedArray, np.ndarray)):
-            arrays.append(pa.array(value, field.type) if isinstance(value, np.ndarray) else value.cast(field.type))
+            arrays.append(pa.array(value, column.type) if isinstance(value, np.ndarray) else value.cast(column.type))
         else:
-            arrays.append(pa.array(np.full(n, value), field.type))
+            arrays.append(pa.array(np.full(n, value), column.type))
     return pa.Table.from_arrays(arrays, schema=schema)
