@@ -15,6 +15,8 @@
 -- _timeline_phases: the states of each sequence, from _sequence_states (the report's Gantt reads
 -- the same view), one row per interval:
 --   req_id, sample, state, start_ns, end_ns
+--   start_s           the start in seconds, unrounded: it orders a sequence's states where two
+--                     round to the same nanosecond
 --   flow_id           set when the interval began with a preemption (preempted, swapped) or a
 --                     resumption (reprefill; after a swap-in the decode or prefill that follows):
 --                     (runs.ordinal + 1) * 2^40 + kv_events.seq, unique among many runs
@@ -76,7 +78,7 @@ WITH marked AS (
                FROM kv_events WHERE kind IN ('preempt', 'admit')) e
            ON e.run_id = st.run_id AND e.seq = st.start_seq
 )
-SELECT m.run_id, m.req_id, m.sample, m.state, _ns(m.start_s) AS start_ns, _ns(m.end_s) AS end_ns,
+SELECT m.run_id, m.req_id, m.sample, m.state, _ns(m.start_s) AS start_ns, _ns(m.end_s) AS end_ns, m.start_s,
        CASE WHEN m.has_flow THEN (r.ordinal + 1)::BIGINT * 1099511627776 + m.seq END AS flow_id,
        CASE WHEN m.has_flow THEN m.step END AS flow_step,
        CASE WHEN m.has_requester THEN (r.ordinal + 1)::BIGINT * 1099511627776 + 549755813888 + m.seq

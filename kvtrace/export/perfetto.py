@@ -19,15 +19,17 @@ Tracks of each run, under one top-level group per run (in the order the runs wer
 
 Every row comes from the SQL library's timeline views (analyses/_timeline.sql), which read a
 sequence's states from _sequence_states like the report's Gantt; this module only orders the rows
-and writes them as packets, streaming: query results are read in Arrow batches and packets are
-appended to the file as they are made (kvtrace/export/perfetto_writer.py), so memory stays flat;
-the engine track, whose query gathers every evicted block, is read a window of steps at a time.
+and writes them as packets, streaming: query results are read in Arrow batches, a chunk of rows
+(whole steps, whole sequences) becomes a table of packets in file order (slice ends and requester
+instants put in place by sort keys), and the writer encodes the table with numpy and appends it
+to the file (kvtrace/export/perfetto_writer.py), so memory stays flat and no Python runs per
+packet; the engine track, whose query gathers every evicted block, is read a window of steps at
+a time.
 Timestamps are integer nanoseconds on each run's clock (seconds since it started); the same runs
 give the same bytes.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import tempfile
 from collections.abc import Iterator
@@ -35,12 +37,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvtrace.errors import KvtraceError
-from kvtrace.export.perfetto_writer import UNIT_BYTES, TraceWriter, pb
+from kvtrace.export.perfetto_writer import (
+    EVENT_COLUMNS,
+    TYPE_COUNTER,
+    TYPE_INSTANT,
+    TYPE_SLICE_BEGIN,
+    TYPE_SLICE_END,
+    UNIT_BYTES,
+    TraceWriter,
+    pb,
+)
 from kvtrace.trace import db
 
-BATCH_ROWS = 8_192             # rows per Arrow batch read from DuckDB (as Python objects, a few MB)
+BATCH_ROWS = 8_192             # rows per Arrow batch read from DuckDB
+CHUNK_ROWS = 16_384            # rows turned into packets at once (numpy's working arrays: some tens of MB)
 DUCKDB_MEMORY = "128MB"        # DuckDB's working memory; sorts and aggregations beyond it spill to disk
 WINDOW_EVENTS = 1_000_000      # about this many kv_events per window of steps of the engine track's stream
 
@@ -113,7 +128,8 @@ def export_perfetto(runs: list[str | Path], output: Path) -> ExportSummary:
         with file, tempfile.TemporaryDirectory(prefix="kvtrace-export-") as spill:
             con.execute(f"SET memory_limit = '{DUCKDB_MEMORY}'")
             con.execute(f"SET temp_directory = '{spill}'")
-            db.keep(con, "_timeline_flows")     # once, not in each of the engine track's windows
+            db.keep(con, "_timeline_phases", "_timeline_flows")     # once: the flows of the engine track's
+            #                                                        windows and the requests' states read them
             summary = _write_runs(con, TraceWriter(file), output)
             con.close()
         os.replace(temp, output)
@@ -170,9 +186,10 @@ def _write_run(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str,
         writer.track(tracks.counter(index), name, parent=tracks.group, rank=1 + index, counter=counter)
     writer.track(tracks.requests, "Requests", parent=tracks.group, rank=1 + len(COUNTERS),
                  explicit_child_order=True, description="one track per sequence, ordered by arrival")
-    for rank, name in _rows(con, "SELECT rank, name FROM _timeline_sequences WHERE run_id = $run ORDER BY rank",
-                            run_id):
-        writer.track(tracks.sequence(rank), name, parent=tracks.requests, rank=rank)
+    for rows in _chunks(con, "SELECT rank, name FROM _timeline_sequences WHERE run_id = $run ORDER BY rank",
+                        run_id, None):
+        rank = _ints(rows["rank"])
+        writer.tracks(tracks.sequence(0) + rank, rows["name"].combine_chunks(), tracks.requests, rank)
 
     _write_engine(con, writer, run_id, tracks.engine)
     _write_counters(con, writer, run_id, tracks)
@@ -206,86 +223,199 @@ def _write_engine(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: s
     once (the step's evicted blocks gathered, the flows joined, the rows sorted) is a window's, not
     the run's: read whole, the stream of 10M kv_events did not fit in DUCKDB_MEMORY (nor in twice
     that) although each of its parts did."""
-    rows = itertools.chain.from_iterable(
-        _rows(con, "SELECT step, part, ts_ns, end_ns, name, device_ms, prefill_tokens, decode_tokens, "
-                   "recompute_tokens, preemptions, flow_ids, sequence, blocks, num_blocks, num_tokens, kv_bytes, "
-                   f"bytes_copied, duration_ms, reason FROM _timeline_engine WHERE run_id = $run AND {where} "
-                   "ORDER BY step, part, ts_ns, seq", run_id, **params)
-        for where, params in _engine_windows(con, run_id))
-    open_step, open_end = None, 0
-    for (step, part, ts, end, name, device_ms, prefill, decode, recompute, preemptions, flow_ids,
-         sequence, blocks, num_blocks, num_tokens, kv_bytes, copied, duration_ms, reason) in rows:
-        if open_step is not None and step != open_step:
-            writer.slice_end(track, open_end)
-            open_step = None
-        if part == 0:
-            writer.slice_begin(track, ts, name, (
-                ("step", step), ("prefill_tokens", prefill), ("decode_tokens", decode),
-                ("recompute_tokens", recompute), ("preemptions", preemptions), ("device_ms", device_ms)),
-                flow_ids=flow_ids)
-            open_step, open_end = step, end
-        else:       # inside its step's slice; outside any when the step's row is not closed yet (recording)
-            writer.instant(track, ts, name, (
-                ("step", step), ("sequence", sequence), ("blocks", blocks), ("num_blocks", num_blocks),
-                ("num_tokens", num_tokens), ("kv_bytes", kv_bytes), ("bytes_copied", copied),
-                ("duration_ms", duration_ms), ("reason", reason)))
-    if open_step is not None:
-        writer.slice_end(track, open_end)
+    for where, params in _engine_windows(con, run_id):
+        for rows in _chunks(con, f"""
+                SELECT part, ts_ns, end_ns, name, flow_ids, {', '.join(_ENGINE_ARGS)}
+                FROM _timeline_engine WHERE run_id = $run AND {where}
+                ORDER BY step, part, ts_ns, seq""", run_id, "step", **params):
+            writer.events(_engine_events(rows, track))
+
+
+# the engine track's arguments: a step slice's, then an instant's (step is both's); the stream's
+# rows have the other kind's columns null
+_ENGINE_ARGS = ("step", "prefill_tokens", "decode_tokens", "recompute_tokens", "preemptions", "device_ms",
+                "sequence", "blocks", "num_blocks", "num_tokens", "kv_bytes", "bytes_copied", "duration_ms", "reason")
+
+
+def _engine_events(rows: pa.Table, track: int) -> pa.Table:
+    """The packets of a part of the engine stream that ends with a step's rows: each row as a slice
+    begin (part 0) or an instant (part 1), and a slice end before the first row of another step
+    while a step's slice is open, and after the last row (at the open slice's end_ns)."""
+    n = rows.num_rows
+    step, has_step = _ints(rows["step"]), _valid(rows["step"])
+    begins = _ints(rows["part"]) == 0
+    new_step = np.ones(n, bool)
+    new_step[1:] = (step[1:] != step[:-1]) | (has_step[1:] != has_step[:-1])
+    index = np.arange(n)
+    last_begin = np.maximum.accumulate(np.where(begins, index, -1))         # the slice open at each row
+    open_after = last_begin >= np.maximum.accumulate(np.where(new_step, index, 0))
+    closes = np.flatnonzero(np.append(new_step[1:], True) & open_after) + 1   # an end before row closes[i]
+    schema = _schema(rows, _ENGINE_ARGS)
+    events = pa.concat_tables([
+        _events(n, schema, type=np.where(begins, TYPE_SLICE_BEGIN, TYPE_INSTANT), ts=rows["ts_ns"], track=track,
+                name=rows["name"], flow_ids=rows["flow_ids"], **{arg: rows[arg] for arg in _ENGINE_ARGS}),
+        _events(len(closes), schema, type=TYPE_SLICE_END, ts=_ints(rows["end_ns"])[last_begin[closes - 1]],
+                track=track)])
+    return events.take(np.argsort(np.concatenate([2 * index + 1, 2 * closes]), kind="stable"))
 
 
 def _write_counters(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str, tracks: RunTracks) -> None:
-    index = {column: i for i, column in enumerate(COUNTERS)}
-    for counter, ts, value in _rows(con, "SELECT counter, ts_ns, value FROM _timeline_counters "
-                                         "WHERE run_id = $run ORDER BY counter, step", run_id):
-        writer.counter(tracks.counter(index[counter]), ts, value)
+    uuids = {column: tracks.counter(i) for i, column in enumerate(COUNTERS)}
+    for rows in _chunks(con, "SELECT counter, ts_ns, value FROM _timeline_counters "
+                             "WHERE run_id = $run ORDER BY counter, step", run_id, None):
+        counters = rows["counter"].combine_chunks().dictionary_encode()
+        track = np.array([uuids[name] for name in counters.dictionary.to_pylist()], np.int64)[_ints(counters.indices)]
+        writer.events(_events(rows.num_rows, pa.schema(EVENT_COLUMNS), type=TYPE_COUNTER, ts=rows["ts_ns"],
+                              track=track, counter=rows["value"]))
+
+
+# a request's slice's arguments, then those of its instants where its growth preempted another sequence
+_REQUEST_ARGS = ("prompt_tokens", "output_tokens", "preemptions", "swaps", "recomputed_tokens", "prefix_hit_tokens",
+                 "finish_reason")
+_PREEMPTS_ARGS = ("victim", "victim_reason")
 
 
 def _write_requests(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str, tracks: RunTracks) -> None:
     """Per sequence track: the request's slice, its states nested inside it, and inside those the
     instants where its growth preempted another sequence (a flow to the victim's slice)."""
-    outgoing: dict[int, list[tuple]] = {}   # rank -> (ts_ns, victim, victim_reason, flow_id), in time order
-    for rank, ts, victim, why, flow_id in _rows(con, """
-            SELECT s.rank, f.ts_ns, f.victim, f.victim_reason, f.flow_id
-            FROM _timeline_requester_flows f JOIN _timeline_sequences s USING (run_id, req_id, sample)
-            WHERE f.run_id = $run ORDER BY s.rank, f.ts_ns, f.flow_id""", run_id):
-        outgoing.setdefault(rank, []).append((ts, victim, why, flow_id))
-    rows = _rows(con, """
-        SELECT s.rank, s.name, s.arrival_ns, s.finish_ns, s.prompt_tokens, s.output_tokens, s.preemptions,
-               s.swaps, s.recomputed_tokens, s.prefix_hit_tokens, s.finish_reason,
-               p.state, p.start_ns, p.end_ns, p.flow_id, p.requester_flow_id
-        FROM _timeline_sequences s
-        LEFT JOIN _timeline_phases p USING (run_id, req_id, sample)
-        WHERE s.run_id = $run
-        ORDER BY s.rank, p.start_ns""", run_id)
+    preempts = con.sql("""
+        SELECT s.rank, f.ts_ns, 'preempts ' || f.victim AS name, f.victim, f.victim_reason, f.flow_id
+        FROM _timeline_requester_flows f JOIN _timeline_sequences s USING (run_id, req_id, sample)
+        WHERE f.run_id = $run ORDER BY s.rank, f.ts_ns, f.flow_id""", params={"run": run_id}).to_arrow_table()
+    preempts_rank = _ints(preempts["rank"])
+    for rows in _chunks(con, f"""
+            SELECT s.rank, s.name, s.arrival_ns, s.finish_ns, {', '.join(f's.{arg}' for arg in _REQUEST_ARGS)},
+                   p.state, p.start_ns, p.end_ns, p.flow_id, p.requester_flow_id
+            FROM _timeline_sequences s
+            LEFT JOIN _timeline_phases p USING (run_id, req_id, sample)
+            WHERE s.run_id = $run
+            ORDER BY s.rank, p.start_s""", run_id, "rank"):
+        rank = _ints(rows["rank"])
+        lo, hi = np.searchsorted(preempts_rank, rank[0], "left"), np.searchsorted(preempts_rank, rank[-1], "right")
+        writer.events(_request_events(rows, preempts.slice(lo, hi - lo), tracks))
 
-    def preempts(track: int, pending: list[tuple], before: int | None) -> None:
-        """The requester instants of `pending` before `before` (all when None), written and removed."""
-        while pending and (before is None or pending[0][0] < before):
-            ts, victim, why, flow_id = pending.pop(0)
-            writer.instant(track, ts, f"preempts {victim}", (("victim", victim), ("victim_reason", why)),
-                           flow_ids=(flow_id,))
 
-    open_track, open_end, pending = None, 0, []
-    for (rank, name, arrival, finish, prompt, output, preemptions, swaps, recomputed, prefix_hits, reason,
-         state, start, end, flow_id, requester_flow_id) in rows:
-        track = tracks.sequence(rank)
-        if track != open_track:
-            if open_track is not None:
-                preempts(open_track, pending, None)
-                writer.slice_end(open_track, open_end)
-            pending = list(outgoing.get(rank, ()))
-            writer.slice_begin(track, arrival, name, (
-                ("prompt_tokens", prompt), ("output_tokens", output), ("preemptions", preemptions),
-                ("swaps", swaps), ("recomputed_tokens", recomputed), ("prefix_hit_tokens", prefix_hits),
-                ("finish_reason", reason)), intern_name=False)
-            open_track, open_end = track, finish if finish is not None else arrival
-        if state is not None:
-            preempts(track, pending, start)
-            terminating = tuple(f for f in (flow_id, requester_flow_id) if f is not None)
-            writer.slice_begin(track, start, state, terminating_flow_ids=terminating)
-            preempts(track, pending, end)
-            writer.slice_end(track, end)
-            open_end = max(open_end, end)
-    if open_track is not None:
-        preempts(open_track, pending, None)
-        writer.slice_end(open_track, open_end)
+def _request_events(rows: pa.Table, preempts: pa.Table, tracks: RunTracks) -> pa.Table:
+    """The packets of the sequences of `rows` (whole sequences, in rank order, states in time order).
+    Row i's packets are ordered by key: 10i the request's slice begins (first row of a sequence),
+    10i+2 and 10i+4 the state's slice begins and ends, 10i+6 the request's slice ends (last row, at
+    the latest of its finish, its arrival when none, and its states' ends); a requester instant
+    comes at 10i+1 or 10i+3, before the first state boundary later than it, or at 10i+5 of the
+    last row, in its own order among those at the same key."""
+    n = rows.num_rows
+    rank = _ints(rows["rank"])
+    first = np.ones(n, bool)
+    first[1:] = rank[1:] != rank[:-1]
+    last = np.append(first[1:], True)
+    has_state = _valid(rows["state"])
+    start, end = _ints(rows["start_ns"]), _ints(rows["end_ns"])
+    track = tracks.sequence(0) + rank
+    opened = np.where(_valid(rows["finish_ns"]), _ints(rows["finish_ns"]), _ints(rows["arrival_ns"]))
+    latest = np.maximum.reduceat(np.where(has_state, np.maximum(opened, end), opened), np.flatnonzero(first))
+    key = 10 * np.arange(n)
+
+    flow_id, requester = rows["flow_id"].combine_chunks(), rows["requester_flow_id"].combine_chunks()
+    terminating = pa.ListArray.from_arrays(
+        pa.array(np.concatenate([[0], np.cumsum(_valid(flow_id).astype(np.int32) + _valid(requester))]), pa.int32()),
+        pc.drop_null(pa.array(np.stack([_ints(flow_id), _ints(requester)], 1).reshape(-1), pa.int64(),
+                              mask=~np.stack([_valid(flow_id), _valid(requester)], 1).reshape(-1))))
+    schema = _schema(rows, _REQUEST_ARGS + _PREEMPTS_ARGS, preempts)
+    begun, stated, ended = rows.filter(first), rows.filter(has_state), rows.filter(last)
+    parts = [
+        _events(begun.num_rows, schema, type=TYPE_SLICE_BEGIN, ts=begun["arrival_ns"], track=track[first],
+                plain_name=begun["name"], **{arg: begun[arg] for arg in _REQUEST_ARGS}),
+        _events(stated.num_rows, schema, type=TYPE_SLICE_BEGIN, ts=start[has_state], track=track[has_state],
+                name=stated["state"], terminating_flow_ids=terminating.filter(pa.array(has_state))),
+        _events(stated.num_rows, schema, type=TYPE_SLICE_END, ts=end[has_state], track=track[has_state]),
+        _events(ended.num_rows, schema, type=TYPE_SLICE_END, ts=latest, track=track[last])]
+    keys = [key[first], key[has_state] + 2, key[has_state] + 4, key[last] + 6]
+    if preempts.num_rows:
+        parts.append(_events(preempts.num_rows, schema, type=TYPE_INSTANT, ts=preempts["ts_ns"],
+                             track=tracks.sequence(0) + _ints(preempts["rank"]), name=preempts["name"],
+                             flow_ids=pa.ListArray.from_arrays(pa.array(np.arange(preempts.num_rows + 1, dtype=np.int32)),
+                                                               preempts["flow_id"].combine_chunks()),
+                             **{arg: preempts[arg] for arg in _PREEMPTS_ARGS}))
+        keys.append(_preempts_keys(rank, has_state, start, end, _ints(preempts["rank"]), _ints(preempts["ts_ns"])))
+    return pa.concat_tables(parts).take(np.argsort(np.concatenate(keys), kind="stable"))
+
+
+def _preempts_keys(rank: np.ndarray, has_state: np.ndarray, start: np.ndarray, end: np.ndarray,
+                   preempts_rank: np.ndarray, preempts_ts: np.ndarray) -> np.ndarray:
+    """The key of each requester instant (see _request_events): its sequence's state boundaries
+    walked in order, as the instants pending on its track are written before each (few: one per
+    preemption that another sequence needed)."""
+    keys = np.empty(len(preempts_rank), np.int64)
+    rows_of = np.searchsorted(rank, preempts_rank, side="left"), np.searchsorted(rank, preempts_rank, side="right")
+    pending = 0
+    while pending < len(preempts_rank):
+        lo, hi = int(rows_of[0][pending]), int(rows_of[1][pending])
+        done = int(np.searchsorted(preempts_rank, preempts_rank[pending], side="right"))
+        for i in range(lo, hi):
+            if has_state[i]:
+                for boundary, offset in ((start[i], 1), (end[i], 3)):
+                    while pending < done and preempts_ts[pending] < boundary:
+                        keys[pending] = 10 * i + offset
+                        pending += 1
+        keys[pending:done] = 10 * (hi - 1) + 5
+        pending = done
+    return keys
+
+
+# --------------------------------------------------------------------------- tables of packets
+
+def _chunks(con: duckdb.DuckDBPyConnection, query: str, run_id: str, key: str | None,
+            **params: object) -> Iterator[pa.Table]:
+    """The rows of a query about one run (and its other `params`) in tables of about CHUNK_ROWS
+    rows, read in Arrow batches; with a `key` (an integer column), each table ends where its value
+    changes, so that rows with the same key (a step's, a sequence's) come in the same table."""
+    reader = con.sql(query, params={"run": run_id, **params}).to_arrow_reader(BATCH_ROWS)
+    held: list[pa.RecordBatch] = []
+    num_held = 0
+    for batch in reader:
+        held.append(batch)
+        num_held += batch.num_rows
+        if num_held >= CHUNK_ROWS:
+            table = pa.Table.from_batches(held, reader.schema)
+            if key is None:
+                yield table
+                held, num_held = [], 0
+                continue
+            values, valid = _ints(table[key]), _valid(table[key])
+            changes = np.flatnonzero((values[1:] != values[:-1]) | (valid[1:] != valid[:-1]))
+            if len(changes):
+                cut = int(changes[-1]) + 1
+                yield table.slice(0, cut)
+                held = table.slice(cut).to_batches()
+                num_held = table.num_rows - cut
+    if num_held:
+        yield pa.Table.from_batches(held, reader.schema)
+
+
+def _ints(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """An integer column as numpy int64, 0 where null."""
+    return np.asarray(pc.fill_null(column, 0).to_numpy(), np.int64)
+
+
+def _valid(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    return np.asarray(column.is_valid(), bool)
+
+
+def _schema(rows: pa.Table, args: tuple[str, ...], *more: pa.Table) -> pa.Schema:
+    """EVENT_COLUMNS, then the arguments with the types of their columns in `rows` (or `more`)."""
+    types = {field.name: field.type for table in (rows, *more) for field in table.schema}
+    return pa.schema([*EVENT_COLUMNS.items(), *((arg, types[arg]) for arg in args)])
+
+
+def _events(n: int, schema: pa.Schema, **columns: object) -> pa.Table:
+    """A table of n track events: the columns given (a column, or one value for every row), the
+    others of `schema` null."""
+    arrays = []
+    for column in schema:
+        value = columns.get(column.name)
+        if value is None:
+            arrays.append(pa.nulls(n, column.type))
+        elif isinstance(value, (pa.Array, pa.ChunkedArray, np.ndarray)):
+            arrays.append(pa.array(value, column.type) if isinstance(value, np.ndarray) else value.cast(column.type))
+        else:
+            arrays.append(pa.array(np.full(n, value), column.type))
+    return pa.Table.from_arrays(arrays, schema=schema)
