@@ -8,6 +8,9 @@ A step's record, on both sides (keys as the driver writes them):
     preempted     victims, in the order they were preempted
     admitted      [request:sample, "new" | "resumed", prefix-hit tokens, block ids]
     grown         [request:sample, new block ids] of requests that ran before the step
+    uncached      [request:sample, block ids]: a victim scheduled earlier in the step, the blocks its
+                  scheduling cached taken out of the prefix cache (kvtrace's deliberate difference,
+                  docs/scheduling.md; the vLLM driver applies it in exactly that case)
     num_free      free blocks right after scheduling; num_cached: how many of them hold a cached prefix
     finished      requests whose blocks were freed in the step, in the order they were freed
     free_queue    the free queue's block ids at the end of the step, next reused first
@@ -74,11 +77,22 @@ def run(workload: dict, bug: str | None = None) -> list[dict]:
         finished.append(key(seq))
         finish(seq)
     sched.finish = finish_and_note
+    uncached: list[list] = []
+    uncache_from = bm.uncache_from
+
+    def uncache_and_note(seq, num_blocks: int) -> None:
+        taken = [b for b in seq.block_table[num_blocks:len(seq.block_hashes)]
+                 if bm.blocks[b].hash is not None and bm.blocks[b].ref_count == 1]
+        uncache_from(seq, num_blocks)
+        if taken:
+            uncached.append([key(seq), taken])
+    bm.uncache_from = uncache_and_note
 
     def schedule_and_note():
         before = {id(s): len(s.block_table) for s in sched.running}
         was_preempted = {id(s): s.num_preemptions > 0 for s in sched.waiting}
         num_events = len(bm.events)
+        uncached.clear()
         out = Scheduler.schedule(sched)
         scheduled, admitted, grown = [], [], []
         for seq, n in zip(out.seqs, out.num_new_tokens):
@@ -92,7 +106,7 @@ def run(workload: dict, bug: str | None = None) -> list[dict]:
                 admitted.append([key(seq), kind, seq.num_computed_tokens, list(seq.block_table)])
         preempted = [f"{e.req_id}:{e.sample}" for e in bm.events[num_events:] if e.kind == "preempt"]
         seen.update(scheduled=scheduled, preempted=preempted, admitted=admitted, grown=grown,
-                    num_free=bm.num_free_blocks, num_cached=bm.num_cached_free_blocks)
+                    uncached=list(uncached), num_free=bm.num_free_blocks, num_cached=bm.num_cached_free_blocks)
         return out
     sched.schedule = schedule_and_note
 

@@ -56,22 +56,54 @@ def build(model: str, cfg: dict):
 
 
 class Recorder:
-    """Watches one scheduler: preemptions and frees in the order vLLM makes them."""
+    """Watches one scheduler: preemptions and frees in the order vLLM makes them.
 
-    def __init__(self, sched) -> None:
+    kvtrace's one deliberate difference in a step's decisions (docs/scheduling.md, "A victim
+    scheduled earlier in the same step") is applied here, where it arises and nowhere else: a
+    victim that vLLM had already scheduled in the step keeps the prefix-cache hashes of the blocks
+    its scheduling cached, though their KV is never written; kvtrace takes them out of the cache
+    before it frees the victim, and so does this driver (unless `keep_victim_hashes`, vLLM as it
+    is). Both sides record which blocks that un-cached ("uncached"), so the case is compared too.
+    """
+
+    def __init__(self, sched, keep_victim_hashes: bool = False) -> None:
         self.sched = sched
         self.preempted: list[str] = []
         self.finished: list[str] = []
+        self.uncached: list[list] = []
+        self.num_hashed: dict[str, int] = {}   # request scheduled in this step -> its cached blocks before
         preempt, free = sched._preempt_request, sched._free_request
+        kvm = sched.kv_cache_manager
+        allocate_slots = kvm.allocate_slots
+        manager = kvm.coordinator.single_type_managers[0]
+        pool = kvm.block_pool
+
+        def _allocate_slots(request, *args, **kwargs):
+            num_hashed = manager.num_cached_block.get(request.request_id, 0)
+            blocks = allocate_slots(request, *args, **kwargs)
+            if blocks is not None and request.status.name == "RUNNING":
+                self.num_hashed[request.request_id] = num_hashed
+            return blocks
 
         def _preempt_request(request, *args, **kwargs):
-            self.preempted.append(request.request_id)
+            rid = request.request_id
+            self.preempted.append(rid)
+            if rid in self.num_hashed and not keep_victim_hashes:   # scheduled earlier in this step
+                num_hashed = self.num_hashed.pop(rid)
+                table = manager.req_to_blocks[rid]
+                taken = [b for b in table[num_hashed:manager.num_cached_block.get(rid, 0)]
+                         if b.ref_cnt == 1 and b.block_hash is not None]
+                for block in taken:
+                    pool._maybe_evict_cached_block(block)
+                if taken:
+                    self.uncached.append([rid, [b.block_id for b in taken]])
             return preempt(request, *args, **kwargs)
 
         def _free_request(request, *args, **kwargs):
             self.finished.append(request.request_id)
             return free(request, *args, **kwargs)
 
+        kvm.allocate_slots = _allocate_slots
         sched._preempt_request = _preempt_request
         sched._free_request = _free_request
 
@@ -105,7 +137,7 @@ def run(model: str, workload: dict) -> list[dict]:
 
     cfg = workload["config"]
     sched = build(model, cfg)
-    rec = Recorder(sched)
+    rec = Recorder(sched, workload.get("keep_victim_hashes", False))
     hasher = get_request_block_hasher(cfg["block_size"], HASH_FN)
     pending = sorted(workload["requests"], key=lambda r: r["arrival_step"])   # stable: file order within a step
     steps: list[dict] = []
@@ -131,7 +163,8 @@ def run(model: str, workload: dict) -> list[dict]:
             continue
         before = rec.tables()
         statuses = {rid: (req.status.name, req.num_preemptions) for rid, req in sched.requests.items()}
-        rec.preempted, rec.finished = [], []
+        rec.preempted, rec.finished, rec.uncached = [], [], []
+        rec.num_hashed.clear()
         so = sched.schedule()
         after = rec.tables()
         num_free, num_cached, _ = rec.pool()
@@ -146,7 +179,7 @@ def run(model: str, workload: dict) -> list[dict]:
             else:
                 kind = "resumed" if statuses[rid][1] > 0 else "new"
                 admitted.append([rid, kind, request.num_computed_tokens - n, after[rid]])
-        preempted = list(rec.preempted)
+        preempted, uncached = list(rec.preempted), list(rec.uncached)
         executed = output_for(sched, so)   # what the model runner returns for this step, run now
         if cfg["async"]:   # the engine core's batch queue: this step's output is processed next step
             if prev is not None:
@@ -156,7 +189,7 @@ def run(model: str, workload: dict) -> list[dict]:
             sched.update_from_output(so, executed)
         _, _, queue = rec.pool()
         record = {"step": step, "scheduled": scheduled, "preempted": preempted, "admitted": admitted,
-                  "grown": grown, "num_free": num_free, "num_cached": num_cached,
+                  "grown": grown, "uncached": uncached, "num_free": num_free, "num_cached": num_cached,
                   "finished": list(rec.finished), "free_queue": queue}
         if cfg["async"]:
             record["placeholders"] = sorted([rid, req.num_output_placeholders] for rid, req in sched.requests.items()
