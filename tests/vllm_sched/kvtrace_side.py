@@ -18,7 +18,7 @@ A step's record, on both sides (keys as the driver writes them):
 """
 from __future__ import annotations
 
-from engine.config import EngineConfig, PreemptionPolicy
+from engine.config import VLLM_VERSION, EngineConfig, PreemptionPolicy
 from engine.llm_engine import LLMEngine
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, SequenceStatus
@@ -30,7 +30,7 @@ def key(seq) -> str:
     return f"{seq.req_id}:{seq.sample}"
 
 
-def build(cfg: dict) -> LLMEngine:
+def build(cfg: dict, vllm_version: str = VLLM_VERSION) -> LLMEngine:
     policy = PreemptionPolicy.PRIORITY if cfg["policy"] == "priority" else PreemptionPolicy.NEWEST
     config = EngineConfig(model="tiny", engine="sim", block_size=cfg["block_size"], num_gpu_blocks=cfg["num_blocks"],
                           num_cpu_blocks=0, max_num_seqs=cfg["max_num_seqs"],
@@ -39,6 +39,7 @@ def build(cfg: dict) -> LLMEngine:
                           preemption_policy=policy, async_scheduling=cfg["async"],
                           enable_prefix_caching=cfg["enable_prefix_caching"])
     engine = LLMEngine(config)
+    engine.scheduler.follow(vllm_version)
     engine.keep_outputs = False
     return engine
 
@@ -63,9 +64,10 @@ def plant(engine: LLMEngine, bug: str) -> None:
         raise ValueError(f"no such plant {bug!r} (one of {', '.join(PLANTS)})")
 
 
-def run(workload: dict, bug: str | None = None) -> list[dict]:
+def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION) -> list[dict]:
+    """The workload's step records; `vllm_version`: the vLLM whose scheduling kvtrace follows."""
     cfg = workload["config"]
-    engine = build(cfg)
+    engine = build(cfg, vllm_version)
     if bug:
         plant(engine, bug)
     sched, bm = engine.scheduler, engine.block_manager
