@@ -11,7 +11,8 @@ lists the fields). A failure shows the shrunk workload and the first differing s
 
 KVTRACE_SCHED_WORKLOADS sets the workloads per scheduler class and version (default 1200, in batches
 of eight that the vLLM drivers run side by side);
-`--hypothesis-profile thorough` runs ten times as many.
+`--hypothesis-profile thorough` runs ten times as many. KVTRACE_SCHED_PLANT=wrong-victim (or another of
+kvtrace_side.PLANTS) makes kvtrace's side wrong, to see what a failure reports.
 """
 from __future__ import annotations
 
@@ -59,8 +60,10 @@ def test_schedules_as_vllm(vllm, asynchronous):
         pytest.skip(f"kvtrace's scheduler follows vLLM {', '.join(VLLM_VERSIONS)}, not {vllm.version}")
     totals: Counter = Counter()
 
+    plant = os.environ.get("KVTRACE_SCHED_PLANT") or None   # see a failure's report: a planted wrong scheduler
+
     def kvtrace_run(workload):
-        return kvtrace_side.run(workload, vllm_version=vllm.version)
+        return kvtrace_side.run(workload, plant, vllm_version=vllm.version)
 
     @settings(max_examples=max(1, NUM_WORKLOADS // BATCH), **FAST)
     @given(st.lists(workloads(asynchronous), min_size=BATCH, max_size=BATCH))
