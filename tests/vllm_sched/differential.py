@@ -18,12 +18,19 @@ DRIVER = Path(__file__).with_name("vllm_driver.py")
 class VllmScheduler:
     """vllm_driver.py in a vLLM venv's Python: workloads in, their steps out, in order."""
 
-    def __init__(self, python: str, model_folder: str) -> None:
+    def __init__(self, python: str, model_folder: str, wait: bool = True, env: dict | None = None) -> None:
+        self.python = python
         self.proc = subprocess.Popen([python, str(DRIVER), model_folder], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
+                                     env={**os.environ, **env} if env else None)
+        self.version = ""
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         ready = self.proc.stdout.readline()
         if not ready:
-            raise RuntimeError(f"{python} {DRIVER.name}: exited before it was ready (rc {self.proc.wait()})")
+            raise RuntimeError(f"{self.python} {DRIVER.name}: exited before it was ready (rc {self.proc.wait()})")
         self.version = json.loads(ready)["vllm_version"]
 
     def submit(self, workloads: list[dict]) -> threading.Thread:
@@ -60,14 +67,22 @@ class VllmSchedulers:
 
     def __init__(self, python: str, model_folder: str, num_drivers: int | None = None) -> None:
         num_drivers = num_drivers or max(1, min(4, (os.cpu_count() or 2) - 1))
-        self.drivers = [VllmScheduler(python, model_folder) for _ in range(num_drivers)]
+        self.drivers = [VllmScheduler(python, model_folder, wait=False) for _ in range(num_drivers)]
+        for driver in self.drivers:   # they import vLLM side by side
+            driver.wait_ready()
         self.version = self.drivers[0].version
 
     def run(self, workload: dict) -> list[dict]:
         return self.drivers[0].run(workload)
 
-    def compare(self, workloads: list[dict], kvtrace_run) -> list[tuple[list[dict], list[dict]]]:
-        """(kvtrace's steps, vLLM's steps) of each workload; `kvtrace_run(workload)` gives kvtrace's."""
+    def compare(self, workloads: list[dict], kvtrace_run, memo: dict | None = None) -> list[tuple[list[dict], list[dict]]]:
+        """(kvtrace's steps, vLLM's steps) of each workload; `kvtrace_run(workload)` gives kvtrace's.
+        `memo` keeps each pair by workload: Hypothesis shrinks a failing batch one workload at a time."""
+        if memo is not None:
+            keys = [json.dumps(w, sort_keys=True) for w in workloads]
+            todo = list({k: w for k, w in zip(keys, workloads) if k not in memo}.items())
+            memo.update(zip([k for k, _ in todo], self.compare([w for _, w in todo], kvtrace_run)))
+            return [memo[k] for k in keys]
         shares = [workloads[i::len(self.drivers)] for i in range(len(self.drivers))]
         senders = [d.submit(share) for d, share in zip(self.drivers, shares) if share]
         mine = [kvtrace_run(w) for w in workloads]

@@ -9,7 +9,7 @@ prefix-hit tokens, block ids), new blocks, free and cached blocks, the requests 
 order, the free queue's order, and async scheduling's placeholders (tests/vllm_sched/kvtrace_side.py
 lists the fields). A failure shows the shrunk workload and the first differing step on each side.
 
-KVTRACE_SCHED_WORKLOADS sets the workloads per scheduler class and version (default 1200, in batches
+KVTRACE_SCHED_WORKLOADS sets the workloads per scheduler class and version (default 1000, in batches
 of eight that the vLLM drivers run side by side);
 `--hypothesis-profile thorough` runs ten times as many. KVTRACE_SCHED_PLANT=wrong-victim (or another of
 kvtrace_side.PLANTS) makes kvtrace's side wrong, to see what a failure reports.
@@ -30,13 +30,13 @@ from engine.config import VLLM_VERSION
 from engine.scheduler import VLLM_VERSIONS
 from tests.helpers.vllm_runs import VLLM_MARKS, VLLM_PYTHON
 from tests.vllm_sched import kvtrace_side
-from tests.vllm_sched.differential import VllmSchedulers, first_difference
+from tests.vllm_sched.differential import VllmScheduler, VllmSchedulers, first_difference
 from tests.vllm_sched.workloads import BATCH, tally, workloads
 
 pytestmark = VLLM_MARKS
 
 PYTHONS = [p for p in [VLLM_PYTHON, *os.environ.get("KVTRACE_VLLM_SCHED_PYTHONS", "").split(os.pathsep)] if p]
-NUM_WORKLOADS = int(os.environ.get("KVTRACE_SCHED_WORKLOADS", "1200")) * max(1, settings.default.max_examples // 100)
+NUM_WORKLOADS = int(os.environ.get("KVTRACE_SCHED_WORKLOADS", "1000")) * max(1, settings.default.max_examples // 100)
 FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                    HealthCheck.filter_too_much])
 
@@ -65,16 +65,21 @@ def test_schedules_as_vllm(vllm, asynchronous):
     def kvtrace_run(workload):
         return kvtrace_side.run(workload, plant, vllm_version=vllm.version)
 
+    shrinking: dict = {}   # once a batch differs, each workload's pair is kept while Hypothesis shrinks it
+
     @settings(max_examples=max(1, NUM_WORKLOADS // BATCH), **FAST)
     @given(st.lists(workloads(asynchronous), min_size=BATCH, max_size=BATCH))
     def check(batch):
         differing = []
-        for workload, (mine, theirs) in zip(batch, vllm.compare(batch, kvtrace_run)):
+        pairs = vllm.compare(batch, kvtrace_run, shrinking if shrinking.get("on") else None)
+        for workload, (mine, theirs) in zip(batch, pairs):
             difference = first_difference(mine, theirs)
             if difference:
                 differing.append(f"vLLM {vllm.version}, workload:\n{json.dumps(workload)}\n{difference}")
             totals.update(tally(theirs))
         # Hypothesis shrinks the batch: the first differing workload, shrunk, and its first differing step
+        if differing:
+            shrinking["on"] = True
         assert not differing, f"{len(differing)} of {len(batch)} workloads schedule otherwise, the first:\n{differing[0]}"
 
     check()
@@ -83,6 +88,25 @@ def test_schedules_as_vllm(vllm, asynchronous):
     # request; and a victim scheduled earlier in its step (kvtrace's deliberate difference) is reached
     assert min(totals["preempting"], totals["hitting"], totals["resuming"]) >= totals["workloads"] // 20, totals
     assert totals["uncaching"] > 0, totals
+
+
+def test_reused_vllm_configs_schedule_as_fresh_ones(vllm):
+    """The driver builds vLLM's configs once and sets each workload's values on them: on a sample of
+    workloads, vLLM's steps are those of configs built and validated afresh for each workload."""
+    from kvtrace.vllm.record import model_folder
+
+    fresh = VllmScheduler(vllm.drivers[0].python, str(model_folder("smollm2-135m")),
+                          env={"KVTRACE_SCHED_FRESH_CONFIGS": "1"})
+    try:
+        @settings(max_examples=10, database=None, derandomize=True, phases=[Phase.generate], **FAST)
+        @given(st.lists(workloads(asynchronous=False), min_size=2, max_size=2),
+               st.lists(workloads(asynchronous=True), min_size=2, max_size=2))
+        def check(sync, asynchronous):
+            for workload in sync + asynchronous:
+                assert vllm.run(workload) == fresh.run(workload), json.dumps(workload)
+        check()
+    finally:
+        fresh.close()
 
 
 @pytest.mark.parametrize("bug", kvtrace_side.PLANTS)

@@ -236,6 +236,9 @@ def main() -> int:
     from vllm.utils.hashing import sha256
     HASH_FN = sha256   # what vLLM's prefix cache hashes with by default (bytes: the pool appends a group id)
     init_none_hash(HASH_FN)
+    CONFIGS["vllm_config"] = fresh_config(model, {   # once, before the first workload (seconds)
+        "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 64, "long_prefill_token_threshold": 0,
+        "policy": "fcfs", "async": False, "block_size": 16, "enable_prefix_caching": True})
     out.write(json.dumps({"ready": True, "vllm_version": vllm.__version__}) + "\n")
     for line in sys.stdin:
         if not line.strip():
