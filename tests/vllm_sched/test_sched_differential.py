@@ -98,7 +98,7 @@ def test_reused_vllm_configs_schedule_as_fresh_ones(vllm):
     fresh = VllmScheduler(vllm.drivers[0].python, str(model_folder("smollm2-135m")),
                           env={"KVTRACE_SCHED_FRESH_CONFIGS": "1"})
     try:
-        @settings(max_examples=10, database=None, derandomize=True, phases=[Phase.generate], **FAST)
+        @settings(max_examples=5, database=None, derandomize=True, phases=[Phase.generate], **FAST)
         @given(st.lists(workloads(asynchronous=False), min_size=2, max_size=2),
                st.lists(workloads(asynchronous=True), min_size=2, max_size=2))
         def check(sync, asynchronous):
