@@ -20,6 +20,9 @@ from engine.events import (
 from engine.sequence import Sequence, SequenceStatus
 
 
+VLLM_VERSIONS = ("0.32.0", "0.33.0")   # whose decisions the scheduler can make (Scheduler.follow)
+
+
 @dataclass
 class SchedulerOutput:
     """What runs in one step."""
@@ -82,10 +85,20 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.swap_groups = swap_groups          # --n-mode cow: a request's samples swap together
         self.max_model_len = max_model_len      # a sequence stops at this many tokens (0: no limit)
+        # vLLM 0.33: under the priority policy, the running pass goes on after a sequence that preempted
+        # itself (those after it are more urgent and may fit in what it freed); 0.32 ends the pass there
+        self.priority_pass_goes_on = False
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # in admission order, oldest first
         self.swapped: deque[Sequence] = deque()
         self._admit_counter = 0
+
+    def follow(self, vllm_version: str) -> None:
+        """Make the decisions of this vLLM where versions differ (0.32.0, the default, or 0.33.0;
+        docs/scheduling.md lists what differs)."""
+        if vllm_version not in VLLM_VERSIONS:
+            raise ValueError(f"kvtrace's scheduler follows vLLM 0.32.0 or 0.33.0, not {vllm_version!r}")
+        self.priority_pass_goes_on = vllm_version == "0.33.0"
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -143,7 +156,8 @@ class Scheduler:
                     preempted_self = True
                     break
             if preempted_self:
-                if self.preemption_policy in (PreemptionPolicy.NEWEST, PreemptionPolicy.PRIORITY):
+                if self.preemption_policy == PreemptionPolicy.NEWEST or (
+                        self.preemption_policy == PreemptionPolicy.PRIORITY and not self.priority_pass_goes_on):
                     break  # V1: the sequence that preempted itself ends the running pass
                 continue
             num_hashed = len(seq.block_hashes)

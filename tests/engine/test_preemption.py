@@ -253,3 +253,24 @@ def test_a_request_id_used_twice_is_refused(make_engine):
     engine.add_request("r", [5, 6, 7])
     with pytest.raises(ValueError, match="used twice"):
         engine.add_request("r", [8, 9])
+
+
+@pytest.mark.parametrize("version, scheduled", [("0.32.0", []), ("0.33.0", ["B"])])
+def test_priority_pass_after_a_self_preemption_follows_the_vllm_version(version, scheduled):
+    """A (least urgent) preempts itself for a block; vLLM 0.32 ends the running pass there, 0.33 goes
+    on to B, whose decode needs no new block."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="tiny", engine="sim", block_size=2, num_gpu_blocks=4, num_cpu_blocks=0,
+                                    preemption_policy="priority", enable_prefix_caching=False))
+    engine.scheduler.follow(version)
+    engine.add_request("A", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True), priority=5)
+    engine.step()   # A: blocks 1, 2
+    engine.add_request("B", [4, 5, 6], SamplingParams(max_tokens=8, ignore_eos=True), arrival_s=1.0, priority=0)
+    engine.step()   # A decodes into block 2; B admitted: blocks 3, 4; the pool is full
+    out = engine.scheduler.schedule()   # A needs a block: it is the least urgent, it preempts itself
+    assert out.num_preemptions == 1 and [s.req_id for s in engine.scheduler.waiting] == ["A"]
+    assert [s.req_id for s in out.seqs] == scheduled
+    with pytest.raises(ValueError):
+        engine.scheduler.follow("0.31.0")

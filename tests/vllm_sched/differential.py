@@ -1,35 +1,56 @@
 """The scheduler-level differential's harness: vLLM's side in a long-lived driver process (its import
 costs seconds, a workload milliseconds), kvtrace's side in process, and the first differing step.
 
-    python -m tests.vllm_sched.differential VLLM_PYTHON [NUM_WORKLOADS] [--async]   # a quick random run
+    python -m tests.vllm_sched.differential VLLM_PYTHON [NUM_WORKLOADS] [--async] [--random] [--show=N]
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 
 
 class VllmScheduler:
-    """vllm_driver.py in a vLLM venv's Python: one workload in, its steps out."""
+    """vllm_driver.py in a vLLM venv's Python: workloads in, their steps out, in order."""
 
-    def __init__(self, python: str, model_folder: str) -> None:
+    def __init__(self, python: str, model_folder: str, wait: bool = True, env: dict | None = None) -> None:
+        self.python = python
         self.proc = subprocess.Popen([python, str(DRIVER), model_folder], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
+                                     env={**os.environ, **env} if env else None)
+        self.version = ""
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         ready = self.proc.stdout.readline()
         if not ready:
-            raise RuntimeError(f"{python} {DRIVER.name}: exited before it was ready (rc {self.proc.wait()})")
+            raise RuntimeError(f"{self.python} {DRIVER.name}: exited before it was ready (rc {self.proc.wait()})")
         self.version = json.loads(ready)["vllm_version"]
 
-    def run(self, workload: dict) -> list[dict]:
-        self.proc.stdin.write(json.dumps(workload) + "\n")
+    def submit(self, workloads: list[dict]) -> threading.Thread:
+        """Send the workloads (from a thread: a long batch would fill the pipes both ways)."""
+        def send() -> None:
+            self.proc.stdin.write("".join(json.dumps(w) + "\n" for w in workloads))
+            self.proc.stdin.flush()
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        return sender
+
+    def receive(self) -> list[dict]:
         answer = json.loads(self.proc.stdout.readline())
         if "error" in answer:
             raise RuntimeError(f"vLLM {self.version}'s scheduler failed: {answer['error']}\n{answer['traceback']}")
         return answer["steps"]
+
+    def run(self, workload: dict) -> list[dict]:
+        self.submit([workload]).join()
+        return self.receive()
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -38,6 +59,44 @@ class VllmScheduler:
         except subprocess.TimeoutExpired:   # a loaded machine: vLLM's interpreter exit can be slow
             self.proc.kill()
             self.proc.wait()
+
+
+class VllmSchedulers:
+    """Several drivers of one vLLM venv, so that a batch of workloads runs on every core while
+    kvtrace's side of the same batch runs here."""
+
+    def __init__(self, python: str, model_folder: str, num_drivers: int | None = None) -> None:
+        num_drivers = num_drivers or max(1, min(4, (os.cpu_count() or 2) - 1))
+        self.drivers = [VllmScheduler(python, model_folder, wait=False) for _ in range(num_drivers)]
+        for driver in self.drivers:   # they import vLLM side by side
+            driver.wait_ready()
+        self.version = self.drivers[0].version
+
+    def run(self, workload: dict) -> list[dict]:
+        return self.drivers[0].run(workload)
+
+    def compare(self, workloads: list[dict], kvtrace_run, memo: dict | None = None) -> list[tuple[list[dict], list[dict]]]:
+        """(kvtrace's steps, vLLM's steps) of each workload; `kvtrace_run(workload)` gives kvtrace's.
+        `memo` keeps each pair by workload: Hypothesis shrinks a failing batch one workload at a time."""
+        if memo is not None:
+            keys = [json.dumps(w, sort_keys=True) for w in workloads]
+            todo = list({k: w for k, w in zip(keys, workloads) if k not in memo}.items())
+            memo.update(zip([k for k, _ in todo], self.compare([w for _, w in todo], kvtrace_run)))
+            return [memo[k] for k in keys]
+        shares = [workloads[i::len(self.drivers)] for i in range(len(self.drivers))]
+        senders = [d.submit(share) for d, share in zip(self.drivers, shares) if share]
+        mine = [kvtrace_run(w) for w in workloads]
+        for sender in senders:
+            sender.join()
+        theirs = [None] * len(workloads)
+        for i, (driver, share) in enumerate(zip(self.drivers, shares)):
+            for j in range(len(share)):
+                theirs[i + j * len(self.drivers)] = driver.receive()
+        return list(zip(mine, theirs))
+
+    def close(self) -> None:
+        for driver in self.drivers:
+            driver.close()
 
 
 def first_difference(kvtrace_steps: list[dict], vllm_steps: list[dict]) -> str | None:
@@ -58,31 +117,34 @@ def first_difference(kvtrace_steps: list[dict], vllm_steps: list[dict]) -> str |
 
 
 def main() -> int:
-    import random
     import time
 
     from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
 
     from kvtrace.vllm.record import model_folder
     from tests.vllm_sched import kvtrace_side
-    from tests.vllm_sched.workloads import workloads
+    from tests.vllm_sched.workloads import BATCH, workloads
 
     python, count = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2].isdigit() else 200
     asynchronous = "--async" in sys.argv
-    vllm = VllmScheduler(python, str(model_folder("smollm2-135m")))
+    vllm = VllmSchedulers(python, str(model_folder("smollm2-135m")))
     found = []
     start = time.monotonic()
 
-    @settings(max_examples=count, deadline=None, database=None, derandomize="--random" not in sys.argv, suppress_health_check=list(HealthCheck),
-              phases=["generate"])
-    @given(workloads(asynchronous))
-    def check(w):
-        diff = first_difference(kvtrace_side.run(w), vllm.run(w))
-        if diff:
-            found.append((w, diff))
+    @settings(max_examples=max(1, count // BATCH), deadline=None, database=None,
+              derandomize="--random" not in sys.argv, suppress_health_check=list(HealthCheck), phases=["generate"])
+    @given(st.lists(workloads(asynchronous), min_size=BATCH, max_size=BATCH))
+    def check(batch):
+        pairs = vllm.compare(batch, lambda w: kvtrace_side.run(w, vllm_version=vllm.version))
+        for w, (mine, theirs) in zip(batch, pairs):
+            diff = first_difference(mine, theirs)
+            if diff:
+                found.append((w, diff))
 
     check()
-    print(f"{count} workloads in {time.monotonic() - start:.1f}s, {len(found)} differ")
+    print(f"{max(1, count // BATCH) * BATCH} workloads in {time.monotonic() - start:.1f}s "
+          f"({len(vllm.drivers)} vLLM drivers), {len(found)} differ")
     shown = int(next((a.split("=")[1] for a in sys.argv if a.startswith("--show=")), 3))
     found.sort(key=lambda f: len(json.dumps(f[0])))
     for w, diff in found[:shown]:

@@ -8,6 +8,9 @@ A step's record, on both sides (keys as the driver writes them):
     preempted     victims, in the order they were preempted
     admitted      [request:sample, "new" | "resumed", prefix-hit tokens, block ids]
     grown         [request:sample, new block ids] of requests that ran before the step
+    uncached      [request:sample, block ids]: a victim scheduled earlier in the step, the blocks its
+                  scheduling cached taken out of the prefix cache (kvtrace's deliberate difference,
+                  docs/scheduling.md; the vLLM driver applies it in exactly that case)
     num_free      free blocks right after scheduling; num_cached: how many of them hold a cached prefix
     finished      requests whose blocks were freed in the step, in the order they were freed
     free_queue    the free queue's block ids at the end of the step, next reused first
@@ -15,7 +18,7 @@ A step's record, on both sides (keys as the driver writes them):
 """
 from __future__ import annotations
 
-from engine.config import EngineConfig, PreemptionPolicy
+from engine.config import VLLM_VERSION, EngineConfig, PreemptionPolicy
 from engine.llm_engine import LLMEngine
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, SequenceStatus
@@ -27,7 +30,7 @@ def key(seq) -> str:
     return f"{seq.req_id}:{seq.sample}"
 
 
-def build(cfg: dict) -> LLMEngine:
+def build(cfg: dict, vllm_version: str = VLLM_VERSION) -> LLMEngine:
     policy = PreemptionPolicy.PRIORITY if cfg["policy"] == "priority" else PreemptionPolicy.NEWEST
     config = EngineConfig(model="tiny", engine="sim", block_size=cfg["block_size"], num_gpu_blocks=cfg["num_blocks"],
                           num_cpu_blocks=0, max_num_seqs=cfg["max_num_seqs"],
@@ -36,6 +39,7 @@ def build(cfg: dict) -> LLMEngine:
                           preemption_policy=policy, async_scheduling=cfg["async"],
                           enable_prefix_caching=cfg["enable_prefix_caching"])
     engine = LLMEngine(config)
+    engine.scheduler.follow(vllm_version)
     engine.keep_outputs = False
     return engine
 
@@ -60,9 +64,10 @@ def plant(engine: LLMEngine, bug: str) -> None:
         raise ValueError(f"no such plant {bug!r} (one of {', '.join(PLANTS)})")
 
 
-def run(workload: dict, bug: str | None = None) -> list[dict]:
+def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION) -> list[dict]:
+    """The workload's step records; `vllm_version`: the vLLM whose scheduling kvtrace follows."""
     cfg = workload["config"]
-    engine = build(cfg)
+    engine = build(cfg, vllm_version)
     if bug:
         plant(engine, bug)
     sched, bm = engine.scheduler, engine.block_manager
@@ -74,11 +79,22 @@ def run(workload: dict, bug: str | None = None) -> list[dict]:
         finished.append(key(seq))
         finish(seq)
     sched.finish = finish_and_note
+    uncached: list[list] = []
+    uncache_from = bm.uncache_from
+
+    def uncache_and_note(seq, num_blocks: int) -> None:
+        taken = [b for b in seq.block_table[num_blocks:len(seq.block_hashes)]
+                 if bm.blocks[b].hash is not None and bm.blocks[b].ref_count == 1]
+        uncache_from(seq, num_blocks)
+        if taken:
+            uncached.append([key(seq), taken])
+    bm.uncache_from = uncache_and_note
 
     def schedule_and_note():
         before = {id(s): len(s.block_table) for s in sched.running}
         was_preempted = {id(s): s.num_preemptions > 0 for s in sched.waiting}
         num_events = len(bm.events)
+        uncached.clear()
         out = Scheduler.schedule(sched)
         scheduled, admitted, grown = [], [], []
         for seq, n in zip(out.seqs, out.num_new_tokens):
@@ -92,7 +108,7 @@ def run(workload: dict, bug: str | None = None) -> list[dict]:
                 admitted.append([key(seq), kind, seq.num_computed_tokens, list(seq.block_table)])
         preempted = [f"{e.req_id}:{e.sample}" for e in bm.events[num_events:] if e.kind == "preempt"]
         seen.update(scheduled=scheduled, preempted=preempted, admitted=admitted, grown=grown,
-                    num_free=bm.num_free_blocks, num_cached=bm.num_cached_free_blocks)
+                    uncached=list(uncached), num_free=bm.num_free_blocks, num_cached=bm.num_cached_free_blocks)
         return out
     sched.schedule = schedule_and_note
 

@@ -24,9 +24,15 @@ TOKEN = -1   # the placeholder every step samples (kvtrace's GREEDY_TOKEN)
 HASH_FN = None   # the block hash function, set once vLLM is imported
 
 
+CONFIGS: dict = {}   # the VllmConfig built once, and the config values each workload sets
+
+
 def build(model: str, cfg: dict):
+    """The scheduler for a workload's config. vLLM's config objects take tens of milliseconds to
+    build and validate (more than most workloads take to run): they are built once, for the first
+    workload, and each later workload sets the few fields it varies (the scheduler reads them when
+    it is built; tests/vllm_sched/test_sched_differential.py checks this against fresh configs)."""
     import torch
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -34,6 +40,35 @@ def build(model: str, cfg: dict):
 
     block_size = cfg["block_size"]
     num_blocks = cfg["num_blocks"] + 1   # kvtrace counts usable blocks; vLLM's pool holds the null block too
+    if "vllm_config" not in CONFIGS or os.environ.get("KVTRACE_SCHED_FRESH_CONFIGS"):
+        CONFIGS["vllm_config"] = fresh_config(model, cfg)
+    vllm_config = CONFIGS["vllm_config"]
+    scheduler_config, cache_config = vllm_config.scheduler_config, vllm_config.cache_config
+    for name, value in [("max_num_seqs", cfg["max_num_seqs"]), ("max_num_batched_tokens", cfg["max_num_batched_tokens"]),
+                        ("max_model_len", cfg["max_model_len"]),
+                        ("long_prefill_token_threshold", cfg["long_prefill_token_threshold"]),
+                        ("policy", cfg["policy"]), ("async_scheduling", cfg["async"]),
+                        # derived in SchedulerConfig.__post_init__
+                        ("max_num_encoder_input_tokens", cfg["max_num_batched_tokens"]),
+                        ("encoder_cache_size", cfg["max_num_batched_tokens"])]:
+        object.__setattr__(scheduler_config, name, value)
+    object.__setattr__(vllm_config.model_config, "max_model_len", cfg["max_model_len"])
+    object.__setattr__(cache_config, "block_size", block_size)
+    object.__setattr__(cache_config, "enable_prefix_caching", cfg["enable_prefix_caching"])
+    cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size, num_kv_heads=1, head_size=1,
+                                                                       dtype=torch.float32))])
+    cls = AsyncScheduler if cfg["async"] else Scheduler
+    return cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=False,
+               structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size)
+
+
+def fresh_config(model: str, cfg: dict):
+    """vLLM's configs for one workload, built and validated as vLLM's unit tests build them."""
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+
     scheduler_config = SchedulerConfig(
         max_num_seqs=cfg["max_num_seqs"], max_num_batched_tokens=cfg["max_num_batched_tokens"],
         max_model_len=cfg["max_model_len"], is_encoder_decoder=False,
@@ -41,48 +76,68 @@ def build(model: str, cfg: dict):
         policy=cfg["policy"], async_scheduling=cfg["async"])
     model_config = ModelConfig(model=model, skip_tokenizer_init=True, dtype="float32", seed=0,
                                max_model_len=cfg["max_model_len"])
-    cache_config = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
+    cache_config = CacheConfig(block_size=cfg["block_size"], gpu_memory_utilization=0.9, cache_dtype="auto",
                                enable_prefix_caching=cfg["enable_prefix_caching"])
-    vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config,
-                             cache_config=cache_config)
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size, num_kv_heads=1, head_size=1,
-                                                                       dtype=torch.float32))])
-    cache_config.num_gpu_blocks = num_blocks
-    cls = AsyncScheduler if cfg["async"] else Scheduler
-    return cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=False,
-               structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size)
+    return VllmConfig(scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config)
 
 
 class Recorder:
-    """Watches one scheduler: preemptions and frees in the order vLLM makes them."""
+    """Watches one scheduler: preemptions and frees in the order vLLM makes them.
 
-    def __init__(self, sched) -> None:
+    kvtrace's one deliberate difference in a step's decisions (docs/scheduling.md, "A victim
+    scheduled earlier in the same step") is applied here, where it arises and nowhere else: a
+    victim that vLLM had already scheduled in the step keeps the prefix-cache hashes of the blocks
+    its scheduling cached, though their KV is never written; kvtrace takes them out of the cache
+    before it frees the victim, and so does this driver (unless `keep_victim_hashes`, vLLM as it
+    is). Both sides record which blocks that un-cached ("uncached"), so the case is compared too.
+    """
+
+    def __init__(self, sched, keep_victim_hashes: bool = False) -> None:
         self.sched = sched
         self.preempted: list[str] = []
         self.finished: list[str] = []
+        self.uncached: list[list] = []
+        self.num_hashed: dict[str, int] = {}   # request scheduled in this step -> its cached blocks before
         preempt, free = sched._preempt_request, sched._free_request
+        kvm = sched.kv_cache_manager
+        allocate_slots = kvm.allocate_slots
+        self.manager = manager = kvm.coordinator.single_type_managers[0]
+        pool = kvm.block_pool
+
+        def _allocate_slots(request, *args, **kwargs):
+            num_hashed = manager.num_cached_block.get(request.request_id, 0)
+            blocks = allocate_slots(request, *args, **kwargs)
+            if blocks is not None and request.status.name == "RUNNING":
+                self.num_hashed[request.request_id] = num_hashed
+            return blocks
 
         def _preempt_request(request, *args, **kwargs):
-            self.preempted.append(request.request_id)
+            rid = request.request_id
+            self.preempted.append(rid)
+            if rid in self.num_hashed and not keep_victim_hashes:   # scheduled earlier in this step
+                num_hashed = self.num_hashed.pop(rid)
+                table = manager.req_to_blocks[rid]
+                taken = [b for b in table[num_hashed:manager.num_cached_block.get(rid, 0)]
+                         if b.ref_cnt == 1 and b.block_hash is not None]
+                for block in taken:
+                    pool._maybe_evict_cached_block(block)
+                if taken:
+                    self.uncached.append([rid, [b.block_id for b in taken]])
             return preempt(request, *args, **kwargs)
 
         def _free_request(request, *args, **kwargs):
             self.finished.append(request.request_id)
             return free(request, *args, **kwargs)
 
+        kvm.allocate_slots = _allocate_slots
         sched._preempt_request = _preempt_request
         sched._free_request = _free_request
 
-    def tables(self) -> dict[str, list[int]]:
-        kvm = self.sched.kv_cache_manager
-        return {rid: list(kvm.get_block_ids(rid)[0]) for rid in self.sched.requests
-                if self.sched.requests[rid].status.name == "RUNNING"}
+    def table(self, rid: str) -> list[int]:
+        return [b.block_id for b in self.manager.req_to_blocks.get(rid, ())]
 
     def pool(self) -> tuple[int, int, list[int]]:
-        pool = self.sched.kv_cache_manager.block_pool
-        free = pool.free_block_queue.get_all_free_blocks()
+        free = self.sched.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()
         return len(free), sum(1 for b in free if b.block_hash is not None), [b.block_id for b in free]
 
 
@@ -105,7 +160,7 @@ def run(model: str, workload: dict) -> list[dict]:
 
     cfg = workload["config"]
     sched = build(model, cfg)
-    rec = Recorder(sched)
+    rec = Recorder(sched, workload.get("keep_victim_hashes", False))
     hasher = get_request_block_hasher(cfg["block_size"], HASH_FN)
     pending = sorted(workload["requests"], key=lambda r: r["arrival_step"])   # stable: file order within a step
     steps: list[dict] = []
@@ -129,24 +184,23 @@ def run(model: str, workload: dict) -> list[dict]:
                                           block_hasher=hasher))
         if not sched.has_unfinished_requests() and prev is None:
             continue
-        before = rec.tables()
-        statuses = {rid: (req.status.name, req.num_preemptions) for rid, req in sched.requests.items()}
-        rec.preempted, rec.finished = [], []
+        to_blocks = rec.manager.req_to_blocks
+        before = {r.request_id: len(to_blocks.get(r.request_id, ())) for r in sched.running}
+        rec.preempted, rec.finished, rec.uncached = [], [], []
+        rec.num_hashed.clear()
         so = sched.schedule()
-        after = rec.tables()
         num_free, num_cached, _ = rec.pool()
         scheduled = [[rid, n] for rid, n in so.num_scheduled_tokens.items()]
         admitted, grown = [], []
         for rid, n in scheduled:
-            request = sched.requests[rid]
             if rid in before:
-                new = after[rid][len(before[rid]):]
-                if new:
-                    grown.append([rid, new])
-            else:
-                kind = "resumed" if statuses[rid][1] > 0 else "new"
-                admitted.append([rid, kind, request.num_computed_tokens - n, after[rid]])
-        preempted = list(rec.preempted)
+                if len(to_blocks[rid]) > before[rid]:
+                    grown.append([rid, rec.table(rid)[before[rid]:]])
+            else:   # admitted: it was waiting (its preemption count is from before the step)
+                request = sched.requests[rid]
+                kind = "resumed" if request.num_preemptions > 0 else "new"
+                admitted.append([rid, kind, request.num_computed_tokens - n, rec.table(rid)])
+        preempted, uncached = list(rec.preempted), list(rec.uncached)
         executed = output_for(sched, so)   # what the model runner returns for this step, run now
         if cfg["async"]:   # the engine core's batch queue: this step's output is processed next step
             if prev is not None:
@@ -156,7 +210,7 @@ def run(model: str, workload: dict) -> list[dict]:
             sched.update_from_output(so, executed)
         _, _, queue = rec.pool()
         record = {"step": step, "scheduled": scheduled, "preempted": preempted, "admitted": admitted,
-                  "grown": grown, "num_free": num_free, "num_cached": num_cached,
+                  "grown": grown, "uncached": uncached, "num_free": num_free, "num_cached": num_cached,
                   "finished": list(rec.finished), "free_queue": queue}
         if cfg["async"]:
             record["placeholders"] = sorted([rid, req.num_output_placeholders] for rid, req in sched.requests.items()
@@ -182,6 +236,9 @@ def main() -> int:
     from vllm.utils.hashing import sha256
     HASH_FN = sha256   # what vLLM's prefix cache hashes with by default (bytes: the pool appends a group id)
     init_none_hash(HASH_FN)
+    CONFIGS["vllm_config"] = fresh_config(model, {   # once, before the first workload (seconds)
+        "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 64, "long_prefill_token_threshold": 0,
+        "policy": "fcfs", "async": False, "block_size": 16, "enable_prefix_caching": True})
     out.write(json.dumps({"ready": True, "vllm_version": vllm.__version__}) + "\n")
     for line in sys.stdin:
         if not line.strip():

@@ -17,6 +17,8 @@ import random
 
 from hypothesis import strategies as st
 
+BATCH = 8   # workloads a Hypothesis example holds: the vLLM drivers run them side by side
+
 
 def positions(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
     """KV positions a request ever stores."""
@@ -81,4 +83,5 @@ def tally(steps: list[dict]) -> dict[str, int]:
     return {"workloads": 1, "steps": len(steps),
             "preempting": int(any(s["preempted"] for s in steps)),
             "hitting": int(any(a[2] > 0 for a in admitted)),
-            "resuming": int(any(a[1] == "resumed" for a in admitted))}
+            "resuming": int(any(a[1] == "resumed" for a in admitted)),
+            "uncaching": int(any(s["uncached"] for s in steps))}
