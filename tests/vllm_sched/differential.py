@@ -6,6 +6,7 @@ costs seconds, a workload milliseconds), kvtrace's side in process, and the firs
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,22 +15,37 @@ DRIVER = Path(__file__).with_name("vllm_driver.py")
 
 
 class VllmScheduler:
-    """vllm_driver.py in a vLLM venv's Python: one workload in, its steps out."""
+    """vllm_driver.py in a vLLM venv's Python: one workload in, its steps out. With `capture` the
+    driver builds kvtrace's capture scheduler class (this worktree's kvtrace package on its path)."""
 
-    def __init__(self, python: str, model_folder: str) -> None:
-        self.proc = subprocess.Popen([python, str(DRIVER), model_folder], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+    def __init__(self, python: str, model_folder: str, *, capture: bool = False) -> None:
+        args, env = [python, str(DRIVER), model_folder], None
+        if capture:
+            from kvtrace.vllm.record import capture_path
+
+            args.append("--capture")
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            env["PYTHONPATH"] = str(capture_path())
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, bufsize=1, env=env)
         ready = self.proc.stdout.readline()
         if not ready:
             raise RuntimeError(f"{python} {DRIVER.name}: exited before it was ready (rc {self.proc.wait()})")
         self.version = json.loads(ready)["vllm_version"]
 
     def run(self, workload: dict) -> list[dict]:
+        return self.answer(workload)["steps"]
+
+    def answer(self, workload: dict) -> dict:
+        """The driver's whole answer: the steps, and with `capture` the capture's folder."""
         self.proc.stdin.write(json.dumps(workload) + "\n")
-        answer = json.loads(self.proc.stdout.readline())
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vLLM {self.version}'s driver exited (rc {self.proc.wait()})")
+        answer = json.loads(line)
         if "error" in answer:
             raise RuntimeError(f"vLLM {self.version}'s scheduler failed: {answer['error']}\n{answer['traceback']}")
-        return answer["steps"]
+        return answer
 
     def close(self) -> None:
         self.proc.stdin.close()

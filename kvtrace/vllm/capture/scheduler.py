@@ -48,6 +48,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_IGNORED: "rejected",
 }
 ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+MAX_PENDING = 16   # async: steps scheduled whose output is not processed yet (vLLM's batch queue holds 2)
 
 
 class _ReqState:
@@ -123,7 +124,9 @@ class _Capture:
         self.max_seats = getattr(scheduler, "max_num_active_reqs", scheduler.max_num_running_reqs)
         self.max_step_tokens = getattr(scheduler, "max_num_scheduled_tokens",
                                        scheduler.scheduler_config.max_num_batched_tokens)
-        self.pending: dict[int, tuple] = {}                # id(scheduler_output) -> the step's row so far
+        # id(scheduler_output) -> (the step's row so far, its events, its frees, the output itself: held so
+        # that its id is not reused while it waits; vLLM processes every output, an empty one too)
+        self.pending: dict[int, tuple] = {}
         self.finishing: list[tuple[Request, _ReqState]] = []
         self.current: str = ""                             # the request a block-pool call is for
         self.alloc_reason = "other"
@@ -335,8 +338,10 @@ class _Capture:
         row = (self.step, start, end, len(sched.running), len(sched.waiting), prefill, decode, recompute,
                self.step_preemptions, free, used, self.cached_free, used * bs - gaps, self.admission_stop(out))
         # what this scheduling did belongs to its step, however late its output is processed (async)
-        self.pending[id(out)] = (row, self.events, self.finishing)
+        self.pending[id(out)] = (row, self.events, self.finishing, out)
         self.events, self.finishing = [], []
+        if len(self.pending) > MAX_PENDING:   # outputs a caller never processes: written as they are
+            self.write_unprocessed(self.pending.pop(next(iter(self.pending))))
 
     def admission_stop(self, out) -> str:
         """Why vLLM admitted no further waiting request this step, from what the step left behind
@@ -376,7 +381,7 @@ class _Capture:
 
     def _after_update(self, out, outputs, start: float) -> None:
         now = time.monotonic()
-        row, events, finishing = self.pending.pop(id(out), (None, [], []))
+        row, events, finishing, _ = self.pending.pop(id(out), (None, [], [], None))
         step = row[0] if row is not None else self.step
         self.events[:0] = events
         self.finishing[:0] = finishing
@@ -474,8 +479,8 @@ class _Capture:
         self.events = []
 
     # ---- self-check: the pool state the events describe against the pool's own -------------------------
-    def _replay(self, events: list[tuple]) -> None:
-        held = self.held
+    def _replay(self, events: list[tuple], held: dict[str, set[int]] | None = None) -> None:
+        held = self.held if held is None else held
         for kind, rid, blocks, *_ in events:
             if kind in ("alloc", "prefix_hit") and rid:
                 held.setdefault(rid, set()).update(blocks)
@@ -486,7 +491,12 @@ class _Capture:
         self.num_checked_steps += 1
         problems = []
         in_use: set[int] = set()
-        for rid, blocks in self.held.items():
+        held = self.held
+        if self.pending:   # async: the next step is scheduled before this one's output; its events wait
+            held = {rid: set(blocks) for rid, blocks in held.items()}
+            for _, events, _, _ in self.pending.values():
+                self._replay(events, held)
+        for rid, blocks in held.items():
             own = {b for b in self.kvm.get_block_ids(rid)[0] if b != self.null_id}
             if own != blocks:
                 problems.append(f"step {step}: {rid} holds {sorted(own)} but the events say {sorted(blocks)}")
@@ -501,18 +511,23 @@ class _Capture:
             self.num_check_errors += len(problems)
             self.check_errors.extend(problems[: max(0, 20 - len(self.check_errors))])
 
+    def write_unprocessed(self, entry: tuple) -> None:
+        """A step whose output was never processed: its row and what its scheduling did, without tokens."""
+        row, events, finishing, _ = entry
+        self.events[:0] = events
+        self.finishing[:0] = finishing
+        self.finish_pending(row[2], row[0])
+        self.write_step(row, row[2], None)
+        self.flush_events(row[0], row[2])
+
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         # async: the last step's output is never processed (the engine stops once every request has
         # finished); its row and what its scheduling did are written as they are, without tokens
-        for row, events, finishing in self.pending.values():
-            self.events[:0] = events
-            self.finishing[:0] = finishing
-            self.finish_pending(row[2], row[0])
-            self.write_step(row, row[2], None)
-            self.flush_events(row[0], row[2])
+        for entry in self.pending.values():
+            self.write_unprocessed(entry)
         self.pending.clear()
         self.finish_pending(time.monotonic(), self.step)
         self.flush_events(self.step, time.monotonic())
