@@ -381,7 +381,18 @@ class _Capture:
 
     def _after_update(self, out, outputs, start: float) -> None:
         now = time.monotonic()
-        row, events, finishing, _ = self.pending.pop(id(out), (None, [], [], None))
+        key = id(out)
+        if key in self.pending and next(iter(self.pending)) != key:
+            # outputs are processed in the order they were scheduled (vLLM's batch queue): one scheduled
+            # before this and still waiting never will be (a caller that skips empty steps); written now
+            update = self.events, self.finishing
+            self.events, self.finishing = [], []
+            for older in list(self.pending):
+                if older == key:
+                    break
+                self.write_unprocessed(self.pending.pop(older))
+            self.events, self.finishing = update
+        row, events, finishing, _ = self.pending.pop(key, (None, [], [], None))
         step = row[0] if row is not None else self.step
         self.events[:0] = events
         self.finishing[:0] = finishing
