@@ -14,7 +14,8 @@ vLLM's own decisions every step. Checked here, on kvtrace's side, for every work
 - block accounting balances: a block allocated is held by no request, a freed block was the
   request's, nothing is held at the end, the pool is whole again, and every request has its row.
 
-KVTRACE_CAPTURE_WORKLOADS sets the workloads per scheduler class and version (default 30).
+KVTRACE_CAPTURE_WORKLOADS sets the workloads per scheduler class and version (default 30). The last
+test runs `python -m benchmarks vllm-capture-cost` at 8 requests, on the last vLLM Python given.
 """
 from __future__ import annotations
 
@@ -166,3 +167,19 @@ def test_capture_records_what_vllm_decided(vllm, asynchronous):
         shutil.rmtree(root, ignore_errors=True)
     print(f"vLLM {vllm.version} {'AsyncScheduler' if asynchronous else 'Scheduler'} captured: {counts}")
     assert counts["preempting"] and counts["hitting"], counts   # not vacuous
+
+
+def test_the_capture_cost_suite_runs_on_8_requests(capsys):
+    """`python -m benchmarks vllm-capture-cost` at a tiny size (the full suite is for a quiet machine)."""
+    import argparse
+
+    from benchmarks import vllm_capture_cost
+
+    if not PYTHONS:
+        pytest.skip("no vLLM Python")
+    parser = argparse.ArgumentParser()
+    vllm_capture_cost.add_arguments(parser)
+    vllm_capture_cost.run(parser.parse_args(["--vllm-python", PYTHONS[-1], "--sizes", "8", "--steps", "4",
+                                             "--warmup", "1", "--no-write"]))
+    out = capsys.readouterr().out
+    assert "| 8 |" in out and "bytes per generated token" in out and "ms per step at 8 running" in out, out
