@@ -57,6 +57,7 @@ def measure(python: str, running: int, args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> None:
     if not args.vllm_python:
         raise SystemExit("vllm-capture-cost: give --vllm-python (the Python of a vLLM venv; scripts/vllm_env.sh)")
+    section = Section("vllm-capture-cost")   # now: its commit and load are those of the start
     sizes = [int(s) for s in args.sizes.split(",")]
     # per size, one dict per run: plain and captured medians, what the capture added, its hooks and bytes per step
     runs: dict[int, list[dict]] = {n: [] for n in sizes}
@@ -82,7 +83,6 @@ def run(args: argparse.Namespace) -> None:
                      f"{added[n] * 1e3:+.3f}{spread}", f"{added[n] / n * 1e6:+.2f}", f"{med['hooks'] * 1e3:.3f}",
                      f"{med['bytes']:,.0f}"])
     repeats = len(runs[sizes[0]])
-    section = Section("vllm-capture-cost")
     section.add(f"vLLM {version}'s Scheduler without a model, decode steps of N running requests ({args.prompt}-token "
                 f"prompts, block size {args.block_size}, every request running), plain and captured alternating, "
                 f"{args.steps} timed steps each after {args.warmup}; medians of per-step time"
