@@ -19,6 +19,7 @@ SUITES = {
     "sim-accuracy": "benchmarks.sim_accuracy",
     "sim-gpu-accuracy": "benchmarks.sim_gpu_accuracy",
     "vllm-capture": "benchmarks.vllm_capture",
+    "vllm-capture-cost": "benchmarks.vllm_capture_cost",
 }
 
 

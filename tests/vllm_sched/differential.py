@@ -16,13 +16,21 @@ DRIVER = Path(__file__).with_name("vllm_driver.py")
 
 
 class VllmScheduler:
-    """vllm_driver.py in a vLLM venv's Python: workloads in, their steps out, in order."""
+    """vllm_driver.py in a vLLM venv's Python: workloads in, their steps out, in order. With `capture`
+    the driver builds kvtrace's capture scheduler class (this checkout's kvtrace package on its path)."""
 
-    def __init__(self, python: str, model_folder: str, wait: bool = True, env: dict | None = None) -> None:
+    def __init__(self, python: str, model_folder: str, wait: bool = True, env: dict | None = None, *,
+                 capture: bool = False) -> None:
         self.python = python
-        self.proc = subprocess.Popen([python, str(DRIVER), model_folder], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
-                                     env={**os.environ, **env} if env else None)
+        args, env = [python, str(DRIVER), model_folder], {**os.environ, **env} if env else None
+        if capture:
+            from kvtrace.vllm.record import capture_path
+
+            args.append("--capture")
+            env = {k: v for k, v in (env or os.environ).items() if k != "PYTHONPATH"}
+            env["PYTHONPATH"] = str(capture_path())
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, bufsize=1, env=env)
         self.version = ""
         if wait:
             self.wait_ready()
@@ -43,14 +51,24 @@ class VllmScheduler:
         return sender
 
     def receive(self) -> list[dict]:
-        answer = json.loads(self.proc.stdout.readline())
+        return self.receive_answer()["steps"]
+
+    def receive_answer(self) -> dict:
+        """The driver's whole answer to the next workload: the steps, and with `capture` the capture's folder."""
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vLLM {self.version}'s driver exited (rc {self.proc.wait()})")
+        answer = json.loads(line)
         if "error" in answer:
             raise RuntimeError(f"vLLM {self.version}'s scheduler failed: {answer['error']}\n{answer['traceback']}")
-        return answer["steps"]
+        return answer
 
     def run(self, workload: dict) -> list[dict]:
+        return self.answer(workload)["steps"]
+
+    def answer(self, workload: dict) -> dict:
         self.submit([workload]).join()
-        return self.receive()
+        return self.receive_answer()
 
     def close(self) -> None:
         self.proc.stdin.close()

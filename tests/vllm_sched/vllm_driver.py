@@ -7,7 +7,13 @@ one full-attention group, no tokenizer, no workers. Each model output is a place
 (-1, what kvtrace's simulator samples for a greedy sequence) for every scheduled request that is
 not a prefill chunk; no EOS, so requests finish by max_tokens or max_model_len.
 
-    python vllm_driver.py MODEL_FOLDER < workloads.jsonl > records.jsonl
+    python vllm_driver.py MODEL_FOLDER [--capture] < workloads.jsonl > records.jsonl
+
+With --capture (kvtrace's capture package on PYTHONPATH) the scheduler is kvtrace's capture class,
+`KvtraceCaptureScheduler`, built the same way: each workload's capture goes to a fresh folder under
+the workload's "capture_dir" (with KVTRACE_CAPTURE_SELF_CHECK=1), the scheduler is shut down at the
+end (done.json), and the answer adds {"capture": FOLDER, "final_free": free blocks at the end}
+(tests/vllm_sched/test_capture_on_vllm.py checks the capture against these records).
 
 One workload a line in ({"config": {...}, "requests": [...]}, tests/vllm_sched/workloads.py says the
 fields), one answer a line out: {"steps": [STEP, ...]} or {"error": "..."}. A STEP is
@@ -22,6 +28,7 @@ import traceback
 
 TOKEN = -1   # the placeholder every step samples (kvtrace's GREEDY_TOKEN)
 HASH_FN = None   # the block hash function, set once vLLM is imported
+CAPTURE = False  # --capture: kvtrace's capture scheduler class instead of vLLM's own
 
 
 CONFIGS: dict = {}   # the VllmConfig built once, and the config values each workload sets
@@ -60,7 +67,10 @@ def build(model: str, cfg: dict):
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size, num_kv_heads=1, head_size=1,
                                                                        dtype=torch.float32))])
-    cls = AsyncScheduler if cfg["async"] else Scheduler
+    if CAPTURE:
+        from kvtrace.vllm.capture.scheduler import KvtraceCaptureScheduler as cls
+    else:
+        cls = AsyncScheduler if cfg["async"] else Scheduler
     return cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=False,
                structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size)
 
@@ -153,12 +163,15 @@ def output_for(sched, so):
                              sampled_token_ids=sampled)
 
 
-def run(model: str, workload: dict) -> list[dict]:
+def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
 
     cfg = workload["config"]
+    if CAPTURE:   # every workload its own capture folder, self-checked every step
+        os.environ["KVTRACE_CAPTURE_DIR"] = answer["capture"] = workload["capture_dir"]
+        os.environ["KVTRACE_CAPTURE_SELF_CHECK"] = "1"
     sched = build(model, cfg)
     rec = Recorder(sched, workload.get("keep_victim_hashes", False))
     hasher = get_request_block_hasher(cfg["block_size"], HASH_FN)
@@ -219,11 +232,16 @@ def run(model: str, workload: dict) -> list[dict]:
         step += 1
         if len(steps) > max_steps:
             raise RuntimeError(f"no end after {max_steps} steps")
+    if CAPTURE:
+        answer["final_free"] = rec.pool()[0]
+        sched.shutdown()   # the capture's last chunk and done.json
     return steps
 
 
 def main() -> int:
     model = sys.argv[1]
+    global CAPTURE
+    CAPTURE = "--capture" in sys.argv[2:]
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     # no model runs: vLLM's CPU platform, also for a GPU wheel on a machine without one (its
     # scheduler is the same Python; scripts/vllm_sched_env.sh's 0.33 venv is such a wheel)
@@ -244,7 +262,8 @@ def main() -> int:
         if not line.strip():
             continue
         try:
-            answer = {"steps": run(model, json.loads(line))}
+            answer = {}
+            answer["steps"] = run(model, json.loads(line), answer)
         except Exception as exc:   # say it and carry on: one workload's failure is the test's report
             answer = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
         out.write(json.dumps(answer) + "\n")

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
-SUPPORTED = ((0, 32), (0, 33))   # vLLM minor versions this capture was built and checked against
+# vLLM minor versions the capture is tested on, exactly: tests/vllm_sched/test_capture_on_vllm.py runs it
+# on 0.32.0 and 0.33.0's own Scheduler and AsyncScheduler (docs/vllm.md)
+SUPPORTED = ((0, 32), (0, 33))
 
 # (method, parameters the capture relies on)
 SCHEDULER_METHODS = {

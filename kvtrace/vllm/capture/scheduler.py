@@ -17,6 +17,13 @@ the scheduler's own `schedule`, `update_from_output`, `_preempt_request`, `_free
 `allocate_slots`, `free`, `get_new_blocks`, `free_blocks`, `touch` and `_maybe_evict_cached_block`.
 Events are kept as tuples during a step and turned into columns once per step; request ids are
 vLLM's (with the random suffix its frontend adds), mapped back to the workload's by the importer.
+
+What a step costs: the running requests are many (1,024 and more) and nearly all of them decode, so
+per request the capture does only what must be recorded, in bulk: the tokens rows (a few C-level
+passes over the step's outputs) and the KV tokens of the step's row (one pass over the running
+requests). Requests that need a closer look (admitted and still prefilling, or re-prefilling after
+a preemption) are `watched`; a decoding request's `allocate_slots` wrapper only notes the request,
+and why it got new blocks is worked out only when it gets some (the vllm-capture-cost benchmark).
 """
 from __future__ import annotations
 
@@ -24,10 +31,12 @@ import atexit
 import hashlib
 import json
 import logging
+import operator
 import os
 import secrets
 import time
 from datetime import datetime, timezone
+from itertools import chain, repeat
 from pathlib import Path
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -48,22 +57,23 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_IGNORED: "rejected",
 }
 ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_num_computed_tokens = operator.attrgetter("num_computed_tokens")
+MAX_PENDING = 16   # async: steps scheduled whose output is not processed yet (vLLM's batch queue holds 2)
 
 
 class _ReqState:
     """What the capture keeps of one request between steps."""
 
-    __slots__ = ("ever", "recomputed", "prefix_hits", "preemptions", "first_scheduled", "first_token", "emitted",
-                 "reprefill_target", "reprefill_cached", "reprefill_recomputed")
+    __slots__ = ["ever", "recomputed", "prefix_hits", "preemptions", "first_scheduled", "first_token",
+                 "reprefill_target", "reprefill_cached", "reprefill_recomputed"]
 
     def __init__(self) -> None:
-        self.ever = 0                 # most KV positions it ever had computed
+        self.ever = 0                 # most KV positions it ever had computed (kept up to date while watched)
         self.recomputed = 0
         self.prefix_hits = 0
         self.preemptions = 0
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
-        self.emitted = 0
         self.reprefill_target = 0     # while re-prefilling after a preemption: the positions to get back
         self.reprefill_cached = 0
         self.reprefill_recomputed = 0
@@ -111,6 +121,11 @@ class _Capture:
         self.block_size = scheduler.block_size
         self.total_blocks = pool.num_gpu_blocks - 1        # block 0 is vLLM's null block
         self.states: dict[str, _ReqState] = {}
+        # the requests whose steps need more than "a decode step": admitted and not yet past their
+        # (re-)prefill; every other scheduled request decodes, which the step's totals account for
+        self.watched: dict[str, _ReqState] = {}
+        self.emitted: dict[str, int] = {}                  # tokens delivered per request so far (tokens.idx)
+        self.step_start = 0.0
         # (kind, req, blocks, num_tokens, reason, cached, recomputed[, requester, victim_reason])
         self.events: list[tuple] = []
         self.seq = 0
@@ -123,10 +138,11 @@ class _Capture:
         self.max_seats = getattr(scheduler, "max_num_active_reqs", scheduler.max_num_running_reqs)
         self.max_step_tokens = getattr(scheduler, "max_num_scheduled_tokens",
                                        scheduler.scheduler_config.max_num_batched_tokens)
-        self.pending: dict[int, tuple] = {}                # id(scheduler_output) -> the step's row so far
+        # id(scheduler_output) -> (the step's row so far, its events, its frees, the output itself: held so
+        # that its id is not reused while it waits; vLLM processes every output, an empty one too)
+        self.pending: dict[int, tuple] = {}
         self.finishing: list[tuple[Request, _ReqState]] = []
-        self.current: str = ""                             # the request a block-pool call is for
-        self.alloc_reason = "other"
+        self.current: Request | None = None                # the request a block-pool call is for
         self.free_reason = "other"
         self.cached_free = 0                               # free blocks that still hold a prefix-cache hash
         self.self_check = os.environ.get("KVTRACE_CAPTURE_SELF_CHECK") == "1"
@@ -203,7 +219,18 @@ class _Capture:
         def get_new_blocks_(num_blocks):
             blocks = get_new_blocks(num_blocks)
             if blocks:
-                cap.events.append(("alloc", cap.current, [b.block_id for b in blocks], 0, cap.alloc_reason, 0, 0))
+                # why, from the request's state inside allocate_slots (which changes none of it): only a
+                # step that allocates works it out, so a decode step's allocate_slots stays cheap
+                request = cap.current
+                if request is None:
+                    rid, alloc_reason = "", "other"
+                else:
+                    rid = request.request_id
+                    placeholders = request.num_output_placeholders   # async: sampled, not yet delivered
+                    alloc_reason = ("prefill" if request.status in ADMITTING
+                                    or request.num_computed_tokens < request.num_tokens + placeholders - 1
+                                    or not request.num_output_tokens + placeholders else "decode")
+                cap.events.append(("alloc", rid, [b.block_id for b in blocks], 0, alloc_reason, 0, 0))
             return blocks
 
         def free_blocks_(ordered_blocks):
@@ -212,7 +239,9 @@ class _Capture:
             freed = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
             if freed:
                 cap.cached_free += sum(1 for b in freed if b.block_hash is not None)
-                cap.events.append(("free", cap.current, [b.block_id for b in freed], 0, cap.free_reason, 0, 0))
+                request = cap.current
+                cap.events.append(("free", request.request_id if request is not None else "",
+                                   [b.block_id for b in freed], 0, cap.free_reason, 0, 0))
 
         def touch_(blocks):
             for b in blocks:
@@ -228,37 +257,43 @@ class _Capture:
                 cap.events.append(("evict", "", [block.block_id], 0, None, 0, 0))
             return evicted
 
+        # called for every running request every step: as little as can be done here
         def allocate_slots_(request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
                             *args, **kwargs):
-            status = request.status
-            admitting = status in ADMITTING
-            rid = request.request_id
-            cap.current = rid
-            placeholders = request.num_output_placeholders   # async: sampled, not yet delivered
-            cap.alloc_reason = ("prefill" if admitting
-                                or request.num_computed_tokens < request.num_tokens + placeholders - 1
-                                or not request.num_output_tokens + placeholders else "decode")
+            status = request.status   # the scheduler changes it only after allocate_slots
+            if status in ADMITTING:
+                return admit_slots(request, status, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                   args, kwargs)
+            cap.current = request
+            try:
+                result = allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                        *args, **kwargs)
+            finally:
+                cap.current = None
+            if result is None:   # vLLM preempts for it
+                cap.needing = request.request_id
+            return result
+
+        def admit_slots(request, status, num_new_tokens, num_new_computed_tokens, new_computed_blocks, args, kwargs):
+            cap.current = request
             mark = len(cap.events)
             try:
                 result = allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                                         *args, **kwargs)
             finally:
-                cap.current = ""
-            if result is not None and admitting:
+                cap.current = None
+            if result is None:   # vLLM stops admitting
+                cap.admit_failed = True
+            else:
                 cap.admitted(request, status, num_new_computed_tokens, new_computed_blocks, mark)
-            elif result is None:   # vLLM preempts for a running request, stops admitting for a waiting one
-                if admitting:
-                    cap.admit_failed = True
-                else:
-                    cap.needing = rid
             return result
 
         def free_(request):
-            cap.current = request.request_id
+            cap.current = request
             try:
                 return free(request)
             finally:
-                cap.current = ""
+                cap.current = None
 
         pool.get_new_blocks = get_new_blocks_
         pool.free_blocks = free_blocks_
@@ -273,6 +308,9 @@ class _Capture:
         st = self.state(rid)
         resumed = status == RequestStatus.PREEMPTED
         reason = "resume-recompute" if resumed else "new"
+        self.watched[rid] = st
+        if st.first_scheduled is None:
+            st.first_scheduled = self.step_start
         rows = [("admit", rid, None, request.num_tokens - num_hit, reason, 0, 0)]
         if num_hit:
             ids = [b for b in hit_blocks.get_block_ids()[0] if b != self.null_id] if hit_blocks is not None else []
@@ -294,19 +332,33 @@ class _Capture:
 
     def _after_schedule(self, out, start: float, end: float) -> None:
         sched = self.scheduler
-        prefill = decode = recompute = 0
+        scheduled = out.num_scheduled_tokens
+        num_scheduled = sum(scheduled.values())
+        prefill = recompute = 0
         requests = sched.requests
         is_async = self.is_async
-        for rid, n in out.num_scheduled_tokens.items():
+        watched = self.watched
+        for new in out.scheduled_new_reqs:   # one admitted other than from WAITING / PREEMPTED (a KV connector's)
+            if new.req_id not in watched:
+                st = watched[new.req_id] = self.state(new.req_id)
+                if st.first_scheduled is None:
+                    st.first_scheduled = start
+        # Only the watched requests are looked at one by one. Every other scheduled request decodes:
+        # it has computed every position it ever had (`ever` is its begin, so nothing is recomputed)
+        # and its tokens are the step's decode tokens, num_scheduled less the watched ones' prefill.
+        done, reprefilled = [], []
+        for rid, st in watched.items():
+            n = scheduled.get(rid)
+            if not n:
+                continue
             req = requests[rid]
-            st = self.states.get(rid) or self.state(rid)
             stop = req.num_computed_tokens
             begin = stop - n
             # async: tokens sampled but not delivered count as known, less the one this step will sample
             extra = req.num_output_placeholders - (is_async and not req.is_prefill_chunk)
-            if begin >= req.num_tokens + extra - 1 and req.num_output_tokens + extra:  # a prompt's last token is prefill
-                decode += n
-            else:
+            # a prompt's last token is prefill
+            decoding = begin >= req.num_tokens + extra - 1 and req.num_output_tokens + extra
+            if not decoding:
                 prefill += n
             again = min(stop, st.ever) - begin
             if again > 0:
@@ -319,26 +371,32 @@ class _Capture:
             if st.reprefill_target:
                 st.reprefill_recomputed += again
                 if stop >= st.reprefill_target:
-                    self.events.append(("reprefill", rid, None, st.reprefill_target, None, st.reprefill_cached,
+                    reprefilled.append(("reprefill", rid, None, st.reprefill_target, None, st.reprefill_cached,
                                         st.reprefill_recomputed))
                     st.reprefill_target = 0
-            if st.first_scheduled is None:
-                st.first_scheduled = start
+            if decoding and not st.reprefill_target and stop >= st.ever:
+                done.append(rid)   # from now on a decoding request like the others, until a preemption
+        for rid in done:
+            del watched[rid]
+        if len(reprefilled) > 1:   # in the order the scheduler scheduled them
+            order = {rid: i for i, rid in enumerate(scheduled)}
+            reprefilled.sort(key=lambda event: order[event[1]])
+        self.events += reprefilled
         free = self.pool.get_num_free_blocks()
         used = self.total_blocks - free
         bs = self.block_size
-        gaps = 0
-        for req in sched.running:
-            filled = req.num_computed_tokens % bs
-            if filled:
-                gaps += bs - filled
-        row = (self.step, start, end, len(sched.running), len(sched.waiting), prefill, decode, recompute,
-               self.step_preemptions, free, used, self.cached_free, used * bs - gaps, self.admission_stop(out))
+        # the unfilled tail of each running request's last block: bs - filled, 0 for a full one
+        gaps = sum([-computed % bs for computed in map(_num_computed_tokens, sched.running)])
+        row = (self.step, start, end, len(sched.running), len(sched.waiting), prefill, num_scheduled - prefill,
+               recompute, self.step_preemptions, free, used, self.cached_free, used * bs - gaps,
+               self.admission_stop(out, num_scheduled))
         # what this scheduling did belongs to its step, however late its output is processed (async)
-        self.pending[id(out)] = (row, self.events, self.finishing)
+        self.pending[id(out)] = (row, self.events, self.finishing, out)
         self.events, self.finishing = [], []
+        if len(self.pending) > MAX_PENDING:   # outputs a caller never processes: written as they are
+            self.write_unprocessed(self.pending.pop(next(iter(self.pending))))
 
-    def admission_stop(self, out) -> str:
+    def admission_stop(self, out, num_scheduled: int) -> str:
         """Why vLLM admitted no further waiting request this step, from what the step left behind
         (docs/trace-format.md): vLLM does not say, so the checks follow its waiting loop's order."""
         sched = self.scheduler
@@ -348,7 +406,7 @@ class _Capture:
             return "preemption"                    # the waiting loop runs only without preemptions
         if len(sched.running) >= self.max_seats:
             return "seats"
-        if sum(out.num_scheduled_tokens.values()) >= self.max_step_tokens:
+        if num_scheduled >= self.max_step_tokens:
             return "budget"
         if self.admit_failed:
             return "blocks"                        # allocate_slots refused a waiting request
@@ -358,6 +416,8 @@ class _Capture:
         rid = request.request_id
         st = self.state(rid)
         blocks = [b for b in self.kvm.get_block_ids(rid)[0] if b != self.null_id]
+        # watched again from its resume: what it recomputes is counted against the most it had
+        st.ever = max(st.ever, request.num_computed_tokens)
         if st.reprefill_target:   # cut short while re-prefilling: what it did redo, before the preemption
             self.events.append(("reprefill", rid, None, st.reprefill_target, "interrupted", st.reprefill_cached,
                                 st.reprefill_recomputed))
@@ -376,28 +436,24 @@ class _Capture:
 
     def _after_update(self, out, outputs, start: float) -> None:
         now = time.monotonic()
-        row, events, finishing = self.pending.pop(id(out), (None, [], []))
+        key = id(out)
+        if key in self.pending and next(iter(self.pending)) != key:
+            # outputs are processed in the order they were scheduled (vLLM's batch queue): one scheduled
+            # before this and still waiting never will be (a caller that skips empty steps); written now
+            update = self.events, self.finishing
+            self.events, self.finishing = [], []
+            for older in list(self.pending):
+                if older == key:
+                    break
+                self.write_unprocessed(self.pending.pop(older))
+            self.events, self.finishing = update
+        row, events, finishing, _ = self.pending.pop(key, (None, [], [], None))
         step = row[0] if row is not None else self.step
         self.events[:0] = events
         self.finishing[:0] = finishing
-        t = self.sink.columns["tokens"]
-        states = self.states
         for engine_outputs in outputs.values():
-            for o in engine_outputs.outputs:
-                ids = o.new_token_ids
-                if not ids:
-                    continue
-                st = states.get(o.request_id) or self.state(o.request_id)
-                if st.first_token is None:
-                    st.first_token = now
-                k = len(ids)
-                t["req_id"].extend([o.request_id] * k)
-                t["sample"].extend([0] * k)
-                t["idx"].extend(range(st.emitted, st.emitted + k))
-                t["token_id"].extend(ids if self.token_ids else [None] * k)
-                t["step"].extend([step] * k)
-                t["ts_s"].extend([now] * k)
-                st.emitted += k
+            if engine_outputs.outputs:
+                self.write_tokens(engine_outputs.outputs, step, now)
         self.finish_pending(now, step)
         if row is not None:
             self.write_step(row, now, (start - row[2]) * 1e3)
@@ -408,6 +464,45 @@ class _Capture:
             self.sink.maybe_flush(now)
         else:   # idle until the next request: keep nothing back
             self.sink.flush()
+
+    def write_tokens(self, outs: list, step: int, now: float) -> None:
+        """The tokens rows of one step's outputs (vLLM's EngineCoreOutput, one per request)."""
+        t = self.sink.columns["tokens"]
+        emitted = self.emitted
+        req_ids = [o.request_id for o in outs]
+        new_token_ids = [o.new_token_ids for o in outs]
+        m = len(req_ids)
+        if list(map(len, new_token_ids)).count(1) == m:
+            # a decode step, one token each: in bulk, no Python per request but the two lists above
+            idx = list(map(emitted.get, req_ids, repeat(0)))
+            emitted.update(zip(req_ids, map((1).__add__, idx)))
+            if 0 in idx:
+                for rid, i in zip(req_ids, idx):
+                    if i == 0:
+                        st = self.state(rid)
+                        if st.first_token is None:
+                            st.first_token = now
+            t["req_id"].extend(req_ids)
+            t["idx"].extend(idx)
+            t["token_id"].extend(chain.from_iterable(new_token_ids) if self.token_ids else repeat(None, m))
+        else:
+            m = 0
+            for rid, ids in zip(req_ids, new_token_ids):
+                if not ids:
+                    continue
+                st = self.state(rid)
+                if st.first_token is None:
+                    st.first_token = now
+                k = len(ids)
+                first = emitted.get(rid, 0)
+                emitted[rid] = first + k
+                t["req_id"].extend([rid] * k)
+                t["idx"].extend(range(first, first + k))
+                t["token_id"].extend(ids if self.token_ids else [None] * k)
+                m += k
+        t["sample"].extend(repeat(0, m))
+        t["step"].extend(repeat(step, m))
+        t["ts_s"].extend(repeat(now, m))
 
     def write_step(self, row: tuple, end: float, device_ms: float | None) -> None:
         s = self.sink.columns["steps"]
@@ -442,40 +537,51 @@ class _Capture:
                                 ("prefix_hit_tokens", st.prefix_hits)):
                 q[name].append(value)
             self.states.pop(rid, None)
+            self.watched.pop(rid, None)
+            self.emitted.pop(rid, None)
         self.finishing = []
 
     def flush_events(self, step: int, now: float) -> None:
-        if not self.events:
+        events = self.events
+        if not events:
             return
         k = self.sink.columns["kv_events"]
-        for kind, rid, blocks, num_tokens, reason, cached, recomputed, *cause in self.events:
-            k["seq"].append(self.seq)
-            self.seq += 1
-            k["step"].append(step)
-            k["ts_s"].append(now)
-            k["kind"].append(kind)
-            k["req_id"].append(rid)
-            k["sample"].append(0)
-            k["blocks"].append(blocks)
-            k["num_blocks"].append(len(blocks) if blocks else 0)
-            k["num_tokens"].append(num_tokens)
-            k["bytes"].append(0)
-            k["duration_ms"].append(None)
-            k["reason"].append(reason)
-            k["num_cached_tokens"].append(cached)
-            k["num_recomputed_tokens"].append(recomputed)
-            k["src_blocks"].append(None)
-            requester, victim_reason = cause or (None, None)
-            k["requester_req_id"].append(requester)
-            k["requester_sample"].append(0 if requester else None)
-            k["victim_reason"].append(victim_reason)
+        m = len(events)
+        # the events' fields as columns (a preemption's two more, its cause, are taken apart below)
+        kinds, req_ids, blocks, num_tokens, reasons, cached, recomputed = list(zip(*events))[:7]
+        k["seq"].extend(range(self.seq, self.seq + m))
+        self.seq += m
+        k["step"].extend(repeat(step, m))
+        k["ts_s"].extend(repeat(now, m))
+        k["kind"].extend(kinds)
+        k["req_id"].extend(req_ids)
+        k["sample"].extend(repeat(0, m))
+        k["blocks"].extend(blocks)
+        k["num_blocks"].extend([len(b) if b else 0 for b in blocks])
+        k["num_tokens"].extend(num_tokens)
+        k["bytes"].extend(repeat(0, m))
+        k["duration_ms"].extend(repeat(None, m))
+        k["reason"].extend(reasons)
+        k["num_cached_tokens"].extend(cached)
+        k["num_recomputed_tokens"].extend(recomputed)
+        k["src_blocks"].extend(repeat(None, m))
+        if "preempt" in kinds:
+            causes = [e[7:] or (None, None) for e in events]
+            requesters = [requester for requester, _ in causes]
+            k["requester_req_id"].extend(requesters)
+            k["requester_sample"].extend([0 if r else None for r in requesters])
+            k["victim_reason"].extend([victim_reason for _, victim_reason in causes])
+        else:
+            k["requester_req_id"].extend(repeat(None, m))
+            k["requester_sample"].extend(repeat(None, m))
+            k["victim_reason"].extend(repeat(None, m))
         if self.self_check:
             self._replay(self.events)
         self.events = []
 
     # ---- self-check: the pool state the events describe against the pool's own -------------------------
-    def _replay(self, events: list[tuple]) -> None:
-        held = self.held
+    def _replay(self, events: list[tuple], held: dict[str, set[int]] | None = None) -> None:
+        held = self.held if held is None else held
         for kind, rid, blocks, *_ in events:
             if kind in ("alloc", "prefix_hit") and rid:
                 held.setdefault(rid, set()).update(blocks)
@@ -486,7 +592,12 @@ class _Capture:
         self.num_checked_steps += 1
         problems = []
         in_use: set[int] = set()
-        for rid, blocks in self.held.items():
+        held = self.held
+        if self.pending:   # async: the next step is scheduled before this one's output; its events wait
+            held = {rid: set(blocks) for rid, blocks in held.items()}
+            for _, events, _, _ in self.pending.values():
+                self._replay(events, held)
+        for rid, blocks in held.items():
             own = {b for b in self.kvm.get_block_ids(rid)[0] if b != self.null_id}
             if own != blocks:
                 problems.append(f"step {step}: {rid} holds {sorted(own)} but the events say {sorted(blocks)}")
@@ -501,18 +612,23 @@ class _Capture:
             self.num_check_errors += len(problems)
             self.check_errors.extend(problems[: max(0, 20 - len(self.check_errors))])
 
+    def write_unprocessed(self, entry: tuple) -> None:
+        """A step whose output was never processed: its row and what its scheduling did, without tokens."""
+        row, events, finishing, _ = entry
+        self.events[:0] = events
+        self.finishing[:0] = finishing
+        self.finish_pending(row[2], row[0])
+        self.write_step(row, row[2], None)
+        self.flush_events(row[0], row[2])
+
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         # async: the last step's output is never processed (the engine stops once every request has
         # finished); its row and what its scheduling did are written as they are, without tokens
-        for row, events, finishing in self.pending.values():
-            self.events[:0] = events
-            self.finishing[:0] = finishing
-            self.finish_pending(row[2], row[0])
-            self.write_step(row, row[2], None)
-            self.flush_events(row[0], row[2])
+        for entry in self.pending.values():
+            self.write_unprocessed(entry)
         self.pending.clear()
         self.finish_pending(time.monotonic(), self.step)
         self.flush_events(self.step, time.monotonic())
@@ -554,7 +670,7 @@ class _CaptureMixin:
         cap = self._kvtrace
         if cap is None:
             return super().schedule(*args, **kwargs)
-        start = time.monotonic()
+        start = cap.step_start = time.monotonic()
         cap.step += 1
         cap.step_preemptions = 0
         cap.needing, cap.admit_failed = "", False

@@ -1,0 +1,108 @@
+"""Suite `vllm-capture-cost`: what the capture adds to each step of vLLM's real scheduler (issue 29's goal: ≤ 1 ms at 1,024 running, growing no faster than the running count).
+
+No model: vLLM's own `Scheduler` and kvtrace's capture class (`KvtraceCaptureScheduler`, no
+self-check) are built in a vLLM venv as vLLM's scheduler unit tests build them, side by side in one
+process, each with the same `N` running requests (distinct prompts, a long max_tokens, a pool that
+holds them all); their decode steps (schedule, a placeholder model output, update_from_output)
+alternate plain, captured, plain, ... (benchmarks/vllm_capture_cost_driver.py). Reported per N: the
+median step time of each, the difference (what the capture adds, its block-pool wrappers included),
+the capture's own hook time per step, and the bytes its chunks take per step; and the bytes per
+hour at a stated load (`--rate` requests/s of `--output-tokens` tokens each, from the bytes per
+generated token at full batches, steps' and KV events' rows included), so that
+KVTRACE_CAPTURE_MAX_BYTES can be chosen.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+from pathlib import Path
+
+from benchmarks.results import Section, markdown_table
+
+DRIVER = Path(__file__).with_name("vllm_capture_cost_driver.py")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vllm-python", default=os.environ.get("KVTRACE_VLLM_PYTHON"),
+                        help="Python of a vLLM venv (default: $KVTRACE_VLLM_PYTHON)")
+    parser.add_argument("--sizes", default="64,256,1024,4096", help="running requests, comma-separated")
+    parser.add_argument("--steps", type=int, default=60, help="timed decode steps per scheduler")
+    parser.add_argument("--warmup", type=int, default=10, help="decode steps before timing")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every size, interleaved (64, 256, ..., 64, 256, ...); medians over them")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--rate", type=float, default=10.0, help="requests/s for the bytes-per-hour figure")
+    parser.add_argument("--output-tokens", type=int, default=256, help="output tokens per request, ditto")
+    parser.add_argument("--no-write", action="store_true", help="print the report only (RESULTS.md untouched)")
+
+
+def measure(python: str, running: int, args: argparse.Namespace) -> dict:
+    from kvtrace.vllm.record import capture_path, model_folder
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(capture_path())
+    opts = {"running": running, "steps": args.steps, "warmup": args.warmup, "prompt": args.prompt,
+            "block_size": args.block_size}
+    proc = subprocess.run([python, str(DRIVER), str(model_folder("smollm2-135m")), json.dumps(opts)], env=env,
+                          capture_output=True, text=True, timeout=3600)
+    if proc.returncode or not proc.stdout.strip():
+        raise SystemExit(f"vllm-capture-cost: the driver failed at {running} running:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(args: argparse.Namespace) -> None:
+    if not args.vllm_python:
+        raise SystemExit("vllm-capture-cost: give --vllm-python (the Python of a vLLM venv; scripts/vllm_env.sh)")
+    section = Section("vllm-capture-cost")   # now: its commit and load are those of the start
+    sizes = [int(s) for s in args.sizes.split(",")]
+    # per size, one dict per run: plain and captured medians, what the capture added, its hooks and bytes per step
+    runs: dict[int, list[dict]] = {n: [] for n in sizes}
+    version = "?"
+    for _ in range(max(1, args.repeats)):   # interleaved: a load that changes meets every size alike
+        for n in sizes:
+            m = measure(args.vllm_python, n, args)
+            version = m["vllm_version"]
+            if m["running"] != {"plain": n, "captured": n}:
+                raise SystemExit(f"vllm-capture-cost: not all {n} requests ran: {m['running']}")
+            plain, captured = statistics.median(m["times"]["plain"]), statistics.median(m["times"]["captured"])
+            steps = len(m["times"]["captured"])
+            runs[n].append({"plain": plain, "captured": captured, "added": captured - plain,
+                            "hooks": m["hook_s"] / steps, "bytes": m["bytes"] / steps})
+    rows, added, per_token_bytes = [], {}, []
+    for n in sizes:
+        med = {key: statistics.median(run[key] for run in runs[n]) for key in runs[n][0]}
+        added[n] = med["added"]
+        per_token_bytes.append(med["bytes"] / n)
+        spread = (f" ({min(r['added'] for r in runs[n]) * 1e3:+.3f} to {max(r['added'] for r in runs[n]) * 1e3:+.3f})"
+                  if len(runs[n]) > 1 else "")
+        rows.append([f"{n:,}", f"{med['plain'] * 1e3:.3f}", f"{med['captured'] * 1e3:.3f}",
+                     f"{added[n] * 1e3:+.3f}{spread}", f"{added[n] / n * 1e6:+.2f}", f"{med['hooks'] * 1e3:.3f}",
+                     f"{med['bytes']:,.0f}"])
+    repeats = len(runs[sizes[0]])
+    section.add(f"vLLM {version}'s Scheduler without a model, decode steps of N running requests ({args.prompt}-token "
+                f"prompts, block size {args.block_size}, every request running), plain and captured alternating, "
+                f"{args.steps} timed steps each after {args.warmup}; medians of per-step time"
+                + (f", then the median of {repeats} interleaved runs (added: its range over them)." if repeats > 1
+                   else "."))
+    section.add(markdown_table(["running", "plain ms/step", "captured ms/step", "added ms/step",
+                                "added µs per running", "capture hooks ms/step", "bytes/step"], rows))
+    bytes_per_token = statistics.median(per_token_bytes)
+    per_hour = 3600 * args.rate * args.output_tokens * bytes_per_token
+    section.add(f"The capture writes about {bytes_per_token:.1f} bytes per generated token (median over the sizes; "
+                f"token, step and KV-event rows, pickled): at {args.rate:g} requests/s of {args.output_tokens} "
+                f"output tokens that is **{per_hour / 1e9:.2f} GB per hour** ({per_hour * 24 / 1e9:.1f} GB a day).")
+    target = 1024 if 1024 in added else sizes[-1]
+    linear = added[sizes[-1]] / sizes[-1] <= 1.5 * max(added[sizes[0]] / sizes[0], 1e-7)
+    others = ", ".join(f"{added[n] * 1e3:+.3f} ms at {n:,}" for n in sizes if n != target)
+    headline = (f"the capture adds {added[target] * 1e3:+.3f} ms per step at {target:,} running"
+                f"{f' ({others})' if others else ''}; "
+                f"goal ≤ 1 ms at 1,024 and no faster than the running count: "
+                f"{('met' if added[target] <= 1e-3 and linear else 'missed') if target == 1024 else 'not measured'}")
+    if args.no_write:
+        print(headline)
+    else:
+        section.write(headline)

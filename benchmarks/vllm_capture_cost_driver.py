@@ -1,0 +1,94 @@
+"""The vLLM side of `python -m benchmarks vllm-capture-cost`: runs in a vLLM venv (standard library,
+vLLM and, on PYTHONPATH, kvtrace's capture package), one size per process.
+
+    python vllm_capture_cost_driver.py MODEL_FOLDER '{"running": 1024, "steps": 60, ...}'
+
+Builds vLLM's own scheduler and kvtrace's capture class the way the scheduler differential's driver
+does (tests/vllm_sched/vllm_driver.py's `build`: vLLM's unit tests' configs, no model), gives each
+the same `running` requests (prompt tokens, a long max_tokens, a pool that holds them all), steps
+both until every request runs, then times `warmup + steps` decode steps (schedule, the placeholder
+model output, update_from_output) alternating plain, captured, plain, ... Prints one JSON line:
+per-step seconds of each, the capture's hook time and the bytes its chunks took over the timed steps.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# not this folder (Python puts a script's folder first): its kernels.py would shadow the `kernels`
+# package transformers looks for; the differential's driver builds the scheduler as vLLM's unit
+# tests do, reused, not copied
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE.parent / "tests" / "vllm_sched"))
+
+
+def main() -> int:
+    model, opts = sys.argv[1], json.loads(sys.argv[2])
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    import vllm_driver
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.utils.hashing import sha256
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    n, prompt, steps, warmup, bs = opts["running"], opts["prompt"], opts["steps"], opts["warmup"], opts["block_size"]
+    max_tokens = warmup + steps + 16
+    per_request = -(-(prompt + max_tokens) // bs)
+    cfg = {"block_size": bs, "num_blocks": n * per_request + 16, "max_num_seqs": n,
+           "max_num_batched_tokens": max(n * prompt, 2048), "max_model_len": prompt + max_tokens + 1,
+           "long_prefill_token_threshold": 0, "policy": "fcfs", "async": False, "enable_prefix_caching": True}
+    folder = tempfile.mkdtemp(prefix="kvtrace-capture-cost-")
+    os.environ["KVTRACE_CAPTURE_DIR"] = folder
+    os.environ.pop("KVTRACE_CAPTURE_SELF_CHECK", None)
+    schedulers = {}
+    for name in ("plain", "captured"):
+        vllm_driver.CAPTURE = name == "captured"
+        sched = schedulers[name] = vllm_driver.build(model, cfg)
+        hasher = get_request_block_hasher(bs, sha256)
+        for i in range(n):   # distinct prompts: no prefix sharing between requests
+            tokens = [(i * 7919 + j * 104729) % 49000 + 17 for j in range(prompt)]
+            sched.add_request(Request(request_id=f"r{i}", prompt_token_ids=tokens,
+                                      sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                      pooling_params=None, arrival_time=time.time(), block_hasher=hasher))
+    times = {name: [] for name in schedulers}
+
+    def step(sched) -> float:
+        start = time.perf_counter()
+        so = sched.schedule()
+        sched.update_from_output(so, vllm_driver.output_for(sched, so))
+        return time.perf_counter() - start
+
+    for sched in schedulers.values():   # every request admitted and past its prefill
+        while len(sched.running) < n or any(r.num_output_tokens == 0 for r in sched.running):
+            step(sched)
+    cap = schedulers["captured"]._kvtrace
+    for i in range(warmup + steps):
+        if i == warmup:
+            cap.sink.flush()   # the sink's count of bytes written (retention, 4 GiB, is far off here)
+            bytes_before, hook_before = cap.sink.num_bytes, cap.hook_s
+        order = ("plain", "captured") if i % 2 == 0 else ("captured", "plain")
+        for name in order:
+            t = step(schedulers[name])
+            if i >= warmup:
+                times[name].append(t)
+    cap.sink.flush()
+    running = {name: len(s.running) for name, s in schedulers.items()}
+    out.write(json.dumps({"running": running, "times": times, "hook_s": cap.hook_s - hook_before,
+                          "bytes": cap.sink.num_bytes - bytes_before,
+                          "vllm_version": __import__("vllm").__version__}) + "\n")
+    for sched in schedulers.values():
+        sched.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

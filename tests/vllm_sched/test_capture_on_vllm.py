@@ -1,0 +1,185 @@
+"""kvtrace's capture on vLLM's own scheduler classes: the events it writes are vLLM's decisions.
+
+The differential's driver (tests/vllm_sched/vllm_driver.py --capture) builds kvtrace's
+`KvtraceCaptureScheduler` (which becomes the capture's subclass of vLLM's `Scheduler` or
+`AsyncScheduler`) in each vLLM venv the differential gets (KVTRACE_VLLM_PYTHON, the 0.32.0 CPU build,
+and KVTRACE_VLLM_SCHED_PYTHONS, e.g. scripts/vllm_sched_env.sh's 0.33.0), with
+KVTRACE_CAPTURE_SELF_CHECK=1, steps generated workloads with placeholder model outputs, and records
+vLLM's own decisions every step. Checked here, on kvtrace's side, for every workload:
+- the capture's self-check (the pool replayed from its events against the pool's own) found nothing,
+  and its writer had no error;
+- one steps row per `schedule()`: free and cached blocks and the preemption count are vLLM's;
+- per step, the admissions (new or resumed, prefix-hit tokens, every block given) and their order,
+  the victims in order, the new blocks of running requests and the requests freed are vLLM's;
+- block accounting balances: a block allocated is held by no request, a freed block was the
+  request's, nothing is held at the end, the pool is whole again, and every request has its row.
+
+KVTRACE_CAPTURE_WORKLOADS sets the workloads per scheduler class and version (default 30). The last
+test runs `python -m benchmarks vllm-capture-cost` at 8 requests, on the last vLLM Python given.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from tests.helpers.vllm_runs import VLLM_MARKS
+from tests.vllm_sched.differential import VllmScheduler
+from tests.vllm_sched.test_sched_differential import PYTHONS, venv_name
+from tests.vllm_sched.workloads import workloads
+
+pytestmark = VLLM_MARKS
+
+NUM_WORKLOADS = int(os.environ.get("KVTRACE_CAPTURE_WORKLOADS", "30"))
+
+
+@pytest.fixture(scope="module", params=PYTHONS or ["none"], ids=venv_name)
+def vllm(request):
+    from kvtrace.vllm.record import model_folder
+
+    scheduler = VllmScheduler(request.param, str(model_folder("smollm2-135m")), capture=True)
+    yield scheduler
+    scheduler.close()
+
+
+def capture_differences(workload: dict, records: list[dict], answer: dict) -> list[str]:
+    """What the capture of one workload says otherwise than vLLM's own records (empty: nothing)."""
+    from kvtrace.vllm.importer import read_chunks
+
+    folder = Path(answer["capture"])
+    problems: list[str] = []
+    done = json.loads((folder / "done.json").read_text())
+    if done["self_check_errors"] or done["writer_error"]:
+        problems.append(f"self-check: {done['self_check_errors']} errors {done['self_check_examples'][:3]}, "
+                        f"writer {done['writer_error']}")
+    if done["self_check_steps"] == 0:
+        problems.append("the self-check never ran")
+    columns = read_chunks(folder)
+    s = columns["steps"]
+    order = sorted(range(len(s["step"])), key=lambda i: s["step"][i])
+    if [s["step"][i] for i in order] != list(range(len(records))):
+        problems.append(f"steps rows {sorted(s['step'])}, vLLM scheduled {len(records)} times")
+        return problems
+    asynchronous = workload["config"]["async"]
+    events: dict[int, list] = defaultdict(list)
+    k = columns["kv_events"]
+    for i in sorted(range(len(k["seq"])), key=lambda i: k["seq"][i]):
+        events[k["step"][i]].append((k["kind"][i], k["req_id"][i], k["blocks"][i] or [], k["num_tokens"][i],
+                                     k["reason"][i]))
+    held: dict[str, set[int]] = {}
+    released: dict[str, set[int]] = {}   # a victim's blocks, from its preempt event
+    ended: dict[str, set[int]] = {}      # a finished request's blocks
+    for n, i in enumerate(order):
+        rec = records[n]
+        got = {"num_free": s["free_blocks"][i], "num_cached": s["cached_blocks"][i], "preemptions": s["preemptions"][i]}
+        want = {"num_free": rec["num_free"], "num_cached": rec["num_cached"], "preemptions": len(rec["preempted"])}
+        if got != want:
+            problems.append(f"step {n}: steps row {got}, vLLM {want}")
+        step = events.get(n, [])
+        admitted, hits, blocks = [], {}, defaultdict(list)
+        for kind, rid, ids, num, reason in step:
+            if kind == "admit":
+                admitted.append(rid)
+            elif kind == "prefix_hit":
+                hits[rid] = num
+                blocks[rid] += ids
+            elif kind == "alloc":
+                blocks[rid] += ids
+        mine = [[rid, "resumed" if any(e[0] == "admit" and e[1] == rid and e[4] == "resume-recompute"
+                                       for e in step) else "new", hits.get(rid, 0), blocks[rid]] for rid in admitted]
+        theirs = [[a[0], a[1], a[2], a[3]] for a in rec["admitted"]]
+        if mine != theirs:
+            problems.append(f"step {n}: admissions {mine}, vLLM {theirs}")
+        scheduled = {rid for rid, _ in rec["scheduled"]}   # a request can get blocks, then be preempted
+        grown = sorted([rid, ids] for rid, ids in blocks.items() if rid not in admitted and rid in scheduled and ids)
+        if grown != sorted(rec["grown"]):
+            problems.append(f"step {n}: new blocks {grown}, vLLM {sorted(rec['grown'])}")
+        victims = [e[1] for e in step if e[0] == "preempt"]
+        if victims != rec["preempted"]:
+            problems.append(f"step {n}: victims {victims}, vLLM {rec['preempted']}")
+        # async: a step's output is processed (its requests freed) in the driver's next step
+        later = n + 1 if asynchronous else n
+        finished = [e[1] for e in step if e[0] == "finish"]
+        if later < len(records) and finished != records[later]["finished"]:
+            problems.append(f"step {n}: finished {finished}, vLLM {records[later]['finished']}")
+        for kind, rid, ids, _, reason in step:   # the balance
+            if kind == "alloc":
+                taken = [b for b in ids if any(b in h for h in held.values())]
+                if taken:
+                    problems.append(f"step {n}: {rid} allocated {taken}, still held")
+                held.setdefault(rid, set()).update(ids)
+            elif kind == "prefix_hit":
+                held.setdefault(rid, set()).update(ids)
+            elif kind == "free" and reason in ("finish", "preempt"):
+                # a preemption's event comes before the frees it causes, a finish's after its frees
+                own = released.get(rid, set()) if reason == "preempt" else held.get(rid, set())
+                stray = set(ids) - own
+                if stray:
+                    problems.append(f"step {n}: {rid} freed {sorted(stray)}, not its own")
+            elif kind == "preempt":
+                # async: a request whose last token is in flight can be preempted by the next step's
+                # scheduling, which runs before that token's output frees it: its finish, filed under its
+                # own step, then comes first
+                released[rid] = held.pop(rid, None) or ended.pop(rid, set())
+                if set(ids) != released[rid]:
+                    problems.append(f"step {n}: {rid} preempted holding {sorted(ids)}, the events gave it "
+                                    f"{sorted(released[rid])}")
+            elif kind == "finish":
+                ended[rid] = held.pop(rid, set())
+    if any(held.values()):
+        problems.append(f"held at the end: {held}")
+    if answer["final_free"] != workload["config"]["num_blocks"]:
+        problems.append(f"{answer['final_free']} blocks free at the end of {workload['config']['num_blocks']}")
+    samples = {f"{r['id']}:{i}" for r in workload["requests"] for i in range(r.get("n", 1))}
+    if set(columns["requests"]["req_id"]) != samples or len(columns["requests"]["req_id"]) != len(samples):
+        problems.append(f"request rows {sorted(columns['requests']['req_id'])}, vLLM ran {sorted(samples)}")
+    return problems
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_capture_records_what_vllm_decided(vllm, asynchronous):
+    root = Path(tempfile.mkdtemp(prefix="kvtrace-capture-on-vllm-"))
+    counts = {"workloads": 0, "preempting": 0, "hitting": 0}
+
+    @settings(max_examples=NUM_WORKLOADS, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(workloads(asynchronous))
+    def check(workload):
+        folder = root / f"w{counts['workloads']}"
+        counts["workloads"] += 1
+        answer = vllm.answer({**workload, "capture_dir": str(folder)})
+        records = answer["steps"]
+        problems = capture_differences(workload, records, answer)
+        assert not problems, (f"vLLM {vllm.version}, workload:\n{json.dumps(workload)}\n" + "\n".join(problems[:10]))
+        counts["preempting"] += any(r["preempted"] for r in records)
+        counts["hitting"] += any(a[2] for r in records for a in r["admitted"])
+        shutil.rmtree(folder, ignore_errors=True)
+
+    try:
+        check()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"vLLM {vllm.version} {'AsyncScheduler' if asynchronous else 'Scheduler'} captured: {counts}")
+    assert counts["preempting"] and counts["hitting"], counts   # not vacuous
+
+
+def test_the_capture_cost_suite_runs_on_8_requests(capsys):
+    """`python -m benchmarks vllm-capture-cost` at a tiny size (the full suite is for a quiet machine)."""
+    import argparse
+
+    from benchmarks import vllm_capture_cost
+
+    if not PYTHONS:
+        pytest.skip("no vLLM Python")
+    parser = argparse.ArgumentParser()
+    vllm_capture_cost.add_arguments(parser)
+    vllm_capture_cost.run(parser.parse_args(["--vllm-python", PYTHONS[-1], "--sizes", "8", "--steps", "4",
+                                             "--warmup", "1", "--no-write"]))
+    out = capsys.readouterr().out
+    assert "| 8 |" in out and "bytes per generated token" in out and "ms per step at 8 running" in out, out
