@@ -409,11 +409,15 @@ class LLMEngine:
         for seq, num_new in zip(out.seqs, out.num_new_tokens):
             start = seq.num_computed_tokens
             end = start + num_new
-            recomputed = max(0, min(end, seq.num_ever_computed) - start)
-            num_recompute += recomputed
-            seq.num_recomputed_tokens += recomputed
+            ever = seq.num_ever_computed
+            recomputed = 0
+            if ever > start:   # positions start..min(end, ever) had KV before
+                recomputed = (end if end < ever else ever) - start
+                num_recompute += recomputed
+                seq.num_recomputed_tokens += recomputed
+            if end > ever:
+                seq.num_ever_computed = end
             seq.num_computed_tokens = end
-            seq.num_ever_computed = max(seq.num_ever_computed, end)
             if seq.reprefill_target:
                 seq.reprefill_recomputed += recomputed
                 if end >= seq.reprefill_target:
@@ -436,21 +440,24 @@ class LLMEngine:
     def _deliver(self, sampled: list[tuple[Sequence, int]], now: float) -> list[tuple[Sequence, int]]:
         """Process sampled tokens (already the last of their sequences' token_ids): first-token time,
         stop checks. Returns them as emitted."""
-        emitted = []
+        stop_token_ids, max_model_len = self.stop_token_ids, self.max_model_len
         for seq, token in sampled:
             if seq.num_undelivered:
                 seq.num_undelivered -= 1
             seq.protected = False
             if seq.first_token_s is None:
                 seq.first_token_s = now
-            if not seq.params.ignore_eos and token in self.stop_token_ids:
+            # seq.num_tokens and seq.num_output_tokens, inlined: this runs for every token
+            params = seq.params
+            num_tokens = len(seq.token_ids)
+            num_output_tokens = num_tokens - seq.num_prompt_tokens
+            if not params.ignore_eos and token in stop_token_ids:
                 seq.finish_reason = FinishReason.STOP
-            elif seq.num_output_tokens == seq.params.output_tokens:  # where the recorded request stopped
+            elif num_output_tokens == params.output_tokens:  # where the recorded request stopped
                 seq.finish_reason = FinishReason.STOP
-            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
                 seq.finish_reason = FinishReason.LENGTH
-            emitted.append((seq, token))
-        return emitted
+        return list(sampled)
 
     def _unforked_samples(self, parent: Sequence) -> list[Sequence]:
         """The samples a rejected parent never forked, finished like it (a requests row each)."""
@@ -527,13 +534,17 @@ class LLMEngine:
             record.device_ms = t.ms(t.forward)
             swap_out_ms, swap_in_ms = t.ms(t.swap_out), t.ms(t.swap_in)
             for events, total_ms in ((out.swap_out_events, swap_out_ms), (out.swap_in_events, swap_in_ms)):
+                if not events:
+                    continue
                 num_blocks = sum(len(e.blocks) for e in events)
                 for e in events:  # one copy per direction per step: share its time by blocks
                     e.bytes = len(e.blocks) * self.geometry.bytes_per_block
                     e.duration_ms = total_ms * len(e.blocks) / num_blocks if total_ms is not None and num_blocks else None
+            seq = self._event_seq
             for e in record.events:
-                e.seq = self._event_seq
-                self._event_seq += 1
+                e.seq = seq
+                seq += 1
+            self._event_seq = seq
             self.tracer.on_step(record)
 
     def flush(self) -> None:
