@@ -74,7 +74,7 @@ class BlockManager:
 
     def num_kv_positions(self, running: list[Sequence]) -> int:
         """KV positions stored in device blocks, a shared position counted once."""
-        held = sum(seq.num_computed_tokens for seq in running)
+        held = sum([seq.num_computed_tokens for seq in running])   # a list: faster than a generator
         return held - sum((self.blocks[b].ref_count - 1) * fill for b, fill in self.shared_fill.items())
 
     def take_events(self) -> list[KVEvent]:

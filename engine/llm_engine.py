@@ -247,7 +247,9 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ValueError(f"request {req_id}: empty prompt")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        bad = None
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:   # then find the first one
+            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
         if bad is not None:
             raise ValueError(f"request {req_id}: token id {bad} outside the vocabulary (0..{vocab - 1})")
         if (str(req_id), 0) in self.outputs:
@@ -515,7 +517,7 @@ class LLMEngine:
             num_total_blocks=self.block_manager.num_blocks, num_kv_tokens=pool.num_kv_tokens,
             num_preemptions=out.num_preemptions, admission_stop=out.admission_stop, events=kv_events,
             token_req_ids=[s.req_id for s, _ in emitted], token_samples=[s.sample for s, _ in emitted],
-            token_idx=[s.num_output_tokens - 1 for s, _ in emitted],
+            token_idx=[len(s.token_ids) - s.num_prompt_tokens - 1 for s, _ in emitted],   # num_output_tokens - 1
             token_ids=[t for _, t in emitted] if self.runner.emits_token_ids else [None] * len(emitted),
             finished=[self._stats(s, end_s) for s in finished],
         )

@@ -12,6 +12,7 @@ import os
 import queue
 import threading
 import time
+from itertools import repeat
 from operator import attrgetter
 from pathlib import Path
 
@@ -64,6 +65,8 @@ class TraceWriter:
         self._records: dict[str, list] = {name: [] for name in _RECORD_TABLES}
         self._columns = {name: {c: [] for c in schema.names if c != "run_id"}
                          for name, schema in TABLES.items() if name not in _RECORD_TABLES}
+        del self._columns["tokens"]["prev_step"], self._columns["tokens"]["prev_ts_s"]
+        self._prev_tokens: list[tuple[int | None, float | None]] = []   # the tokens' prev_step, prev_ts_s
         self._part = {name: 0 for name in TABLES}
         self._last_flush = time.monotonic()
         self._last_token: dict[tuple[str, int], tuple[int, float]] = {}  # (req_id, sample) -> (step, ts_s)
@@ -93,15 +96,12 @@ class TraceWriter:
             t["token_id"] += r.token_ids if self.record_token_ids else [None] * num_tokens
             t["step"] += [r.step] * num_tokens
             t["ts_s"] += [r.end_s] * num_tokens
-            # each token's predecessor in its sequence, so that an ITL gap is one row (schema 2)
+            # each token's predecessor in its sequence, so that an ITL gap is one row (schema 2); a
+            # sequence emits at most one token a step, so a step's lookups and updates do not overlap
             last = self._last_token
-            this = (r.step, r.end_s)
-            prev_step, prev_ts_s = t["prev_step"], t["prev_ts_s"]
-            for key in zip(r.token_req_ids, r.token_samples):
-                step, ts_s = last.get(key, _NO_TOKEN)
-                prev_step.append(step)
-                prev_ts_s.append(ts_s)
-                last[key] = this
+            keys = list(zip(r.token_req_ids, r.token_samples))
+            self._prev_tokens += map(last.get, keys, repeat(_NO_TOKEN, num_tokens))
+            last.update(dict.fromkeys(keys, (r.step, r.end_s)))
         for stats in r.finished:
             self._last_token.pop((stats.req_id, stats.sample), None)
         self._records["requests"] += r.finished
@@ -134,6 +134,9 @@ class TraceWriter:
                     if not next(iter(buffer.values())):
                         continue
                     self._columns[name] = {c: [] for c in buffer}
+                    if name == "tokens":
+                        buffer = {**buffer, "prev": self._prev_tokens}
+                        self._prev_tokens = []
                 self._queue.put((name, self._part[name], buffer))
                 self._part[name] += 1
         if self._error is not None:
@@ -162,6 +165,10 @@ class TraceWriter:
     def _write_chunk(self, name: str, part: int, buffer: dict[str, list] | list) -> None:
         schema = TABLES[name]
         columns = _records_as_columns(name, buffer) if name in _RECORD_TABLES else buffer
+        if name == "tokens":
+            prev = columns.pop("prev")
+            columns["prev_step"] = [step for step, _ in prev]
+            columns["prev_ts_s"] = [ts_s for _, ts_s in prev]
         num_rows = len(next(iter(columns.values())))
         arrays = [pa.array([self.run_id] * num_rows, pa.string()) if f.name == "run_id"
                   else pa.array(columns[f.name], f.type) for f in schema]
