@@ -8,6 +8,9 @@ command: start-up, replay and closing the trace):
   keeping no KV trace.
 - paged-kv: the 4,000-request backlog of paged-kv-memory.txt (scripts/paged_kv_workload.py), paged
   with 16-token blocks, 1,024 sequences at most: the scale test of docs/simulation.md.
+- an hour: 72,000 requests of the ShareGPT-like shape at 20 req/s (issue 32's hour of production
+  traffic), on simulated Llama-3-8B / H100 with the same limits; `--hour-repeats` runs (1 by default:
+  it takes minutes), `--skip-hour` leaves it out.
 Steps/s and sequence-steps/s (running sequences summed over steps) are measured per replay.
 """
 from __future__ import annotations
@@ -34,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--rate", type=float, default=2.5)
     parser.add_argument("--skip-paged-kv", action="store_true")
+    parser.add_argument("--skip-hour", action="store_true", help="Leave out the 72,000-request hour.")
+    parser.add_argument("--hour-repeats", type=int, default=1, help="Runs of the hour (default 1).")
 
 
 def kvtrace(*args: str) -> tuple[float, float]:
@@ -54,7 +59,13 @@ SCENARIOS = {
         "--model", "llama-3-8b", "--engine", "sim", "--hardware", "a100-80gb", "--num-gpu-blocks", "24795",
         "--block-size", "16", "--max-num-seqs", "1024", "--max-model-len", "8192", "--max-num-batched-tokens",
         "10000000", "--watermark", "0", "--no-enable-prefix-caching", "--backlog"],
+    "an hour at 20 req/s, Llama-3-8B / H100": [
+        "--model", "llama-3-8b", "--engine", "sim", "--hardware", "h100-sxm", "--gpu-memory-utilization", "0.9",
+        "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"],
 }
+HOUR = "an hour at 20 req/s, Llama-3-8B / H100"
+SHAREGPT_SHAPE = ["--prompt-median", "250", "--prompt-sigma", "1.0", "--output-median", "200", "--output-sigma", "0.9",
+                  "--output-cap", "2048", "--max-model-len", "8192", "--seed", "7"]
 
 
 def run(args: argparse.Namespace) -> None:
@@ -64,20 +75,22 @@ def run(args: argparse.Namespace) -> None:
         workloads = {
             "ShareGPT-like, Llama-3-8B / A100": tmp_path / "sharegpt-like.jsonl",
             "paged-kv 4,000 backlog, paged 16": tmp_path / "paged-kv.jsonl",
+            HOUR: tmp_path / "hour.jsonl",
         }
         kvtrace("workload", "synth", "--num-requests", str(args.num_requests), "--rate", str(args.rate),
-                "--prompt-median", "250", "--prompt-sigma", "1.0", "--output-median", "200", "--output-sigma", "0.9",
-                "--output-cap", "2048", "--max-model-len", "8192", "--seed", "7",
-                "-o", str(workloads["ShareGPT-like, Llama-3-8B / A100"]))
+                *SHAREGPT_SHAPE, "-o", str(workloads["ShareGPT-like, Llama-3-8B / A100"]))
+        if not args.skip_hour:
+            kvtrace("workload", "synth", "--num-requests", "72000", "--rate", "20", *SHAREGPT_SHAPE,
+                    "-o", str(workloads[HOUR]))
         subprocess.run([sys.executable, str(ROOT / "scripts" / "paged_kv_workload.py"), "-o",
                         str(workloads["paged-kv 4,000 backlog, paged 16"])], check=True)
         rows = []
         medians: dict[str, float] = {}
         for name, options in SCENARIOS.items():
-            if args.skip_paged_kv and name.startswith("paged-kv"):
+            if (args.skip_paged_kv and name.startswith("paged-kv")) or (args.skip_hour and name == HOUR):
                 continue
             walls, cpus = [], []
-            for i in range(args.repeats):
+            for i in range(args.hour_repeats if name == HOUR else args.repeats):
                 out = tmp_path / f"{len(rows)}-{i}"
                 wall, cpu = kvtrace("record", "-q", "-w", str(workloads[name]), "-o", str(out), *options)
                 walls.append(wall)
@@ -95,7 +108,7 @@ def run(args: argparse.Namespace) -> None:
             if name.startswith("ShareGPT"):
                 vs_vidur = (wall / VIDUR_WALL_S, median(cpus) / VIDUR_WALL_S)
     section.add("Wall time of `kvtrace record --engine sim` (start-up, replay, trace closed), "
-                f"{args.repeats} runs each, and the CPU time (user + system) it used, which a busy machine "
+                f"{args.repeats} runs each ({args.hour_repeats} of the hour), and the CPU time (user + system) it used, which a busy machine "
                 "inflates less; steps/s and sequence-steps/s over the median wall time / over the median CPU time.")
     section.add(markdown_table(["scenario", "requests", "simulated s", "steps", "trace rows", "each wall s",
                                 "median wall s", "median CPU s", "steps/s (wall / CPU)",

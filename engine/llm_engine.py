@@ -3,25 +3,25 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine import events as ev
 from engine.block_manager import BlockManager
-from engine.config import DTYPES as config_dtypes
 from engine.config import (SWAP_SPACE_DEFAULT, EngineConfig, KVReserve, ModelConfig, NMode, PreemptionMode,
                            device_defaults, resolve_batch_limits)
 from engine.events import FinishReason, KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
 from engine.executor import Executor, StepResult
 from engine.executor.cost_model import CostModel, load_profile, weight_params
-from engine.executor.model_runner import ModelRunner, resolve_device, swap_staging_reserve
 from engine.executor.sim_executor import SimExecutor
-from engine.model.llama import LlamaModel
-from engine.model.loader import checkpoint_dtype, load_config, load_weights
+from engine.model.loader import checkpoint_dtype, load_config
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
 
-DTYPES = {name: getattr(torch, name) for name in config_dtypes}  # the names EngineConfig accepts
+if TYPE_CHECKING:
+    import torch
+
+# The simulated engine runs no model: torch and the model's modules are imported only by the real one.
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}   # the dtypes EngineConfig accepts
 DEFAULT_KV_CACHE_MEMORY = 1 << 30   # 1 GiB when neither --num-gpu-blocks nor --kv-cache-memory is given
 MAX_STEPS_WITHOUT_PROGRESS = 10_000
 NON_TORCH_RESERVE = 1 << 30         # --gpu-memory-utilization: CUDA context, graphs, workspaces (an estimate)
@@ -70,7 +70,7 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
     pool's size."""
     cuda = config.engine == "real" and device_type == "cuda"
     dtype = device_defaults(config, device_type).dtype   # a config not resolved by LLMEngine: its auto
-    element = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    element = ELEMENT_BYTES[dtype]
     bytes_per_block = model_config.kv_values_per_token * config.block_size * element
     derivation = None
     if config.num_gpu_blocks is not None:
@@ -82,6 +82,8 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
         weights = weight_params(model_config)[1] * element
         activations = (forward_peak if cuda else activation_reserve)(config, model_config, element)
         if cuda and config.preemption_mode == PreemptionMode.SWAP:   # the swaps' staging buffer
+            from engine.executor.model_runner import swap_staging_reserve
+
             activations += swap_staging_reserve(bytes_per_block, model_config.num_layers)
         memory = int(device_memory * util) - weights - activations - NON_TORCH_RESERVE
         num_gpu_blocks = max(max(memory, 0) // bytes_per_block - 1, 0)  # V1's null block is one of them
@@ -146,7 +148,7 @@ class LLMEngine:
         # which executor runs the steps is decided here, once: the loop only calls the Executor protocol
         self.simulated = config.engine == "sim"   # no model: a cost model predicts each step (virtual time)
         if self.simulated:
-            self.device = torch.device("cpu")
+            self._device = None   # the CPU's, made when asked for (`device`): nothing runs on it
             config = self.config = device_defaults(config, "sim")
             self.model_config, self.model_source = (loaded.config, loaded.source) if loaded else load_config(config.model)
             self.cost_model = CostModel(load_profile(config.hardware or "h100-sxm"), self.model_config, config.dtype)
@@ -155,11 +157,16 @@ class LLMEngine:
             device_type = "cpu" if not profile.memory_bytes or "cpu" in profile.name else "cuda"
             device_name = profile.name
         else:
-            self.device = resolve_device(config.device)
-            cuda = self.device.type == "cuda"
+            import torch
+
+            from engine.executor.model_runner import resolve_device
+            from engine.model.loader import load_weights
+
+            self._device = resolve_device(config.device)
+            cuda = self._device.type == "cuda"
             config = self.config = device_defaults(config, self.device.type, checkpoint_dtype(config.model),
                                                    bf16_supported=cuda and torch.cuda.is_bf16_supported())
-            dtype = DTYPES[config.dtype]
+            dtype = getattr(torch, config.dtype)
             if loaded is None:
                 loaded = load_weights(config.model, config.load_format, dtype=dtype, seed=config.seed)
             self.model_config, self.model_source = loaded.config, loaded.source
@@ -187,6 +194,9 @@ class LLMEngine:
             self.model = None
             self.runner = SimExecutor(self.cost_model, g.bytes_per_block)
         else:
+            from engine.executor.model_runner import ModelRunner
+            from engine.model.llama import LlamaModel
+
             self.model = LlamaModel(mc, loaded.weights, self.device, dtype)
             # block ids run 1..num_gpu_blocks: the KV tensor has a slot for the null block 0 too
             self.runner = ModelRunner(self.model, g.num_gpu_blocks + 1, g.block_size, g.num_cpu_blocks)
@@ -206,6 +216,16 @@ class LLMEngine:
         self.outputs: dict[tuple[str, int], Sequence] = {}
         self.num_finished_seqs = 0
         self.num_preemptions = 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs. The simulated engine runs none and answers the CPU, importing
+        torch only if asked (its replay never asks)."""
+        if self._device is None:
+            import torch
+
+            self._device = torch.device("cpu")
+        return self._device
 
     # ---- requests -----------------------------------------------------------------------
     def now(self) -> float:
@@ -227,7 +247,9 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ValueError(f"request {req_id}: empty prompt")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        bad = None
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:   # then find the first one
+            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
         if bad is not None:
             raise ValueError(f"request {req_id}: token id {bad} outside the vocabulary (0..{vocab - 1})")
         if (str(req_id), 0) in self.outputs:
@@ -389,11 +411,15 @@ class LLMEngine:
         for seq, num_new in zip(out.seqs, out.num_new_tokens):
             start = seq.num_computed_tokens
             end = start + num_new
-            recomputed = max(0, min(end, seq.num_ever_computed) - start)
-            num_recompute += recomputed
-            seq.num_recomputed_tokens += recomputed
+            ever = seq.num_ever_computed
+            recomputed = 0
+            if ever > start:   # positions start..min(end, ever) had KV before
+                recomputed = (end if end < ever else ever) - start
+                num_recompute += recomputed
+                seq.num_recomputed_tokens += recomputed
+            if end > ever:
+                seq.num_ever_computed = end
             seq.num_computed_tokens = end
-            seq.num_ever_computed = max(seq.num_ever_computed, end)
             if seq.reprefill_target:
                 seq.reprefill_recomputed += recomputed
                 if end >= seq.reprefill_target:
@@ -416,21 +442,24 @@ class LLMEngine:
     def _deliver(self, sampled: list[tuple[Sequence, int]], now: float) -> list[tuple[Sequence, int]]:
         """Process sampled tokens (already the last of their sequences' token_ids): first-token time,
         stop checks. Returns them as emitted."""
-        emitted = []
+        stop_token_ids, max_model_len = self.stop_token_ids, self.max_model_len
         for seq, token in sampled:
             if seq.num_undelivered:
                 seq.num_undelivered -= 1
             seq.protected = False
             if seq.first_token_s is None:
                 seq.first_token_s = now
-            if not seq.params.ignore_eos and token in self.stop_token_ids:
+            # seq.num_tokens and seq.num_output_tokens, inlined: this runs for every token
+            params = seq.params
+            num_tokens = len(seq.token_ids)
+            num_output_tokens = num_tokens - seq.num_prompt_tokens
+            if not params.ignore_eos and token in stop_token_ids:
                 seq.finish_reason = FinishReason.STOP
-            elif seq.num_output_tokens == seq.params.output_tokens:  # where the recorded request stopped
+            elif num_output_tokens == params.output_tokens:  # where the recorded request stopped
                 seq.finish_reason = FinishReason.STOP
-            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
                 seq.finish_reason = FinishReason.LENGTH
-            emitted.append((seq, token))
-        return emitted
+        return list(sampled)
 
     def _unforked_samples(self, parent: Sequence) -> list[Sequence]:
         """The samples a rejected parent never forked, finished like it (a requests row each)."""
@@ -488,7 +517,7 @@ class LLMEngine:
             num_total_blocks=self.block_manager.num_blocks, num_kv_tokens=pool.num_kv_tokens,
             num_preemptions=out.num_preemptions, admission_stop=out.admission_stop, events=kv_events,
             token_req_ids=[s.req_id for s, _ in emitted], token_samples=[s.sample for s, _ in emitted],
-            token_idx=[s.num_output_tokens - 1 for s, _ in emitted],
+            token_idx=[len(s.token_ids) - s.num_prompt_tokens - 1 for s, _ in emitted],   # num_output_tokens - 1
             token_ids=[t for _, t in emitted] if self.runner.emits_token_ids else [None] * len(emitted),
             finished=[self._stats(s, end_s) for s in finished],
         )
@@ -498,6 +527,8 @@ class LLMEngine:
     def _flush_records(self, wait: bool) -> None:
         """Hand over records whose device timings have resolved (all of them when `wait`)."""
         if wait and self.runner.is_cuda:
+            import torch
+
             torch.cuda.synchronize(self.device)
         while self._pending_records and (wait or self._pending_records[0][1].timing.ready()):
             record, result, out = self._pending_records.popleft()
@@ -505,13 +536,17 @@ class LLMEngine:
             record.device_ms = t.ms(t.forward)
             swap_out_ms, swap_in_ms = t.ms(t.swap_out), t.ms(t.swap_in)
             for events, total_ms in ((out.swap_out_events, swap_out_ms), (out.swap_in_events, swap_in_ms)):
+                if not events:
+                    continue
                 num_blocks = sum(len(e.blocks) for e in events)
                 for e in events:  # one copy per direction per step: share its time by blocks
                     e.bytes = len(e.blocks) * self.geometry.bytes_per_block
                     e.duration_ms = total_ms * len(e.blocks) / num_blocks if total_ms is not None and num_blocks else None
+            seq = self._event_seq
             for e in record.events:
-                e.seq = self._event_seq
-                self._event_seq += 1
+                e.seq = seq
+                seq += 1
+            self._event_seq = seq
             self.tracer.on_step(record)
 
     def flush(self) -> None:

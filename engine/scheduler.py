@@ -121,21 +121,22 @@ class Scheduler:
 
         # 1. Running sequences, oldest first: decode tokens and continuing prefill chunks.
         running = self.running
+        max_model_len = self.max_model_len
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             if seq.num_undelivered and seq.num_output_tokens >= seq.stop_length:
                 i += 1  # async: its undelivered token is its last (V1 skips it rather than decode past it)
                 continue
-            num_new = seq.num_tokens - seq.num_computed_tokens
+            num_new = len(seq.token_ids) - seq.num_computed_tokens   # seq.num_tokens, inlined
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
-            if self.max_model_len and num_new > self.max_model_len - 1 - seq.num_computed_tokens:
+            if max_model_len and num_new > max_model_len - 1 - seq.num_computed_tokens:
                 # no input position at or past the max model length: async, a sequence whose
                 # in-flight token reaches it is not scheduled again (it finishes on delivery)
-                num_new = self.max_model_len - 1 - seq.num_computed_tokens
+                num_new = max_model_len - 1 - seq.num_computed_tokens
                 if num_new <= 0:
                     i += 1
                     continue
@@ -229,7 +230,7 @@ class Scheduler:
         # 3. Waiting sequences (new, or preempted by recompute), front first. A running request
         # still prefilling will fork its other samples (--n-mode cow): they count against
         # max_num_seqs already.
-        num_forks = sum(s.num_pending_forks for s in running) if self.waiting else 0
+        num_forks = sum([s.num_pending_forks for s in running]) if self.waiting else 0
         while self.waiting and budget > 0:
             if len(running) + num_forks >= self.max_num_seqs:
                 out.admission_stop = AdmissionStop.SEATS

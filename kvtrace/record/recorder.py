@@ -1,4 +1,4 @@
-"""The Parquet tracer: buffers the engine's step records as columns, writes closed chunk files.
+"""The Parquet tracer: buffers the engine's step records, writes closed chunk files.
 
 Chunks are written by a background thread to a hidden temporary name and renamed into place,
 so a reader (or a crash) never sees half a file. A chunk closes when a table's buffer reaches
@@ -12,6 +12,8 @@ import os
 import queue
 import threading
 import time
+from itertools import repeat
+from operator import attrgetter
 from pathlib import Path
 
 import pyarrow as pa
@@ -24,6 +26,32 @@ _REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id"]
 _NO_TOKEN = (None, None)   # a sequence's first token has no predecessor
 
 
+# The steps and kv_events columns as attributes of the engine's StepRecord and KVEvent: those tables
+# are buffered as the records themselves (one append per step, one extend per step's events) and
+# turned into columns once per chunk, in the writer thread.
+_STEP_ATTRIBUTES = {
+    "step": "step", "start_s": "start_s", "end_s": "end_s", "device_ms": "device_ms", "running": "num_running",
+    "waiting": "num_waiting", "swapped": "num_swapped", "prefill_tokens": "num_prefill_tokens",
+    "decode_tokens": "num_decode_tokens", "recompute_tokens": "num_recompute_tokens",
+    "preemptions": "num_preemptions", "free_blocks": "num_free_blocks", "used_blocks": "num_used_blocks",
+    "cached_blocks": "num_cached_blocks", "total_blocks": "num_total_blocks", "kv_tokens": "num_kv_tokens",
+    "admission_stop": "admission_stop",
+}
+_EVENT_FIELDS = [f for f in TABLES["kv_events"].names if f not in ("run_id", "num_blocks")]
+_RECORD_TABLES = ("steps", "kv_events", "requests")   # buffered as records, not columns
+
+
+def _records_as_columns(name: str, records: list) -> dict[str, list]:
+    """A buffer of StepRecords, KVEvents or RequestStats as the table's columns."""
+    if name == "steps":
+        return {column: list(map(attrgetter(attribute), records)) for column, attribute in _STEP_ATTRIBUTES.items()}
+    if name == "requests":
+        return {column: list(map(attrgetter(column), records)) for column in _REQUEST_FIELDS}
+    columns = {column: list(map(attrgetter(column), records)) for column in _EVENT_FIELDS}
+    columns["num_blocks"] = [len(blocks) if blocks else 0 for blocks in columns["blocks"]]
+    return columns
+
+
 class TraceWriter:
     """A `Tracer` (engine/events.py) that writes the trace tables of one run folder."""
 
@@ -34,7 +62,11 @@ class TraceWriter:
         self.record_token_ids = record_token_ids
         self.max_rows = max_rows
         self.flush_seconds = flush_seconds
-        self._columns = {name: {c: [] for c in schema.names if c != "run_id"} for name, schema in TABLES.items()}
+        self._records: dict[str, list] = {name: [] for name in _RECORD_TABLES}
+        self._columns = {name: {c: [] for c in schema.names if c != "run_id"}
+                         for name, schema in TABLES.items() if name not in _RECORD_TABLES}
+        del self._columns["tokens"]["prev_step"], self._columns["tokens"]["prev_ts_s"]
+        self._prev_tokens: list[tuple[int | None, float | None]] = []   # the tokens' prev_step, prev_ts_s
         self._part = {name: 0 for name in TABLES}
         self._last_flush = time.monotonic()
         self._last_token: dict[tuple[str, int], tuple[int, float]] = {}  # (req_id, sample) -> (step, ts_s)
@@ -50,75 +82,35 @@ class TraceWriter:
 
     # ---- the Tracer protocol ------------------------------------------------------------
     def on_step(self, r: StepRecord) -> None:
-        s = self._columns["steps"]
-        s["step"].append(r.step)
-        s["start_s"].append(r.start_s)
-        s["end_s"].append(r.end_s)
-        s["device_ms"].append(r.device_ms)
-        s["running"].append(r.num_running)
-        s["waiting"].append(r.num_waiting)
-        s["swapped"].append(r.num_swapped)
-        s["prefill_tokens"].append(r.num_prefill_tokens)
-        s["decode_tokens"].append(r.num_decode_tokens)
-        s["recompute_tokens"].append(r.num_recompute_tokens)
-        s["preemptions"].append(r.num_preemptions)
-        s["free_blocks"].append(r.num_free_blocks)
-        s["used_blocks"].append(r.num_used_blocks)
-        s["cached_blocks"].append(r.num_cached_blocks)
-        s["total_blocks"].append(r.num_total_blocks)
-        s["kv_tokens"].append(r.num_kv_tokens)
-        s["admission_stop"].append(r.admission_stop)
-        if r.events:
-            k = self._columns["kv_events"]
-            for e in r.events:
-                k["seq"].append(e.seq)
-                k["step"].append(e.step)
-                k["ts_s"].append(e.ts_s)
-                k["kind"].append(e.kind)
-                k["req_id"].append(e.req_id)
-                k["sample"].append(e.sample)
-                k["blocks"].append(e.blocks)
-                k["num_blocks"].append(len(e.blocks) if e.blocks else 0)
-                k["num_tokens"].append(e.num_tokens)
-                k["bytes"].append(e.bytes)
-                k["duration_ms"].append(e.duration_ms)
-                k["reason"].append(e.reason)
-                k["num_cached_tokens"].append(e.num_cached_tokens)
-                k["num_recomputed_tokens"].append(e.num_recomputed_tokens)
-                k["src_blocks"].append(e.src_blocks)
-                k["requester_req_id"].append(e.requester_req_id)
-                k["requester_sample"].append(e.requester_sample)
-                k["victim_reason"].append(e.victim_reason)
+        """Buffer one step: its record and events as they are (the engine hands them over once and
+        never changes them again), its tokens as columns."""
+        self._records["steps"].append(r)
+        events = self._records["kv_events"]
+        events += r.events
         num_tokens = len(r.token_req_ids)
+        t = self._columns["tokens"]
         if num_tokens:
-            t = self._columns["tokens"]
-            t["req_id"].extend(r.token_req_ids)
-            t["sample"].extend(r.token_samples)
-            t["idx"].extend(r.token_idx)
-            t["token_id"].extend(r.token_ids if self.record_token_ids else [None] * num_tokens)
-            t["step"].extend([r.step] * num_tokens)
-            t["ts_s"].extend([r.end_s] * num_tokens)
-            # each token's predecessor in its sequence, so that an ITL gap is one row (schema 2)
+            t["req_id"] += r.token_req_ids
+            t["sample"] += r.token_samples
+            t["idx"] += r.token_idx
+            t["token_id"] += r.token_ids if self.record_token_ids else [None] * num_tokens
+            t["step"] += [r.step] * num_tokens
+            t["ts_s"] += [r.end_s] * num_tokens
+            # each token's predecessor in its sequence, so that an ITL gap is one row (schema 2); a
+            # sequence emits at most one token a step, so a step's lookups and updates do not overlap
             last = self._last_token
-            this = (r.step, r.end_s)
-            prev_step, prev_ts_s = t["prev_step"], t["prev_ts_s"]
-            for key in zip(r.token_req_ids, r.token_samples):
-                step, ts_s = last.get(key, _NO_TOKEN)
-                prev_step.append(step)
-                prev_ts_s.append(ts_s)
-                last[key] = this
+            keys = list(zip(r.token_req_ids, r.token_samples))
+            self._prev_tokens += map(last.get, keys, repeat(_NO_TOKEN, num_tokens))
+            last.update(dict.fromkeys(keys, (r.step, r.end_s)))
         for stats in r.finished:
             self._last_token.pop((stats.req_id, stats.sample), None)
-            self.add_request(stats)
+        self._records["requests"] += r.finished
         if (time.monotonic() - self._last_flush >= self.flush_seconds
-                or len(self._columns["tokens"]["ts_s"]) >= self.max_rows
-                or len(self._columns["kv_events"]["seq"]) >= self.max_rows):
+                or len(t["ts_s"]) >= self.max_rows or len(events) >= self.max_rows):
             self.flush()
 
     def add_request(self, stats: RequestStats) -> None:
-        q = self._columns["requests"]
-        for name in _REQUEST_FIELDS:
-            q[name].append(getattr(stats, name))
+        self._records["requests"].append(stats)
 
     def add_gpu_sample(self, row: dict) -> None:
         with self._lock:
@@ -131,13 +123,22 @@ class TraceWriter:
         """Hand every non-empty buffer to the writer thread as one closed chunk."""
         self._last_flush = time.monotonic()
         with self._lock:
-            for name, columns in self._columns.items():
-                first = next(iter(columns.values()))
-                if not first:
-                    continue
-                self._queue.put((name, self._part[name], columns))
+            for name in TABLES:
+                if name in self._records:
+                    buffer = self._records[name]
+                    if not buffer:
+                        continue
+                    self._records[name] = []
+                else:
+                    buffer = self._columns[name]
+                    if not next(iter(buffer.values())):
+                        continue
+                    self._columns[name] = {c: [] for c in buffer}
+                    if name == "tokens":
+                        buffer = {**buffer, "prev": self._prev_tokens}
+                        self._prev_tokens = []
+                self._queue.put((name, self._part[name], buffer))
                 self._part[name] += 1
-                self._columns[name] = {c: [] for c in columns}
         if self._error is not None:
             raise RuntimeError(f"writing the trace failed: {self._error}") from self._error
 
@@ -161,8 +162,13 @@ class TraceWriter:
             except BaseException as exc:  # reported on the engine's thread at the next flush
                 self._error = exc
 
-    def _write_chunk(self, name: str, part: int, columns: dict[str, list]) -> None:
+    def _write_chunk(self, name: str, part: int, buffer: dict[str, list] | list) -> None:
         schema = TABLES[name]
+        columns = _records_as_columns(name, buffer) if name in _RECORD_TABLES else buffer
+        if name == "tokens":
+            prev = columns.pop("prev")
+            columns["prev_step"] = [step for step, _ in prev]
+            columns["prev_ts_s"] = [ts_s for _, ts_s in prev]
         num_rows = len(next(iter(columns.values())))
         arrays = [pa.array([self.run_id] * num_rows, pa.string()) if f.name == "run_id"
                   else pa.array(columns[f.name], f.type) for f in schema]

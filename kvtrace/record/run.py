@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import platform
 import re
@@ -10,13 +11,11 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import kvtrace
 from engine.config import EngineConfig, scheduling_description
-from engine.kernels import cpu_kernels
 from engine.llm_engine import LLMEngine
 from engine.model.tokenizer import load_tokenizer
 from kvtrace.atomic import write_json_atomic
@@ -45,11 +44,23 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def torch_version() -> str | None:
+    """The installed torch's version, without importing it."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def kernels_note(engine: LLMEngine) -> str | None:
     """On CPU without kvtrace's own kernels: why, and what runs instead."""
     model = engine.model
     if engine.simulated or engine.device.type != "cpu" or model.linear_kernel == "kvtrace":
         return None
+    import torch
+
+    from engine.kernels import cpu_kernels
+
     if model.dtype != torch.float32:
         return f"kvtrace's CPU kernels are fp32 only: this {str(model.dtype).removeprefix('torch.')} model runs on torch ops"
     return (f"kvtrace's CPU kernels are off ({cpu_kernels.unavailable_reason()}); the model runs on "
@@ -84,10 +95,12 @@ class Recording:
                         backlog=backlog, workload_name=str(workload))
         mc = engine.model_config
         g = engine.geometry
-        if engine.simulated:
-            device = {"type": "sim", "name": engine.cost_model.profile.name, "torch": torch.__version__,
+        if engine.simulated:   # no model runs: torch is not imported, only its version is noted
+            device = {"type": "sim", "name": engine.cost_model.profile.name, "torch": torch_version(),
                       "threads": None, "kernels": None, "kernels_note": None}
         else:
+            import torch
+
             device_name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else cpu_name()
             device = {"type": engine.device.type, "name": device_name, "torch": torch.__version__,
                       "threads": torch.get_num_threads(), "kernels": engine.model.linear_kernel,
@@ -133,7 +146,7 @@ class Recording:
         self.meta["started_at"] = datetime.now(timezone.utc).isoformat()
         self.meta["status"] = "running"
         writer = TraceWriter(self.run_dir, self.meta["run_id"], record_token_ids=self.record_token_ids)
-        sampler = NvmlSampler(self.engine.device, writer, clock=self.engine.now)
+        sampler = NvmlSampler(None if self.engine.simulated else self.engine.device, writer, clock=self.engine.now)
         self.meta["nvml"] = {"enabled": sampler.enabled, "reason": sampler.reason, "fields": sampler.fields}
         write_json_atomic(meta_path, self.meta)
         if self.engine.simulated:

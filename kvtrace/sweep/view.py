@@ -9,7 +9,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import altair as alt
 from rich import box
 from rich.table import Table
 
@@ -196,6 +195,8 @@ CHART_METRICS = [("goodput_req_s", "goodput (req/s)"), ("useful_tok_s", "useful 
 def charts(points: list[dict], obj: Objective) -> list[ReportChart]:
     """Each metric against the swept numeric knob, a line per value of the other knobs, the best
     point of the objective marked on every chart."""
+    import altair as alt   # here: it takes a second to import
+
     axis = axis_knob(points)
     if axis is None:
         raise KvtraceError("the sweep has no numeric knob with more than one value to chart against")

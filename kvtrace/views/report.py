@@ -15,12 +15,15 @@ import html
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import altair as alt
 import duckdb
 
 from kvtrace.trace import db
 from kvtrace.views.dashboard import fmt_bytes, fmt_num, fmt_seconds, fmt_share, split_params
+
+if TYPE_CHECKING:   # altair is imported by the functions that draw (it takes a second)
+    import altair as alt
 
 TIMELINE_BUCKETS = 150          # intervals of pool_timeline.sql per run for the occupancy chart
 RATE_BUCKETS_DIVISOR = 5        # recompute and swap rates: a fifth as many (wider) intervals
@@ -47,16 +50,22 @@ def _rows(con: duckdb.DuckDBPyConnection, name: str, **params: object) -> list[d
 
 def _pick(rows: list[dict], *columns: str) -> alt.Data:
     """The columns a chart draws of an analysis's rows, as inline data."""
+    import altair as alt
+
     return alt.Data(values=[{c: row[c] for c in columns} for row in rows])
 
 
 def _run_scale(run_ids: list[str]) -> alt.Scale:
+    import altair as alt
+
     return alt.Scale(domain=run_ids, scheme="category10")
 
 
 # --------------------------------------------------------------------------- the charts
 
 def pool_occupancy(timeline: list[dict], windows: list[dict], run_ids: list[str]) -> alt.TopLevelMixin:
+    import altair as alt
+
     color = alt.Color("run_id:N", title="run", scale=_run_scale(run_ids))
     time = alt.X("start_s:Q", title="time (s)")
     marks = alt.Shape("mark:N", title=None, scale=alt.Scale(domain=["preemption", "swap copy"],
@@ -95,6 +104,8 @@ def request_gantt(states: list[dict], run_ids: list[str], arrows: list[dict] | N
     """The states of the chosen sequences as bars; `arrows` (preemptions.sql's rows whose victim and
     requester are both shown) as lines from the requester's row to the victim's at the preemption's
     time, a dot at the victim's end."""
+    import altair as alt
+
     label = "datum.sample > 0 ? datum.req_id + '/' + datum.sample : datum.req_id"
     # one table of rows with the same columns: a state's (kind state) or a preemption's (kind arrow)
     empty_state = {"rank": None, "state": None, "start_s": None, "end_s": None, "duration_ms": None}
@@ -130,6 +141,8 @@ def request_gantt(states: list[dict], run_ids: list[str], arrows: list[dict] | N
 
 
 def itl_cdf(cdf: list[dict], tail: list[dict], run_ids: list[str]) -> alt.TopLevelMixin:
+    import altair as alt
+
     color = alt.Color("run_id:N", title="run", scale=_run_scale(run_ids))
     lines = alt.Chart(alt.Data(values=cdf)).mark_line(interpolate="step-after").encode(
         alt.X("value_ms:Q", title="inter-token latency (ms, log)", scale=alt.Scale(type="log")),
@@ -153,6 +166,8 @@ def itl_cdf(cdf: list[dict], tail: list[dict], run_ids: list[str]) -> alt.TopLev
 
 
 def latency_distributions(cdf: list[dict], run_ids: list[str]) -> alt.TopLevelMixin:
+    import altair as alt
+
     color = alt.Color("run_id:N", title="run", scale=_run_scale(run_ids))
     panels = []
     for metric, title in (("ttft", "time to first token (ms)"), ("e2el", "end-to-end latency (ms)")):
@@ -167,6 +182,8 @@ def latency_distributions(cdf: list[dict], run_ids: list[str]) -> alt.TopLevelMi
 
 def recompute_swap(timeline: list[dict], run_ids: list[str]) -> alt.TopLevelMixin:
     """Recomputed tokens/s over time and, when some run swapped, swap bytes/s out (up) and in (down)."""
+    import altair as alt
+
     color = alt.Color("run_id:N", title="run", scale=_run_scale(run_ids))
     time = alt.X("start_s:Q", title="time (s)")
     base = alt.Chart(_pick(timeline, "run_id", "start_s", "recomputed_tokens", "processed_tokens",
@@ -284,6 +301,8 @@ def _vl_convert():
 
 def vega_lite_version() -> str | None:
     """The Vega-Lite version Altair writes specs for, as vl-convert names it (None: its latest)."""
+    import altair as alt
+
     vlc = _vl_convert()
     wanted = ".".join(alt.SCHEMA_VERSION.lstrip("v").split(".")[:2])
     return wanted if wanted in vlc.get_vegalite_versions() else None

@@ -1,0 +1,40 @@
+"""`kvtrace record --engine sim` pays only for what it uses: it runs no model, so it never imports
+torch (seconds in a cold process), nor the report's and explorer's libraries."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers.cli import write_workload
+
+ROOT = Path(__file__).resolve().parents[2]
+NOT_IMPORTED = ("torch", "altair", "textual", "safetensors")
+
+# the CLI's entry point as `python -m kvtrace` runs it, then the modules it loaded, as JSON
+RECORD_THEN_LIST_MODULES = """
+import json, runpy, sys
+sys.argv = ["kvtrace", *sys.argv[1:]]
+try:
+    runpy.run_module("kvtrace", run_name="__main__")
+except SystemExit as exc:
+    assert not exc.code, exc.code
+print(json.dumps(sorted(m for m in sys.modules if "." not in m)))
+"""
+
+
+def test_sim_record_imports_no_torch(tmp_path):
+    workload = write_workload(tmp_path / "w.jsonl", [
+        {"id": "a", "arrival_s": 0, "prompt_tokens": 40, "max_tokens": 8},
+        {"id": "b", "arrival_s": 0.01, "prompt_tokens": 30, "max_tokens": 8, "n": 2, "temperature": 0.8},
+    ])
+    done = subprocess.run(
+        [sys.executable, "-c", RECORD_THEN_LIST_MODULES, "record", "-q", "-w", str(workload), "-o",
+         str(tmp_path / "run"), "--engine", "sim", "--model", "llama-3-8b", "--num-gpu-blocks", "64"],
+        cwd=ROOT, capture_output=True, text=True, check=True)
+    modules = json.loads(done.stdout.splitlines()[-1])
+    assert "engine" in modules and "pyarrow" in modules   # it did record
+    assert not [m for m in NOT_IMPORTED if m in modules], done.stdout
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert meta["status"] == "completed" and meta["device"]["type"] == "sim"
