@@ -200,6 +200,7 @@ PREEMPTION_MODES = tuple(m.value for m in PreemptionMode)
 PREEMPTION_POLICIES = tuple(p.value for p in PreemptionPolicy)
 N_MODES = tuple(m.value for m in NMode)
 VLLM_VERSION = "0.32.0"   # the vLLM whose V1 scheduler and block pool the engine follows by default
+VLLM_VERSIONS = ("0.32.0", "0.33.0")   # those whose decisions it can make where they differ (docs/scheduling.md)
 DTYPES = ("float32", "bfloat16", "float16")
 SWAP_SPACE_DEFAULT = 4 << 30   # vLLM V0's --swap-space default: the host pool in swap mode on CUDA
 # the most of a CUDA device's memory the real engine may plan for: the activation reserve is an estimate
@@ -238,6 +239,7 @@ class EngineConfig:
     hardware: str | None = None          # sim: a built-in profile name or a profile JSON (default h100-sxm)
     kv_reserve: str = "none"             # none: on-demand paging; else hold the whole context from admission
     gpu_memory_utilization: float | None = None  # size the pool as vLLM does, from the device's memory
+    follow_vllm: str = VLLM_VERSION      # the vLLM whose decisions the scheduler makes where versions differ
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -273,6 +275,8 @@ class EngineConfig:
             raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
+        if self.follow_vllm not in VLLM_VERSIONS:
+            raise ValueError(f"--follow-vllm must be one of {', '.join(VLLM_VERSIONS)}, got {self.follow_vllm!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.kv_reserve not in KV_RESERVE:
@@ -362,5 +366,5 @@ def scheduling_description(config: EngineConfig) -> dict:
         departures.append("n > 1 forked after one prefill, with copy-on-write (vLLM V0's)")
     if config.kv_reserve != KVReserve.NONE:
         departures.append(f"--kv-reserve {config.kv_reserve}: whole-context reservation at admission")
-    return {"follows": f"vLLM {VLLM_VERSION} V1 scheduler and block pool", "departures": departures,
+    return {"follows": f"vLLM {config.follow_vllm} V1 scheduler and block pool", "departures": departures,
             "async_scheduling": config.async_scheduling}

@@ -189,6 +189,7 @@ class LLMEngine:
                                    long_prefill_token_threshold=config.long_prefill_token_threshold,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    swap_groups=config.n_mode == NMode.COW, max_model_len=self.max_model_len)
+        self.scheduler.follow(config.follow_vllm)
         self.runner: Executor
         if self.simulated:
             self.model = None

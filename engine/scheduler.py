@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from engine import events as ev
 from engine.block_manager import BlockManager
-from engine.config import PreemptionMode, PreemptionPolicy
+from engine.config import VLLM_VERSIONS, PreemptionMode, PreemptionPolicy
 from engine.events import (
     REPREFILL_INTERRUPTED,
     AdmissionStop,
@@ -18,9 +18,6 @@ from engine.events import (
     VictimReason,
 )
 from engine.sequence import Sequence, SequenceStatus
-
-
-VLLM_VERSIONS = ("0.32.0", "0.33.0")   # whose decisions the scheduler can make (Scheduler.follow)
 
 
 @dataclass
@@ -97,7 +94,7 @@ class Scheduler:
         """Make the decisions of this vLLM where versions differ (0.32.0, the default, or 0.33.0;
         docs/scheduling.md lists what differs)."""
         if vllm_version not in VLLM_VERSIONS:
-            raise ValueError(f"kvtrace's scheduler follows vLLM 0.32.0 or 0.33.0, not {vllm_version!r}")
+            raise ValueError(f"kvtrace's scheduler follows vLLM {' or '.join(VLLM_VERSIONS)}, not {vllm_version!r}")
         self.priority_pass_goes_on = vllm_version == "0.33.0"
 
     def add(self, seq: Sequence) -> None:

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from engine.config import EngineConfig
+from engine.config import VLLM_VERSION, EngineConfig
 from kvtrace.cli.app import app, user_errors
 from kvtrace.errors import KvtraceError
 
@@ -90,6 +90,8 @@ def record(
                                                         "processed (vLLM V1's default on GPUs; finished requests free "
                                                         "their blocks a step later).")] = False,
     enable_prefix_caching: Annotated[bool, typer.Option(rich_help_panel="Switches", help="Share cached full blocks between requests.")] = True,
+    follow_vllm: Annotated[str, typer.Option(rich_help_panel="Scheduling", help="The vLLM whose scheduling decisions to make "
+                                                "where versions differ: 0.32.0 (default) or 0.33.0 (docs/scheduling.md).")] = VLLM_VERSION,
     seed: Annotated[int, typer.Option(rich_help_panel="Workload and run", help="Seed for synthesised prompts, sampling and dummy weights.")] = 0,
     max_requests: Annotated[int | None, typer.Option(rich_help_panel="Workload and run", help="Replay only the first N requests.")] = None,
     time_scale: Annotated[float | None, typer.Option(rich_help_panel="Workload and run", help="Arrivals X times faster than the workload says.")] = None,
@@ -141,7 +143,7 @@ def record(
         watermark=watermark, preemption_mode=preemption_mode, preemption_policy=preemption_policy,
         enable_prefix_caching=enable_prefix_caching, n_mode=n_mode,
         long_prefill_token_threshold=long_prefill_token_threshold, enable_chunked_prefill=enable_chunked_prefill,
-        async_scheduling=async_scheduling,
+        async_scheduling=async_scheduling, follow_vllm=follow_vllm,
     )
     from kvtrace.record.run import Recording, default_run_dir  # torch: imported only when recording
 

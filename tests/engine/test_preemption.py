@@ -259,12 +259,11 @@ def test_a_request_id_used_twice_is_refused(make_engine):
 def test_priority_pass_after_a_self_preemption_follows_the_vllm_version(version, scheduled):
     """A (least urgent) preempts itself for a block; vLLM 0.32 ends the running pass there, 0.33 goes
     on to B, whose decode needs no new block."""
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig, scheduling_description
     from engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model="tiny", engine="sim", block_size=2, num_gpu_blocks=4, num_cpu_blocks=0,
-                                    preemption_policy="priority", enable_prefix_caching=False))
-    engine.scheduler.follow(version)
+                                    preemption_policy="priority", enable_prefix_caching=False, follow_vllm=version))
     engine.add_request("A", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True), priority=5)
     engine.step()   # A: blocks 1, 2
     engine.add_request("B", [4, 5, 6], SamplingParams(max_tokens=8, ignore_eos=True), arrival_s=1.0, priority=0)
@@ -272,5 +271,8 @@ def test_priority_pass_after_a_self_preemption_follows_the_vllm_version(version,
     out = engine.scheduler.schedule()   # A needs a block: it is the least urgent, it preempts itself
     assert out.num_preemptions == 1 and [s.req_id for s in engine.scheduler.waiting] == ["A"]
     assert [s.req_id for s in out.seqs] == scheduled
+    assert scheduling_description(engine.config)["follows"] == f"vLLM {version} V1 scheduler and block pool"
     with pytest.raises(ValueError):
         engine.scheduler.follow("0.31.0")
+    with pytest.raises(ValueError, match="--follow-vllm must be one of 0.32.0, 0.33.0, got '0.31.0'"):
+        EngineConfig(model="tiny", engine="sim", follow_vllm="0.31.0")

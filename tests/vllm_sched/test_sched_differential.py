@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
-from engine.scheduler import VLLM_VERSIONS
+from engine.config import VLLM_VERSIONS
 from tests.helpers.vllm_runs import VLLM_MARKS, VLLM_PYTHON
 from tests.vllm_sched import kvtrace_side
 from tests.vllm_sched.differential import VllmScheduler, VllmSchedulers, first_difference
