@@ -42,6 +42,9 @@ REQUEST_FIELDS = ("request_id", "status", "num_computed_tokens", "num_tokens", "
                   "num_output_tokens", "arrival_time", "priority", "num_output_placeholders", "is_prefill_chunk")
 STATUSES = ("WAITING", "RUNNING", "PREEMPTED", "FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED",
             "FINISHED_IGNORED")
+# what the capture reads of a step's SchedulerOutput and of each request's EngineCoreOutput
+SCHEDULER_OUTPUT_FIELDS = ("num_scheduled_tokens", "scheduled_new_reqs")
+ENGINE_CORE_OUTPUT_FIELDS = ("request_id", "new_token_ids")
 SCHEDULER_FIELDS = ("running", "waiting", "requests", "kv_cache_manager", "block_size", "policy",
                     "max_num_running_reqs")
 
@@ -92,7 +95,8 @@ def _fields_of(cls: type) -> set[str]:
 
 
 def check_classes(scheduler_cls: type, kv_cache_manager_cls: type, block_pool_cls: type, block_cls: type,
-                  request_cls: type, status_cls: type) -> None:
+                  request_cls: type, status_cls: type, scheduler_output_cls: type | None = None,
+                  engine_core_output_cls: type | None = None) -> None:
     """Raise VllmChanged naming the first missing method, parameter or field."""
     _check_methods(scheduler_cls, "Scheduler", SCHEDULER_METHODS)
     _check_methods(kv_cache_manager_cls, "KVCacheManager", KV_CACHE_MANAGER_METHODS)
@@ -102,13 +106,23 @@ def check_classes(scheduler_cls: type, kv_cache_manager_cls: type, block_pool_cl
         if name not in fields:
             raise VllmChanged(f"vLLM changed: KVCacheBlock.{name} is gone")
     fields = _fields_of(request_cls)
-    source = inspect.getsource(request_cls) if hasattr(request_cls, "__init__") else ""
+    try:   # Request sets most of its fields in __init__, not as annotations
+        source = inspect.getsource(request_cls)
+    except (OSError, TypeError):   # no source (a .pyc-only install): the annotations must do
+        source = ""
     for name in REQUEST_FIELDS:
         if name not in fields and f"self.{name}" not in source:
             raise VllmChanged(f"vLLM changed: Request.{name} is gone")
     for name in STATUSES:
         if not hasattr(status_cls, name):
             raise VllmChanged(f"vLLM changed: RequestStatus.{name} is gone")
+    for cls, what, names in ((scheduler_output_cls, "SchedulerOutput", SCHEDULER_OUTPUT_FIELDS),
+                             (engine_core_output_cls, "EngineCoreOutput", ENGINE_CORE_OUTPUT_FIELDS)):
+        if cls is not None:
+            fields = _fields_of(cls)
+            for name in names:
+                if name not in fields:
+                    raise VllmChanged(f"vLLM changed: {what}.{name} is gone (the capture reads it)")
 
 
 def check_instance(scheduler: object) -> None:

@@ -106,7 +106,14 @@ class _Capture:
             guard.check_instance(scheduler)
             kvm = scheduler.kv_cache_manager
             pool = kvm.block_pool
-            guard.check_classes(type(scheduler), type(kvm), type(pool), type(pool.null_block), Request, RequestStatus)
+            try:
+                from vllm.v1.core.sched.output import SchedulerOutput
+                from vllm.v1.engine import EngineCoreOutput
+            except ImportError as exc:
+                raise guard.VllmChanged(f"vLLM changed: {exc} (the capture reads SchedulerOutput and "
+                                        f"EngineCoreOutput)") from exc
+            guard.check_classes(type(scheduler), type(kvm), type(pool), type(pool.null_block), Request, RequestStatus,
+                                SchedulerOutput, EngineCoreOutput)
         except guard.VllmChanged as exc:   # EngineCore's exception stays in its log: say it where kvtrace reads
             self._write_json("error.json", {"error": str(exc), "vllm_version": version})
             raise

@@ -1,0 +1,67 @@
+"""The capture's start-up guard (kvtrace/vllm/capture/guard.py) without vLLM: stand-in classes with
+everything it checks pass; take one name away and the refusal names exactly that one. (With vLLM:
+tests/vllm/test_vllm_capture.py removes a real method; tests/vllm_sched/test_capture_on_vllm.py runs
+the guard on 0.32.0's and 0.33.0's own classes.)"""
+from __future__ import annotations
+
+import pytest
+
+from kvtrace.vllm.capture import guard
+
+
+def _methods(name: str, methods: dict[str, tuple[str, ...]]) -> type:
+    namespace = {}
+    for method, params in methods.items():
+        args = ", ".join(["self", *params])
+        exec(f"def {method}({args}): pass", namespace)   # a method with exactly these parameters
+    return type(name, (), {m: namespace[m] for m in methods})
+
+
+def _fields(name: str, names: tuple[str, ...]) -> type:
+    return type(name, (), {"__annotations__": dict.fromkeys(names, "object")})
+
+
+def classes(drop: tuple[str, str] | None = None) -> list[type]:
+    """Scheduler, KVCacheManager, BlockPool, KVCacheBlock, Request, RequestStatus, SchedulerOutput and
+    EngineCoreOutput stand-ins, with `drop` = (class, name) left out."""
+    def without(what, names):
+        return {k: v for k, v in names.items() if (what, k) != drop} if isinstance(names, dict) else \
+            tuple(n for n in names if (what, n) != drop)
+    return [_methods("Scheduler", without("Scheduler", guard.SCHEDULER_METHODS)),
+            _methods("KVCacheManager", without("KVCacheManager", guard.KV_CACHE_MANAGER_METHODS)),
+            _methods("BlockPool", without("BlockPool", guard.BLOCK_POOL_METHODS)),
+            _fields("KVCacheBlock", without("KVCacheBlock", guard.BLOCK_FIELDS)),
+            _fields("Request", without("Request", guard.REQUEST_FIELDS)),
+            type("RequestStatus", (), dict.fromkeys(without("RequestStatus", guard.STATUSES), 0)),
+            _fields("SchedulerOutput", without("SchedulerOutput", guard.SCHEDULER_OUTPUT_FIELDS)),
+            _fields("EngineCoreOutput", without("EngineCoreOutput", guard.ENGINE_CORE_OUTPUT_FIELDS))]
+
+
+def test_everything_there_passes():
+    guard.check_classes(*classes())
+
+
+@pytest.mark.parametrize("what, name", [("Scheduler", "_preempt_request"), ("BlockPool", "touch"),
+                                        ("KVCacheBlock", "block_hash"), ("Request", "num_output_placeholders"),
+                                        ("RequestStatus", "PREEMPTED"), ("SchedulerOutput", "scheduled_new_reqs"),
+                                        ("SchedulerOutput", "num_scheduled_tokens"),
+                                        ("EngineCoreOutput", "new_token_ids")])
+def test_the_refusal_names_what_is_gone(what, name):
+    with pytest.raises(guard.VllmChanged, match=rf"^vLLM changed: {what}\.{name} is gone"):
+        guard.check_classes(*classes(drop=(what, name)))
+
+
+def test_a_renamed_parameter_is_named():
+    methods = {**guard.KV_CACHE_MANAGER_METHODS, "allocate_slots": ("request", "num_new_tokens", "num_computed")}
+    cls = classes()
+    cls[1] = _methods("KVCacheManager", methods)
+    with pytest.raises(guard.VllmChanged, match="KVCacheManager.allocate_slots has no parameter "
+                                                "'num_new_computed_tokens'"):
+        guard.check_classes(*cls)
+
+
+def test_versions_outside_the_tested_ones_are_refused():
+    guard.check_version("0.32.0")
+    guard.check_version("0.33.1")
+    with pytest.raises(guard.VllmChanged, match="vLLM 0.34.0 is outside the versions this capture supports"):
+        guard.check_version("0.34.0")
