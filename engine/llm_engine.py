@@ -307,7 +307,8 @@ class LLMEngine:
             sampled = self._sample(result)
             for seq, token in sampled:
                 seq.token_ids.append(token)
-            emitted = self._deliver(sampled, self.now())
+            self._deliver(sampled, self.now())
+            emitted = sampled
         finished = self._pending_finished + out.rejected
         self._pending_finished = []
         # --n-mode cow, rejected before forking: every sample finishes
@@ -353,7 +354,8 @@ class LLMEngine:
         end_s = start_s
         if prev is not None:   # the previous step's output: deliver, check stops
             end_s = self.now()
-            emitted = self._deliver(prev.sampled, end_s)
+            self._deliver(prev.sampled, end_s)
+            emitted = prev.sampled
             stopped = in_batch_order([seq for seq, _ in emitted if seq.finish_reason], prev.out)
         result = self.runner.execute(out)   # before the frees: a just-stopped sequence may still run
         num_recompute = self._account(out, start_s) if out.seqs else 0
@@ -440,9 +442,9 @@ class LLMEngine:
                     rows.append(row)
         return list(zip(seqs, self.runner.sample(result, seqs, rows)))
 
-    def _deliver(self, sampled: list[tuple[Sequence, int]], now: float) -> list[tuple[Sequence, int]]:
+    def _deliver(self, sampled: list[tuple[Sequence, int]], now: float) -> None:
         """Process sampled tokens (already the last of their sequences' token_ids): first-token time,
-        stop checks. Returns them as emitted."""
+        stop checks. Every sampled token is emitted."""
         stop_token_ids, max_model_len = self.stop_token_ids, self.max_model_len
         for seq, token in sampled:
             if seq.num_undelivered:
@@ -460,7 +462,6 @@ class LLMEngine:
                 seq.finish_reason = FinishReason.STOP
             elif num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
                 seq.finish_reason = FinishReason.LENGTH
-        return list(sampled)
 
     def _unforked_samples(self, parent: Sequence) -> list[Sequence]:
         """The samples a rejected parent never forked, finished like it (a requests row each)."""
