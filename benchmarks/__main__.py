@@ -23,6 +23,11 @@ SUITES = {
 }
 
 
+def _escape(text: str) -> str:
+    """argparse formats help with %: a literal one in a docstring must be doubled."""
+    return text.replace("%", "%%")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     subparsers = parser.add_subparsers(dest="suite", required=True, metavar="suite")
@@ -30,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, module_name in SUITES.items():
         module = importlib.import_module(module_name)
         modules[name] = module
-        sub = subparsers.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0],
-                                    description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub = subparsers.add_parser(name, help=_escape((module.__doc__ or "").strip().splitlines()[0]),
+                                    description=_escape(module.__doc__ or ""), formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sub)
     args = parser.parse_args(argv)
     return modules[args.suite].run(args) or 0
