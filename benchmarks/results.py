@@ -36,7 +36,7 @@ from kvtrace.atomic import atomic_write
 BENCHMARKS = Path(__file__).resolve().parent
 RESULTS_MD = BENCHMARKS / "RESULTS.md"
 LOG_DIR = BENCHMARKS / "log"
-HISTORY = 5          # runs kept in each suite's table on RESULTS.md
+HISTORY = 3          # runs kept in each suite's table on RESULTS.md (older ones: the log)
 TABLE_HEADER = "| date (UTC) | commit | figure | load |\n|---|---|---|---|"
 
 

@@ -1,5 +1,5 @@
 """benchmarks/results.py, the writer every suite ends with, driven on a copy of RESULTS.md: a run
-rewrites its own suite's section and nothing else, keeps the last 5 figures, appends to the log."""
+rewrites its own suite's section and nothing else, keeps the last 3 figures, appends to the log."""
 from __future__ import annotations
 
 import re
@@ -53,7 +53,7 @@ def test_the_page_has_a_marked_section_for_every_suite_and_stays_short():
     for suite in SUITES:
         assert results.section_block(page, suite) is not None, suite
         assert len(rows_of(split_at(page, suite)[1])) <= results.HISTORY
-    assert len(page.splitlines()) < 330
+    assert len(page.splitlines()) < 300
 
 
 def test_a_run_rewrites_its_own_section_only(bench):
@@ -78,11 +78,11 @@ def test_a_run_rewrites_its_own_section_only(bench):
     assert rows[1:] == old_rows[:results.HISTORY - 1]
 
 
-def test_the_table_keeps_the_last_five_newest_first(bench):
-    for i in range(7):
+def test_the_table_keeps_the_last_three_newest_first(bench):
+    for i in range(5):
         run_suite("kernels", f"figure {i}")
     rows = rows_of(split_at((bench / "RESULTS.md").read_text(), "kernels")[1])
-    assert [row[2] for row in rows] == ["figure 6", "figure 5", "figure 4", "figure 3", "figure 2"]
+    assert [row[2] for row in rows] == ["figure 4", "figure 3", "figure 2"]
 
 
 def test_each_run_is_appended_in_full_to_the_months_log(bench):
