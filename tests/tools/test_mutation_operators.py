@@ -127,7 +127,7 @@ def test_own_mutants_run_like_cosmic_rays_the_tests_that_execute_their_statement
         work = tmp_path
         runs: list[list[str]] = []
 
-        def run(self, tests, timeout, fresh=None):
+        def run_mutant(self, tests, timeout, fresh=None):
             self.runs.append(tests)
             assert fresh == "engine/a.py"
             return "survived" if "pool.add(seq, n)" in (tmp_path / "engine" / "a.py").read_text() else "killed"

@@ -124,3 +124,52 @@ def test_a_new_test_file_in_a_targets_folder_is_picked_up_and_long_tests_stay_ou
         "import pytest\n\ndef test_fast():\n    pass\n\n@pytest.mark.long\ndef test_long():\n    pass\n")
     result = pytester.runpytest(*mutation.tests_of("engine/scheduler.py"), "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, deselected=1)
+
+
+class _Child:
+    """A ForkRunner whose children are scripted: each run() returns the next (outcome, output)."""
+
+    def __init__(self, killers: list[str], answers: list[tuple[str, str]]):
+        self.runner = object.__new__(mutation.ForkRunner)
+        self.runner.killers = list(killers)
+        self.calls: list[list[str]] = []
+        answers = iter(answers)
+
+        def run(tests, timeout, fresh=None):
+            self.calls.append(list(tests))
+            self.outcome, self.text = next(answers)
+            return self.outcome
+
+        self.runner.run = run
+        self.runner.output = lambda: self.text
+
+
+def test_a_mutant_runs_the_latest_killers_first_and_the_rest_only_if_they_pass():
+    tests = ["tests/engine/test_a.py::one", "tests/engine/test_b.py::two", "tests/engine/test_c.py::three"]
+    child = _Child(["tests/engine/test_b.py::two", "tests/other/test_x.py::x"],
+                   [("killed", "FAILED tests/engine/test_b.py::two - assert 1 == 2")])
+    assert child.runner.run_mutant(tests, 60) == "killed"
+    assert child.calls == [["tests/engine/test_b.py::two"]]          # a killer outside `tests` is not run
+
+    child = _Child(["tests/engine/test_b.py::two"],
+                   [("survived", ""), ("killed", "FAILED tests/engine/test_c.py::three - boom")])
+    assert child.runner.run_mutant(tests, 60) == "killed"
+    assert child.calls == [["tests/engine/test_b.py::two"], ["tests/engine/test_a.py::one", "tests/engine/test_c.py::three"]]
+    assert child.runner.killers[0] == "tests/engine/test_c.py::three"   # the new killer goes first next time
+
+    child = _Child(["tests/engine/test_b.py::two"], [("survived", ""), ("survived", "")])
+    assert child.runner.run_mutant(tests, 60) == "survived"             # every test ran: a survivor is one
+
+
+def test_a_first_run_that_names_no_failed_test_is_no_kill_and_folders_select_their_own_killers():
+    tests = ["tests/engine/test_a.py::one", "tests/engine/test_b.py::two"]
+    child = _Child(["tests/engine/test_b.py::two"],
+                   [("killed", "ERROR: not found: tests/engine/test_b.py::two"), ("survived", "")])
+    assert child.runner.run_mutant(tests, 60) == "survived"
+    assert child.calls[1] == ["tests/engine/test_a.py::one"]
+
+    folders = ["tests/engine", "-m", "not long"]
+    child = _Child(["tests/analysis/test_x.py::x", "tests/engine/test_b.py::two"],
+                   [("survived", ""), ("survived", "")])
+    assert child.runner.run_mutant(folders, 60) == "survived"
+    assert child.calls == [["tests/engine/test_b.py::two"], folders]   # all of the folder still runs
