@@ -21,6 +21,7 @@ Steps/s and sequence-steps/s (running sequences summed over steps) are measured 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import subprocess
@@ -86,6 +87,7 @@ ONLY = {"sharegpt": SHAREGPT, "paged-kv": "paged-kv 4,000 backlog, paged 16", "h
 # Vidur's settings for the ShareGPT-like scenario, as close to its kvtrace options as Vidur allows
 VIDUR_CONFIG = VidurConfig(block_size=16, batch_size_cap=256, max_tokens_in_batch=8192, gpu_memory_utilization=0.9,
                            max_tokens=8192)
+VIDUR_BARE = dataclasses.replace(VIDUR_CONFIG, write_outputs=False)   # the simulation alone: no metrics, no trace
 SHAREGPT_SHAPE = ["--prompt-median", "250", "--prompt-sigma", "1.0", "--output-median", "200", "--output-sigma", "0.9",
                   "--output-cap", "2048", "--max-model-len", "8192", "--seed", "7"]
 
@@ -99,7 +101,7 @@ def wanted(args: argparse.Namespace, name: str) -> bool:
 def run(args: argparse.Namespace) -> None:
     section = Section("sim-speed")
     vidur_python = args.vidur_python if args.vidur_python and Path(args.vidur_python).exists() else None
-    vidur_runs, vidur_first = [], None
+    vidur_runs, vidur_bare_runs, vidur_first = [], [], None
     with tempfile.TemporaryDirectory(prefix="kvtrace-sim-speed-") as tmp:
         tmp_path = Path(tmp)
         workloads = {
@@ -133,6 +135,8 @@ def run(args: argparse.Namespace) -> None:
                 if name == SHAREGPT and vidur_python:   # interleaved: Vidur right after each kvtrace run
                     vidur_runs.append(run_vidur(vidur_python, workloads[name], tmp_path / f"vidur-{i}",
                                                 VIDUR_CONFIG, cache_dir=args.vidur_cache))
+                    vidur_bare_runs.append(run_vidur(vidur_python, workloads[name], tmp_path / f"vidur-bare-{i}",
+                                                     VIDUR_BARE, cache_dir=args.vidur_cache))
             meta = json.loads((out / "meta.json").read_text())
             steps, seq_steps, simulated_s = connect([out]).sql(
                 "SELECT count(*), sum(running), max(end_s) FROM steps").fetchall()[0]
@@ -161,42 +165,56 @@ def run(args: argparse.Namespace) -> None:
                   "(No Vidur venv: `bash scripts/vidur_env.sh` builds it, and this suite then runs it.)")
     section.add(table)
     if vidur_runs:
-        section.add(side_by_side(sharegpt, vidur_runs, vidur_first, vs_vidur))
+        section.add(side_by_side(sharegpt, vidur_runs, vidur_bare_runs, vidur_first))
     headline = "median wall s of `record --engine sim`: " + "; ".join(f"{n} {w:.1f} s" for n, w in medians.items())
     if "vs_vidur" in locals():
         if vidur_runs:
+            bare = median([r.wall_s for r in vidur_bare_runs])
             headline += (f" (ShareGPT-like: {vs_vidur[0]:.2f}× Vidur 0.0.26's "
-                         f"{median([r.wall_s for r in vidur_runs]):.1f} s, side by side)")
+                         f"{median([r.wall_s for r in vidur_runs]):.1f} s side by side, "
+                         f"{wall / bare:.2f}× its {bare:.1f} s without metrics)")
         else:
             headline += f" (ShareGPT-like: {vs_vidur[0]:.2f}× Vidur's {VIDUR_WALL_S} s)"
     section.write(headline)
 
 
-def side_by_side(kv: dict, vidur_runs: list, vidur_first, ratio: tuple[float, float]) -> str:
+def side_by_side(kv: dict, vidur_runs: list, bare_runs: list, vidur_first) -> str:
     """The ShareGPT-like scenario's kvtrace runs and Vidur's, interleaved, and what each simulated."""
-    info = vidur_runs[-1].info
+    def vidur_row(label: str, runs: list) -> list[str]:
+        info = runs[-1].info
+        return [f"Vidur {info['vidur_version']} ({label})", " ".join(f"{r.wall_s:.1f}" for r in runs),
+                f"{median([r.wall_s for r in runs]):.1f}", f"{median([r.cpu_s for r in runs]):.1f}",
+                f"{info['batches']:,}", f"{info['sequence_steps']:,}", f"{info['simulated_s']:,.0f}",
+                f"{info['num_blocks']:,}"]
+
     rows = [["kvtrace `record --engine sim` (full KV trace)", " ".join(f"{w:.1f}" for w in kv["walls"]),
              f"{median(kv['walls']):.1f}", f"{median(kv['cpus']):.1f}", f"{kv['steps']:,}", f"{kv['seq_steps']:,}",
-             f"{kv['simulated_s']:,.0f}", f"{kv['num_gpu_blocks']:,}" if kv["num_gpu_blocks"] else "?"],
-            [f"Vidur {info['vidur_version']} (its metrics and Chrome trace)",
-             " ".join(f"{r.wall_s:.1f}" for r in vidur_runs), f"{median([r.wall_s for r in vidur_runs]):.1f}",
-             f"{median([r.cpu_s for r in vidur_runs]):.1f}", f"{info['batches']:,}", f"{info['sequence_steps']:,}",
-             f"{info['simulated_s']:,.0f}", f"{info['num_blocks']:,}"]]
+             f"{kv['simulated_s']:,.0f}", f"{kv['num_gpu_blocks']:,}"],
+            vidur_row("its metrics and Chrome trace, as by default", vidur_runs),
+            vidur_row("no metrics, no trace", bare_runs)]
+    kv_wall, kv_cpu = median(kv["walls"]), median(kv["cpus"])
+    ratios = "; ".join(
+        f"{what}: **{kv_wall / median([r.wall_s for r in runs]):.2f}x** in wall time, "
+        f"{kv_cpu / median([r.cpu_s for r in runs]):.2f}x in CPU time"
+        for what, runs in (("against Vidur with its outputs", vidur_runs), ("against Vidur without", bare_runs)))
     phases = " / ".join(f"{median([r.info[k] for r in vidur_runs]):.1f}" for k in ("import_s", "predictor_s", "simulate_s"))
-    first = (f"Vidur's first run, which trained its random forests into its cache, took {vidur_first.wall_s:.0f} s "
-             f"(predictor {vidur_first.info['predictor_s']:.0f} s; not timed above)." if vidur_first else "")
+    first = (f"Vidur's first run, not timed (it trains its random forests into --vidur-cache when they are not "
+             f"there yet), took {vidur_first.wall_s:.0f} s, {vidur_first.info['predictor_s']:.0f} s of them in its "
+             "predictor." if vidur_first else "")
     return (
-        "Side by side on the ShareGPT-like workload, each repeat kvtrace then Vidur (whole processes, wall s):\n\n"
+        "Side by side on the ShareGPT-like workload, each repeat kvtrace, then Vidur, then Vidur without outputs "
+        "(whole processes):\n\n"
         + markdown_table(["simulator", "each wall s", "median wall s", "median CPU s", "steps (batches)",
                           "sequence-steps", "simulated s", "KV blocks (16 tokens)"], rows)
-        + f"\n\n**kvtrace / Vidur: {ratio[0]:.2f}x in wall time, {ratio[1]:.2f}x in CPU time.** "
-        f"Vidur's median seconds in import / predictor (loading its cached predictions) / simulation and metrics: "
+        + f"\n\nkvtrace's time {ratios}. "
+        f"Vidur's median seconds in import / predictor (loading its cached predictions) / simulation and outputs: "
         f"{phases}. {first}\n\n"
         "Vidur's configuration: meta-llama/Llama-3-8B, device a100 (network a100_dgx, unused at TP = PP = 1), "
         "one replica, its `vllm` replica scheduler (whole prefills, no chunking), block size 16, batch_size_cap 256, "
         "max_tokens_in_batch 8,192, KV pool from gpu_memory_utilization 0.9 by its memory planner, requests of at "
         "most 8,192 tokens, its random-forest predictor (one point of its grid: 250 trees, depth 16, min split 2; "
-        "predictions to 8,192 tokens). Its execution-time profiles (benchmarks/data/vidur/README.md): "
+        "predictions to 8,192 tokens), no plots (kaleido needs a Chrome it cannot fetch here). Its execution-time "
+        "profiles (benchmarks/data/vidur/README.md): "
         + ", ".join(f"`{p.relative_to(ROOT)}`" for p in PROFILES.values())
         + " — Vidur's own A100 measurements of Llama-3-8B: the MLP table's medians at TP = 1, and 249 rows of its "
         "attention table (prefill and decode, FlashInfer, block 16, TP = 1) copied from a public copy of it."

@@ -91,6 +91,7 @@ class VidurConfig:
     gpu_memory_utilization: float = 0.9   # Vidur's memory planner sizes the KV pool from it
     max_tokens: int = 8192                # kvtrace's --max-model-len: prompt + output per request
     seed: int = 7
+    write_outputs: bool = True            # Vidur's defaults: its metrics and its Chrome trace; False: neither
 
 
 @dataclass

@@ -108,7 +108,9 @@ def main(args: dict) -> dict:
             cache_dir=args["cache_dir"], num_estimators=[250], max_depth=[16], min_samples_split=[2],
             prediction_max_prefill_chunk_size=args["max_tokens_in_batch"],
             prediction_max_tokens_per_request=args["max_tokens"], num_training_job_threads=1),
-        metrics_config=MetricsConfig(output_dir=args["output_dir"], store_plots=False),
+        # its plots need kaleido's Chrome, which cannot be fetched here; the rest of its outputs as it writes them
+        metrics_config=MetricsConfig(output_dir=args["output_dir"], store_plots=False,
+                                     write_metrics=args["write_outputs"], enable_chrome_trace=args["write_outputs"]),
     )
     counts = {"batches": 0, "batch_requests": 0}
     on_batch_end = VLLMReplicaScheduler.on_batch_end
