@@ -92,8 +92,8 @@ def record(
                                                         "their blocks a step later).")] = False,
     enable_prefix_caching: Annotated[bool, typer.Option(rich_help_panel="Switches", help="Share cached full blocks between requests.")] = True,
     follow_vllm: Annotated[str | None, typer.Option(rich_help_panel="Scheduling", help="The vLLM whose scheduling decisions to make "
-                                                "where versions differ: 0.32.0 (default) or 0.33.0 (docs/scheduling.md); by "
-                                                "default the one a `workload from-run` header names.")] = None,
+                                                "where versions differ: 0.32.0 or 0.33.0 (docs/scheduling.md); default: the "
+                                                "one a `workload from-run` header names, else 0.32.0.")] = None,
     seed: Annotated[int, typer.Option(rich_help_panel="Workload and run", help="Seed for synthesised prompts, sampling and dummy weights.")] = 0,
     max_requests: Annotated[int | None, typer.Option(rich_help_panel="Workload and run", help="Replay only the first N requests.")] = None,
     time_scale: Annotated[float | None, typer.Option(rich_help_panel="Workload and run", help="Arrivals X times faster than the workload says.")] = None,
