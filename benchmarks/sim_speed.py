@@ -4,18 +4,24 @@ Two scenarios, each recorded by the CLI (`kvtrace record --engine sim`, wall tim
 command: start-up, replay and closing the trace):
 - ShareGPT-like: 1,000 requests arriving at 2.5 req/s (Poisson), log-normal prompts and outputs, on
   simulated Llama-3-8B / A100-80GB with the pool vLLM would size (--gpu-memory-utilization 0.9).
-  The reference is Vidur 0.0.26 on this machine: 6.6 s of wall time for a workload of this shape,
-  keeping no KV trace.
+  The reference is Vidur 0.0.26, run on the same workload in this run (benchmarks/vidur.py): its venv
+  from scripts/vidur_env.sh (or --vidur-python), one A100 replica of Llama-3-8B under its vLLM
+  scheduler (block 16, 256 requests, 8,192 tokens a batch), its profiles from benchmarks/data/vidur/.
+  Each repeat runs kvtrace's command and then Vidur's whole process (start-up, its cached predictions,
+  the simulation) twice, with its outputs (metrics and Chrome trace, as by default) and without;
+  Vidur's first run, which trains its predictors when they are not cached yet, is not timed. Without a Vidur venv the reference is the 6.6 s measured once for a workload of this shape.
 - paged-kv: the 4,000-request backlog of paged-kv-memory.txt (scripts/paged_kv_workload.py), paged
   with 16-token blocks, 1,024 sequences at most: the scale test of docs/simulation.md.
 - an hour: 72,000 requests of the ShareGPT-like shape at 20 req/s (issue 32's hour of production
   traffic), on simulated Llama-3-8B / H100 with the same limits; `--hour-repeats` runs (1 by default:
   it takes minutes), `--skip-hour` leaves it out.
+`--only sharegpt|paged-kv|hour` runs one scenario.
 Steps/s and sequence-steps/s (running sequences summed over steps) are measured per replay.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import subprocess
@@ -26,6 +32,13 @@ from pathlib import Path
 
 from benchmarks.results import Section, markdown_table
 from benchmarks.stats import median
+from benchmarks.vidur import (
+    CACHE_DIR,
+    PROFILES,
+    VidurConfig,
+    default_vidur_python,
+    run_vidur,
+)
 from kvtrace.trace.db import connect
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-paged-kv", action="store_true")
     parser.add_argument("--skip-hour", action="store_true", help="Leave out the 72,000-request hour.")
     parser.add_argument("--hour-repeats", type=int, default=1, help="Runs of the hour (default 1).")
+    parser.add_argument("--only", choices=sorted(ONLY), help="Run one scenario only.")
+    parser.add_argument("--vidur-python", type=Path, default=default_vidur_python(),
+                        help="Python of Vidur 0.0.26's venv (default: scripts/vidur_env.sh's cached one, if built).")
+    parser.add_argument("--vidur-cache", type=Path, default=CACHE_DIR,
+                        help="Vidur's cache of trained predictors (kept between runs, as Vidur keeps it).")
 
 
 def kvtrace(*args: str) -> tuple[float, float]:
@@ -64,12 +82,26 @@ SCENARIOS = {
         "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"],
 }
 HOUR = "an hour at 20 req/s, Llama-3-8B / H100"
+SHAREGPT = "ShareGPT-like, Llama-3-8B / A100"
+ONLY = {"sharegpt": SHAREGPT, "paged-kv": "paged-kv 4,000 backlog, paged 16", "hour": HOUR}
+# Vidur's settings for the ShareGPT-like scenario, as close to its kvtrace options as Vidur allows
+VIDUR_CONFIG = VidurConfig(block_size=16, batch_size_cap=256, max_tokens_in_batch=8192, gpu_memory_utilization=0.9,
+                           max_tokens=8192)
+VIDUR_BARE = dataclasses.replace(VIDUR_CONFIG, write_outputs=False)   # the simulation alone: no metrics, no trace
 SHAREGPT_SHAPE = ["--prompt-median", "250", "--prompt-sigma", "1.0", "--output-median", "200", "--output-sigma", "0.9",
                   "--output-cap", "2048", "--max-model-len", "8192", "--seed", "7"]
 
 
+def wanted(args: argparse.Namespace, name: str) -> bool:
+    if args.only:
+        return name == ONLY[args.only]
+    return not ((args.skip_paged_kv and name.startswith("paged-kv")) or (args.skip_hour and name == HOUR))
+
+
 def run(args: argparse.Namespace) -> None:
     section = Section("sim-speed")
+    vidur_python = args.vidur_python if args.vidur_python and Path(args.vidur_python).exists() else None
+    vidur_runs, vidur_bare_runs, vidur_first = [], [], None
     with tempfile.TemporaryDirectory(prefix="kvtrace-sim-speed-") as tmp:
         tmp_path = Path(tmp)
         workloads = {
@@ -77,17 +109,22 @@ def run(args: argparse.Namespace) -> None:
             "paged-kv 4,000 backlog, paged 16": tmp_path / "paged-kv.jsonl",
             HOUR: tmp_path / "hour.jsonl",
         }
-        kvtrace("workload", "synth", "--num-requests", str(args.num_requests), "--rate", str(args.rate),
-                *SHAREGPT_SHAPE, "-o", str(workloads["ShareGPT-like, Llama-3-8B / A100"]))
-        if not args.skip_hour:
+        if wanted(args, SHAREGPT):
+            kvtrace("workload", "synth", "--num-requests", str(args.num_requests), "--rate", str(args.rate),
+                    *SHAREGPT_SHAPE, "-o", str(workloads["ShareGPT-like, Llama-3-8B / A100"]))
+        if wanted(args, HOUR):
             kvtrace("workload", "synth", "--num-requests", "72000", "--rate", "20", *SHAREGPT_SHAPE,
                     "-o", str(workloads[HOUR]))
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "paged_kv_workload.py"), "-o",
-                        str(workloads["paged-kv 4,000 backlog, paged 16"])], check=True)
+        if wanted(args, ONLY["paged-kv"]):
+            subprocess.run([sys.executable, str(ROOT / "scripts" / "paged_kv_workload.py"), "-o",
+                            str(workloads["paged-kv 4,000 backlog, paged 16"])], check=True)
+        if vidur_python and wanted(args, SHAREGPT):   # trains (or loads) Vidur's predictors; not timed
+            vidur_first = run_vidur(vidur_python, workloads[SHAREGPT], tmp_path / "vidur-first", VIDUR_CONFIG,
+                                    cache_dir=args.vidur_cache)
         rows = []
         medians: dict[str, float] = {}
         for name, options in SCENARIOS.items():
-            if (args.skip_paged_kv and name.startswith("paged-kv")) or (args.skip_hour and name == HOUR):
+            if not wanted(args, name):
                 continue
             walls, cpus = [], []
             for i in range(args.hour_repeats if name == HOUR else args.repeats):
@@ -95,6 +132,11 @@ def run(args: argparse.Namespace) -> None:
                 wall, cpu = kvtrace("record", "-q", "-w", str(workloads[name]), "-o", str(out), *options)
                 walls.append(wall)
                 cpus.append(cpu)
+                if name == SHAREGPT and vidur_python:   # interleaved: Vidur right after each kvtrace run
+                    vidur_runs.append(run_vidur(vidur_python, workloads[name], tmp_path / f"vidur-{i}",
+                                                VIDUR_CONFIG, cache_dir=args.vidur_cache))
+                    vidur_bare_runs.append(run_vidur(vidur_python, workloads[name], tmp_path / f"vidur-bare-{i}",
+                                                     VIDUR_BARE, cache_dir=args.vidur_cache))
             meta = json.loads((out / "meta.json").read_text())
             steps, seq_steps, simulated_s = connect([out]).sql(
                 "SELECT count(*), sum(running), max(end_s) FROM steps").fetchall()[0]
@@ -105,18 +147,75 @@ def run(args: argparse.Namespace) -> None:
                          f"{rows_written:,}", " ".join(f"{w:.1f}" for w in walls), f"{wall:.1f}",
                          f"{median(cpus):.1f}", f"{steps / wall:,.0f} / {steps / median(cpus):,.0f}",
                          f"{seq_steps / wall:,.0f} / {seq_steps / median(cpus):,.0f}"])
-            if name.startswith("ShareGPT"):
-                vs_vidur = (wall / VIDUR_WALL_S, median(cpus) / VIDUR_WALL_S)
+            if name == SHAREGPT:
+                sharegpt = {"walls": walls, "cpus": cpus, "steps": steps, "seq_steps": seq_steps,
+                            "simulated_s": simulated_s, "num_gpu_blocks": meta["kv_pool"]["num_gpu_blocks"]}
+                vidur_wall = median([r.wall_s for r in vidur_runs]) if vidur_runs else VIDUR_WALL_S
+                vidur_cpu = median([r.cpu_s for r in vidur_runs]) if vidur_runs else VIDUR_WALL_S
+                vs_vidur = (wall / vidur_wall, median(cpus) / vidur_cpu)
     section.add("Wall time of `kvtrace record --engine sim` (start-up, replay, trace closed), "
                 f"{args.repeats} runs each ({args.hour_repeats} of the hour), and the CPU time (user + system) it used, which a busy machine "
                 "inflates less; steps/s and sequence-steps/s over the median wall time / over the median CPU time.")
-    section.add(markdown_table(["scenario", "requests", "simulated s", "steps", "trace rows", "each wall s",
-                                "median wall s", "median CPU s", "steps/s (wall / CPU)",
-                                "sequence-steps/s (wall / CPU)"], rows)
-                + (f"\n\nShareGPT-like vs Vidur 0.0.26 ({VIDUR_WALL_S} s of wall time here, no KV trace): "
-                   f"**{vs_vidur[0]:.2f}x** its time in wall time, **{vs_vidur[1]:.2f}x** in CPU time."
-                   if "vs_vidur" in locals() else ""))
+    table = markdown_table(["scenario", "requests", "simulated s", "steps", "trace rows", "each wall s",
+                            "median wall s", "median CPU s", "steps/s (wall / CPU)",
+                            "sequence-steps/s (wall / CPU)"], rows)
+    if "vs_vidur" in locals() and not vidur_runs:
+        table += (f"\n\nShareGPT-like vs Vidur 0.0.26 ({VIDUR_WALL_S} s of wall time here, no KV trace): "
+                  f"**{vs_vidur[0]:.2f}x** its time in wall time, **{vs_vidur[1]:.2f}x** in CPU time. "
+                  "(No Vidur venv: `bash scripts/vidur_env.sh` builds it, and this suite then runs it.)")
+    section.add(table)
+    if vidur_runs:
+        section.add(side_by_side(sharegpt, vidur_runs, vidur_bare_runs, vidur_first))
     headline = "median wall s of `record --engine sim`: " + "; ".join(f"{n} {w:.1f} s" for n, w in medians.items())
     if "vs_vidur" in locals():
-        headline += f" (ShareGPT-like: {vs_vidur[0]:.2f}× Vidur's {VIDUR_WALL_S} s)"
+        if vidur_runs:
+            bare = median([r.wall_s for r in vidur_bare_runs])
+            headline += (f" (ShareGPT-like: {vs_vidur[0]:.2f}× Vidur 0.0.26's "
+                         f"{median([r.wall_s for r in vidur_runs]):.1f} s side by side, "
+                         f"{wall / bare:.2f}× its {bare:.1f} s without metrics)")
+        else:
+            headline += f" (ShareGPT-like: {vs_vidur[0]:.2f}× Vidur's {VIDUR_WALL_S} s)"
     section.write(headline)
+
+
+def side_by_side(kv: dict, vidur_runs: list, bare_runs: list, vidur_first) -> str:
+    """The ShareGPT-like scenario's kvtrace runs and Vidur's, interleaved, and what each simulated."""
+    def vidur_row(label: str, runs: list) -> list[str]:
+        info = runs[-1].info
+        return [f"Vidur {info['vidur_version']} ({label})", " ".join(f"{r.wall_s:.1f}" for r in runs),
+                f"{median([r.wall_s for r in runs]):.1f}", f"{median([r.cpu_s for r in runs]):.1f}",
+                f"{info['batches']:,}", f"{info['sequence_steps']:,}", f"{info['simulated_s']:,.0f}",
+                f"{info['num_blocks']:,}"]
+
+    rows = [["kvtrace `record --engine sim` (full KV trace)", " ".join(f"{w:.1f}" for w in kv["walls"]),
+             f"{median(kv['walls']):.1f}", f"{median(kv['cpus']):.1f}", f"{kv['steps']:,}", f"{kv['seq_steps']:,}",
+             f"{kv['simulated_s']:,.0f}", f"{kv['num_gpu_blocks']:,}"],
+            vidur_row("its metrics and Chrome trace, as by default", vidur_runs),
+            vidur_row("no metrics, no trace", bare_runs)]
+    kv_wall, kv_cpu = median(kv["walls"]), median(kv["cpus"])
+    ratios = "; ".join(
+        f"{what}: **{kv_wall / median([r.wall_s for r in runs]):.2f}x** in wall time, "
+        f"{kv_cpu / median([r.cpu_s for r in runs]):.2f}x in CPU time"
+        for what, runs in (("against Vidur with its outputs", vidur_runs), ("against Vidur without", bare_runs)))
+    phases = " / ".join(f"{median([r.info[k] for r in vidur_runs]):.1f}" for k in ("import_s", "predictor_s", "simulate_s"))
+    first = (f"Vidur's first run, not timed (it trains its random forests into --vidur-cache when they are not "
+             f"there yet), took {vidur_first.wall_s:.0f} s, {vidur_first.info['predictor_s']:.0f} s of them in its "
+             "predictor." if vidur_first else "")
+    return (
+        "Side by side on the ShareGPT-like workload, each repeat kvtrace, then Vidur, then Vidur without outputs "
+        "(whole processes):\n\n"
+        + markdown_table(["simulator", "each wall s", "median wall s", "median CPU s", "steps (batches)",
+                          "sequence-steps", "simulated s", "KV blocks (16 tokens)"], rows)
+        + f"\n\nkvtrace's time {ratios}. "
+        f"Vidur's median seconds in import / predictor (loading its cached predictions) / simulation and outputs: "
+        f"{phases}. {first}\n\n"
+        "Vidur's configuration: meta-llama/Llama-3-8B, device a100 (network a100_dgx, unused at TP = PP = 1), "
+        "one replica, its `vllm` replica scheduler (whole prefills, no chunking), block size 16, batch_size_cap 256, "
+        "max_tokens_in_batch 8,192, KV pool from gpu_memory_utilization 0.9 by its memory planner, requests of at "
+        "most 8,192 tokens, its random-forest predictor (one point of its grid: 250 trees, depth 16, min split 2; "
+        "predictions to 8,192 tokens), no plots (kaleido needs a Chrome it cannot fetch here). Its execution-time "
+        "profiles (benchmarks/data/vidur/README.md): "
+        + ", ".join(f"`{p.relative_to(ROOT)}`" for p in PROFILES.values())
+        + " — Vidur's own A100 measurements of Llama-3-8B: the MLP table's medians at TP = 1, and 249 rows of its "
+        "attention table (prefill and decode, FlashInfer, block 16, TP = 1) copied from a public copy of it."
+    )

@@ -10,9 +10,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from engine.config import VLLM_VERSION, EngineConfig
+from engine.config import EngineConfig
 from kvtrace.cli.app import app, user_errors
 from kvtrace.errors import KvtraceError
+from kvtrace.workload.header import resolve_follow_vllm
 
 PRESETS_HELP = "built-in name (tiny, smollm2-135m, qwen2.5-0.5b, llama-3.2-1b, llama-3-8b, mistral-7b), HF folder or .gguf"
 
@@ -90,8 +91,9 @@ def record(
                                                         "processed (vLLM V1's default on GPUs; finished requests free "
                                                         "their blocks a step later).")] = False,
     enable_prefix_caching: Annotated[bool, typer.Option(rich_help_panel="Switches", help="Share cached full blocks between requests.")] = True,
-    follow_vllm: Annotated[str, typer.Option(rich_help_panel="Scheduling", help="The vLLM whose scheduling decisions to make "
-                                                "where versions differ: 0.32.0 (default) or 0.33.0 (docs/scheduling.md).")] = VLLM_VERSION,
+    follow_vllm: Annotated[str | None, typer.Option(rich_help_panel="Scheduling", help="The vLLM whose scheduling decisions to make "
+                                                "where versions differ: 0.32.0 or 0.33.0 (docs/scheduling.md); default: the "
+                                                "one a `workload from-run` header names, else 0.32.0.")] = None,
     seed: Annotated[int, typer.Option(rich_help_panel="Workload and run", help="Seed for synthesised prompts, sampling and dummy weights.")] = 0,
     max_requests: Annotated[int | None, typer.Option(rich_help_panel="Workload and run", help="Replay only the first N requests.")] = None,
     time_scale: Annotated[float | None, typer.Option(rich_help_panel="Workload and run", help="Arrivals X times faster than the workload says.")] = None,
@@ -133,6 +135,9 @@ def record(
         return
     if vllm_python is not None or vllm_arg or self_check:
         raise KvtraceError("--vllm-python, --vllm-arg and --self-check are for --engine vllm")
+    follow_vllm, follow_note = resolve_follow_vllm(follow_vllm, workload)   # the workload's header, if it names one
+    if follow_note and not quiet:
+        print(f"kvtrace: {follow_note}", file=sys.stderr)
     config = EngineConfig(
         model=model, load_format=load_format, device=device, dtype=dtype, seed=seed, block_size=block_size,
         engine=engine, hardware=hardware, kv_reserve=kv_reserve, gpu_memory_utilization=gpu_memory_utilization,

@@ -23,6 +23,7 @@ from kvtrace.sweep.runner import LocalRunner, RayRunner, Sweep, make_spec, point
 from kvtrace.sweep.view import objective, points_of, recommend, summary_rows, table
 from kvtrace.workload.format import save_workload
 from kvtrace.workload.from_run import workload_from_run
+from kvtrace.workload.header import FOLLOW_NOTE
 
 PARAM_HELP = "A parameter of sweep_summary.sql (SLOs, thrash thresholds), NAME=VALUE."
 FROM_RUN_WORKLOAD = "from-run.jsonl"   # in the sweep folder: the workload `--from-run` made of the run
@@ -192,6 +193,13 @@ def _open_from_run(folder: Path, name: str, run: Path, shared: list[str], grid: 
     """The sweep of a run's traffic: the workload is made first, beside the folder, and moved into it
     only once the folder is known to be this sweep's (new, or the same one resumed: the same bytes)."""
     result = workload_from_run(run)
+    given = "follow_vllm" in grid or any(a == "--follow-vllm" or a.startswith("--follow-vllm=") for a in shared)
+    said = []   # said once the sweep is open: a refused one says only why
+    if result.follow_vllm and not given:   # the run's vLLM, a setting every point shares (sweep.json shows it)
+        shared = [*shared, "--follow-vllm", result.follow_vllm]
+        said.append(f"sweep: every point follows vLLM {result.follow_vllm} ({result.followed}); "
+                    "--follow-vllm or --set follow_vllm=... says otherwise")
+    said += [f"sweep: {note}" for note in result.notes if note.startswith(FOLLOW_NOTE) and not given]
     folder.parent.mkdir(parents=True, exist_ok=True)
     fd, staged = tempfile.mkstemp(prefix=f".{folder.name}.", suffix=".jsonl", dir=folder.parent)
     try:
@@ -205,6 +213,8 @@ def _open_from_run(folder: Path, name: str, run: Path, shared: list[str], grid: 
     finally:
         if os.path.exists(staged):
             os.unlink(staged)
+    for line in said:
+        typer.echo(line, err=True)
     return sweep
 
 

@@ -25,6 +25,10 @@ What is read, and from where (a run from kvtrace's engine, the simulator or a vL
   carries neither tokens nor the run's hash values.
 - sampling (`temperature`, `top_p`, `seed`) from the replayed workload, matched by id, when it is
   there; a capture of live traffic does not record it, so it is left at the defaults (greedy).
+- the vLLM whose scheduling the run made: a vLLM run's `vllm.version`, else the `engine_config.follow_vllm`
+  a kvtrace run followed. Written in the header as `# follow_vllm: VERSION (...)` (kvtrace/workload/header.py),
+  which `kvtrace record` follows unless told otherwise; a version kvtrace cannot follow gets a note
+  instead, and the replay follows the default.
 
 Order: requests are written by arrival; ties (a backlog) keep the replayed workload's order, else the
 order of first admission in kv_events, so that a backlog replays in the run's queue order.
@@ -36,9 +40,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.config import VLLM_VERSION, VLLM_VERSIONS
 from kvtrace.errors import KvtraceError
 from kvtrace.trace import db
 from kvtrace.workload.format import WorkloadRequest, load_workload, resolve_prompt_ids, workload_sha256
+from kvtrace.workload.header import FOLLOW_NOTE, follow_vllm_line, followable
 
 FINISHED = ("stop", "length")      # finish reasons whose output_tokens is where the sample really stopped
 HASH_COLUMNS = ("block_hashes", "hash_ids")
@@ -51,10 +57,13 @@ class FromRunResult:
     prefix_source: str                    # tokens | hashes | kv_events | none
     num_unfinished: int = 0               # requests no sample of which finished: output_tokens left out
     notes: list[str] = field(default_factory=list)
+    follow_vllm: str | None = None        # the vLLM version a replay should follow (one kvtrace can follow)
+    followed: str | None = None           # why: what the run followed, for the header line
 
     def comments(self, run: Path) -> list[str]:
+        follow = [follow_vllm_line(self.follow_vllm, self.followed)] if self.follow_vllm else []
         return [f"from run {run}: prefix structure from {self.prefix_source}, "
-                f"hash_ids at block size {self.block_size}", *self.notes]
+                f"hash_ids at block size {self.block_size}", *follow, *self.notes]
 
     def summary(self, run: Path, out: str) -> str:
         num_blocks = len({h for r in self.requests for h in r.hash_ids or ()})
@@ -63,6 +72,11 @@ class FromRunResult:
                 f"{self.prefix_source}, {num_blocks} distinct blocks of {self.block_size} tokens, {shared} shared")
         if self.num_unfinished:
             text += f"; {self.num_unfinished} never finished (no output_tokens: they run to max_tokens)"
+        if self.follow_vllm:
+            text += f"; a replay follows vLLM {self.follow_vllm} ({self.followed})"
+        for note in self.notes:
+            if note.startswith(FOLLOW_NOTE):
+                text += f"; {note}"
         return text
 
 
@@ -136,7 +150,30 @@ def workload_from_run(run: Path) -> FromRunResult:
             hash_block_size=block_size if source != "none" else None, **sampling))
     notes = [] if workload else [f"sampling: not in the run (no replayed workload file): greedy, except "
                                  f"temperature 1.0 for the {len(sampled)} request(s) whose samples' tokens differ"]
-    return FromRunResult(requests, block_size, source, num_unfinished, notes)
+    follow_vllm, followed, note = run_follow_vllm(meta)
+    if note:
+        notes.append(note)
+    return FromRunResult(requests, block_size, source, num_unfinished, notes, follow_vllm, followed)
+
+
+def run_follow_vllm(meta: dict) -> tuple[str | None, str | None, str | None]:
+    """(version a replay should follow, what the run followed, a note): from a vLLM run's `vllm.version`,
+    else a kvtrace run's `engine_config.follow_vllm`. A version kvtrace cannot follow gives no version
+    and a note saying the replay follows the default; a run that names none gives (None, None, None)."""
+    vllm = meta.get("vllm") if isinstance(meta.get("vllm"), dict) else {}
+    config = meta.get("engine_config") if isinstance(meta.get("engine_config"), dict) else {}
+    if isinstance(vllm.get("version"), str) and vllm["version"]:
+        named, followed = vllm["version"], f"the run is vLLM {vllm['version']}'s"
+    elif isinstance(config.get("follow_vllm"), str) and config["follow_vllm"]:
+        named, followed = config["follow_vllm"], f"the run's engine followed vLLM {config['follow_vllm']}"
+    else:
+        return None, None, None
+    version = followable(named)
+    if version is None:
+        return None, None, (f"{FOLLOW_NOTE} the run is vLLM {named}'s, which kvtrace cannot follow (it follows "
+                            f"{', '.join(VLLM_VERSIONS)}): a replay follows the default {VLLM_VERSION} "
+                            f"unless --follow-vllm says otherwise")
+    return version, followed, None
 
 
 def _replayed_workload(run: Path, meta: dict) -> dict[str, WorkloadRequest] | None:
