@@ -4,9 +4,13 @@ No model: vLLM's own `Scheduler` and kvtrace's capture class (`KvtraceCaptureSch
 self-check) are built in a vLLM venv as vLLM's scheduler unit tests build them, side by side in one
 process, each with the same `N` running requests (distinct prompts, a long max_tokens, a pool that
 holds them all); their decode steps (schedule, a placeholder model output, update_from_output)
-alternate plain, captured, plain, ... (benchmarks/vllm_capture_cost_driver.py). Reported per N: the
+alternate plain, captured, plain, ... (benchmarks/vllm_capture_cost_driver.py). Both schedulings
+(`--scheduling`): vLLM's Scheduler, and its AsyncScheduler stepped as the engine core's batch queue
+steps it (schedule a step, then process the one before's output). Reported per scheduling and N: the
 median step time of each, the difference (what the capture adds, its block-pool wrappers included),
-the capture's own hook time per step, and the bytes its chunks take per step; and the bytes per
+the same difference in CPU time (the driver thread's: on a shared machine, what other processes
+take of the cores is not in it), the capture's own hook time per step, and the bytes its chunks
+take per step; and the bytes per
 hour at a stated load (`--rate` requests/s of `--output-tokens` tokens each, from the bytes per
 generated token at full batches, steps' and KV events' rows included), so that
 KVTRACE_CAPTURE_MAX_BYTES can be chosen.
@@ -29,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-python", default=os.environ.get("KVTRACE_VLLM_PYTHON"),
                         help="Python of a vLLM venv (default: $KVTRACE_VLLM_PYTHON)")
     parser.add_argument("--sizes", default="64,256,1024,4096", help="running requests, comma-separated")
+    parser.add_argument("--scheduling", default="sync,async",
+                        help="vLLM's Scheduler (sync), its AsyncScheduler (async), or both, comma-separated")
     parser.add_argument("--steps", type=int, default=60, help="timed decode steps per scheduler")
     parser.add_argument("--warmup", type=int, default=10, help="decode steps before timing")
     parser.add_argument("--repeats", type=int, default=1,
@@ -40,13 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-write", action="store_true", help="print the report only (RESULTS.md untouched)")
 
 
-def measure(python: str, running: int, args: argparse.Namespace) -> dict:
+def measure(python: str, running: int, args: argparse.Namespace, asynchronous: bool = False) -> dict:
     from kvtrace.vllm.record import capture_path, model_folder
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(capture_path())
     opts = {"running": running, "steps": args.steps, "warmup": args.warmup, "prompt": args.prompt,
-            "block_size": args.block_size}
+            "block_size": args.block_size, "async": asynchronous}
     proc = subprocess.run([python, str(DRIVER), str(model_folder("smollm2-135m")), json.dumps(opts)], env=env,
                           capture_output=True, text=True, timeout=3600)
     if proc.returncode or not proc.stdout.strip():
@@ -59,49 +65,62 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit("vllm-capture-cost: give --vllm-python (the Python of a vLLM venv; scripts/vllm_env.sh)")
     section = Section("vllm-capture-cost")   # now: its commit and load are those of the start
     sizes = [int(s) for s in args.sizes.split(",")]
-    # per size, one dict per run: plain and captured medians, what the capture added, its hooks and bytes per step
-    runs: dict[int, list[dict]] = {n: [] for n in sizes}
+    schedulings = [s.strip() for s in args.scheduling.split(",")]
+    if not schedulings or set(schedulings) - {"sync", "async"}:
+        raise SystemExit(f"vllm-capture-cost: --scheduling takes sync, async or both, not {args.scheduling!r}")
+    cases = [(mode, n) for mode in schedulings for n in sizes]
+    # per case, one dict per run: plain and captured medians, what the capture added (wall and CPU),
+    # its hooks and bytes per step
+    runs: dict[tuple[str, int], list[dict]] = {case: [] for case in cases}
     version = "?"
-    for _ in range(max(1, args.repeats)):   # interleaved: a load that changes meets every size alike
-        for n in sizes:
-            m = measure(args.vllm_python, n, args)
+    for _ in range(max(1, args.repeats)):   # interleaved: a load that changes meets every case alike
+        for mode, n in cases:
+            m = measure(args.vllm_python, n, args, asynchronous=mode == "async")
             version = m["vllm_version"]
             if m["running"] != {"plain": n, "captured": n}:
-                raise SystemExit(f"vllm-capture-cost: not all {n} requests ran: {m['running']}")
+                raise SystemExit(f"vllm-capture-cost: not all {n} requests ran ({mode}): {m['running']}")
             plain, captured = statistics.median(m["times"]["plain"]), statistics.median(m["times"]["captured"])
+            cpu = {name: statistics.median(m["cpu_times"][name]) for name in ("plain", "captured")}
             steps = len(m["times"]["captured"])
-            runs[n].append({"plain": plain, "captured": captured, "added": captured - plain,
-                            "hooks": m["hook_s"] / steps, "bytes": m["bytes"] / steps})
+            runs[mode, n].append({"plain": plain, "captured": captured, "added": captured - plain,
+                                  "added_cpu": cpu["captured"] - cpu["plain"],
+                                  "hooks": m["hook_s"] / steps, "bytes": m["bytes"] / steps})
     rows, added, per_token_bytes = [], {}, []
-    for n in sizes:
-        med = {key: statistics.median(run[key] for run in runs[n]) for key in runs[n][0]}
-        added[n] = med["added"]
+    for mode, n in cases:
+        case_runs = runs[mode, n]
+        med = {key: statistics.median(run[key] for run in case_runs) for key in case_runs[0]}
+        added[mode, n] = med["added"]
         per_token_bytes.append(med["bytes"] / n)
-        spread = (f" ({min(r['added'] for r in runs[n]) * 1e3:+.3f} to {max(r['added'] for r in runs[n]) * 1e3:+.3f})"
-                  if len(runs[n]) > 1 else "")
-        rows.append([f"{n:,}", f"{med['plain'] * 1e3:.3f}", f"{med['captured'] * 1e3:.3f}",
-                     f"{added[n] * 1e3:+.3f}{spread}", f"{added[n] / n * 1e6:+.2f}", f"{med['hooks'] * 1e3:.3f}",
-                     f"{med['bytes']:,.0f}"])
-    repeats = len(runs[sizes[0]])
-    section.add(f"vLLM {version}'s Scheduler without a model, decode steps of N running requests ({args.prompt}-token "
-                f"prompts, block size {args.block_size}, every request running), plain and captured alternating, "
-                f"{args.steps} timed steps each after {args.warmup}; medians of per-step time"
+        spread = (f" ({min(r['added'] for r in case_runs) * 1e3:+.3f} to "
+                  f"{max(r['added'] for r in case_runs) * 1e3:+.3f})" if len(case_runs) > 1 else "")
+        rows.append([mode, f"{n:,}", f"{med['plain'] * 1e3:.3f}", f"{med['captured'] * 1e3:.3f}",
+                     f"{med['added'] * 1e3:+.3f}{spread}", f"{med['added_cpu'] * 1e3:+.3f}",
+                     f"{med['added'] / n * 1e6:+.2f}", f"{med['hooks'] * 1e3:.3f}", f"{med['bytes']:,.0f}"])
+    repeats = len(runs[cases[0]])
+    section.add(f"vLLM {version}'s Scheduler (sync) and AsyncScheduler (async, batch-queue steps) without a model, "
+                f"decode steps of N running requests ({args.prompt}-token prompts, block size {args.block_size}, "
+                f"every request running), plain and captured alternating, {args.steps} timed steps each after "
+                f"{args.warmup}; medians of per-step time (CPU: the driver thread's)"
                 + (f", then the median of {repeats} interleaved runs (added: its range over them)." if repeats > 1
                    else "."))
-    section.add(markdown_table(["running", "plain ms/step", "captured ms/step", "added ms/step",
-                                "added µs per running", "capture hooks ms/step", "bytes/step"], rows))
+    section.add(markdown_table(["scheduling", "running", "plain ms/step", "captured ms/step", "added ms/step",
+                                "added CPU ms/step", "added µs per running", "capture hooks ms/step",
+                                "bytes/step"], rows))
     bytes_per_token = statistics.median(per_token_bytes)
     per_hour = 3600 * args.rate * args.output_tokens * bytes_per_token
     section.add(f"The capture writes about {bytes_per_token:.1f} bytes per generated token (median over the sizes; "
                 f"token, step and KV-event rows, pickled): at {args.rate:g} requests/s of {args.output_tokens} "
                 f"output tokens that is **{per_hour / 1e9:.2f} GB per hour** ({per_hour * 24 / 1e9:.1f} GB a day).")
-    target = 1024 if 1024 in added else sizes[-1]
-    linear = added[sizes[-1]] / sizes[-1] <= 1.5 * max(added[sizes[0]] / sizes[0], 1e-7)
-    others = ", ".join(f"{added[n] * 1e3:+.3f} ms at {n:,}" for n in sizes if n != target)
-    headline = (f"the capture adds {added[target] * 1e3:+.3f} ms per step at {target:,} running"
-                f"{f' ({others})' if others else ''}; "
-                f"goal ≤ 1 ms at 1,024 and no faster than the running count: "
-                f"{('met' if added[target] <= 1e-3 and linear else 'missed') if target == 1024 else 'not measured'}")
+    target = 1024 if 1024 in sizes else sizes[-1]
+    parts, met = [], True
+    for mode in schedulings:
+        linear = added[mode, sizes[-1]] / sizes[-1] <= 1.5 * max(added[mode, sizes[0]] / sizes[0], 1e-7)
+        met = met and added[mode, target] <= 1e-3 and linear
+        others = ", ".join(f"{added[mode, n] * 1e3:+.3f} ms at {n:,}" for n in sizes if n != target)
+        parts.append(f"{mode} {added[mode, target] * 1e3:+.3f} ms per step at {target:,} running"
+                     f"{f' ({others})' if others else ''}")
+    headline = (f"the capture adds {'; '.join(parts)}; goal ≤ 1 ms at 1,024 and no faster than the running count: "
+                f"{('met' if met else 'missed') if target == 1024 else 'not measured'}")
     if args.no_write:
         print(headline)
     else:

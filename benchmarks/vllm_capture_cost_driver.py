@@ -1,14 +1,17 @@
 """The vLLM side of `python -m benchmarks vllm-capture-cost`: runs in a vLLM venv (standard library,
 vLLM and, on PYTHONPATH, kvtrace's capture package), one size per process.
 
-    python vllm_capture_cost_driver.py MODEL_FOLDER '{"running": 1024, "steps": 60, ...}'
+    python vllm_capture_cost_driver.py MODEL_FOLDER '{"running": 1024, "steps": 60, "async": false, ...}'
 
 Builds vLLM's own scheduler and kvtrace's capture class the way the scheduler differential's driver
 does (tests/vllm_sched/vllm_driver.py's `build`: vLLM's unit tests' configs, no model), gives each
 the same `running` requests (prompt tokens, a long max_tokens, a pool that holds them all), steps
 both until every request runs, then times `warmup + steps` decode steps (schedule, the placeholder
-model output, update_from_output) alternating plain, captured, plain, ... Prints one JSON line:
-per-step seconds of each, the capture's hook time and the bytes its chunks took over the timed steps.
+model output, update_from_output) alternating plain, captured, plain, ... With "async" both are
+vLLM's AsyncScheduler and a step is the engine core's batch-queue step: schedule this step, then
+process the previous step's output. Prints one JSON line: per-step seconds of each, wall and CPU
+(this thread's: what other processes of a shared machine take is not in it), the capture's hook time
+and the bytes its chunks took over the timed steps.
 """
 from __future__ import annotations
 
@@ -45,7 +48,8 @@ def main() -> int:
     per_request = -(-(prompt + max_tokens) // bs)
     cfg = {"block_size": bs, "num_blocks": n * per_request + 16, "max_num_seqs": n,
            "max_num_batched_tokens": max(n * prompt, 2048), "max_model_len": prompt + max_tokens + 1,
-           "long_prefill_token_threshold": 0, "policy": "fcfs", "async": False, "enable_prefix_caching": True}
+           "long_prefill_token_threshold": 0, "policy": "fcfs", "async": bool(opts.get("async")),
+           "enable_prefix_caching": True}
     folder = tempfile.mkdtemp(prefix="kvtrace-capture-cost-")
     os.environ["KVTRACE_CAPTURE_DIR"] = folder
     os.environ.pop("KVTRACE_CAPTURE_SELF_CHECK", None)
@@ -60,16 +64,25 @@ def main() -> int:
                                       sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                                       pooling_params=None, arrival_time=time.time(), block_hasher=hasher))
     times = {name: [] for name in schedulers}
+    cpu_times = {name: [] for name in schedulers}
+    previous = dict.fromkeys(schedulers)   # async: the step whose output the next step processes
 
-    def step(sched) -> float:
-        start = time.perf_counter()
+    def step(name: str) -> tuple[float, float]:
+        sched = schedulers[name]
+        start, cpu_start = time.perf_counter(), time.thread_time()
         so = sched.schedule()
-        sched.update_from_output(so, vllm_driver.output_for(sched, so))
-        return time.perf_counter() - start
+        executed = vllm_driver.output_for(sched, so)
+        if cfg["async"]:
+            if previous[name] is not None:
+                sched.update_from_output(*previous[name])
+            previous[name] = (so, executed)
+        else:
+            sched.update_from_output(so, executed)
+        return time.perf_counter() - start, time.thread_time() - cpu_start
 
-    for sched in schedulers.values():   # every request admitted and past its prefill
+    for name, sched in schedulers.items():   # every request admitted and past its prefill
         while len(sched.running) < n or any(r.num_output_tokens == 0 for r in sched.running):
-            step(sched)
+            step(name)
     cap = schedulers["captured"]._kvtrace
     for i in range(warmup + steps):
         if i == warmup:
@@ -77,12 +90,14 @@ def main() -> int:
             bytes_before, hook_before = cap.sink.num_bytes, cap.hook_s
         order = ("plain", "captured") if i % 2 == 0 else ("captured", "plain")
         for name in order:
-            t = step(schedulers[name])
+            t, cpu = step(name)
             if i >= warmup:
                 times[name].append(t)
+                cpu_times[name].append(cpu)
     cap.sink.flush()
     running = {name: len(s.running) for name, s in schedulers.items()}
-    out.write(json.dumps({"running": running, "times": times, "hook_s": cap.hook_s - hook_before,
+    out.write(json.dumps({"running": running, "times": times, "cpu_times": cpu_times,
+                          "hook_s": cap.hook_s - hook_before,
                           "bytes": cap.sink.num_bytes - bytes_before,
                           "vllm_version": __import__("vllm").__version__}) + "\n")
     for sched in schedulers.values():

@@ -9,6 +9,7 @@ else of this environment leaks into vLLM's.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -140,9 +141,12 @@ def model_folder(model: str) -> Path:
 
 
 def capture_path() -> Path:
-    """A folder whose only entry is a link to this kvtrace package: what vLLM's Python gets on its path."""
+    """A folder whose only entry is a link to this kvtrace package: what vLLM's Python gets on its path.
+    One folder per package (its path's hash in the name): two checkouts of kvtrace used at once (git
+    worktrees, a wheel beside an editable install) never point each other's vLLM at the wrong code."""
     package = Path(kvtrace.__file__).resolve().parent
-    root = Path(tempfile.gettempdir()) / f"kvtrace-capture-path-{os.getuid()}"
+    digest = hashlib.blake2b(str(package).encode(), digest_size=4).hexdigest()
+    root = Path(tempfile.gettempdir()) / f"kvtrace-capture-path-{os.getuid()}-{digest}"
     link = root / "kvtrace"
     if not (link.is_symlink() and link.resolve() == package):
         root.mkdir(exist_ok=True)

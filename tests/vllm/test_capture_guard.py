@@ -9,11 +9,13 @@ import pytest
 from kvtrace.vllm.capture import guard
 
 
-def _methods(name: str, methods: dict[str, tuple[str, ...]]) -> type:
+def _methods(name: str, methods: dict[str, tuple[str, ...]], drop_local: str | None = None) -> type:
     namespace = {}
     for method, params in methods.items():
         args = ", ".join(["self", *params])
-        exec(f"def {method}({args}): pass", namespace)   # a method with exactly these parameters
+        local_names = [n for n in guard.FRAME_LOCALS.get((name, method), ()) if n not in params and n != drop_local]
+        body = "; ".join(f"{n} = None" for n in local_names) or "pass"
+        exec(f"def {method}({args}): {body}", namespace)   # exactly these parameters, and the locals read
     return type(name, (), {m: namespace[m] for m in methods})
 
 
@@ -27,7 +29,8 @@ def classes(drop: tuple[str, str] | None = None) -> list[type]:
     def without(what, names):
         return {k: v for k, v in names.items() if (what, k) != drop} if isinstance(names, dict) else \
             tuple(n for n in names if (what, n) != drop)
-    return [_methods("Scheduler", without("Scheduler", guard.SCHEDULER_METHODS)),
+    return [_methods("Scheduler", without("Scheduler", guard.SCHEDULER_METHODS),
+                     drop_local=drop[1] if drop and drop[0] == "Scheduler.schedule" else None),
             _methods("KVCacheManager", without("KVCacheManager", guard.KV_CACHE_MANAGER_METHODS)),
             _methods("BlockPool", without("BlockPool", guard.BLOCK_POOL_METHODS)),
             _fields("KVCacheBlock", without("KVCacheBlock", guard.BLOCK_FIELDS)),
@@ -65,3 +68,10 @@ def test_versions_outside_the_tested_ones_are_refused():
     guard.check_version("0.33.1")
     with pytest.raises(guard.VllmChanged, match="vLLM 0.34.0 is outside the versions this capture supports"):
         guard.check_version("0.34.0")
+
+
+def test_a_local_the_capture_reads_is_checked():
+    """The running request a preemption serves is read in vLLM's schedule's frame (scheduler.py's
+    `requester`): a schedule without that local is refused, by name."""
+    with pytest.raises(guard.VllmChanged, match=r"^vLLM changed: Scheduler\.schedule has no local 'request'"):
+        guard.check_classes(*classes(("Scheduler.schedule", "request")))

@@ -37,6 +37,9 @@ BLOCK_POOL_METHODS = {
     "_maybe_evict_cached_block": ("block",),
     "get_num_free_blocks": (),
 }
+# locals the capture reads in vLLM's frames (scheduler.py's `allocating` and `requester`): the request
+# of a running request's allocate_slots, and the running request the schedule loop preempts for
+FRAME_LOCALS = {("Scheduler", "schedule"): ("request",), ("KVCacheManager", "allocate_slots"): ("request",)}
 BLOCK_FIELDS = ("block_id", "ref_cnt", "block_hash", "is_null")
 REQUEST_FIELDS = ("request_id", "status", "num_computed_tokens", "num_tokens", "num_prompt_tokens", "max_tokens",
                   "num_output_tokens", "arrival_time", "priority", "num_output_placeholders", "is_prefill_chunk")
@@ -83,6 +86,18 @@ def _check_methods(owner: object, what: str, methods: dict[str, tuple[str, ...]]
                               f"(it takes {', '.join(signature.parameters)})")
 
 
+def _check_locals(owner: type, what: str, name: str, names: tuple[str, ...]) -> None:
+    # vLLM's own function, not a kvtrace subclass's wrapper of it
+    function = next((k.__dict__[name] for k in getattr(owner, "__mro__", (owner,))
+                     if name in k.__dict__ and not k.__module__.startswith("kvtrace.")), None)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        raise VllmChanged(f"vLLM changed: {what}.{name} is not a Python function (the capture reads its locals)")
+    missing = [n for n in names if n not in code.co_varnames + code.co_cellvars]   # a cell: a closure reads it
+    if missing:
+        raise VllmChanged(f"vLLM changed: {what}.{name} has no local {missing[0]!r} (the capture reads it)")
+
+
 def _fields_of(cls: type) -> set[str]:
     names = set(dir(cls))
     if dataclasses.is_dataclass(cls):
@@ -101,6 +116,9 @@ def check_classes(scheduler_cls: type, kv_cache_manager_cls: type, block_pool_cl
     _check_methods(scheduler_cls, "Scheduler", SCHEDULER_METHODS)
     _check_methods(kv_cache_manager_cls, "KVCacheManager", KV_CACHE_MANAGER_METHODS)
     _check_methods(block_pool_cls, "BlockPool", BLOCK_POOL_METHODS)
+    owners = {"Scheduler": scheduler_cls, "KVCacheManager": kv_cache_manager_cls}
+    for (what, name), names in FRAME_LOCALS.items():
+        _check_locals(owners[what], what, name, names)
     fields = _fields_of(block_cls)
     for name in BLOCK_FIELDS:
         if name not in fields:
@@ -129,6 +147,8 @@ def check_instance(scheduler: object) -> None:
     for name in SCHEDULER_FIELDS:
         if not hasattr(scheduler, name):
             raise VllmChanged(f"vLLM changed: Scheduler.{name} is gone")
+    if not callable(getattr(scheduler.waiting, "peek_request", None)):
+        raise VllmChanged("vLLM changed: Scheduler.waiting has no peek_request (the capture wraps it)")
     pool = getattr(scheduler.kv_cache_manager, "block_pool", None)
     for name in ("num_gpu_blocks", "null_block", "blocks"):
         if not hasattr(pool, name):

@@ -13,8 +13,10 @@ from the captured events with the pool's own.
 
 What is wrapped, and nothing else (vLLM is not patched globally, and nothing changes a decision):
 the scheduler's own `schedule`, `update_from_output`, `_preempt_request`, `_free_request` and
-`reset_prefix_cache`, and on this scheduler's own KV cache manager and block pool the instance's
-`allocate_slots`, `free`, `get_new_blocks`, `free_blocks`, `touch` and `_maybe_evict_cached_block`.
+`reset_prefix_cache`, the `peek_request` of its waiting queues, and on this scheduler's own KV cache
+manager and block pool the instance's `free`, `get_new_blocks`, `free_blocks`, `touch` and
+`_maybe_evict_cached_block`, and `allocate_slots` from the waiting loop's first `peek_request` to the
+end of the step (admissions).
 Events are kept as tuples during a step and turned into columns once per step; request ids are
 vLLM's (with the random suffix its frontend adds), mapped back to the workload's by the importer.
 
@@ -22,8 +24,11 @@ What a step costs: the running requests are many (1,024 and more) and nearly all
 per request the capture does only what must be recorded, in bulk: the tokens rows (a few C-level
 passes over the step's outputs) and the KV tokens of the step's row (one pass over the running
 requests). Requests that need a closer look (admitted and still prefilling, or re-prefilling after
-a preemption) are `watched`; a decoding request's `allocate_slots` wrapper only notes the request,
-and why it got new blocks is worked out only when it gets some (the vllm-capture-cost benchmark).
+a preemption) are `watched`. The running loop's `allocate_slots`, called for every running request,
+is vLLM's own, unwrapped: when it does call the block pool (a request's new block, every
+block-size tokens), the wrapper finds the request in that allocate_slots call's frame, and a
+preemption finds the request it serves (its requester) in the frame of vLLM's schedule; the guard
+checks both locals by name (the vllm-capture-cost benchmark).
 """
 from __future__ import annotations
 
@@ -34,7 +39,9 @@ import logging
 import operator
 import os
 import secrets
+import sys
 import time
+from collections import Counter
 from datetime import datetime, timezone
 from itertools import chain, repeat
 from pathlib import Path
@@ -131,14 +138,13 @@ class _Capture:
         # the requests whose steps need more than "a decode step": admitted and not yet past their
         # (re-)prefill; every other scheduled request decodes, which the step's totals account for
         self.watched: dict[str, _ReqState] = {}
-        self.emitted: dict[str, int] = {}                  # tokens delivered per request so far (tokens.idx)
+        self.emitted: Counter[str] = Counter()             # tokens delivered per request so far (tokens.idx)
         self.step_start = 0.0
         # (kind, req, blocks, num_tokens, reason, cached, recomputed[, requester, victim_reason])
         self.events: list[tuple] = []
         self.seq = 0
         self.step = -1
         self.step_preemptions = 0
-        self.needing = ""                                  # the running request whose allocate_slots last failed
         self.admit_failed = False                          # a waiting request's allocate_slots failed this step
         # vLLM's victim: the least urgent (priority policy), else the newest, running[-1]
         self.victim_reason = "lowest-priority" if scheduler.policy == SchedulingPolicy.PRIORITY else "newest"
@@ -150,6 +156,14 @@ class _Capture:
         self.pending: dict[int, tuple] = {}
         self.finishing: list[tuple[Request, _ReqState]] = []
         self.current: Request | None = None                # the request a block-pool call is for
+        # the running loop's allocate_slots is not wrapped (it is called for every running request);
+        # a block-pool call made inside it finds its request in that call's frame (`allocating`), and
+        # a preemption its requester in the frame of vLLM's schedule (`requester`)
+        self.allocate_slots_code = type(kvm).allocate_slots.__code__
+        self.schedule_code = super(_CaptureMixin, scheduler).schedule.__func__.__code__
+        self.admitting = False                             # the admission wrapper is on allocate_slots
+        self.allocate_slots = kvm.allocate_slots           # what the admission wrapper calls
+        self.allocate_slots_before = None                  # the instance's own allocate_slots before it, if any
         self.free_reason = "other"
         self.cached_free = 0                               # free blocks that still hold a prefix-cache hash
         self.self_check = os.environ.get("KVTRACE_CAPTURE_SELF_CHECK") == "1"
@@ -221,14 +235,14 @@ class _Capture:
         pool, kvm, cap = self.pool, self.kvm, self
         get_new_blocks, free_blocks = pool.get_new_blocks, pool.free_blocks
         touch, maybe_evict = pool.touch, pool._maybe_evict_cached_block
-        allocate_slots, free = kvm.allocate_slots, kvm.free
+        free = kvm.free
 
         def get_new_blocks_(num_blocks):
             blocks = get_new_blocks(num_blocks)
             if blocks:
                 # why, from the request's state inside allocate_slots (which changes none of it): only a
                 # step that allocates works it out, so a decode step's allocate_slots stays cheap
-                request = cap.current
+                request = cap.current or cap.allocating()
                 if request is None:
                     rid, alloc_reason = "", "other"
                 else:
@@ -246,7 +260,7 @@ class _Capture:
             freed = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
             if freed:
                 cap.cached_free += sum(1 for b in freed if b.block_hash is not None)
-                request = cap.current
+                request = cap.current or cap.allocating()
                 cap.events.append(("free", request.request_id if request is not None else "",
                                    [b.block_id for b in freed], 0, cap.free_reason, 0, 0))
 
@@ -264,29 +278,23 @@ class _Capture:
                 cap.events.append(("evict", "", [block.block_id], 0, None, 0, 0))
             return evicted
 
-        # called for every running request every step: as little as can be done here
+        # on allocate_slots only from the waiting loop's first request to the end of the step (`peek_request_`):
+        # the running loop calls allocate_slots for every running request, and needs no wrapper
         def allocate_slots_(request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
                             *args, **kwargs):
             status = request.status   # the scheduler changes it only after allocate_slots
             if status in ADMITTING:
                 return admit_slots(request, status, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                                    args, kwargs)
-            cap.current = request
-            try:
-                result = allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                                        *args, **kwargs)
-            finally:
-                cap.current = None
-            if result is None:   # vLLM preempts for it
-                cap.needing = request.request_id
-            return result
+            return cap.allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                      *args, **kwargs)
 
         def admit_slots(request, status, num_new_tokens, num_new_computed_tokens, new_computed_blocks, args, kwargs):
             cap.current = request
             mark = len(cap.events)
             try:
-                result = allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                                        *args, **kwargs)
+                result = cap.allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                            *args, **kwargs)
             finally:
                 cap.current = None
             if result is None:   # vLLM stops admitting
@@ -302,12 +310,60 @@ class _Capture:
             finally:
                 cap.current = None
 
+        def wrap_peek(queue):
+            peek = queue.peek_request
+
+            def peek_request_():
+                if not cap.admitting:   # the waiting loop has begun: admissions are watched from here on
+                    cap.admitting = True
+                    # whatever allocate_slots is now (vLLM's, or another instance wrapper's) stays under ours
+                    cap.allocate_slots_before = kvm.__dict__.get("allocate_slots")
+                    cap.allocate_slots = kvm.allocate_slots
+                    kvm.allocate_slots = allocate_slots_
+                return peek()
+            queue.peek_request = peek_request_
+
         pool.get_new_blocks = get_new_blocks_
         pool.free_blocks = free_blocks_
         pool.touch = touch_
         pool._maybe_evict_cached_block = maybe_evict_
-        kvm.allocate_slots = allocate_slots_
         kvm.free = free_
+        for name in ("waiting", "kv_holding_waiting"):
+            if hasattr(self.scheduler, name):
+                wrap_peek(getattr(self.scheduler, name))
+
+    def end_admitting(self) -> None:
+        """The step's scheduling is over: the running loop of the next calls vLLM's own allocate_slots."""
+        if self.admitting:
+            self.admitting = False
+            if self.allocate_slots_before is None:
+                del self.kvm.allocate_slots
+            else:
+                self.kvm.allocate_slots = self.allocate_slots_before
+
+    def allocating(self) -> Request | None:
+        """The request of the allocate_slots call that a block-pool call is made in (None outside one)."""
+        frame = sys._getframe(2)   # the caller of the block-pool wrapper
+        for _ in range(8):         # allocate_slots -> coordinator -> its manager -> the pool
+            if frame is None:
+                return None
+            if frame.f_code is self.allocate_slots_code:
+                return frame.f_locals.get("request")
+            frame = frame.f_back
+        return None
+
+    def requester(self, frame) -> str | None:
+        """The running request whose allocate_slots failed, when vLLM's schedule (`frame`, the caller of
+        `_preempt_request`, or a few frames up where something else wraps it on the instance) preempts
+        for it: its running loop's `request`; None for a preemption from anywhere else
+        (reset_prefix_cache)."""
+        for _ in range(4):
+            if frame is None:
+                return None
+            if frame.f_code is self.schedule_code:
+                return getattr(frame.f_locals.get("request"), "request_id", None)
+            frame = frame.f_back
+        return None
 
     def admitted(self, request: Request, status, num_hit: int, hit_blocks, mark: int) -> None:
         """A waiting or preempted request got its blocks: it is scheduled this step."""
@@ -419,7 +475,7 @@ class _Capture:
             return "blocks"                        # allocate_slots refused a waiting request
         return "other"
 
-    def preempting(self, request: Request) -> None:
+    def preempting(self, request: Request, caller) -> None:
         rid = request.request_id
         st = self.state(rid)
         blocks = [b for b in self.kvm.get_block_ids(rid)[0] if b != self.null_id]
@@ -432,7 +488,7 @@ class _Capture:
         # vLLM preempts inside the allocate_slots loop of the running request it could not serve
         # (that request itself when it is the newest); the victim is running[-1] or the least urgent
         self.events.append(("preempt", rid, blocks, request.num_computed_tokens, "recompute", 0, 0,
-                            self.needing or None, self.victim_reason))
+                            self.requester(caller), self.victim_reason))
         st.preemptions += 1
         self.step_preemptions += 1
 
@@ -482,7 +538,7 @@ class _Capture:
         if list(map(len, new_token_ids)).count(1) == m:
             # a decode step, one token each: in bulk, no Python per request but the two lists above
             idx = list(map(emitted.get, req_ids, repeat(0)))
-            emitted.update(zip(req_ids, map((1).__add__, idx)))
+            emitted.update(req_ids)   # a Counter: one more each, counted in C
             if 0 in idx:
                 for rid, i in zip(req_ids, idx):
                     if i == 0:
@@ -680,8 +736,11 @@ class _CaptureMixin:
         start = cap.step_start = time.monotonic()
         cap.step += 1
         cap.step_preemptions = 0
-        cap.needing, cap.admit_failed = "", False
-        out = super().schedule(*args, **kwargs)
+        cap.admit_failed = False
+        try:
+            out = super().schedule(*args, **kwargs)
+        finally:
+            cap.end_admitting()
         cap.after_schedule(out, start)
         return out
 
@@ -696,7 +755,7 @@ class _CaptureMixin:
         cap = self._kvtrace
         if cap is None:
             return super()._preempt_request(request, *args, **kwargs)
-        cap.preempting(request)
+        cap.preempting(request, sys._getframe(1))
         cap.free_reason = "preempt"
         try:
             return super()._preempt_request(request, *args, **kwargs)
