@@ -16,6 +16,13 @@ vLLM's own decisions every step. Checked here, on kvtrace's side, for every work
 
 KVTRACE_CAPTURE_WORKLOADS sets the workloads per scheduler class and version (default 30). The last
 test runs `python -m benchmarks vllm-capture-cost` at 8 requests, on the last vLLM Python given.
+
+KVTRACE_CAPTURE_DRIVERS (socket paths, os.pathsep between them) sends the tests marked `vllm_driver` to
+drivers already running (`vllm_driver.py --serve`, one per vLLM venv), a session each, in which the
+capture is this checkout's kvtrace/vllm/capture/scheduler.py loaded by its path: scripts/mutation.py's
+mode for the capture, which plants a mutant in a scratch copy and runs these tests there, a vLLM
+import for the whole run rather than one per mutant. A failing workload is then not shrunk (a mutant
+needs only to fail).
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 
 from tests.helpers.vllm_runs import VLLM_MARKS
 from tests.vllm_sched.differential import VllmScheduler
@@ -37,13 +44,20 @@ from tests.vllm_sched.workloads import workloads
 pytestmark = VLLM_MARKS
 
 NUM_WORKLOADS = int(os.environ.get("KVTRACE_CAPTURE_WORKLOADS", "30"))
+DRIVERS = [p for p in os.environ.get("KVTRACE_CAPTURE_DRIVERS", "").split(os.pathsep) if p]
+# a mutant needs only to fail: no shrinking of its failing workload
+PHASES = (Phase.explicit, Phase.generate) if DRIVERS else tuple(Phase)
 
 
-@pytest.fixture(scope="module", params=PYTHONS or ["none"], ids=venv_name)
+@pytest.fixture(scope="module", params=DRIVERS or PYTHONS or ["none"],
+                ids=lambda p: f"driver{DRIVERS.index(p)}" if p in DRIVERS else venv_name(p))
 def vllm(request):
     from kvtrace.vllm.record import model_folder
 
-    scheduler = VllmScheduler(request.param, str(model_folder("smollm2-135m")), capture=True)
+    if DRIVERS:
+        scheduler = VllmScheduler("", "", capture=True, socket=request.param)
+    else:
+        scheduler = VllmScheduler(request.param, str(model_folder("smollm2-135m")), capture=True)
     yield scheduler
     scheduler.close()
 
@@ -142,13 +156,14 @@ def capture_differences(workload: dict, records: list[dict], answer: dict) -> li
     return problems
 
 
+@pytest.mark.vllm_driver
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
 def test_capture_records_what_vllm_decided(vllm, asynchronous):
     root = Path(tempfile.mkdtemp(prefix="kvtrace-capture-on-vllm-"))
     counts = {"workloads": 0, "preempting": 0, "hitting": 0}
 
     @settings(max_examples=NUM_WORKLOADS, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+              suppress_health_check=list(HealthCheck), phases=PHASES)
     @given(workloads(asynchronous))
     def check(workload):
         folder = root / f"w{counts['workloads']}"
