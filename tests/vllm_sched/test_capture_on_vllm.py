@@ -12,7 +12,12 @@ vLLM's own decisions every step. Checked here, on kvtrace's side, for every work
 - per step, the admissions (new or resumed, prefix-hit tokens, every block given) and their order,
   the victims in order, the new blocks of running requests and the requests freed are vLLM's;
 - block accounting balances: a block allocated is held by no request, a freed block was the
-  request's, nothing is held at the end, the pool is whole again, and every request has its row.
+  request's, nothing is held at the end, the pool is whole again, and every request has its row;
+- the capture's tables are kvtrace's own trace of the same workload (its simulator, which makes vLLM's
+  decisions: test_sched_differential.py): every steps row (tokens by kind, queues, pool, KV tokens,
+  why admission stopped), every kv_events row (kind, request, blocks, tokens, reason, cached and
+  recomputed positions, a preemption's requester and victim reason), the step each token was
+  emitted in, every request's row; and an arrivals row per request with its prompt and limits.
 
 KVTRACE_CAPTURE_WORKLOADS sets the workloads per scheduler class and version (default 30). The last
 test runs `python -m benchmarks vllm-capture-cost` at 8 requests, on the last vLLM Python given.
@@ -36,7 +41,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
+from engine.config import VLLM_VERSIONS
 from tests.helpers.vllm_runs import VLLM_MARKS
+from tests.vllm_sched import kvtrace_side
 from tests.vllm_sched.differential import VllmScheduler
 from tests.vllm_sched.test_sched_differential import PYTHONS, venv_name
 from tests.vllm_sched.workloads import workloads
@@ -156,6 +163,94 @@ def capture_differences(workload: dict, records: list[dict], answer: dict) -> li
     return problems
 
 
+STEP_COLUMNS = ["step", "prefill_tokens", "decode_tokens", "recompute_tokens", "running", "waiting", "preemptions",
+                "free_blocks", "used_blocks", "cached_blocks", "total_blocks", "kv_tokens", "admission_stop"]
+EVENT_COLUMNS = ["step", "kind", "req_id", "blocks", "num_tokens", "reason", "num_cached_tokens",
+                 "num_recomputed_tokens", "requester_req_id", "victim_reason"]
+REQUEST_COLUMNS = ["req_id", "prompt_tokens", "max_tokens", "priority", "output_tokens", "finish_reason", "preemptions",
+                   "recomputed_tokens", "prefix_hit_tokens"]
+
+
+class KeepSteps:
+    """kvtrace's engine's tracer: every step record."""
+
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def on_step(self, record) -> None:
+        self.records.append(record)
+
+
+def kvtrace_tables(records: list) -> dict[str, list]:
+    """kvtrace's own trace of a workload, as the rows compared with the capture's (request ids as the
+    driver names vLLM's requests, "id:sample")."""
+    def rid(req_id, sample):
+        return f"{req_id}:{sample}" if req_id else (req_id or "")
+    tables: dict[str, list] = {"steps": [], "kv_events": [], "tokens": [], "requests": []}
+    for r in records:
+        tables["steps"].append((r.step, r.num_prefill_tokens, r.num_decode_tokens, r.num_recompute_tokens,
+                                r.num_running, r.num_waiting, r.num_preemptions, r.num_free_blocks, r.num_used_blocks,
+                                r.num_cached_blocks, r.num_total_blocks, r.num_kv_tokens, r.admission_stop))
+        for e in sorted(r.events, key=lambda e: e.seq):
+            tables["kv_events"].append((r.step, e.kind, rid(e.req_id, e.sample), list(e.blocks or []), e.num_tokens,
+                                        e.reason, e.num_cached_tokens, e.num_recomputed_tokens,
+                                        rid(e.requester_req_id, e.requester_sample) or None, e.victim_reason))
+        tables["tokens"] += [(rid(q, s), i, r.step) for q, s, i in zip(r.token_req_ids, r.token_samples, r.token_idx)]
+        tables["requests"] += [(rid(q.req_id, q.sample), q.prompt_tokens, q.max_tokens, q.priority, q.output_tokens,
+                                q.finish_reason, q.preemptions, q.recomputed_tokens, q.prefix_hit_tokens)
+                               for q in r.finished]
+    return tables
+
+
+def capture_tables(columns: dict) -> dict[str, list]:
+    """The capture's tables as the same rows."""
+    def rows(table: str, names: list[str]) -> list[tuple]:
+        c = columns[table]
+        return [tuple(list(v or []) if n == "blocks" else v for n, v in zip(names, row))
+                for row in zip(*(c[n] for n in names))]
+    k = columns["kv_events"]
+    order = sorted(range(len(k["seq"])), key=lambda i: k["seq"][i])
+    events = rows("kv_events", EVENT_COLUMNS)
+    return {"steps": sorted(rows("steps", STEP_COLUMNS)), "kv_events": [events[i] for i in order],
+            "tokens": rows("tokens", ["req_id", "idx", "step"]), "requests": rows("requests", REQUEST_COLUMNS)}
+
+
+def trace_differences(workload: dict, records: list[dict], answer: dict, vllm_version: str) -> list[str]:
+    """Where the capture's tables are not kvtrace's own trace of the workload (empty: nowhere).
+
+    One difference is the driver's own, not the capture's: the driver takes the cached blocks of a
+    victim scheduled earlier in its step out of the prefix cache just before vLLM preempts it (the
+    Recorder's "uncached"), with evict events kvtrace's engine does not write in the same places: evict
+    events are compared (as a set) only in workloads where that never happens, the others in order."""
+    from kvtrace.vllm.importer import read_chunks
+
+    keep = KeepSteps()
+    kvtrace_side.run(workload, vllm_version=vllm_version, tracer=keep)
+    mine, theirs = kvtrace_tables(keep.records), capture_tables(read_chunks(Path(answer["capture"])))
+    for tables in (mine, theirs):
+        evicts = sorted((e for e in tables["kv_events"] if e[1] == "evict"), key=repr)
+        tables["kv_events"] = [e for e in tables["kv_events"] if e[1] != "evict"]
+        if not any(r["uncached"] for r in records):
+            tables["evict events"] = evicts
+        tables["tokens"].sort()
+        tables["requests"].sort()
+    problems = []
+    for table, rows in mine.items():
+        if rows != theirs[table]:
+            at = next((i for i, (a, b) in enumerate(zip(rows, theirs[table])) if a != b), min(len(rows), len(theirs[table])))
+            problems.append(f"{table}: {len(rows)} rows in kvtrace's trace, {len(theirs[table])} captured; the first "
+                            f"differing, row {at}: kvtrace {rows[at:at + 1]}, captured {theirs[table][at:at + 1]}")
+    arrivals = read_chunks(Path(answer["capture"]))["arrivals"]
+    samples = [(f"{r['id']}:{i}", len(r["prompt"]), r["max_tokens"], r.get("priority", 0), len(r["prompt"])
+                // workload["config"]["block_size"] if workload["config"]["enable_prefix_caching"] else None)
+               for r in workload["requests"] for i in range(r.get("n", 1))]
+    got = [(q, p, m, pr, len(h) if workload["config"]["enable_prefix_caching"] else None) for q, p, m, pr, h in
+           zip(*(arrivals[c] for c in ("req_id", "prompt_tokens", "max_tokens", "priority", "block_hashes")))]
+    if sorted(got) != sorted(samples):
+        problems.append(f"arrivals {sorted(got)}, the workload's {sorted(samples)}")
+    return problems
+
+
 @pytest.mark.vllm_driver
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
 def test_capture_records_what_vllm_decided(vllm, asynchronous):
@@ -171,6 +266,8 @@ def test_capture_records_what_vllm_decided(vllm, asynchronous):
         answer = vllm.answer({**workload, "capture_dir": str(folder)})
         records = answer["steps"]
         problems = capture_differences(workload, records, answer)
+        if vllm.version in VLLM_VERSIONS:   # the versions kvtrace's scheduler follows
+            problems += trace_differences(workload, records, answer, vllm.version)
         assert not problems, (f"vLLM {vllm.version}, workload:\n{json.dumps(workload)}\n" + "\n".join(problems[:10]))
         counts["preempting"] += any(r["preempted"] for r in records)
         counts["hitting"] += any(a[2] for r in records for a in r["admitted"])
@@ -181,7 +278,8 @@ def test_capture_records_what_vllm_decided(vllm, asynchronous):
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"vLLM {vllm.version} {'AsyncScheduler' if asynchronous else 'Scheduler'} captured: {counts}")
-    assert counts["preempting"] and counts["hitting"], counts   # not vacuous
+    if not DRIVERS:   # the mutation check's few workloads per mutant are chosen (and known) to be these
+        assert counts["preempting"] and counts["hitting"], counts   # not vacuous
 
 
 def test_the_capture_cost_suite_runs_on_8_requests(capsys):
