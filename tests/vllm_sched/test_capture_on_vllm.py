@@ -251,6 +251,106 @@ def trace_differences(workload: dict, records: list[dict], answer: dict, vllm_ve
     return problems
 
 
+def table_differences(workload: dict, records: list[dict], answer: dict) -> list[str]:
+    """What the capture's own columns say otherwise than they must (empty: nothing): the clock (every
+    event and token stamped with its step's end, a request's first scheduling, first token and finish
+    with theirs, arrivals as vLLM's request stamped them), the columns a vLLM capture fills with
+    constants, token ids only when asked for (KVTRACE_CAPTURE_TOKEN_IDS, the workload's "token_ids"),
+    and the server's identity and summary (capture.json, done.json) as the workload configured it."""
+    from kvtrace.vllm.importer import read_chunks
+
+    folder = Path(answer["capture"])
+    c = read_chunks(folder)
+    cfg = workload["config"]
+    server = json.loads((folder / "capture.json").read_text())
+    done = json.loads((folder / "done.json").read_text())
+    problems: list[str] = []
+
+    def expect(what: str, got, want) -> None:
+        if got != want:
+            problems.append(f"{what}: {got!r}, expected {want!r}")
+
+    s, k, t, q, a = c["steps"], c["kv_events"], c["tokens"], c["requests"], c["arrivals"]
+    end = dict(zip(s["step"], s["end_s"]))
+    start = dict(zip(s["step"], s["start_s"]))
+    expect("steps rows whose start is after their end", [n for n, b, e in zip(s["step"], s["start_s"], s["end_s"]) if b > e], [])
+    expect("steps rows out of order", s["step"], sorted(s["step"]))
+    expect("steps start times out of order", [start[n] for n in sorted(start)], sorted(start.values()))
+    last = max(s["step"], default=-1)
+    no_output = [n for n, ms in zip(s["step"], s["device_ms"]) if ms is None]
+    # async: the driver's engine loop processes no output of a step that scheduled nothing, nor the
+    # last step's (vLLM's engine stops first): those rows have no device time, every other's is >= 0
+    unprocessed = sorted({n for n, r in enumerate(records) if not r["scheduled"]} | {last}) if cfg["async"] else []
+    expect("steps without a device time", no_output, unprocessed)
+    expect("negative device times", [ms for ms in s["device_ms"] if ms is not None and ms < 0], [])
+    expect("swapped", set(s["swapped"]) - {0}, set())
+    expect("total_blocks", set(s["total_blocks"]), {cfg["num_blocks"]} if s["step"] else set())
+    expect("used_blocks", [u for u, f in zip(s["used_blocks"], s["free_blocks"]) if u + f != cfg["num_blocks"]], [])
+    expect("events not stamped at their step's end", [i for i, (n, ts) in enumerate(zip(k["step"], k["ts_s"]))
+                                                       if ts != end[n]], [])
+    expect("event seq", k["seq"], list(range(len(k["seq"]))))
+    expect("event num_blocks", k["num_blocks"], [len(b) if b else 0 for b in k["blocks"]])
+    expect("event constant columns", {(x, y, z, w) for x, y, z, w in zip(k["sample"], k["bytes"], k["duration_ms"],
+                                                                        k["src_blocks"])}, {(0, 0, None, None)} if k["seq"] else set())
+    expect("requester_sample", [rs for r, rs in zip(k["requester_req_id"], k["requester_sample"]) if rs != (0 if r else None)], [])
+    expect("tokens not stamped at their step's end", [i for i, (n, ts) in enumerate(zip(t["step"], t["ts_s"]))
+                                                       if ts != end[n]], [])
+    expect("token samples", set(t["sample"]) - {0}, set())
+    want_ids = {-1} if workload.get("token_ids") else {None}
+    expect("token ids", set(t["token_id"]), want_ids if t["token_id"] else set())
+    first_token = {r: ts for r, i, ts in zip(t["req_id"], t["idx"], t["ts_s"]) if i == 0}
+    admitted = {}
+    finished = {}
+    for n, kind, r, ts in sorted(zip(k["seq"], k["kind"], k["req_id"], k["ts_s"])):
+        step = k["step"][n]
+        if kind == "admit":
+            admitted.setdefault(r, start[step])
+        elif kind == "finish":
+            finished[r] = ts
+    offset = server["wall_minus_monotonic"]
+    pending = sorted(workload["requests"], key=lambda r: r["arrival_step"])
+    # vLLM's arrival time (the driver's: its step, plus a microsecond per request before it) on the
+    # capture's clock; an arrival time of 0 is none: the request row has none, the arrivals row the
+    # time the scheduler took it
+    stamped = {f"{r['id']}:{i}": r["arrival_step"] + index * 1e-6
+               for index, r in enumerate(pending) for i in range(r.get("n", 1))}
+    arrival = {r: ts - offset if ts else None for r, ts in stamped.items()}
+    for name, rids, got, want in [
+            ("first_scheduled_s", q["req_id"], q["first_scheduled_s"], [admitted.get(r) for r in q["req_id"]]),
+            ("first_token_s", q["req_id"], q["first_token_s"], [first_token.get(r) for r in q["req_id"]]),
+            ("finish_s", q["req_id"], q["finish_s"], [finished.get(r) for r in q["req_id"]]),
+            ("arrival_s", q["req_id"], q["arrival_s"], [arrival[r] for r in q["req_id"]]),
+            ("arrivals' arrival_s", a["req_id"], a["arrival_s"],
+             [arrival[r] if arrival[r] is not None else min(start.values(), default=g) - 1e-3
+              for r, g in zip(a["req_id"], a["arrival_s"])])]:
+        if name.startswith("arrivals"):   # one taken at time 0: before the first step began
+            off = [(r, g, w) for r, g, w in zip(rids, got, want)
+                   if abs(g - w) > 1e-6 and not (arrival[r] is None and g <= w + 1e-3)]
+        else:
+            off = [(r, g, w) for r, g, w in zip(rids, got, want)
+                   if (g is None) != (w is None) or g is not None and abs(g - w) > 1e-6]
+        expect(f"requests' {name}", off, [])
+    expect("request constant columns", {(x, y, z) for x, y, z in zip(q["sample"], q["n"], q["swaps"])},
+           {(0, 1, 0)} if q["req_id"] else set())
+    identity = {key: server[key] for key in ("block_size", "num_gpu_blocks", "null_block", "enable_prefix_caching",
+                                             "max_num_seqs", "max_num_batched_tokens", "max_model_len", "policy",
+                                             "async_scheduling", "scheduler", "self_check", "token_ids")}
+    expect("capture.json", identity, {
+        "block_size": cfg["block_size"], "num_gpu_blocks": cfg["num_blocks"] + 1, "null_block": 0,
+        "enable_prefix_caching": cfg["enable_prefix_caching"], "max_num_seqs": cfg["max_num_seqs"],
+        "max_num_batched_tokens": cfg["max_num_batched_tokens"], "max_model_len": cfg["max_model_len"],
+        "policy": cfg["policy"], "async_scheduling": cfg["async"],
+        "scheduler": "KvtraceAsyncScheduler" if cfg["async"] else "KvtraceScheduler", "self_check": True,
+        "token_ids": bool(workload.get("token_ids"))})
+    servers = json.loads((folder / "servers" / f"{server['server_id']}.json").read_text())
+    expect("servers/ID.json", servers, server)
+    expect("done.json", {key: done[key] for key in ("server_id", "steps", "events", "self_check_steps")},
+           {"server_id": server["server_id"], "steps": len(s["step"]), "events": len(k["seq"]),
+            "self_check_steps": len(s["step"]) - len(unprocessed)})
+    expect("done.json's hook time", done["hook_s"] > 0, bool(s["step"]))
+    return problems
+
+
 @pytest.mark.vllm_driver
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
 def test_capture_records_what_vllm_decided(vllm, asynchronous):
@@ -261,17 +361,22 @@ def test_capture_records_what_vllm_decided(vllm, asynchronous):
               suppress_health_check=list(HealthCheck), phases=PHASES)
     @given(workloads(asynchronous))
     def check(workload):
-        folder = root / f"w{counts['workloads']}"
+        # the capture makes its folder, parents too, or takes one that is there already
+        folder = root / f"w{counts['workloads']}" / "capture"
+        if counts["workloads"] % 2:
+            folder.mkdir(parents=True)
         counts["workloads"] += 1
-        answer = vllm.answer({**workload, "capture_dir": str(folder)})
+        workload = {**workload, "capture_dir": str(folder), "token_ids": counts["workloads"] % 3 == 0}
+        answer = vllm.answer(workload)
         records = answer["steps"]
         problems = capture_differences(workload, records, answer)
+        problems += table_differences(workload, records, answer)
         if vllm.version in VLLM_VERSIONS:   # the versions kvtrace's scheduler follows
             problems += trace_differences(workload, records, answer, vllm.version)
         assert not problems, (f"vLLM {vllm.version}, workload:\n{json.dumps(workload)}\n" + "\n".join(problems[:10]))
         counts["preempting"] += any(r["preempted"] for r in records)
         counts["hitting"] += any(a[2] for r in records for a in r["admitted"])
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(folder.parent, ignore_errors=True)
 
     try:
         check()

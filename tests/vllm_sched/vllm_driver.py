@@ -13,7 +13,8 @@ not a prefill chunk; no EOS, so requests finish by max_tokens or max_model_len.
 
 With --capture (kvtrace's capture package on PYTHONPATH) the scheduler is kvtrace's capture class,
 `KvtraceCaptureScheduler`, built the same way: each workload's capture goes to a fresh folder under
-the workload's "capture_dir" (with KVTRACE_CAPTURE_SELF_CHECK=1), the scheduler is shut down at the
+the workload's "capture_dir" (with KVTRACE_CAPTURE_SELF_CHECK=1, and KVTRACE_CAPTURE_TOKEN_IDS=1 where the workload says
+"token_ids"), the scheduler is shut down at the
 end (done.json), and the answer adds {"capture": FOLDER, "final_free": free blocks at the end}
 (tests/vllm_sched/test_capture_on_vllm.py checks the capture against these records).
 
@@ -177,6 +178,7 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     if CAPTURE:   # every workload its own capture folder, self-checked every step
         os.environ["KVTRACE_CAPTURE_DIR"] = answer["capture"] = workload["capture_dir"]
         os.environ["KVTRACE_CAPTURE_SELF_CHECK"] = "1"
+        os.environ["KVTRACE_CAPTURE_TOKEN_IDS"] = "1" if workload.get("token_ids") else "0"   # kept, or not
     sched = build(model, cfg)
     rec = Recorder(sched, workload.get("keep_victim_hashes", False))
     hasher = get_request_block_hasher(cfg["block_size"], HASH_FN)
