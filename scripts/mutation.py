@@ -37,9 +37,10 @@ did, so it cannot kill the mutant: the selection changes no outcome, only the ti
 any function (run at import) gets all the tests; a mutant that no test reaches survives without a run.
 
 The vLLM capture's scheduler (kvtrace/vllm/capture/scheduler.py) imports vLLM, so it runs only in a
-vLLM venv (NEEDS_VLLM): its tests are tests/vllm_sched's (marked `vllm_driver`), which step vLLM's own
-Scheduler and AsyncScheduler with the capture and no model in a driver process, and the one that reads
-its source (the trace vocabulary). vLLM's import takes tens of seconds, so the run starts one driver
+vLLM venv (NEEDS_VLLM): its tests are tests/vllm's that need no vLLM, and there
+tests/vllm/test_capture_on_vllm.py steps vLLM's own Scheduler and AsyncScheduler with the capture and
+no model in a driver process (not marked `vllm` when given drivers to use). vLLM's import takes tens
+of seconds, so the run starts one driver
 per vLLM venv (KVTRACE_VLLM_PYTHON, KVTRACE_VLLM_SCHED_PYTHONS) for the whole target, serving on a
 socket in a private folder (`vllm_driver.py --serve`, KVTRACE_CAPTURE_DRIVERS): each mutant's tests
 open a session there, forked from the driver, that loads the scratch copy's mutated file by its path
@@ -91,24 +92,19 @@ TARGETS: dict[str, list[str]] = {
     "engine/scheduler.py": ["tests/engine"],
     "engine/block_manager.py": ["tests/engine"],
     "engine/llm_engine.py": ["tests/engine"],
-    # in vLLM's driver (the first, to fail fast), and the test that reads its source; nothing else in
-    # tests/vllm loads it without starting vLLM itself
-    "kvtrace/vllm/capture/scheduler.py": ["tests/vllm_sched/test_capture_on_vllm.py",
-                                          "tests/vllm/test_trace_vocabulary.py"],
+    # the capture's tests that need no vLLM, and test_capture_on_vllm.py's on vLLM drivers (vllm_drivers)
+    "kvtrace/vllm/capture/scheduler.py": ["tests/vllm"],
 }
 # targets only vLLM's Python can import: their tests run in vLLM drivers started for the target
 # (vllm_drivers), every mutant gets all of them, and without a vLLM venv a survivor is marked untested
 NEEDS_VLLM = {"kvtrace/vllm/capture/scheduler.py"}
-# ... and the marker selection that lets their driver tests in
-DRIVER_SELECTION = ["-m", "not long and not slow and not cuda and not browser and not external "
-                          "and (not vllm or vllm_driver)"]
 SQL_FOLDERS = ["tests/analysis"]                                 # every analyses/_*.sql
 
 
 def tests_of(target: str) -> list[str]:
     """The pytest arguments for a target's tests: its folders and the marker selection."""
     folders = SQL_FOLDERS if target == "sql" or target.endswith(".sql") else TARGETS[target]
-    return [*folders, *(DRIVER_SELECTION if target in NEEDS_VLLM else SELECTION)]
+    return [*folders, *SELECTION]
 
 
 EQUIVALENT = ROOT / "benchmarks" / "mutation" / "equivalent.json"

@@ -16,7 +16,7 @@ With --capture (kvtrace's capture package on PYTHONPATH) the scheduler is kvtrac
 the workload's "capture_dir" (with KVTRACE_CAPTURE_SELF_CHECK=1, and KVTRACE_CAPTURE_TOKEN_IDS=1 where the workload says
 "token_ids"), the scheduler is shut down at the
 end (done.json), and the answer adds {"capture": FOLDER, "final_free": free blocks at the end}
-(tests/vllm_sched/test_capture_on_vllm.py checks the capture against these records).
+(tests/vllm/test_capture_on_vllm.py checks the capture against these records).
 
 One workload a line in ({"config": {...}, "requests": [...]}, tests/vllm_sched/workloads.py says the
 fields), one answer a line out: {"steps": [STEP, ...]} or {"error": "..."}. A STEP is

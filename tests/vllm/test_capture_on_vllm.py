@@ -22,12 +22,12 @@ vLLM's own decisions every step. Checked here, on kvtrace's side, for every work
 KVTRACE_CAPTURE_WORKLOADS sets the workloads per scheduler class and version (default 30). The last
 test runs `python -m benchmarks vllm-capture-cost` at 8 requests, on the last vLLM Python given.
 
-KVTRACE_CAPTURE_DRIVERS (socket paths, os.pathsep between them) sends the tests marked `vllm_driver` to
-drivers already running (`vllm_driver.py --serve`, one per vLLM venv), a session each, in which the
-capture is this checkout's kvtrace/vllm/capture/scheduler.py loaded by its path: scripts/mutation.py's
-mode for the capture, which plants a mutant in a scratch copy and runs these tests there, a vLLM
-import for the whole run rather than one per mutant. A failing workload is then not shrunk (a mutant
-needs only to fail).
+KVTRACE_CAPTURE_DRIVERS (socket paths, os.pathsep between them) sends the first test to drivers
+already running (`tests/vllm_sched/vllm_driver.py --serve`, one per vLLM venv), a session each, in
+which the capture is this checkout's kvtrace/vllm/capture/scheduler.py loaded by its path: the test
+then starts no vLLM (it is not marked `vllm`), and scripts/mutation.py runs it with the capture's
+other tests that need no vLLM, a mutant planted in a scratch copy, one vLLM import for the whole run
+rather than one per mutant. A failing workload is then not shrunk (a mutant needs only to fail).
 """
 from __future__ import annotations
 
@@ -48,12 +48,19 @@ from tests.vllm_sched.differential import VllmScheduler
 from tests.vllm_sched.test_sched_differential import PYTHONS, venv_name
 from tests.vllm_sched.workloads import workloads
 
-pytestmark = VLLM_MARKS
-
 NUM_WORKLOADS = int(os.environ.get("KVTRACE_CAPTURE_WORKLOADS", "30"))
 DRIVERS = [p for p in os.environ.get("KVTRACE_CAPTURE_DRIVERS", "").split(os.pathsep) if p]
 # a mutant needs only to fail: no shrinking of its failing workload
 PHASES = (Phase.explicit, Phase.generate) if DRIVERS else tuple(Phase)
+
+
+def starts_vllm(unless: bool = False):
+    """A test's `vllm` marks (and their skip without a vLLM venv), unless it starts no vLLM."""
+    def mark(test):
+        for marker in [] if unless else VLLM_MARKS:
+            test = marker(test)
+        return test
+    return mark
 
 
 @pytest.fixture(scope="module", params=DRIVERS or PYTHONS or ["none"],
@@ -351,8 +358,8 @@ def table_differences(workload: dict, records: list[dict], answer: dict) -> list
     return problems
 
 
-@pytest.mark.vllm_driver
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+@starts_vllm(unless=bool(DRIVERS))
 def test_capture_records_what_vllm_decided(vllm, asynchronous):
     root = Path(tempfile.mkdtemp(prefix="kvtrace-capture-on-vllm-"))
     counts = {"workloads": 0, "preempting": 0, "hitting": 0}
@@ -387,6 +394,7 @@ def test_capture_records_what_vllm_decided(vllm, asynchronous):
         assert counts["preempting"] and counts["hitting"], counts   # not vacuous
 
 
+@starts_vllm()
 def test_the_capture_cost_suite_runs_on_8_requests(capsys):
     """`python -m benchmarks vllm-capture-cost` at a tiny size (the full suite is for a quiet machine)."""
     import argparse
