@@ -394,6 +394,64 @@ def test_capture_records_what_vllm_decided(vllm, asynchronous):
         assert counts["preempting"] and counts["hitting"], counts   # not vacuous
 
 
+@starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+@pytest.mark.parametrize("corrupt, found", [
+    ("held", ["r00:0 holds [1, 3] but the events say [1, 3, 1000000]", "4 blocks in use but the events account for 5"]),
+    ("lost", ["r00:0 holds [1, 3] but the events say [3]", "4 blocks in use but the events account for 3"]),
+    ("cached", ["0 cached free blocks but the capture counted 1"])])
+def test_the_self_check_finds_a_pool_the_events_do_not_describe(vllm, asynchronous, corrupt, found, tmp_path):
+    """KVTRACE_CAPTURE_SELF_CHECK compares, every step, the blocks each request holds by the captured
+    events with the pool's own, the blocks in use, and the cached free blocks: the driver makes the
+    capture's record wrong once, after its second step, and the self-check must say how, at the next
+    check."""
+    workload = {"config": {"block_size": 4, "num_blocks": 8, "max_num_seqs": 2, "max_num_batched_tokens": 16,
+                           "max_model_len": 16, "long_prefill_token_threshold": 0, "policy": "fcfs",
+                           "async": asynchronous, "enable_prefix_caching": True},
+                "requests": [{"id": "r00", "prompt": [1, 2, 3], "max_tokens": 4, "arrival_step": 0},
+                             {"id": "r01", "prompt": [4, 5, 6], "max_tokens": 4, "arrival_step": 0}],
+                "capture_dir": str(tmp_path / "capture"), "corrupt": corrupt}
+    done = json.loads((Path(vllm.answer(workload)["capture"]) / "done.json").read_text())
+    # the same error at every later step
+    assert done["self_check_errors"] >= len(found) and not done["writer_error"], done
+    # made wrong after the driver's second step: sync, step 1's check has run (in its update), step 2's finds
+    # it; async, the second step processed step 0's output, and step 1's check finds it
+    step = 1 if asynchronous else 2
+    assert done["self_check_examples"][:len(found)] == [f"step {step}: {f}" for f in found], done
+
+
+WORKLOAD = {"config": {"block_size": 4, "num_blocks": 8, "max_num_seqs": 2, "max_num_batched_tokens": 16,
+                       "max_model_len": 16, "long_prefill_token_threshold": 0, "policy": "fcfs", "async": False,
+                       "enable_prefix_caching": True},
+            "requests": [{"id": "r00", "prompt": [1, 2, 3], "max_tokens": 4, "arrival_step": 0}]}
+
+
+@starts_vllm(unless=bool(DRIVERS))
+def test_the_capture_refuses_to_start_without_its_folder(vllm):
+    """No KVTRACE_CAPTURE_DIR: the scheduler is not built (an error that names the variable), rather
+    than a server recording nowhere."""
+    with pytest.raises(RuntimeError, match="set KVTRACE_CAPTURE_DIR to the capture folder"):
+        vllm.answer({**WORKLOAD, "capture_dir": None})
+
+
+@starts_vllm(unless=bool(DRIVERS))
+def test_the_capture_clock_is_the_monotonic_clock_and_its_offset_the_wall_clocks(vllm, tmp_path):
+    """Every time the capture writes is on the machine's monotonic clock (the same in every process),
+    and capture.json's wall_minus_monotonic turns it into wall-clock time."""
+    import time
+
+    before = time.monotonic()
+    answer = vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture")})
+    after = time.monotonic()
+    from kvtrace.vllm.importer import read_chunks
+
+    server = json.loads((tmp_path / "capture" / "capture.json").read_text())
+    assert abs(server["wall_minus_monotonic"] - (time.time() - time.monotonic())) < 1.0, server
+    assert before <= server["started_monotonic"] <= after, server
+    steps = read_chunks(Path(answer["capture"]))["steps"]
+    assert steps["step"] and all(before <= t <= after for t in steps["start_s"] + steps["end_s"]), steps
+
+
 @starts_vllm()
 def test_the_capture_cost_suite_runs_on_8_requests(capsys):
     """`python -m benchmarks vllm-capture-cost` at a tiny size (the full suite is for a quiet machine)."""

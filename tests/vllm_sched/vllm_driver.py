@@ -169,6 +169,21 @@ def output_for(sched, so):
                              sampled_token_ids=sampled)
 
 
+def corrupt(cap, how: str) -> None:
+    """Make the capture's own record of the pool wrong once (the workload's "corrupt"), so that its
+    self-check has something to find: "held" gives a request a block it does not hold, "lost" forgets
+    a request's blocks, "cached" miscounts the cached free blocks."""
+    rid = next(iter(cap.held))
+    if how == "held":
+        cap.held[rid].add(10**6)
+    elif how == "lost":
+        del cap.held[rid]
+    elif how == "cached":
+        cap.cached_free += 1
+    else:
+        raise ValueError(f"no such corruption {how!r}")
+
+
 def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -176,7 +191,11 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
 
     cfg = workload["config"]
     if CAPTURE:   # every workload its own capture folder, self-checked every step
-        os.environ["KVTRACE_CAPTURE_DIR"] = answer["capture"] = workload["capture_dir"]
+        answer["capture"] = workload["capture_dir"]
+        if workload["capture_dir"] is None:   # none given: the capture must refuse to start
+            os.environ.pop("KVTRACE_CAPTURE_DIR", None)
+        else:
+            os.environ["KVTRACE_CAPTURE_DIR"] = workload["capture_dir"]
         os.environ["KVTRACE_CAPTURE_SELF_CHECK"] = "1"
         os.environ["KVTRACE_CAPTURE_TOKEN_IDS"] = "1" if workload.get("token_ids") else "0"   # kept, or not
     sched = build(model, cfg)
@@ -228,6 +247,8 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             prev = (so, executed) if so.total_num_scheduled_tokens else None
         else:
             sched.update_from_output(so, executed)
+        if CAPTURE and workload.get("corrupt") and step == 1:
+            corrupt(sched._kvtrace, workload["corrupt"])
         _, _, queue = rec.pool()
         record = {"step": step, "scheduled": scheduled, "preempted": preempted, "admitted": admitted,
                   "grown": grown, "uncached": uncached, "num_free": num_free, "num_cached": num_cached,
