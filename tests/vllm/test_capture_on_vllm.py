@@ -435,6 +435,26 @@ def test_the_capture_refuses_to_start_without_its_folder(vllm):
 
 
 @starts_vllm(unless=bool(DRIVERS))
+def test_the_capture_takes_its_options_and_names_the_served_model(vllm, tmp_path):
+    """KVTRACE_CAPTURE_MAX_BYTES and KVTRACE_CAPTURE_MAX_AGE set the retention capture.json records;
+    the model is vLLM's served model name."""
+    env = {"KVTRACE_CAPTURE_MAX_BYTES": "3MiB", "KVTRACE_CAPTURE_MAX_AGE": "2h"}
+    vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture"), "env": env, "served_model_name": "chat-a"})
+    server = json.loads((tmp_path / "capture" / "capture.json").read_text())
+    assert (server["max_bytes"], server["max_age_s"], server["model"]) == (3 * 1024**2, 7200, "chat-a"), server
+
+
+@starts_vllm(unless=bool(DRIVERS))
+def test_a_vllm_version_the_capture_was_not_tested_on_stops_it_and_says_so(vllm, tmp_path):
+    """A vLLM the capture was not tested on: the scheduler is not built, and error.json in the capture
+    folder says why (vLLM's EngineCore keeps the exception in its own log)."""
+    with pytest.raises(RuntimeError, match="VllmChanged"):
+        vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture"), "vllm_version": "0.31.0"})
+    error = json.loads((tmp_path / "capture" / "error.json").read_text())
+    assert error["vllm_version"] == "0.31.0" and "0.31" in error["error"], error
+
+
+@starts_vllm(unless=bool(DRIVERS))
 def test_the_capture_clock_is_the_monotonic_clock_and_its_offset_the_wall_clocks(vllm, tmp_path):
     """Every time the capture writes is on the machine's monotonic clock (the same in every process),
     and capture.json's wall_minus_monotonic turns it into wall-clock time."""

@@ -16,7 +16,9 @@ With --capture (kvtrace's capture package on PYTHONPATH) the scheduler is kvtrac
 the workload's "capture_dir" (with KVTRACE_CAPTURE_SELF_CHECK=1, and KVTRACE_CAPTURE_TOKEN_IDS=1 where the workload says
 "token_ids"), the scheduler is shut down at the
 end (done.json), and the answer adds {"capture": FOLDER, "final_free": free blocks at the end}
-(tests/vllm/test_capture_on_vllm.py checks the capture against these records).
+(tests/vllm/test_capture_on_vllm.py checks the capture against these records). A workload's "env" (the
+capture's options), "vllm_version" (the version vLLM says it is) and "served_model_name" hold while its
+scheduler is built.
 
 One workload a line in ({"config": {...}, "requests": [...]}, tests/vllm_sched/workloads.py says the
 fields), one answer a line out: {"steps": [STEP, ...]} or {"error": "..."}. A STEP is
@@ -198,7 +200,23 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             os.environ["KVTRACE_CAPTURE_DIR"] = workload["capture_dir"]
         os.environ["KVTRACE_CAPTURE_SELF_CHECK"] = "1"
         os.environ["KVTRACE_CAPTURE_TOKEN_IDS"] = "1" if workload.get("token_ids") else "0"   # kept, or not
-    sched = build(model, cfg)
+    saved = {k: os.environ.get(k) for k in workload.get("env", {})}
+    os.environ.update(workload.get("env", {}))   # the capture's options for this workload only
+    import vllm
+    version, vllm.__version__ = vllm.__version__, workload.get("vllm_version", vllm.__version__)
+    model_config = CONFIGS["vllm_config"].model_config
+    served = model_config.served_model_name
+    object.__setattr__(model_config, "served_model_name", workload.get("served_model_name", served))
+    try:
+        sched = build(model, cfg)
+    finally:   # what the scheduler was built with, for this workload only
+        vllm.__version__ = version
+        object.__setattr__(model_config, "served_model_name", served)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     rec = Recorder(sched, workload.get("keep_victim_hashes", False))
     hasher = get_request_block_hasher(cfg["block_size"], HASH_FN)
     pending = sorted(workload["requests"], key=lambda r: r["arrival_step"])   # stable: file order within a step
