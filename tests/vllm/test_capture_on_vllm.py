@@ -435,11 +435,12 @@ def test_the_capture_refuses_to_start_without_its_folder(vllm):
 
 
 @starts_vllm(unless=bool(DRIVERS))
-def test_the_capture_takes_its_options_and_names_the_served_model(vllm, tmp_path):
+@pytest.mark.parametrize("served", ["chat-a", ["chat-a", "chat-b"]], ids=["one", "several"])
+def test_the_capture_takes_its_options_and_names_the_served_model(vllm, tmp_path, served):
     """KVTRACE_CAPTURE_MAX_BYTES and KVTRACE_CAPTURE_MAX_AGE set the retention capture.json records;
-    the model is vLLM's served model name."""
+    the model is vLLM's served model name (the first, where it serves under several)."""
     env = {"KVTRACE_CAPTURE_MAX_BYTES": "3MiB", "KVTRACE_CAPTURE_MAX_AGE": "2h"}
-    vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture"), "env": env, "served_model_name": "chat-a"})
+    vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture"), "env": env, "served_model_name": served})
     server = json.loads((tmp_path / "capture" / "capture.json").read_text())
     assert (server["max_bytes"], server["max_age_s"], server["model"]) == (3 * 1024**2, 7200, "chat-a"), server
 
