@@ -36,9 +36,17 @@ fixture that does), in their usual order. A test that never runs the mutated sta
 did, so it cannot kill the mutant: the selection changes no outcome, only the time. A statement outside
 any function (run at import) gets all the tests; a mutant that no test reaches survives without a run.
 
-The vLLM capture's scheduler (kvtrace/vllm/capture/scheduler.py) imports vLLM: outside vLLM's venv
-no test can run it, and its tests that need no vLLM read its source (the trace vocabulary), so its
-mutants run all those tests, and a survivor there is untested rather than equivalent (NEEDS_VLLM).
+The vLLM capture's scheduler (kvtrace/vllm/capture/scheduler.py) imports vLLM, so it runs only in a
+vLLM venv (NEEDS_VLLM): its tests are tests/vllm's that need no vLLM, and there
+tests/vllm/test_capture_on_vllm.py steps vLLM's own Scheduler and AsyncScheduler with the capture and
+no model in a driver process (not marked `vllm` when given drivers to use). vLLM's import takes tens
+of seconds, so the run starts one driver
+per vLLM venv (KVTRACE_VLLM_PYTHON, KVTRACE_VLLM_SCHED_PYTHONS) for the whole target, serving on a
+socket in a private folder (`vllm_driver.py --serve`, KVTRACE_CAPTURE_DRIVERS): each mutant's tests
+open a session there, forked from the driver, that loads the scratch copy's mutated file by its path
+(the rest of kvtrace from the scratch copy, through a link in that folder; no other vLLM run on the
+machine sees either). Its mutants run all these tests (no coverage inside vLLM); without a vLLM venv
+they run the source-reading test only, and a survivor there is untested rather than equivalent.
 
     python scripts/mutation.py [--budget-min 30] [--only NAME ...] [--sample K] [--sample-own K] [--out DIR]
 """
@@ -84,10 +92,11 @@ TARGETS: dict[str, list[str]] = {
     "engine/scheduler.py": ["tests/engine"],
     "engine/block_manager.py": ["tests/engine"],
     "engine/llm_engine.py": ["tests/engine"],
-    "kvtrace/vllm/capture/scheduler.py": ["tests/vllm"],   # without vLLM: the tests that read its source
+    # the capture's tests that need no vLLM, and test_capture_on_vllm.py's on vLLM drivers (vllm_drivers)
+    "kvtrace/vllm/capture/scheduler.py": ["tests/vllm"],
 }
-# targets only vLLM's Python can import: no test runs their statements here, so every mutant gets all
-# the target's tests (those that read its source), and a survivor is marked as untested
+# targets only vLLM's Python can import: their tests run in vLLM drivers started for the target
+# (vllm_drivers), every mutant gets all of them, and without a vLLM venv a survivor is marked untested
 NEEDS_VLLM = {"kvtrace/vllm/capture/scheduler.py"}
 SQL_FOLDERS = ["tests/analysis"]                                 # every analyses/_*.sql
 
@@ -353,6 +362,74 @@ class ForkRunner:
             raise SystemExit(f"the tests would not read the scratch copy:\n{self.output()}")
 
 
+# ---------------------------------------------------------------- vLLM drivers (NEEDS_VLLM)
+
+def vllm_pythons() -> list[str]:
+    """The vLLM venvs' Pythons the tests would use (tests/vllm_sched/test_sched_differential.py's PYTHONS)."""
+    return [p for p in [os.environ.get("KVTRACE_VLLM_PYTHON", ""),
+                        *os.environ.get("KVTRACE_VLLM_SCHED_PYTHONS", "").split(os.pathsep)] if p]
+
+
+class VllmDrivers:
+    """tests/vllm_sched/vllm_driver.py --serve in each vLLM Python, for one NEEDS_VLLM target: each
+    imports vLLM once, then forks a session per connection that loads the capture file the session
+    names (the scratch copy's, mutated). Their sockets and the link to the scratch copy's kvtrace (their
+    PYTHONPATH) lie in a folder of this run's own (mode 0700), so nothing else reaches them.
+    `start` puts the sockets in KVTRACE_CAPTURE_DRIVERS, which the forked test children inherit."""
+
+    def __init__(self, work: Path, pythons: list[str], workloads: int) -> None:
+        self.work, self.pythons, self.workloads = work, pythons, workloads
+        self.procs: list[subprocess.Popen] = []
+        self.folder = Path(tempfile.mkdtemp(prefix="kvtrace-mutation-drivers-"))
+        self.saved = {k: os.environ.get(k) for k in ("KVTRACE_CAPTURE_DRIVERS", "KVTRACE_CAPTURE_WORKLOADS",
+                                                      "KVTRACE_VLLM_PYTHON")}
+
+    def start(self) -> None:
+        (self.folder / "path").mkdir()
+        (self.folder / "path" / "kvtrace").symlink_to(self.work / "kvtrace")
+        # the model folder's config only (no weights are read): found as the tests find it, in a child
+        # (this process imports nothing of the project)
+        found = subprocess.run([sys.executable, "-c", "from kvtrace.vllm.record import model_folder; "
+                                "print(model_folder('smollm2-135m'))"], cwd=self.work, capture_output=True,
+                               text=True, env={**os.environ, "PYTHONPATH": str(self.work)})
+        if found.returncode:
+            raise SystemExit(f"the vLLM drivers' model folder: {found.stderr[-2000:]}")
+        model = found.stdout.strip()
+        sockets = []
+        for i, python in enumerate(self.pythons):
+            sock = self.folder / f"driver{i}.sock"
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            env["PYTHONPATH"] = str(self.folder / "path")
+            self.procs.append(subprocess.Popen(
+                [python, str(self.work / "tests" / "vllm_sched" / "vllm_driver.py"), model, "--serve", str(sock)],
+                stdout=subprocess.PIPE, stderr=open(self.folder / f"driver{i}.log", "w"), text=True, env=env,
+                start_new_session=True))
+            sockets.append(str(sock))
+        for proc, python in zip(self.procs, self.pythons):   # they import vLLM side by side
+            ready = proc.stdout.readline()
+            if not ready:
+                raise SystemExit(f"{python} vllm_driver.py --serve exited (rc {proc.wait()}):\n"
+                                 + (self.folder / f"driver{self.procs.index(proc)}.log").read_text()[-3000:])
+            print(f"  vLLM driver: {python} ({json.loads(ready)['vllm_version']})", flush=True)
+        os.environ["KVTRACE_CAPTURE_DRIVERS"] = os.pathsep.join(sockets)
+        os.environ["KVTRACE_CAPTURE_WORKLOADS"] = str(self.workloads)
+        os.environ["KVTRACE_VLLM_PYTHON"] = self.pythons[0]   # the `vllm` mark's skip looks at it
+
+    def stop(self) -> None:
+        for proc in self.procs:   # each driver and the session it may have forked (a session of their own)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 # ---------------------------------------------------------------- which tests run which lines
 
 def measure_coverage(tests: list[str], sources: dict[str, Path], out: Path) -> int:
@@ -475,7 +552,7 @@ def python_target(runner: ForkRunner, target: str, tests: list[str], deadline: f
         start = time.monotonic()
         run = cosmic_ray_target if generator == "cosmic-ray" else own_target
         run(runner, target, tests, deadline, result.sample, test_timeout, covered, result, skip_equivalent)
-        if target in NEEDS_VLLM:
+        if target in NEEDS_VLLM and not os.environ.get("KVTRACE_CAPTURE_DRIVERS"):
             for m in result.mutants:
                 if m.outcome == "survived":
                     m.note = "untested: it runs only inside vLLM"
@@ -925,6 +1002,9 @@ def main() -> int:
                              "its targets skip the coverage run")
     parser.add_argument("--all-tests", action="store_true",
                         help="run every mutant against all its target's tests, not only those that execute it")
+    parser.add_argument("--capture-workloads", type=int, default=8,
+                        help="the vLLM capture's generated workloads per scheduler class and vLLM venv, per mutant "
+                             "(KVTRACE_CAPTURE_WORKLOADS)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "mutation")
     parser.add_argument("--recheck", action="store_true",
                         help="plant each survivor and timeout in summary.json (not listed as equivalent) again, run its "
@@ -936,12 +1016,18 @@ def main() -> int:
         results = load(args.out)
         if args.recheck:
             work = scratch_copy()
+            drivers = None
             try:
                 runner = ForkRunner(work, work / ".mutation-test.log")
                 runner.check_reads_the_copy()
                 chosen = [r for r in results if not args.only or r.target in args.only]
+                if any(r.target in NEEDS_VLLM for r in chosen) and vllm_pythons():
+                    drivers = VllmDrivers(work, vllm_pythons(), args.capture_workloads)
+                    drivers.start()
                 recheck(runner, chosen, load_equivalents(), args.test_timeout or 120.0)
             finally:
+                if drivers is not None:
+                    drivers.stop()
                 shutil.rmtree(work, ignore_errors=True)
         write(args.out, results)
         return 0
@@ -957,6 +1043,7 @@ def main() -> int:
     work = scratch_copy()
     runner = ForkRunner(work, work / ".mutation-test.log")
     results: list[TargetResult] = []
+    started: list[VllmDrivers] = []
     try:
         runner.check_reads_the_copy()
         for name in names:
@@ -966,6 +1053,11 @@ def main() -> int:
                 print(f"{name}: past the budget, not run (its last rows are kept)", flush=True)
                 continue
             by_coverage = name in TARGETS and name not in NEEDS_VLLM and not args.all_tests
+            drivers = None
+            if name in NEEDS_VLLM and vllm_pythons() and not past_budget:
+                drivers = VllmDrivers(work, vllm_pythons(), args.capture_workloads)
+                started.append(drivers)
+                drivers.start()
             # with --test-timeout, the coverage run is the check that the tests pass unmutated
             needed = not (args.test_timeout and by_coverage)
             if tuple(tests) not in unmutated and not past_budget and needed:  # targets sharing tests share it
@@ -993,6 +1085,9 @@ def main() -> int:
                     runner, name, tests, [n for n in names if n in TARGETS], coverage_cache)
                 rows = python_target(runner, name, tests, deadline, sample, sample_own, timeout, covered,
                                      args.skip_equivalent, args.operators)
+                if drivers is not None:
+                    started.remove(drivers)
+                    drivers.stop()
                 results.extend(rows)
                 for line in markdown(rows).splitlines()[2:2 + len(rows)]:
                     print(line, flush=True)
@@ -1000,6 +1095,8 @@ def main() -> int:
                 if results[-1].interrupted:
                     raise SystemExit(143)
     finally:
+        for drivers in started:
+            drivers.stop()
         shutil.rmtree(work, ignore_errors=True)
         write(args.out, results)
     print(f"wrote {args.out / 'results.md'}")

@@ -101,6 +101,7 @@ def test_ls_shows_the_server_its_span_requests_and_retentions_gaps(tmp_path):
     assert server["num_chunks"] == 7 and server["gaps"] == [lines[3].removeprefix("  gap: ")]
 
 
+@pytest.mark.long   # tens of seconds, and it never loads the capture's scheduler (the mutation check's target)
 def test_a_window_holds_every_request_of_its_span_marked_across_its_edges(folder, tmp_path):
     run = tmp_path / "window"
     _cli("capture", "run", folder, "-o", run, "--since", OFFSET + 106, "--until", "1970-01-12T13:48:32Z")

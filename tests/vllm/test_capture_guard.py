@@ -1,6 +1,6 @@
 """The capture's start-up guard (kvtrace/vllm/capture/guard.py) without vLLM: stand-in classes with
 everything it checks pass; take one name away and the refusal names exactly that one. (With vLLM:
-tests/vllm/test_vllm_capture.py removes a real method; tests/vllm_sched/test_capture_on_vllm.py runs
+tests/vllm/test_vllm_capture.py removes a real method; tests/vllm/test_capture_on_vllm.py runs
 the guard on 0.32.0's and 0.33.0's own classes.)"""
 from __future__ import annotations
 

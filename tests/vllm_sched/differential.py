@@ -17,35 +17,52 @@ DRIVER = Path(__file__).with_name("vllm_driver.py")
 
 class VllmScheduler:
     """vllm_driver.py in a vLLM venv's Python: workloads in, their steps out, in order. With `capture`
-    the driver builds kvtrace's capture scheduler class (this checkout's kvtrace package on its path)."""
+    the driver builds kvtrace's capture scheduler class: this process's kvtrace package (a checkout's, or
+    the mutation check's scratch copy) through a link in a folder of this driver's own, so that no other
+    vLLM run on the machine is sent to it. With `socket` (a `vllm_driver.py --serve` driver that someone
+    else started, e.g. scripts/mutation.py) a session there instead: its capture module is this
+    process's kvtrace/vllm/capture/scheduler.py, loaded by that file's path."""
 
     def __init__(self, python: str, model_folder: str, wait: bool = True, env: dict | None = None, *,
-                 capture: bool = False) -> None:
-        self.python = python
+                 capture: bool = False, socket: str | None = None) -> None:
+        self.python, self.proc, self.link = python, None, None
+        self.version = ""
+        if socket is not None:
+            import socket as sockets
+
+            self.conn = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+            self.conn.connect(socket)
+            self.stdin, self.stdout = self.conn.makefile("w"), self.conn.makefile("r")
+            self.stdin.write(json.dumps({"capture_module": str(capture_module())} if capture else {}) + "\n")
+            self.stdin.flush()
+            self.wait_ready()
+            return
         args, env = [python, str(DRIVER), model_folder], {**os.environ, **env} if env else None
         if capture:
-            from kvtrace.vllm.record import capture_path
+            import tempfile
 
             args.append("--capture")
             env = {k: v for k, v in (env or os.environ).items() if k != "PYTHONPATH"}
-            env["PYTHONPATH"] = str(capture_path())
+            self.link = Path(tempfile.mkdtemp(prefix="kvtrace-capture-on-vllm-"))
+            (self.link / "kvtrace").symlink_to(capture_module().parents[2])
+            env["PYTHONPATH"] = str(self.link)
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, bufsize=1, env=env)
-        self.version = ""
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         if wait:
             self.wait_ready()
 
     def wait_ready(self) -> None:
-        ready = self.proc.stdout.readline()
+        ready = self.stdout.readline()
         if not ready:
-            raise RuntimeError(f"{self.python} {DRIVER.name}: exited before it was ready (rc {self.proc.wait()})")
+            raise RuntimeError(f"{self.python} {DRIVER.name}: exited before it was ready (rc {self.exit_code()})")
         self.version = json.loads(ready)["vllm_version"]
 
     def submit(self, workloads: list[dict]) -> threading.Thread:
         """Send the workloads (from a thread: a long batch would fill the pipes both ways)."""
         def send() -> None:
-            self.proc.stdin.write("".join(json.dumps(w) + "\n" for w in workloads))
-            self.proc.stdin.flush()
+            self.stdin.write("".join(json.dumps(w) + "\n" for w in workloads))
+            self.stdin.flush()
         sender = threading.Thread(target=send, daemon=True)
         sender.start()
         return sender
@@ -55,9 +72,9 @@ class VllmScheduler:
 
     def receive_answer(self) -> dict:
         """The driver's whole answer to the next workload: the steps, and with `capture` the capture's folder."""
-        line = self.proc.stdout.readline()
+        line = self.stdout.readline()
         if not line:
-            raise RuntimeError(f"vLLM {self.version}'s driver exited (rc {self.proc.wait()})")
+            raise RuntimeError(f"vLLM {self.version}'s driver exited (rc {self.exit_code()})")
         answer = json.loads(line)
         if "error" in answer:
             raise RuntimeError(f"vLLM {self.version}'s scheduler failed: {answer['error']}\n{answer['traceback']}")
@@ -70,13 +87,31 @@ class VllmScheduler:
         self.submit([workload]).join()
         return self.receive_answer()
 
+    def exit_code(self) -> int | str:
+        return self.proc.wait() if self.proc is not None else "? (a session: the connection closed)"
+
     def close(self) -> None:
-        self.proc.stdin.close()
+        self.stdin.close()
+        if self.proc is None:
+            self.stdout.close()
+            self.conn.close()
+            return
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:   # a loaded machine: vLLM's interpreter exit can be slow
             self.proc.kill()
             self.proc.wait()
+        if self.link is not None:
+            import shutil
+            shutil.rmtree(self.link, ignore_errors=True)
+
+
+def capture_module() -> Path:
+    """The capture's scheduler file of the kvtrace package this process imports (never imported here:
+    it imports vLLM)."""
+    import kvtrace
+
+    return Path(kvtrace.__file__).resolve().parent / "vllm" / "capture" / "scheduler.py"
 
 
 class VllmSchedulers:

@@ -64,10 +64,13 @@ def plant(engine: LLMEngine, bug: str) -> None:
         raise ValueError(f"no such plant {bug!r} (one of {', '.join(PLANTS)})")
 
 
-def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION) -> list[dict]:
-    """The workload's step records; `vllm_version`: the vLLM whose scheduling kvtrace follows."""
+def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION, tracer=None) -> list[dict]:
+    """The workload's step records; `vllm_version`: the vLLM whose scheduling kvtrace follows;
+    `tracer`: the engine's Tracer (its own trace of the run, every step handed over by the end)."""
     cfg = workload["config"]
     engine = build(cfg, vllm_version)
+    if tracer is not None:
+        engine.tracer = tracer
     if bug:
         plant(engine, bug)
     sched, bm = engine.scheduler, engine.block_manager
@@ -141,4 +144,6 @@ def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION
         step += 1
         if len(steps) > max_steps:
             raise RuntimeError(f"no end after {max_steps} steps")
+    if tracer is not None:
+        engine.flush()
     return steps

@@ -9,11 +9,16 @@ not a prefill chunk; no EOS, so requests finish by max_tokens or max_model_len.
 
     python vllm_driver.py MODEL_FOLDER [--capture] < workloads.jsonl > records.jsonl
 
+    python vllm_driver.py MODEL_FOLDER --serve SOCKET   (a session per connection, see serve())
+
 With --capture (kvtrace's capture package on PYTHONPATH) the scheduler is kvtrace's capture class,
 `KvtraceCaptureScheduler`, built the same way: each workload's capture goes to a fresh folder under
-the workload's "capture_dir" (with KVTRACE_CAPTURE_SELF_CHECK=1), the scheduler is shut down at the
+the workload's "capture_dir" (with KVTRACE_CAPTURE_SELF_CHECK=1, and KVTRACE_CAPTURE_TOKEN_IDS=1 where the workload says
+"token_ids"), the scheduler is shut down at the
 end (done.json), and the answer adds {"capture": FOLDER, "final_free": free blocks at the end}
-(tests/vllm_sched/test_capture_on_vllm.py checks the capture against these records).
+(tests/vllm/test_capture_on_vllm.py checks the capture against these records). A workload's "env" (the
+capture's options), "vllm_version" (the version vLLM says it is) and "served_model_name" hold while its
+scheduler is built.
 
 One workload a line in ({"config": {...}, "requests": [...]}, tests/vllm_sched/workloads.py says the
 fields), one answer a line out: {"steps": [STEP, ...]} or {"error": "..."}. A STEP is
@@ -29,6 +34,7 @@ import traceback
 TOKEN = -1   # the placeholder every step samples (kvtrace's GREEDY_TOKEN)
 HASH_FN = None   # the block hash function, set once vLLM is imported
 CAPTURE = False  # --capture: kvtrace's capture scheduler class instead of vLLM's own
+CAPTURE_CLASS = None   # --serve: the capture class of the session's module (loaded from its file)
 
 
 CONFIGS: dict = {}   # the VllmConfig built once, and the config values each workload sets
@@ -67,7 +73,9 @@ def build(model: str, cfg: dict):
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size, num_kv_heads=1, head_size=1,
                                                                        dtype=torch.float32))])
-    if CAPTURE:
+    if CAPTURE_CLASS is not None:
+        cls = CAPTURE_CLASS
+    elif CAPTURE:
         from kvtrace.vllm.capture.scheduler import KvtraceCaptureScheduler as cls
     else:
         cls = AsyncScheduler if cfg["async"] else Scheduler
@@ -163,6 +171,21 @@ def output_for(sched, so):
                              sampled_token_ids=sampled)
 
 
+def corrupt(cap, how: str) -> None:
+    """Make the capture's own record of the pool wrong once (the workload's "corrupt"), so that its
+    self-check has something to find: "held" gives a request a block it does not hold, "lost" forgets
+    a request's blocks, "cached" miscounts the cached free blocks."""
+    rid = next(iter(cap.held))
+    if how == "held":
+        cap.held[rid].add(10**6)
+    elif how == "lost":
+        del cap.held[rid]
+    elif how == "cached":
+        cap.cached_free += 1
+    else:
+        raise ValueError(f"no such corruption {how!r}")
+
+
 def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -170,9 +193,30 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
 
     cfg = workload["config"]
     if CAPTURE:   # every workload its own capture folder, self-checked every step
-        os.environ["KVTRACE_CAPTURE_DIR"] = answer["capture"] = workload["capture_dir"]
+        answer["capture"] = workload["capture_dir"]
+        if workload["capture_dir"] is None:   # none given: the capture must refuse to start
+            os.environ.pop("KVTRACE_CAPTURE_DIR", None)
+        else:
+            os.environ["KVTRACE_CAPTURE_DIR"] = workload["capture_dir"]
         os.environ["KVTRACE_CAPTURE_SELF_CHECK"] = "1"
-    sched = build(model, cfg)
+        os.environ["KVTRACE_CAPTURE_TOKEN_IDS"] = "1" if workload.get("token_ids") else "0"   # kept, or not
+    saved = {k: os.environ.get(k) for k in workload.get("env", {})}
+    os.environ.update(workload.get("env", {}))   # the capture's options for this workload only
+    import vllm
+    version, vllm.__version__ = vllm.__version__, workload.get("vllm_version", vllm.__version__)
+    model_config = CONFIGS["vllm_config"].model_config
+    served = model_config.served_model_name
+    object.__setattr__(model_config, "served_model_name", workload.get("served_model_name", served))
+    try:
+        sched = build(model, cfg)
+    finally:   # what the scheduler was built with, for this workload only
+        vllm.__version__ = version
+        object.__setattr__(model_config, "served_model_name", served)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     rec = Recorder(sched, workload.get("keep_victim_hashes", False))
     hasher = get_request_block_hasher(cfg["block_size"], HASH_FN)
     pending = sorted(workload["requests"], key=lambda r: r["arrival_step"])   # stable: file order within a step
@@ -221,6 +265,8 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             prev = (so, executed) if so.total_num_scheduled_tokens else None
         else:
             sched.update_from_output(so, executed)
+        if CAPTURE and workload.get("corrupt") and step == 1:
+            corrupt(sched._kvtrace, workload["corrupt"])
         _, _, queue = rec.pool()
         record = {"step": step, "scheduled": scheduled, "preempted": preempted, "admitted": admitted,
                   "grown": grown, "uncached": uncached, "num_free": num_free, "num_cached": num_cached,
@@ -235,7 +281,85 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     if CAPTURE:
         answer["final_free"] = rec.pool()[0]
         sched.shutdown()   # the capture's last chunk and done.json
+        import atexit
+        atexit.unregister(sched._kvtrace.close)   # closed: a long session keeps no finished capture alive
     return steps
+
+
+def answer_all(model: str, lines, out) -> None:
+    """One answer a line out for each workload a line in."""
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            answer = {}
+            answer["steps"] = run(model, json.loads(line), answer)
+        except Exception as exc:   # say it and carry on: one workload's failure is the test's report
+            answer = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+
+
+def load_capture(path: str):
+    """The capture's scheduler module compiled from `path` (no bytecode read or written: a mutant can
+    share its file's size and mtime with the original), under its own name, so that the kvtrace
+    modules it imports come from this process's path."""
+    import types
+    name = "kvtrace.vllm.capture.scheduler"
+    module = types.ModuleType(name)
+    module.__file__ = path
+    sys.modules[name] = module
+    exec(compile(open(path).read(), path, "exec"), module.__dict__)
+    return module
+
+
+def serve(model: str, socket_path: str, ready) -> None:
+    """Sessions on a Unix socket, one at a time, each in a child forked from this process (vLLM and its
+    configs imported and built once, here): the session's first line names the capture's scheduler file
+    ({"capture_module": PATH}), the child loads that file, answers {"ready": ..., "vllm_version": ...} and
+    then one answer per workload, as on stdin. A new connection ends the session still running (a
+    client killed mid-workload leaves its child behind, maybe in a loop): sessions are for one client
+    at a time (scripts/mutation.py's runs, one mutant a session). The socket's folder is the caller's
+    own: nothing else connects."""
+    import signal
+    import socket
+    import vllm
+
+    global CAPTURE, CAPTURE_CLASS
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(socket_path)
+    server.listen(4)
+    ready.write(json.dumps({"ready": True, "vllm_version": vllm.__version__}) + "\n")
+    ready.flush()
+    child = 0
+    while True:
+        conn, _ = server.accept()
+        if child:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(child, 0)
+        child = os.fork()
+        if child == 0:
+            code = 1
+            try:
+                server.close()
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                inp, out = conn.makefile("r"), conn.makefile("w")
+                hello = json.loads(inp.readline() or "{}")
+                CAPTURE = "capture_module" in hello
+                if CAPTURE:
+                    CAPTURE_CLASS = load_capture(hello["capture_module"]).KvtraceCaptureScheduler
+                out.write(json.dumps({"ready": True, "vllm_version": vllm.__version__}) + "\n")
+                out.flush()
+                answer_all(model, inp, out)
+                code = 0
+            except Exception:   # noqa: BLE001 - the client sees the connection close
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        conn.close()
 
 
 def main() -> int:
@@ -257,16 +381,11 @@ def main() -> int:
     CONFIGS["vllm_config"] = fresh_config(model, {   # once, before the first workload (seconds)
         "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 64, "long_prefill_token_threshold": 0,
         "policy": "fcfs", "async": False, "block_size": 16, "enable_prefix_caching": True})
+    if "--serve" in sys.argv[2:]:
+        serve(model, sys.argv[sys.argv.index("--serve") + 1], out)
+        return 0
     out.write(json.dumps({"ready": True, "vllm_version": vllm.__version__}) + "\n")
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            answer = {}
-            answer["steps"] = run(model, json.loads(line), answer)
-        except Exception as exc:   # say it and carry on: one workload's failure is the test's report
-            answer = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-        out.write(json.dumps(answer) + "\n")
+    answer_all(model, sys.stdin, out)
     return 0
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
-# vLLM minor versions the capture is tested on, exactly: tests/vllm_sched/test_capture_on_vllm.py runs it
+# vLLM minor versions the capture is tested on, exactly: tests/vllm/test_capture_on_vllm.py runs it
 # on 0.32.0 and 0.33.0's own Scheduler and AsyncScheduler (docs/vllm.md)
 SUPPORTED = ((0, 32), (0, 33))
 

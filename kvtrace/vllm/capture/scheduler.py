@@ -467,10 +467,10 @@ class _Capture:
             return "nothing-waiting"
         if self.step_preemptions:
             return "preemption"                    # the waiting loop runs only without preemptions
+        if num_scheduled >= self.max_step_tokens:
+            return "budget"                        # the loop runs while tokens are left, then checks seats
         if len(sched.running) >= self.max_seats:
             return "seats"
-        if num_scheduled >= self.max_step_tokens:
-            return "budget"
         if self.admit_failed:
             return "blocks"                        # allocate_slots refused a waiting request
         return "other"

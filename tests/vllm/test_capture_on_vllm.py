@@ -1,0 +1,495 @@
+"""kvtrace's capture on vLLM's own scheduler classes: the events it writes are vLLM's decisions.
+
+The differential's driver (tests/vllm_sched/vllm_driver.py --capture) builds kvtrace's
+`KvtraceCaptureScheduler` (which becomes the capture's subclass of vLLM's `Scheduler` or
+`AsyncScheduler`) in each vLLM venv the differential gets (KVTRACE_VLLM_PYTHON, the 0.32.0 CPU build,
+and KVTRACE_VLLM_SCHED_PYTHONS, e.g. scripts/vllm_sched_env.sh's 0.33.0), with
+KVTRACE_CAPTURE_SELF_CHECK=1, steps generated workloads with placeholder model outputs, and records
+vLLM's own decisions every step. Checked here, on kvtrace's side, for every workload:
+- the capture's self-check (the pool replayed from its events against the pool's own) found nothing,
+  and its writer had no error;
+- one steps row per `schedule()`: free and cached blocks and the preemption count are vLLM's;
+- per step, the admissions (new or resumed, prefix-hit tokens, every block given) and their order,
+  the victims in order, the new blocks of running requests and the requests freed are vLLM's;
+- block accounting balances: a block allocated is held by no request, a freed block was the
+  request's, nothing is held at the end, the pool is whole again, and every request has its row;
+- the capture's tables are kvtrace's own trace of the same workload (its simulator, which makes vLLM's
+  decisions: test_sched_differential.py): every steps row (tokens by kind, queues, pool, KV tokens,
+  why admission stopped), every kv_events row (kind, request, blocks, tokens, reason, cached and
+  recomputed positions, a preemption's requester and victim reason), the step each token was
+  emitted in, every request's row; and an arrivals row per request with its prompt and limits.
+
+KVTRACE_CAPTURE_WORKLOADS sets the workloads per scheduler class and version (default 30). The last
+test runs `python -m benchmarks vllm-capture-cost` at 8 requests, on the last vLLM Python given.
+
+KVTRACE_CAPTURE_DRIVERS (socket paths, os.pathsep between them) sends the first test to drivers
+already running (`tests/vllm_sched/vllm_driver.py --serve`, one per vLLM venv), a session each, in
+which the capture is this checkout's kvtrace/vllm/capture/scheduler.py loaded by its path: the test
+then starts no vLLM (it is not marked `vllm`), and scripts/mutation.py runs it with the capture's
+other tests that need no vLLM, a mutant planted in a scratch copy, one vLLM import for the whole run
+rather than one per mutant. A failing workload is then not shrunk (a mutant needs only to fail).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+
+from engine.config import VLLM_VERSIONS
+from tests.helpers.vllm_runs import VLLM_MARKS
+from tests.vllm_sched import kvtrace_side
+from tests.vllm_sched.differential import VllmScheduler
+from tests.vllm_sched.test_sched_differential import PYTHONS, venv_name
+from tests.vllm_sched.workloads import workloads
+
+NUM_WORKLOADS = int(os.environ.get("KVTRACE_CAPTURE_WORKLOADS", "30"))
+DRIVERS = [p for p in os.environ.get("KVTRACE_CAPTURE_DRIVERS", "").split(os.pathsep) if p]
+# a mutant needs only to fail: no shrinking of its failing workload
+PHASES = (Phase.explicit, Phase.generate) if DRIVERS else tuple(Phase)
+
+
+def starts_vllm(unless: bool = False):
+    """A test's `vllm` marks (and their skip without a vLLM venv), unless it starts no vLLM."""
+    def mark(test):
+        for marker in [] if unless else VLLM_MARKS:
+            test = marker(test)
+        return test
+    return mark
+
+
+@pytest.fixture(scope="module", params=DRIVERS or PYTHONS or ["none"],
+                ids=lambda p: f"driver{DRIVERS.index(p)}" if p in DRIVERS else venv_name(p))
+def vllm(request):
+    from kvtrace.vllm.record import model_folder
+
+    if DRIVERS:
+        scheduler = VllmScheduler("", "", capture=True, socket=request.param)
+    else:
+        scheduler = VllmScheduler(request.param, str(model_folder("smollm2-135m")), capture=True)
+    yield scheduler
+    scheduler.close()
+
+
+def capture_differences(workload: dict, records: list[dict], answer: dict) -> list[str]:
+    """What the capture of one workload says otherwise than vLLM's own records (empty: nothing)."""
+    from kvtrace.vllm.importer import read_chunks
+
+    folder = Path(answer["capture"])
+    problems: list[str] = []
+    done = json.loads((folder / "done.json").read_text())
+    if done["self_check_errors"] or done["writer_error"]:
+        problems.append(f"self-check: {done['self_check_errors']} errors {done['self_check_examples'][:3]}, "
+                        f"writer {done['writer_error']}")
+    if done["self_check_steps"] == 0:
+        problems.append("the self-check never ran")
+    columns = read_chunks(folder)
+    s = columns["steps"]
+    order = sorted(range(len(s["step"])), key=lambda i: s["step"][i])
+    if [s["step"][i] for i in order] != list(range(len(records))):
+        problems.append(f"steps rows {sorted(s['step'])}, vLLM scheduled {len(records)} times")
+        return problems
+    asynchronous = workload["config"]["async"]
+    events: dict[int, list] = defaultdict(list)
+    k = columns["kv_events"]
+    for i in sorted(range(len(k["seq"])), key=lambda i: k["seq"][i]):
+        events[k["step"][i]].append((k["kind"][i], k["req_id"][i], k["blocks"][i] or [], k["num_tokens"][i],
+                                     k["reason"][i]))
+    held: dict[str, set[int]] = {}
+    released: dict[str, set[int]] = {}   # a victim's blocks, from its preempt event
+    ended: dict[str, set[int]] = {}      # a finished request's blocks
+    for n, i in enumerate(order):
+        rec = records[n]
+        got = {"num_free": s["free_blocks"][i], "num_cached": s["cached_blocks"][i], "preemptions": s["preemptions"][i]}
+        want = {"num_free": rec["num_free"], "num_cached": rec["num_cached"], "preemptions": len(rec["preempted"])}
+        if got != want:
+            problems.append(f"step {n}: steps row {got}, vLLM {want}")
+        step = events.get(n, [])
+        admitted, hits, blocks = [], {}, defaultdict(list)
+        for kind, rid, ids, num, reason in step:
+            if kind == "admit":
+                admitted.append(rid)
+            elif kind == "prefix_hit":
+                hits[rid] = num
+                blocks[rid] += ids
+            elif kind == "alloc":
+                blocks[rid] += ids
+        mine = [[rid, "resumed" if any(e[0] == "admit" and e[1] == rid and e[4] == "resume-recompute"
+                                       for e in step) else "new", hits.get(rid, 0), blocks[rid]] for rid in admitted]
+        theirs = [[a[0], a[1], a[2], a[3]] for a in rec["admitted"]]
+        if mine != theirs:
+            problems.append(f"step {n}: admissions {mine}, vLLM {theirs}")
+        scheduled = {rid for rid, _ in rec["scheduled"]}   # a request can get blocks, then be preempted
+        grown = sorted([rid, ids] for rid, ids in blocks.items() if rid not in admitted and rid in scheduled and ids)
+        if grown != sorted(rec["grown"]):
+            problems.append(f"step {n}: new blocks {grown}, vLLM {sorted(rec['grown'])}")
+        victims = [e[1] for e in step if e[0] == "preempt"]
+        if victims != rec["preempted"]:
+            problems.append(f"step {n}: victims {victims}, vLLM {rec['preempted']}")
+        # async: a step's output is processed (its requests freed) in the driver's next step
+        later = n + 1 if asynchronous else n
+        finished = [e[1] for e in step if e[0] == "finish"]
+        if later < len(records) and finished != records[later]["finished"]:
+            problems.append(f"step {n}: finished {finished}, vLLM {records[later]['finished']}")
+        for kind, rid, ids, _, reason in step:   # the balance
+            if kind == "alloc":
+                taken = [b for b in ids if any(b in h for h in held.values())]
+                if taken:
+                    problems.append(f"step {n}: {rid} allocated {taken}, still held")
+                held.setdefault(rid, set()).update(ids)
+            elif kind == "prefix_hit":
+                held.setdefault(rid, set()).update(ids)
+            elif kind == "free" and reason in ("finish", "preempt"):
+                # a preemption's event comes before the frees it causes, a finish's after its frees
+                own = released.get(rid, set()) if reason == "preempt" else held.get(rid, set())
+                stray = set(ids) - own
+                if stray:
+                    problems.append(f"step {n}: {rid} freed {sorted(stray)}, not its own")
+            elif kind == "preempt":
+                # async: a request whose last token is in flight can be preempted by the next step's
+                # scheduling, which runs before that token's output frees it: its finish, filed under its
+                # own step, then comes first
+                released[rid] = held.pop(rid, None) or ended.pop(rid, set())
+                if set(ids) != released[rid]:
+                    problems.append(f"step {n}: {rid} preempted holding {sorted(ids)}, the events gave it "
+                                    f"{sorted(released[rid])}")
+            elif kind == "finish":
+                ended[rid] = held.pop(rid, set())
+    if any(held.values()):
+        problems.append(f"held at the end: {held}")
+    if answer["final_free"] != workload["config"]["num_blocks"]:
+        problems.append(f"{answer['final_free']} blocks free at the end of {workload['config']['num_blocks']}")
+    samples = {f"{r['id']}:{i}" for r in workload["requests"] for i in range(r.get("n", 1))}
+    if set(columns["requests"]["req_id"]) != samples or len(columns["requests"]["req_id"]) != len(samples):
+        problems.append(f"request rows {sorted(columns['requests']['req_id'])}, vLLM ran {sorted(samples)}")
+    return problems
+
+
+STEP_COLUMNS = ["step", "prefill_tokens", "decode_tokens", "recompute_tokens", "running", "waiting", "preemptions",
+                "free_blocks", "used_blocks", "cached_blocks", "total_blocks", "kv_tokens", "admission_stop"]
+EVENT_COLUMNS = ["step", "kind", "req_id", "blocks", "num_tokens", "reason", "num_cached_tokens",
+                 "num_recomputed_tokens", "requester_req_id", "victim_reason"]
+REQUEST_COLUMNS = ["req_id", "prompt_tokens", "max_tokens", "priority", "output_tokens", "finish_reason", "preemptions",
+                   "recomputed_tokens", "prefix_hit_tokens"]
+
+
+class KeepSteps:
+    """kvtrace's engine's tracer: every step record."""
+
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def on_step(self, record) -> None:
+        self.records.append(record)
+
+
+def kvtrace_tables(records: list) -> dict[str, list]:
+    """kvtrace's own trace of a workload, as the rows compared with the capture's (request ids as the
+    driver names vLLM's requests, "id:sample")."""
+    def rid(req_id, sample):
+        return f"{req_id}:{sample}" if req_id else (req_id or "")
+    tables: dict[str, list] = {"steps": [], "kv_events": [], "tokens": [], "requests": []}
+    for r in records:
+        tables["steps"].append((r.step, r.num_prefill_tokens, r.num_decode_tokens, r.num_recompute_tokens,
+                                r.num_running, r.num_waiting, r.num_preemptions, r.num_free_blocks, r.num_used_blocks,
+                                r.num_cached_blocks, r.num_total_blocks, r.num_kv_tokens, r.admission_stop))
+        for e in sorted(r.events, key=lambda e: e.seq):
+            tables["kv_events"].append((r.step, e.kind, rid(e.req_id, e.sample), list(e.blocks or []), e.num_tokens,
+                                        e.reason, e.num_cached_tokens, e.num_recomputed_tokens,
+                                        rid(e.requester_req_id, e.requester_sample) or None, e.victim_reason))
+        tables["tokens"] += [(rid(q, s), i, r.step) for q, s, i in zip(r.token_req_ids, r.token_samples, r.token_idx)]
+        tables["requests"] += [(rid(q.req_id, q.sample), q.prompt_tokens, q.max_tokens, q.priority, q.output_tokens,
+                                q.finish_reason, q.preemptions, q.recomputed_tokens, q.prefix_hit_tokens)
+                               for q in r.finished]
+    return tables
+
+
+def capture_tables(columns: dict) -> dict[str, list]:
+    """The capture's tables as the same rows."""
+    def rows(table: str, names: list[str]) -> list[tuple]:
+        c = columns[table]
+        return [tuple(list(v or []) if n == "blocks" else v for n, v in zip(names, row))
+                for row in zip(*(c[n] for n in names))]
+    k = columns["kv_events"]
+    order = sorted(range(len(k["seq"])), key=lambda i: k["seq"][i])
+    events = rows("kv_events", EVENT_COLUMNS)
+    return {"steps": sorted(rows("steps", STEP_COLUMNS)), "kv_events": [events[i] for i in order],
+            "tokens": rows("tokens", ["req_id", "idx", "step"]), "requests": rows("requests", REQUEST_COLUMNS)}
+
+
+def trace_differences(workload: dict, records: list[dict], answer: dict, vllm_version: str) -> list[str]:
+    """Where the capture's tables are not kvtrace's own trace of the workload (empty: nowhere).
+
+    One difference is the driver's own, not the capture's: the driver takes the cached blocks of a
+    victim scheduled earlier in its step out of the prefix cache just before vLLM preempts it (the
+    Recorder's "uncached"), with evict events kvtrace's engine does not write in the same places: evict
+    events are compared (as a set) only in workloads where that never happens, the others in order."""
+    from kvtrace.vllm.importer import read_chunks
+
+    keep = KeepSteps()
+    kvtrace_side.run(workload, vllm_version=vllm_version, tracer=keep)
+    mine, theirs = kvtrace_tables(keep.records), capture_tables(read_chunks(Path(answer["capture"])))
+    for tables in (mine, theirs):
+        evicts = sorted((e for e in tables["kv_events"] if e[1] == "evict"), key=repr)
+        tables["kv_events"] = [e for e in tables["kv_events"] if e[1] != "evict"]
+        if not any(r["uncached"] for r in records):
+            tables["evict events"] = evicts
+        tables["tokens"].sort()
+        tables["requests"].sort()
+    problems = []
+    for table, rows in mine.items():
+        if rows != theirs[table]:
+            at = next((i for i, (a, b) in enumerate(zip(rows, theirs[table])) if a != b), min(len(rows), len(theirs[table])))
+            problems.append(f"{table}: {len(rows)} rows in kvtrace's trace, {len(theirs[table])} captured; the first "
+                            f"differing, row {at}: kvtrace {rows[at:at + 1]}, captured {theirs[table][at:at + 1]}")
+    arrivals = read_chunks(Path(answer["capture"]))["arrivals"]
+    samples = [(f"{r['id']}:{i}", len(r["prompt"]), r["max_tokens"], r.get("priority", 0), len(r["prompt"])
+                // workload["config"]["block_size"] if workload["config"]["enable_prefix_caching"] else None)
+               for r in workload["requests"] for i in range(r.get("n", 1))]
+    got = [(q, p, m, pr, len(h) if workload["config"]["enable_prefix_caching"] else None) for q, p, m, pr, h in
+           zip(*(arrivals[c] for c in ("req_id", "prompt_tokens", "max_tokens", "priority", "block_hashes")))]
+    if sorted(got) != sorted(samples):
+        problems.append(f"arrivals {sorted(got)}, the workload's {sorted(samples)}")
+    beyond = [h for hashes in arrivals["block_hashes"] for h in hashes if not 0 <= h < 2**63]
+    if beyond:   # the run's tables hold them as BIGINT
+        problems.append(f"block hashes beyond 63 bits: {beyond[:3]}")
+    return problems
+
+
+def table_differences(workload: dict, records: list[dict], answer: dict) -> list[str]:
+    """What the capture's own columns say otherwise than they must (empty: nothing): the clock (every
+    event and token stamped with its step's end, a request's first scheduling, first token and finish
+    with theirs, arrivals as vLLM's request stamped them), the columns a vLLM capture fills with
+    constants, token ids only when asked for (KVTRACE_CAPTURE_TOKEN_IDS, the workload's "token_ids"),
+    and the server's identity and summary (capture.json, done.json) as the workload configured it."""
+    from kvtrace.vllm.importer import read_chunks
+
+    folder = Path(answer["capture"])
+    c = read_chunks(folder)
+    cfg = workload["config"]
+    server = json.loads((folder / "capture.json").read_text())
+    done = json.loads((folder / "done.json").read_text())
+    problems: list[str] = []
+
+    def expect(what: str, got, want) -> None:
+        if got != want:
+            problems.append(f"{what}: {got!r}, expected {want!r}")
+
+    s, k, t, q, a = c["steps"], c["kv_events"], c["tokens"], c["requests"], c["arrivals"]
+    end = dict(zip(s["step"], s["end_s"]))
+    start = dict(zip(s["step"], s["start_s"]))
+    expect("steps rows whose start is after their end", [n for n, b, e in zip(s["step"], s["start_s"], s["end_s"]) if b > e], [])
+    expect("steps rows out of order", s["step"], sorted(s["step"]))
+    expect("steps start times out of order", [start[n] for n in sorted(start)], sorted(start.values()))
+    last = max(s["step"], default=-1)
+    no_output = [n for n, ms in zip(s["step"], s["device_ms"]) if ms is None]
+    # async: the driver's engine loop processes no output of a step that scheduled nothing, nor the
+    # last step's (vLLM's engine stops first): those rows have no device time, every other's is >= 0
+    unprocessed = sorted({n for n, r in enumerate(records) if not r["scheduled"]} | {last}) if cfg["async"] else []
+    expect("steps without a device time", no_output, unprocessed)
+    expect("negative device times", [ms for ms in s["device_ms"] if ms is not None and ms < 0], [])
+    expect("swapped", set(s["swapped"]) - {0}, set())
+    expect("total_blocks", set(s["total_blocks"]), {cfg["num_blocks"]} if s["step"] else set())
+    expect("used_blocks", [u for u, f in zip(s["used_blocks"], s["free_blocks"]) if u + f != cfg["num_blocks"]], [])
+    expect("events not stamped at their step's end", [i for i, (n, ts) in enumerate(zip(k["step"], k["ts_s"]))
+                                                       if ts != end[n]], [])
+    expect("event seq", k["seq"], list(range(len(k["seq"]))))
+    expect("event num_blocks", k["num_blocks"], [len(b) if b else 0 for b in k["blocks"]])
+    expect("event constant columns", {(x, y, z, w) for x, y, z, w in zip(k["sample"], k["bytes"], k["duration_ms"],
+                                                                        k["src_blocks"])}, {(0, 0, None, None)} if k["seq"] else set())
+    expect("requester_sample", [rs for r, rs in zip(k["requester_req_id"], k["requester_sample"]) if rs != (0 if r else None)], [])
+    expect("tokens not stamped at their step's end", [i for i, (n, ts) in enumerate(zip(t["step"], t["ts_s"]))
+                                                       if ts != end[n]], [])
+    expect("token samples", set(t["sample"]) - {0}, set())
+    want_ids = {-1} if workload.get("token_ids") else {None}
+    expect("token ids", set(t["token_id"]), want_ids if t["token_id"] else set())
+    first_token = {r: ts for r, i, ts in zip(t["req_id"], t["idx"], t["ts_s"]) if i == 0}
+    admitted = {}
+    finished = {}
+    for n, kind, r, ts in sorted(zip(k["seq"], k["kind"], k["req_id"], k["ts_s"])):
+        step = k["step"][n]
+        if kind == "admit":
+            admitted.setdefault(r, start[step])
+        elif kind == "finish":
+            finished[r] = ts
+    offset = server["wall_minus_monotonic"]
+    pending = sorted(workload["requests"], key=lambda r: r["arrival_step"])
+    # vLLM's arrival time (the driver's: its step, plus a microsecond per request before it) on the
+    # capture's clock; an arrival time of 0 is none: the request row has none, the arrivals row the
+    # time the scheduler took it
+    stamped = {f"{r['id']}:{i}": r["arrival_step"] + index * 1e-6
+               for index, r in enumerate(pending) for i in range(r.get("n", 1))}
+    arrival = {r: ts - offset if ts else None for r, ts in stamped.items()}
+    for name, rids, got, want in [
+            ("first_scheduled_s", q["req_id"], q["first_scheduled_s"], [admitted.get(r) for r in q["req_id"]]),
+            ("first_token_s", q["req_id"], q["first_token_s"], [first_token.get(r) for r in q["req_id"]]),
+            ("finish_s", q["req_id"], q["finish_s"], [finished.get(r) for r in q["req_id"]]),
+            ("arrival_s", q["req_id"], q["arrival_s"], [arrival[r] for r in q["req_id"]]),
+            ("arrivals' arrival_s", a["req_id"], a["arrival_s"],
+             [arrival[r] if arrival[r] is not None else min(start.values(), default=g) - 1e-3
+              for r, g in zip(a["req_id"], a["arrival_s"])])]:
+        if name.startswith("arrivals"):   # one taken at time 0: before the first step began
+            off = [(r, g, w) for r, g, w in zip(rids, got, want)
+                   if abs(g - w) > 1e-6 and not (arrival[r] is None and w - 60 <= g <= w + 1e-3)]
+        else:
+            off = [(r, g, w) for r, g, w in zip(rids, got, want)
+                   if (g is None) != (w is None) or g is not None and abs(g - w) > 1e-6]
+        expect(f"requests' {name}", off, [])
+    expect("request constant columns", {(x, y, z) for x, y, z in zip(q["sample"], q["n"], q["swaps"])},
+           {(0, 1, 0)} if q["req_id"] else set())
+    identity = {key: server[key] for key in ("block_size", "num_gpu_blocks", "null_block", "enable_prefix_caching",
+                                             "max_num_seqs", "max_num_batched_tokens", "max_model_len", "policy",
+                                             "async_scheduling", "scheduler", "self_check", "token_ids")}
+    expect("capture.json", identity, {
+        "block_size": cfg["block_size"], "num_gpu_blocks": cfg["num_blocks"] + 1, "null_block": 0,
+        "enable_prefix_caching": cfg["enable_prefix_caching"], "max_num_seqs": cfg["max_num_seqs"],
+        "max_num_batched_tokens": cfg["max_num_batched_tokens"], "max_model_len": cfg["max_model_len"],
+        "policy": cfg["policy"], "async_scheduling": cfg["async"],
+        "scheduler": "KvtraceAsyncScheduler" if cfg["async"] else "KvtraceScheduler", "self_check": True,
+        "token_ids": bool(workload.get("token_ids"))})
+    servers = json.loads((folder / "servers" / f"{server['server_id']}.json").read_text())
+    expect("servers/ID.json", servers, server)
+    expect("done.json", {key: done[key] for key in ("server_id", "steps", "events", "self_check_steps")},
+           {"server_id": server["server_id"], "steps": len(s["step"]), "events": len(k["seq"]),
+            "self_check_steps": len(s["step"]) - len(unprocessed)})
+    expect("done.json's hook time", done["hook_s"] > 0, bool(s["step"]))
+    return problems
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+@starts_vllm(unless=bool(DRIVERS))
+def test_capture_records_what_vllm_decided(vllm, asynchronous):
+    root = Path(tempfile.mkdtemp(prefix="kvtrace-capture-on-vllm-"))
+    counts = {"workloads": 0, "preempting": 0, "hitting": 0}
+
+    @settings(max_examples=NUM_WORKLOADS, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck), phases=PHASES)
+    @given(workloads(asynchronous))
+    def check(workload):
+        # the capture makes its folder, parents too, or takes one that is there already
+        folder = root / f"w{counts['workloads']}" / "capture"
+        if counts["workloads"] % 2:
+            folder.mkdir(parents=True)
+        counts["workloads"] += 1
+        workload = {**workload, "capture_dir": str(folder), "token_ids": counts["workloads"] % 3 == 0}
+        answer = vllm.answer(workload)
+        records = answer["steps"]
+        problems = capture_differences(workload, records, answer)
+        problems += table_differences(workload, records, answer)
+        if vllm.version in VLLM_VERSIONS:   # the versions kvtrace's scheduler follows
+            problems += trace_differences(workload, records, answer, vllm.version)
+        assert not problems, (f"vLLM {vllm.version}, workload:\n{json.dumps(workload)}\n" + "\n".join(problems[:10]))
+        counts["preempting"] += any(r["preempted"] for r in records)
+        counts["hitting"] += any(a[2] for r in records for a in r["admitted"])
+        shutil.rmtree(folder.parent, ignore_errors=True)
+
+    try:
+        check()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"vLLM {vllm.version} {'AsyncScheduler' if asynchronous else 'Scheduler'} captured: {counts}")
+    if not DRIVERS:   # the mutation check's few workloads per mutant are chosen (and known) to be these
+        assert counts["preempting"] and counts["hitting"], counts   # not vacuous
+
+
+@starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+@pytest.mark.parametrize("corrupt, found", [
+    ("held", ["r00:0 holds [1, 3] but the events say [1, 3, 1000000]", "4 blocks in use but the events account for 5"]),
+    ("lost", ["r00:0 holds [1, 3] but the events say [3]", "4 blocks in use but the events account for 3"]),
+    ("cached", ["0 cached free blocks but the capture counted 1"])])
+def test_the_self_check_finds_a_pool_the_events_do_not_describe(vllm, asynchronous, corrupt, found, tmp_path):
+    """KVTRACE_CAPTURE_SELF_CHECK compares, every step, the blocks each request holds by the captured
+    events with the pool's own, the blocks in use, and the cached free blocks: the driver makes the
+    capture's record wrong once, after its second step, and the self-check must say how, at the next
+    check."""
+    workload = {"config": {"block_size": 4, "num_blocks": 8, "max_num_seqs": 2, "max_num_batched_tokens": 16,
+                           "max_model_len": 16, "long_prefill_token_threshold": 0, "policy": "fcfs",
+                           "async": asynchronous, "enable_prefix_caching": True},
+                "requests": [{"id": "r00", "prompt": [1, 2, 3], "max_tokens": 4, "arrival_step": 0},
+                             {"id": "r01", "prompt": [4, 5, 6], "max_tokens": 4, "arrival_step": 0}],
+                "capture_dir": str(tmp_path / "capture"), "corrupt": corrupt}
+    done = json.loads((Path(vllm.answer(workload)["capture"]) / "done.json").read_text())
+    # the same error at every later step
+    assert done["self_check_errors"] >= len(found) and not done["writer_error"], done
+    # made wrong after the driver's second step: sync, step 1's check has run (in its update), step 2's finds
+    # it; async, the second step processed step 0's output, and step 1's check finds it
+    step = 1 if asynchronous else 2
+    assert done["self_check_examples"][:len(found)] == [f"step {step}: {f}" for f in found], done
+
+
+WORKLOAD = {"config": {"block_size": 4, "num_blocks": 8, "max_num_seqs": 2, "max_num_batched_tokens": 16,
+                       "max_model_len": 16, "long_prefill_token_threshold": 0, "policy": "fcfs", "async": False,
+                       "enable_prefix_caching": True},
+            "requests": [{"id": "r00", "prompt": [1, 2, 3], "max_tokens": 4, "arrival_step": 0}]}
+
+
+@starts_vllm(unless=bool(DRIVERS))
+def test_the_capture_refuses_to_start_without_its_folder(vllm):
+    """No KVTRACE_CAPTURE_DIR: the scheduler is not built (an error that names the variable), rather
+    than a server recording nowhere."""
+    with pytest.raises(RuntimeError, match="set KVTRACE_CAPTURE_DIR to the capture folder"):
+        vllm.answer({**WORKLOAD, "capture_dir": None})
+
+
+@starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("served", ["chat-a", ["chat-a", "chat-b"]], ids=["one", "several"])
+def test_the_capture_takes_its_options_and_names_the_served_model(vllm, tmp_path, served):
+    """KVTRACE_CAPTURE_MAX_BYTES and KVTRACE_CAPTURE_MAX_AGE set the retention capture.json records;
+    the model is vLLM's served model name (the first, where it serves under several)."""
+    env = {"KVTRACE_CAPTURE_MAX_BYTES": "3MiB", "KVTRACE_CAPTURE_MAX_AGE": "2h"}
+    vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture"), "env": env, "served_model_name": served})
+    server = json.loads((tmp_path / "capture" / "capture.json").read_text())
+    assert (server["max_bytes"], server["max_age_s"], server["model"]) == (3 * 1024**2, 7200, "chat-a"), server
+
+
+@starts_vllm(unless=bool(DRIVERS))
+def test_a_vllm_version_the_capture_was_not_tested_on_stops_it_and_says_so(vllm, tmp_path):
+    """A vLLM the capture was not tested on: the scheduler is not built, and error.json in the capture
+    folder says why (vLLM's EngineCore keeps the exception in its own log)."""
+    with pytest.raises(RuntimeError, match="VllmChanged"):
+        vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture"), "vllm_version": "0.31.0"})
+    error = json.loads((tmp_path / "capture" / "error.json").read_text())
+    assert error["vllm_version"] == "0.31.0" and "0.31" in error["error"], error
+
+
+@starts_vllm(unless=bool(DRIVERS))
+def test_the_capture_clock_is_the_monotonic_clock_and_its_offset_the_wall_clocks(vllm, tmp_path):
+    """Every time the capture writes is on the machine's monotonic clock (the same in every process),
+    and capture.json's wall_minus_monotonic turns it into wall-clock time."""
+    import time
+
+    before = time.monotonic()
+    answer = vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture")})
+    after = time.monotonic()
+    from kvtrace.vllm.importer import read_chunks
+
+    server = json.loads((tmp_path / "capture" / "capture.json").read_text())
+    assert abs(server["wall_minus_monotonic"] - (time.time() - time.monotonic())) < 1.0, server
+    assert before <= server["started_monotonic"] <= after, server
+    steps = read_chunks(Path(answer["capture"]))["steps"]
+    assert steps["step"] and all(before <= t <= after for t in steps["start_s"] + steps["end_s"]), steps
+    done = json.loads((tmp_path / "capture" / "done.json").read_text())
+    assert 0 < done["hook_s"] < after - before, done   # the time in its step hooks, within the run
+
+
+@starts_vllm()
+def test_the_capture_cost_suite_runs_on_8_requests(capsys):
+    """`python -m benchmarks vllm-capture-cost` at a tiny size (the full suite is for a quiet machine)."""
+    import argparse
+
+    from benchmarks import vllm_capture_cost
+
+    if not PYTHONS:
+        pytest.skip("no vLLM Python")
+    parser = argparse.ArgumentParser()
+    vllm_capture_cost.add_arguments(parser)
+    vllm_capture_cost.run(parser.parse_args(["--vllm-python", PYTHONS[-1], "--sizes", "8", "--steps", "4",
+                                             "--warmup", "1", "--no-write"]))
+    out = capsys.readouterr().out
+    assert "| 8 |" in out and "bytes per generated token" in out and "ms per step at 8 running" in out, out
