@@ -690,6 +690,7 @@ def own_target(runner: ForkRunner, target: str, tests: list[str], deadline: floa
                     state = runner.run_mutant(tests if chosen is None else chosen, test_timeout, fresh=target)
                 except (KeyboardInterrupt, SystemExit):     # stopped: keep what was covered
                     result.interrupted = True
+                    result.mutants.extend(Mutant(target, ln, op, "not run", d) for ln, op, _, d in chosen_mutants[n - 1:])
                     break
                 result.mutants.append(Mutant(target, line, operator, state, diff))
             ran = "all tests" if chosen is None else f"{len(chosen)} tests"

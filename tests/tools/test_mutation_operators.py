@@ -163,3 +163,26 @@ def test_a_mutant_listed_as_equivalent_is_recognised_from_the_texts_before_and_a
     assert source.count(line) == 1
     assert mutation.listed_equivalent("engine/block_manager.py", source, source.replace(line, line.replace("[0]", "[ -1]")))  # cosmic-ray spells it so
     assert not mutation.listed_equivalent("engine/block_manager.py", source, source.replace(line, line.replace("[0]", "[1]")))
+
+
+def test_a_stopped_run_of_own_mutants_lists_the_rest_as_not_run(tmp_path):
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "a.py").write_text(SOURCE)
+
+    class Runner:                               # stopped (Ctrl-C, the budget's SIGTERM) at the second mutant
+        work = tmp_path
+        calls = 0
+
+        def run_mutant(self, tests, timeout, fresh=None):
+            self.calls += 1
+            if self.calls == 2:
+                raise KeyboardInterrupt
+            return "killed"
+
+    covered = {"tests": ["t::x"], "fixtures": {}, "lines": {str(n): ["t:t::x"] for n in range(1, 40)}}
+    result = mutation.TargetResult("engine/a.py", ["tests/engine"])
+    mutation.own_target(Runner(), "engine/a.py", ["tests/engine"], float("inf"), 1, 60.0, covered, result)
+    assert result.interrupted and (tmp_path / "engine" / "a.py").read_text() == SOURCE
+    assert len(result.mutants) == len(mutation.mutation_operators.mutants(SOURCE))   # every mutant counted
+    assert [m.outcome for m in result.mutants][:2] == ["killed", "not run"]
+    assert {m.outcome for m in result.mutants[1:]} == {"not run"}
