@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> None:
             bare = median([r.wall_s for r in vidur_bare_runs])
             headline += (f" (ShareGPT-like: {vs_vidur[0]:.2f}× Vidur 0.0.26's "
                          f"{median([r.wall_s for r in vidur_runs]):.1f} s side by side, "
-                         f"{wall / bare:.2f}× its {bare:.1f} s without metrics)")
+                         f"{medians[SHAREGPT] / bare:.2f}× its {bare:.1f} s without metrics)")
         else:
             headline += f" (ShareGPT-like: {vs_vidur[0]:.2f}× Vidur's {VIDUR_WALL_S} s)"
     section.write(headline)
