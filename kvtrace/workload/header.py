@@ -3,7 +3,8 @@
 A workload file may begin with `# ` comment lines (docs/workload-format.md). `kvtrace workload from-run`
 writes one of them as `# follow_vllm: VERSION (...)`: the vLLM whose scheduling decisions the run made
 (a vLLM capture's version, or the `--follow-vllm` a kvtrace run followed). `kvtrace record` follows it
-unless `--follow-vllm` is given. Standard library only: `record` reads it before it starts.
+unless `--follow-vllm` is given. It imports only engine.config and the standard library: `record`
+reads it before the engine starts.
 """
 from __future__ import annotations
 
