@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> None:
     section = Section("sim-speed")
     vidur_python = args.vidur_python if args.vidur_python and Path(args.vidur_python).exists() else None
     vidur_runs, vidur_bare_runs, vidur_first = [], [], None
+    vs_vidur = None        # (wall, CPU) ratios against Vidur, once the ShareGPT-like case has run
     with tempfile.TemporaryDirectory(prefix="kvtrace-sim-speed-") as tmp:
         tmp_path = Path(tmp)
         workloads = {
@@ -159,7 +160,7 @@ def run(args: argparse.Namespace) -> None:
     table = markdown_table(["scenario", "requests", "simulated s", "steps", "trace rows", "each wall s",
                             "median wall s", "median CPU s", "steps/s (wall / CPU)",
                             "sequence-steps/s (wall / CPU)"], rows)
-    if "vs_vidur" in locals() and not vidur_runs:
+    if vs_vidur is not None and not vidur_runs:
         table += (f"\n\nShareGPT-like vs Vidur 0.0.26 ({VIDUR_WALL_S} s of wall time here, no KV trace): "
                   f"**{vs_vidur[0]:.2f}x** its time in wall time, **{vs_vidur[1]:.2f}x** in CPU time. "
                   "(No Vidur venv: `bash scripts/vidur_env.sh` builds it, and this suite then runs it.)")
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> None:
     if vidur_runs:
         section.add(side_by_side(sharegpt, vidur_runs, vidur_bare_runs, vidur_first))
     headline = "median wall s of `record --engine sim`: " + "; ".join(f"{n} {w:.1f} s" for n, w in medians.items())
-    if "vs_vidur" in locals():
+    if vs_vidur is not None:
         if vidur_runs:
             bare = median([r.wall_s for r in vidur_bare_runs])
             headline += (f" (ShareGPT-like: {vs_vidur[0]:.2f}× Vidur 0.0.26's "
