@@ -82,29 +82,39 @@ def run(args: argparse.Namespace) -> None:
             plain, captured = statistics.median(m["times"]["plain"]), statistics.median(m["times"]["captured"])
             cpu = {name: statistics.median(m["cpu_times"][name]) for name in ("plain", "captured")}
             steps = len(m["times"]["captured"])
+            mean = {name: statistics.mean(m["times"][name]) for name in ("plain", "captured")}
+            gc_s = m.get("gc_s", {"plain": 0.0, "captured": 0.0})
             runs[mode, n].append({"plain": plain, "captured": captured, "added": captured - plain,
+                                  "added_mean": mean["captured"] - mean["plain"],
+                                  "gc_plain": gc_s["plain"] / steps, "gc_captured": gc_s["captured"] / steps,
                                   "added_cpu": cpu["captured"] - cpu["plain"],
                                   "hooks": m["hook_s"] / steps, "bytes": m["bytes"] / steps})
-    rows, added, per_token_bytes = [], {}, []
+    rows, added, added_mean, per_token_bytes = [], {}, {}, []
     for mode, n in cases:
         case_runs = runs[mode, n]
         med = {key: statistics.median(run[key] for run in case_runs) for key in case_runs[0]}
         added[mode, n] = med["added"]
+        added_mean[mode, n] = med["added_mean"]
         per_token_bytes.append(med["bytes"] / n)
         spread = (f" ({min(r['added'] for r in case_runs) * 1e3:+.3f} to "
                   f"{max(r['added'] for r in case_runs) * 1e3:+.3f})" if len(case_runs) > 1 else "")
         rows.append([mode, f"{n:,}", f"{med['plain'] * 1e3:.3f}", f"{med['captured'] * 1e3:.3f}",
-                     f"{med['added'] * 1e3:+.3f}{spread}", f"{med['added_cpu'] * 1e3:+.3f}",
+                     f"{med['added'] * 1e3:+.3f}{spread}", f"{med['added_mean'] * 1e3:+.3f}",
+                     f"{med['gc_plain'] * 1e3:.3f} / {med['gc_captured'] * 1e3:.3f}",
+                     f"{med['added_cpu'] * 1e3:+.3f}",
                      f"{med['added'] / n * 1e6:+.2f}", f"{med['hooks'] * 1e3:.3f}", f"{med['bytes']:,.0f}"])
     repeats = len(runs[cases[0]])
     section.add(f"vLLM {version}'s Scheduler (sync) and AsyncScheduler (async, batch-queue steps) without a model, "
                 f"decode steps of N running requests ({args.prompt}-token prompts, block size {args.block_size}, "
                 f"every request running), plain and captured alternating, {args.steps} timed steps each after "
-                f"{args.warmup}; medians of per-step time (CPU: the driver thread's)"
+                f"{args.warmup}; medians of per-step time (CPU: the driver thread's; 'added, means': the "
+                "difference of the mean steps, which holds what a chunk write or a collection adds; GC: the "
+                "cyclic collector's time inside each one's timed steps, per step)"
                 + (f", then the median of {repeats} interleaved runs (added: its range over them)." if repeats > 1
                    else "."))
     section.add(markdown_table(["scheduling", "running", "plain ms/step", "captured ms/step", "added ms/step",
-                                "added CPU ms/step", "added µs per running", "capture hooks ms/step",
+                                "added, means", "GC ms/step, plain / captured", "added CPU ms/step",
+                                "added µs per running", "capture hooks ms/step",
                                 "bytes/step"], rows))
     bytes_per_token = statistics.median(per_token_bytes)
     per_hour = 3600 * args.rate * args.output_tokens * bytes_per_token
@@ -117,8 +127,8 @@ def run(args: argparse.Namespace) -> None:
         linear = added[mode, sizes[-1]] / sizes[-1] <= 1.5 * max(added[mode, sizes[0]] / sizes[0], 1e-7)
         met = met and added[mode, target] <= 1e-3 and linear
         others = ", ".join(f"{added[mode, n] * 1e3:+.3f} ms at {n:,}" for n in sizes if n != target)
-        parts.append(f"{mode} {added[mode, target] * 1e3:+.3f} ms per step at {target:,} running"
-                     f"{f' ({others})' if others else ''}")
+        parts.append(f"{mode} {added[mode, target] * 1e3:+.3f} ms per step at {target:,} running "
+                     f"(mean {added_mean[mode, target] * 1e3:+.3f}{f'; {others}' if others else ''})")
     headline = (f"the capture adds {'; '.join(parts)}; goal ≤ 1 ms at 1,024 and no faster than the running count: "
                 f"{('met' if met else 'missed') if target == 1024 else 'not measured'}")
     if args.no_write:

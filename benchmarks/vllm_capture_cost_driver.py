@@ -10,11 +10,13 @@ both until every request runs, then times `warmup + steps` decode steps (schedul
 model output, update_from_output) alternating plain, captured, plain, ... With "async" both are
 vLLM's AsyncScheduler and a step is the engine core's batch-queue step: schedule this step, then
 process the previous step's output. Prints one JSON line: per-step seconds of each, wall and CPU
-(this thread's: what other processes of a shared machine take is not in it), the capture's hook time
-and the bytes its chunks took over the timed steps.
+(this thread's: what other processes of a shared machine take is not in it), the cyclic GC's time
+inside each one's timed steps, the capture's hook time and the bytes its chunks took over the timed
+steps.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -65,6 +67,16 @@ def main() -> int:
                                       pooling_params=None, arrival_time=time.time(), block_hasher=hasher))
     times = {name: [] for name in schedulers}
     cpu_times = {name: [] for name in schedulers}
+    # the cyclic GC's time inside each scheduler's timed steps: the capture's rows are allocations
+    # that bring collections on, and a collection walks both schedulers' objects wherever it starts
+    gc_s = dict.fromkeys(schedulers, 0.0)
+    timing: list = [None, 0.0]   # the scheduler whose timed step runs, when the collection began
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            timing[1] = time.perf_counter()
+        elif timing[0] is not None:
+            gc_s[timing[0]] += time.perf_counter() - timing[1]
     previous = dict.fromkeys(schedulers)   # async: the step whose output the next step processes
 
     def step(name: str) -> tuple[float, float]:
@@ -84,19 +96,23 @@ def main() -> int:
         while len(sched.running) < n or any(r.num_output_tokens == 0 for r in sched.running):
             step(name)
     cap = schedulers["captured"]._kvtrace
+    gc.callbacks.append(on_gc)
     for i in range(warmup + steps):
         if i == warmup:
             cap.sink.flush()   # the sink's count of bytes written (retention, 4 GiB, is far off here)
             bytes_before, hook_before = cap.sink.num_bytes, cap.hook_s
         order = ("plain", "captured") if i % 2 == 0 else ("captured", "plain")
         for name in order:
+            timing[0] = name if i >= warmup else None
             t, cpu = step(name)
+            timing[0] = None
             if i >= warmup:
                 times[name].append(t)
                 cpu_times[name].append(cpu)
+    gc.callbacks.remove(on_gc)
     cap.sink.flush()
     running = {name: len(s.running) for name, s in schedulers.items()}
-    out.write(json.dumps({"running": running, "times": times, "cpu_times": cpu_times,
+    out.write(json.dumps({"running": running, "times": times, "cpu_times": cpu_times, "gc_s": gc_s,
                           "hook_s": cap.hook_s - hook_before,
                           "bytes": cap.sink.num_bytes - bytes_before,
                           "vllm_version": __import__("vllm").__version__}) + "\n")
