@@ -17,6 +17,9 @@ a SQL file's mutants are listed as not run). Results: a JSON file and a Markdown
 operator family), written again after each target. The files keep one row per target and operator set
 (a Python target's cosmic-ray row and its own-operators row): a run (--only, --operators) replaces the
 rows it ran and keeps the others' last results, each row with the date and commit of its run.
+A row the budget stopped can be finished by later runs (--resume): each runs the mutants the last
+left unrun, provided the target's text, sample and test selection are the same, and the row adds
+them up, saying in how many parts it ran.
 
 Each mutant's tests run in a child forked from this process, which has already imported the heavy
 third-party modules (torch, duckdb, pyarrow, pytest, ...) but nothing of the project: the child
@@ -56,6 +59,7 @@ import argparse
 import ast
 import functools
 import gc
+import hashlib
 import json
 import os
 import re
@@ -67,6 +71,7 @@ import sys
 import tempfile
 import time
 import traceback
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -172,6 +177,9 @@ class TargetResult:
     # which operators made the row's mutants: a Python target has a row for cosmic-ray's ("cosmic-ray") and
     # one for ours ("own"), each replaced by the next run of its operators; a SQL target's row: "sql"
     generator: str = "cosmic-ray"
+    source_sha: str = ""    # the target's text when the run began (sha256, 16 hex digits): a resumed run needs the same
+    parts: int = 1          # the runs this row adds up (--resume), the first of them begun at `first_date`
+    first_date: str = ""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -539,27 +547,66 @@ def coverage_of(runner: ForkRunner, target: str, tests: list[str], targets: list
 
 def python_target(runner: ForkRunner, target: str, tests: list[str], deadline: float, sample: int,
                   sample_own: int, test_timeout: float, covered: dict | None, skip_equivalent: bool = False,
-                  operators: str = "all") -> list[TargetResult]:
+                  operators: str = "all", previous: dict | None = None) -> list[TargetResult]:
     """A Python target's rows: cosmic-ray's mutants, then our own (own_target), as `operators` asks
     ("all", "cosmic-ray", "own"). With `covered` (coverage_of), each mutant gets only the tests that
-    execute its statement (tests_for); without (a target in NEEDS_VLLM, or --all-tests), all its tests."""
+    execute its statement (tests_for); without (a target in NEEDS_VLLM, or --all-tests), all its tests.
+    `previous` (--resume): the last rows by key; one this run can resume (resumable) runs only the
+    mutants it left unrun, and the row returned adds both up (resumed)."""
     rows = []
+    source_sha = hashlib.sha256((runner.work / target).read_bytes()).hexdigest()[:16]
     for generator in ("cosmic-ray", "own"):
         if operators not in ("all", generator) or (rows and rows[-1].interrupted):
             continue
         result = TargetResult(target, tests, **run_stamp(), sample=sample if generator == "cosmic-ray" else sample_own,
-                              by_coverage=covered is not None, sample_own=sample_own, generator=generator)
+                              by_coverage=covered is not None, sample_own=sample_own, generator=generator,
+                              source_sha=source_sha)
+        before = (previous or {}).get(result.key)
+        skip = resumable(before, result)
+        if skip:
+            print(f"{target} ({generator}): resuming after the {skip} mutants its last run decided", flush=True)
         start = time.monotonic()
         run = cosmic_ray_target if generator == "cosmic-ray" else own_target
-        run(runner, target, tests, deadline, result.sample, test_timeout, covered, result, skip_equivalent)
+        run(runner, target, tests, deadline, result.sample, test_timeout, covered, result, skip_equivalent, skip=skip)
         if target in NEEDS_VLLM and not os.environ.get("KVTRACE_CAPTURE_DRIVERS"):
             for m in result.mutants:
                 if m.outcome == "survived":
                     m.note = "untested: it runs only inside vLLM"
         result.complete = not any(m.outcome == "not run" for m in result.mutants)
         result.seconds = time.monotonic() - start
-        rows.append(result)
+        rows.append(resumed(before, result) if skip else result)
     return rows
+
+
+def resumable(before: TargetResult | None, result: TargetResult) -> int:
+    """How many mutants (in run order) a new run can take as decided from `before`, the last row of the
+    same target and operators: those it ran, if it stopped before the rest (the budget, Ctrl-C) and its
+    target's text, sample and test selection were the same; else 0 (run them all)."""
+    if (before is None or before.complete or not before.source_sha or before.source_sha != result.source_sha
+            or before.sample != result.sample or before.by_coverage != result.by_coverage
+            or before.tests != result.tests):
+        return 0
+    return before.num_mutants - before.count("not run")
+
+
+def resumed(before: TargetResult, part: TargetResult) -> TargetResult:
+    """The row of a target's run in parts: `before` (its first `skip` mutants decided) and `part` (the
+    rest, run now), their counts added as summary.json keeps them: the survivors and timeouts listed,
+    the rest counted."""
+    counts = {outcome: before.count(outcome) + part.count(outcome) for outcome in OUTCOMES}
+    counts["not run"] = part.count("not run")
+    families: dict[str, dict[str, int]] = {}
+    for source in (before.families(), part.families()):
+        for name, outcomes in source.items():
+            merged_counts = families.setdefault(name, dict.fromkeys(OUTCOMES, 0))
+            for outcome, n in outcomes.items():
+                merged_counts[outcome] += n
+    for name, outcomes in before.families().items():   # the part ran what the first left unrun
+        families[name]["not run"] -= outcomes.get("not run", 0)
+    listed = [m for m in (*before.mutants, *part.mutants) if m.outcome in LISTED]
+    return dataclasses.replace(part, mutants=listed, counts=counts, family_counts=families,
+                               seconds=before.seconds + part.seconds, parts=before.parts + 1,
+                               first_date=before.first_date or before.date)
 
 
 SKIPPED_EQUIVALENT = "listed equivalent, not run (--skip-equivalent)"
@@ -578,10 +625,11 @@ def listed_equivalent(target: str, original: str, mutated: str) -> bool:
 
 def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadline: float, sample: int,
                       test_timeout: float, covered: dict | None, result: TargetResult,
-                      skip_equivalent: bool = False) -> None:
+                      skip_equivalent: bool = False, skip: int = 0) -> None:
     """cosmic-ray makes and applies the mutants (init, operator filter, mutate_and_test); the tests
     of each run in a forked child (ForkRunner) instead of a fresh interpreter: with `covered`, only
-    the tests that execute the mutated statement. The mutants are added to `result`."""
+    the tests that execute the mutated statement. The mutants are added to `result`, less the first
+    `skip` in file order (decided by an earlier run: --resume)."""
     from cosmic_ray import mutating
     from cosmic_ray.work_db import use_db
     from cosmic_ray.work_item import TestOutcome
@@ -589,6 +637,7 @@ def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadlin
     work = runner.work
     source = (work / target).read_text()
     chosen: list[str] | None = None                    # the current mutant's tests (None: all of them)
+    decided: set[str] = set()                          # the job ids of the mutants an earlier run decided
     session = work / f".mutation-{target.replace('/', '_')}.sqlite"
     config = work / f".mutation-{target.replace('/', '_')}.toml"
     command = shlex.join([sys.executable, *PYTEST[1:], *tests])
@@ -622,7 +671,8 @@ def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadlin
     try:
         with use_db(str(session)) as db:
             pending = sorted(db.pending_work_items, key=_site)
-            for n, item in enumerate(pending, start=1):
+            decided = {item.job_id for item in pending[:skip]}
+            for n, item in enumerate(pending[skip:], start=skip + 1):
                 if time.monotonic() >= deadline:
                     break
                 if covered is not None:
@@ -647,6 +697,8 @@ def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadlin
     for line in dump.stdout.splitlines():
         item, outcome = json.loads(line)
         mutation = item["mutations"][0]
+        if item["job_id"] in decided:
+            continue                                   # its outcome is the earlier run's
         if outcome is None:
             state = "not run"
         elif outcome["worker_outcome"] == "skipped":
@@ -665,14 +717,16 @@ def cosmic_ray_target(runner: ForkRunner, target: str, tests: list[str], deadlin
 
 
 def own_target(runner: ForkRunner, target: str, tests: list[str], deadline: float, sample: int,
-               test_timeout: float, covered: dict | None, result: TargetResult, skip_equivalent: bool = False) -> None:
+               test_timeout: float, covered: dict | None, result: TargetResult, skip_equivalent: bool = False,
+               skip: int = 0) -> None:
     """Our own operators' mutants (mutation_operators), every `sample`-th in file order, each planted
-    in the scratch copy and run like cosmic-ray's: the same tests by coverage, timeout and outcomes."""
+    in the scratch copy and run like cosmic-ray's: the same tests by coverage, timeout and outcomes;
+    the first `skip` left out (decided by an earlier run: --resume)."""
     path = runner.work / target
     original = path.read_text()
     chosen_mutants = mutation_operators.mutants(original)[::sample]
     try:
-        for n, (line, operator, mutated, diff) in enumerate(chosen_mutants, start=1):
+        for n, (line, operator, mutated, diff) in enumerate(chosen_mutants[skip:], start=skip + 1):
             if time.monotonic() >= deadline:
                 result.mutants.append(Mutant(target, line, operator, "not run", diff))
                 continue
@@ -848,6 +902,7 @@ def markdown(results: list[TargetResult], equivalents: list[dict] | None = None)
         out.append(f"| {r.label} | {r.num_mutants} | {r.count('killed')} | {r.count('survived') - equivalent} | "
                    f"{equivalent} | {r.count('timeout')} | {r.count('error')} | {r.count('not run')} | {score} | "
                    f"{r.seconds:.0f} s | {r.date or '?'} `{r.commit or '?'}`"
+                   + (f", in {r.parts} parts since {r.first_date}" if r.parts > 1 else "")
                    + (f", every {r.sample}th mutant" if r.sample > 1 else "")
                    + (", tests by coverage" if r.by_coverage else "") + " |")
     out.append("\nEach row is its target's last run (run: its date, UTC, and commit; `+changes`: with uncommitted "
@@ -913,7 +968,8 @@ def _row(r: dict) -> TargetResult:
                         r.get("interrupted", False), r.get("date", ""), r.get("commit", ""), r.get("sample", 1),
                         r.get("by_coverage", False), r.get("counts") or {}, r.get("family_counts") or {},
                         r.get("sample_own", r.get("sample", 1)),
-                        r.get("generator") or ("sql" if r["target"].endswith(".sql") else "cosmic-ray"))
+                        r.get("generator") or ("sql" if r["target"].endswith(".sql") else "cosmic-ray"),
+                        r.get("source_sha", ""), r.get("parts", 1), r.get("first_date", ""))
 
 
 def load(out: Path) -> list[TargetResult]:
@@ -1010,6 +1066,9 @@ def main() -> int:
     parser.add_argument("--recheck", action="store_true",
                         help="plant each survivor and timeout in summary.json (not listed as equivalent) again, run its "
                              "target's tests as they are now, and record which test kills it")
+    parser.add_argument("--resume", action="store_true",
+                        help="a target whose last row the budget stopped, on the same text, sample and tests: run "
+                             "only the mutants it left unrun and add them to that row")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite results.md from summary.json (after editing equivalent.json); run nothing")
     args = parser.parse_args()
@@ -1040,6 +1099,7 @@ def main() -> int:
     if args.coverage_from:                             # a coverage run kept from before (same code and tests)
         kept = json.loads(args.coverage_from.read_text())
         coverage_cache[tuple(tests_of(next(iter(kept))))] = kept
+    previous = {r.key: r for r in load(args.out)} if args.resume else None
     _copied_commit()                                   # the commit the scratch copy is made from
     work = scratch_copy()
     runner = ForkRunner(work, work / ".mutation-test.log")
@@ -1085,7 +1145,7 @@ def main() -> int:
                 covered = None if not by_coverage or past_budget else coverage_of(
                     runner, name, tests, [n for n in names if n in TARGETS], coverage_cache)
                 rows = python_target(runner, name, tests, deadline, sample, sample_own, timeout, covered,
-                                     args.skip_equivalent, args.operators)
+                                     args.skip_equivalent, args.operators, previous)
                 if drivers is not None:
                     started.remove(drivers)
                     drivers.stop()

@@ -186,3 +186,53 @@ def test_a_stopped_run_of_own_mutants_lists_the_rest_as_not_run(tmp_path):
     assert len(result.mutants) == len(mutation.mutation_operators.mutants(SOURCE))   # every mutant counted
     assert [m.outcome for m in result.mutants][:2] == ["killed", "not run"]
     assert {m.outcome for m in result.mutants[1:]} == {"not run"}
+
+
+def test_a_run_the_budget_stopped_is_resumed_where_it_stopped_and_its_row_adds_both_parts(tmp_path, monkeypatch):
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "a.py").write_text(SOURCE)
+    monkeypatch.setattr(mutation, "run_stamp", lambda: {"date": "2026-12-02 05:00", "commit": "abc1234"})
+    total = len(mutation.mutation_operators.mutants(SOURCE))
+    assert total > 4
+
+    class Runner:                               # scripted outcomes; stopped (the budget's SIGTERM) at the 4th mutant
+        work = tmp_path
+
+        def __init__(self, outcomes, stop_at=None):
+            self.outcomes, self.stop_at, self.planted = list(outcomes), stop_at, []
+
+        def run_mutant(self, tests, timeout, fresh=None):
+            self.planted.append((tmp_path / "engine" / "a.py").read_text())
+            if len(self.planted) == self.stop_at:
+                raise KeyboardInterrupt
+            return self.outcomes.pop(0) if self.outcomes else "killed"
+
+    covered = {"tests": ["t::x"], "fixtures": {}, "lines": {str(n): ["t:t::x"] for n in range(1, 40)}}
+    first = Runner(["killed", "survived", "killed"], stop_at=4)
+    [row] = mutation.python_target(first, "engine/a.py", ["tests/engine"], float("inf"), 1, 1, 60.0, covered,
+                                   operators="own")
+    assert row.interrupted and row.count("not run") == total - 3
+    out = tmp_path / "results"
+    mutation.write(out, [row])                  # what the next session finds: the committed summary only
+    (out / "results.json").unlink()
+    previous = {r.key: r for r in mutation.load(out)}
+    second = Runner(["survived"])
+    [resumed] = mutation.python_target(second, "engine/a.py", ["tests/engine"], float("inf"), 1, 1, 60.0, covered,
+                                       operators="own", previous=previous)
+    assert len(second.planted) == total - 3     # only what the first left unrun
+    assert first.planted[:3] + second.planted == [m[2] for m in mutation.mutation_operators.mutants(SOURCE)]
+    assert resumed.complete and resumed.parts == 2 and resumed.first_date == "2026-12-02 05:00"
+    assert resumed.num_mutants == total and resumed.count("not run") == 0
+    assert (resumed.count("killed"), resumed.count("survived")) == (total - 2, 2)
+    assert [m.outcome for m in resumed.mutants] == ["survived", "survived"]   # both parts' survivors listed
+    assert sum(c["not run"] for c in resumed.families().values()) == 0
+    assert sum(sum(c.values()) for c in resumed.families().values()) == total
+    mutation.write(out, [resumed])
+    assert "in 2 parts since 2026-12-02 05:00" in (out / "results.md").read_text()
+    # a finished row, or a changed target, is run again whole
+    assert mutation.resumable(resumed, resumed) == 0
+    (tmp_path / "engine" / "a.py").write_text(SOURCE + "\nEXTRA = 1\n")
+    third = Runner([])
+    mutation.python_target(third, "engine/a.py", ["tests/engine"], float("inf"), 1, 1, 60.0, covered,
+                           operators="own", previous=previous)
+    assert len(third.planted) == len(mutation.mutation_operators.mutants(SOURCE + "\nEXTRA = 1\n"))
