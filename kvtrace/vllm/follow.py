@@ -6,7 +6,10 @@ before it was read is skipped, a hidden `.tmp` (a chunk being written) is not a 
 `LiveTrace` keeps the rows of the last `keep_s` seconds per server (a chunk file's prefix, the
 EngineCore's pid) and, of the sequences still in flight, every row: a gap between two tokens is
 caused by what happened to its sequence since the earlier one, however long ago that was.
-`LiveTrace.write_run` turns what is kept into a run folder that kvtrace's SQL library reads like any other.
+`LiveTrace.write_run` turns what is kept into a run folder that kvtrace's SQL library reads like any other;
+for a follower that counts each row once (the exporter), it can write only the tokens added since
+its last such run, their predecessors found from what came before, or no tokens at all: the tokens
+are nearly all of a busy server's rows, so a poll then costs what is new, not the window.
 """
 from __future__ import annotations
 
@@ -63,6 +66,11 @@ class LiveTrace:
     def __init__(self, keep_s: float) -> None:
         self.keep_s = keep_s
         self.servers: dict[str, dict[str, dict[str, list]]] = {}
+        self.new_tokens: dict[str, int] = {}   # per server: the token rows added since its last run of new tokens
+        # per server: each sequence's last token written in such a run, (idx, step, ts_s): its next
+        # token's predecessor
+        self.last_token: dict[str, dict[tuple, tuple]] = {}
+        self.pruned_at: dict[str, float] = {}  # per server: its end when it was last pruned
 
     def add(self, server: str, chunk: dict) -> None:
         columns = self.servers.setdefault(server, {t: {c: [] for c in cols} for t, cols in COLUMNS.items()})
@@ -72,6 +80,8 @@ class LiveTrace:
             num_rows = len(next(iter(cols.values()), []))
             for name, values in columns[table].items():
                 values.extend(cols.get(name, [None] * num_rows))
+            if table == "tokens":
+                self.new_tokens[server] = self.new_tokens.get(server, 0) + num_rows
 
     def end_s(self, server: str) -> float | None:
         """When the server's last step kept here ended (the capture's clock)."""
@@ -82,17 +92,24 @@ class LiveTrace:
         ends = {s: e for s in self.servers if (e := self.end_s(s)) is not None}
         return max(ends, key=ends.get) if ends else None
 
-    def prune(self) -> None:
+    def prune(self, every_s: float = 0.0) -> None:
         """Drop what no later figure needs: finished sequences and steps older than `keep_s`
         (a step a kept re-prefill names stays: its end is when the re-prefill was done), tokens
-        older than that but the last of each sequence still in flight (the next gap starts there)."""
+        older than that but the last of each sequence still in flight (the next gap starts there).
+        `every_s`: a server pruned less than that long ago (on its clock) is left as it is: a prune
+        reads every row kept, and a row kept a little longer changes no figure."""
         for server, columns in list(self.servers.items()):
             end = self.end_s(server)
-            if end is None:
+            if end is None or end - self.pruned_at.get(server, -float("inf")) < every_s:
                 continue
+            self.pruned_at[server] = end
             horizon, oldest = end - self.keep_s, end - max(self.keep_s, MAX_AGE_S)
             q = columns["requests"]
             done = {(r, s) for r, s, f in zip(q["req_id"], q["sample"], q["finish_s"]) if f is not None and f < horizon}
+            last = self.last_token.get(server)
+            if last:   # a finished sequence has no next token; one gone for MAX_AGE_S is lost
+                for key in [key for key, (_, _, ts) in last.items() if key in done or ts is None or ts < oldest]:
+                    del last[key]
             _keep(q, [(r, s) not in done for r, s in zip(q["req_id"], q["sample"])])
             k = columns["kv_events"]
             _keep(k, [t is not None and t >= oldest and (t >= horizon or (r, s) not in done and bool(r))
@@ -109,14 +126,28 @@ class LiveTrace:
                       for i, (key, ts) in enumerate(zip(zip(t["req_id"], t["sample"]), t["ts_s"]))])
             if not any(next(iter(cols.values())) for cols in columns.values()):
                 del self.servers[server]
+                self.last_token.pop(server, None)
+                self.new_tokens.pop(server, None)
+                self.pruned_at.pop(server, None)
 
     def write_run(self, server: str, run_dir: Path, run_id: str, *, window_s: float | None,
-                  info: dict, command: str) -> dict[str, int]:
+                  info: dict, command: str, tokens: str = "all") -> dict[str, int]:
         """A run folder of what is kept of `server` (the last `window_s` seconds of it when given),
-        on a clock that starts with the window (else with its first step); the rows per table."""
-        columns = {t: {c: list(v) for c, v in cols.items()} for t, cols in self.servers[server].items()}
-        t = columns["tokens"]   # predecessors before the window: a gap that ends in it counts
-        t["prev_step"], t["prev_ts_s"] = token_predecessors(t["req_id"], t["sample"], t["idx"], t["step"], t["ts_s"])
+        on a clock that starts with the window (else with its first step); the rows per table.
+        `tokens`: "all" kept; "new": only those added since the last run written with "new" (each
+        with its predecessor, however long ago); "none"."""
+        kept = self.servers[server]
+        columns = {t: {c: list(v) for c, v in cols.items()} for t, cols in kept.items() if t != "tokens"}
+        if tokens == "all":
+            t = columns["tokens"] = {c: list(v) for c, v in kept["tokens"].items()}
+            # predecessors before the window: a gap that ends in it counts
+            t["prev_step"], t["prev_ts_s"] = token_predecessors(t["req_id"], t["sample"], t["idx"], t["step"],
+                                                                t["ts_s"])
+        elif tokens == "new":
+            t = columns["tokens"] = self._new_tokens(server)
+        else:
+            t = columns["tokens"] = {c: [] for c in kept["tokens"]}
+            t["prev_step"], t["prev_ts_s"] = [], []
         end = self.end_s(server) or 0.0
         if window_s is not None:
             keep_window(columns, end - window_s, end)
@@ -133,6 +164,36 @@ class LiveTrace:
         (run_dir / "meta.json").write_text(json.dumps(run_meta(run_id, info, command, rows)))
         # and the tokens with a predecessor (db's runs.token_gaps_recorded: whether there are any)
         return {**rows, "token_gaps": sum(v is not None for v in t["prev_ts_s"])}
+
+    def _new_tokens(self, server: str) -> dict[str, list]:
+        """The tokens added since the last call (the end of the kept lists: add() appends, a prune
+        keeps the order), with prev_step / prev_ts_s: the token before in its sequence by idx, the
+        last one of an earlier call included (what token_predecessors finds over every kept token)."""
+        kept = self.servers[server]["tokens"]
+        num = self.new_tokens.get(server, 0)
+        start = len(kept["idx"]) - num
+        t = {c: v[start:] for c, v in kept.items()}
+        self.new_tokens[server] = 0
+        last = self.last_token.setdefault(server, {})
+        req_id, sample, idx, step, ts_s = t["req_id"], t["sample"], t["idx"], t["step"], t["ts_s"]
+        if any(idx[i] <= last[key][0] for i, key in enumerate(zip(req_id, sample)) if key in last):
+            # a token older than one already written (not something the capture writes): find the
+            # predecessors over every kept token, as a whole run would
+            prev = token_predecessors(kept["req_id"], kept["sample"], kept["idx"], kept["step"], kept["ts_s"])
+            t["prev_step"], t["prev_ts_s"] = prev[0][start:], prev[1][start:]
+            for i, key in enumerate(zip(req_id, sample)):
+                if key not in last or idx[i] > last[key][0]:
+                    last[key] = idx[i], step[i], ts_s[i]
+        else:
+            prev_step, prev_ts_s = [None] * num, [None] * num
+            for i in sorted(range(num), key=lambda i: (req_id[i], sample[i], idx[i])):
+                key = req_id[i], sample[i]
+                before = last.get(key)
+                if before is not None:
+                    prev_step[i], prev_ts_s[i] = before[1], before[2]
+                last[key] = idx[i], step[i], ts_s[i]
+            t["prev_step"], t["prev_ts_s"] = prev_step, prev_ts_s
+        return t
 
 
 def _keep(cols: dict[str, list], mask: list[bool]) -> None:

@@ -5,6 +5,11 @@ it has not seen yet (analyses/_exporter.sql: one row per trace row that adds to 
 identity) to counters that never go backwards, whatever the retention removes; the gauges are those
 of the last step; the thrash verdict is thrash.sql's on the run of the last `window_s` seconds. Its
 `collect` is a prometheus_client collector.
+
+A poll costs what is new, not the window: the tokens, nearly all of a busy server's rows, go into
+the SQL once, in the poll that read them (each with its predecessor and the events and steps kept
+around it, which is what its gap's cause needs); the window's run, read by the gauges and the
+verdict, has none; the rows kept are pruned a tenth of the window at a time.
 """
 from __future__ import annotations
 
@@ -76,12 +81,12 @@ class Exporter:
         runs: dict[Path, tuple] = {}   # run folder -> what its views depend on
         for server in self.trace.servers:
             run = folder / f"live-{server}"
-            rows = self.trace.write_run(server, run, run.name, window_s=None, info={}, command="")
+            rows = self.trace.write_run(server, run, run.name, window_s=None, info={}, command="", tokens="new")
             runs[run] = tuple(t for t, n in rows.items() if n)
         if newest is not None:
             run = folder / "window"
             rows = self.trace.write_run(newest, run, "window", window_s=self.window_s,
-                                        info=server_info(self.capture, newest), command="")
+                                        info=server_info(self.capture, newest), command="", tokens="none")
             runs[run] = tuple(t for t, n in rows.items() if n)
         for gone in set(folder.iterdir()) - set(runs):
             shutil.rmtree(gone)
@@ -109,7 +114,7 @@ class Exporter:
             self.seen = seen   # what left the window is never seen again
             self.pool = pool[0] if pool else self.pool
             self.verdict = verdict or self.verdict
-        self.trace.prune()
+        self.trace.prune(every_s=self.window_s / 10)
 
     def _connect(self, runs: dict[Path, tuple]) -> duckdb.DuckDBPyConnection:
         """The connection over `runs`, made again only when what its views and runs table read

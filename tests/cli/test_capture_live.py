@@ -76,6 +76,45 @@ def test_chunk_by_chunk_under_retention_the_counters_only_grow_and_end_at_the_sq
     assert exporter.reader.num_read == len(chunks) and exporter.reader.num_unreadable == 0
 
 
+def test_the_exporters_runs_of_new_tokens_carry_each_tokens_predecessor_as_a_whole_run_would(tmp_path):
+    """The exporter writes each token once, in the poll that read it: its predecessor (the gap's
+    start) must be the one a run of every chunk finds, the last token of an earlier poll included,
+    while a 3 s window prunes what the figures no longer need."""
+    import pickle
+
+    import pyarrow.parquet as pq
+
+    from kvtrace.trace.schema import token_predecessors
+    from kvtrace.vllm.follow import LiveTrace
+
+    chunks = sorted((FIXTURE / "chunks").glob("*.pkl"), key=lambda p: int(p.stem.split("-")[1]))
+    trace, written, every = LiveTrace(3.0), [], {c: [] for c in ("req_id", "sample", "idx", "step", "ts_s")}
+    across = 0   # tokens whose predecessor came in an earlier poll
+    for i, path in enumerate(chunks):
+        chunk = pickle.loads(path.read_bytes())
+        t = chunk.get("tokens") or {name: [] for name in every}   # a chunk of no decode step has none
+        for name in every:
+            every[name].extend(t[name])
+        trace.add("1", chunk)
+        run = tmp_path / f"poll-{i}"
+        rows = trace.write_run("1", run, "live", window_s=None, info={}, command="", tokens="new")
+        assert rows["tokens"] == len(t["idx"])                        # the new ones, no more
+        if rows["tokens"]:
+            here = set(zip(t["req_id"], t["sample"], t["idx"]))
+            for r in pq.read_table(run / "tokens").to_pylist():      # the gap: on any clock the same
+                gap = None if r["prev_ts_s"] is None else round(r["ts_s"] - r["prev_ts_s"], 6)
+                written.append((r["req_id"], r["sample"], r["idx"], r["prev_step"], gap))
+                across += gap is not None and (r["req_id"], r["sample"], r["idx"] - 1) not in here
+        trace.prune(every_s=0.3)
+    prev_step, prev_ts = token_predecessors(every["req_id"], every["sample"], every["idx"], every["step"],
+                                            every["ts_s"])
+    whole = sorted((r, n, i, p, round(t - pt, 6) if pt is not None else None)
+                   for r, n, i, p, t, pt in zip(every["req_id"], every["sample"], every["idx"], prev_step,
+                                                every["ts_s"], prev_ts))
+    assert sorted(written) == whole
+    assert across > 10
+
+
 def test_the_verdict_is_thrash_sqls_on_the_last_window(tmp_path):
     exporter = Exporter(FIXTURE, window_s=60.0)
     exporter.poll()
