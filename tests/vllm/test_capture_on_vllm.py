@@ -459,6 +459,22 @@ def test_a_vllm_version_the_capture_was_not_tested_on_stops_it_and_says_so(vllm,
 
 
 @starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("hidden, named", [
+    ("vllm.v1.core.kv_cache_manager:KVCacheManager.get_block_ids", "KVCacheManager.get_block_ids is gone"),
+    ("vllm.v1.core.block_pool:BlockPool.touch", "BlockPool.touch is gone"),
+    ("vllm.v1.core.sched.request_queue:FCFSRequestQueue.peek_request", "has no peek_request"),
+], ids=["a-class-method", "a-pool-method", "an-instances-method"])
+def test_a_vllm_without_a_name_the_capture_uses_stops_it_and_says_which(vllm, tmp_path, hidden, named):
+    """A vLLM whose classes or scheduler lack a method the capture wraps or reads: the scheduler is
+    not built, and error.json names what is missing (rather than a capture that breaks mid-serve)."""
+    with pytest.raises(RuntimeError, match="VllmChanged"):
+        vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture"), "hide": [hidden]})
+    error = json.loads((tmp_path / "capture" / "error.json").read_text())
+    assert named in error["error"], error
+    vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "again")})   # put back: the next one starts
+
+
+@starts_vllm(unless=bool(DRIVERS))
 def test_the_capture_clock_is_the_monotonic_clock_and_its_offset_the_wall_clocks(vllm, tmp_path):
     """Every time the capture writes is on the machine's monotonic clock (the same in every process),
     and capture.json's wall_minus_monotonic turns it into wall-clock time."""

@@ -186,6 +186,41 @@ def corrupt(cap, how: str) -> None:
         raise ValueError(f"no such corruption {how!r}")
 
 
+class _Hidden:
+    """A class attribute made to look gone while a scheduler is built (workload "hide", a test of the
+    capture's guard): reading it raises AttributeError; an instance's assignment is kept aside."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        raise AttributeError(self.name)
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__["_hidden_" + self.name] = value
+
+
+def _hide(names: list[str]) -> list:
+    """Hide each "module:Class.attribute" of `names`; the undo list for _unhide."""
+    import importlib
+    undo = []
+    for name in names:
+        module, _, path = name.partition(":")
+        cls_name, _, attr = path.partition(".")
+        cls = getattr(importlib.import_module(module), cls_name)
+        undo.append((cls, attr, cls.__dict__.get(attr)))
+        setattr(cls, attr, _Hidden(attr))
+    return undo
+
+
+def _unhide(undo: list) -> None:
+    for cls, attr, original in reversed(undo):
+        if original is None:
+            delattr(cls, attr)
+        else:
+            setattr(cls, attr, original)
+
+
 def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -207,9 +242,11 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     model_config = CONFIGS["vllm_config"].model_config
     served = model_config.served_model_name
     object.__setattr__(model_config, "served_model_name", workload.get("served_model_name", served))
+    hidden = _hide(workload.get("hide", []))
     try:
         sched = build(model, cfg)
     finally:   # what the scheduler was built with, for this workload only
+        _unhide(hidden)
         vllm.__version__ = version
         object.__setattr__(model_config, "served_model_name", served)
         for k, v in saved.items():
