@@ -475,6 +475,24 @@ def test_a_vllm_without_a_name_the_capture_uses_stops_it_and_says_which(vllm, tm
 
 
 @starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_a_capture_that_cannot_start_leaves_vllms_scheduler_deciding_as_its_own(vllm, asynchronous, tmp_path):
+    """A capture folder that cannot be made (here: under a regular file): the capture does not start,
+    and the scheduler, kvtrace's class still, makes every decision vLLM's own makes: the same steps,
+    preemptions and frees as with the capture on, and no folder written."""
+    workload = {"config": {**WORKLOAD["config"], "async": asynchronous, "num_blocks": 4},
+                "requests": [{"id": f"r{i:02d}", "prompt": list(range(10 * i + 1, 10 * i + 6)), "max_tokens": 6,
+                              "arrival_step": 0} for i in range(4)]}
+    recorded = vllm.answer({**workload, "capture_dir": str(tmp_path / "capture")})
+    (tmp_path / "a-file").write_text("")
+    unrecorded = vllm.answer({**workload, "capture_dir": str(tmp_path / "a-file" / "capture")})
+    assert "error" not in unrecorded, unrecorded.get("traceback")
+    assert (recorded["capture_started"], unrecorded["capture_started"]) == (True, False)
+    assert any(step["preempted"] for step in recorded["steps"])          # it has something to decide
+    assert unrecorded["steps"] == recorded["steps"]
+
+
+@starts_vllm(unless=bool(DRIVERS))
 def test_the_capture_clock_is_the_monotonic_clock_and_its_offset_the_wall_clocks(vllm, tmp_path):
     """Every time the capture writes is on the machine's monotonic clock (the same in every process),
     and capture.json's wall_minus_monotonic turns it into wall-clock time."""

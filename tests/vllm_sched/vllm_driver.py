@@ -319,7 +319,9 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         answer["final_free"] = rec.pool()[0]
         sched.shutdown()   # the capture's last chunk and done.json
         import atexit
-        atexit.unregister(sched._kvtrace.close)   # closed: a long session keeps no finished capture alive
+        if sched._kvtrace is not None:   # None: the capture did not start (vLLM's scheduler as its own)
+            atexit.unregister(sched._kvtrace.close)   # closed: a long session keeps no finished capture alive
+        answer["capture_started"] = sched._kvtrace is not None
     return steps
 
 
