@@ -493,6 +493,23 @@ def test_a_capture_that_cannot_start_leaves_vllms_scheduler_deciding_as_its_own(
 
 
 @starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_a_server_running_for_hours_keeps_nothing_of_its_finished_requests(vllm, asynchronous, tmp_path):
+    """Once every request is done (preempted ones among them), the capture holds no state or count of
+    delivered tokens of any request, and no step waiting for its output but an empty last one (async):
+    its memory is bounded by what is in flight."""
+    workload = {"config": {**WORKLOAD["config"], "async": asynchronous, "num_blocks": 4},
+                "requests": [{"id": f"r{i:02d}", "prompt": list(range(10 * i + 1, 10 * i + 6)), "max_tokens": 6,
+                              "arrival_step": 0} for i in range(4)]}
+    answer = vllm.answer({**workload, "capture_dir": str(tmp_path / "capture")})
+    assert any(step["preempted"] for step in answer["steps"])
+    held = answer["capture_held"]
+    # async: the last step, scheduled with nothing in it, is never processed (vLLM's batch queue skips
+    # empty steps); the next one written replaces it, and MAX_PENDING bounds such steps
+    assert (held["states"], held["watched"], held["emitted"]) == (0, 0, 0) and held["pending"] <= asynchronous, held
+
+
+@starts_vllm(unless=bool(DRIVERS))
 def test_the_capture_clock_is_the_monotonic_clock_and_its_offset_the_wall_clocks(vllm, tmp_path):
     """Every time the capture writes is on the machine's monotonic clock (the same in every process),
     and capture.json's wall_minus_monotonic turns it into wall-clock time."""

@@ -317,6 +317,9 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             raise RuntimeError(f"no end after {max_steps} steps")
     if CAPTURE:
         answer["final_free"] = rec.pool()[0]
+        if sched._kvtrace is not None:   # what it still holds per request once every request is done
+            answer["capture_held"] = {name: len(getattr(sched._kvtrace, name))
+                                      for name in ("states", "watched", "emitted", "pending")}
         sched.shutdown()   # the capture's last chunk and done.json
         import atexit
         if sched._kvtrace is not None:   # None: the capture did not start (vLLM's scheduler as its own)
