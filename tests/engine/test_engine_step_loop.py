@@ -390,3 +390,21 @@ def test_the_integrity_check_catches_a_waiting_sequence_that_kept_its_blocks(mak
     sched.waiting.appendleft(seq)
     with pytest.raises(AssertionError, match=r"waiting Sequence\(a#0 WAITING .* holds blocks"):
         engine.check_integrity()
+
+
+def test_async_scheduling_computes_no_position_past_the_max_model_len(make_engine):
+    """A sequence that runs into max_model_len: async scheduling, whose next step is scheduled before the
+    token in flight is delivered, must not schedule an input position at or past the limit (the
+    scheduler clamps, as vLLM's does): the same positions computed and tokens made as synchronous."""
+    results = {}
+    for async_scheduling in (False, True):
+        tracer = ListTracer()
+        engine = make_engine(tracer, block_size=4, max_model_len=12, async_scheduling=async_scheduling)
+        engine.add_request("long", list(range(10, 15)), SamplingParams(max_tokens=40))   # capped by 12
+        engine.add_request("short", list(range(20, 23)), SamplingParams(max_tokens=3))
+        run_checked(engine)
+        computed = sum(r.num_prefill_tokens + r.num_decode_tokens + r.num_recompute_tokens for r in tracer.records)
+        finished = sorted((s.req_id, s.finish_reason, s.output_tokens) for r in tracer.records for s in r.finished)
+        results[async_scheduling] = computed, finished
+    assert results[True] == results[False]
+    assert ("long", "length", 7) in results[False][1]   # 5 + 7 = 12 positions
