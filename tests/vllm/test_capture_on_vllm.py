@@ -494,6 +494,30 @@ def test_a_capture_that_cannot_start_leaves_vllms_scheduler_deciding_as_its_own(
 
 @starts_vllm(unless=bool(DRIVERS))
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_a_prefix_cache_reset_is_followed_by_the_capture_whether_it_succeeds_or_not(vllm, asynchronous, tmp_path):
+    """reset_prefix_cache while requests hold blocks fails and changes nothing; once the pool is idle
+    it empties the prefix cache: the capture's count of cached free blocks follows both (its self-check
+    compares it with the pool's at every later step), and vLLM's answer reaches the caller."""
+    shared = list(range(1, 9))   # two blocks of 4 that the second burst finds cached
+    workload = {"config": {**WORKLOAD["config"], "async": asynchronous, "num_blocks": 12, "max_model_len": 32},
+                "requests": [{"id": "a", "prompt": shared + [20], "max_tokens": 3, "arrival_step": 0},
+                             {"id": "d", "prompt": [30, 31, 32, 33], "max_tokens": 14, "arrival_step": 0},
+                             {"id": "b", "prompt": shared + [21], "max_tokens": 3, "arrival_step": 40},
+                             {"id": "c", "prompt": shared + [22], "max_tokens": 3, "arrival_step": 80}],
+                # at 8, "a" is done (its blocks cached and free) and "d" still runs: the reset fails
+                "reset_prefix_cache_at": [8, 40, 80]}
+    answer = vllm.answer({**workload, "capture_dir": str(tmp_path / "capture")})
+    assert "error" not in answer, answer.get("traceback")
+    assert answer["resets"] == [[8, False], [40, True], [80, True]], answer["resets"]
+    assert answer["steps"][9]["num_cached"] > 0   # what a wrong count would have lost
+    done = json.loads((tmp_path / "capture" / "done.json").read_text())
+    assert done["self_check_steps"] > 3 and done["self_check_errors"] == 0, done
+    hits = [a for step in answer["steps"] for a in step["admitted"] if a[2]]
+    assert not hits, hits   # the reset emptied the cache: "b" and "c" found nothing
+
+
+@starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
 def test_a_server_running_for_hours_keeps_nothing_of_its_finished_requests(vllm, asynchronous, tmp_path):
     """Once every request is done (preempted ones among them), the capture holds no state or count of
     delivered tokens of any request, and no step waiting for its output but an empty last one (async):

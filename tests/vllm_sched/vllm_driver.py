@@ -278,6 +278,8 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
                                           block_hasher=hasher))
         if not sched.has_unfinished_requests() and prev is None:
             continue
+        if step in workload.get("reset_prefix_cache_at", ()):   # as an operator's /reset_prefix_cache would
+            answer.setdefault("resets", []).append([step, bool(sched.reset_prefix_cache())])
         to_blocks = rec.manager.req_to_blocks
         before = {r.request_id: len(to_blocks.get(r.request_id, ())) for r in sched.running}
         rec.preempted, rec.finished, rec.uncached = [], [], []
