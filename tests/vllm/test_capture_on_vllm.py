@@ -521,13 +521,20 @@ def test_a_prefix_cache_reset_is_followed_by_the_capture_whether_it_succeeds_or_
 def test_a_server_running_for_hours_keeps_nothing_of_its_finished_requests(vllm, asynchronous, tmp_path):
     """Once every request is done (preempted ones among them), the capture holds no state or count of
     delivered tokens of any request, and no step waiting for its output but an empty last one (async):
-    its memory is bounded by what is in flight."""
+    its memory is bounded by what is in flight; and what it captured is on disk as soon as it idles."""
     workload = {"config": {**WORKLOAD["config"], "async": asynchronous, "num_blocks": 4},
                 "requests": [{"id": f"r{i:02d}", "prompt": list(range(10 * i + 1, 10 * i + 6)), "max_tokens": 6,
                               "arrival_step": 0} for i in range(4)]}
     answer = vllm.answer({**workload, "capture_dir": str(tmp_path / "capture")})
     assert any(step["preempted"] for step in answer["steps"])
     held = answer["capture_held"]
+    # the engine ran out of requests: what it captured is on disk at once, in one chunk (a busy
+    # server's every 2 s), not held back until the next request or the shutdown (but the empty
+    # async step below, which only the shutdown writes)
+    from kvtrace.vllm.importer import read_chunks
+
+    written = len(read_chunks(tmp_path / "capture")["steps"]["step"])
+    assert answer["chunks_before_shutdown"] == [written - held["pending"]], (answer["chunks_before_shutdown"], written)
     # async: the last step, scheduled with nothing in it, is never processed (vLLM's batch queue skips
     # empty steps); the next one written replaces it, and MAX_PENDING bounds such steps
     assert (held["states"], held["watched"], held["emitted"]) == (0, 0, 0) and held["pending"] <= asynchronous, held

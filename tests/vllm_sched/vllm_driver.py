@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 TOKEN = -1   # the placeholder every step samples (kvtrace's GREEDY_TOKEN)
 HASH_FN = None   # the block hash function, set once vLLM is imported
@@ -319,6 +320,11 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             raise RuntimeError(f"no end after {max_steps} steps")
     if CAPTURE:
         answer["final_free"] = rec.pool()[0]
+        if sched._kvtrace is not None and workload["capture_dir"]:   # what is on disk before shutdown
+            import pickle
+            chunks = sorted(Path(workload["capture_dir"]).rglob("*.pkl"))
+            answer["chunks_before_shutdown"] = [len(pickle.loads(c.read_bytes()).get("steps", {}).get("step", ()))
+                                                for c in chunks]
         if sched._kvtrace is not None:   # what it still holds per request once every request is done
             answer["capture_held"] = {name: len(getattr(sched._kvtrace, name))
                                       for name in ("states", "watched", "emitted", "pending")}
