@@ -9,6 +9,7 @@
 #
 #   bash scripts/mutation.sh                                   # everything, 60 min budget
 #   bash scripts/mutation.sh --only engine/scheduler.py analyses/_goodput.sql --budget-min 20
+#   bash scripts/mutation.sh --operators own --skip-equivalent --resume   # go on where the budget stopped
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
