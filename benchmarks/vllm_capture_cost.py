@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> None:
             cpu = {name: statistics.median(m["cpu_times"][name]) for name in ("plain", "captured")}
             steps = len(m["times"]["captured"])
             mean = {name: statistics.mean(m["times"][name]) for name in ("plain", "captured")}
-            gc_s = m.get("gc_s", {"plain": 0.0, "captured": 0.0})
+            gc_s = m["gc_s"]
             runs[mode, n].append({"plain": plain, "captured": captured, "added": captured - plain,
                                   "added_mean": mean["captured"] - mean["plain"],
                                   "gc_plain": gc_s["plain"] / steps, "gc_captured": gc_s["captured"] / steps,

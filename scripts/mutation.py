@@ -71,8 +71,7 @@ import sys
 import tempfile
 import time
 import traceback
-import dataclasses
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -596,15 +595,15 @@ def resumed(before: TargetResult, part: TargetResult) -> TargetResult:
     counts = {outcome: before.count(outcome) + part.count(outcome) for outcome in OUTCOMES}
     counts["not run"] = part.count("not run")
     families: dict[str, dict[str, int]] = {}
-    for source in (before.families(), part.families()):
+    # the first part's outcomes but its "not run", which the second part ran; all of the second's
+    for source, left in ((before.families(), "not run"), (part.families(), None)):
         for name, outcomes in source.items():
             merged_counts = families.setdefault(name, dict.fromkeys(OUTCOMES, 0))
             for outcome, n in outcomes.items():
-                merged_counts[outcome] += n
-    for name, outcomes in before.families().items():   # the part ran what the first left unrun
-        families[name]["not run"] -= outcomes.get("not run", 0)
+                if outcome != left:
+                    merged_counts[outcome] += n
     listed = [m for m in (*before.mutants, *part.mutants) if m.outcome in LISTED]
-    return dataclasses.replace(part, mutants=listed, counts=counts, family_counts=families,
+    return replace(part, mutants=listed, counts=counts, family_counts=families,
                                seconds=before.seconds + part.seconds, parts=before.parts + 1,
                                first_date=before.first_date or before.date)
 

@@ -168,7 +168,9 @@ class LiveTrace:
     def _new_tokens(self, server: str) -> dict[str, list]:
         """The tokens added since the last call (the end of the kept lists: add() appends, a prune
         keeps the order), with prev_step / prev_ts_s: the token before in its sequence by idx, the
-        last one of an earlier call included (what token_predecessors finds over every kept token)."""
+        last one of an earlier call included (what token_predecessors finds over every kept token:
+        the capture numbers a sequence's tokens in the order it writes them, and its chunks are read
+        in that order)."""
         kept = self.servers[server]["tokens"]
         num = self.new_tokens.get(server, 0)
         start = len(kept["idx"]) - num
@@ -176,23 +178,14 @@ class LiveTrace:
         self.new_tokens[server] = 0
         last = self.last_token.setdefault(server, {})
         req_id, sample, idx, step, ts_s = t["req_id"], t["sample"], t["idx"], t["step"], t["ts_s"]
-        if any(idx[i] <= last[key][0] for i, key in enumerate(zip(req_id, sample)) if key in last):
-            # a token older than one already written (not something the capture writes): find the
-            # predecessors over every kept token, as a whole run would
-            prev = token_predecessors(kept["req_id"], kept["sample"], kept["idx"], kept["step"], kept["ts_s"])
-            t["prev_step"], t["prev_ts_s"] = prev[0][start:], prev[1][start:]
-            for i, key in enumerate(zip(req_id, sample)):
-                if key not in last or idx[i] > last[key][0]:
-                    last[key] = idx[i], step[i], ts_s[i]
-        else:
-            prev_step, prev_ts_s = [None] * num, [None] * num
-            for i in sorted(range(num), key=lambda i: (req_id[i], sample[i], idx[i])):
-                key = req_id[i], sample[i]
-                before = last.get(key)
-                if before is not None:
-                    prev_step[i], prev_ts_s[i] = before[1], before[2]
-                last[key] = idx[i], step[i], ts_s[i]
-            t["prev_step"], t["prev_ts_s"] = prev_step, prev_ts_s
+        prev_step, prev_ts_s = [None] * num, [None] * num
+        for i in sorted(range(num), key=lambda i: (req_id[i], sample[i], idx[i])):
+            key = req_id[i], sample[i]
+            before = last.get(key)
+            if before is not None:
+                prev_step[i], prev_ts_s[i] = before[1], before[2]
+            last[key] = idx[i], step[i], ts_s[i]
+        t["prev_step"], t["prev_ts_s"] = prev_step, prev_ts_s
         return t
 
 

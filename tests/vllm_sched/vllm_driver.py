@@ -30,7 +30,6 @@ import json
 import os
 import sys
 import traceback
-from pathlib import Path
 
 TOKEN = -1   # the placeholder every step samples (kvtrace's GREEDY_TOKEN)
 HASH_FN = None   # the block hash function, set once vLLM is imported
@@ -320,19 +319,18 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             raise RuntimeError(f"no end after {max_steps} steps")
     if CAPTURE:
         answer["final_free"] = rec.pool()[0]
-        if sched._kvtrace is not None and workload["capture_dir"]:   # what is on disk before shutdown
+        cap = sched._kvtrace   # None: the capture did not start (vLLM's scheduler as its own)
+        answer["capture_started"] = cap is not None
+        if cap is not None:   # what is on disk before shutdown, and what it still holds per request
             import pickle
-            chunks = sorted(Path(workload["capture_dir"]).rglob("*.pkl"))
             answer["chunks_before_shutdown"] = [len(pickle.loads(c.read_bytes()).get("steps", {}).get("step", ()))
-                                                for c in chunks]
-        if sched._kvtrace is not None:   # what it still holds per request once every request is done
-            answer["capture_held"] = {name: len(getattr(sched._kvtrace, name))
+                                                for c in sorted(cap.folder.rglob("*.pkl"))]
+            answer["capture_held"] = {name: len(getattr(cap, name))
                                       for name in ("states", "watched", "emitted", "pending")}
         sched.shutdown()   # the capture's last chunk and done.json
-        import atexit
-        if sched._kvtrace is not None:   # None: the capture did not start (vLLM's scheduler as its own)
-            atexit.unregister(sched._kvtrace.close)   # closed: a long session keeps no finished capture alive
-        answer["capture_started"] = sched._kvtrace is not None
+        if cap is not None:
+            import atexit
+            atexit.unregister(cap.close)   # closed: a long session keeps no finished capture alive
     return steps
 
 
