@@ -7,10 +7,14 @@ Every change is appended to `events` as a KVEvent; the engine takes them once pe
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from operator import attrgetter
 
 from engine import events as ev
 from engine.events import AllocReason, FreeReason, KVEvent
 from engine.sequence import Sequence
+
+
+_computed = attrgetter("num_computed_tokens")
 
 
 class Block:
@@ -74,7 +78,7 @@ class BlockManager:
 
     def num_kv_positions(self, running: list[Sequence]) -> int:
         """KV positions stored in device blocks, a shared position counted once."""
-        held = sum([seq.num_computed_tokens for seq in running])   # a list: faster than a generator
+        held = sum(map(_computed, running))
         return held - sum((self.blocks[b].ref_count - 1) * fill for b, fill in self.shared_fill.items())
 
     def take_events(self) -> list[KVEvent]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from engine import events as ev
@@ -25,6 +26,10 @@ ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}   # the dtypes Engin
 DEFAULT_KV_CACHE_MEMORY = 1 << 30   # 1 GiB when neither --num-gpu-blocks nor --kv-cache-memory is given
 MAX_STEPS_WITHOUT_PROGRESS = 10_000
 NON_TORCH_RESERVE = 1 << 30         # --gpu-memory-utilization: CUDA context, graphs, workspaces (an estimate)
+
+
+_req_id = attrgetter("req_id")
+_sample_index = attrgetter("sample")
 
 
 class LivelockError(RuntimeError):
@@ -264,6 +269,7 @@ class LLMEngine:
         for index in range(num_seqs):
             seq = Sequence(str(req_id), index, prompt_token_ids, params, arrival, priority, self._num_requests)
             seq.num_reserved_tokens = reserved
+            seq.stop_num_tokens = min(seq.stop_num_tokens, self.max_model_len)
             if self.keep_outputs:
                 self.outputs[(seq.req_id, index)] = seq
             seqs.append(seq)
@@ -303,11 +309,17 @@ class LLMEngine:
         emitted: list[tuple[Sequence, int]] = []
         num_recompute = 0
         if out.seqs:
-            num_recompute = self._account(out, start_s)
-            sampled = self._sample(result)
-            for seq, token in sampled:
+            num_decodes = out.num_decodes
+            num_recompute = self._account(out, start_s, num_decodes)
+            sampled = self._sample(result, num_decodes)
+            if num_decodes:   # the running pass's decodes: accounted, extended and checked in one loop
+                self._advance_decodes(sampled[:num_decodes])
+                rest = sampled[num_decodes:]
+            else:
+                rest = sampled
+            for seq, token in rest:
                 seq.token_ids.append(token)
-            self._deliver(sampled, self.now())
+            self._deliver(rest, self.now())
             emitted = sampled
         finished = self._pending_finished + out.rejected
         self._pending_finished = []
@@ -374,7 +386,7 @@ class LLMEngine:
                          occupancy=prev.occupancy, num_recompute=prev.num_recompute, emitted=emitted,
                          finished=prev.finished + stopped)
             self.num_finished_seqs += len(stopped)
-        sampled = [(seq, token) for seq, token in (self._sample(result) if result.sample_seqs else [])
+        sampled = [(seq, token) for seq, token in (self._sample(result, out.num_decodes) if result.sample_seqs else [])
                    if seq.status == SequenceStatus.RUNNING]
         for seq, token in sampled:   # in flight: the next step's input, delivered after it is scheduled
             seq.token_ids.append(token)
@@ -408,10 +420,12 @@ class LLMEngine:
                                 f"{len(self.scheduler.running)} running, {len(self.scheduler.waiting)} waiting, "
                                 f"{len(self.scheduler.swapped)} swapped")
 
-    def _account(self, out: SchedulerOutput, start_s: float) -> int:
-        """Advance computed positions; count positions computed for the second time."""
+    def _account(self, out: SchedulerOutput, start_s: float, skip: int = 0) -> int:
+        """Advance computed positions; count positions computed for the second time. The first `skip`
+        sequences are left to _advance_decodes."""
         num_recompute = 0
-        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+        seqs, new_tokens = (out.seqs[skip:], out.num_new_tokens[skip:]) if skip else (out.seqs, out.num_new_tokens)
+        for seq, num_new in zip(seqs, new_tokens):
             start = seq.num_computed_tokens
             end = start + num_new
             ever = seq.num_ever_computed
@@ -431,37 +445,58 @@ class LLMEngine:
                 seq.first_scheduled_s = start_s
         return num_recompute
 
-    def _sample(self, result: StepResult) -> list[tuple[Sequence, int]]:
-        """A token for every sequence whose last token was computed; fork n > 1 samples."""
+    def _sample(self, result: StepResult, num_decodes: int = 0) -> list[tuple[Sequence, int]]:
+        """A token for every sequence whose last token was computed; fork n > 1 samples. The first
+        `num_decodes` decoded in the running pass's fast path: they forked long ago."""
         seqs = list(result.sample_seqs)
         rows = list(range(len(seqs)))
-        for row, parent in enumerate(result.sample_seqs):
+        for row in range(num_decodes, len(rows)):   # a running pass's decodes have forked already
+            parent = seqs[row]
             if parent.num_pending_forks:
                 for child in self._fork(parent):
                     seqs.append(child)
                     rows.append(row)
         return list(zip(seqs, self.runner.sample(result, seqs, rows)))
 
+    def _advance_decodes(self, decoded: list[tuple[Sequence, int]]) -> None:
+        """The running pass's fast-path decodes (SchedulerOutput.num_decodes) after their step: one
+        position computed each (_account), the token appended and delivered (_deliver: each had a token
+        delivered before, so its first token's time is set and it is not protected; none is in flight)."""
+        stop_token_ids = self.stop_token_ids
+        for seq, token in decoded:
+            # a decode's position never had KV: a sequence that lost its KV re-prefilled every token,
+            # the last one new, before it decodes again (the general pass's accounting, in
+            # tests/engine/test_decode_fast_path.py, agrees)
+            seq.num_computed_tokens = seq.num_ever_computed = seq.num_computed_tokens + 1
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            if len(token_ids) >= seq.stop_num_tokens or token in stop_token_ids:
+                self._check_stop(seq, token)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        """Whether the sequence stops on the token it was just given (the last of its token_ids)."""
+        params = seq.params
+        num_tokens = len(seq.token_ids)
+        num_output_tokens = num_tokens - seq.num_prompt_tokens
+        if not params.ignore_eos and token in self.stop_token_ids:
+            seq.finish_reason = FinishReason.STOP
+        elif num_output_tokens == params.output_tokens:  # where the recorded request stopped
+            seq.finish_reason = FinishReason.STOP
+        elif num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
+            seq.finish_reason = FinishReason.LENGTH
+
     def _deliver(self, sampled: list[tuple[Sequence, int]], now: float) -> None:
         """Process sampled tokens (already the last of their sequences' token_ids): first-token time,
         stop checks. Every sampled token is emitted."""
-        stop_token_ids, max_model_len = self.stop_token_ids, self.max_model_len
+        stop_token_ids = self.stop_token_ids
         for seq, token in sampled:
             if seq.num_undelivered:
                 seq.num_undelivered -= 1
             seq.protected = False
             if seq.first_token_s is None:
                 seq.first_token_s = now
-            # seq.num_tokens and seq.num_output_tokens, inlined: this runs for every token
-            params = seq.params
-            num_tokens = len(seq.token_ids)
-            num_output_tokens = num_tokens - seq.num_prompt_tokens
-            if not params.ignore_eos and token in stop_token_ids:
-                seq.finish_reason = FinishReason.STOP
-            elif num_output_tokens == params.output_tokens:  # where the recorded request stopped
-                seq.finish_reason = FinishReason.STOP
-            elif num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
-                seq.finish_reason = FinishReason.LENGTH
+            if len(seq.token_ids) >= seq.stop_num_tokens or token in stop_token_ids:
+                self._check_stop(seq, token)
 
     def _unforked_samples(self, parent: Sequence) -> list[Sequence]:
         """The samples a rejected parent never forked, finished like it (a requests row each)."""
@@ -485,6 +520,7 @@ class LLMEngine:
             self.block_manager.fork(parent, child)
             child.num_ever_computed = parent.num_ever_computed
             child.num_reserved_tokens = parent.num_reserved_tokens
+            child.stop_num_tokens = parent.stop_num_tokens
             child.first_scheduled_s = parent.first_scheduled_s
             child.num_prefix_hit_tokens = parent.num_prefix_hit_tokens
             self.scheduler.adopt(child)
@@ -510,6 +546,7 @@ class LLMEngine:
             e.step = step
             e.ts_s = end_s
         pool = occupancy  # after scheduling
+        seqs, tokens = zip(*emitted) if emitted else ((), ())
         record = StepRecord(
             step=step, start_s=start_s, end_s=end_s, device_ms=None,
             num_running=pool.num_running, num_waiting=pool.num_waiting, num_swapped=pool.num_swapped,
@@ -518,9 +555,9 @@ class LLMEngine:
             num_used_blocks=pool.num_used_blocks, num_cached_blocks=pool.num_cached_blocks,
             num_total_blocks=self.block_manager.num_blocks, num_kv_tokens=pool.num_kv_tokens,
             num_preemptions=out.num_preemptions, admission_stop=out.admission_stop, events=kv_events,
-            token_req_ids=[s.req_id for s, _ in emitted], token_samples=[s.sample for s, _ in emitted],
-            token_idx=[len(s.token_ids) - s.num_prompt_tokens - 1 for s, _ in emitted],   # num_output_tokens - 1
-            token_ids=[t for _, t in emitted] if self.runner.emits_token_ids else [None] * len(emitted),
+            token_req_ids=list(map(_req_id, seqs)), token_samples=list(map(_sample_index, seqs)),
+            token_idx=[len(s.token_ids) - s.num_prompt_tokens - 1 for s in seqs],   # num_output_tokens - 1
+            token_ids=list(tokens) if self.runner.emits_token_ids else [None] * len(seqs),
             finished=[self._stats(s, end_s) for s in finished],
         )
         self._pending_records.append((record, result, out))

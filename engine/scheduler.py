@@ -11,6 +11,7 @@ from engine.events import (
     REPREFILL_INTERRUPTED,
     AdmissionStop,
     AdmitReason,
+    AllocReason,
     FinishReason,
     FreeReason,
     KVEvent,
@@ -40,6 +41,9 @@ class SchedulerOutput:
     # sequences that finished without running (rejected: can never fit)
     rejected: list[Sequence] = field(default_factory=list)
     num_preemptions: int = 0
+    # the first `num_decodes` of `seqs` decode one token each and were running before the step (the
+    # running pass's fast path): no prefill, no recompute, no forks pending
+    num_decodes: int = 0
     # why admission stopped: what held back the front of the swapped and waiting queues (an
     # AdmissionStop; nothing-waiting when both are empty at the end of the step's scheduling)
     admission_stop: str = AdmissionStop.NOTHING_WAITING
@@ -85,6 +89,9 @@ class Scheduler:
         # vLLM 0.33: under the priority policy, the running pass goes on after a sequence that preempted
         # itself (those after it are more urgent and may fit in what it freed); 0.32 ends the pass there
         self.priority_pass_goes_on = False
+        # the running pass's fast path for a batch of plain decodes (_grow_decodes); off: the general
+        # pass decides every step (the reference the fast path is tested against)
+        self.decode_fast_path = True
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # in admission order, oldest first
         self.swapped: deque[Sequence] = deque()
@@ -120,6 +127,9 @@ class Scheduler:
         running = self.running
         max_model_len = self.max_model_len
         i = 0
+        if running and budget >= len(running) and self.decode_fast_path and self._grow_decodes(out):
+            i = len(running)   # every running sequence decodes: the pass below has nothing left
+            budget -= i
         while i < len(running) and budget > 0:
             seq = running[i]
             if seq.num_undelivered and seq.num_output_tokens >= seq.stop_length:
@@ -273,6 +283,58 @@ class Scheduler:
         if self.waiting and budget <= 0:
             out.admission_stop = AdmissionStop.BUDGET
         return out
+
+    def _grow_decodes(self, out: SchedulerOutput) -> bool:
+        """The running pass when every running sequence decodes one token and the free blocks cover
+        every block they need: the pass below would serve each in order with one token and preempt
+        nobody, so its outcome is known and this makes it with one loop over the batch (most steps of
+        a long replay). False, having changed nothing, when a sequence prefills, re-prefills, has a
+        token in flight (async) or writes to a shared block, or when
+        the blocks fall short: the general pass decides then.
+
+        The same decisions as the general pass, block for block and event for event (the trace
+        comparisons of tests/engine/test_decode_fast_path.py)."""
+        bm = self.bm
+        shared = bm.shared_fill   # blocks held more than once: a write to one copies it first
+        bs = bm.block_size
+        running = self.running
+        caching = bm.enable_prefix_caching
+        touched = []   # those that need a block or complete one (about one in block_size a step)
+        num_needed = 0
+        for seq in running:
+            computed = seq.num_computed_tokens
+            num_tokens = len(seq.token_ids)
+            # (the max model length's clamp: a decode at it has stopped, or has its last token in flight)
+            if (num_tokens - computed != 1 or num_tokens == seq.num_prompt_tokens or seq.num_undelivered
+                    or seq.reprefill_target):
+                return False
+            table = seq.block_table
+            if computed >= len(table) * bs:
+                num_needed += 1
+                touched.append(seq)
+                continue
+            if shared and table[computed // bs] in shared:   # copy-on-write due: the general pass makes it
+                return False
+            if caching and len(seq.block_hashes) < num_tokens // bs:
+                touched.append(seq)
+        if num_needed > len(bm.free_queue):
+            return False
+        events = bm.events
+        for seq in touched:   # bm.grow(seq, 1), its decode case, in the batch's order
+            num_tokens = seq.num_computed_tokens + 1
+            table = seq.block_table
+            if num_tokens > len(table) * bs:
+                new_ids = bm._allocate_blocks(1)
+                table += new_ids
+                events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason=AllocReason.DECODE))
+            if caching:
+                num_hashed = len(seq.block_hashes)
+                if num_hashed < num_tokens // bs and num_hashed < len(table):
+                    bm.cache_full_blocks(seq, num_tokens)
+        out.seqs = list(running)
+        out.num_new_tokens = [1] * len(running)
+        out.num_decodes = len(running)
+        return True
 
     def adopt(self, seq: Sequence) -> None:
         """A sample forked from a running sequence joins the running batch."""

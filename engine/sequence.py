@@ -91,6 +91,9 @@ class Sequence:
         self.num_recomputed_tokens = 0
         self.num_prefix_hit_tokens = 0
         self.finish_reason: str | None = None
+        # no length rule stops it before it holds this many tokens (the engine lowers it to the max
+        # model length): the stop checks look closer only from here on, or at a stop token
+        self.stop_num_tokens = self.num_prompt_tokens + (params.output_tokens or params.max_tokens)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.req_id}#{self.sample} {self.status.name} tokens={len(self.token_ids)} "

@@ -13,12 +13,15 @@ request stops at its `output_tokens` or `max_tokens`, never at EOS.
 """
 from __future__ import annotations
 
+from operator import attrgetter
+
 from engine.executor import StepResult
 from engine.executor.cost_model import CostModel
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 
 GREEDY_TOKEN = -1
+_computed = attrgetter("num_computed_tokens")
 
 
 class SimExecutor:
@@ -54,12 +57,17 @@ class SimExecutor:
         if out.copies:
             total_ms += cost.copy_ms(len(out.copies) * self.bytes_per_block)
         if out.seqs:
-            # the model runner's batch order: decodes first, then prefill chunks (sampling order follows it)
-            decodes: list[Sequence] = []
+            # the model runner's batch order: decodes first, then prefill chunks (sampling order follows
+            # it); the running pass's decodes (out.num_decodes) lead, their positions summed in C
+            num_decodes = out.num_decodes
+            decodes: list[Sequence] = out.seqs[:num_decodes]
             prefill_samples: list[Sequence] = []
-            num_prefill = num_kv = 0
+            num_prefill = 0
+            num_kv = sum(map(_computed, decodes)) + num_decodes
             num_pairs = 0.0
-            for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            rest = zip(out.seqs[num_decodes:], out.num_new_tokens[num_decodes:]) if num_decodes else \
+                zip(out.seqs, out.num_new_tokens)
+            for seq, num_new in rest:
                 start = seq.num_computed_tokens
                 end = start + num_new
                 num_kv += end

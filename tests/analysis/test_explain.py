@@ -34,7 +34,10 @@ def request(req_id: str, num_prompt: int, max_tokens: int, first: int = 11) -> d
 
 SCENARIOS = {
     # name: (requests, record options)
-    "four-block": ([request("A", 7, 6, 11), request("B", 7, 4, 21)],
+    # A runs on to fill the pool (7 + 9 tokens, 15 positions: 4 blocks), so that B waits for blocks
+    # through six of A's steps: more than the one step of its preemption, however the host's step
+    # times vary (with 6 tokens, three steps against one, a slow first batch-of-one step tipped it)
+    "four-block": ([request("A", 7, 9, 11), request("B", 7, 4, 21)],
                    ("--block-size", "4", "--num-gpu-blocks", "4", "--watermark", "0", "--no-enable-prefix-caching")),
     "seats": ([request(r, 8, 4, 11 + 10 * i) for i, r in enumerate("ABCD")],
               ("--block-size", "4", "--num-gpu-blocks", "64", "--max-num-seqs", "2")),

@@ -1,0 +1,108 @@
+"""The running pass's fast path for a batch of plain decodes (Scheduler._grow_decodes, and the engine's
+_advance_decodes after it) makes the general pass's decisions: with it and without it, every KV event,
+step record, token and finish is the same, on both engines, with the block accounting checked after
+every step."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sequence import SamplingParams
+from tests.engine.test_simulation import SETTINGS, backlog_workload, decisions
+from tests.helpers.engine_runs import ListTracer
+
+
+def timed(tracer: ListTracer) -> list:
+    """What `decisions` leaves out: the times and the events' order numbers."""
+    return ([(r.start_s, r.end_s, r.device_ms, r.admission_stop) for r in tracer.records],
+            [(e.seq, e.ts_s, e.requester_req_id, e.victim_reason) for e in tracer.events])
+
+
+def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, **settings) -> tuple[ListTracer, int, list]:
+    """Replay the requests step by step, checking the books after each; return the trace, how many
+    steps took the fast path, and every sequence's tokens. `eos_at`: every third sequence that does not
+    ignore EOS samples the stop token as its output token of that index."""
+    tracer = ListTracer()
+    engine = LLMEngine(EngineConfig(model="tiny", load_format="dummy", **settings), tracer, loaded=loaded)
+    engine.scheduler.decode_fast_path = fast
+    if eos_at:
+        sample = engine.runner.sample
+        stop = min(engine.stop_token_ids)
+
+        def sample_eos(result, seqs, rows):
+            return [stop if not s.params.ignore_eos and s.arrival_order % 3 == 0 and s.num_output_tokens == eos_at
+                    else token for s, token in zip(seqs, sample(result, seqs, rows))]
+
+        engine.runner.sample = sample_eos
+    taken = 0
+    grow_decodes = engine.scheduler._grow_decodes
+
+    def counted(out):
+        nonlocal taken
+        fast_step = grow_decodes(out)
+        taken += fast_step
+        return fast_step
+
+    engine.scheduler._grow_decodes = counted
+    pending = sorted(requests, key=lambda r: r.arrival_s if arrivals else 0.0)
+    seqs = []
+    while pending or engine.has_unfinished():
+        while pending and (not arrivals or pending[0].arrival_s <= engine.now()):
+            r = pending.pop(0)
+            params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed, n=r.n,
+                                    ignore_eos=r.ignore_eos, output_tokens=r.output_tokens)
+            seqs.append(engine.add_request(r.id, r.prompt_token_ids, params, arrival_s=r.arrival_s if arrivals else 0.0))
+        if engine.has_unfinished():
+            engine.step()
+            engine.check_integrity()
+        else:
+            engine.idle_until(pending[0].arrival_s)
+    engine.flush()
+    engine.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return tracer, taken, [list(s.token_ids) for s in engine.outputs.values()]
+
+
+MORE = {
+    "async": dict(async_scheduling=True),
+    "priority": dict(preemption_policy="priority"),
+    "priority-0.33": dict(preemption_policy="priority", follow_vllm="0.33.0"),
+    "chunked": dict(max_num_batched_tokens=16, long_prefill_token_threshold=6),
+    "max-model-len": dict(max_model_len=40),
+    "stop-token": dict(),   # sequences that stop on a stop token in the middle of their decode
+    # a resumed sequence whose re-prefill's last chunk is one token (it looks like a decode)
+    "reprefill-chunks": dict(num_gpu_blocks=16, max_num_batched_tokens=8, long_prefill_token_threshold=3),
+}
+WORKLOAD_SEED = {"reprefill-chunks": 1}
+
+
+@pytest.mark.parametrize("engine_kind", ["sim", "real"])
+@pytest.mark.parametrize("name", [*SETTINGS, *MORE])
+def test_the_decode_fast_path_decides_as_the_general_pass(tiny_loaded, name, engine_kind):
+    rng = random.Random(7)
+    requests = backlog_workload(WORKLOAD_SEED.get(name, 4), num_requests=16)
+    arrivals = engine_kind == "sim" and name not in WORKLOAD_SEED
+    for i, r in enumerate(requests):   # arrivals spread over the run; some may stop at a stop token
+        r.arrival_s = round(rng.uniform(0.0, 0.05), 4) if arrivals else 0.0
+        r.ignore_eos = i % 3 != 0
+    settings = dict(block_size=4, num_gpu_blocks=24, watermark=0.0, max_num_batched_tokens=64) | SETTINGS.get(name, {}) \
+        | MORE.get(name, {})
+    if engine_kind == "sim":
+        settings |= dict(engine="sim", hardware="a100-80gb")
+    eos_at = 4 if name == "stop-token" else 0
+    reference, never, ref_tokens = run(tiny_loaded, requests, False, arrivals, eos_at, **settings)
+    fast, taken, fast_tokens = run(tiny_loaded, requests, True, arrivals, eos_at, **settings)
+    assert never == 0
+    assert decisions(fast) == decisions(reference)
+    if engine_kind == "sim":   # virtual time: the same to the last bit (the real engine's is the host's)
+        assert timed(fast) == timed(reference)
+    assert fast_tokens == ref_tokens
+    if name != "async":   # async: every decode has a token in flight, which the fast path leaves to the general pass
+        assert taken >= len(fast.records) // 10, f"the fast path ran in {taken} of {len(fast.records)} steps"
+    if name == "stop-token":
+        assert sum(r.finish_reason == "stop" and r.output_tokens == 5 for rec in fast.records for r in rec.finished) >= 2
+    if name == "reprefill-chunks":
+        assert any(e.kind == "reprefill" for e in fast.events)
