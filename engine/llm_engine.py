@@ -10,7 +10,7 @@ from engine import events as ev
 from engine.block_manager import BlockManager
 from engine.config import (SWAP_SPACE_DEFAULT, EngineConfig, KVReserve, ModelConfig, NMode, PreemptionMode,
                            device_defaults, resolve_batch_limits)
-from engine.events import FinishReason, KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
+from engine.events import AdmissionStop, AllocReason, FinishReason, KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
 from engine.executor import Executor, StepResult
 from engine.executor.cost_model import CostModel, load_profile, weight_params
 from engine.executor.sim_executor import SimExecutor
@@ -28,6 +28,7 @@ MAX_STEPS_WITHOUT_PROGRESS = 10_000
 NON_TORCH_RESERVE = 1 << 30         # --gpu-memory-utilization: CUDA context, graphs, workspaces (an estimate)
 
 
+_num_computed = attrgetter("num_computed_tokens")
 _req_id = attrgetter("req_id")
 _sample_index = attrgetter("sample")
 
@@ -341,6 +342,124 @@ class LLMEngine:
         self._check_progress(bool(emitted or finished))
         return emitted
 
+    def decode_window(self, until_s: float, max_steps: int = 256) -> tuple[int, int]:
+        """Run the steps of a stretch where the simulated engine only decodes: every running sequence
+        decodes one token a step, nothing waits or is swapped, and nobody finishes, preempts, copies a
+        block or arrives (`until_s`: the next arrival on the replay clock; the stretch ends at the step
+        that would start at or after it). Returns (steps, tokens); (0, 0) when the next step is not
+        such a step, which `step` then runs.
+
+        Each step is the one `step` would run, decided as the scheduler's fast path decides it
+        (Scheduler._grow_decodes): the same block allocations, evictions and prefix-cache entries in
+        the same order, the same predicted times, the same step records, events and tokens. What the
+        stretch makes cheap is the per-sequence work: the sequences' tokens are known (placeholders)
+        and their block boundaries are computed once, so a step touches only the sequences that take
+        or complete a block, and each sequence's counts are advanced once at the end."""
+        sched, bm = self.scheduler, self.block_manager
+        running = sched.running
+        if (not self.simulated or self.config.async_scheduling or not sched.decode_fast_path or not running
+                or sched.waiting or sched.swapped or self._pending_finished or self._in_flight is not None
+                or self._pending_records or len(running) > sched.max_num_batched_tokens):
+            return 0, 0
+        num_running = len(running)
+        tokens = self.runner.sample(None, running, None)
+        bs = bm.block_size
+        shared = bm.shared_fill
+        stop_token_ids = self.stop_token_ids
+        horizon = max_steps
+        for seq, token in zip(running, tokens):   # the fast path's conditions, and the first stop
+            computed = seq.num_computed_tokens
+            num_tokens = len(seq.token_ids)
+            if (num_tokens - computed != 1 or num_tokens == seq.num_prompt_tokens or seq.num_undelivered
+                    or seq.reprefill_target or token in stop_token_ids):
+                return 0, 0
+            if shared and not shared.keys().isdisjoint(seq.block_table[computed // bs:]):
+                return 0, 0   # a write ahead copies a shared block first (forks share even blocks reserved ahead)
+            # after step j it holds num_tokens + j + 1 tokens: the stretch ends before the step it stops at
+            horizon = min(horizon, seq.stop_num_tokens - num_tokens - 1)
+        if horizon < 2:
+            return 0, 0
+        # the steps at which each sequence takes a block (allocs) or completes one (prefix cache), in
+        # the batch's order within a step (a running sequence's hashes are up to date: every grow
+        # caches what its step completes, a swap-in's included)
+        caching = bm.enable_prefix_caching
+        touched: dict[int, list[Sequence]] = {}
+        allocs = [0] * horizon
+        for seq in running:
+            computed = seq.num_computed_tokens
+            first = len(seq.block_table) * bs - computed
+            steps = set(range(first, horizon, bs))
+            for j in steps:
+                allocs[j] += 1
+            if caching:
+                steps.update(range((-1 - computed) % bs, horizon, bs))
+            for j in steps:
+                touched.setdefault(j, []).append(seq)
+        # the blocks run short at the first step whose allocations the free blocks no longer cover
+        num_free = len(bm.free_queue)
+        for j, n in enumerate(allocs):
+            num_free -= n
+            if num_free < 0:
+                horizon = j
+                break
+        if horizon < 1:
+            return 0, 0
+        for seq, token in zip(running, tokens):   # their tokens, ahead (a block's hash reads them)
+            seq.token_ids.extend([token] * horizon)
+        req_ids = [seq.req_id for seq in running]
+        samples = [seq.sample for seq in running]
+        first_idx = [len(seq.token_ids) - horizon - seq.num_prompt_tokens for seq in running]
+        held = sum(map(_num_computed, running))
+        num_kv = bm.num_kv_positions(running) + num_running   # of the first step; then num_running more a step
+        events = bm.events
+        clock, origin = self.clock, self.time_origin
+        num_total = bm.num_blocks
+        tracer = self.tracer
+        event_seq = self._event_seq
+        k = 0
+        while k < horizon and (k == 0 or clock() - origin < until_s):
+            start_s = clock() - origin
+            for seq in touched.get(k, ()):   # Scheduler._grow_decodes's action, at this step's length
+                num_tokens = seq.num_computed_tokens + k + 1
+                table = seq.block_table
+                if num_tokens > len(table) * bs:
+                    new_ids = bm._allocate_blocks(1)
+                    table += new_ids
+                    events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason=AllocReason.DECODE))
+                if caching:
+                    num_hashed = len(seq.block_hashes)
+                    if num_hashed < num_tokens // bs and num_hashed < len(table):
+                        bm.cache_full_blocks(seq, num_tokens)
+            step = self.step_counter
+            step_events = bm.take_events()
+            events = bm.events
+            for e in step_events:   # decided while scheduling: stamped at the step's start (_record)
+                e.step = step
+                e.ts_s = start_s
+                e.seq = event_seq
+                event_seq += 1
+            num_free = len(bm.free_queue)
+            forward_ms = self.runner.decode_step(num_running, held + (k + 1) * num_running)
+            # the record `_record` and `_flush_records` would hand over for this step (its timing is
+            # known at once: simulated)
+            tracer.on_step(StepRecord(
+                step=step, start_s=start_s, end_s=clock() - origin, device_ms=forward_ms,
+                num_running=num_running, num_waiting=0, num_swapped=0, num_prefill_tokens=0,
+                num_decode_tokens=num_running, num_recompute_tokens=0, num_free_blocks=num_free,
+                num_used_blocks=num_total - num_free, num_cached_blocks=bm.num_cached_free_blocks,
+                num_total_blocks=num_total, num_kv_tokens=num_kv + k * num_running, num_preemptions=0,
+                admission_stop=AdmissionStop.NOTHING_WAITING, events=step_events, token_req_ids=req_ids.copy(),
+                token_samples=samples.copy(), token_idx=[i + k for i in first_idx], token_ids=[None] * num_running,
+                finished=[]))
+            self.step_counter = step + 1
+            k += 1
+        self._event_seq = event_seq
+        for seq in running:   # k steps of _account and _advance_decodes; the tokens of steps not run go
+            seq.num_computed_tokens = seq.num_ever_computed = seq.num_computed_tokens + k
+            del seq.token_ids[len(seq.token_ids) - horizon + k:]
+        self._steps_without_progress = 0
+        return k, k * num_running
+
     def _step_async(self) -> list[tuple[Sequence, int]]:
         """vLLM V1's async scheduling (its engine core's batch queue of two): this step is scheduled
         while the previous one's output is still in flight, then that output is processed, then this
@@ -533,7 +652,7 @@ class LLMEngine:
     # ---- tracing ------------------------------------------------------------------------
     def _record(self, *, step: int, start_s: float, end_s: float, out: SchedulerOutput, result: StepResult,
                 kv_events: list[KVEvent], num_sched_events: int, occupancy: Occupancy, num_recompute: int,
-                emitted: list[tuple[Sequence, int]], finished: list[Sequence]) -> None:
+                emitted: list[tuple[Sequence, int]], finished: list[Sequence], tokens: tuple | None = None) -> None:
         """Hand the step's record on (once its device timings resolve). The first `num_sched_events`
         events were decided while scheduling (stamped at the step's start), the rest after the forward."""
         for seq in finished:
@@ -546,7 +665,11 @@ class LLMEngine:
             e.step = step
             e.ts_s = end_s
         pool = occupancy  # after scheduling
-        seqs, tokens = zip(*emitted) if emitted else ((), ())
+        if tokens is None:   # the emitted tokens' columns (decode_window gives them made)
+            seqs, ids = zip(*emitted) if emitted else ((), ())
+            tokens = (list(map(_req_id, seqs)), list(map(_sample_index, seqs)),
+                      [len(s.token_ids) - s.num_prompt_tokens - 1 for s in seqs],   # num_output_tokens - 1
+                      list(ids) if self.runner.emits_token_ids else [None] * len(seqs))
         record = StepRecord(
             step=step, start_s=start_s, end_s=end_s, device_ms=None,
             num_running=pool.num_running, num_waiting=pool.num_waiting, num_swapped=pool.num_swapped,
@@ -555,9 +678,7 @@ class LLMEngine:
             num_used_blocks=pool.num_used_blocks, num_cached_blocks=pool.num_cached_blocks,
             num_total_blocks=self.block_manager.num_blocks, num_kv_tokens=pool.num_kv_tokens,
             num_preemptions=out.num_preemptions, admission_stop=out.admission_stop, events=kv_events,
-            token_req_ids=list(map(_req_id, seqs)), token_samples=list(map(_sample_index, seqs)),
-            token_idx=[len(s.token_ids) - s.num_prompt_tokens - 1 for s in seqs],   # num_output_tokens - 1
-            token_ids=list(tokens) if self.runner.emits_token_ids else [None] * len(seqs),
+            token_req_ids=tokens[0], token_samples=tokens[1], token_idx=tokens[2], token_ids=tokens[3],
             finished=[self._stats(s, end_s) for s in finished],
         )
         self._pending_records.append((record, result, out))

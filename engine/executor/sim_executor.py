@@ -87,6 +87,14 @@ class SimExecutor:
         self.now_s += total_ms / 1000
         return result
 
+    def decode_step(self, num_decodes: int, num_kv: int) -> float:
+        """`execute` of a step that decodes one token for each of `num_decodes` sequences and copies no
+        block (LLMEngine.decode_window's steps): the same prediction, the same clock. Returns the
+        forward's milliseconds."""
+        forward_ms = self.cost.forward_ms(0, num_decodes, num_kv, 0.0)
+        self.now_s += forward_ms / 1000
+        return forward_ms
+
     def sample(self, result: StepResult, seqs: list[Sequence], rows: list[int]) -> list[int]:
         """Placeholder tokens for the sequences that sample this step (no logits: `rows` unused)."""
         return [GREEDY_TOKEN if seq.params.temperature == 0.0 else -2 - hash((seq.params.seed, seq.sample)) % (1 << 30)

@@ -170,7 +170,7 @@ class TraceWriter:
             columns["prev_step"] = [step for step, _ in prev]
             columns["prev_ts_s"] = [ts_s for _, ts_s in prev]
         num_rows = len(next(iter(columns.values())))
-        arrays = [pa.array([self.run_id] * num_rows, pa.string()) if f.name == "run_id"
+        arrays = [pa.repeat(pa.scalar(self.run_id, pa.string()), num_rows) if f.name == "run_id"
                   else pa.array(columns[f.name], f.type) for f in schema]
         table = pa.Table.from_arrays(arrays, schema=schema)
         folder = self.run_dir / name

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -92,7 +93,6 @@ def _steady_gc():
     objects made before are frozen out of its view and it runs less often (a long simulated replay
     spent a fifth of its time in it). Restored afterwards."""
     thresholds = gc.get_threshold()
-    gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 100)
     try:
@@ -115,9 +115,13 @@ def _run(engine: LLMEngine, items: list[ReplayItem], on_progress, progress_every
                                arrival_s=item.arrival_s, priority=item.req.priority)
             next_item += 1
         if engine.has_unfinished():
-            emitted = engine.step()
-            stats.num_steps += 1
-            stats.num_output_tokens += len(emitted)
+            # the simulated engine runs a stretch of decode-only steps at once, up to the next arrival
+            num_steps, num_tokens = engine.decode_window(items[next_item].arrival_s if next_item < len(items)
+                                                         else math.inf)
+            if not num_steps:
+                num_steps, num_tokens = 1, len(engine.step())
+            stats.num_steps += num_steps
+            stats.num_output_tokens += num_tokens
         else:  # idle until the next arrival
             engine.idle_until(items[next_item].arrival_s)
         if on_progress is not None and time.monotonic() - last_progress >= progress_every_s:

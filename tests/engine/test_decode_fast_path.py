@@ -4,6 +4,7 @@ step record, token and finish is the same, on both engines, with the block accou
 every step."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -21,9 +22,10 @@ def timed(tracer: ListTracer) -> list:
             [(e.seq, e.ts_s, e.requester_req_id, e.victim_reason) for e in tracer.events])
 
 
-def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, **settings) -> tuple[ListTracer, int, list]:
+def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, **settings) -> tuple[ListTracer, int, list, int]:
     """Replay the requests step by step, checking the books after each; return the trace, how many
-    steps took the fast path, and every sequence's tokens. `eos_at`: every third sequence that does not
+    steps took the scheduler's fast path, every sequence's tokens, and how many steps ran in the engine's
+    decode windows (LLMEngine.decode_window). `eos_at`: every third sequence that does not
     ignore EOS samples the stop token as its output token of that index."""
     tracer = ListTracer()
     engine = LLMEngine(EngineConfig(model="tiny", load_format="dummy", **settings), tracer, loaded=loaded)
@@ -47,6 +49,7 @@ def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, **setting
         return fast_step
 
     engine.scheduler._grow_decodes = counted
+    windowed = 0
     pending = sorted(requests, key=lambda r: r.arrival_s if arrivals else 0.0)
     seqs = []
     while pending or engine.has_unfinished():
@@ -56,14 +59,18 @@ def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, **setting
                                     ignore_eos=r.ignore_eos, output_tokens=r.output_tokens)
             seqs.append(engine.add_request(r.id, r.prompt_token_ids, params, arrival_s=r.arrival_s if arrivals else 0.0))
         if engine.has_unfinished():
-            engine.step()
+            # the fast engine also runs decode-only stretches at once (the simulated one), as the replay does
+            num_steps = engine.decode_window(pending[0].arrival_s if pending and arrivals else math.inf)[0] if fast else 0
+            windowed += num_steps
+            if not num_steps:
+                engine.step()
             engine.check_integrity()
         else:
             engine.idle_until(pending[0].arrival_s)
     engine.flush()
     engine.check_integrity()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return tracer, taken, [list(s.token_ids) for s in engine.outputs.values()]
+    return tracer, taken, [list(s.token_ids) for s in engine.outputs.values()], windowed
 
 
 MORE = {
@@ -75,16 +82,19 @@ MORE = {
     "stop-token": dict(),   # sequences that stop on a stop token in the middle of their decode
     # a resumed sequence whose re-prefill's last chunk is one token (it looks like a decode)
     "reprefill-chunks": dict(num_gpu_blocks=16, max_num_batched_tokens=8, long_prefill_token_threshold=3),
+    # forks share every block of their parent, those reserved ahead too: a write several steps on copies
+    "reserve-forks-backlog": dict(kv_reserve="max-tokens", num_gpu_blocks=40, n_mode="cow"),
 }
-WORKLOAD_SEED = {"reprefill-chunks": 1}
+WORKLOAD = {"reprefill-chunks": (1, 16), "reserve-forks-backlog": (1, 12)}   # (seed, requests), all arriving at once
 
 
 @pytest.mark.parametrize("engine_kind", ["sim", "real"])
 @pytest.mark.parametrize("name", [*SETTINGS, *MORE])
 def test_the_decode_fast_path_decides_as_the_general_pass(tiny_loaded, name, engine_kind):
     rng = random.Random(7)
-    requests = backlog_workload(WORKLOAD_SEED.get(name, 4), num_requests=16)
-    arrivals = engine_kind == "sim" and name not in WORKLOAD_SEED
+    seed, num_requests = WORKLOAD.get(name, (4, 16))
+    requests = backlog_workload(seed, num_requests=num_requests)
+    arrivals = engine_kind == "sim" and name not in WORKLOAD
     for i, r in enumerate(requests):   # arrivals spread over the run; some may stop at a stop token
         r.arrival_s = round(rng.uniform(0.0, 0.05), 4) if arrivals else 0.0
         r.ignore_eos = i % 3 != 0
@@ -93,16 +103,55 @@ def test_the_decode_fast_path_decides_as_the_general_pass(tiny_loaded, name, eng
     if engine_kind == "sim":
         settings |= dict(engine="sim", hardware="a100-80gb")
     eos_at = 4 if name == "stop-token" else 0
-    reference, never, ref_tokens = run(tiny_loaded, requests, False, arrivals, eos_at, **settings)
-    fast, taken, fast_tokens = run(tiny_loaded, requests, True, arrivals, eos_at, **settings)
-    assert never == 0
+    reference, never, ref_tokens, no_window = run(tiny_loaded, requests, False, arrivals, eos_at, **settings)
+    fast, taken, fast_tokens, windowed = run(tiny_loaded, requests, True, arrivals, eos_at, **settings)
+    assert never == 0 and no_window == 0
     assert decisions(fast) == decisions(reference)
     if engine_kind == "sim":   # virtual time: the same to the last bit (the real engine's is the host's)
         assert timed(fast) == timed(reference)
     assert fast_tokens == ref_tokens
     if name != "async":   # async: every decode has a token in flight, which the fast path leaves to the general pass
-        assert taken >= len(fast.records) // 10, f"the fast path ran in {taken} of {len(fast.records)} steps"
+        assert taken + windowed >= len(fast.records) // 10, f"the fast paths ran {taken} + {windowed} of {len(fast.records)} steps"
     if name == "stop-token":
         assert sum(r.finish_reason == "stop" and r.output_tokens == 5 for rec in fast.records for r in rec.finished) >= 2
     if name == "reprefill-chunks":
         assert any(e.kind == "reprefill" for e in fast.events)
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(enable_prefix_caching=False), dict(preemption_mode="swap", num_cpu_blocks=64)])
+def test_decode_windows_run_most_of_a_roomy_replay_as_its_steps_would(tiny_loaded, settings):
+    """Long outputs, a pool with room, arrivals apart: most steps are decode-only stretches, which
+    LLMEngine.decode_window runs at once (blocks taken, prefix blocks cached, times predicted as the
+    step-by-step run's)."""
+    rng = random.Random(11)
+    requests = backlog_workload(5, num_requests=10)
+    for r in requests:
+        r.arrival_s = round(rng.uniform(0.0, 0.2), 4)
+        r.max_tokens = rng.randint(30, 60)
+        r.output_tokens = rng.choice([None, rng.randint(20, r.max_tokens)])
+    settings = dict(block_size=4, num_gpu_blocks=200, watermark=0.0, max_num_batched_tokens=64, engine="sim",
+                    hardware="a100-80gb") | settings
+    reference, _, ref_tokens, _ = run(tiny_loaded, requests, False, True, **settings)
+    fast, _, fast_tokens, windowed = run(tiny_loaded, requests, True, True, **settings)
+    assert decisions(fast) == decisions(reference)
+    assert timed(fast) == timed(reference)
+    assert fast_tokens == ref_tokens
+    assert windowed >= len(fast.records) // 2, f"{windowed} of {len(fast.records)} steps in windows"
+    assert any(e.kind == "alloc" and e.reason == "decode" for e in fast.events)
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(preemption_mode="swap", num_cpu_blocks=64)])
+def test_a_decode_window_ends_before_the_step_whose_blocks_run_out(tiny_loaded, settings):
+    """Three long decodes in a pool that runs dry while they decode: the window stops at the step the
+    free blocks no longer cover, and that step preempts as the step-by-step run does."""
+    requests = backlog_workload(6, num_requests=3)
+    for r in requests:
+        r.n, r.max_tokens, r.output_tokens = 1, 40, None
+    settings = dict(block_size=4, num_gpu_blocks=20, watermark=0.0, max_num_batched_tokens=64, engine="sim",
+                    hardware="a100-80gb") | settings
+    reference, _, ref_tokens, _ = run(tiny_loaded, requests, False, False, **settings)
+    fast, _, fast_tokens, windowed = run(tiny_loaded, requests, True, False, **settings)
+    assert decisions(fast) == decisions(reference)
+    assert timed(fast) == timed(reference)
+    assert fast_tokens == ref_tokens
+    assert any(e.kind == "preempt" for e in fast.events) and windowed >= 20
