@@ -290,6 +290,20 @@ class BlockManager:
                 self.cache_full_blocks(seq, num_cacheable)
         return copy
 
+    def grow_decode(self, seq: Sequence, num_tokens: int) -> None:
+        """`grow(seq, 1)` for a decode at `num_tokens` positions whose write copies no shared block
+        (the running pass's fast path and the simulator's decode windows): a block when the position
+        starts one, the prefix-cache entry of the block it completes."""
+        table = seq.block_table
+        if num_tokens > len(table) * self.block_size:
+            new_ids = self._allocate_blocks(1)
+            table += new_ids
+            self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason=AllocReason.DECODE))
+        if self.enable_prefix_caching:
+            num_hashed = len(seq.block_hashes)
+            if num_hashed < num_tokens // self.block_size and num_hashed < len(table):
+                self.cache_full_blocks(seq, num_tokens)
+
     # ---- release ------------------------------------------------------------------------
     def _release_table(self, seq: Sequence, reason: str) -> None:
         """Drop the sequence's device references, tail first (V1's order: a prefix's tail is evicted

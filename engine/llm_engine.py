@@ -10,7 +10,7 @@ from engine import events as ev
 from engine.block_manager import BlockManager
 from engine.config import (SWAP_SPACE_DEFAULT, EngineConfig, KVReserve, ModelConfig, NMode, PreemptionMode,
                            device_defaults, resolve_batch_limits)
-from engine.events import AdmissionStop, AllocReason, FinishReason, KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
+from engine.events import AdmissionStop, FinishReason, KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
 from engine.executor import Executor, StepResult
 from engine.executor.cost_model import CostModel, load_profile, weight_params
 from engine.executor.sim_executor import SimExecutor
@@ -411,7 +411,6 @@ class LLMEngine:
         first_idx = [len(seq.token_ids) - horizon - seq.num_prompt_tokens for seq in running]
         held = sum(map(_num_computed, running))
         num_kv = bm.num_kv_positions(running) + num_running   # of the first step; then num_running more a step
-        events = bm.events
         clock, origin = self.clock, self.time_origin
         num_total = bm.num_blocks
         tracer = self.tracer
@@ -420,19 +419,9 @@ class LLMEngine:
         while k < horizon and (k == 0 or clock() - origin < until_s):
             start_s = clock() - origin
             for seq in touched.get(k, ()):   # Scheduler._grow_decodes's action, at this step's length
-                num_tokens = seq.num_computed_tokens + k + 1
-                table = seq.block_table
-                if num_tokens > len(table) * bs:
-                    new_ids = bm._allocate_blocks(1)
-                    table += new_ids
-                    events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason=AllocReason.DECODE))
-                if caching:
-                    num_hashed = len(seq.block_hashes)
-                    if num_hashed < num_tokens // bs and num_hashed < len(table):
-                        bm.cache_full_blocks(seq, num_tokens)
+                bm.grow_decode(seq, seq.num_computed_tokens + k + 1)
             step = self.step_counter
             step_events = bm.take_events()
-            events = bm.events
             for e in step_events:   # decided while scheduling: stamped at the step's start (_record)
                 e.step = step
                 e.ts_s = start_s

@@ -11,7 +11,6 @@ from engine.events import (
     REPREFILL_INTERRUPTED,
     AdmissionStop,
     AdmitReason,
-    AllocReason,
     FinishReason,
     FreeReason,
     KVEvent,
@@ -319,18 +318,8 @@ class Scheduler:
                 touched.append(seq)
         if num_needed > len(bm.free_queue):
             return False
-        events = bm.events
-        for seq in touched:   # bm.grow(seq, 1), its decode case, in the batch's order
-            num_tokens = seq.num_computed_tokens + 1
-            table = seq.block_table
-            if num_tokens > len(table) * bs:
-                new_ids = bm._allocate_blocks(1)
-                table += new_ids
-                events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason=AllocReason.DECODE))
-            if caching:
-                num_hashed = len(seq.block_hashes)
-                if num_hashed < num_tokens // bs and num_hashed < len(table):
-                    bm.cache_full_blocks(seq, num_tokens)
+        for seq in touched:   # in the batch's order
+            bm.grow_decode(seq, seq.num_computed_tokens + 1)
         out.seqs = list(running)
         out.num_new_tokens = [1] * len(running)
         out.num_decodes = len(running)

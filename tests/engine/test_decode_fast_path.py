@@ -118,6 +118,18 @@ def test_the_decode_fast_path_decides_as_the_general_pass(tiny_loaded, name, eng
         assert any(e.kind == "reprefill" for e in fast.events)
 
 
+def simulated_both_ways(loaded, requests, arrivals: bool, **settings) -> tuple[ListTracer, int]:
+    """The simulator's run without and with the fast paths, asserted the same to the bit; the fast
+    run's trace and its steps in windows."""
+    settings = dict(block_size=4, watermark=0.0, max_num_batched_tokens=64, engine="sim", hardware="a100-80gb") | settings
+    reference, _, ref_tokens, _ = run(loaded, requests, False, arrivals, **settings)
+    fast, _, fast_tokens, windowed = run(loaded, requests, True, arrivals, **settings)
+    assert decisions(fast) == decisions(reference)
+    assert timed(fast) == timed(reference)
+    assert fast_tokens == ref_tokens
+    return fast, windowed
+
+
 @pytest.mark.parametrize("settings", [dict(), dict(enable_prefix_caching=False), dict(preemption_mode="swap", num_cpu_blocks=64)])
 def test_decode_windows_run_most_of_a_roomy_replay_as_its_steps_would(tiny_loaded, settings):
     """Long outputs, a pool with room, arrivals apart: most steps are decode-only stretches, which
@@ -129,13 +141,7 @@ def test_decode_windows_run_most_of_a_roomy_replay_as_its_steps_would(tiny_loade
         r.arrival_s = round(rng.uniform(0.0, 0.2), 4)
         r.max_tokens = rng.randint(30, 60)
         r.output_tokens = rng.choice([None, rng.randint(20, r.max_tokens)])
-    settings = dict(block_size=4, num_gpu_blocks=200, watermark=0.0, max_num_batched_tokens=64, engine="sim",
-                    hardware="a100-80gb") | settings
-    reference, _, ref_tokens, _ = run(tiny_loaded, requests, False, True, **settings)
-    fast, _, fast_tokens, windowed = run(tiny_loaded, requests, True, True, **settings)
-    assert decisions(fast) == decisions(reference)
-    assert timed(fast) == timed(reference)
-    assert fast_tokens == ref_tokens
+    fast, windowed = simulated_both_ways(tiny_loaded, requests, True, num_gpu_blocks=200, **settings)
     assert windowed >= len(fast.records) // 2, f"{windowed} of {len(fast.records)} steps in windows"
     assert any(e.kind == "alloc" and e.reason == "decode" for e in fast.events)
 
@@ -147,11 +153,5 @@ def test_a_decode_window_ends_before_the_step_whose_blocks_run_out(tiny_loaded, 
     requests = backlog_workload(6, num_requests=3)
     for r in requests:
         r.n, r.max_tokens, r.output_tokens = 1, 40, None
-    settings = dict(block_size=4, num_gpu_blocks=20, watermark=0.0, max_num_batched_tokens=64, engine="sim",
-                    hardware="a100-80gb") | settings
-    reference, _, ref_tokens, _ = run(tiny_loaded, requests, False, False, **settings)
-    fast, _, fast_tokens, windowed = run(tiny_loaded, requests, True, False, **settings)
-    assert decisions(fast) == decisions(reference)
-    assert timed(fast) == timed(reference)
-    assert fast_tokens == ref_tokens
+    fast, windowed = simulated_both_ways(tiny_loaded, requests, False, num_gpu_blocks=20, **settings)
     assert any(e.kind == "preempt" for e in fast.events) and windowed >= 20
