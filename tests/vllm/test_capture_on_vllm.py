@@ -40,6 +40,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from engine.config import VLLM_VERSIONS
 from tests.helpers.vllm_runs import VLLM_MARKS
@@ -167,6 +168,47 @@ def capture_differences(workload: dict, records: list[dict], answer: dict) -> li
     samples = {f"{r['id']}:{i}" for r in workload["requests"] for i in range(r.get("n", 1))}
     if set(columns["requests"]["req_id"]) != samples or len(columns["requests"]["req_id"]) != len(samples):
         problems.append(f"request rows {sorted(columns['requests']['req_id'])}, vLLM ran {sorted(samples)}")
+    problems += token_differences(columns, records, answer)
+    return problems
+
+
+def token_differences(columns: dict, records: list[dict], answer: dict) -> list[str]:
+    """The capture's tokens against what vLLM's update_from_output delivered (the driver's
+    "delivered": step, request, new tokens): as many rows per step and request, each request's
+    numbered 0, 1, ... in the order delivered, its row's output count the sum; and each steps row's
+    prefill and decode tokens add up to what vLLM scheduled."""
+    problems: list[str] = []
+    t = columns["tokens"]
+    got: dict[tuple, list[int]] = defaultdict(list)
+    for step, rid, idx in sorted(zip(t["step"], t["req_id"], t["idx"])):
+        got[step, rid].append(idx)
+    want: dict[tuple, int] = defaultdict(int)
+    for step, rid, k in answer["delivered"]:
+        if k:
+            want[step, rid] += k
+    counts = {key: len(v) for key, v in got.items()}
+    if counts != want:
+        wrong = sorted(set(counts.items()) ^ set(want.items()))[:6]
+        problems.append(f"tokens rows per (step, request) differ from vLLM's outputs at {wrong}")
+    numbered: dict[str, list[int]] = defaultdict(list)
+    for (_, rid), idx in sorted(got.items()):
+        numbered[rid] += idx
+    for rid, idx in numbered.items():
+        if idx != list(range(len(idx))):
+            problems.append(f"{rid}'s tokens numbered {idx[:12]}, not 0, 1, ...")
+    q = columns["requests"]
+    outputs = {rid: n for rid, n in zip(q["req_id"], q["output_tokens"])}
+    delivered = defaultdict(int)
+    for _, rid, k in answer["delivered"]:
+        delivered[rid] += k
+    wrong = {rid: (outputs.get(rid), n) for rid, n in delivered.items() if outputs.get(rid) != n}
+    if wrong:
+        problems.append(f"request rows' output tokens (capture, vLLM): {dict(list(wrong.items())[:6])}")
+    s = columns["steps"]
+    for step, prefill, decode in zip(s["step"], s["prefill_tokens"], s["decode_tokens"]):
+        scheduled = sum(n for _, n in records[step]["scheduled"])
+        if prefill + decode != scheduled:
+            problems.append(f"step {step}: {prefill} prefill + {decode} decode tokens, vLLM scheduled {scheduled}")
     return problems
 
 
@@ -398,6 +440,41 @@ def test_capture_records_what_vllm_decided(vllm, asynchronous):
 
 
 @starts_vllm(unless=bool(DRIVERS))
+def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(vllm):
+    """Speculative decoding: after each step the driver proposes drafts for every running request
+    (vLLM's update_draft_token_ids), vLLM schedules them with the next token and allocates their slots,
+    and the placeholder model accepts some (0 to all, a fixed pattern), so one output carries several
+    tokens and vLLM rolls back the rejected drafts' positions. The capture follows vLLM's decisions
+    as everywhere (capture_differences: admissions, new blocks, victims, finishes, the balance, the
+    self-check) and writes a tokens row for every token delivered, numbered in order. kvtrace's own
+    engine drafts nothing (docs/scheduling.md), so there is no trace of its to compare."""
+    root = Path(tempfile.mkdtemp(prefix="kvtrace-capture-spec-"))
+    counts = {"workloads": 0, "several": 0, "preempting": 0}
+
+    @settings(max_examples=max(6, NUM_WORKLOADS // 2), deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck), phases=PHASES)
+    @given(workloads(False), st.integers(1, 4))
+    def check(workload, drafts):
+        folder = root / f"w{counts['workloads']}" / "capture"
+        counts["workloads"] += 1
+        workload = {**workload, "capture_dir": str(folder), "spec_tokens": drafts,
+                    "token_ids": counts["workloads"] % 2 == 0}
+        answer = vllm.answer(workload)
+        problems = capture_differences(workload, answer["steps"], answer)
+        assert not problems, (f"vLLM {vllm.version}, workload:\n{json.dumps(workload)}\n" + "\n".join(problems[:10]))
+        counts["several"] += any(k > 1 for _, _, k in answer["delivered"])
+        counts["preempting"] += any(r["preempted"] for r in answer["steps"])
+        shutil.rmtree(folder.parent, ignore_errors=True)
+
+    try:
+        check()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"vLLM {vllm.version} speculative steps captured: {counts}")
+    assert counts["several"], counts   # not vacuous: outputs of several tokens were written
+
+
+@starts_vllm(unless=bool(DRIVERS))
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
 @pytest.mark.parametrize("corrupt, found", [
     ("held", ["r00:0 holds [1, 3] but the events say [1, 3, 1000000]", "4 blocks in use but the events account for 5"]),
@@ -472,6 +549,24 @@ def test_a_vllm_without_a_name_the_capture_uses_stops_it_and_says_which(vllm, tm
     error = json.loads((tmp_path / "capture" / "error.json").read_text())
     assert named in error["error"], error
     vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "again")})   # put back: the next one starts
+
+
+@starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("groups, named", [
+    (["sliding"], "1 group(s) (SlidingWindowManager)"),
+    (["full", "sliding"], "2 group(s) (FullAttentionManager, SlidingWindowManager)")], ids=["window", "hybrid"])
+def test_a_model_whose_kv_cache_is_not_one_full_attention_group_is_refused_at_start_up(vllm, tmp_path, groups,
+                                                                                        named):
+    """A sliding-window or hybrid model (Gemma 3's layers, say): vLLM keeps a block table per group
+    and drops blocks out of a window mid-request, which the capture's one table per request cannot
+    follow. The scheduler is not built, and error.json says why; a dense model's next one starts."""
+    with pytest.raises(RuntimeError, match="VllmChanged"):
+        vllm.answer({**WORKLOAD, "config": {**WORKLOAD["config"], "kv_cache_groups": groups},
+                     "capture_dir": str(tmp_path / "capture")})
+    error = json.loads((tmp_path / "capture" / "error.json").read_text())
+    assert named in error["error"] and "full attention only" in error["error"], error
+    assert not (tmp_path / "capture" / "capture.json").exists()   # nothing that looks like a capture
+    vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "again")})
 
 
 @starts_vllm(unless=bool(DRIVERS))

@@ -48,7 +48,7 @@ def build(model: str, cfg: dict):
     import torch
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     block_size = cfg["block_size"]
@@ -69,10 +69,15 @@ def build(model: str, cfg: dict):
     object.__setattr__(cache_config, "block_size", block_size)
     object.__setattr__(cache_config, "enable_prefix_caching", cfg["enable_prefix_caching"])
     cache_config.num_gpu_blocks = num_blocks
+    # one full-attention group, as a dense model has; a workload's "kv_cache_groups" can name others
+    # ("sliding": a sliding window of 4 blocks), as a hybrid model such as Gemma 3 has
+    specs = {"full": lambda: FullAttentionSpec(block_size, num_kv_heads=1, head_size=1, dtype=torch.float32),
+             "sliding": lambda: SlidingWindowSpec(block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                                                  sliding_window=4 * block_size)}
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size, num_kv_heads=1, head_size=1,
-                                                                       dtype=torch.float32))])
+        kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], specs[kind]())
+                         for i, kind in enumerate(cfg.get("kv_cache_groups", ["full"]))])
     if CAPTURE_CLASS is not None:
         cls = CAPTURE_CLASS
     elif CAPTURE:
@@ -159,14 +164,26 @@ class Recorder:
         return len(free), sum(1 for b in free if b.block_hash is not None), [b.block_id for b in free]
 
 
-def output_for(sched, so):
+def accepted(rid: str, index: int, drafts: int) -> int:
+    """How many of a request's drafts the placeholder model accepts in step `index` (0 to `drafts`,
+    a fixed pattern of the request and the step)."""
+    return (sum(map(ord, rid)) + index) % (drafts + 1)
+
+
+def output_for(sched, so, index: int = 0):
+    """The model runner's output for one scheduled step: no tokens for a prefill chunk, else the one
+    sampled token, and after a request's scheduled drafts the ones `accepted` says (speculative
+    decoding: vLLM rolls back the rest)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     req_ids = list(so.num_scheduled_tokens)
     sampled = []
+    spec = so.scheduled_spec_decode_tokens
     for rid in req_ids:
         request = sched.requests.get(rid)
-        sampled.append([] if request is None or request.is_prefill_chunk else [TOKEN])
+        drafts = len(spec.get(rid, ()))
+        sampled.append([] if request is None or request.is_prefill_chunk
+                       else [TOKEN] * (1 + accepted(rid, index, drafts)))
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=sampled)
 
@@ -224,6 +241,7 @@ def _unhide(undo: list) -> None:
 def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.outputs import DraftTokenIds
     from vllm.v1.request import Request
 
     cfg = workload["config"]
@@ -255,6 +273,17 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             else:
                 os.environ[k] = v
     rec = Recorder(sched, workload.get("keep_victim_hashes", False))
+    drafts = workload.get("spec_tokens", 0)   # speculative decoding: draft tokens proposed each step
+    if drafts and cfg["async"]:
+        raise ValueError("spec_tokens: the driver drafts for the sync Scheduler only")
+    delivered = answer.setdefault("delivered", []) if CAPTURE else None
+
+    def deliver(index: int, outputs) -> None:
+        """What update_from_output returned for step `index`, with --capture: [index, request, new
+        tokens] per output."""
+        if delivered is not None:
+            delivered.extend([index, o.request_id, len(o.new_token_ids)]
+                             for engine_outputs in outputs.values() for o in engine_outputs.outputs)
     hasher = get_request_block_hasher(cfg["block_size"], HASH_FN)
     pending = sorted(workload["requests"], key=lambda r: r["arrival_step"])   # stable: file order within a step
     steps: list[dict] = []
@@ -297,13 +326,17 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
                 kind = "resumed" if request.num_preemptions > 0 else "new"
                 admitted.append([rid, kind, request.num_computed_tokens - n, rec.table(rid)])
         preempted, uncached = list(rec.preempted), list(rec.uncached)
-        executed = output_for(sched, so)   # what the model runner returns for this step, run now
+        index = len(steps)
+        executed = output_for(sched, so, index)   # what the model runner returns for this step, run now
         if cfg["async"]:   # the engine core's batch queue: this step's output is processed next step
             if prev is not None:
-                sched.update_from_output(*prev)
-            prev = (so, executed) if so.total_num_scheduled_tokens else None
+                deliver(prev[2], sched.update_from_output(*prev[:2]))
+            prev = (so, executed, index) if so.total_num_scheduled_tokens else None
         else:
-            sched.update_from_output(so, executed)
+            deliver(index, sched.update_from_output(so, executed))
+        if drafts:   # the drafter's proposals for the next step: every decoding request gets `drafts`
+            sched.update_draft_token_ids(DraftTokenIds(
+                [r.request_id for r in sched.running], [[TOKEN] * drafts for _ in sched.running]))
         if CAPTURE and workload.get("corrupt") and step == 1:
             corrupt(sched._kvtrace, workload["corrupt"])
         _, _, queue = rec.pool()

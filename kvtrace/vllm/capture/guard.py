@@ -56,6 +56,26 @@ class VllmChanged(RuntimeError):
     """vLLM lacks something the capture needs; the message names it."""
 
 
+def check_kv_cache(scheduler: object) -> None:
+    """One KV-cache group of plain full attention (a dense model's, MLA's too): the capture keeps one
+    block table per request and reads vLLM's one pool through it. A hybrid model's groups
+    (sliding-window, chunked local or Mamba layers beside full attention) give a request a table per
+    group, with vLLM's null block where a window has dropped blocks, and full attention's variants
+    (R-SWA, circular buffers, sinks) free blocks mid-request: the capture refuses all of these at
+    start-up rather than write a trace that is wrong. The test is the manager vLLM chose for each
+    group (its spec_manager_map), exactly FullAttentionManager."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    managers = getattr(getattr(scheduler.kv_cache_manager, "coordinator", None), "single_type_managers", None)
+    if managers is None:
+        raise VllmChanged("vLLM changed: KVCacheManager.coordinator.single_type_managers is gone")
+    if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
+        raise VllmChanged(f"kvtrace capture: this model's KV cache is {len(managers)} group(s) "
+                          f"({', '.join(type(m).__name__ for m in managers)}); the capture follows one "
+                          f"group of full attention only (dense models): serve this model without "
+                          f"kvtrace's scheduler_cls")
+
+
 def version_tuple(version: str) -> tuple[int, int]:
     parts = version.split(".")
     try:

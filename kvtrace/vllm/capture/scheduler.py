@@ -111,6 +111,7 @@ class _Capture:
             if os.environ.get("KVTRACE_VLLM_ANY_VERSION") != "1":
                 guard.check_version(version)
             guard.check_instance(scheduler)
+            guard.check_kv_cache(scheduler)
             kvm = scheduler.kv_cache_manager
             pool = kvm.block_pool
             try:
