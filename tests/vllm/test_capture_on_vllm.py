@@ -439,6 +439,37 @@ def test_capture_records_what_vllm_decided(vllm, asynchronous):
         assert counts["preempting"] and counts["hitting"], counts   # not vacuous
 
 
+def every_difference(vllm, workload: dict) -> tuple[dict, list[str]]:
+    """One workload's answer, and everything capture_differences, table_differences and (on a version
+    kvtrace's scheduler follows) trace_differences find in its capture."""
+    answer = vllm.answer(workload)
+    records = answer["steps"]
+    problems = capture_differences(workload, records, answer) + table_differences(workload, records, answer)
+    if vllm.version in VLLM_VERSIONS:
+        problems += trace_differences(workload, records, answer, vllm.version)
+    return answer, problems
+
+
+@starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_a_request_that_finishes_while_another_holds_all_its_blocks_frees_none(vllm, asynchronous, tmp_path):
+    """r00's two full prompt blocks are prefix hits of r01, admitted in the same step; r00 finishes
+    first, and vLLM's free_blocks then drops two references but frees no block: the capture writes
+    no free event (an empty one would say r00 freed nothing in a row kvtrace never writes), and r01's
+    finish frees them with its own two."""
+    workload = {"config": {**WORKLOAD["config"], "async": asynchronous},
+                "requests": [{"id": "r00", "prompt": list(range(1, 9)), "max_tokens": 1, "arrival_step": 0},
+                             {"id": "r01", "prompt": list(range(1, 10)), "max_tokens": 6, "arrival_step": 0}],
+                "capture_dir": str(tmp_path / "capture")}
+    answer, problems = every_difference(vllm, workload)
+    assert not problems, "\n".join(problems[:10])
+    assert [a[:3] for a in answer["steps"][0]["admitted"]] == [["r00:0", "new", 0], ["r01:0", "new", 8]]
+    from kvtrace.vllm.importer import read_chunks
+    k = read_chunks(Path(answer["capture"]))["kv_events"]
+    frees = [(rid, list(blocks)) for kind, rid, blocks in zip(k["kind"], k["req_id"], k["blocks"]) if kind == "free"]
+    assert [rid for rid, _ in frees] == ["r01:0"] and len(frees[0][1]) == 4, frees   # two hits, two its own
+
+
 @starts_vllm(unless=bool(DRIVERS))
 def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(vllm):
     """Speculative decoding: after each step the driver proposes drafts for every running request
@@ -574,7 +605,8 @@ def test_a_model_whose_kv_cache_is_not_one_full_attention_group_is_refused_at_st
 def test_a_capture_that_cannot_start_leaves_vllms_scheduler_deciding_as_its_own(vllm, asynchronous, tmp_path):
     """A capture folder that cannot be made (here: under a regular file): the capture does not start,
     and the scheduler, kvtrace's class still, makes every decision vLLM's own makes: the same steps,
-    preemptions and frees as with the capture on, and no folder written."""
+    preemptions and frees as with the capture on, the same calls of allocate_slots, and no folder
+    written."""
     workload = {"config": {**WORKLOAD["config"], "async": asynchronous, "num_blocks": 4},
                 "requests": [{"id": f"r{i:02d}", "prompt": list(range(10 * i + 1, 10 * i + 6)), "max_tokens": 6,
                               "arrival_step": 0} for i in range(4)]}
@@ -585,6 +617,9 @@ def test_a_capture_that_cannot_start_leaves_vllms_scheduler_deciding_as_its_own(
     assert (recorded["capture_started"], unrecorded["capture_started"]) == (True, False)
     assert any(step["preempted"] for step in recorded["steps"])          # it has something to decide
     assert unrecorded["steps"] == recorded["steps"]
+    # the driver's own wrapper of allocate_slots, put on after the capture's start, sees every call
+    # with the capture on too: the capture's admission wrapper calls what it finds, not vLLM's method
+    assert recorded["allocate_calls"] == unrecorded["allocate_calls"] > 0
 
 
 @starts_vllm(unless=bool(DRIVERS))

@@ -121,6 +121,9 @@ class Recorder:
         self.finished: list[str] = []
         self.uncached: list[list] = []
         self.num_hashed: dict[str, int] = {}   # request scheduled in this step -> its cached blocks before
+        # calls of allocate_slots through this wrapper, which is put on the instance after the scheduler
+        # (and its capture) is built: another's wrapper, which the capture must not bypass
+        self.allocate_calls = 0
         preempt, free = sched._preempt_request, sched._free_request
         kvm = sched.kv_cache_manager
         allocate_slots = kvm.allocate_slots
@@ -128,6 +131,7 @@ class Recorder:
         pool = kvm.block_pool
 
         def _allocate_slots(request, *args, **kwargs):
+            self.allocate_calls += 1
             num_hashed = manager.num_cached_block.get(request.request_id, 0)
             blocks = allocate_slots(request, *args, **kwargs)
             if blocks is not None and request.status.name == "RUNNING":
@@ -352,6 +356,7 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             raise RuntimeError(f"no end after {max_steps} steps")
     if CAPTURE:
         answer["final_free"] = rec.pool()[0]
+        answer["allocate_calls"] = rec.allocate_calls
         cap = sched._kvtrace   # None: the capture did not start (vLLM's scheduler as its own)
         answer["capture_started"] = cap is not None
         if cap is not None:   # what is on disk before shutdown, and what it still holds per request
