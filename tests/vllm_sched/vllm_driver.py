@@ -265,9 +265,17 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     served = model_config.served_model_name
     object.__setattr__(model_config, "served_model_name", workload.get("served_model_name", served))
     hidden = _hide(workload.get("hide", []))
+    import atexit
+    at_exit, register = [], atexit.register   # what building the scheduler registers to run at exit
+
+    def _register(func, *args, **kwargs):
+        at_exit.append(func)
+        return register(func, *args, **kwargs)
+    atexit.register = _register
     try:
         sched = build(model, cfg)
     finally:   # what the scheduler was built with, for this workload only
+        atexit.register = register
         _unhide(hidden)
         vllm.__version__ = version
         object.__setattr__(model_config, "served_model_name", served)
@@ -368,7 +376,10 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         sched.shutdown()   # the capture's last chunk and done.json
         if cap is not None:
             import atexit
-            atexit.unregister(cap.close)   # closed: a long session keeps no finished capture alive
+            # closed: a long session keeps no finished capture alive. Whether the capture registered its
+            # close to run at exit (a process that ends without shutdown() still writes done.json)
+            atexit.unregister(cap.close)
+            answer["close_at_exit"] = any(f == cap.close for f in at_exit)
     return steps
 
 
