@@ -479,8 +479,9 @@ def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(v
     and the placeholder model accepts some (0 to all, a fixed pattern), so one output carries several
     tokens and vLLM rolls back the rejected drafts' positions. The capture follows vLLM's decisions
     as everywhere (capture_differences: admissions, new blocks, victims, finishes, the balance, the
-    self-check) and writes a tokens row for every token delivered, numbered in order. kvtrace's own
-    engine drafts nothing (docs/scheduling.md), so there is no trace of its to compare."""
+    self-check), writes a tokens row for every token delivered, numbered in order, and counts no
+    rejected draft as recompute. kvtrace's own engine drafts nothing (docs/scheduling.md), so there
+    is no trace of its to compare."""
     root = Path(tempfile.mkdtemp(prefix="kvtrace-capture-spec-"))
     counts = {"workloads": 0, "several": 0, "preempting": 0}
 
@@ -494,6 +495,16 @@ def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(v
                     "token_ids": counts["workloads"] % 2 == 0}
         answer = vllm.answer(workload)
         problems = capture_differences(workload, answer["steps"], answer)
+        # rejected drafts' positions are computed again, but no KV was lost: not recompute, which only a
+        # preemption causes (kvtrace's meaning); a request never preempted recomputes nothing
+        from kvtrace.vllm.importer import read_chunks
+        columns = read_chunks(Path(answer["capture"]))
+        q = columns["requests"]
+        recomputed = {r: n for r, n, p in zip(q["req_id"], q["recomputed_tokens"], q["preemptions"]) if n and not p}
+        if recomputed:
+            problems.append(f"requests never preempted with recomputed tokens: {recomputed}")
+        if not any(r["preempted"] for r in answer["steps"]) and any(columns["steps"]["recompute_tokens"]):
+            problems.append(f"recompute tokens without a preemption: {columns['steps']['recompute_tokens']}")
         assert not problems, (f"vLLM {vllm.version}, workload:\n{json.dumps(workload)}\n" + "\n".join(problems[:10]))
         counts["several"] += any(k > 1 for _, _, k in answer["delivered"])
         counts["preempting"] += any(r["preempted"] for r in answer["steps"])
