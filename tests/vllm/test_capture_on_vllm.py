@@ -473,6 +473,25 @@ def test_a_request_that_finishes_while_another_holds_all_its_blocks_frees_none(v
 
 
 @starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_the_capture_leaves_allocate_slots_as_it_found_it_after_every_step(vllm, asynchronous, tmp_path):
+    """The capture puts its admission wrapper on the KV-cache manager's instance from the waiting loop's
+    first look to the end of the step, and takes it off again, also in steps with nobody waiting (no
+    waiting loop) and after a preemption. Here nothing else is on the instance (the driver's own
+    wrapper is off, "bare"): after every step vLLM's own method is what the running loop calls."""
+    workload = {"config": {**WORKLOAD["config"], "async": asynchronous, "num_blocks": 4},
+                "requests": [{"id": f"r{i:02d}", "prompt": list(range(10 * i + 1, 10 * i + 6)), "max_tokens": 6,
+                              "arrival_step": 3 * i} for i in range(4)],
+                "capture_dir": str(tmp_path / "capture"), "bare": True}
+    answer = vllm.answer(workload)
+    assert "error" not in answer, answer.get("traceback")
+    assert any(step["preempted"] for step in answer["steps"]) and any(not step["admitted"] for step in answer["steps"])
+    assert answer.get("left_on_allocate_slots", []) == []
+    problems = capture_differences(workload, answer["steps"], answer)
+    assert not problems, "\n".join(problems[:10])
+
+
+@starts_vllm(unless=bool(DRIVERS))
 def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(vllm):
     """Speculative decoding: after each step the driver proposes drafts for every running request
     (vLLM's update_draft_token_ids), vLLM schedules them with the next token and allocates their slots,

@@ -115,7 +115,7 @@ class Recorder:
     is). Both sides record which blocks that un-cached ("uncached"), so the case is compared too.
     """
 
-    def __init__(self, sched, keep_victim_hashes: bool = False) -> None:
+    def __init__(self, sched, keep_victim_hashes: bool = False, wrap_allocate_slots: bool = True) -> None:
         self.sched = sched
         self.preempted: list[str] = []
         self.finished: list[str] = []
@@ -156,7 +156,8 @@ class Recorder:
             self.finished.append(request.request_id)
             return free(request, *args, **kwargs)
 
-        kvm.allocate_slots = _allocate_slots
+        if wrap_allocate_slots:   # without it ("bare"): no victim's hashes are taken out, no calls counted
+            kvm.allocate_slots = _allocate_slots
         sched._preempt_request = _preempt_request
         sched._free_request = _free_request
 
@@ -284,7 +285,7 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    rec = Recorder(sched, workload.get("keep_victim_hashes", False))
+    rec = Recorder(sched, workload.get("keep_victim_hashes", False), not workload.get("bare"))
     drafts = workload.get("spec_tokens", 0)   # speculative decoding: draft tokens proposed each step
     if drafts and cfg["async"]:
         raise ValueError("spec_tokens: the driver drafts for the sync Scheduler only")
@@ -326,6 +327,9 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         rec.preempted, rec.finished, rec.uncached = [], [], []
         rec.num_hashed.clear()
         so = sched.schedule()
+        if "allocate_slots" in sched.kv_cache_manager.__dict__ and workload.get("bare"):
+            # nothing of the driver's on the instance: anything there is a wrapper left behind
+            answer.setdefault("left_on_allocate_slots", []).append(len(steps))
         num_free, num_cached, _ = rec.pool()
         scheduled = [[rid, n] for rid, n in so.num_scheduled_tokens.items()]
         admitted, grown = [], []
