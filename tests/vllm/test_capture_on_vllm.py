@@ -492,6 +492,27 @@ def test_the_capture_leaves_allocate_slots_as_it_found_it_after_every_step(vllm,
 
 
 @starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_steps_whose_output_is_never_processed_are_written_as_they_are_and_not_kept(vllm, asynchronous, tmp_path):
+    """A caller that stops processing outputs (from step 3 on, then 40 more schedule() calls): the
+    capture keeps at most 16 steps waiting for their output (MAX_PENDING; vLLM's batch queue holds
+    2) and writes the older ones as they are, each its steps row without a device time; every step
+    has its row once the scheduler shuts down."""
+    workload = {"config": {**WORKLOAD["config"], "async": asynchronous},
+                "requests": [{"id": "r00", "prompt": [1, 2, 3, 4, 5], "max_tokens": 20, "arrival_step": 0}],
+                "capture_dir": str(tmp_path / "capture"), "outputs_dropped_from": 3}
+    answer = vllm.answer(workload)
+    assert "error" not in answer, answer.get("traceback")
+    assert len(answer["steps"]) == 43
+    assert answer["capture_held"]["pending"] <= 16, answer["capture_held"]
+    from kvtrace.vllm.importer import read_chunks
+    s = read_chunks(Path(answer["capture"]))["steps"]
+    assert sorted(s["step"]) == list(range(43))
+    unprocessed = sorted(step for step, ms in zip(s["step"], s["device_ms"]) if ms is None)
+    assert unprocessed == list(range(2 if asynchronous else 3, 43)), unprocessed
+
+
+@starts_vllm(unless=bool(DRIVERS))
 def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(vllm):
     """Speculative decoding: after each step the driver proposes drafts for every running request
     (vLLM's update_draft_token_ids), vLLM schedules them with the next token and allocates their slots,

@@ -303,6 +303,7 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     prev = None
     step = 0
     max_steps = workload.get("max_steps", 3000)
+    dropped_from = workload.get("outputs_dropped_from")   # the step from which no output is processed (40 more)
     # vLLM's frontend stamps each request with its own arrival time (a request's samples share it):
     # requests arriving in one step keep their order, as kvtrace's arrival order does
     for index, r in enumerate(pending):
@@ -344,7 +345,9 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         preempted, uncached = list(rec.preempted), list(rec.uncached)
         index = len(steps)
         executed = output_for(sched, so, index)   # what the model runner returns for this step, run now
-        if cfg["async"]:   # the engine core's batch queue: this step's output is processed next step
+        if dropped_from is not None and index >= dropped_from:
+            pass   # a caller that stops processing outputs: vLLM then schedules nothing new, step after step
+        elif cfg["async"]:   # the engine core's batch queue: this step's output is processed next step
             if prev is not None:
                 deliver(prev[2], sched.update_from_output(*prev[:2]))
             prev = (so, executed, index) if so.total_num_scheduled_tokens else None
@@ -364,6 +367,8 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
                                             if req.num_output_placeholders)
         steps.append(record)
         step += 1
+        if dropped_from is not None and len(steps) >= dropped_from + 40:
+            break
         if len(steps) > max_steps:
             raise RuntimeError(f"no end after {max_steps} steps")
     if CAPTURE:
