@@ -513,6 +513,34 @@ def test_steps_whose_output_is_never_processed_are_written_as_they_are_and_not_k
 
 
 @starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_aborted_requests_and_a_shutdown_with_requests_in_flight_are_captured_whole(vllm, asynchronous, tmp_path):
+    """Clients that go away: before step 3 the frontend aborts r01 (running) and r03 (waiting for
+    blocks); before step 9 the server shuts down and aborts what is left. Every request has its row
+    (the aborted ones `aborted`, with the tokens they had), every block given is freed by an event
+    (the last ones by the capture's close, after the last step), and the self-check finds nothing."""
+    workload = {"config": {**WORKLOAD["config"], "async": asynchronous, "num_blocks": 6, "max_num_seqs": 3,
+                           "max_model_len": 32},
+                "requests": [{"id": f"r{i:02d}", "prompt": list(range(10 * i + 1, 10 * i + 7)), "max_tokens": m,
+                              "arrival_step": 0} for i, m in enumerate([20, 20, 2, 20])],
+                "capture_dir": str(tmp_path / "capture"), "aborts": [[3, ["r01:0", "r03:0"]]], "stop_at": 9}
+    answer = vllm.answer(workload)
+    assert "error" not in answer, answer.get("traceback")
+    assert answer["aborted_at_stop"], answer   # something was still in flight at the shutdown
+    problems = capture_differences(workload, answer["steps"], answer)
+    assert not problems, "\n".join(problems[:10])
+    from kvtrace.vllm.importer import read_chunks
+    columns = read_chunks(Path(answer["capture"]))
+    q = columns["requests"]
+    reasons = dict(zip(q["req_id"], q["finish_reason"]))
+    assert reasons == {"r00:0": "aborted", "r01:0": "aborted", "r02:0": "length", "r03:0": "aborted"}, reasons
+    k = columns["kv_events"]
+    last = max(columns["steps"]["step"])
+    closing = [(kind, rid) for step, kind, rid in zip(k["step"], k["kind"], k["req_id"]) if step == last]
+    assert ("finish", "r00:0") in closing and ("free", "r00:0") in closing, closing
+
+
+@starts_vllm(unless=bool(DRIVERS))
 def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(vllm):
     """Speculative decoding: after each step the driver proposes drafts for every running request
     (vLLM's update_draft_token_ids), vLLM schedules them with the next token and allocates their slots,

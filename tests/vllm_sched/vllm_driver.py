@@ -247,7 +247,7 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.outputs import DraftTokenIds
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request, RequestStatus
 
     cfg = workload["config"]
     if CAPTURE:   # every workload its own capture folder, self-checked every step
@@ -304,6 +304,8 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     step = 0
     max_steps = workload.get("max_steps", 3000)
     dropped_from = workload.get("outputs_dropped_from")   # the step from which no output is processed (40 more)
+    aborts = {index: ids for index, ids in workload.get("aborts", [])}   # [[step, [request ids]], ...]
+    stop_at = workload.get("stop_at")   # the step before which everything left is aborted, and the run ends
     # vLLM's frontend stamps each request with its own arrival time (a request's samples share it):
     # requests arriving in one step keep their order, as kvtrace's arrival order does
     for index, r in enumerate(pending):
@@ -327,6 +329,14 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         before = {r.request_id: len(to_blocks.get(r.request_id, ())) for r in sched.running}
         rec.preempted, rec.finished, rec.uncached = [], [], []
         rec.num_hashed.clear()
+        if len(steps) in aborts:   # clients gone before this step: the frontend aborts their requests
+            sched.finish_requests(aborts[len(steps)], RequestStatus.FINISHED_ABORTED)
+        if len(steps) == stop_at:   # the server shuts down with requests in flight, aborted first
+            sched.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+            answer["aborted_at_stop"] = list(rec.finished)
+            if steps and not cfg["async"]:   # freed after the last step, which the capture files them with
+                steps[-1]["finished"] += rec.finished
+            break
         so = sched.schedule()
         if "allocate_slots" in sched.kv_cache_manager.__dict__ and workload.get("bare"):
             # nothing of the driver's on the instance: anything there is a wrapper left behind

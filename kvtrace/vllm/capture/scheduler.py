@@ -676,6 +676,17 @@ class _Capture:
             self.num_check_errors += len(problems)
             self.check_errors.extend(problems[: max(0, 20 - len(self.check_errors))])
 
+    def file_between_steps(self) -> None:
+        """What happened since the last schedule() (an abort's frees and finish, a prefix-cache reset's
+        evictions) while a scheduled step still waits for its output (async): it joins that step's
+        events, whose output is processed next, so that they reach the trace and the self-check at the
+        same update as vLLM's pool does; filed with the step about to be scheduled, they would wait a
+        step longer than the pool."""
+        _, events, finishing, _ = next(iter(self.pending.values()))   # the oldest: processed next
+        events += self.events
+        finishing += self.finishing
+        self.events, self.finishing = [], []
+
     def write_unprocessed(self, entry: tuple) -> None:
         """A step whose output was never processed: its row and what its scheduling did, without tokens."""
         row, events, finishing, _ = entry
@@ -734,6 +745,8 @@ class _CaptureMixin:
         cap = self._kvtrace
         if cap is None:
             return super().schedule(*args, **kwargs)
+        if cap.pending and (cap.events or cap.finishing):
+            cap.file_between_steps()
         start = cap.step_start = time.monotonic()
         cap.step += 1
         cap.step_preemptions = 0
