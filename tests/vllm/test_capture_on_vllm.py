@@ -541,6 +541,31 @@ def test_aborted_requests_and_a_shutdown_with_requests_in_flight_are_captured_wh
 
 
 @starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_a_preempted_requests_history_recomputed_in_chunks_is_prefill_with_its_blocks(vllm, asynchronous, tmp_path):
+    """r01 is preempted with tokens generated, then resumes and recomputes its prompt and output in
+    chunks of 8 tokens (the step's budget): the blocks it takes for the second chunk are a prefill's,
+    not a decode's (it is RUNNING again, with outputs, so only its computed-token count says so),
+    and every event and step row is as kvtrace's own trace of the workload has it."""
+    workload = {"config": {**WORKLOAD["config"], "async": asynchronous, "num_blocks": 10, "max_model_len": 48,
+                           "max_num_batched_tokens": 8, "long_prefill_token_threshold": 8,
+                           "enable_prefix_caching": False},
+                "requests": [{"id": "r00", "prompt": list(range(1, 21)), "max_tokens": 20, "arrival_step": 0},
+                             {"id": "r01", "prompt": list(range(31, 43)), "max_tokens": 20, "arrival_step": 0}],
+                "capture_dir": str(tmp_path / "capture")}
+    answer, problems = every_difference(vllm, workload)
+    assert not problems, "\n".join(problems[:10])
+    from kvtrace.vllm.importer import read_chunks
+    k = read_chunks(Path(answer["capture"]))["kv_events"]
+    order = sorted(range(len(k["seq"])), key=lambda i: k["seq"][i])
+    events = [(k["kind"][i], k["req_id"][i], k["reason"][i]) for i in order]
+    resumed = events.index(("admit", "r01:0", "resume-recompute"))
+    regrown = [reason for kind, rid, reason in events[resumed:] if kind == "alloc" and rid == "r01:0"]
+    # the admission's blocks for its first 8 tokens, then the second chunk's (RUNNING, with outputs)
+    assert regrown[:2] == ["prefill", "prefill"], regrown
+
+
+@starts_vllm(unless=bool(DRIVERS))
 def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(vllm):
     """Speculative decoding: after each step the driver proposes drafts for every running request
     (vLLM's update_draft_token_ids), vLLM schedules them with the next token and allocates their slots,
