@@ -84,12 +84,18 @@ def capture_differences(workload: dict, records: list[dict], answer: dict) -> li
     folder = Path(answer["capture"])
     problems: list[str] = []
     done = json.loads((folder / "done.json").read_text())
+    if answer["vllm_shutdown"] != [True]:
+        problems.append(f"vLLM's own Scheduler.shutdown ran {len(answer['vllm_shutdown'])} times, not once")
     if done["self_check_errors"] or done["writer_error"]:
         problems.append(f"self-check: {done['self_check_errors']} errors {done['self_check_examples'][:3]}, "
                         f"writer {done['writer_error']}")
     if done["self_check_steps"] == 0:
         problems.append("the self-check never ran")
     columns = read_chunks(folder)
+    for table, cols in columns.items():   # a row is one value in every column
+        lengths = {name: len(values) for name, values in cols.items()}
+        if len(set(lengths.values())) > 1:
+            problems.append(f"{table}: columns of different lengths {lengths}")
     s = columns["steps"]
     order = sorted(range(len(s["step"])), key=lambda i: s["step"][i])
     if [s["step"][i] for i in order] != list(range(len(records))):
@@ -566,6 +572,67 @@ def test_a_preempted_requests_history_recomputed_in_chunks_is_prefill_with_its_b
 
 
 @starts_vllm(unless=bool(DRIVERS))
+def test_without_the_self_check_none_runs(vllm, tmp_path):
+    """KVTRACE_CAPTURE_SELF_CHECK unset or 0 (a production server): the capture checks nothing, and
+    done.json says so (no steps checked, no errors)."""
+    answer = vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture"),
+                          "env": {"KVTRACE_CAPTURE_SELF_CHECK": "0"}})
+    done = json.loads((Path(answer["capture"]) / "done.json").read_text())
+    server = json.loads((Path(answer["capture"]) / "capture.json").read_text())
+    assert (server["self_check"], done["self_check_steps"], done["self_check_errors"]) == (False, 0, 0), done
+
+
+@starts_vllm(unless=bool(DRIVERS))
+def test_the_self_check_keeps_its_first_20_examples(vllm, tmp_path):
+    """A record made wrong early finds two errors at every later check: done.json counts them all and
+    keeps the first 20 as examples, in order."""
+    workload = {"config": {**WORKLOAD["config"], "max_model_len": 32},
+                "requests": [{"id": "r00", "prompt": [1, 2, 3], "max_tokens": 20, "arrival_step": 0}],
+                "capture_dir": str(tmp_path / "capture"), "corrupt": "held"}
+    done = json.loads((Path(vllm.answer(workload)["capture"]) / "done.json").read_text())
+    assert done["self_check_errors"] > 20 and len(done["self_check_examples"]) == 20, done
+    assert done["self_check_examples"][:2] == ["step 2: r00:0 holds [1, 2] but the events say [1, 2, 1000000]",
+                                               "step 2: 2 blocks in use but the events account for 3"], done
+    assert done["self_check_examples"][-1].startswith("step 11: "), done
+
+
+@starts_vllm(unless=bool(DRIVERS))
+def test_a_second_close_writes_nothing(vllm, tmp_path):
+    """shutdown() closes the capture; its exit hook calls close() again when the process ends: the
+    second changes no file (no second last chunk, no done.json rewritten)."""
+    answer = vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture"), "close_twice": True})
+    assert answer["changed_by_second_close"] is False
+
+
+@starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("when, remade", [("mid-run", False), ("mid-run", True), ("at-shutdown", False)],
+                         ids=["removed", "removed-and-remade", "removed-after-the-last-chunk"])
+def test_a_capture_folder_removed_mid_run_stops_the_capture_and_vllm_serves_on(vllm, tmp_path, when, remade):
+    """An operator removes the capture's folder while the server runs: the next chunk cannot be written,
+    the capture stops (vLLM schedules on, every request served), and the folder is not made again
+    with a done.json that would look like a capture, nor when it goes after the last chunk was
+    written (an idle server's), just before the shutdown. Made again by someone before the shutdown,
+    it gets the done.json that says the writer failed."""
+    folder = tmp_path / "capture"
+    workload = {**WORKLOAD, "requests": [{"id": f"r{i:02d}", "prompt": [1, 2, 3], "max_tokens": 4,
+                                          "arrival_step": 6 * i} for i in range(3)],
+                "capture_dir": str(folder), "remake_capture_before_shutdown": remade}
+    if when == "mid-run":
+        workload["remove_capture_at"] = 7
+    else:
+        workload["remove_capture_before_shutdown"] = True
+    answer = vllm.answer(workload)
+    assert "error" not in answer, answer.get("traceback")
+    assert sum(len(step["finished"]) for step in answer["steps"]) == 3
+    if not remade:
+        assert not folder.exists(), sorted(p.name for p in folder.rglob("*"))
+    else:
+        done = json.loads((folder / "done.json").read_text())
+        assert "FileNotFoundError" in done["writer_error"], done
+        assert sorted(p.name for p in folder.iterdir()) == ["done.json"]
+
+
+@starts_vllm(unless=bool(DRIVERS))
 def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(vllm):
     """Speculative decoding: after each step the driver proposes drafts for every running request
     (vLLM's update_draft_token_ids), vLLM schedules them with the next token and allocates their slots,
@@ -598,6 +665,11 @@ def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(v
             problems.append(f"requests never preempted with recomputed tokens: {recomputed}")
         if not any(r["preempted"] for r in answer["steps"]) and any(columns["steps"]["recompute_tokens"]):
             problems.append(f"recompute tokens without a preemption: {columns['steps']['recompute_tokens']}")
+        t = columns["tokens"]   # a request's first token time is its token 0's, however many came after
+        first = {rid: ts for rid, idx, ts in zip(t["req_id"], t["idx"], t["ts_s"]) if idx == 0}
+        late = {r: (f, first.get(r)) for r, f in zip(q["req_id"], q["first_token_s"]) if f != first.get(r)}
+        if late:
+            problems.append(f"first_token_s is not token 0's time: {late}")
         assert not problems, (f"vLLM {vllm.version}, workload:\n{json.dumps(workload)}\n" + "\n".join(problems[:10]))
         counts["several"] += any(k > 1 for _, _, k in answer["delivered"])
         counts["preempting"] += any(r["preempted"] for r in answer["steps"])
@@ -715,7 +787,8 @@ def test_a_capture_that_cannot_start_leaves_vllms_scheduler_deciding_as_its_own(
     written."""
     workload = {"config": {**WORKLOAD["config"], "async": asynchronous, "num_blocks": 4},
                 "requests": [{"id": f"r{i:02d}", "prompt": list(range(10 * i + 1, 10 * i + 6)), "max_tokens": 6,
-                              "arrival_step": 0} for i in range(4)]}
+                              "arrival_step": 0} for i in range(4)],
+                "reset_prefix_cache_at": [0]}   # an idle pool's reset succeeds, with or without a capture
     recorded = vllm.answer({**workload, "capture_dir": str(tmp_path / "capture")})
     (tmp_path / "a-file").write_text("")
     unrecorded = vllm.answer({**workload, "capture_dir": str(tmp_path / "a-file" / "capture")})
@@ -723,6 +796,7 @@ def test_a_capture_that_cannot_start_leaves_vllms_scheduler_deciding_as_its_own(
     assert (recorded["capture_started"], unrecorded["capture_started"]) == (True, False)
     assert any(step["preempted"] for step in recorded["steps"])          # it has something to decide
     assert unrecorded["steps"] == recorded["steps"]
+    assert unrecorded["resets"] == recorded["resets"] == [[0, True]]
     # the driver's own wrapper of allocate_slots, put on after the capture's start, sees every call
     # with the capture on too: the capture's admission wrapper calls what it finds, not vLLM's method
     assert recorded["allocate_calls"] == unrecorded["allocate_calls"] > 0

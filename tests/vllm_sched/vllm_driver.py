@@ -329,6 +329,9 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         before = {r.request_id: len(to_blocks.get(r.request_id, ())) for r in sched.running}
         rec.preempted, rec.finished, rec.uncached = [], [], []
         rec.num_hashed.clear()
+        if len(steps) == workload.get("remove_capture_at"):   # an operator removes the capture's folder
+            import shutil
+            shutil.rmtree(workload["capture_dir"])
         if len(steps) in aborts:   # clients gone before this step: the frontend aborts their requests
             sched.finish_requests(aborts[len(steps)], RequestStatus.FINISHED_ABORTED)
         if len(steps) == stop_at:   # the server shuts down with requests in flight, aborted first
@@ -392,7 +395,23 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
                                                 for c in sorted(cap.folder.rglob("*.pkl"))]
             answer["capture_held"] = {name: len(getattr(cap, name))
                                       for name in ("states", "watched", "emitted", "pending")}
+        if workload.get("remove_capture_before_shutdown"):   # after the last chunk: no write fails
+            import shutil
+            shutil.rmtree(workload["capture_dir"])
+        if workload.get("remake_capture_before_shutdown"):   # and makes it again, empty
+            os.makedirs(workload["capture_dir"], exist_ok=True)
+        shut = answer.setdefault("vllm_shutdown", [])   # vLLM's own shutdown ran (its KV-event publisher's)
+        publisher = getattr(sched, "kv_event_publisher", None)
+        if publisher is not None:
+            publisher_shutdown = publisher.shutdown
+            publisher.shutdown = lambda: (shut.append(True), publisher_shutdown())[1]
         sched.shutdown()   # the capture's last chunk and done.json
+        if cap is not None and workload.get("close_twice"):   # atexit after shutdown(): nothing more
+            def written():
+                return sorted((p.name, p.read_bytes()) for p in cap.folder.rglob("*") if p.is_file())
+            before = written()
+            cap.close()
+            answer["changed_by_second_close"] = before != written()
         if cap is not None:
             import atexit
             # closed: a long session keeps no finished capture alive. Whether the capture registered its

@@ -708,8 +708,8 @@ class _Capture:
         self.finish_pending(time.monotonic(), self.step)
         self.flush_events(self.step, time.monotonic())
         self.sink.close()
-        if self.sink.error is not None and not self.folder.is_dir():
-            return   # the folder was removed: nothing to write the summary into
+        if not self.folder.is_dir():
+            return   # the folder was removed: not made again for a summary of nothing
         try:
             self._write_json("done.json", {
                 "server_id": self.server_id,
