@@ -503,33 +503,41 @@ def test_steps_whose_output_is_never_processed_are_written_as_they_are_and_not_k
     """A caller that stops processing outputs (from step 3 on, then 40 more schedule() calls): the
     capture keeps at most 16 steps waiting for their output (MAX_PENDING; vLLM's batch queue holds
     2) and writes the older ones as they are, each its steps row without a device time; every step
-    has its row once the scheduler shuts down."""
+    has its row once the scheduler shuts down. r00, aborted meanwhile, is filed with the oldest step
+    still waiting, and written with it."""
     workload = {"config": {**WORKLOAD["config"], "async": asynchronous},
-                "requests": [{"id": "r00", "prompt": [1, 2, 3, 4, 5], "max_tokens": 20, "arrival_step": 0}],
-                "capture_dir": str(tmp_path / "capture"), "outputs_dropped_from": 3}
+                "requests": [{"id": "r00", "prompt": [1, 2, 3, 4, 5], "max_tokens": 20, "arrival_step": 0},
+                             {"id": "r01", "prompt": [6, 7, 8], "max_tokens": 20, "arrival_step": 0}],
+                "capture_dir": str(tmp_path / "capture"), "outputs_dropped_from": 3, "aborts": [[5, ["r00:0"]]]}
     answer = vllm.answer(workload)
     assert "error" not in answer, answer.get("traceback")
     assert len(answer["steps"]) == 43
     assert answer["capture_held"]["pending"] <= 16, answer["capture_held"]
     from kvtrace.vllm.importer import read_chunks
-    s = read_chunks(Path(answer["capture"]))["steps"]
+    columns = read_chunks(Path(answer["capture"]))
+    s = columns["steps"]
     assert sorted(s["step"]) == list(range(43))
     unprocessed = sorted(step for step, ms in zip(s["step"], s["device_ms"]) if ms is None)
     assert unprocessed == list(range(2 if asynchronous else 3, 43)), unprocessed
+    # r00, aborted before step 5, is filed with the oldest step still waiting for its output then
+    k, q = columns["kv_events"], columns["requests"]
+    finish = [(step, reason) for step, kind, rid, reason in zip(k["step"], k["kind"], k["req_id"], k["reason"])
+              if kind == "finish"]
+    assert finish == [(unprocessed[0], "aborted")] and q["finish_reason"] == ["aborted"], (finish, q)
 
 
 @starts_vllm(unless=bool(DRIVERS))
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
 def test_aborted_requests_and_a_shutdown_with_requests_in_flight_are_captured_whole(vllm, asynchronous, tmp_path):
-    """Clients that go away: before step 3 the frontend aborts r01 (running) and r03 (waiting for
-    blocks); before step 9 the server shuts down and aborts what is left. Every request has its row
+    """Clients that go away: before step 3 the frontend aborts r03 (waiting for blocks: it holds none),
+    before step 4 r01 (running); before step 9 the server shuts down and aborts what is left. Every request has its row
     (the aborted ones `aborted`, with the tokens they had), every block given is freed by an event
     (the last ones by the capture's close, after the last step), and the self-check finds nothing."""
     workload = {"config": {**WORKLOAD["config"], "async": asynchronous, "num_blocks": 6, "max_num_seqs": 3,
                            "max_model_len": 32},
                 "requests": [{"id": f"r{i:02d}", "prompt": list(range(10 * i + 1, 10 * i + 7)), "max_tokens": m,
                               "arrival_step": 0} for i, m in enumerate([20, 20, 2, 20])],
-                "capture_dir": str(tmp_path / "capture"), "aborts": [[3, ["r01:0", "r03:0"]]], "stop_at": 9}
+                "capture_dir": str(tmp_path / "capture"), "aborts": [[3, ["r03:0"]], [4, ["r01:0"]]], "stop_at": 9}
     answer = vllm.answer(workload)
     assert "error" not in answer, answer.get("traceback")
     assert answer["aborted_at_stop"], answer   # something was still in flight at the shutdown
@@ -544,6 +552,13 @@ def test_aborted_requests_and_a_shutdown_with_requests_in_flight_are_captured_wh
     last = max(columns["steps"]["step"])
     closing = [(kind, rid) for step, kind, rid in zip(k["step"], k["kind"], k["req_id"]) if step == last]
     assert ("finish", "r00:0") in closing and ("free", "r00:0") in closing, closing
+    given, freed = defaultdict(list), defaultdict(list)   # no prefix is shared: each block is one request's
+    for kind, rid, blocks in zip(k["kind"], k["req_id"], k["blocks"]):
+        if kind in ("alloc", "prefix_hit"):
+            given[rid] += blocks
+        elif kind == "free":
+            freed[rid] += blocks
+    assert {r: sorted(b) for r, b in given.items()} == {r: sorted(b) for r, b in freed.items()}, (given, freed)
 
 
 @starts_vllm(unless=bool(DRIVERS))
@@ -633,6 +648,34 @@ def test_a_capture_folder_removed_mid_run_stops_the_capture_and_vllm_serves_on(v
 
 
 @starts_vllm(unless=bool(DRIVERS))
+def test_one_token_prefill_chunks_on_the_async_scheduler_are_prefill(vllm, tmp_path):
+    """long_prefill_token_threshold 1: every prompt is computed a token a step, and the chunk before
+    the last (position num_tokens - 2) samples nothing, so nothing is in flight: the capture counts
+    each chunk as prefill, as kvtrace's trace of the workload does, on the async scheduler too."""
+    workload = {"config": {**WORKLOAD["config"], "async": True, "long_prefill_token_threshold": 1},
+                "requests": [{"id": "r00", "prompt": [1, 2, 3, 4], "max_tokens": 3, "arrival_step": 0},
+                             {"id": "r01", "prompt": [5, 6, 7, 8], "max_tokens": 2, "arrival_step": 1}],
+                "capture_dir": str(tmp_path / "capture")}
+    answer, problems = every_difference(vllm, workload)
+    assert not problems, "\n".join(problems[:10])
+    from kvtrace.vllm.importer import read_chunks
+    s = read_chunks(Path(answer["capture"]))["steps"]
+    assert sum(s["prefill_tokens"]) == 8, s["prefill_tokens"]
+
+
+@starts_vllm(unless=bool(DRIVERS))
+def test_a_busy_server_writes_a_chunk_every_flush_interval(vllm, tmp_path):
+    """KVTRACE_CAPTURE_FLUSH_EVERY (default 2 s, what a crash can lose) set to 0: every processed step
+    of a busy server is written at once, before the engine runs out of requests, each chunk whole."""
+    answer = vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture"),
+                          "env": {"KVTRACE_CAPTURE_FLUSH_EVERY": "0"}})
+    chunks = answer["chunks_before_shutdown"]
+    assert len(chunks) == len(answer["steps"]) and set(chunks) == {1}, chunks
+    server = json.loads((tmp_path / "capture" / "capture.json").read_text())
+    assert server["flush_s"] == 0
+
+
+@starts_vllm(unless=bool(DRIVERS))
 def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(vllm):
     """Speculative decoding: after each step the driver proposes drafts for every running request
     (vLLM's update_draft_token_ids), vLLM schedules them with the next token and allocates their slots,
@@ -655,6 +698,7 @@ def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(v
                     "token_ids": counts["workloads"] % 2 == 0}
         answer = vllm.answer(workload)
         problems = capture_differences(workload, answer["steps"], answer)
+        problems += table_differences(workload, answer["steps"], answer)
         # rejected drafts' positions are computed again, but no KV was lost: not recompute, which only a
         # preemption causes (kvtrace's meaning); a request never preempted recomputes nothing
         from kvtrace.vllm.importer import read_chunks
@@ -834,7 +878,9 @@ def test_a_server_running_for_hours_keeps_nothing_of_its_finished_requests(vllm,
     its memory is bounded by what is in flight; and what it captured is on disk as soon as it idles."""
     workload = {"config": {**WORKLOAD["config"], "async": asynchronous, "num_blocks": 4},
                 "requests": [{"id": f"r{i:02d}", "prompt": list(range(10 * i + 1, 10 * i + 6)), "max_tokens": 6,
-                              "arrival_step": 0} for i in range(4)]}
+                              "arrival_step": 0} for i in range(4)]
+                # and one done at its first token, while its prefill is still being watched
+                + [{"id": "r04", "prompt": [7, 8, 9], "max_tokens": 1, "arrival_step": 0}]}
     answer = vllm.answer({**workload, "capture_dir": str(tmp_path / "capture")})
     assert any(step["preempted"] for step in answer["steps"])
     held = answer["capture_held"]

@@ -7,6 +7,7 @@ AsyncScheduler) when `scheduler_config.async_scheduling` is on (vLLM's default o
 `KvtraceScheduler` (its Scheduler); those two names still force one or the other. The options come
 from the environment (`kvtrace vllm-env` prints them; docs/vllm.md): `KVTRACE_CAPTURE_DIR` the folder,
 `KVTRACE_CAPTURE_MAX_BYTES` and `KVTRACE_CAPTURE_MAX_AGE` its retention (sink.py),
+`KVTRACE_CAPTURE_FLUSH_EVERY` how often a busy server writes a chunk (default 2s: what a crash can lose),
 `KVTRACE_CAPTURE_TOKEN_IDS=1` keeps token ids (by default none are written: live traffic's token ids
 are its users' text), `KVTRACE_CAPTURE_SELF_CHECK=1` compares, every step, the pool state replayed
 from the captured events with the pool's own.
@@ -127,8 +128,9 @@ class _Capture:
             raise
         max_bytes = parse_bytes(os.environ.get("KVTRACE_CAPTURE_MAX_BYTES") or "4GiB", "KVTRACE_CAPTURE_MAX_BYTES")
         max_age_s = parse_age(os.environ.get("KVTRACE_CAPTURE_MAX_AGE") or "7d", "KVTRACE_CAPTURE_MAX_AGE")
+        flush_s = parse_age(os.environ.get("KVTRACE_CAPTURE_FLUSH_EVERY") or "2s", "KVTRACE_CAPTURE_FLUSH_EVERY")
         self.sink = Sink(self.folder, self.server_id, max_bytes=max_bytes, max_age_s=max_age_s, log=logger,
-                         wall_minus_monotonic=self.wall_minus_monotonic)
+                         wall_minus_monotonic=self.wall_minus_monotonic, flush_seconds=flush_s)
         self.scheduler = scheduler
         self.pool = pool
         self.kvm = kvm
@@ -183,7 +185,7 @@ class _Capture:
             "scheduler": type(scheduler).__name__, "async_scheduling": isinstance(scheduler, AsyncScheduler),
             "policy": "priority" if scheduler.policy == SchedulingPolicy.PRIORITY else "fcfs",
             "salt_id": self.salt_id, "token_ids": self.token_ids, "capture_module": __file__,
-            "max_bytes": max_bytes, "max_age_s": max_age_s,
+            "max_bytes": max_bytes, "max_age_s": max_age_s, "flush_s": flush_s,
             "started_monotonic": time.monotonic(), "wall_minus_monotonic": self.wall_minus_monotonic,
             "block_size": self.block_size, "num_gpu_blocks": pool.num_gpu_blocks, "null_block": self.null_id,
             "enable_prefix_caching": bool(getattr(pool, "enable_caching", False)),
@@ -745,7 +747,7 @@ class _CaptureMixin:
         cap = self._kvtrace
         if cap is None:
             return super().schedule(*args, **kwargs)
-        if cap.pending and (cap.events or cap.finishing):
+        if cap.pending:   # async, or outputs not processed: what happened since joins the oldest
             cap.file_between_steps()
         start = cap.step_start = time.monotonic()
         cap.step += 1
