@@ -39,7 +39,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from engine.config import VLLM_VERSIONS
@@ -675,6 +675,13 @@ def test_a_busy_server_writes_a_chunk_every_flush_interval(vllm, tmp_path):
     assert server["flush_s"] == 0
 
 
+SPECULATIVE = {"config": {"block_size": 4, "num_blocks": 16, "max_num_seqs": 4, "max_num_batched_tokens": 64,
+                          "max_model_len": 64, "long_prefill_token_threshold": 0, "policy": "fcfs", "async": False,
+                          "enable_prefix_caching": True},
+               "requests": [{"id": "r00", "prompt": [1, 2, 3, 4, 5], "max_tokens": 12, "arrival_step": 0},
+                            {"id": "r01", "prompt": [6, 7, 8, 9, 10, 11], "max_tokens": 6, "arrival_step": 3}]}
+
+
 @starts_vllm(unless=bool(DRIVERS))
 def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(vllm):
     """Speculative decoding: after each step the driver proposes drafts for every running request
@@ -691,6 +698,7 @@ def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(v
     @settings(max_examples=max(6, NUM_WORKLOADS // 2), deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck), phases=PHASES)
     @given(workloads(False), st.integers(1, 4))
+    @example(SPECULATIVE, 2)   # r01's first token comes in a step where r00's output carries two
     def check(workload, drafts):
         folder = root / f"w{counts['workloads']}" / "capture"
         counts["workloads"] += 1
