@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import traceback
 
@@ -330,7 +331,6 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         rec.preempted, rec.finished, rec.uncached = [], [], []
         rec.num_hashed.clear()
         if len(steps) == workload.get("remove_capture_at"):   # an operator removes the capture's folder
-            import shutil
             shutil.rmtree(workload["capture_dir"])
         if len(steps) in aborts:   # clients gone before this step: the frontend aborts their requests
             sched.finish_requests(aborts[len(steps)], RequestStatus.FINISHED_ABORTED)
@@ -396,7 +396,6 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             answer["capture_held"] = {name: len(getattr(cap, name))
                                       for name in ("states", "watched", "emitted", "pending")}
         if workload.get("remove_capture_before_shutdown"):   # after the last chunk: no write fails
-            import shutil
             shutil.rmtree(workload["capture_dir"])
         if workload.get("remake_capture_before_shutdown"):   # and makes it again, empty
             os.makedirs(workload["capture_dir"], exist_ok=True)
