@@ -218,3 +218,58 @@ def test_a_swapped_sample_waits_while_it_would_take_the_batch_past_max_num_seqs(
     tracer = samples_stopping_early(make_engine, max_num_seqs=2)
     assert swap_ins(tracer) == [(10, "P", 4)]
     assert [r.num_running for r in tracer.records[6:11]] == [2, 2, 2, 2, 1]
+
+
+# ---------------------------------------------------------------- a victim taken back out of the batch
+
+def test_a_victim_already_in_the_batch_gives_its_tokens_back_to_the_budget():
+    # 8 blocks of 4, token budget 8, the priority policy, recompute. V (11 tokens, least urgent) runs
+    # from step 0; X (2), Y (4) and Z (12), all more urgent, are admitted in step 1. In step 3 V decodes
+    # first (1 token of the budget), X decodes, then Y's decode needs a block: V is preempted and taken
+    # back out of the batch, its token returned to the budget, so Z's chunk is 6 tokens, not 5
+    sched = scheduler(num_blocks=8, max_num_batched_tokens=8, preemption_policy="priority",
+                      preemption_mode="recompute")
+    requests = [Sequence(name, 0, list(range(100 * k + 1, 100 * k + 1 + n)), ignore_eos(40), 0.1 * k,
+                         5 if name == "V" else 0, k) for k, (name, n) in enumerate(zip("VXYZ", (11, 2, 4, 12)))]
+    sched.add(requests[0])
+    assert step(sched) == [("V", 0, 8)]
+    for seq in requests[1:]:
+        sched.add(seq)
+    assert step(sched) == [("V", 0, 3), ("X", 0, 2), ("Y", 0, 3)]
+    assert step(sched) == [("V", 0, 1), ("X", 0, 1), ("Y", 0, 1), ("Z", 0, 5)]
+    assert step(sched) == [("X", 0, 1), ("Y", 0, 1), ("Z", 0, 6)]
+    assert [s.req_id for s in sched.waiting] == ["V"]
+
+
+# ---------------------------------------------------------------- swap-in: one request at a time
+
+def test_swapped_requests_come_back_one_request_at_a_time():
+    # 7 blocks of 4. C and D (3 tokens each, a block each) and A (20 tokens, 5 blocks) fill the pool in
+    # step 0; C and D are swapped out (as a request needing blocks would have them). In step 1 A's
+    # decode takes one of the two free blocks: C comes back into the other, D waits (the swap queue
+    # groups only the samples of one request, never two requests)
+    sched = scheduler(num_blocks=7, max_num_batched_tokens=64)
+    c, d, a = sequence("C", 3), sequence("D", 3), sequence("A", 20)
+    for seq in (c, d, a):
+        sched.add(seq)
+    assert step(sched) == [("C", 0, 3), ("D", 0, 3), ("A", 0, 20)]
+    sched._preempt([c], SchedulerOutput())
+    sched._preempt([d], SchedulerOutput())
+    assert step(sched) == [("A", 0, 1), ("C", 0, 1)]
+    assert list(sched.swapped) == [d]
+    # C's swap-in event names the host block it comes back from: the one its swap-out copied it to
+    swap_out, swap_in = ([e for e in sched.bm.events if e.kind == kind and e.req_id == "C"] for kind in ("swap_out", "swap_in"))
+    assert len(swap_in) == 1 and swap_in[0].src_blocks == swap_out[0].src_blocks == [0]
+
+
+def test_a_swapped_sequence_that_outgrew_the_pool_is_rejected_for_capacity(make_engine):
+    # 2 blocks of 4, swap. A (3 tokens, 10 to generate) decodes until its 9th position needs a third
+    # block: alone in the pool, it swaps itself out (step 6); it can never come back, so the next step
+    # rejects it for capacity with the 6 tokens it made
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=2, num_cpu_blocks=8, preemption_mode="swap", preemption_policy="newest")
+    a = engine.add_request("A", [5, 6, 7], ignore_eos(10), arrival_s=0.0)
+    run_checked(engine)
+    assert [(e.step, e.req_id) for e in tracer.events if e.kind == "swap_out"] == [(6, "A")]
+    assert not swap_ins(tracer)
+    assert (a.finish_reason, a.num_output_tokens) == ("capacity", 6)
