@@ -229,8 +229,10 @@ def test_a_victim_already_in_the_batch_gives_its_tokens_back_to_the_budget():
     # back out of the batch, its token returned to the budget, so Z's chunk is 6 tokens, not 5
     sched = scheduler(num_blocks=8, max_num_batched_tokens=8, preemption_policy="priority",
                       preemption_mode="recompute")
-    requests = [Sequence(name, 0, list(range(100 * k + 1, 100 * k + 1 + n)), ignore_eos(40), 0.1 * k,
-                         5 if name == "V" else 0, k) for k, (name, n) in enumerate(zip("VXYZ", (11, 2, 4, 12)))]
+    requests = []
+    for k, (name, num_prompt_tokens, priority) in enumerate([("V", 11, 5), ("X", 2, 0), ("Y", 4, 0), ("Z", 12, 0)]):
+        prompt = list(range(100 * k + 1, 100 * k + 1 + num_prompt_tokens))
+        requests.append(Sequence(name, 0, prompt, ignore_eos(40), 0.1 * k, priority, k))
     sched.add(requests[0])
     assert step(sched) == [("V", 0, 8)]
     for seq in requests[1:]:
@@ -258,8 +260,9 @@ def test_swapped_requests_come_back_one_request_at_a_time():
     assert step(sched) == [("A", 0, 1), ("C", 0, 1)]
     assert list(sched.swapped) == [d]
     # C's swap-in event names the host block it comes back from: the one its swap-out copied it to
-    swap_out, swap_in = ([e for e in sched.bm.events if e.kind == kind and e.req_id == "C"] for kind in ("swap_out", "swap_in"))
-    assert len(swap_in) == 1 and swap_in[0].src_blocks == swap_out[0].src_blocks == [0]
+    events = {kind: [e for e in sched.bm.events if e.kind == kind and e.req_id == "C"]
+              for kind in ("swap_out", "swap_in")}
+    assert len(events["swap_in"]) == 1 and events["swap_in"][0].src_blocks == events["swap_out"][0].src_blocks == [0]
 
 
 def test_a_swapped_sequence_that_outgrew_the_pool_is_rejected_for_capacity(make_engine):
