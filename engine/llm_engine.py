@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, replace
-from operator import attrgetter
+from itertools import repeat
+from operator import add, attrgetter
 from typing import TYPE_CHECKING
 
 from engine import events as ev
 from engine.block_manager import BlockManager
+from engine.cohort import DecodeCohort
 from engine.config import (SWAP_SPACE_DEFAULT, EngineConfig, KVReserve, ModelConfig, NMode, PreemptionMode,
                            device_defaults, resolve_batch_limits)
 from engine.events import AdmissionStop, FinishReason, KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
@@ -31,6 +33,8 @@ NON_TORCH_RESERVE = 1 << 30         # --gpu-memory-utilization: CUDA context, gr
 _num_computed = attrgetter("num_computed_tokens")
 _req_id = attrgetter("req_id")
 _sample_index = attrgetter("sample")
+_cohort_token = attrgetter("cohort_token")
+_cohort_idx = attrgetter("cohort_idx")
 
 
 class LivelockError(RuntimeError):
@@ -123,13 +127,14 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
     return PoolGeometry(num_gpu_blocks, num_cpu_blocks, config.block_size, bytes_per_block, derivation)
 
 
-def in_batch_order(seqs: list[Sequence], out: SchedulerOutput) -> list[Sequence]:
+def in_batch_order(seqs: list[Sequence], out: SchedulerOutput, start: int = 0) -> list[Sequence]:
     """The sequences in the order the step scheduled them, which is the order V1 frees those that
     finish (update_from_output walks the scheduled requests); samples forked this step (--n-mode cow)
-    come last. The executor's sampling order differs: decodes first, then prefill chunks."""
+    come last. The executor's sampling order differs: decodes first, then prefill chunks. `start`: the
+    sequences are among out.seqs[start:]."""
     if len(seqs) < 2:   # most steps finish none or one: no per-step work over the batch
         return seqs
-    position = {id(seq): i for i, seq in enumerate(out.seqs)}
+    position = {id(seq): i for i, seq in enumerate(out.seqs[start:] if start else out.seqs)}
     return sorted(seqs, key=lambda seq: position.get(id(seq), len(position)))
 
 
@@ -200,6 +205,8 @@ class LLMEngine:
         if self.simulated:
             self.model = None
             self.runner = SimExecutor(self.cost_model, g.bytes_per_block)
+            if not config.async_scheduling and config.n_mode == NMode.INDEPENDENT:   # engine/cohort.py says why
+                self.scheduler.cohort = DecodeCohort(self.block_manager, self.runner.placeholder)
         else:
             from engine.executor.model_runner import ModelRunner
             from engine.model.llama import LlamaModel
@@ -309,24 +316,43 @@ class LLMEngine:
         result = self.runner.execute(out)
         emitted: list[tuple[Sequence, int]] = []
         num_recompute = 0
+        stopped: list[Sequence] = []   # in the batch's order
+        tokens = None
         if out.seqs:
             num_decodes = out.num_decodes
             num_recompute = self._account(out, start_s, num_decodes)
-            sampled = self._sample(result, num_decodes)
-            if num_decodes:   # the running pass's decodes: accounted, extended and checked in one loop
-                self._advance_decodes(sampled[:num_decodes])
-                rest = sampled[num_decodes:]
+            if out.cohort:   # the decodes are the cohort's: their counts advance lazily (engine/cohort.py)
+                decoded = out.seqs[:num_decodes]
+                rest = self._sample(result, num_decodes, skip=num_decodes)
+                stopped = self.scheduler.cohort.advance()
+                for seq in stopped:
+                    self._check_stop(seq, seq.token_ids[-1])
+                    assert seq.finish_reason, f"{seq} at its stop length without a reason to stop"
+                emitted = list(zip(decoded, map(_cohort_token, decoded)))
+                tokens = self._cohort_tokens(decoded, rest)
+                emitted += rest
             else:
-                rest = sampled
+                sampled = self._sample(result, num_decodes)
+                if num_decodes:   # the running pass's decodes: accounted, extended and checked in one loop
+                    self._advance_decodes(sampled[:num_decodes])
+                    rest = sampled[num_decodes:]
+                else:
+                    rest = sampled
+                emitted = sampled
             for seq, token in rest:
                 seq.token_ids.append(token)
             self._deliver(rest, self.now())
-            emitted = sampled
+            if out.cohort and rest:
+                tokens[2].extend([len(s.token_ids) - s.num_prompt_tokens - 1 for s, _ in rest])
         finished = self._pending_finished + out.rejected
         self._pending_finished = []
         # --n-mode cow, rejected before forking: every sample finishes
         finished += [s for seq in finished if seq.num_pending_forks for s in self._unforked_samples(seq)]
-        for seq in in_batch_order([seq for seq, _ in emitted if seq.finish_reason], out):
+        if out.cohort:   # the cohort's stops first: they lead the batch
+            done = stopped + in_batch_order([seq for seq, _ in rest if seq.finish_reason], out, num_decodes)
+        else:
+            done = in_batch_order([seq for seq, _ in emitted if seq.finish_reason], out)
+        for seq in done:
             finished.append(seq)
             self.scheduler.finish(seq)
         for seq in out.rejected:
@@ -337,10 +363,22 @@ class LLMEngine:
         end_s = self.now()
         self._record(step=self.step_counter, start_s=start_s, end_s=end_s, out=out, result=result,
                      kv_events=sched_events + self.block_manager.take_events(), num_sched_events=len(sched_events),
-                     occupancy=occupancy, num_recompute=num_recompute, emitted=emitted, finished=finished)
+                     occupancy=occupancy, num_recompute=num_recompute, emitted=emitted, finished=finished,
+                     tokens=tokens)
         self.step_counter += 1
         self._check_progress(bool(emitted or finished))
         return emitted
+
+    def _cohort_tokens(self, decoded: list[Sequence], rest: list[tuple[Sequence, int]]) -> tuple:
+        """The trace's token columns of a cohort step (`_record`'s), made without visiting the decodes
+        one by one: each decode's index is its cohort_idx plus the clock. The index of `rest` is added
+        once their tokens are appended."""
+        clock = self.scheduler.cohort.clock
+        seqs = decoded + [seq for seq, _ in rest] if rest else decoded
+        num = len(seqs)
+        return (list(map(_req_id, seqs)), list(map(_sample_index, seqs)),
+                list(map(add, map(_cohort_idx, decoded), repeat(clock, len(decoded)))),
+                [None] * num)   # the simulator's placeholders are recorded as null
 
     def decode_window(self, until_s: float, max_steps: int = 256) -> tuple[int, int]:
         """Run the steps of a stretch where the simulated engine only decodes: every running sequence
@@ -361,6 +399,8 @@ class LLMEngine:
                 or sched.waiting or sched.swapped or self._pending_finished or self._in_flight is not None
                 or self._pending_records or len(running) > sched.max_num_batched_tokens):
             return 0, 0
+        if sched.cohort is not None:
+            sched.cohort.dissolve(running)   # the stretch reads and advances every sequence's counts
         num_running = len(running)
         tokens = self.runner.sample(None, running, None)
         bs = bm.block_size
@@ -516,7 +556,7 @@ class LLMEngine:
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
             num_free_blocks=bm.num_free_blocks, num_used_blocks=bm.num_used_blocks,
             num_cached_blocks=bm.num_cached_free_blocks,
-            num_kv_tokens=bm.num_kv_positions(sched.running) + sum(out.num_new_tokens))
+            num_kv_tokens=bm.num_kv_positions(sched.running) + sum(out.num_new_tokens) + out.lazy_positions)
 
     def _check_progress(self, progressed: bool) -> None:
         if progressed or not self.has_unfinished():
@@ -553,17 +593,18 @@ class LLMEngine:
                 seq.first_scheduled_s = start_s
         return num_recompute
 
-    def _sample(self, result: StepResult, num_decodes: int = 0) -> list[tuple[Sequence, int]]:
+    def _sample(self, result: StepResult, num_decodes: int = 0, skip: int = 0) -> list[tuple[Sequence, int]]:
         """A token for every sequence whose last token was computed; fork n > 1 samples. The first
-        `num_decodes` decoded in the running pass's fast path: they forked long ago."""
-        seqs = list(result.sample_seqs)
-        rows = list(range(len(seqs)))
-        for row in range(num_decodes, len(rows)):   # a running pass's decodes have forked already
-            parent = seqs[row]
+        `num_decodes` decoded in the running pass's fast path: they forked long ago. The first `skip`
+        are left out (a decode cohort's: engine/cohort.py)."""
+        seqs = result.sample_seqs[skip:]
+        rows = list(range(skip, skip + len(seqs)))
+        for i in range(max(num_decodes - skip, 0), len(seqs)):   # a running pass's decodes have forked already
+            parent = seqs[i]
             if parent.num_pending_forks:
                 for child in self._fork(parent):
                     seqs.append(child)
-                    rows.append(row)
+                    rows.append(rows[i])
         return list(zip(seqs, self.runner.sample(result, seqs, rows)))
 
     def _advance_decodes(self, decoded: list[tuple[Sequence, int]]) -> None:
@@ -729,6 +770,8 @@ class LLMEngine:
         """Stats of every unfinished sequence, marked aborted (the run is being interrupted)."""
         now = self.now()
         stats = []
+        if self.scheduler.cohort is not None:
+            self.scheduler.cohort.dissolve(self.scheduler.running)
         for seq in self.scheduler.all_seqs():
             seq.finish_reason = FinishReason.ABORTED
             stats.append(self._stats(seq, now))
@@ -737,8 +780,10 @@ class LLMEngine:
     # ---- checks -------------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.block_manager.check_integrity(self.scheduler.all_seqs())
+        cohort = self.scheduler.cohort
         for seq in self.scheduler.running:
-            assert len(seq.block_table) * self.block_manager.block_size >= seq.num_computed_tokens, \
+            computed = seq.num_computed_tokens if cohort is None else cohort.num_computed(seq)
+            assert len(seq.block_table) * self.block_manager.block_size >= computed, \
                 f"{seq}: computed positions beyond its blocks"
         for seq in self.scheduler.waiting:
             assert not seq.block_table, f"waiting {seq} holds blocks"

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from engine import events as ev
 from engine.block_manager import BlockManager
+from engine.cohort import DecodeCohort
 from engine.config import VLLM_VERSIONS, PreemptionMode, PreemptionPolicy
 from engine.events import (
     REPREFILL_INTERRUPTED,
@@ -43,6 +44,10 @@ class SchedulerOutput:
     # the first `num_decodes` of `seqs` decode one token each and were running before the step (the
     # running pass's fast path): no prefill, no recompute, no forks pending
     num_decodes: int = 0
+    # those decodes are the simulator's lazy cohort (engine/cohort.py): their Sequences' counts lag by
+    # `lazy_positions` positions in all, which the step's KV sums add
+    cohort: bool = False
+    lazy_positions: int = 0
     # why admission stopped: what held back the front of the swapped and waiting queues (an
     # AdmissionStop; nothing-waiting when both are empty at the end of the step's scheduling)
     admission_stop: str = AdmissionStop.NOTHING_WAITING
@@ -91,6 +96,9 @@ class Scheduler:
         # the running pass's fast path for a batch of plain decodes (_grow_decodes); off: the general
         # pass decides every step (the reference the fast path is tested against)
         self.decode_fast_path = True
+        # the simulator's lazy decodes (set by the simulated engine): the fast path's sequences
+        # advanced only where a step changes something for them
+        self.cohort: DecodeCohort | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # in admission order, oldest first
         self.swapped: deque[Sequence] = deque()
@@ -129,6 +137,8 @@ class Scheduler:
         if running and budget >= len(running) and self.decode_fast_path and self._grow_decodes(out):
             i = len(running)   # every running sequence decodes: the pass below has nothing left
             budget -= i
+        elif self.cohort is not None:
+            self.cohort.dissolve(running)   # the general pass reads every running sequence's counts
         while i < len(running) and budget > 0:
             seq = running[i]
             if seq.num_undelivered and seq.num_output_tokens >= seq.stop_length:
@@ -293,10 +303,20 @@ class Scheduler:
 
         The same decisions as the general pass, block for block and event for event (the trace
         comparisons of tests/engine/test_decode_fast_path.py)."""
+        running = self.running
+        cohort = self.cohort
+        if cohort is not None:   # the same decisions, made only for the sequences they change
+            if not cohort.grow(running):
+                return False
+            out.seqs = list(running)
+            out.num_new_tokens = [1] * len(running)
+            out.num_decodes = len(running)
+            out.cohort = True
+            out.lazy_positions = cohort.lag
+            return True
         bm = self.bm
         shared = bm.shared_fill   # blocks held more than once: a write to one copies it first
         bs = bm.block_size
-        running = self.running
         caching = bm.enable_prefix_caching
         touched = []   # those that need a block or complete one (about one in block_size a step)
         num_needed = 0
@@ -453,5 +473,7 @@ class Scheduler:
             self.waiting.remove(seq)
         else:
             self.running.remove(seq)
+            if self.cohort is not None:
+                self.cohort.leave(seq)
         seq.status = SequenceStatus.FINISHED
         self.bm.free(seq, FreeReason.FINISH)

@@ -83,6 +83,11 @@ class Sequence:
         self.reprefill_cached = 0
         self.reprefill_recomputed = 0
         self.num_pending_forks = 0               # n > 1: samples to fork when the prompt is done
+        # the simulator's lazy decodes (engine/cohort.py): the cohort clock its counts are true at (-1:
+        # not a member, its counts are true), its placeholder token, and its token index less the clock
+        self.cohort_mark = -1
+        self.cohort_token = 0
+        self.cohort_idx = 0
         # stats
         self.first_scheduled_s: float | None = None
         self.first_token_s: float | None = None

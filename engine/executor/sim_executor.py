@@ -63,7 +63,7 @@ class SimExecutor:
             decodes: list[Sequence] = out.seqs[:num_decodes]
             prefill_samples: list[Sequence] = []
             num_prefill = 0
-            num_kv = sum(map(_computed, decodes)) + num_decodes
+            num_kv = sum(map(_computed, decodes)) + num_decodes + out.lazy_positions   # a cohort's lag (engine/cohort.py)
             num_pairs = 0.0
             rest = zip(out.seqs[num_decodes:], out.num_new_tokens[num_decodes:]) if num_decodes else \
                 zip(out.seqs, out.num_new_tokens)
@@ -99,3 +99,7 @@ class SimExecutor:
         """Placeholder tokens for the sequences that sample this step (no logits: `rows` unused)."""
         return [GREEDY_TOKEN if seq.params.temperature == 0.0 else -2 - hash((seq.params.seed, seq.sample)) % (1 << 30)
                 for seq in seqs]   # temperature 0: SamplingParams.greedy
+
+    def placeholder(self, seq: Sequence) -> int:
+        """The token `sample` gives the sequence at every step (a decode cohort's, engine/cohort.py)."""
+        return SimExecutor.sample(self, None, [seq], [])[0]

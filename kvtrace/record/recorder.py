@@ -12,18 +12,18 @@ import os
 import queue
 import threading
 import time
-from itertools import repeat
 from operator import attrgetter
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine.events import RequestStats, StepRecord
 from kvtrace.trace.schema import TABLES
 
 _REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id"]
-_NO_TOKEN = (None, None)   # a sequence's first token has no predecessor
 
 
 # The steps and kv_events columns as attributes of the engine's StepRecord and KVEvent: those tables
@@ -66,10 +66,12 @@ class TraceWriter:
         self._columns = {name: {c: [] for c in schema.names if c != "run_id"}
                          for name, schema in TABLES.items() if name not in _RECORD_TABLES}
         del self._columns["tokens"]["prev_step"], self._columns["tokens"]["prev_ts_s"]
-        self._prev_tokens: list[tuple[int | None, float | None]] = []   # the tokens' prev_step, prev_ts_s
+        self._finished_keys: list[tuple[str, int]] = []   # (req_id, sample) finished since the last tokens chunk
         self._part = {name: 0 for name in TABLES}
         self._last_flush = time.monotonic()
-        self._last_token: dict[tuple[str, int], tuple[int, float]] = {}  # (req_id, sample) -> (step, ts_s)
+        # the writer thread's: (req_id, sample) -> (step, ts_s) of its last token in the chunks written,
+        # while it runs (the predecessor of its first token in the next chunk)
+        self._last_token: dict[tuple[str, int], tuple[int, float]] = {}
         self._lock = threading.Lock()  # gpu_samples arrive from the NVML thread
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -83,7 +85,8 @@ class TraceWriter:
     # ---- the Tracer protocol ------------------------------------------------------------
     def on_step(self, r: StepRecord) -> None:
         """Buffer one step: its record and events as they are (the engine hands them over once and
-        never changes them again), its tokens as columns."""
+        never changes them again), its tokens as columns (their predecessors are found per chunk, in
+        the writer thread: `_predecessors`)."""
         self._records["steps"].append(r)
         events = self._records["kv_events"]
         events += r.events
@@ -96,15 +99,9 @@ class TraceWriter:
             t["token_id"] += r.token_ids if self.record_token_ids else [None] * num_tokens
             t["step"] += [r.step] * num_tokens
             t["ts_s"] += [r.end_s] * num_tokens
-            # each token's predecessor in its sequence, so that an ITL gap is one row (schema 2); a
-            # sequence emits at most one token a step, so a step's lookups and updates do not overlap
-            last = self._last_token
-            keys = list(zip(r.token_req_ids, r.token_samples))
-            self._prev_tokens += map(last.get, keys, repeat(_NO_TOKEN, num_tokens))
-            last.update(dict.fromkeys(keys, (r.step, r.end_s)))
-        for stats in r.finished:
-            self._last_token.pop((stats.req_id, stats.sample), None)
-        self._records["requests"] += r.finished
+        if r.finished:
+            self._finished_keys += [(stats.req_id, stats.sample) for stats in r.finished]
+            self._records["requests"] += r.finished
         if (time.monotonic() - self._last_flush >= self.flush_seconds
                 or len(t["ts_s"]) >= self.max_rows or len(events) >= self.max_rows):
             self.flush()
@@ -134,9 +131,9 @@ class TraceWriter:
                     if not next(iter(buffer.values())):
                         continue
                     self._columns[name] = {c: [] for c in buffer}
-                    if name == "tokens":
-                        buffer = {**buffer, "prev": self._prev_tokens}
-                        self._prev_tokens = []
+                    if name == "tokens":   # the sequences done by then: the writer forgets their last token
+                        buffer = {**buffer, "finished": self._finished_keys}
+                        self._finished_keys = []
                 self._queue.put((name, self._part[name], buffer))
                 self._part[name] += 1
         if self._error is not None:
@@ -164,15 +161,16 @@ class TraceWriter:
 
     def _write_chunk(self, name: str, part: int, buffer: dict[str, list] | list) -> None:
         schema = TABLES[name]
-        columns = _records_as_columns(name, buffer) if name in _RECORD_TABLES else buffer
-        if name == "tokens":
-            prev = columns.pop("prev")
-            columns["prev_step"] = [step for step, _ in prev]
-            columns["prev_ts_s"] = [ts_s for _, ts_s in prev]
+        columns = _records_as_columns(name, buffer) if name in _RECORD_TABLES else dict(buffer)
+        finished = columns.pop("finished", ())
         num_rows = len(next(iter(columns.values())))
-        arrays = [pa.repeat(pa.scalar(self.run_id, pa.string()), num_rows) if f.name == "run_id"
-                  else pa.array(columns[f.name], f.type) for f in schema]
-        table = pa.Table.from_arrays(arrays, schema=schema)
+        arrays = {f.name: pa.array(columns[f.name], f.type) for f in schema if f.name in columns}
+        if name == "tokens":
+            arrays["prev_step"], arrays["prev_ts_s"] = self._predecessors(arrays)
+            for key in finished:
+                self._last_token.pop(key, None)
+        arrays["run_id"] = pa.repeat(pa.scalar(self.run_id, pa.string()), num_rows)
+        table = pa.Table.from_arrays([arrays[f.name] for f in schema], schema=schema)
         folder = self.run_dir / name
         folder.mkdir(exist_ok=True)
         final = folder / f"part-{part:05d}.parquet"
@@ -180,3 +178,46 @@ class TraceWriter:
         pq.write_table(table, tmp, compression="zstd")
         os.replace(tmp, final)
         self.rows_written[name] += num_rows
+
+    def _predecessors(self, tokens: dict[str, pa.Array]) -> tuple[pa.Array, pa.Array]:
+        """prev_step and prev_ts_s of a chunk's tokens, so that an ITL gap is one row (schema 2): each
+        token's predecessor is its sequence's token of idx - 1, the sequence's previous row in this
+        chunk or its last token of an earlier chunk (`_last_token`); null for a first token. Whole
+        columns at a time: only a chunk's first and last token of each sequence is looked at on its
+        own. A sequence's tokens arrive in idx order (one a step at most, steps in order), so a stable
+        sort by sequence puts each right after its predecessor."""
+        num_rows = len(tokens["idx"])
+        encoded = pc.dictionary_encode(tokens["req_id"])
+        samples = tokens["sample"].to_numpy()
+        codes = encoded.indices.to_numpy().astype(np.int64) * (int(samples.max()) + 1) + samples
+        order = np.argsort(codes, kind="stable")
+        codes = codes[order]
+        steps = tokens["step"].to_numpy()[order]
+        times = tokens["ts_s"].to_numpy()[order]
+        first = np.empty(num_rows, dtype=bool)   # a sequence's first token in the chunk
+        first[0] = True
+        np.not_equal(codes[1:], codes[:-1], out=first[1:])
+        prev_step = np.empty(num_rows, dtype=np.int64)
+        prev_ts = np.empty(num_rows, dtype=np.float64)
+        prev_step[1:], prev_ts[1:] = steps[:-1], times[:-1]
+        known = ~first
+        names = encoded.dictionary.to_pylist()
+        sorted_samples = samples[order]
+        sorted_req = encoded.indices.to_numpy()[order]
+        last = self._last_token
+        starts = np.flatnonzero(first)
+        for i, req, sample in zip(starts.tolist(), sorted_req[starts].tolist(), sorted_samples[starts].tolist()):
+            before = last.get((names[req], sample))
+            if before is not None:
+                prev_step[i], prev_ts[i] = before
+                known[i] = True
+        ends = np.append(starts[1:] - 1, num_rows - 1)   # a sequence's last token in the chunk
+        for req, sample, step, ts_s in zip(sorted_req[ends].tolist(), sorted_samples[ends].tolist(),
+                                           steps[ends].tolist(), times[ends].tolist()):
+            last[(names[req], sample)] = (step, ts_s)
+        unsorted_step = np.empty_like(prev_step)
+        unsorted_ts = np.empty_like(prev_ts)
+        unsorted_known = np.empty_like(known)
+        unsorted_step[order], unsorted_ts[order], unsorted_known[order] = prev_step, prev_ts, known
+        missing = ~unsorted_known
+        return pa.array(unsorted_step, pa.int64(), mask=missing), pa.array(unsorted_ts, pa.float64(), mask=missing)

@@ -4,6 +4,7 @@ a scan. The recorded columns must say exactly what the window over each sequence
 without them (schema 1) must be analysed as before."""
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +16,8 @@ from typer.testing import CliRunner
 
 import kvtrace.cli  # noqa: F401  (registers the commands)
 from kvtrace.cli.app import app
+from kvtrace.record import run as run_module
+from kvtrace.record.recorder import TraceWriter
 from kvtrace.trace import db
 from tests.helpers.tracegen import recompute_run, swap_run
 
@@ -40,9 +43,16 @@ def record(tmp_path: Path, name: str, *args: str) -> Path:
     return out
 
 
+@pytest.mark.parametrize("max_rows", [None, 5])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_recorded_predecessors_are_the_windowed_ones(tmp_path, mode):
+def test_recorded_predecessors_are_the_windowed_ones(tmp_path, monkeypatch, mode, max_rows):
+    """Also with chunks of 5 rows: a sequence's first token in a chunk finds its predecessor in an
+    earlier chunk (the writer works out each chunk's predecessors on its own)."""
+    if max_rows:
+        monkeypatch.setattr(run_module, "TraceWriter", functools.partial(TraceWriter, max_rows=max_rows))
     run = record(tmp_path, mode, "--preemption-mode", mode, "--num-cpu-blocks", "32")
+    if max_rows:
+        assert len(list((run / "tokens").glob("part-*.parquet"))) > 10
     con = db.connect([run])
     assert con.sql("SELECT token_gaps_recorded FROM runs").fetchall() == [(True,)]
     rows = con.sql(WINDOWED).fetchall()

@@ -22,14 +22,18 @@ def timed(tracer: ListTracer) -> list:
             [(e.seq, e.ts_s, e.requester_req_id, e.victim_reason) for e in tracer.events])
 
 
-def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, **settings) -> tuple[ListTracer, int, list, int]:
+def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, *, cohort: bool = True, windows: bool = True,
+        **settings) -> tuple[ListTracer, int, list, int]:
     """Replay the requests step by step, checking the books after each; return the trace, how many
     steps took the scheduler's fast path, every sequence's tokens, and how many steps ran in the engine's
     decode windows (LLMEngine.decode_window). `eos_at`: every third sequence that does not
-    ignore EOS samples the stop token as its output token of that index."""
+    ignore EOS samples the stop token as its output token of that index. `cohort`, `windows`: the
+    simulator's decode cohort (engine/cohort.py) and decode windows, with the fast path."""
     tracer = ListTracer()
     engine = LLMEngine(EngineConfig(model="tiny", load_format="dummy", **settings), tracer, loaded=loaded)
     engine.scheduler.decode_fast_path = fast
+    if not cohort:
+        engine.scheduler.cohort = None
     if eos_at:
         sample = engine.runner.sample
         stop = min(engine.stop_token_ids)
@@ -39,6 +43,9 @@ def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, **setting
                     else token for s, token in zip(seqs, sample(result, seqs, rows))]
 
         engine.runner.sample = sample_eos
+        # the simulator's decode cohort (engine/cohort.py) rests on its placeholders never being a stop
+        # token, which this sampler breaks: its decodes go through the fast path's loop
+        engine.scheduler.cohort = None
     taken = 0
     grow_decodes = engine.scheduler._grow_decodes
 
@@ -60,7 +67,8 @@ def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, **setting
             seqs.append(engine.add_request(r.id, r.prompt_token_ids, params, arrival_s=r.arrival_s if arrivals else 0.0))
         if engine.has_unfinished():
             # the fast engine also runs decode-only stretches at once (the simulated one), as the replay does
-            num_steps = engine.decode_window(pending[0].arrival_s if pending and arrivals else math.inf)[0] if fast else 0
+            num_steps = engine.decode_window(pending[0].arrival_s if pending and arrivals else math.inf)[0] \
+                if fast and windows else 0
             windowed += num_steps
             if not num_steps:
                 engine.step()

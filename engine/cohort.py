@@ -1,0 +1,183 @@
+"""The simulator's running decodes, advanced lazily: a step of plain decodes costs what changes in
+it (a block taken or completed, a sequence that stops), not a visit to every running sequence.
+
+Most steps of a long simulated replay decode one token for every running sequence (the scheduler's
+fast path, Scheduler._grow_decodes). The simulator's tokens are placeholders fixed per sequence
+(engine/executor/sim_executor.py), so what each of those steps does to a sequence is known ahead:
+one more position computed, one more token, a block taken every block_size steps, a block completed
+and cached every block_size steps, a stop at a known length. The cohort leaves the running
+sequences' counts behind by the steps taken since each was last brought up to date (its
+`cohort_mark`, on the cohort's step clock) and files each sequence under the step at which it next
+takes or completes a block (`_grows`) and the step after which it stops (`_stops`), so a step touches
+only those.
+
+    running:  [ m0  m1  m2 ... m(k-1) | j0  j1 ]    members first (the batch's order), then the
+               \\___ num_members ____/  \\____/      sequences admitted since the last step, which
+                                                     join at the next fast step
+
+A member's true counts: num_computed_tokens + lag and len(token_ids) + lag, lag = clock -
+cohort_mark, every missing token its placeholder. `settle` writes one member's counts out, `dissolve`
+every member's; the scheduler dissolves the cohort before any pass that reads the running sequences
+(the general pass; the engine before a decode window and at an abort), and what reads a member's
+count between steps asks `num_computed`. The decisions are the fast path's, block for block and
+event for event (tests/engine/test_decode_fast_path.py runs every setting with and without it).
+
+Only the simulated engine with synchronous scheduling and independent samples has a cohort: the real
+engine's tokens come from the model, async scheduling keeps a token in flight, and copy-on-write
+samples share the block a decode writes to.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from operator import attrgetter
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence
+
+_admitted_order = attrgetter("admitted_order")
+
+
+class DecodeCohort:
+    def __init__(self, block_manager: BlockManager, placeholder: Callable[[Sequence], int]) -> None:
+        self.bm = block_manager
+        self.placeholder = placeholder          # the simulator's token for a sequence (every step's)
+        self.clock = 0                          # fast steps taken
+        self.num_members = 0                    # running[:num_members]
+        self.sum_marks = 0                      # of the members' cohort_mark: their lag is num_members * clock - sum_marks
+        self._grows: dict[int, list[Sequence]] = {}   # clock of the step -> members that take or complete a block in it
+        self._stops: dict[int, list[Sequence]] = {}   # clock after the step -> members that stop on its token
+
+    # ---- a member's counts ------------------------------------------------------------------
+    def num_computed(self, seq: Sequence) -> int:
+        """The sequence's computed positions, its lag included (any sequence: a non-member has none)."""
+        return seq.num_computed_tokens + (self.clock - seq.cohort_mark if seq.cohort_mark >= 0 else 0)
+
+    @property
+    def lag(self) -> int:
+        """Positions the members computed that their Sequences do not count yet."""
+        return self.num_members * self.clock - self.sum_marks
+
+    def settle(self, seq: Sequence) -> None:
+        """Write out the member's lag: its positions, and its placeholder tokens."""
+        lag = self.clock - seq.cohort_mark
+        if lag:
+            seq.num_computed_tokens = seq.num_ever_computed = seq.num_computed_tokens + lag
+            seq.token_ids += [seq.cohort_token] * lag
+            seq.cohort_mark = self.clock
+            self.sum_marks += lag
+
+    def dissolve(self, running: list[Sequence]) -> None:
+        """Settle every member and let them go: the general pass (or another reader) decides next."""
+        if not self.num_members:
+            return
+        for seq in running[:self.num_members]:
+            self.settle(seq)
+            seq.cohort_mark = -1
+        self.num_members = 0
+        self.sum_marks = 0
+        self._grows.clear()
+        self._stops.clear()
+
+    def leave(self, seq: Sequence) -> None:
+        """A member finished (settled when it stopped): out of the cohort, its timers void."""
+        if seq.cohort_mark >= 0:
+            self.sum_marks -= seq.cohort_mark
+            seq.cohort_mark = -1
+            self.num_members -= 1
+
+    # ---- the step -----------------------------------------------------------------------------
+    def grow(self, running: list[Sequence]) -> bool:
+        """The scheduler's fast path: when every running sequence decodes one token and the free
+        blocks cover those it needs, give each member whose step it is its block or prefix-cache entry
+        (BlockManager.grow_decode, in the batch's order), join the newcomers, and return True. Else
+        dissolve the cohort and return False, having changed nothing else."""
+        bm = self.bm
+        bs = bm.block_size
+        shared = bm.shared_fill
+        step = self.clock + 1
+        joiners = running[self.num_members:]
+        for seq in joiners:   # the fast path's conditions; the members met them when they joined
+            computed = seq.num_computed_tokens
+            num_tokens = len(seq.token_ids)
+            if (num_tokens - computed != 1 or num_tokens == seq.num_prompt_tokens or seq.num_undelivered
+                    or seq.reprefill_target):
+                self.dissolve(running)
+                return False
+            table = seq.block_table
+            if shared and computed < len(table) * bs and table[computed // bs] in shared:
+                self.dissolve(running)
+                return False
+        due = self._grows.pop(step, None)
+        num_needed = 0
+        if due:
+            due = [seq for seq in due if seq.cohort_mark >= 0]   # the finished left
+            for seq in due:
+                self.settle(seq)
+                num_needed += seq.num_computed_tokens >= len(seq.block_table) * bs
+        for seq in joiners:
+            num_needed += seq.num_computed_tokens >= len(seq.block_table) * bs
+        if num_needed > len(bm.free_queue):
+            if due:   # filed again: dissolve clears them anyway, but keep the books plain
+                self._grows[step] = due
+            self.dissolve(running)
+            return False
+        if due:
+            if len(due) > 1:
+                due.sort(key=_admitted_order)   # the batch's order (running is in admission order)
+            for seq in due:
+                bm.grow_decode(seq, seq.num_computed_tokens + 1)
+                self._file_grow(seq, 2)
+        clock = self.clock
+        placeholder = self.placeholder
+        for seq in joiners:   # after the members in the batch's order
+            seq.cohort_mark = clock
+            seq.cohort_token = placeholder(seq)
+            seq.cohort_idx = len(seq.token_ids) - seq.num_prompt_tokens - 1 - clock
+            self.sum_marks += clock
+            steps_left = seq.stop_num_tokens - len(seq.token_ids)
+            assert steps_left >= 1, f"{seq}: running at its stop length"
+            self._stops.setdefault(clock + steps_left, []).append(seq)
+            if self._steps_to_grow(seq) <= 1:
+                bm.grow_decode(seq, seq.num_computed_tokens + 1)
+                self._file_grow(seq, 2)
+            else:
+                self._file_grow(seq, 1)
+        self.num_members = len(running)
+        return True
+
+    def _steps_to_grow(self, seq: Sequence) -> int:
+        """Steps from the clock until the settled member's next position starts a block (it takes one)
+        or completes one that the prefix cache takes; 1 or less: this step's."""
+        bs = self.bm.block_size
+        computed = seq.num_computed_tokens
+        num_blocks = len(seq.block_table)
+        k = num_blocks * bs - computed + 1   # after k steps it holds num_blocks * bs + 1 positions
+        if self.bm.enable_prefix_caching:
+            num_hashed = len(seq.block_hashes)
+            if num_hashed < num_blocks:
+                k = min(k, (num_hashed + 1) * bs - computed)   # position (num_hashed + 1) * bs - 1 is written
+        return k
+
+    def _file_grow(self, seq: Sequence, earliest: int) -> None:
+        """File the settled member under its next step that takes or completes a block, at least
+        `earliest` steps on."""
+        k = self._steps_to_grow(seq)
+        step = self.clock + (k if k > earliest else earliest)
+        grows = self._grows.get(step)
+        if grows is None:
+            self._grows[step] = [seq]
+        else:
+            grows.append(seq)
+
+    def advance(self) -> list[Sequence]:
+        """The fast step ran: the clock moves on. Returns the members whose stop length its token
+        reaches, settled, in the batch's order."""
+        self.clock += 1
+        stopped = self._stops.pop(self.clock, None)
+        if not stopped:
+            return []
+        for seq in stopped:
+            self.settle(seq)
+        if len(stopped) > 1:
+            stopped.sort(key=_admitted_order)
+        return stopped

@@ -1,0 +1,64 @@
+"""The simulator's decode cohort (engine/cohort.py) advances the running decodes lazily: with it and
+without it (the fast path's loop over the batch), every KV event, step record, token, finish and
+predicted time is the same, with the block accounting checked after every step. The workloads keep
+many sequences decoding at once in a roomy pool, so that several take or complete a block in the
+same step, joined at different steps (their order in the batch decides which block each gets)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from tests.engine.test_decode_fast_path import run, timed
+from tests.engine.test_simulation import backlog_workload, decisions
+
+
+def staggered(seed: int, num_requests: int) -> list:
+    rng = random.Random(seed)
+    requests = backlog_workload(seed, num_requests=num_requests)
+    for r in requests:
+        r.n = 1
+        r.arrival_s = round(rng.uniform(0.0, 0.3), 4)
+        r.max_tokens = rng.randint(10, 70)
+        r.output_tokens = rng.choice([None, rng.randint(5, r.max_tokens)])
+    return requests
+
+
+SETTINGS = {
+    "prefix-cache": dict(),
+    "no-prefix-cache": dict(enable_prefix_caching=False),
+    "tight": dict(num_gpu_blocks=60),   # preemptions: the cohort dissolves and forms again
+    "swap": dict(num_gpu_blocks=60, preemption_mode="swap", num_cpu_blocks=200),
+    "block-8": dict(block_size=8, num_gpu_blocks=150),
+    "reserve": dict(kv_reserve="max-tokens", num_gpu_blocks=400),
+    "priority": dict(num_gpu_blocks=60, preemption_policy="priority"),
+}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("name", SETTINGS)
+def test_the_cohort_decides_as_the_fast_paths_loop(tiny_loaded, name, seed):
+    requests = staggered(seed, 40)
+    settings = dict(block_size=4, num_gpu_blocks=400, watermark=0.0, max_num_batched_tokens=256, max_num_seqs=64,
+                    engine="sim", hardware="a100-80gb") | SETTINGS[name]
+    arrivals = seed != 3   # seed 3: a backlog
+    windows = seed == 2   # the decode windows dissolve the cohort before they run
+    looped, _, looped_tokens, _ = run(tiny_loaded, requests, True, arrivals, cohort=False, windows=windows, **settings)
+    lazy, taken, lazy_tokens, windowed = run(tiny_loaded, requests, True, arrivals, windows=windows, **settings)
+    assert decisions(lazy) == decisions(looped)
+    assert timed(lazy) == timed(looped)
+    assert lazy_tokens == looped_tokens
+    assert taken + windowed >= len(lazy.records) // 3, f"the fast paths ran {taken} + {windowed} of {len(lazy.records)} steps"
+
+
+def test_only_the_simulator_with_synchronous_independent_samples_has_a_cohort(tiny_loaded):
+    def cohort(**settings):
+        engine = LLMEngine(EngineConfig(model="tiny", load_format="dummy", **settings), loaded=tiny_loaded)
+        return engine.scheduler.cohort is not None
+
+    assert cohort(engine="sim", hardware="a100-80gb")
+    assert not cohort()   # the real engine: the model's tokens
+    assert not cohort(engine="sim", hardware="a100-80gb", async_scheduling=True)
+    assert not cohort(engine="sim", hardware="a100-80gb", n_mode="cow")
