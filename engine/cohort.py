@@ -28,24 +28,26 @@ samples share the block a decode writes to.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from operator import attrgetter
 
 from engine.block_manager import BlockManager
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 
 _admitted_order = attrgetter("admitted_order")
 
 
 class DecodeCohort:
-    def __init__(self, block_manager: BlockManager, placeholder: Callable[[Sequence], int]) -> None:
+    def __init__(self, block_manager: BlockManager) -> None:
         self.bm = block_manager
-        self.placeholder = placeholder          # the simulator's token for a sequence (every step's)
         self.clock = 0                          # fast steps taken
         self.num_members = 0                    # running[:num_members]
         self.sum_marks = 0                      # of the members' cohort_mark: their lag is num_members * clock - sum_marks
-        self._grows: dict[int, list[Sequence]] = {}   # clock of the step -> members that take or complete a block in it
-        self._stops: dict[int, list[Sequence]] = {}   # clock after the step -> members that stop on its token
+        # a member is filed once in each: under the step that next takes or completes a block for it
+        # (its cohort_grow_at), and under the step after which it stops (its cohort_stop_at)
+        self._grows: dict[int, list[Sequence]] = {}
+        self._stops: dict[int, list[Sequence]] = {}
 
     # ---- a member's counts ------------------------------------------------------------------
     def num_computed(self, seq: Sequence) -> int:
@@ -56,6 +58,10 @@ class DecodeCohort:
     def lag(self) -> int:
         """Positions the members computed that their Sequences do not count yet."""
         return self.num_members * self.clock - self.sum_marks
+
+    def steps_to_next_stop(self) -> float:
+        """Fast steps the members can take before the one after which one of them stops (inf: none)."""
+        return min(self._stops) - self.clock - 1 if self._stops else math.inf
 
     def settle(self, seq: Sequence) -> None:
         """Write out the member's lag: its positions, and its placeholder tokens."""
@@ -79,18 +85,29 @@ class DecodeCohort:
         self._stops.clear()
 
     def leave(self, seq: Sequence) -> None:
-        """A member finished (settled when it stopped): out of the cohort, its timers void."""
-        if seq.cohort_mark >= 0:
-            self.sum_marks -= seq.cohort_mark
-            seq.cohort_mark = -1
-            self.num_members -= 1
+        """A member leaves the running batch (it finished, or was preempted), settled: out of the
+        cohort and out of its files."""
+        if seq.cohort_mark < 0:
+            return
+        for files, at in ((self._grows, seq.cohort_grow_at), (self._stops, seq.cohort_stop_at)):
+            filed = files.get(at)
+            if filed is not None and seq in filed:   # its grow is not filed while its step is taken
+                filed.remove(seq)
+                if not filed:
+                    del files[at]
+        self.sum_marks -= seq.cohort_mark
+        seq.cohort_mark = -1
+        self.num_members -= 1
 
     # ---- the step -----------------------------------------------------------------------------
-    def grow(self, running: list[Sequence]) -> bool:
-        """The scheduler's fast path: when every running sequence decodes one token and the free
-        blocks cover those it needs, give each member whose step it is its block or prefix-cache entry
-        (BlockManager.grow_decode, in the batch's order), join the newcomers, and return True. Else
-        dissolve the cohort and return False, having changed nothing else."""
+    def grow(self, running: list[Sequence], preempt: Callable[[Sequence], None] | None) -> bool:
+        """The scheduler's fast path when every running sequence decodes one token: give each member
+        whose step it is its block or prefix-cache entry (BlockManager.grow_decode), join the
+        newcomers, in the batch's order, and return True. When the free blocks fall short of the
+        blocks the step takes, `preempt(seq)` preempts the policy's victim for `seq` (the newest
+        running sequence, which may be `seq`: the general pass ends there) until they suffice, as the
+        general pass would. Without `preempt`, or when a sequence does not just decode, dissolve the
+        cohort and return False, having changed nothing else."""
         bm = self.bm
         bs = bm.block_size
         shared = bm.shared_fill
@@ -107,42 +124,72 @@ class DecodeCohort:
             if shared and computed < len(table) * bs and table[computed // bs] in shared:
                 self.dissolve(running)
                 return False
-        due = self._grows.pop(step, None)
+        due = self._grows.pop(step, None) or ()
         num_needed = 0
-        if due:
-            due = [seq for seq in due if seq.cohort_mark >= 0]   # the finished left
-            for seq in due:
-                self.settle(seq)
-                num_needed += seq.num_computed_tokens >= len(seq.block_table) * bs
+        for seq in due:
+            self.settle(seq)
+            num_needed += seq.num_computed_tokens >= len(seq.block_table) * bs
         for seq in joiners:
             num_needed += seq.num_computed_tokens >= len(seq.block_table) * bs
-        if num_needed > len(bm.free_queue):
-            if due:   # filed again: dissolve clears them anyway, but keep the books plain
+        short = num_needed > len(bm.free_queue)
+        if short and preempt is None:
+            if due:
                 self._grows[step] = due
             self.dissolve(running)
             return False
-        if due:
-            if len(due) > 1:
-                due.sort(key=_admitted_order)   # the batch's order (running is in admission order)
-            for seq in due:
-                bm.grow_decode(seq, seq.num_computed_tokens + 1)
-                self._file_grow(seq, 2)
-        clock = self.clock
-        placeholder = self.placeholder
-        for seq in joiners:   # after the members in the batch's order
-            seq.cohort_mark = clock
-            seq.cohort_token = placeholder(seq)
-            seq.cohort_idx = len(seq.token_ids) - seq.num_prompt_tokens - 1 - clock
-            self.sum_marks += clock
-            steps_left = seq.stop_num_tokens - len(seq.token_ids)
-            assert steps_left >= 1, f"{seq}: running at its stop length"
-            self._stops.setdefault(clock + steps_left, []).append(seq)
-            if self._steps_to_grow(seq) <= 1:
-                bm.grow_decode(seq, seq.num_computed_tokens + 1)
-                self._file_grow(seq, 2)
-            else:
-                self._file_grow(seq, 1)
-        self.num_members = len(running)
+        if len(due) > 1:
+            due.sort(key=_admitted_order)   # the batch's order (running is in admission order)
+        for seq in due:
+            if seq.cohort_mark < 0:
+                continue   # preempted in this step
+            if short and not self._make_room(seq, running, preempt):
+                break
+            bm.grow_decode(seq, seq.num_computed_tokens + 1)
+            self._file_grow(seq, 2)
+        else:
+            clock = self.clock
+            for seq in joiners:   # after the members in the batch's order
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue   # preempted in this step
+                if short and not self._make_room(seq, running, preempt):
+                    break
+                token_ids = seq.token_ids
+                seq.cohort_mark = clock
+                seq.cohort_token = token_ids[-1]   # the simulator gives a sequence one token, every step
+                seq.cohort_idx = len(token_ids) - seq.num_prompt_tokens - 1 - clock
+                self.sum_marks += clock
+                self.num_members += 1
+                steps_left = seq.stop_num_tokens - len(token_ids)
+                assert steps_left >= 1, f"{seq}: running at its stop length"
+                stop_at = seq.cohort_stop_at = clock + steps_left
+                stops = self._stops.get(stop_at)
+                if stops is None:
+                    self._stops[stop_at] = [seq]
+                else:
+                    stops.append(seq)
+                k = self._steps_to_grow(seq)
+                if k <= 1:
+                    bm.grow_decode(seq, seq.num_computed_tokens + 1)
+                    self._file_grow(seq, 2)
+                else:
+                    self._file(seq, clock + k)
+        assert self.num_members == len(running), "a running sequence outside the cohort after its step"
+        return True
+
+    def _make_room(self, seq: Sequence, running: list[Sequence], preempt: Callable[[Sequence], None]) -> bool:
+        """Preempt for the settled sequence (a member or a joiner) until the free blocks hold the block
+        its decode takes, if it takes one. False: it preempted itself (it was the last)."""
+        bm = self.bm
+        if seq.num_computed_tokens < len(seq.block_table) * bm.block_size:
+            return True
+        while not bm.free_queue:
+            victim = running[-1]
+            if victim.cohort_mark >= 0:
+                self.settle(victim)   # its counts are read as it goes
+                self.leave(victim)
+            preempt(seq)
+            if victim is seq:
+                return False
         return True
 
     def _steps_to_grow(self, seq: Sequence) -> int:
@@ -162,7 +209,10 @@ class DecodeCohort:
         """File the settled member under its next step that takes or completes a block, at least
         `earliest` steps on."""
         k = self._steps_to_grow(seq)
-        step = self.clock + (k if k > earliest else earliest)
+        self._file(seq, self.clock + (k if k > earliest else earliest))
+
+    def _file(self, seq: Sequence, step: int) -> None:
+        seq.cohort_grow_at = step
         grows = self._grows.get(step)
         if grows is None:
             self._grows[step] = [seq]

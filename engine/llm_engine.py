@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}   # the dtypes EngineConfig accepts
 DEFAULT_KV_CACHE_MEMORY = 1 << 30   # 1 GiB when neither --num-gpu-blocks nor --kv-cache-memory is given
 MAX_STEPS_WITHOUT_PROGRESS = 10_000
+MIN_WINDOW_OVER_COHORT = 8         # decode_window: the shortest stretch worth dissolving a decode cohort for
 NON_TORCH_RESERVE = 1 << 30         # --gpu-memory-utilization: CUDA context, graphs, workspaces (an estimate)
 
 
@@ -206,7 +207,7 @@ class LLMEngine:
             self.model = None
             self.runner = SimExecutor(self.cost_model, g.bytes_per_block)
             if not config.async_scheduling and config.n_mode == NMode.INDEPENDENT:   # engine/cohort.py says why
-                self.scheduler.cohort = DecodeCohort(self.block_manager, self.runner.placeholder)
+                self.scheduler.cohort = DecodeCohort(self.block_manager)
         else:
             from engine.executor.model_runner import ModelRunner
             from engine.model.llama import LlamaModel
@@ -399,8 +400,15 @@ class LLMEngine:
                 or sched.waiting or sched.swapped or self._pending_finished or self._in_flight is not None
                 or self._pending_records or len(running) > sched.max_num_batched_tokens):
             return 0, 0
-        if sched.cohort is not None:
-            sched.cohort.dissolve(running)   # the stretch reads and advances every sequence's counts
+        cohort = sched.cohort
+        if cohort is not None and cohort.num_members:
+            # the stretch reads and advances every sequence's counts: the cohort is dissolved for it,
+            # and formed again after it, which a stretch of a few steps does not repay
+            num_kv = bm.num_kv_positions(running) + cohort.lag + len(running)
+            step_s = self.runner.cost.forward_ms(0, len(running), num_kv, 0.0) / 1000
+            if min(cohort.steps_to_next_stop(), (until_s - self.now()) / step_s) < MIN_WINDOW_OVER_COHORT:
+                return 0, 0
+            cohort.dissolve(running)
         num_running = len(running)
         tokens = self.runner.sample(None, running, None)
         bs = bm.block_size

@@ -306,7 +306,11 @@ class Scheduler:
         running = self.running
         cohort = self.cohort
         if cohort is not None:   # the same decisions, made only for the sequences they change
-            if not cohort.grow(running):
+            # V1's newest policy preempts from the batch's end, which the cohort follows (the others
+            # leave a short step to the general pass)
+            preempt = (lambda seq: self._preempt_for(seq, out)) if self.preemption_policy == PreemptionPolicy.NEWEST \
+                else None
+            if not cohort.grow(running, preempt):
                 return False
             out.seqs = list(running)
             out.num_new_tokens = [1] * len(running)
@@ -344,6 +348,12 @@ class Scheduler:
         out.num_new_tokens = [1] * len(running)
         out.num_decodes = len(running)
         return True
+
+    def _preempt_for(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preempt the policy's victim so that `seq` can grow (the running pass's inner loop, for a
+        decode cohort: engine/cohort.py)."""
+        victim, why = self._pick_victim(seq)
+        self._preempt(self._swap_group(victim), out, seq, {id(victim): why})
 
     def adopt(self, seq: Sequence) -> None:
         """A sample forked from a running sequence joins the running batch."""

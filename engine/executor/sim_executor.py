@@ -99,7 +99,3 @@ class SimExecutor:
         """Placeholder tokens for the sequences that sample this step (no logits: `rows` unused)."""
         return [GREEDY_TOKEN if seq.params.temperature == 0.0 else -2 - hash((seq.params.seed, seq.sample)) % (1 << 30)
                 for seq in seqs]   # temperature 0: SamplingParams.greedy
-
-    def placeholder(self, seq: Sequence) -> int:
-        """The token `sample` gives the sequence at every step (a decode cohort's, engine/cohort.py)."""
-        return SimExecutor.sample(self, None, [seq], [])[0]

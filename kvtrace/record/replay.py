@@ -94,7 +94,7 @@ def _steady_gc():
     spent a fifth of its time in it). Restored afterwards."""
     thresholds = gc.get_threshold()
     gc.freeze()
-    gc.set_threshold(20_000, 20, 100)
+    gc.set_threshold(200_000, 20, 100)
     try:
         yield
     finally:

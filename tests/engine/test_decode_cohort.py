@@ -11,6 +11,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.scheduler import Scheduler
 from tests.engine.test_decode_fast_path import run, timed
 from tests.engine.test_simulation import backlog_workload, decisions
 
@@ -62,3 +63,22 @@ def test_only_the_simulator_with_synchronous_independent_samples_has_a_cohort(ti
     assert not cohort()   # the real engine: the model's tokens
     assert not cohort(engine="sim", hardware="a100-80gb", async_scheduling=True)
     assert not cohort(engine="sim", hardware="a100-80gb", n_mode="cow")
+
+
+def test_a_step_that_runs_short_of_blocks_preempts_from_the_cohort(tiny_loaded, monkeypatch):
+    """Under the newest policy a fast step whose blocks fall short preempts from the batch's end
+    itself (as the general pass would: the comparison above) rather than handing the step to the
+    general pass: the cohort stays formed through it."""
+    calls = []
+    preempt_for = Scheduler._preempt_for
+
+    def counted(self, seq, out):
+        calls.append(self.cohort.num_members)
+        preempt_for(self, seq, out)
+
+    monkeypatch.setattr(Scheduler, "_preempt_for", counted)
+    settings = dict(block_size=4, num_gpu_blocks=60, watermark=0.0, max_num_batched_tokens=256, max_num_seqs=64,
+                    engine="sim", hardware="a100-80gb")
+    tracer, _, _, _ = run(tiny_loaded, staggered(1, 40), True, True, windows=False, **settings)
+    assert len(calls) >= 5 and min(calls) > 0
+    assert sum(r.num_preemptions for r in tracer.records) >= len(calls)
