@@ -145,7 +145,8 @@ class Recording:
         meta_path = self.run_dir / "meta.json"
         self.meta["started_at"] = datetime.now(timezone.utc).isoformat()
         self.meta["status"] = "running"
-        writer = TraceWriter(self.run_dir, self.meta["run_id"], record_token_ids=self.record_token_ids)
+        writer = TraceWriter(self.run_dir, self.meta["run_id"], record_token_ids=self.record_token_ids,
+                             background=not self.engine.simulated)
         sampler = NvmlSampler(None if self.engine.simulated else self.engine.device, writer, clock=self.engine.now)
         self.meta["nvml"] = {"enabled": sampler.enabled, "reason": sampler.reason, "fields": sampler.fields}
         write_json_atomic(meta_path, self.meta)

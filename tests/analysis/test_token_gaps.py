@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 import kvtrace.cli  # noqa: F401  (registers the commands)
+from engine.events import RequestStats
 from kvtrace.cli.app import app
 from kvtrace.record import run as run_module
 from kvtrace.record.recorder import TraceWriter
@@ -43,14 +44,17 @@ def record(tmp_path: Path, name: str, *args: str) -> Path:
     return out
 
 
+@pytest.mark.parametrize("engine", ["real", "sim"])
 @pytest.mark.parametrize("max_rows", [None, 5])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_recorded_predecessors_are_the_windowed_ones(tmp_path, monkeypatch, mode, max_rows):
+def test_recorded_predecessors_are_the_windowed_ones(tmp_path, monkeypatch, mode, max_rows, engine):
     """Also with chunks of 5 rows: a sequence's first token in a chunk finds its predecessor in an
-    earlier chunk (the writer works out each chunk's predecessors on its own)."""
+    earlier chunk (the writer works out each chunk's predecessors on its own); and from the simulator,
+    whose chunks the engine's thread writes itself."""
     if max_rows:
         monkeypatch.setattr(run_module, "TraceWriter", functools.partial(TraceWriter, max_rows=max_rows))
-    run = record(tmp_path, mode, "--preemption-mode", mode, "--num-cpu-blocks", "32")
+    sim = ["--engine", "sim", "--hardware", "a100-80gb"] if engine == "sim" else []
+    run = record(tmp_path, mode, "--preemption-mode", mode, "--num-cpu-blocks", "32", *sim)
     if max_rows:
         assert len(list((run / "tokens").glob("part-*.parquet"))) > 10
     con = db.connect([run])
@@ -132,3 +136,21 @@ def test_the_vllm_importer_writes_them(tmp_path):
     rows = con.sql(WINDOWED).fetchall()
     assert len(rows) == 9 and all((r[5], r[6]) == (r[7], r[8]) for r in rows), rows
     assert sorted(round(g, 6) for (g,) in con.sql("SELECT gap_ms FROM _itl").fetchall()) == [0.0] * 3 + [1000.0] * 4
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_chunk_that_cannot_be_written_fails_the_flush(tmp_path, monkeypatch, background):
+    """Whichever thread writes the chunks, a write that fails is reported on the engine's thread."""
+    writer = TraceWriter(tmp_path / "run", "run", background=background)
+    assert (writer._thread is not None) == background
+
+    def broken(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(writer, "_write_chunk", broken)
+    writer.add_request(RequestStats(req_id="r0", sample=0, n=1, priority=0, arrival_s=0.0, prompt_tokens=4,
+                                    max_tokens=2, output_tokens=2, first_scheduled_s=0.0, first_token_s=0.1,
+                                    finish_s=0.2, finish_reason="length", preemptions=0, swaps=0,
+                                    recomputed_tokens=0, prefix_hit_tokens=0))
+    with pytest.raises(RuntimeError, match="writing the trace failed: disk full"):
+        writer.close()
