@@ -140,14 +140,13 @@ def test_the_vllm_importer_writes_them(tmp_path):
 
 @pytest.mark.parametrize("background", [True, False])
 def test_a_chunk_that_cannot_be_written_fails_the_flush(tmp_path, monkeypatch, background):
-    """Whichever thread writes the chunks, a write that fails is reported on the engine's thread."""
+    """Whichever thread makes the chunks' tables, a write that fails is reported on the engine's thread."""
     writer = TraceWriter(tmp_path / "run", "run", background=background)
-    assert (writer._thread is not None) == background
 
     def broken(*args):
         raise OSError("disk full")
 
-    monkeypatch.setattr(writer, "_write_chunk", broken)
+    monkeypatch.setattr(writer, "_store", broken)
     writer.add_request(RequestStats(req_id="r0", sample=0, n=1, priority=0, arrival_s=0.0, prompt_tokens=4,
                                     max_tokens=2, output_tokens=2, first_scheduled_s=0.0, first_token_s=0.1,
                                     finish_s=0.2, finish_reason="length", preemptions=0, swaps=0,
