@@ -329,9 +329,7 @@ class LLMEngine:
                 for seq in stopped:
                     self._check_stop(seq, seq.token_ids[-1])
                     assert seq.finish_reason, f"{seq} at its stop length without a reason to stop"
-                emitted = list(zip(decoded, map(_cohort_token, decoded)))
-                tokens = self._cohort_tokens(decoded, rest)
-                emitted += rest
+                emitted = list(zip(decoded, map(_cohort_token, decoded))) + rest
             else:
                 sampled = self._sample(result, num_decodes)
                 if num_decodes:   # the running pass's decodes: accounted, extended and checked in one loop
@@ -343,8 +341,8 @@ class LLMEngine:
             for seq, token in rest:
                 seq.token_ids.append(token)
             self._deliver(rest, self.now())
-            if out.cohort and rest:
-                tokens[2].extend([len(s.token_ids) - s.num_prompt_tokens - 1 for s, _ in rest])
+            if out.cohort:
+                tokens = self._cohort_tokens(decoded, rest)
         finished = self._pending_finished + out.rejected
         self._pending_finished = []
         # --n-mode cow, rejected before forking: every sample finishes
@@ -371,15 +369,14 @@ class LLMEngine:
         return emitted
 
     def _cohort_tokens(self, decoded: list[Sequence], rest: list[tuple[Sequence, int]]) -> tuple:
-        """The trace's token columns of a cohort step (`_record`'s), made without visiting the decodes
-        one by one: each decode's index is its cohort_idx plus the clock. The index of `rest` is added
-        once their tokens are appended."""
-        clock = self.scheduler.cohort.clock
-        seqs = decoded + [seq for seq, _ in rest] if rest else decoded
-        num = len(seqs)
-        return (list(map(_req_id, seqs)), list(map(_sample_index, seqs)),
-                list(map(add, map(_cohort_idx, decoded), repeat(clock, len(decoded)))),
-                [None] * num)   # the simulator's placeholders are recorded as null
+        """The trace's token columns of a cohort step (`_record`'s), its tokens delivered: a decode's
+        index is its cohort_idx plus the clock, so the decodes are not visited one by one."""
+        idx = list(map(add, map(_cohort_idx, decoded), repeat(self.scheduler.cohort.clock, len(decoded))))
+        if rest:
+            idx += [len(seq.token_ids) - seq.num_prompt_tokens - 1 for seq, _ in rest]
+            decoded = decoded + [seq for seq, _ in rest]
+        return (list(map(_req_id, decoded)), list(map(_sample_index, decoded)), idx,
+                [None] * len(decoded))   # the simulator's placeholders are recorded as null
 
     def decode_window(self, until_s: float, max_steps: int = 256) -> tuple[int, int]:
         """Run the steps of a stretch where the simulated engine only decodes: every running sequence

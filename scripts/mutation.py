@@ -94,6 +94,7 @@ TARGETS: dict[str, list[str]] = {
     "kvtrace/record/replay.py": ["tests/workload", "tests/cli"],   # the replay and `kvtrace record`
     "kvtrace/workload/format.py": ["tests/workload"],
     "engine/scheduler.py": ["tests/engine"],
+    "engine/cohort.py": ["tests/engine"],
     "engine/block_manager.py": ["tests/engine"],
     "engine/llm_engine.py": ["tests/engine"],
     # the capture's tests that need no vLLM, and test_capture_on_vllm.py's on vLLM drivers (vllm_drivers)
