@@ -133,9 +133,7 @@ class DecodeCohort:
             num_needed += seq.num_computed_tokens >= len(seq.block_table) * bs
         short = num_needed > len(bm.free_queue)
         if short and preempt is None:
-            if due:
-                self._grows[step] = due
-            self.dissolve(running)
+            self.dissolve(running)   # (writes out the due members' counts too: settling is idempotent)
             return False
         if len(due) > 1:
             due.sort(key=_admitted_order)   # the batch's order (running is in admission order)
