@@ -106,8 +106,9 @@ class DecodeCohort:
         newcomers, in the batch's order, and return True. When the free blocks fall short of the
         blocks the step takes, `preempt(seq)` preempts the policy's victim for `seq` (the newest
         running sequence, which may be `seq`: the general pass ends there) until they suffice, as the
-        general pass would. Without `preempt`, or when a sequence does not just decode, dissolve the
-        cohort and return False, having changed nothing else."""
+        general pass would. Without `preempt`, or when a sequence does not just decode, return False
+        having changed nothing but members' counts written out: the scheduler then dissolves the cohort
+        and the general pass decides the step."""
         bm = self.bm
         bs = bm.block_size
         shared = bm.shared_fill
@@ -118,11 +119,9 @@ class DecodeCohort:
             num_tokens = len(seq.token_ids)
             if (num_tokens - computed != 1 or num_tokens == seq.num_prompt_tokens or seq.num_undelivered
                     or seq.reprefill_target):
-                self.dissolve(running)
                 return False
             table = seq.block_table
             if shared and computed < len(table) * bs and table[computed // bs] in shared:
-                self.dissolve(running)
                 return False
         due = self._grows.pop(step, None) or ()
         num_needed = 0
@@ -133,8 +132,7 @@ class DecodeCohort:
             num_needed += seq.num_computed_tokens >= len(seq.block_table) * bs
         short = num_needed > len(bm.free_queue)
         if short and preempt is None:
-            self.dissolve(running)   # (writes out the due members' counts too: settling is idempotent)
-            return False
+            return False   # the due members, settled and out of the files: the dissolve lets every member go
         if len(due) > 1:
             due.sort(key=_admitted_order)   # the batch's order (running is in admission order)
         for seq in due:

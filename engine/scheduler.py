@@ -137,7 +137,7 @@ class Scheduler:
         if running and budget >= len(running) and self.decode_fast_path and self._grow_decodes(out):
             i = len(running)   # every running sequence decodes: the pass below has nothing left
             budget -= i
-        elif self.cohort is not None:
+        elif self.cohort is not None:   # (also when the cohort's fast path declined the step)
             self.cohort.dissolve(running)   # the general pass reads every running sequence's counts
         while i < len(running) and budget > 0:
             seq = running[i]

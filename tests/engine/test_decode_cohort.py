@@ -35,6 +35,9 @@ SETTINGS = {
     "block-8": dict(block_size=8, num_gpu_blocks=150),
     "reserve": dict(kv_reserve="max-tokens", num_gpu_blocks=400),
     "priority": dict(num_gpu_blocks=60, preemption_policy="priority"),
+    # prompts prefilled in chunks beside the decodes: the cohort hands such steps to the general pass,
+    # its members' counts written out first
+    "chunked": dict(max_num_batched_tokens=40, max_num_seqs=32, long_prefill_token_threshold=12),
 }
 
 
