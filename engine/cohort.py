@@ -33,7 +33,7 @@ from collections.abc import Callable
 from operator import attrgetter
 
 from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus, is_plain_decode
 
 _admitted_order = attrgetter("admitted_order")
 
@@ -115,11 +115,9 @@ class DecodeCohort:
         step = self.clock + 1
         joiners = running[self.num_members:]
         for seq in joiners:   # the fast path's conditions; the members met them when they joined
-            computed = seq.num_computed_tokens
-            num_tokens = len(seq.token_ids)
-            if (num_tokens - computed != 1 or num_tokens == seq.num_prompt_tokens or seq.num_undelivered
-                    or seq.reprefill_target):
+            if not is_plain_decode(seq):
                 return False
+            computed = seq.num_computed_tokens
             table = seq.block_table
             if shared and computed < len(table) * bs and table[computed // bs] in shared:
                 return False

@@ -18,7 +18,7 @@ from engine.executor.cost_model import CostModel, load_profile, weight_params
 from engine.executor.sim_executor import SimExecutor
 from engine.model.loader import checkpoint_dtype, load_config
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import SamplingParams, Sequence, SequenceStatus
+from engine.sequence import SamplingParams, Sequence, SequenceStatus, is_plain_decode
 
 if TYPE_CHECKING:
     import torch
@@ -415,8 +415,7 @@ class LLMEngine:
         for seq, token in zip(running, tokens):   # the fast path's conditions, and the first stop
             computed = seq.num_computed_tokens
             num_tokens = len(seq.token_ids)
-            if (num_tokens - computed != 1 or num_tokens == seq.num_prompt_tokens or seq.num_undelivered
-                    or seq.reprefill_target or token in stop_token_ids):
+            if not is_plain_decode(seq) or token in stop_token_ids:
                 return 0, 0
             if shared and not shared.keys().isdisjoint(seq.block_table[computed // bs:]):
                 return 0, 0   # a write ahead copies a shared block first (forks share even blocks reserved ahead)

@@ -18,7 +18,7 @@ from engine.events import (
     PreemptReason,
     VictimReason,
 )
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus, is_plain_decode
 
 
 @dataclass
@@ -325,12 +325,10 @@ class Scheduler:
         touched = []   # those that need a block or complete one (about one in block_size a step)
         num_needed = 0
         for seq in running:
-            computed = seq.num_computed_tokens
-            num_tokens = len(seq.token_ids)
             # (the max model length's clamp: a decode at it has stopped, or has its last token in flight)
-            if (num_tokens - computed != 1 or num_tokens == seq.num_prompt_tokens or seq.num_undelivered
-                    or seq.reprefill_target):
+            if not is_plain_decode(seq):
                 return False
+            computed = seq.num_computed_tokens
             table = seq.block_table
             if computed >= len(table) * bs:
                 num_needed += 1
@@ -338,7 +336,7 @@ class Scheduler:
                 continue
             if shared and table[computed // bs] in shared:   # copy-on-write due: the general pass makes it
                 return False
-            if caching and len(seq.block_hashes) < num_tokens // bs:
+            if caching and len(seq.block_hashes) < (computed + 1) // bs:   # its tokens: computed + 1
                 touched.append(seq)
         if num_needed > len(bm.free_queue):
             return False

@@ -136,3 +136,13 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
+
+
+def is_plain_decode(seq: Sequence) -> bool:
+    """Whether the running sequence's next step is a plain decode, the kind the running pass's fast
+    path takes (Scheduler._grow_decodes, the simulator's cohort and decode windows): one position to
+    compute, its last token delivered (not in flight) and an output token (not the prompt's last),
+    nothing to re-prefill."""
+    num_tokens = len(seq.token_ids)
+    return (num_tokens - seq.num_computed_tokens == 1 and num_tokens != seq.num_prompt_tokens
+            and not seq.num_undelivered and not seq.reprefill_target)
