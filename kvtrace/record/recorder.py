@@ -1,8 +1,8 @@
 """The Parquet tracer: buffers the engine's step records, writes closed chunk files.
 
-Chunks are written by a background thread (or, for a simulated run, by the engine's own thread) to a
-hidden temporary name and renamed into place, so a reader (or a crash) never sees half a file. A chunk closes when a table's buffer reaches
-`max_rows` or, at a step, when `flush_seconds` have passed since the last chunk: a SIGKILL loses at most
+Chunks are made into tables by a background thread (for a simulated run, by the engine's own thread)
+and written by the background thread to a hidden temporary name, then renamed into place, so a reader
+(or a crash) never sees half a file. A chunk closes when a table's buffer reaches `max_rows` or, at a step, when `flush_seconds` have passed since the last chunk: a SIGKILL loses at most
 the steps of those last seconds (while the engine idles between arrivals nothing new is buffered, and
 what the last steps buffered waits for the next step).
 """
@@ -91,8 +91,8 @@ class TraceWriter:
     # ---- the Tracer protocol ------------------------------------------------------------
     def on_step(self, r: StepRecord) -> None:
         """Buffer one step: its record and events as they are (the engine hands them over once and
-        never changes them again), its tokens as columns (their predecessors are found per chunk, in
-        the writer thread: `_predecessors`)."""
+        never changes them again), its tokens as columns (their predecessors are found per chunk, with
+        its table: `_predecessors`)."""
         self._records["steps"].append(r)
         events = self._records["kv_events"]
         events += r.events
@@ -215,8 +215,9 @@ class TraceWriter:
         sort by sequence puts each right after its predecessor."""
         num_rows = len(tokens["idx"])
         encoded = pc.dictionary_encode(tokens["req_id"])
+        reqs = encoded.indices.to_numpy()
         samples = tokens["sample"].to_numpy()
-        codes = encoded.indices.to_numpy().astype(np.int64) * (int(samples.max()) + 1) + samples
+        codes = reqs.astype(np.int64) * (int(samples.max()) + 1) + samples
         order = np.argsort(codes, kind="stable")
         codes = codes[order]
         steps = tokens["step"].to_numpy()[order]
@@ -230,7 +231,7 @@ class TraceWriter:
         known = ~first
         names = encoded.dictionary.to_pylist()
         sorted_samples = samples[order]
-        sorted_req = encoded.indices.to_numpy()[order]
+        sorted_req = reqs[order]
         last = self._last_token
         starts = np.flatnonzero(first)
         for i, req, sample in zip(starts.tolist(), sorted_req[starts].tolist(), sorted_samples[starts].tolist()):
