@@ -276,3 +276,34 @@ def test_priority_pass_after_a_self_preemption_follows_the_vllm_version(version,
         engine.scheduler.follow("0.31.0")
     with pytest.raises(ValueError, match="--follow-vllm must be one of 0.32.0, 0.33.0, got '0.31.0'"):
         EngineConfig(model="tiny", engine="sim", follow_vllm="0.31.0")
+
+
+@pytest.mark.parametrize("policy", ["newest", "fewest-computed"])
+@pytest.mark.parametrize("seed", range(3))
+def test_every_re_prefill_ends_in_one_event_that_counts_its_own_recomputation(tiny_loaded, seed, policy):
+    """Every readmission after a recompute preemption ends in exactly one `reprefill` event: when its
+    history is computed again, or cut short by another preemption (`interrupted`); and the events'
+    recomputed tokens add up to the steps' recomputed tokens. A thrashing pool (18 blocks of 4) with
+    re-prefills in chunks of 4 has sequences preempted twice and re-prefills cut short."""
+    from engine.events import REPREFILL_INTERRUPTED, AdmitReason
+    from tests.engine.test_simulation import backlog_workload, run
+
+    requests = backlog_workload(seed, num_requests=24)
+    for r in requests:
+        r.n = 1   # each sequence a request of its own: one readmission count per request
+    _, tracer = run(tiny_loaded, requests, engine="sim", hardware="a100-80gb", block_size=4, num_gpu_blocks=18,
+                    watermark=0.0, preemption_mode="recompute", preemption_policy=policy,
+                    max_num_batched_tokens=32, long_prefill_token_threshold=4, max_num_seqs=16)
+    resumes: dict[str, int] = {}
+    reprefills: dict[str, int] = {}
+    for e in tracer.events:
+        if e.kind == "admit" and e.reason == AdmitReason.RESUME_RECOMPUTE:
+            resumes[e.req_id] = resumes.get(e.req_id, 0) + 1
+        elif e.kind == "reprefill":
+            reprefills[e.req_id] = reprefills.get(e.req_id, 0) + 1
+            assert e.num_recomputed_tokens <= e.num_tokens - e.num_cached_tokens, e
+    assert reprefills == resumes
+    assert max(resumes.values()) >= 2, "no sequence was preempted twice"
+    events = [e for e in tracer.events if e.kind == "reprefill"]
+    assert any(e.reason == REPREFILL_INTERRUPTED and e.num_recomputed_tokens for e in events), "none cut short"
+    assert sum(e.num_recomputed_tokens for e in events) == sum(r.num_recompute_tokens for r in tracer.records)

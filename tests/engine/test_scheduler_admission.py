@@ -3,7 +3,7 @@ the waiting pass on): samples against max_num_seqs, a prompt rejected at admissi
 without chunked prefill, and which sequence each preemption policy takes."""
 from __future__ import annotations
 
-from engine.sequence import SamplingParams
+from engine.sequence import SamplingParams, Sequence
 from tests.helpers.engine_runs import ListTracer, run_checked
 
 
@@ -151,3 +151,107 @@ def test_copy_on_write_samples_the_host_cannot_hold_are_not_preempted_together(m
     assert preempts(tracer)[0] == (1, "C", 1, "swap-full-fallback")
     assert step_events(tracer, 1) == [("preempt", "C", 1, [2, 3, 4], "swap-full-fallback")]
     assert sorted(tracer.records[1].token_samples) == [0, 0]
+
+
+def test_a_preempted_sequence_whose_tokens_fill_the_pool_comes_back_for_its_last_token():
+    """A sequence preempted by recompute with 4 of its 5 output tokens (16 tokens: the whole pool of 4
+    blocks of 4) samples its last token from position 15 and never stores it: it needs the 16
+    positions the pool has, so it is readmitted, not rejected for one position more."""
+    from tests.engine.test_scheduler_running_and_swap_in import scheduler
+    sched = scheduler(num_blocks=4, max_num_batched_tokens=16, preemption_mode="recompute")
+    seq = Sequence("S", 0, list(range(10, 22)), SamplingParams(max_tokens=5, ignore_eos=True), 0.0, 0, 0)
+    seq.token_ids += [7, 7, 7, 7]            # what it had sampled when it was preempted
+    seq.num_ever_computed = 15
+    sched.add(seq)
+    out = sched.schedule()
+    assert not out.rejected and out.seqs == [seq] and out.num_new_tokens == [16]
+
+
+def test_a_prompt_whose_next_token_reaches_the_max_model_length_needs_no_position_for_it():
+    """With max_model_len 17, a 16-token prompt samples one token and stops there: it needs the 16
+    positions of a 4-block pool, not 17, and is admitted; a 15-token prompt with max_model_len 18
+    would need 16 and is admitted too, one of 16 tokens with max_model_len 18 would not fit."""
+    from tests.engine.test_scheduler_running_and_swap_in import scheduler
+    for num_prompt, max_model_len, fits in ((16, 17, True), (15, 18, True), (16, 18, False)):
+        sched = scheduler(num_blocks=4, max_num_batched_tokens=16, max_model_len=max_model_len)
+        seq = Sequence("S", 0, list(range(10, 10 + num_prompt)), SamplingParams(max_tokens=8, ignore_eos=True),
+                       0.0, 0, 0)
+        sched.add(seq)
+        out = sched.schedule()
+        assert (out.seqs == [seq]) is fits and (out.rejected == [seq]) is not fits, (num_prompt, max_model_len)
+
+
+def victims_beside_forked_samples(order: list[str], needing_protected: bool):
+    """A hand-built batch (newest-sparing, recompute, blocks of 4), admitted in `order`: each named
+    sequence holds its 4-token prompt's block alone, but P1, P's sample forked from it, shares P's
+    block (preempting either frees nothing). N is the sequence needing a block; `needing_protected`:
+    it is resumed and still re-prefilling (newest-sparing spares it)."""
+    from tests.engine.test_scheduler_running_and_swap_in import scheduler
+    sched = scheduler(num_blocks=16, max_num_batched_tokens=16, preemption_mode="recompute",
+                      preemption_policy="newest-sparing")
+    seqs = {}
+    for name in order:
+        if name == "P1":
+            seq = Sequence("P", 1, list(seqs["P"].token_ids), seqs["P"].params, 0.0, 0, 0)
+            sched.bm.fork(seqs["P"], seq)
+        else:
+            seq = Sequence(name, 0, list(range(10, 14)), SamplingParams(max_tokens=8, ignore_eos=True), 0.0, 0, 0)
+            sched.bm.allocate(seq, [], 4, "new")
+            seq.num_computed_tokens = 4
+        seq.admitted_order = len(sched.running)
+        sched.running.append(seq)
+        seqs[name] = seq
+    seqs["N"].protected = needing_protected
+    sched.bm.check_integrity(sched.all_seqs())
+    return sched, seqs
+
+
+def test_a_spared_sequence_needing_a_block_takes_a_victim_that_frees_one_over_a_newer_one_that_frees_none():
+    # X (oldest) holds its blocks alone; P's samples (newer) share theirs; N (newest) is resumed and
+    # spared: it preempts X, whose release frees blocks, not P's sample 1 and not itself
+    sched, seqs = victims_beside_forked_samples(["X", "P", "P1", "N"], needing_protected=True)
+    assert sched._pick_victim(seqs["N"]) == (seqs["X"], "newest")
+
+
+def test_when_no_other_victim_frees_a_block_the_newest_of_all_is_taken_even_if_it_frees_none():
+    # N (oldest, not spared) needs a block; only P's samples are others, and neither frees a block on
+    # its own: the newest of them and N (P's sample 1) is taken
+    sched, seqs = victims_beside_forked_samples(["N", "P", "P1"], needing_protected=False)
+    victim, _ = sched._pick_victim(seqs["N"])
+    assert victim is seqs["P1"]
+
+
+def test_a_sequence_needing_a_block_preempts_itself_before_a_newer_one_that_frees_none():
+    # X (oldest) frees a block, N needs one, P's samples (newer than N) free none: the candidates are
+    # those that free a block and N itself, and N, the newer of X and N, is taken, not P's sample 1
+    sched, seqs = victims_beside_forked_samples(["X", "N", "P", "P1"], needing_protected=False)
+    assert sched._pick_victim(seqs["N"]) == (seqs["N"], "newest")
+
+
+def test_copy_on_write_samples_preempted_by_recompute_go_one_at_a_time(make_engine):
+    # recompute mode, --n-mode cow, 4 blocks of 4: B (3 tokens) and C (9 tokens, n=2) fill the pool;
+    # in step 1 C's first sample must copy their shared partial block and no block is free. Only swap
+    # mode takes a request's samples together (vLLM V0 swapped a group whole): by recompute only the
+    # newest sample is preempted, even with host blocks to spare (--num-cpu-blocks, unused by recompute),
+    # and C's first sample, now the block's sole holder, decodes
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=4, preemption_mode="recompute", enable_prefix_caching=False,
+                         n_mode="cow", num_cpu_blocks=8)
+    engine.add_request("B", [1, 2, 3], ignore_eos(3), arrival_s=0.0)
+    engine.add_request("C", list(range(40, 49)), sampled(3, n=2), arrival_s=0.0)
+    run_checked(engine)
+    assert preempts(tracer)[0] == (1, "C", 1, "recompute")
+    assert step_events(tracer, 1)[0] == ("preempt", "C", 1, [2, 3, 4], "recompute")
+    assert sorted(tracer.records[1].token_samples) == [0, 0]
+
+
+def test_a_victims_pending_copy_on_write_is_dropped_and_the_others_kept():
+    """The running pass decided two copy-on-writes in this step, into the blocks X and N now hold, then
+    preempts X: X's copy is dropped (its new block holds nothing yet), N's stays."""
+    from engine.scheduler import SchedulerOutput
+    sched, seqs = victims_beside_forked_samples(["X", "N", "P", "P1"], needing_protected=False)
+    x_block, n_block = seqs["X"].block_table[0], seqs["N"].block_table[0]
+    out = SchedulerOutput()
+    out.copies = [(3, x_block), (4, n_block)]
+    sched._preempt([seqs["X"]], out, seqs["N"])
+    assert out.copies == [(4, n_block)]

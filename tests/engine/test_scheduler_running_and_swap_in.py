@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from engine.block_manager import BlockManager
+from engine.events import AdmissionStop
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SamplingParams, Sequence
 from tests.helpers.engine_runs import ListTracer, run_checked
@@ -276,3 +277,67 @@ def test_a_swapped_sequence_that_outgrew_the_pool_is_rejected_for_capacity(make_
     assert [(e.step, e.req_id) for e in tracer.events if e.kind == "swap_out"] == [(6, "A")]
     assert not swap_ins(tracer)
     assert (a.finish_reason, a.num_output_tokens) == ("capacity", 6)
+
+
+def two_requests_swapped_beside_a_prefill(max_num_seqs: int = 8) -> tuple[Scheduler, Sequence, Sequence, Sequence]:
+    """Token budget 8, chunks of 7 while others wait. C and D (4-token prompts) prefill and decode a
+    token each, A (20 tokens) prefills its first 6 beside them; then D and C are swapped out, in that
+    order (the engine gets there when a sequence needing blocks preempts the newest twice)."""
+    sched = scheduler(max_num_batched_tokens=8, long_prefill_token_threshold=7)
+    c, d, a = sequence("C", 4), sequence("D", 4), sequence("A", 20)
+    for seq in (c, d, a):
+        sched.add(seq)
+    assert step(sched) == [("C", 0, 4), ("D", 0, 4)]
+    assert step(sched) == [("C", 0, 1), ("D", 0, 1), ("A", 0, 6)]
+    sched._preempt([d], SchedulerOutput())
+    sched._preempt([c], SchedulerOutput())
+    assert list(sched.swapped) == [d, c] and sched.running == [a]
+    sched.max_num_seqs = max_num_seqs
+    return sched, a, c, d
+
+
+def test_a_swap_in_that_spends_the_budget_stops_admission_for_the_budget():
+    """A's chunk of 7 leaves one token: D comes back with it and C, still swapped, waits for the
+    budget (the step says so), even where max_num_seqs (2) would also stop it: as in the waiting pass,
+    a spent budget is what stops admission."""
+    for max_num_seqs in (8, 2):
+        sched, a, c, d = two_requests_swapped_beside_a_prefill(max_num_seqs)
+        out = sched.schedule()
+        assert [(s.req_id, n) for s, n in zip(out.seqs, out.num_new_tokens)] == [("A", 7), ("D", 1)]
+        assert list(sched.swapped) == [c]
+        assert out.admission_stop == AdmissionStop.BUDGET, max_num_seqs
+
+
+def test_the_tokens_of_sequences_swapped_in_leave_the_rest_of_the_budget_to_admissions():
+    """With nothing running, D and C come back (a token each) and the waiting prompt gets the 6 tokens
+    left of the 8: a step never schedules more tokens than the budget."""
+    sched = scheduler(max_num_batched_tokens=8)
+    c, d = sequence("C", 4), sequence("D", 4)
+    sched.add(c)
+    sched.add(d)
+    assert step(sched) == [("C", 0, 4), ("D", 0, 4)]
+    sched._preempt([c], SchedulerOutput())
+    sched._preempt([d], SchedulerOutput())
+    sched.add(sequence("W", 10))
+    assert step(sched) == [("C", 0, 1), ("D", 0, 1), ("W", 0, 6)]
+
+
+def test_nothing_new_is_admitted_while_a_swapped_sequence_waits_for_blocks():
+    """vLLM V0's order: swapped sequences come back before anything new. In a pool of 6 blocks of 4,
+    C (4-token prompt) decodes a token beside R's prefill (18 tokens, chunks of up to 8) and is
+    swapped out; R's last chunk then takes 5 blocks, leaving 1: too few for C (6 tokens), enough for
+    W's 2-token prompt. W still waits behind C, and the step says blocks stopped admission."""
+    sched = scheduler(num_blocks=6, max_num_batched_tokens=8)
+    c, r, w = sequence("C", 4), sequence("R", 18), sequence("W", 2)
+    sched.add(c)
+    sched.add(r)
+    assert step(sched) == [("C", 0, 4), ("R", 0, 4)]
+    assert step(sched) == [("C", 0, 1), ("R", 0, 7)]
+    sched._preempt([c], SchedulerOutput())
+    sched.add(w)
+    out = sched.schedule()
+    sched.bm.check_integrity(sched.all_seqs())
+    assert [(s.req_id, n) for s, n in zip(out.seqs, out.num_new_tokens)] == [("R", 7)]
+    assert list(sched.swapped) == [c] and list(sched.waiting) == [w]
+    assert sched.bm.can_allocate(w, [], watermark=True)   # W alone would fit
+    assert out.admission_stop == AdmissionStop.BLOCKS
