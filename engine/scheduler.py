@@ -60,9 +60,8 @@ def urgency(seq: Sequence) -> tuple:
 
 
 def victim_key(policy: str, seq: Sequence) -> tuple:
-    """Sort key of preemption candidates: the largest key is preempted first."""
-    if policy == PreemptionPolicy.PRIORITY:
-        return urgency(seq)
+    """Sort key of the candidates of kvtrace's own policies (newest-sparing, fewest-computed): the
+    largest key is preempted first. V1's policies pick without it (_pick_victim)."""
     if policy == PreemptionPolicy.FEWEST_COMPUTED:
         return (-seq.num_computed_tokens, seq.admitted_order)
     return (seq.admitted_order,)  # newest, newest-sparing

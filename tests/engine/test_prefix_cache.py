@@ -119,3 +119,25 @@ def test_invariants_with_caching_and_samples(make_engine, seed, slack, num_cpu_b
     reference = run(num_gpu_blocks=512)
     for mode in ("recompute", "swap"):
         assert run(num_gpu_blocks=need + slack, preemption_mode=mode, num_cpu_blocks=num_cpu_blocks) == reference
+
+
+def test_a_hash_collision_never_maps_another_prompts_blocks(make_engine, monkeypatch):
+    """Block hashes are 64-bit, so two different blocks can share one. The prefix cache compares a
+    hit's tokens as well: with a hash that collides for every block at the same position, B (other
+    tokens than A's) finds A's cached blocks under its hashes and still computes its own, and its
+    outputs are those of a run without the prefix cache."""
+    import engine.block_manager
+
+    def outputs(caching: bool) -> tuple[list, list]:
+        tracer = ListTracer()
+        engine = make_engine(tracer, num_gpu_blocks=16, enable_prefix_caching=caching)
+        a = engine.add_request("A", list(range(20, 29)), SamplingParams(max_tokens=3, ignore_eos=True), arrival_s=0.0)
+        run_checked(engine)
+        b = engine.add_request("B", list(range(40, 49)), SamplingParams(max_tokens=3, ignore_eos=True), arrival_s=0.0)
+        run_checked(engine)
+        return [a.token_ids, b.token_ids], [e for e in tracer.events if e.kind == "prefix_hit"]
+
+    monkeypatch.setattr(engine.block_manager, "chain_hash", lambda prev, tokens: hash((prev, len(tokens))))
+    tokens, hits = outputs(caching=True)
+    assert hits == []
+    assert tokens == outputs(caching=False)[0]
