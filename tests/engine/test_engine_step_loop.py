@@ -375,6 +375,27 @@ def test_an_interrupted_run_keeps_only_delivered_tokens_and_aborts_every_unfinis
     assert all(s.finish_s >= tracer.records[-1].start_s for s in aborted)
 
 
+def test_an_interrupted_simulated_run_reports_the_tokens_its_decode_cohort_had_not_written_out(make_engine):
+    # the simulator's running decodes advance lazily (engine/cohort.py): interrupted mid-run, the
+    # aborted rows still count every token the records carry
+    tracer = ListTracer()
+    engine = make_engine(tracer, engine="sim", hardware="a100-80gb", block_size=4, num_gpu_blocks=64,
+                         enable_prefix_caching=False)
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(10 + 10 * i, 15 + 10 * i)), SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(12):
+        engine.step()
+    assert engine.scheduler.cohort.num_members == 3
+    engine.flush()
+    recorded = {}
+    for r in tracer.records:
+        for req_id in r.token_req_ids:
+            recorded[req_id] = recorded.get(req_id, 0) + 1
+    aborted = engine.abort_all()
+    assert sorted((s.req_id, s.output_tokens) for s in aborted) == sorted(recorded.items())
+    assert recorded == {"r0": 12, "r1": 12, "r2": 12}
+
+
 # ---------------------------------------------------------------- the integrity check
 
 def test_the_integrity_check_catches_a_waiting_sequence_that_kept_its_blocks(make_engine):

@@ -21,7 +21,7 @@ from kvtrace.record.replay import prepare, replay
 from kvtrace.workload.format import WorkloadRequest
 from tests.helpers.cli import one_line_error, sql, write_workload
 from tests.helpers.cli import record as record_cli
-from tests.helpers.engine_runs import ListTracer
+from tests.helpers.engine_runs import ListTracer, run_checked
 
 
 def record(tmp_path, workload, name: str, *args: str):
@@ -173,6 +173,20 @@ def test_kv_reserve_holds_the_whole_context_from_admission(make_engine):
     allocs = [(e.req_id, e.reason, len(e.blocks)) for e in tracer.events if e.kind == "alloc"]
     assert allocs == [("a", "prefill", 5), ("b", "prefill", 10), ("c", "prefill", 3)]  # no decode-time allocation
     assert engine.num_preemptions == 0
+
+
+def test_kv_reserve_max_model_len_holds_the_whole_model_length_from_admission(make_engine):
+    # a pre-paging server that sized every request's KV for the longest context: 24 positions (6
+    # blocks of 4) whatever the request asks for; a second request waits for the pool of 10 blocks
+    tracer = ListTracer()
+    engine = make_engine(tracer, block_size=4, num_gpu_blocks=10, kv_reserve="max-model-len",
+                         enable_prefix_caching=False, max_model_len=24)
+    a = engine.add_request("a", list(range(20, 23)), SamplingParams(max_tokens=2, ignore_eos=True))
+    b = engine.add_request("b", list(range(30, 33)), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()
+    assert len(a.block_table) == 6 and not b.block_table
+    run_checked(engine)
+    assert [(e.req_id, len(e.blocks)) for e in tracer.events if e.kind == "alloc"] == [("a", 6), ("b", 6)]
 
 
 def test_kv_reserve_never_fitting_is_a_clear_error(tmp_path):
