@@ -141,3 +141,19 @@ def test_a_hash_collision_never_maps_another_prompts_blocks(make_engine, monkeyp
     tokens, hits = outputs(caching=True)
     assert hits == []
     assert tokens == outputs(caching=False)[0]
+
+
+def test_blocks_differing_in_one_token_are_cached_apart_and_each_is_found(make_engine):
+    """A and B share their first block of 4 and differ only in the first token of their second: each
+    block gets a hash of its own, so C (B's 8 tokens and one more) finds B's two blocks, not A's
+    second block under B's hash (which the token check would then refuse, losing the hit)."""
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=16)
+    shared = [20, 21, 22, 23]
+    for name, first in (("A", 30), ("B", 31)):
+        engine.add_request(name, shared + [first, 40, 41, 42, 43], SamplingParams(max_tokens=2, ignore_eos=True))
+        run_checked(engine)
+    engine.add_request("C", shared + [31, 40, 41, 42, 50], SamplingParams(max_tokens=2, ignore_eos=True))
+    run_checked(engine)
+    hits = [(e.req_id, e.num_tokens) for e in tracer.events if e.kind == "prefix_hit"]
+    assert hits == [("B", 4), ("C", 8)]
