@@ -143,17 +143,24 @@ def test_a_hash_collision_never_maps_another_prompts_blocks(make_engine, monkeyp
     assert tokens == outputs(caching=False)[0]
 
 
-def test_blocks_differing_in_one_token_are_cached_apart_and_each_is_found(make_engine):
-    """A and B share their first block of 4 and differ only in the first token of their second: each
-    block gets a hash of its own, so C (B's 8 tokens and one more) finds B's two blocks, not A's
-    second block under B's hash (which the token check would then refuse, losing the hit)."""
+@pytest.mark.parametrize("block, where", [(1, 0), (1, 3), (0, 0)])
+def test_blocks_differing_in_one_token_are_cached_apart_and_each_is_found(make_engine, block, where):
+    """A and B (two blocks of 4 and a token) differ only in one token: the first or the last of their
+    second block, or the first of their first. Each block gets a hash of its own, so C (B's 8 tokens
+    and one more) finds B's two blocks, not one of A's under B's hash (which the token check would then
+    refuse, losing the hit)."""
     tracer = ListTracer()
     engine = make_engine(tracer, num_gpu_blocks=16)
-    shared = [20, 21, 22, 23]
-    for name, first in (("A", 30), ("B", 31)):
-        engine.add_request(name, shared + [first, 40, 41, 42, 43], SamplingParams(max_tokens=2, ignore_eos=True))
+
+    def prompt(token: int, last: int) -> list[int]:
+        ids = [20, 21, 22, 23, 40, 41, 42, 43, last]
+        ids[4 * block + where] = token
+        return ids
+
+    for name, token in (("A", 30), ("B", 31)):
+        engine.add_request(name, prompt(token, 44), SamplingParams(max_tokens=2, ignore_eos=True))
         run_checked(engine)
-    engine.add_request("C", shared + [31, 40, 41, 42, 50], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request("C", prompt(31, 50), SamplingParams(max_tokens=2, ignore_eos=True))
     run_checked(engine)
     hits = [(e.req_id, e.num_tokens) for e in tracer.events if e.kind == "prefix_hit"]
-    assert hits == [("B", 4), ("C", 8)]
+    assert hits == ([("B", 4), ("C", 8)] if block == 1 else [("C", 8)])
