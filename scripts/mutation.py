@@ -842,11 +842,24 @@ def apply_diff(text: str, m: Mutant) -> str:
     return "".join(source[:start] + [ln + "\n" for ln in after] + source[start + len(before):])
 
 
+def changed_tests(commit: str, folders: list[str]) -> list[str]:
+    """The test files under `folders` that changed since `commit` (committed or not): a survivor's
+    likely killers are the tests written after the run that left it."""
+    done = subprocess.run(["git", "diff", "--name-only", commit, "--", *folders], cwd=ROOT, capture_output=True,
+                          text=True)
+    new = subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "--", *folders], cwd=ROOT,
+                         capture_output=True, text=True)
+    names = (done.stdout + new.stdout).split() if done.returncode == 0 else []
+    return sorted({n for n in names if Path(n).name.startswith("test_") and n.endswith(".py") and (ROOT / n).exists()})
+
+
 def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[dict], timeout: float) -> None:
     """Plant each survivor (and timeout) of a previous run again and run its target's tests as they
-    are now."""
+    are now: first the test files changed since that run (changed_tests), then, if none fails, all of
+    them."""
     for r in results:
         tests = tests_of(r.target)
+        first = changed_tests(r.commit.split("+")[0], [t for t in tests if not t.startswith("-")])
         path = runner.work / r.target
         original = path.read_text()
         try:
@@ -860,7 +873,12 @@ def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[d
                     m.recheck = "not replanted (its line changed)"
                     print(f"  {r.target}:{m.line} {m.operator}: {m.recheck}", flush=True)
                     continue
-                state = runner.run(tests, timeout, fresh=None if r.target.endswith(".sql") else r.target)
+                fresh = None if r.target.endswith(".sql") else r.target
+                state = "survived"
+                if first:   # the test files changed since the run: the likely killers, alone first
+                    state = runner.run([*first, *SELECTION], timeout, fresh=fresh)
+                if state == "survived":
+                    state = runner.run(tests, timeout, fresh=fresh)
                 failed = re.findall(r"^FAILED (\S+)", runner.output(), re.MULTILINE)
                 m.recheck = (f"killed by {failed[0].split(' ')[0]}" if state == "killed" and failed
                              else "killed (timeout)" if state == "timeout" else
@@ -1065,7 +1083,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "mutation")
     parser.add_argument("--recheck", action="store_true",
                         help="plant each survivor and timeout in summary.json (not listed as equivalent) again, run its "
-                             "target's tests as they are now, and record which test kills it")
+                             "target's tests as they are now (the test files changed since its run first), and "
+                             "record which test kills it")
     parser.add_argument("--resume", action="store_true",
                         help="a target whose last row the budget stopped, on the same text, sample and tests: run "
                              "only the mutants it left unrun and add them to that row")
