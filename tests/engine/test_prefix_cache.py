@@ -164,3 +164,21 @@ def test_blocks_differing_in_one_token_are_cached_apart_and_each_is_found(make_e
     run_checked(engine)
     hits = [(e.req_id, e.num_tokens) for e in tracer.events if e.kind == "prefix_hit"]
     assert hits == ([("B", 4), ("C", 8)] if block == 1 else [("C", 8)])
+
+
+def test_a_prompt_admitted_later_in_the_same_step_hits_the_blocks_an_earlier_one_computes(make_engine):
+    """V1 caches the blocks a step computes when it schedules them: P (one block) is cached by A; B
+    and C arrive together with P and the same two blocks more. B, admitted first, hits P and computes
+    the two blocks; C, admitted next in the same step, hits all three (their KV is written in the same
+    forward, before any attention reads it)."""
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=32, max_num_batched_tokens=64)
+    shared = [20, 21, 22, 23]
+    engine.add_request("A", shared + [30], SamplingParams(max_tokens=2, ignore_eos=True))
+    run_checked(engine)
+    more = [40, 41, 42, 43, 44, 45, 46, 47]
+    engine.add_request("B", shared + more + [50], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request("C", shared + more + [60], SamplingParams(max_tokens=2, ignore_eos=True))
+    run_checked(engine)
+    hits = [(e.step, e.req_id, e.num_tokens) for e in tracer.events if e.kind == "prefix_hit"]
+    assert hits == [(hits[0][0], "B", 4), (hits[0][0], "C", 12)]
