@@ -182,3 +182,21 @@ def test_a_prompt_admitted_later_in_the_same_step_hits_the_blocks_an_earlier_one
     run_checked(engine)
     hits = [(e.step, e.req_id, e.num_tokens) for e in tracer.events if e.kind == "prefix_hit"]
     assert hits == [(hits[0][0], "B", 4), (hits[0][0], "C", 12)]
+
+
+def test_only_the_blocks_a_chunk_computes_are_cached_for_a_prompt_admitted_beside_it(make_engine):
+    """A 21-token prompt prefilled in chunks of 7 beside another request (blocks of 4): after its second chunk it has computed
+    14 positions and holds 4 blocks, the last half computed though all its tokens are known. C, the
+    same prompt arriving then and admitted in that step, hits the 3 blocks whose KV is written, not
+    the fourth."""
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=32, max_num_batched_tokens=64, long_prefill_token_threshold=7)
+    prompt = list(range(20, 41))
+    engine.add_request("A", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request("B", [60, 61, 62], SamplingParams(max_tokens=8, ignore_eos=True))   # A is not alone
+    engine.step()
+    engine.add_request("C", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()
+    engine.check_integrity()
+    assert [(e.req_id, e.num_tokens) for e in tracer.events if e.kind == "prefix_hit"] == [("C", 12)]
+    run_checked(engine)

@@ -97,6 +97,8 @@ def test_newest_sparing_takes_the_sample_forked_last(make_engine):
         ("alloc", "A", 0, [4], "decode"), ("alloc", "A", 1, [5], "decode"),
         ("preempt", "A", 2, [1], "recompute"), ("free", "A", 2, [1], "preempt")]
     assert preempts(tracer) == [(2, "A", 2, "recompute")]
+    assert step_events(tracer, 1) == [   # each copy-on-write takes its block (an alloc), then copies into it
+        ("alloc", "A", 0, [2], "cow"), ("cow", "A", 0, [2], None), ("alloc", "A", 1, [3], "cow"), ("cow", "A", 1, [3], None)]
 
 
 def test_a_resumed_sequence_takes_the_newest_other_when_no_victim_would_free_a_block(make_engine):
