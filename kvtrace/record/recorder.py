@@ -2,9 +2,10 @@
 
 Chunks are made into tables by a background thread (for a simulated run, by the engine's own thread)
 and written by the background thread to a hidden temporary name, then renamed into place, so a reader
-(or a crash) never sees half a file. A chunk closes when a table's buffer reaches `max_rows` or, at a step, when `flush_seconds` have passed since the last chunk: a SIGKILL loses at most
-the steps of those last seconds (while the engine idles between arrivals nothing new is buffered, and
-what the last steps buffered waits for the next step).
+(or a crash) never sees half a file. A chunk closes when a table's buffer reaches `max_rows` or, at a
+step, when `flush_seconds` have passed since the last chunk: a SIGKILL loses at most the steps of
+those last seconds (while the engine idles between arrivals nothing new is buffered, and what the last
+steps buffered waits for the next step).
 """
 from __future__ import annotations
 
