@@ -57,7 +57,7 @@ class Server:
     def burst(self, name: str, num: int, max_tokens: int = 40, wait: bool = True) -> list[threading.Thread]:
         """`num` streaming completions at once, as an application sends them; each request's id
         (X-Request-Id) starts with `name`."""
-        errors: list[str] = []
+        errors = self.errors = []
 
         def one(i: int) -> None:
             try:
@@ -237,10 +237,16 @@ def test_sigkill_mid_burst_leaves_a_readable_folder_and_retention_drops_the_olde
     server = Server(VLLM_PYTHON, capture, tmp_path / "serve.log", env)
     try:
         server.burst("warm", 2, max_tokens=24)
-        server.burst("cut", 3, max_tokens=80, wait=False)
-        deadline = time.monotonic() + 300
+        # six requests of 4 blocks each on a pool of 6 blocks run mostly one after another, with
+        # preemptions: the burst outlasts several chunks, so its arrivals are read while it runs (three
+        # could finish within a couple of seconds on a fast machine, and the chunk holding their
+        # arrivals be dropped by retention before the loop below saw it)
+        server.burst("cut", 6, max_tokens=80, wait=False)
+        deadline = time.monotonic() + 120
         while not any("cut-" in r for r in _arrived(capture)):   # mid-burst, in a written chunk
-            assert time.monotonic() < deadline
+            assert time.monotonic() < deadline and not server.errors and server.proc.poll() is None, (
+                server.errors, sorted(p.name for p in (capture / "chunks").glob("*")),
+                server.log.read_text()[-3000:])
             time.sleep(0.2)
     finally:
         server.stop(signal.SIGKILL)
