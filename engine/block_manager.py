@@ -59,6 +59,7 @@ class BlockManager:
         self.host_refs: dict[int, int] = {}     # host block id -> holders, while more than one
         self.shared_fill: dict[int, int] = {}   # block id -> KV positions in it, while ref_count > 1
         self.events: list[KVEvent] = []
+        self.evicted: list[int] = []   # blocks evicted since the last alloc event, which takes them
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -82,8 +83,17 @@ class BlockManager:
         return held - sum((self.blocks[b].ref_count - 1) * fill for b, fill in self.shared_fill.items())
 
     def take_events(self) -> list[KVEvent]:
+        assert not self.evicted, f"blocks {self.evicted} evicted without an alloc event to carry them"
         taken, self.events = self.events, []
         return taken
+
+    def _alloc_event(self, seq: Sequence, block_ids: list[int], reason: str) -> None:
+        """The alloc event of blocks just taken, with the evictions taking them made."""
+        evicted = self.evicted
+        if evicted:
+            self.evicted = []
+        self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=block_ids, reason=reason,
+                                   evicted=evicted or None))
 
     # ---- single blocks ------------------------------------------------------------------
     def _allocate_blocks(self, n: int) -> list[int]:
@@ -96,10 +106,21 @@ class BlockManager:
             if block.hash is not None:
                 self._uncache(block)
                 self.num_cached_free_blocks -= 1
-                self.events.append(KVEvent(ev.EVICT, "", blocks=[block_id]))
+                self.evicted.append(block_id)   # carried by the alloc event that follows
             block.ref_count = 1
             ids.append(block_id)
         return ids
+
+    def _take_one(self) -> int:
+        """`_allocate_blocks(1)[0]`, the decode's case, without the loop and the list."""
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            self._uncache(block)
+            self.num_cached_free_blocks -= 1
+            self.evicted.append(block_id)
+        block.ref_count = 1
+        return block_id
 
     def _uncache(self, block: Block) -> None:
         h = block.hash
@@ -239,7 +260,7 @@ class BlockManager:
             num_tokens = seq.num_reserved_tokens
         new_ids = self._allocate_blocks(self.blocks_for(num_tokens) - len(cached_ids))
         if new_ids:
-            self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason=AllocReason.PREFILL))
+            self._alloc_event(seq, new_ids, AllocReason.PREFILL)
         seq.block_table = list(cached_ids) + new_ids
         seq.block_hashes = [self.blocks[b].hash for b in cached_ids]
         seq.num_computed_tokens = num_cached_tokens
@@ -270,7 +291,7 @@ class BlockManager:
             self._release_blocks((src,))  # still referenced by the other sharers
             seq.block_table[index] = dst
             num_tokens = seq.num_computed_tokens - index * self.block_size
-            self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=[dst], reason=AllocReason.COW))
+            self._alloc_event(seq, [dst], AllocReason.COW)
             self.events.append(KVEvent(ev.COW, seq.req_id, seq.sample, blocks=[dst], src_blocks=[src],
                                        num_tokens=num_tokens))
             copy = (src, dst)
@@ -280,7 +301,7 @@ class BlockManager:
             new_ids = self._allocate_blocks(num_needed)
             seq.block_table += new_ids
             reason = AllocReason.PREFILL if seq.is_prefilling else AllocReason.DECODE
-            self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason=reason))
+            self._alloc_event(seq, new_ids, reason)
         if self.enable_prefix_caching:   # never past the delivered tokens (V1's request.num_tokens)
             num_delivered = len(seq.token_ids) - seq.num_undelivered
             num_cacheable = num_tokens if num_tokens < num_delivered else num_delivered
@@ -295,14 +316,37 @@ class BlockManager:
         (the running pass's fast path and the simulator's decode windows): a block when the position
         starts one, the prefix-cache entry of the block it completes."""
         table = seq.block_table
-        if num_tokens > len(table) * self.block_size:
-            new_ids = self._allocate_blocks(1)
-            table += new_ids
-            self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=new_ids, reason=AllocReason.DECODE))
+        bs = self.block_size
+        if num_tokens > len(table) * bs:
+            block_id = self._take_one()
+            table.append(block_id)
+            evicted = self.evicted
+            if evicted:
+                self.evicted = []
+            self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=[block_id], reason=AllocReason.DECODE,
+                                       evicted=evicted or None))   # _alloc_event, inlined
         if self.enable_prefix_caching:
-            num_hashed = len(seq.block_hashes)
-            if num_hashed < num_tokens // self.block_size and num_hashed < len(table):
-                self.cache_full_blocks(seq, num_tokens)
+            hashes = seq.block_hashes
+            i = len(hashes)
+            if i < num_tokens // bs and i < len(table):
+                memo = seq.token_block_hashes
+                if i + 1 < num_tokens // bs or len(memo) < i:
+                    self.cache_full_blocks(seq, num_tokens)
+                    return
+                # the decode completes one block (block i): cache_full_blocks' loop, once
+                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                if len(memo) == i:
+                    memo.append(chain_hash(memo[-1] if memo else None, tokens))
+                h = memo[i]
+                hashes.append(h)
+                block = self.blocks[table[i]]
+                if block.hash is None:
+                    block.hash = h
+                    block.token_ids = tokens
+                    if h in self.hash_to_block_id:
+                        self.duplicates.setdefault(h, []).append(block.block_id)
+                    else:
+                        self.hash_to_block_id[h] = block.block_id
 
     # ---- release ------------------------------------------------------------------------
     def _release_table(self, seq: Sequence, reason: str) -> None:
@@ -410,8 +454,7 @@ class BlockManager:
                     block_id = device_of[h]
                     self.blocks[block_id].ref_count += 1
             if mine:
-                self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=[d for _, d in mine],
-                                           reason=AllocReason.SWAP_IN))
+                self._alloc_event(seq, [d for _, d in mine], AllocReason.SWAP_IN)
             seq.block_table = [device_of[h] for h in seq.host_block_table]
             seq.block_hashes = []
             copies.append(mine)

@@ -99,9 +99,26 @@ class KVEvent:
     requester_req_id: str | None = None   # preempt: the sequence whose allocation could not be served
     requester_sample: int | None = None
     victim_reason: str | None = None      # preempt: a VictimReason
+    # alloc: the blocks among `blocks` that were taken from the prefix cache (cached and free), in the
+    # order they were evicted. Each is an `evict` of its own in the trace, right before this event
+    # (`with_evictions`): one object here instead of one an evicted block keeps a long replay cheap.
+    evicted: list[int] | None = None
     step: int = 0
     ts_s: float = 0.0
     seq: int = 0                          # global order within the run, set when handed over
+
+
+def with_evictions(events: list[KVEvent]) -> list[KVEvent]:
+    """The events as the trace has them: each block an `alloc` evicted as an `evict` event of its own
+    right before it (same step and time, the seq numbers in between)."""
+    out = []
+    for e in events:
+        if e.evicted:
+            first = e.seq - len(e.evicted)
+            out += [KVEvent(EVICT, "", blocks=[b], step=e.step, ts_s=e.ts_s, seq=first + i)
+                    for i, b in enumerate(e.evicted)]
+        out.append(e)
+    return out
 
 
 @dataclass(slots=True)

@@ -469,6 +469,8 @@ class LLMEngine:
             for e in step_events:   # decided while scheduling: stamped at the step's start (_record)
                 e.step = step
                 e.ts_s = start_s
+                if e.evicted:   # its evictions come first (events.with_evictions)
+                    event_seq += len(e.evicted)
                 e.seq = event_seq
                 event_seq += 1
             num_free = len(bm.free_queue)
@@ -738,6 +740,8 @@ class LLMEngine:
                     e.duration_ms = total_ms * len(e.blocks) / num_blocks if total_ms is not None and num_blocks else None
             seq = self._event_seq
             for e in record.events:
+                if e.evicted:   # its evictions come first (events.with_evictions)
+                    seq += len(e.evicted)
                 e.seq = seq
                 seq += 1
             self._event_seq = seq

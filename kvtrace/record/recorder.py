@@ -48,7 +48,12 @@ def _records_as_columns(name: str, records: list) -> dict[str, list]:
         return {column: list(map(attrgetter(attribute), records)) for column, attribute in _STEP_ATTRIBUTES.items()}
     if name == "requests":
         return {column: list(map(attrgetter(column), records)) for column in _REQUEST_FIELDS}
-    return {column: list(map(attrgetter(column), records)) for column in _EVENT_FIELDS}   # num_blocks: from blocks
+    columns = {column: list(map(attrgetter(column), records)) for column in _EVENT_FIELDS}   # num_blocks: from blocks
+    columns["evicted"] = list(map(_evicted, records))
+    return columns
+
+
+_evicted = attrgetter("evicted")
 
 
 class TraceWriter:
@@ -182,6 +187,7 @@ class TraceWriter:
         schema = TABLES[name]
         columns = _records_as_columns(name, buffer) if name in _RECORD_TABLES else dict(buffer)
         finished = columns.pop("finished", ())
+        evicted = columns.pop("evicted", None)
         if name == "tokens":   # a step's step and ts_s, once for each of its tokens
             num = columns.pop("num")
             columns["step"] = np.repeat(np.array(columns["step"], dtype=np.int64), num)
@@ -195,7 +201,39 @@ class TraceWriter:
             for key in finished:
                 self._last_token.pop(key, None)
         arrays["run_id"] = pa.repeat(pa.scalar(self.run_id, pa.string()), num_rows)
-        return pa.Table.from_arrays([arrays[f.name] for f in schema], schema=schema)
+        table = pa.Table.from_arrays([arrays[f.name] for f in schema], schema=schema)
+        return table if evicted is None else self._with_evictions(table, evicted)
+
+    def _with_evictions(self, events: pa.Table, evicted: list) -> pa.Table:
+        """The kv_events chunk with an `evict` row for each block an alloc event evicted, right before
+        it (the seq numbers the engine left free for them: engine/events.py, `with_evictions`)."""
+        lists = pa.array(evicted, pa.list_(pa.int32()))
+        if lists.null_count == len(lists):
+            return events
+        counts = pc.fill_null(pc.list_value_length(lists), 0).to_numpy()
+        parent = pc.list_parent_indices(lists).to_numpy()
+        num = len(parent)
+        offsets = lists.offsets.to_numpy()
+        position = np.arange(num) - (offsets[parent] - offsets[0])   # the block's place among its alloc's
+        seq = events["seq"].to_numpy()[parent] - counts[parent] + position
+        schema = events.schema
+        columns = {
+            "run_id": pa.repeat(pa.scalar(self.run_id, pa.string()), num),
+            "seq": pa.array(seq, pa.int64()),
+            "step": events["step"].take(parent), "ts_s": events["ts_s"].take(parent),
+            "kind": pa.repeat(pa.scalar("evict", pa.string()), num),
+            "req_id": pa.repeat(pa.scalar("", pa.string()), num),
+            "blocks": pa.ListArray.from_arrays(pa.array(np.arange(num + 1, dtype=np.int32)), pc.list_flatten(lists),
+                                               type=schema.field("blocks").type),
+            "num_blocks": pa.repeat(pa.scalar(1, pa.int32()), num),
+        }
+        for name, value in (("sample", 0), ("num_tokens", 0), ("bytes", 0), ("num_cached_tokens", 0),
+                            ("num_recomputed_tokens", 0)):
+            columns[name] = pa.repeat(pa.scalar(value, schema.field(name).type), num)
+        rows = pa.Table.from_arrays([columns[f.name] if f.name in columns else pa.nulls(num, f.type) for f in schema],
+                                    schema=schema)
+        both = pa.concat_tables([events, rows])
+        return both.take(pc.sort_indices(both["seq"])).combine_chunks()
 
     def _store(self, name: str, part: int, table: pa.Table) -> None:
         """Write the chunk under a hidden name, then rename it into place."""

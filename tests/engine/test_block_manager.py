@@ -9,6 +9,7 @@ import re
 import pytest
 
 from engine.block_manager import BlockManager
+from engine.events import with_evictions
 from engine.sequence import SamplingParams, Sequence
 from tests.helpers.engine_runs import ListTracer, integrity_state, run_checked
 
@@ -18,7 +19,7 @@ def ignore_eos(max_tokens: int, **kw) -> SamplingParams:
 
 
 def kinds(tracer, step: int, *wanted: str) -> list[tuple]:
-    return [(e.kind, e.req_id, e.blocks) for e in tracer.records[step].events if e.kind in wanted]
+    return [(e.kind, e.req_id, e.blocks) for e in with_evictions(tracer.records[step].events) if e.kind in wanted]
 
 
 def hand_built(req_id: str, token_ids: list[int], sample: int = 0) -> Sequence:

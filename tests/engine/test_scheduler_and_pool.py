@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.events import with_evictions
 from engine.sequence import SamplingParams
 from tests.helpers.engine_runs import (
     ListTracer,
@@ -70,7 +71,7 @@ def test_when_a_cached_block_is_evicted_its_earliest_duplicate_serves_the_next_h
     engine.step()
     engine.add_request("E", shared + [99, 98], ignore_eos(2), arrival_s=0.0)
     run_checked(engine)
-    assert [e.blocks for e in tracer.records[2].events if e.kind == "evict"] == [[1]]
+    assert [e.blocks for e in with_evictions(tracer.records[2].events) if e.kind == "evict"] == [[1]]
     assert [(e.step, e.req_id, e.blocks) for e in tracer.events if e.kind == "prefix_hit"] == [(3, "E", [2])]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+from engine.events import with_evictions
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 
@@ -20,7 +21,8 @@ class ListTracer:
 
     @property
     def events(self):
-        return [e for r in self.records for e in r.events]
+        """Every event as the trace has them (an alloc's evictions as events of their own)."""
+        return [e for r in self.records for e in with_evictions(r.events)]
 
 
 # the four-block story's two prompts (tests/engine/test_preemption.py): 7 tokens each, 2 blocks of 4

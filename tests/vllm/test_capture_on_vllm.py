@@ -43,6 +43,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from engine.config import VLLM_VERSIONS
+from engine.events import with_evictions
 from tests.helpers.vllm_runs import VLLM_MARKS
 from tests.vllm_sched import kvtrace_side
 from tests.vllm_sched.differential import VllmScheduler
@@ -246,7 +247,7 @@ def kvtrace_tables(records: list) -> dict[str, list]:
         tables["steps"].append((r.step, r.num_prefill_tokens, r.num_decode_tokens, r.num_recompute_tokens,
                                 r.num_running, r.num_waiting, r.num_preemptions, r.num_free_blocks, r.num_used_blocks,
                                 r.num_cached_blocks, r.num_total_blocks, r.num_kv_tokens, r.admission_stop))
-        for e in sorted(r.events, key=lambda e: e.seq):
+        for e in with_evictions(sorted(r.events, key=lambda e: e.seq)):
             tables["kv_events"].append((r.step, e.kind, rid(e.req_id, e.sample), list(e.blocks or []), e.num_tokens,
                                         e.reason, e.num_cached_tokens, e.num_recomputed_tokens,
                                         rid(e.requester_req_id, e.requester_sample) or None, e.victim_reason))

@@ -1,0 +1,71 @@
+"""The kv_events table the writer makes is the engine's events, row for row: an alloc event carries the
+blocks it evicted from the prefix cache (one object for a prefill that evicts dozens), and the writer
+turns each into an `evict` row of its own right before the alloc, with the seq numbers the engine
+left free for them."""
+from __future__ import annotations
+
+import pytest
+
+from engine.events import EVICT, with_evictions
+from engine.sequence import SamplingParams
+from kvtrace.record.recorder import TraceWriter
+from kvtrace.trace import db
+from tests.helpers.engine_runs import ListTracer, run_checked
+
+COLUMNS = ("seq", "step", "ts_s", "kind", "req_id", "sample", "blocks", "num_blocks", "num_tokens", "reason",
+           "num_cached_tokens", "num_recomputed_tokens", "src_blocks", "requester_req_id", "victim_reason")
+
+
+class Tee:
+    """The writer, and a copy of every record kept in memory."""
+
+    def __init__(self, writer: TraceWriter) -> None:
+        self.writer, self.kept = writer, ListTracer()
+
+    def on_step(self, record) -> None:
+        self.kept.on_step(record)
+        self.writer.on_step(record)
+
+
+@pytest.mark.parametrize("engine", ["real", "sim"])
+@pytest.mark.parametrize("max_rows", [7, 200_000])
+def test_every_eviction_is_a_row_before_the_alloc_that_made_it(tmp_path, make_engine, engine, max_rows):
+    writer = TraceWriter(tmp_path / "run", "run", max_rows=max_rows, background=engine == "real")
+    tee = Tee(writer)
+    sim = {"engine": "sim", "hardware": "a100-80gb"} if engine == "sim" else {}
+    e = make_engine(tee, block_size=4, num_gpu_blocks=14, enable_prefix_caching=True, **sim)
+    # finished prompts leave their full blocks cached; later prompts (a shared prefix among them) take
+    # those blocks back, a prefill evicting several at once, a decode one
+    shared = list(range(100, 108))
+    for i in range(10):
+        own = [200 + 10 * i + j for j in range(5 + i % 4)]
+        e.add_request(f"r{i}", (shared if i % 3 == 0 else []) + own,
+                      SamplingParams(max_tokens=6 + i % 5, ignore_eos=True), arrival_s=0.0)
+    run_checked(e)
+    writer.close()
+    (tmp_path / "run" / "meta.json").write_text('{"run_id": "run", "schema_version": 3}')
+
+    expected = [tuple(getattr(ev, c) if c != "num_blocks" else len(ev.blocks or ()) for c in COLUMNS)
+                for ev in tee.kept.events]
+    con = db.connect([tmp_path / "run"])
+    written = [tuple(row) for row in con.sql(f"SELECT {', '.join(COLUMNS)} FROM kv_events ORDER BY seq").fetchall()]
+    normalised = [tuple(list(v) if isinstance(v, (list, tuple)) and v is not None else v for v in row)
+                  for row in expected]
+    assert [r[0] for r in written] == list(range(len(written)))   # seq: every number once, none skipped
+    assert written == normalised
+    allocs = [ev for r in tee.kept.records for ev in r.events if ev.kind == "alloc" and ev.evicted]
+    assert any(len(ev.evicted) > 1 for ev in allocs) and any(ev.reason == "decode" for ev in allocs)
+    assert all(set(ev.evicted) <= set(ev.blocks) for ev in allocs)   # an evicted block is one the alloc took
+    assert sum(1 for row in written if row[3] == EVICT) == sum(len(ev.evicted) for ev in allocs)
+    if max_rows == 7:
+        assert len(list((tmp_path / "run" / "kv_events").glob("part-*.parquet"))) > 3
+
+
+def test_with_evictions_puts_them_first_in_the_order_evicted():
+    from engine.events import ALLOC, KVEvent
+    alloc = KVEvent(ALLOC, "a", 1, blocks=[5, 3, 9], evicted=[3, 9], step=4, ts_s=1.5, seq=12)
+    finish = KVEvent("finish", "b", 0, step=4, ts_s=1.5, seq=13)
+    out = with_evictions([alloc, finish])
+    assert [(x.kind, x.req_id, x.blocks, x.seq, x.step, x.ts_s) for x in out] == [
+        ("evict", "", [3], 10, 4, 1.5), ("evict", "", [9], 11, 4, 1.5), ("alloc", "a", [5, 3, 9], 12, 4, 1.5),
+        ("finish", "b", None, 13, 4, 1.5)]
