@@ -39,6 +39,12 @@ class BlockManager:
     Free blocks wait in one queue in reuse order: a freed block that holds no cached prefix goes to
     the front (reused first, most recently freed first), a freed cached block to the back (the LRU
     order of eviction). Taking a cached block off the front evicts it from the prefix cache.
+
+    The queue is kept in its two parts. Every uncached free block is ahead of every cached one: only
+    an uncached block is put at the front, and a cached block keeps its hash while it waits (it loses
+    it when taken). So `free_uncached` is a stack whose end is the queue's front (a step's blocks are
+    taken and given back by slices), and `free_cached` holds the rest in LRU order (a prefix hit takes
+    one out of the middle). `free_queue` is the whole queue, front first.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int,
@@ -49,8 +55,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = watermark_blocks
         self.blocks = [Block(i) for i in range(num_blocks + 1)]            # [0] is the null block
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks + 1))
-        self.num_cached_free_blocks = 0      # free blocks that still hold a cached prefix
+        self.free_uncached: list[int] = list(range(num_blocks, 0, -1))   # the front: its end (block 1 first)
+        self.free_cached: OrderedDict[int, None] = OrderedDict()         # free blocks holding a cached prefix
         # cached full blocks by hash: the block a lookup finds, and later blocks with the same hash
         # (two sequences that computed the same block both keep it cached, as V1 does)
         self.hash_to_block_id: dict[int, int] = {}
@@ -64,11 +70,21 @@ class BlockManager:
     # ---- counts -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_uncached) + len(self.free_cached)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.num_blocks - len(self.free_uncached) - len(self.free_cached)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix."""
+        return len(self.free_cached)
+
+    @property
+    def free_queue(self) -> list[int]:
+        """The free blocks in reuse order, front first (a copy)."""
+        return self.free_uncached[::-1] + list(self.free_cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -98,27 +114,38 @@ class BlockManager:
     # ---- single blocks ------------------------------------------------------------------
     def _allocate_blocks(self, n: int) -> list[int]:
         """Take n blocks off the front of the free queue, evicting the cached ones."""
-        ids = []
-        queue = self.free_queue
-        for _ in range(n):
-            block_id, _ = queue.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.hash is not None:
+        stack = self.free_uncached
+        blocks = self.blocks
+        k = n if n <= len(stack) else len(stack)
+        if k:
+            ids = stack[-k:]
+            del stack[-k:]
+            ids.reverse()
+            for block_id in ids:
+                blocks[block_id].ref_count = 1
+        else:
+            ids = []
+        if k < n:
+            cached = self.free_cached
+            for _ in range(n - k):
+                block_id, _ = cached.popitem(last=False)
+                block = blocks[block_id]
                 self._uncache(block)
-                self.num_cached_free_blocks -= 1
                 self.evicted.append(block_id)   # carried by the alloc event that follows
-            block.ref_count = 1
-            ids.append(block_id)
+                block.ref_count = 1
+                ids.append(block_id)
         return ids
 
     def _take_one(self) -> int:
         """`_allocate_blocks(1)[0]`, the decode's case, without the loop and the list."""
-        block_id, _ = self.free_queue.popitem(last=False)
+        if self.free_uncached:
+            block_id = self.free_uncached.pop()
+            self.blocks[block_id].ref_count = 1
+            return block_id
+        block_id, _ = self.free_cached.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None:
-            self._uncache(block)
-            self.num_cached_free_blocks -= 1
-            self.evicted.append(block_id)
+        self._uncache(block)
+        self.evicted.append(block_id)
         block.ref_count = 1
         return block_id
 
@@ -154,22 +181,21 @@ class BlockManager:
                 self.shared_fill.pop(block_id, None)
             elif block.ref_count == 0:
                 (first if block.hash is None else last).append(block_id)
-        queue = self.free_queue
-        for block_id in reversed(first):
-            queue[block_id] = None
-            queue.move_to_end(block_id, last=False)
-        for block_id in last:
-            queue[block_id] = None
-        self.num_cached_free_blocks += len(last)
-        return first + last if last else first
+        if first:
+            self.free_uncached += reversed(first)   # first[0] at the front
+        if last:
+            cached = self.free_cached
+            for block_id in last:
+                cached[block_id] = None
+            return first + last
+        return first
 
     def _touch(self, block_ids: list[int]) -> None:
         """Add a reference to blocks found in the prefix cache."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self.free_queue[block_id]
-                self.num_cached_free_blocks -= 1
+                del self.free_cached[block_id]   # a block the cache finds holds a prefix
             block.ref_count += 1
             if block.ref_count == 2:
                 self.shared_fill[block_id] = self.block_size  # cached blocks are full
@@ -244,7 +270,7 @@ class BlockManager:
         num_tokens = seq.num_tokens if seq.num_tokens > seq.num_reserved_tokens else seq.num_reserved_tokens
         num_evictable = sum(1 for b in cached_ids if self.blocks[b].ref_count == 0)
         num_needed = self.blocks_for(num_tokens) - len(cached_ids) + num_evictable
-        return num_needed + (self.watermark_blocks if watermark else 0) <= len(self.free_queue)
+        return num_needed + (self.watermark_blocks if watermark else 0) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, cached_ids: list[int], num_new_tokens: int, reason: str) -> None:
         """Admit: map the cached prefix, allocate blocks for this step's `num_new_tokens` (or the whole
@@ -277,8 +303,8 @@ class BlockManager:
         """Whether free blocks can hold the sequence's next `num_new_tokens` positions."""
         num_needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
         if num_needed <= 0:
-            return not self.shared_fill or not self._needs_cow(seq) or len(self.free_queue) >= 1
-        return num_needed + (1 if self.shared_fill and self._needs_cow(seq) else 0) <= len(self.free_queue)
+            return not self.shared_fill or not self._needs_cow(seq) or self.num_free_blocks >= 1
+        return num_needed + (1 if self.shared_fill and self._needs_cow(seq) else 0) <= self.num_free_blocks
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> tuple[int, int] | None:
         """Give the sequence blocks for its next `num_new_tokens` positions and cache the full blocks
@@ -436,7 +462,7 @@ class BlockManager:
 
     def can_swap_in(self, seqs: list[Sequence], new_tokens: list[int]) -> bool:
         """Room above the watermark for the swapped blocks and this step's new positions."""
-        return len(self.free_queue) - self.num_swap_in_blocks(seqs, new_tokens) >= self.watermark_blocks
+        return self.num_free_blocks - self.num_swap_in_blocks(seqs, new_tokens) >= self.watermark_blocks
 
     def swap_in(self, seqs: list[Sequence]) -> list[list[tuple[int, int]]]:
         """Give the sequences device blocks for their host blocks, a shared host block one shared
@@ -481,10 +507,12 @@ class BlockManager:
         assert all(h in host_holders for h in self.host_refs), "a shared host block nobody holds"
         host_used = set(host_holders)
         assert refs[0] == 0 and self.blocks[0].ref_count == 0, "the null block is in use"
-        free = self.free_queue
+        queue = self.free_queue
+        free = set(queue)
         assert 0 not in free, "the null block is in the free queue"
-        beyond = [b for b in free if not 0 < b <= self.num_blocks]
+        beyond = [b for b in queue if not 0 < b <= self.num_blocks]
         assert not beyond, f"blocks {beyond} in the free queue are beyond the pool"
+        assert len(free) == len(queue), "a block twice in the free queue"
         for block in self.blocks[1:]:
             b = block.block_id
             assert block.ref_count == refs[b], f"block {b}: ref_count {block.ref_count} but {refs[b]} table entries"
@@ -493,8 +521,8 @@ class BlockManager:
             if block.hash is not None:
                 h = block.hash
                 assert self.hash_to_block_id.get(h) == b or b in self.duplicates.get(h, ()), f"block {b}: hash not indexed"
-        assert sum(1 for b in free if self.blocks[b].hash is not None) == self.num_cached_free_blocks, \
-            "cached-free count out of date"
+        assert all(self.blocks[b].hash is None for b in self.free_uncached), "a cached block in the uncached part"
+        assert all(self.blocks[b].hash is not None for b in self.free_cached), "an uncached block in the cached part"
         assert set(self.shared_fill) == {b for b, r in enumerate(refs) if r > 1}, "shared-block index out of date"
         for h, b in self.hash_to_block_id.items():
             assert self.blocks[b].hash == h, f"hash index points to block {b} with another hash"

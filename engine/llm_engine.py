@@ -440,7 +440,7 @@ class LLMEngine:
             for j in steps:
                 touched.setdefault(j, []).append(seq)
         # the blocks run short at the first step whose allocations the free blocks no longer cover
-        num_free = len(bm.free_queue)
+        num_free = bm.num_free_blocks
         for j, n in enumerate(allocs):
             num_free -= n
             if num_free < 0:
@@ -473,7 +473,7 @@ class LLMEngine:
                     event_seq += len(e.evicted)
                 e.seq = event_seq
                 event_seq += 1
-            num_free = len(bm.free_queue)
+            num_free = bm.num_free_blocks
             forward_ms = self.runner.decode_step(num_running, held + (k + 1) * num_running)
             # the record `_record` and `_flush_records` would hand over for this step (its timing is
             # known at once: simulated)
