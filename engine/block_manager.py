@@ -27,6 +27,26 @@ class Block:
         self.token_ids: tuple[int, ...] | None = None
 
 
+class FreeQueue:
+    """The free queue's two parts (BlockManager) seen as one queue, front first: its length, its
+    blocks in reuse order, membership."""
+
+    __slots__ = ("uncached", "cached")
+
+    def __init__(self, bm: BlockManager) -> None:
+        self.uncached, self.cached = bm.free_uncached, bm.free_cached
+
+    def __len__(self) -> int:
+        return len(self.uncached) + len(self.cached)
+
+    def __iter__(self):
+        yield from reversed(self.uncached)
+        yield from self.cached
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self.cached or block_id in self.uncached
+
+
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """Hash of a full block: its tokens chained onto its predecessor's hash."""
     return hash((prev_hash, token_ids))
@@ -82,9 +102,9 @@ class BlockManager:
         return len(self.free_cached)
 
     @property
-    def free_queue(self) -> list[int]:
-        """The free blocks in reuse order, front first (a copy)."""
-        return self.free_uncached[::-1] + list(self.free_cached)
+    def free_queue(self) -> FreeQueue:
+        """The free blocks in reuse order, front first: a view of the two parts."""
+        return FreeQueue(self)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -507,7 +527,7 @@ class BlockManager:
         assert all(h in host_holders for h in self.host_refs), "a shared host block nobody holds"
         host_used = set(host_holders)
         assert refs[0] == 0 and self.blocks[0].ref_count == 0, "the null block is in use"
-        queue = self.free_queue
+        queue = list(self.free_queue)
         free = set(queue)
         assert 0 not in free, "the null block is in the free queue"
         beyond = [b for b in queue if not 0 < b <= self.num_blocks]

@@ -337,7 +337,7 @@ class Scheduler:
                 return False
             if caching and len(seq.block_hashes) < (computed + 1) // bs:   # its tokens: computed + 1
                 touched.append(seq)
-        if num_needed > bm.num_free_blocks:
+        if num_needed > len(bm.free_queue):
             return False
         for seq in touched:   # in the batch's order
             bm.grow_decode(seq, seq.num_computed_tokens + 1)

@@ -80,7 +80,7 @@ def test_the_issues_swap_in_mutant_is_made_a_constant_for_the_watermark():
     source = textwrap.dedent(ast.get_source_segment(module, method))   # the method alone: the same edits
     made = {(op, diff.splitlines()[1][1:].strip()) for _, op, _, diff in operators.mutants(source)}
     assert ("ConstantReplacement_Attribute_Zero",
-            "return len(self.free_queue) - self.num_swap_in_blocks(seqs, new_tokens) >= 0") in made
+            "return self.num_free_blocks - self.num_swap_in_blocks(seqs, new_tokens) >= 0") in made
 
 
 def test_a_multiline_statement_is_deleted_whole_and_columns_count_characters():
