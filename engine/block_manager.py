@@ -94,7 +94,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_uncached) - len(self.free_cached)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -146,22 +146,20 @@ class BlockManager:
         else:
             ids = []
         if k < n:
-            cached = self.free_cached
-            for _ in range(n - k):
-                block_id, _ = cached.popitem(last=False)
-                block = blocks[block_id]
-                self._uncache(block)
-                self.evicted.append(block_id)   # carried by the alloc event that follows
-                block.ref_count = 1
-                ids.append(block_id)
+            ids += [self._evict_one() for _ in range(n - k)]
         return ids
 
     def _take_one(self) -> int:
-        """`_allocate_blocks(1)[0]`, the decode's case, without the loop and the list."""
+        """`_allocate_blocks(1)[0]`, the decode's case, without the slices and the list."""
         if self.free_uncached:
             block_id = self.free_uncached.pop()
             self.blocks[block_id].ref_count = 1
             return block_id
+        return self._evict_one()
+
+    def _evict_one(self) -> int:
+        """Take the least recently used cached free block (no uncached one is left): out of the prefix
+        cache, its eviction kept for the alloc event that follows."""
         block_id, _ = self.free_cached.popitem(last=False)
         block = self.blocks[block_id]
         self._uncache(block)
@@ -255,23 +253,27 @@ class BlockManager:
         hit them (their KV is written in the same forward, before any attention reads it)."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        hashes = seq.block_hashes
-        num_full = min(num_tokens // bs, len(seq.block_table))
-        if len(hashes) >= num_full:
+        num_hashed = len(seq.block_hashes)
+        num_full = min(num_tokens // self.block_size, len(seq.block_table))
+        if num_hashed >= num_full:
             return
         token_hashes = self._token_block_hashes(seq, num_full)
-        for i in range(len(hashes), num_full):
-            h = token_hashes[i]
-            hashes.append(h)
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None:
-                block.hash = h
-                block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                if h in self.hash_to_block_id:
-                    self.duplicates.setdefault(h, []).append(block.block_id)
-                else:
-                    self.hash_to_block_id[h] = block.block_id
+        for i in range(num_hashed, num_full):
+            self._cache_block(seq, i, token_hashes[i])
+
+    def _cache_block(self, seq: Sequence, i: int, h: int) -> None:
+        """Block i of the sequence, full and hashed `h`: its hash noted, and the block registered in
+        the prefix cache unless it already holds a cached prefix (a hit)."""
+        seq.block_hashes.append(h)
+        block = self.blocks[seq.block_table[i]]
+        if block.hash is None:
+            bs = self.block_size
+            block.hash = h
+            block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            if h in self.hash_to_block_id:
+                self.duplicates.setdefault(h, []).append(block.block_id)
+            else:
+                self.hash_to_block_id[h] = block.block_id
 
     def uncache_from(self, seq: Sequence, num_blocks: int) -> None:
         """Take the sequence's blocks from index `num_blocks` on out of the prefix cache: they were
@@ -366,33 +368,14 @@ class BlockManager:
         if num_tokens > len(table) * bs:
             block_id = self._take_one()
             table.append(block_id)
-            evicted = self.evicted
-            if evicted:
-                self.evicted = []
-            self.events.append(KVEvent(ev.ALLOC, seq.req_id, seq.sample, blocks=[block_id], reason=AllocReason.DECODE,
-                                       evicted=evicted or None))   # _alloc_event, inlined
+            self._alloc_event(seq, [block_id], AllocReason.DECODE)
         if self.enable_prefix_caching:
-            hashes = seq.block_hashes
-            i = len(hashes)
+            i = len(seq.block_hashes)
             if i < num_tokens // bs and i < len(table):
-                memo = seq.token_block_hashes
-                if i + 1 < num_tokens // bs or len(memo) < i:
+                if i + 1 < num_tokens // bs:
                     self.cache_full_blocks(seq, num_tokens)
-                    return
-                # the decode completes one block (block i): cache_full_blocks' loop, once
-                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                if len(memo) == i:
-                    memo.append(chain_hash(memo[-1] if memo else None, tokens))
-                h = memo[i]
-                hashes.append(h)
-                block = self.blocks[table[i]]
-                if block.hash is None:
-                    block.hash = h
-                    block.token_ids = tokens
-                    if h in self.hash_to_block_id:
-                        self.duplicates.setdefault(h, []).append(block.block_id)
-                    else:
-                        self.hash_to_block_id[h] = block.block_id
+                else:   # the decode completes one block, block i: cache_full_blocks' loop, once
+                    self._cache_block(seq, i, self._token_block_hashes(seq, i + 1)[i])
 
     # ---- release ------------------------------------------------------------------------
     def _release_table(self, seq: Sequence, reason: str) -> None:

@@ -128,7 +128,7 @@ class DecodeCohort:
             num_needed += seq.num_computed_tokens >= len(seq.block_table) * bs
         for seq in joiners:
             num_needed += seq.num_computed_tokens >= len(seq.block_table) * bs
-        short = num_needed > len(bm.free_uncached) + len(bm.free_cached)
+        short = num_needed > bm.num_free_blocks
         if short and preempt is None:
             return False   # the due members, settled and out of the files: the dissolve lets every member go
         if len(due) > 1:
@@ -176,7 +176,7 @@ class DecodeCohort:
         bm = self.bm
         if seq.num_computed_tokens < len(seq.block_table) * bm.block_size:
             return True
-        while not (bm.free_uncached or bm.free_cached):
+        while not bm.num_free_blocks:
             victim = running[-1]
             if victim.cohort_mark >= 0:
                 self.settle(victim)   # its counts are read as it goes
