@@ -34,6 +34,7 @@ from tests.helpers.capture_figures import (
     sql_figures,
     sql_verdict,
 )
+from tests.helpers.cli import interruptible
 from tests.helpers.vllm_runs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,7 +166,7 @@ def test_prometheus_scrapes_the_sql_of_the_window(tmp_path, expected):
     exporter_port, prometheus_port = free_port(), free_port()
     exporter = subprocess.Popen([sys.executable, "-m", "kvtrace", "capture", "metrics", str(FIXTURE),
                                  "--port", str(exporter_port), "--refresh", "500ms", "--window", "10m"], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=interruptible)
     config = tmp_path / "prometheus.yml"
     config.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n"
                       f"  - job_name: kvtrace\n    static_configs:\n      - targets: ['127.0.0.1:{exporter_port}']\n")
@@ -210,7 +211,7 @@ def test_watch_redraws_until_ctrl_c():
     primary, secondary = pty.openpty()
     watch = subprocess.Popen([sys.executable, "-m", "kvtrace", "capture", "watch", str(FIXTURE), "--refresh", "200ms"],
                              cwd=ROOT, stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary,
-                             env={**os.environ, "COLUMNS": "100", "LINES": "60"})
+                             env={**os.environ, "COLUMNS": "100", "LINES": "60"}, preexec_fn=interruptible)
     os.close(secondary)
     out, deadline, interrupted = b"", time.monotonic() + 120, False
     while watch.poll() is None and time.monotonic() < deadline:

@@ -19,7 +19,7 @@ from kvtrace.errors import KvtraceError
 from kvtrace.sweep.grid import parse_range, parse_set, points, record_knobs
 from kvtrace.sweep.view import OBJECTIVES, best_point, recommend
 from kvtrace.trace import db
-from tests.helpers.cli import one_line_error
+from tests.helpers.cli import interruptible, one_line_error
 
 ROOT = Path(__file__).parents[2]
 WORKLOAD = ROOT / "tests" / "fixtures" / "tiny.jsonl"
@@ -235,7 +235,8 @@ def test_interrupted_sweep_resumes_with_only_the_missing_points(tmp_path):
     out = tmp_path / "resume"
     args = ["--set", "max_num_seqs=1:6:+1", "--jobs", "1"]
     proc = subprocess.Popen([sys.executable, "-m", "kvtrace", "sweep", "-w", str(WORKLOAD), *SHARED, *args,
-                             "-o", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "-o", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=interruptible)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         statuses = [json.loads(m.read_text()).get("status") for m in out.glob("runs/*/meta.json")]

@@ -3,6 +3,7 @@ the one-line error every refused input must give."""
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -34,3 +35,9 @@ def record(tmp_path: Path, workload: Path, name: str, *args: str):
 
 def sql(run: Path, query: str):
     return connect([run]).sql(query).fetchall()
+
+
+def interruptible() -> None:
+    """`preexec_fn` of a child that a test stops with Ctrl-C (SIGINT). A shell's background job starts
+    with SIGINT ignored; the child would inherit that, and Python leaves an ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvtrace.trace import db
+from tests.helpers.cli import interruptible
 from tests.helpers.vllm_runs import (
     EAGER,
     VLLM_MARKS,
@@ -290,7 +291,8 @@ def test_ctrl_c_leaves_a_readable_interrupted_trace(workload, tmp_path):
     run = tmp_path / "stopped"
     proc = subprocess.Popen([sys.executable, "-m", "kvtrace", "record", "--engine", "vllm", "--vllm-python",
                              VLLM_PYTHON, "--model", "smollm2-135m", "-w", str(workload), "-o", str(run), "--backlog",
-                             *POOL, *EAGER, "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             *POOL, *EAGER, "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=interruptible)
     deadline = time.monotonic() + 600
     while not any((run / ".vllm-capture" / "chunks").glob("*.pkl")):   # the replay is under way
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
