@@ -113,9 +113,11 @@ class BlockManager:
         """Whether a sequence of this many KV positions fits an otherwise empty pool."""
         return self.blocks_for(num_tokens) <= self.num_blocks
 
-    def num_kv_positions(self, running: list[Sequence]) -> int:
-        """KV positions stored in device blocks, a shared position counted once."""
-        held = sum(map(_computed, running))
+    def num_kv_positions(self, running: list[Sequence], held: int | None = None) -> int:
+        """KV positions stored in device blocks, a shared position counted once. `held`: the running
+        sequences' computed positions, summed already (a decode cohort keeps them)."""
+        if held is None:
+            held = sum(map(_computed, running))
         return held - sum((self.blocks[b].ref_count - 1) * fill for b, fill in self.shared_fill.items())
 
     def take_events(self) -> list[KVEvent]:
@@ -170,7 +172,9 @@ class BlockManager:
     def _uncache(self, block: Block) -> None:
         h = block.hash
         block_id = block.block_id
-        if self.hash_to_block_id[h] == block_id:
+        if not self.duplicates:   # then each cached hash is one block's: this one's
+            del self.hash_to_block_id[h]
+        elif self.hash_to_block_id[h] == block_id:
             later = self.duplicates.get(h)
             if later:
                 self.hash_to_block_id[h] = later.pop(0)
@@ -190,15 +194,27 @@ class BlockManager:
         """Drop one reference from each block, in eviction order (the first is evicted first);
         return the blocks that became free. Uncached ones go to the front of the free queue, in
         that order; cached ones to the back."""
+        blocks = self.blocks
+        shared = self.shared_fill
+        if not shared and not self.enable_prefix_caching:
+            # every block held has one reference (shared_fill indexes those with more) and none is cached:
+            # each becomes free and goes to the front
+            first = list(block_ids)
+            for block in map(blocks.__getitem__, first):
+                assert block.ref_count == 1, f"releasing free block {block.block_id}"
+                block.ref_count = 0
+            self.free_uncached += reversed(first)   # first[0] at the front
+            return first
         first, last = [], []
         for block_id in block_ids:
-            block = self.blocks[block_id]
-            assert block.ref_count > 0, f"releasing free block {block_id}"
-            block.ref_count -= 1
-            if block.ref_count == 1:
-                self.shared_fill.pop(block_id, None)
-            elif block.ref_count == 0:
+            block = blocks[block_id]
+            ref_count = block.ref_count - 1
+            assert ref_count >= 0, f"releasing free block {block_id}"
+            block.ref_count = ref_count
+            if not ref_count:
                 (first if block.hash is None else last).append(block_id)
+            elif ref_count == 1 and shared:
+                shared.pop(block_id, None)
         if first:
             self.free_uncached += reversed(first)   # first[0] at the front
         if last:

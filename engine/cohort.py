@@ -36,14 +36,20 @@ from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus, is_plain_decode
 
 _admitted_order = attrgetter("admitted_order")
+_computed = attrgetter("num_computed_tokens")
 
 
 class DecodeCohort:
     def __init__(self, block_manager: BlockManager) -> None:
         self.bm = block_manager
+        self.block_size = block_manager.block_size
+        self.caching = block_manager.enable_prefix_caching
         self.clock = 0                          # fast steps taken
         self.num_members = 0                    # running[:num_members]
         self.sum_marks = 0                      # of the members' cohort_mark: their lag is num_members * clock - sum_marks
+        # of the members' num_computed_tokens - cohort_mark, which a settle leaves as it is (both grow by the
+        # lag): their true positions are computed_base + num_members * clock
+        self.computed_base = 0
         # a member is filed once in each: under the step that next takes or completes a block for it
         # (its cohort_grow_at), and under the step after which it stops (its cohort_stop_at)
         self._grows: dict[int, list[Sequence]] = {}
@@ -58,6 +64,12 @@ class DecodeCohort:
     def lag(self) -> int:
         """Positions the members computed that their Sequences do not count yet."""
         return self.num_members * self.clock - self.sum_marks
+
+    def positions(self, running: list[Sequence]) -> int:
+        """The running sequences' computed positions, lags included: the members' from the sums kept
+        (no visit to each), the sequences after them (admitted since the last step) counted."""
+        members = self.num_members
+        return self.computed_base + members * self.clock + sum(map(_computed, running[members:]))
 
     def steps_to_next_stop(self) -> float:
         """Fast steps the members can take before the one after which one of them stops (inf: none)."""
@@ -81,6 +93,7 @@ class DecodeCohort:
             seq.cohort_mark = -1
         self.num_members = 0
         self.sum_marks = 0
+        self.computed_base = 0
         self._grows.clear()
         self._stops.clear()
 
@@ -96,6 +109,7 @@ class DecodeCohort:
                 if not filed:
                     del files[at]
         self.sum_marks -= seq.cohort_mark
+        self.computed_base -= seq.num_computed_tokens - seq.cohort_mark
         seq.cohort_mark = -1
         self.num_members -= 1
 
@@ -152,6 +166,7 @@ class DecodeCohort:
                 seq.cohort_token = token_ids[-1]   # the simulator gives a sequence one token, every step
                 seq.cohort_idx = len(token_ids) - seq.num_prompt_tokens - 1 - clock
                 self.sum_marks += clock
+                self.computed_base += seq.num_computed_tokens - clock
                 self.num_members += 1
                 steps_left = seq.stop_num_tokens - len(token_ids)
                 assert steps_left >= 1, f"{seq}: running at its stop length"
@@ -189,11 +204,11 @@ class DecodeCohort:
     def _steps_to_grow(self, seq: Sequence) -> int:
         """Steps from the clock until the settled member's next position starts a block (it takes one)
         or completes one that the prefix cache takes; 1 or less: this step's."""
-        bs = self.bm.block_size
+        bs = self.block_size
         computed = seq.num_computed_tokens
         num_blocks = len(seq.block_table)
         k = num_blocks * bs - computed + 1   # after k steps it holds num_blocks * bs + 1 positions
-        if self.bm.enable_prefix_caching:
+        if self.caching:
             num_hashed = len(seq.block_hashes)
             if num_hashed < num_blocks:
                 k = min(k, (num_hashed + 1) * bs - computed)   # position (num_hashed + 1) * bs - 1 is written

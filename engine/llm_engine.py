@@ -207,7 +207,7 @@ class LLMEngine:
             self.model = None
             self.runner = SimExecutor(self.cost_model, g.bytes_per_block)
             if not config.async_scheduling and config.n_mode == NMode.INDEPENDENT:   # engine/cohort.py says why
-                self.scheduler.cohort = DecodeCohort(self.block_manager)
+                self.scheduler.cohort = self.runner.cohort = DecodeCohort(self.block_manager)
         else:
             from engine.executor.model_runner import ModelRunner
             from engine.model.llama import LlamaModel
@@ -255,18 +255,19 @@ class LLMEngine:
         self.runner.idle_until(t + self.time_origin)
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    *, arrival_s: float | None = None, priority: int = 0) -> Sequence:
+                    *, arrival_s: float | None = None, priority: int = 0, vocab_checked: bool = False) -> Sequence:
         """Queue a request; returns its first sequence (n > 1: the others are queued beside it, or with
-        --n-mode cow forked from it when its prompt is done)."""
+        --n-mode cow forked from it when its prompt is done). `vocab_checked`: the caller has checked
+        that every id is inside the vocabulary (a replay's prepare does, before the run), so the pass
+        over the prompt that checks it is left out."""
         params = params or SamplingParams()
         if not prompt_token_ids:
             raise ValueError(f"request {req_id}: empty prompt")
-        vocab = self.model_config.vocab_size
-        bad = None
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:   # then find the first one
-            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
-        if bad is not None:
-            raise ValueError(f"request {req_id}: token id {bad} outside the vocabulary (0..{vocab - 1})")
+        if not vocab_checked:
+            vocab = self.model_config.vocab_size
+            if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:   # then find the first one
+                bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
+                raise ValueError(f"request {req_id}: token id {bad} outside the vocabulary (0..{vocab - 1})")
         if (str(req_id), 0) in self.outputs:
             raise ValueError(f"request id {req_id!r} used twice")
         arrival = self.now() if arrival_s is None else arrival_s
@@ -401,7 +402,7 @@ class LLMEngine:
         if cohort is not None and cohort.num_members:
             # the stretch reads and advances every sequence's counts: the cohort is dissolved for it,
             # and formed again after it, which a stretch of a few steps does not repay
-            num_kv = bm.num_kv_positions(running) + cohort.lag + len(running)
+            num_kv = self._kv_positions(running) + len(running)
             step_s = self.runner.cost.forward_ms(0, len(running), num_kv, 0.0) / 1000
             if min(cohort.steps_to_next_stop(), (until_s - self.now()) / step_s) < MIN_WINDOW_OVER_COHORT:
                 return 0, 0
@@ -562,7 +563,15 @@ class LLMEngine:
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
             num_free_blocks=bm.num_free_blocks, num_used_blocks=bm.num_used_blocks,
             num_cached_blocks=bm.num_cached_free_blocks,
-            num_kv_tokens=bm.num_kv_positions(sched.running) + sum(out.num_new_tokens) + out.lazy_positions)
+            num_kv_tokens=self._kv_positions(sched.running) + sum(out.num_new_tokens))
+
+    def _kv_positions(self, running: list[Sequence]) -> int:
+        """KV positions held by the running sequences, lags included (BlockManager.num_kv_positions: a
+        decode cohort's members counted from its sums)."""
+        cohort = self.scheduler.cohort
+        if cohort is None:
+            return self.block_manager.num_kv_positions(running)
+        return self.block_manager.num_kv_positions(running, held=cohort.positions(running))
 
     def _check_progress(self, progressed: bool) -> None:
         if progressed or not self.has_unfinished():
@@ -795,6 +804,12 @@ class LLMEngine:
                 f"{seq}: computed positions beyond its blocks"
         for seq in self.scheduler.waiting:
             assert not seq.block_table, f"waiting {seq} holds blocks"
+        if cohort is not None:   # its sums over the members, kept as they join, settle and leave
+            members = self.scheduler.running[:cohort.num_members]
+            assert all(seq.cohort_mark >= 0 for seq in members), "a cohort member without its mark"
+            assert cohort.sum_marks == sum(seq.cohort_mark for seq in members), "the cohort's sum of marks is off"
+            assert cohort.computed_base == sum(seq.num_computed_tokens - seq.cohort_mark for seq in members), \
+                "the cohort's sum of positions is off"
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Convenience: run prompts to completion, return each request's sample-0 output ids."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from operator import attrgetter
 
+from engine.cohort import DecodeCohort
 from engine.executor import StepResult
 from engine.executor.cost_model import CostModel
 from engine.scheduler import SchedulerOutput
@@ -34,6 +35,7 @@ class SimExecutor:
         self.cost = cost
         self.bytes_per_block = bytes_per_block
         self.now_s = 0.0        # virtual time, seconds
+        self.cohort: DecodeCohort | None = None   # the scheduler's, if it has one
 
     def clock(self) -> float:
         return self.now_s
@@ -63,7 +65,10 @@ class SimExecutor:
             decodes: list[Sequence] = out.seqs[:num_decodes]
             prefill_samples: list[Sequence] = []
             num_prefill = 0
-            num_kv = sum(map(_computed, decodes)) + num_decodes + out.lazy_positions   # a cohort's lag (engine/cohort.py)
+            if out.cohort:   # the decodes are the cohort's members, whose positions it keeps summed (engine/cohort.py)
+                num_kv = self.cohort.positions(decodes) + num_decodes
+            else:
+                num_kv = sum(map(_computed, decodes)) + num_decodes
             num_pairs = 0.0
             rest = zip(out.seqs[num_decodes:], out.num_new_tokens[num_decodes:]) if num_decodes else \
                 zip(out.seqs, out.num_new_tokens)

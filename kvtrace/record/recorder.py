@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from engine import events as ev
 from engine.events import RequestStats, StepRecord
 from kvtrace.trace.schema import TABLES
 
@@ -39,6 +40,13 @@ _STEP_ATTRIBUTES = {
     "admission_stop": "admission_stop",
 }
 _EVENT_FIELDS = [f for f in TABLES["kv_events"].names if f not in ("run_id", "num_blocks")]
+# What only the rarer kinds set (preempt, swap_out, swap_in, reprefill, cow). The plain kinds' events,
+# nearly all of a run's, leave these at their defaults (engine/events.py), so the columns are read
+# from the rarer events alone and the plain rows take the default.
+_PLAIN_KINDS = pa.array([ev.ALLOC, ev.FREE, ev.FINISH, ev.ADMIT, ev.PREFIX_HIT], pa.string())
+_RARE_DEFAULTS = {"bytes": 0, "duration_ms": None, "num_cached_tokens": 0, "num_recomputed_tokens": 0,
+                  "src_blocks": None, "requester_req_id": None, "requester_sample": None, "victim_reason": None}
+_COMMON_EVENT_FIELDS = [f for f in _EVENT_FIELDS if f not in _RARE_DEFAULTS and f != "kind"]
 _RECORD_TABLES = ("steps", "kv_events", "requests")   # buffered as records, not columns
 
 
@@ -48,12 +56,24 @@ def _records_as_columns(name: str, records: list) -> dict[str, list]:
         return {column: list(map(attrgetter(attribute), records)) for column, attribute in _STEP_ATTRIBUTES.items()}
     if name == "requests":
         return {column: list(map(attrgetter(column), records)) for column in _REQUEST_FIELDS}
-    columns = {column: list(map(attrgetter(column), records)) for column in _EVENT_FIELDS}   # num_blocks: from blocks
-    columns["evicted"] = list(map(_evicted, records))
+    columns: dict = {column: list(map(attrgetter(column), records)) for column in _COMMON_EVENT_FIELDS}
+    columns["evicted"] = list(map(_evicted, records))   # num_blocks: from blocks
+    kinds = columns["kind"] = pa.array(list(map(_kind, records)), pa.string())
+    rare = np.flatnonzero(np.invert(pc.is_in(kinds, value_set=_PLAIN_KINDS).to_numpy(zero_copy_only=False)))
+    # row i's value: at place 0 (the default) for a plain row, 1 + j for the j-th rarer one
+    at = np.zeros(len(records), dtype=np.int32)
+    at[rare] = np.arange(1, len(rare) + 1, dtype=np.int32)
+    at = pa.array(at)
+    rarer = [records[i] for i in rare.tolist()]
+    schema = TABLES["kv_events"]
+    for column, default in _RARE_DEFAULTS.items():
+        values = pa.array([default, *map(attrgetter(column), rarer)], schema.field(column).type)
+        columns[column] = values.take(at)
     return columns
 
 
 _evicted = attrgetter("evicted")
+_kind = attrgetter("kind")
 
 
 class TraceWriter:
@@ -192,8 +212,14 @@ class TraceWriter:
             num = columns.pop("num")
             columns["step"] = np.repeat(np.array(columns["step"], dtype=np.int64), num)
             columns["ts_s"] = np.repeat(np.array(columns["ts_s"], dtype=np.float64), num)
+            # the usual chunk of a simulated run: every sample 0, no token id (cheaper than converting the lists)
+            if not any(columns["sample"]):
+                columns["sample"] = pa.array(np.zeros(len(columns["sample"]), dtype=np.int32))
+            if columns["token_id"].count(None) == len(columns["token_id"]):
+                columns["token_id"] = pa.nulls(len(columns["token_id"]), pa.int32())
         num_rows = len(next(iter(columns.values())))
-        arrays = {f.name: pa.array(columns[f.name], f.type) for f in schema if f.name in columns}
+        arrays = {f.name: c if isinstance(c := columns[f.name], pa.Array) else pa.array(c, f.type)
+                  for f in schema if f.name in columns}
         if name == "kv_events":
             arrays["num_blocks"] = pc.fill_null(pc.list_value_length(arrays["blocks"]), 0).cast(pa.int32())
         if name == "tokens":

@@ -111,8 +111,8 @@ def _run(engine: LLMEngine, items: list[ReplayItem], on_progress, progress_every
         now = engine.now()
         while next_item < len(items) and items[next_item].arrival_s <= now:
             item = items[next_item]
-            engine.add_request(item.req.id, item.prompt_token_ids, item.params,
-                               arrival_s=item.arrival_s, priority=item.req.priority)
+            engine.add_request(item.req.id, item.prompt_token_ids, item.params,   # ids checked by prepare
+                               arrival_s=item.arrival_s, priority=item.req.priority, vocab_checked=True)
             next_item += 1
         if engine.has_unfinished():
             # the simulated engine runs a stretch of decode-only steps at once, up to the next arrival

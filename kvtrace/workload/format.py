@@ -278,7 +278,9 @@ def _where(req: WorkloadRequest) -> str:
 
 
 def resolve_prompt_ids(req: WorkloadRequest, *, vocab_size: int, tokenizer=None, seed: int = 0) -> list[int]:
-    """The prompt's token ids: text encoded, ids checked, counts synthesised from (seed, id).
+    """The prompt's token ids: text encoded, ids checked, counts synthesised from (seed, id). Every id
+    returned is inside [0, vocab_size): an id given or encoded outside it is refused, and synthesised
+    ids are drawn inside it (so the engine need not check them again).
 
     A count prompt in a prefix group is the group's shared prefix (synthesised from (seed, group))
     followed by the request's own `prompt_tokens - prefix_tokens` ids. A count prompt with hash_ids is
@@ -295,6 +297,10 @@ def resolve_prompt_ids(req: WorkloadRequest, *, vocab_size: int, tokenizer=None,
         ids = encode_text(tokenizer, req.prompt)
         if not ids:
             raise KvtraceError(f"{where}: the prompt encodes to no tokens")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise KvtraceError(f"{where}: the tokenizer encodes the prompt to id {bad[0]}, outside the model's "
+                               f"vocabulary [0, {vocab_size})")
         return ids
     if req.prompt_token_ids is not None:
         bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]

@@ -12,8 +12,9 @@ from kvtrace.record.recorder import TraceWriter
 from kvtrace.trace import db
 from tests.helpers.engine_runs import ListTracer, run_checked
 
-COLUMNS = ("seq", "step", "ts_s", "kind", "req_id", "sample", "blocks", "num_blocks", "num_tokens", "reason",
-           "num_cached_tokens", "num_recomputed_tokens", "src_blocks", "requester_req_id", "victim_reason")
+COLUMNS = ("seq", "step", "ts_s", "kind", "req_id", "sample", "blocks", "num_blocks", "num_tokens", "bytes",
+           "duration_ms", "reason", "num_cached_tokens", "num_recomputed_tokens", "src_blocks", "requester_req_id",
+           "requester_sample", "victim_reason")
 
 
 class Tee:
@@ -45,20 +46,50 @@ def test_every_eviction_is_a_row_before_the_alloc_that_made_it(tmp_path, make_en
     writer.close()
     (tmp_path / "run" / "meta.json").write_text('{"run_id": "run", "schema_version": 3}')
 
-    expected = [tuple(getattr(ev, c) if c != "num_blocks" else len(ev.blocks or ()) for c in COLUMNS)
-                for ev in tee.kept.events]
-    con = db.connect([tmp_path / "run"])
-    written = [tuple(row) for row in con.sql(f"SELECT {', '.join(COLUMNS)} FROM kv_events ORDER BY seq").fetchall()]
-    normalised = [tuple(list(v) if isinstance(v, (list, tuple)) and v is not None else v for v in row)
-                  for row in expected]
-    assert [r[0] for r in written] == list(range(len(written)))   # seq: every number once, none skipped
-    assert written == normalised
+    written = assert_written_as_kept(tmp_path / "run", tee)
     allocs = [ev for r in tee.kept.records for ev in r.events if ev.kind == "alloc" and ev.evicted]
     assert any(len(ev.evicted) > 1 for ev in allocs) and any(ev.reason == "decode" for ev in allocs)
     assert all(set(ev.evicted) <= set(ev.blocks) for ev in allocs)   # an evicted block is one the alloc took
     assert sum(1 for row in written if row[3] == EVICT) == sum(len(ev.evicted) for ev in allocs)
     if max_rows == 7:
         assert len(list((tmp_path / "run" / "kv_events").glob("part-*.parquet"))) > 3
+
+
+def assert_written_as_kept(run, tee: Tee) -> list[tuple]:
+    """The written kv_events, every column, equal the engine's events (evictions expanded); returns them."""
+    expected = [tuple(getattr(ev, c) if c != "num_blocks" else len(ev.blocks or ()) for c in COLUMNS)
+                for ev in tee.kept.events]
+    con = db.connect([run])
+    written = [tuple(row) for row in con.sql(f"SELECT {', '.join(COLUMNS)} FROM kv_events ORDER BY seq").fetchall()]
+    normalised = [tuple(list(v) if isinstance(v, (list, tuple)) and v is not None else v for v in row)
+                  for row in expected]
+    assert [r[0] for r in written] == list(range(len(written)))   # seq: every number once, none skipped
+    assert written == normalised
+    return written
+
+
+@pytest.mark.parametrize("engine", ["real", "sim"])
+@pytest.mark.parametrize("max_rows", [5, 200_000])
+def test_the_rarer_kinds_keep_every_field(tmp_path, make_engine, engine, max_rows):
+    # preemptions by swap and by recompute, swaps both ways, re-prefills, copy-on-write forks: the
+    # fields only these kinds set (bytes, src_blocks, requester_*, ...) are written from them alone
+    writer = TraceWriter(tmp_path / "run", "run", max_rows=max_rows, background=engine == "real")
+    tee = Tee(writer)
+    sim = {"engine": "sim", "hardware": "a100-80gb"} if engine == "sim" else {}
+    e = make_engine(tee, block_size=4, num_gpu_blocks=12, num_cpu_blocks=6, preemption_mode="swap", n_mode="cow",
+                    enable_prefix_caching=True, **sim)
+    for i in range(6):
+        e.add_request(f"r{i}", [300 + 7 * i + j for j in range(6 + i % 3)],
+                      SamplingParams(max_tokens=10 + i % 4, ignore_eos=True, n=2 if i % 2 else 1), arrival_s=0.0)
+    run_checked(e)
+    writer.close()
+    (tmp_path / "run" / "meta.json").write_text('{"run_id": "run", "schema_version": 3}')
+    written = assert_written_as_kept(tmp_path / "run", tee)
+    kinds = {row[3] for row in written}
+    assert {"preempt", "swap_out", "swap_in", "cow", "reprefill"} <= kinds, kinds
+    bytes_at, requester_at = COLUMNS.index("bytes"), COLUMNS.index("requester_req_id")
+    assert any(row[bytes_at] for row in written if row[3] == "swap_out")
+    assert all(row[requester_at] for row in written if row[3] == "preempt")
 
 
 def test_with_evictions_puts_them_first_in_the_order_evicted():

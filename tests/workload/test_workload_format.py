@@ -34,6 +34,23 @@ def test_a_request_made_in_code_is_named_by_its_id_not_a_line():
         "1 prompt leaves no room for an output token within max_model_len 11: request 'gen-3': 11 tokens")
 
 
+class _WideTokenizer:
+    """A tokenizer of a bigger vocabulary than the model's (the wrong one for it)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [5, 600 + len(text), 7]
+
+
+def test_a_prompt_the_tokenizer_encodes_outside_the_vocabulary_is_refused_before_the_run():
+    # the replay hands prepared ids to the engine unchecked (add_request's vocab_checked): prepare refuses them
+    req = WorkloadRequest(id="t", arrival_s=0, prompt="hi", max_tokens=1)
+    assert error_of(lambda: resolve_prompt_ids(req, vocab_size=512, tokenizer=_WideTokenizer())) == (
+        "request 't': the tokenizer encodes the prompt to id 602, outside the model's vocabulary [0, 512)")
+    assert resolve_prompt_ids(req, vocab_size=603, tokenizer=_WideTokenizer()) == [5, 602, 7]
+    synthesised = WorkloadRequest(id="s", arrival_s=0, prompt_tokens=2000, max_tokens=1)
+    assert max(resolve_prompt_ids(synthesised, vocab_size=64)) < 64
+
+
 def test_a_long_bad_value_is_cut_to_40_characters_in_the_error(tmp_path):
     path = tmp_path / "w.jsonl"
     path.write_text('{"prompt_tokens": 2, "max_tokens": 1, "arrival_s": "' + "x" * 100 + '"}\n')
