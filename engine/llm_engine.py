@@ -255,15 +255,16 @@ class LLMEngine:
         self.runner.idle_until(t + self.time_origin)
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    *, arrival_s: float | None = None, priority: int = 0, vocab_checked: bool = False) -> Sequence:
+                    *, arrival_s: float | None = None, priority: int = 0, prepared: bool = False) -> Sequence:
         """Queue a request; returns its first sequence (n > 1: the others are queued beside it, or with
-        --n-mode cow forked from it when its prompt is done). `vocab_checked`: the caller has checked
-        that every id is inside the vocabulary (a replay's prepare does, before the run), so the pass
-        over the prompt that checks it is left out."""
+        --n-mode cow forked from it when its prompt is done). `prepared`: the prompt comes from a
+        replay's prepare, which checked every id against the vocabulary before the run, and its list
+        is handed over: the pass that checks the ids is left out, and the first sequence keeps the list
+        as its token_ids instead of a copy (the outputs are appended to it)."""
         params = params or SamplingParams()
         if not prompt_token_ids:
             raise ValueError(f"request {req_id}: empty prompt")
-        if not vocab_checked:
+        if not prepared:
             vocab = self.model_config.vocab_size
             if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:   # then find the first one
                 bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
@@ -277,7 +278,8 @@ class LLMEngine:
         num_seqs = params.n if self.config.n_mode == NMode.INDEPENDENT else 1
         seqs = []
         for index in range(num_seqs):
-            seq = Sequence(str(req_id), index, prompt_token_ids, params, arrival, priority, self._num_requests)
+            seq = Sequence(str(req_id), index, prompt_token_ids, params, arrival, priority, self._num_requests,
+                           keep_list=prepared and index == 0)
             seq.num_reserved_tokens = reserved
             seq.stop_num_tokens = min(seq.stop_num_tokens, self.max_model_len)
             if self.keep_outputs:
@@ -311,12 +313,25 @@ class LLMEngine:
         of the step before)."""
         if self.config.async_scheduling:
             return self._step_async()
+        return self._step(pairs=True)[0]
+
+    def step_count(self) -> int:
+        """Run one step; return how many tokens it emitted: `step` without making its pairs, which a
+        simulated decode cohort's step would make for every running sequence (a replay counts them)."""
+        if self.config.async_scheduling:
+            return len(self._step_async())
+        return self._step(pairs=False)[1]
+
+    def _step(self, pairs: bool) -> tuple[list[tuple[Sequence, int]], int]:
+        """The synchronous step: its (sequence, token id) pairs (none made for a cohort's decodes unless
+        `pairs`) and how many tokens it emitted."""
         start_s = self.now()
         out = self.scheduler.schedule()
         sched_events = self.block_manager.take_events()
         occupancy = self._occupancy(out)
         result = self.runner.execute(out)
         emitted: list[tuple[Sequence, int]] = []
+        num_emitted = 0
         num_recompute = 0
         stopped: list[Sequence] = []   # in the batch's order
         tokens = None
@@ -330,7 +345,9 @@ class LLMEngine:
                 for seq in stopped:
                     self._check_stop(seq, seq.token_ids[-1])
                     assert seq.finish_reason, f"{seq} at its stop length without a reason to stop"
-                emitted = list(zip(decoded, map(_cohort_token, decoded))) + rest
+                if pairs:
+                    emitted = list(zip(decoded, map(_cohort_token, decoded))) + rest
+                num_emitted = num_decodes + len(rest)
             else:
                 sampled = self._sample(result, num_decodes)
                 if num_decodes:   # the running pass's decodes: accounted, extended and checked in one loop
@@ -339,6 +356,7 @@ class LLMEngine:
                 else:
                     rest = sampled
                 emitted = sampled
+                num_emitted = len(sampled)
             for seq, token in rest:
                 seq.token_ids.append(token)
             self._deliver(rest, self.now())
@@ -366,8 +384,8 @@ class LLMEngine:
                      occupancy=occupancy, num_recompute=num_recompute, emitted=emitted, finished=finished,
                      tokens=tokens)
         self.step_counter += 1
-        self._check_progress(bool(emitted or finished))
-        return emitted
+        self._check_progress(bool(num_emitted or finished))
+        return emitted, num_emitted
 
     def _cohort_tokens(self, decoded: list[Sequence], rest: list[tuple[Sequence, int]]) -> tuple:
         """The trace's token columns of a cohort step (`_record`'s), its tokens delivered: a decode's

@@ -55,10 +55,11 @@ class Sequence:
     """
 
     def __init__(self, req_id: str, sample: int, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_s: float, priority: int, admit_order: int) -> None:
+                 arrival_s: float, priority: int, admit_order: int, *, keep_list: bool = False) -> None:
+        """`keep_list`: the prompt's list is handed over and becomes token_ids (else a copy does)."""
         self.req_id = req_id
         self.sample = sample
-        self.token_ids = list(prompt_token_ids)
+        self.token_ids = prompt_token_ids if keep_list else list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.arrival_s = arrival_s

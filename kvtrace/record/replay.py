@@ -17,7 +17,7 @@ from kvtrace.workload import WorkloadRequest, resolve_prompt_ids, validate_lengt
 @dataclass
 class ReplayItem:
     req: WorkloadRequest
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None   # handed to the engine by the replay, which leaves None here
     arrival_s: float          # on the replay clock (after --time-scale / --backlog)
     params: SamplingParams
 
@@ -70,7 +70,8 @@ def replay(engine: LLMEngine, items: list[ReplayItem], *,
 
     Requests whose arrival passed while a step ran join at the next step. Time starts now, on the engine's
     clock (virtual for the simulated engine, which jumps over idle gaps). `stop` is called between steps
-    and raises to end the replay there (a signal, taken at a safe point).
+    and raises to end the replay there (a signal, taken at a safe point). The items are used up: each
+    prompt's list is handed to the engine as it arrives (prepare makes new ones for another replay).
     """
     if stats is None:   # given: it holds the counts so far if the replay is interrupted
         stats = ReplayStats()
@@ -111,15 +112,16 @@ def _run(engine: LLMEngine, items: list[ReplayItem], on_progress, progress_every
         now = engine.now()
         while next_item < len(items) and items[next_item].arrival_s <= now:
             item = items[next_item]
-            engine.add_request(item.req.id, item.prompt_token_ids, item.params,   # ids checked by prepare
-                               arrival_s=item.arrival_s, priority=item.req.priority, vocab_checked=True)
+            engine.add_request(item.req.id, item.prompt_token_ids, item.params,
+                               arrival_s=item.arrival_s, priority=item.req.priority, prepared=True)
+            item.prompt_token_ids = None   # the engine's now (it appends the outputs): let it go when done
             next_item += 1
         if engine.has_unfinished():
             # the simulated engine runs a stretch of decode-only steps at once, up to the next arrival
             num_steps, num_tokens = engine.decode_window(items[next_item].arrival_s if next_item < len(items)
                                                          else math.inf)
             if not num_steps:
-                num_steps, num_tokens = 1, len(engine.step())
+                num_steps, num_tokens = 1, engine.step_count()
             stats.num_steps += num_steps
             stats.num_output_tokens += num_tokens
         else:  # idle until the next arrival

@@ -28,7 +28,9 @@ def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, *, cohort
     steps took the scheduler's fast path, every sequence's tokens, and how many steps ran in the engine's
     decode windows (LLMEngine.decode_window). `eos_at`: every third sequence that does not
     ignore EOS samples the stop token as its output token of that index. `cohort`, `windows`: the
-    simulator's decode cohort (engine/cohort.py) and decode windows, with the fast path."""
+    simulator's decode cohort (engine/cohort.py) and decode windows, with the fast path. The fast
+    synchronous run steps as the replay does (`step_count`: no pairs made), each count checked against
+    the step's recorded tokens."""
     tracer = ListTracer()
     engine = LLMEngine(EngineConfig(model="tiny", load_format="dummy", **settings), tracer, loaded=loaded)
     engine.scheduler.decode_fast_path = fast
@@ -70,7 +72,10 @@ def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, *, cohort
             num_steps = engine.decode_window(pending[0].arrival_s if pending and arrivals else math.inf)[0] \
                 if fast and windows else 0
             windowed += num_steps
-            if not num_steps:
+            if not num_steps and fast and not engine.config.async_scheduling:
+                num_tokens = engine.step_count()
+                assert num_tokens == len(tracer.records[-1].token_req_ids), "step_count is not the step's tokens"
+            elif not num_steps:
                 engine.step()
             engine.check_integrity()
         else:

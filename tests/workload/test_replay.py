@@ -140,13 +140,13 @@ def test_the_progress_callback_comes_every_quarter_second_then_at_the_end(make_e
     for every in (0.0, None):
         seen = []
         engine, items = replay_of(make_engine, rows)
-        step = engine.step
+        step_count = engine.step_count   # the replay's step
 
         def timed_step():
             clock[0] += 0.125
-            return step()
+            return step_count()
 
-        engine.step = timed_step
+        engine.step_count = timed_step
         progress = {} if every is None else {"progress_every_s": every}
         stats = replay(engine, items, on_progress=lambda s: seen.append((s.num_steps, s.num_finished)), **progress)
         runs.append([steps for steps, _ in seen])
@@ -198,3 +198,16 @@ def test_a_replay_keeps_no_finished_sequences_in_memory(make_engine):
     engine, items = replay_of(make_engine, [{"prompt_tokens": 6, "max_tokens": 3}] * 3)
     replay(engine, items)
     assert engine.outputs == {} and engine.num_finished_seqs == 3
+
+
+def test_a_replay_hands_each_prompt_to_the_engine_and_keeps_none(make_engine):
+    # the first sample's token_ids is the prepared list itself (no copy of a long prompt), the other
+    # samples' are copies, and the items let go of their prompts
+    engine, items = replay_of(make_engine, [{"prompt_tokens": 6, "max_tokens": 3, "n": 2, "ignore_eos": True},
+                                            {"prompt_tokens": 5, "max_tokens": 2, "ignore_eos": True}])
+    prompts = [item.prompt_token_ids for item in items]
+    originals = [list(p) for p in prompts]
+    replay(engine, items)
+    assert [item.prompt_token_ids for item in items] == [None, None]
+    assert [len(p) for p in prompts] == [6 + 3, 5 + 2]   # the outputs were appended to the handed lists
+    assert [p[:len(o)] for p, o in zip(prompts, originals)] == originals

@@ -42,7 +42,7 @@ class _WideTokenizer:
 
 
 def test_a_prompt_the_tokenizer_encodes_outside_the_vocabulary_is_refused_before_the_run():
-    # the replay hands prepared ids to the engine unchecked (add_request's vocab_checked): prepare refuses them
+    # the replay hands prepared ids to the engine unchecked (add_request(prepared=True)): prepare refuses them
     req = WorkloadRequest(id="t", arrival_s=0, prompt="hi", max_tokens=1)
     assert error_of(lambda: resolve_prompt_ids(req, vocab_size=512, tokenizer=_WideTokenizer())) == (
         "request 't': the tokenizer encodes the prompt to id 602, outside the model's vocabulary [0, 512)")
