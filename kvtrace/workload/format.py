@@ -193,13 +193,17 @@ def _parse_line(text: str, line: int) -> tuple[WorkloadRequest | None, list[str]
         return None, unknown + problems
     fields = {name: obj[name] for name in _TYPES if obj.get(name) is not None}
     fields["id"] = str(fields.get("id", line))
-    problems = unknown + _value_problems(SimpleNamespace(**{**_DEFAULTS, **fields}))
-    if problems:
-        return None, problems
-    for name in ("arrival_s", "temperature", "top_p"):
-        if name in fields:
-            fields[name] = float(fields[name])
-    return WorkloadRequest(**fields, line=line), []
+    if not unknown:   # the usual line: the request checks its values itself (the first problem only)
+        try:
+            return WorkloadRequest(**_as_floats(fields), line=line), []
+        except ValueError:
+            pass
+    return None, unknown + _value_problems(SimpleNamespace(**{**_DEFAULTS, **fields}))   # every problem
+
+
+def _as_floats(fields: dict) -> dict:
+    """The fields with the float ones as floats (a JSON integer where a number goes)."""
+    return fields | {name: float(fields[name]) for name in ("arrival_s", "temperature", "top_p") if name in fields}
 
 
 def one_line_error(head: str, problems: list[tuple[int, str]]) -> KvtraceError:
@@ -315,7 +319,10 @@ def resolve_prompt_ids(req: WorkloadRequest, *, vocab_size: int, tokenizer=None,
     for hash_id in req.hash_ids or ():
         prefix += _hash_block_ids(hash_id, req.hash_block_size, vocab_size, seed)
     own = synthetic_ids(f"request:{req.id}", req.prompt_tokens - len(prefix), vocab_size=vocab_size, seed=seed)
-    return prefix + own
+    if not prefix:   # (a copy of a long prompt costs as much as drawing it)
+        return own
+    prefix += own
+    return prefix
 
 
 def validate_lengths(requests: list[WorkloadRequest], prompt_lengths: list[int], max_model_len: int) -> None:
