@@ -180,6 +180,15 @@ def test_many_errors_one_line_summary(tmp_path):
     assert message.endswith("line 10: max_tokens must be >= 1, got 0; and 3 more") and "\n" not in message
 
 
+def test_every_problem_of_a_line_is_listed(tmp_path):
+    # a line with several bad values, and one with an unknown field beside a bad value: each problem named
+    path = write(tmp_path, '{"prompt_tokens": 2, "max_tokens": 1, "arrival_s": 0, "temperature": -1, "top_p": 2}',
+                 '{"prompt_tokens": 2, "max_tokens": 1, "arrival_s": 0, "top_pp": 1, "n": 0}')
+    assert error_of(path) == (f"{path}: 2 bad lines: line 1: temperature must be >= 0, got -1; "
+                              "line 1: top_p must be in (0, 1], got 2; "
+                              "line 2: unknown field 'top_pp' (did you mean 'top_p'?); line 2: n must be >= 1, got 0")
+
+
 def test_missing_empty_and_undecodable_files(tmp_path):
     assert error_of(tmp_path / "nope.jsonl") == f"workload file not found: {tmp_path / 'nope.jsonl'}"
     path = write(tmp_path, "# only a comment", "")
