@@ -50,6 +50,13 @@ class DecodeCohort:
         # of the members' num_computed_tokens - cohort_mark, which a settle leaves as it is (both grow by the
         # lag): their true positions are computed_base + num_members * clock
         self.computed_base = 0
+        # the members in the batch's order (running[:num_members]) and their token rows' columns, kept as
+        # they join and leave: a cohort step's token rows copy them (LLMEngine._cohort_tokens), its
+        # indices each member's cohort_idx plus the clock
+        self.members: list[Sequence] = []
+        self.member_req_ids: list[str] = []
+        self.member_samples: list[int] = []
+        self.member_idx: list[int] = []
         # a member is filed once in each: under the step that next takes or completes a block for it
         # (its cohort_grow_at), and under the step after which it stops (its cohort_stop_at)
         self._grows: dict[int, list[Sequence]] = {}
@@ -94,6 +101,8 @@ class DecodeCohort:
         self.num_members = 0
         self.sum_marks = 0
         self.computed_base = 0
+        for column in (self.members, self.member_req_ids, self.member_samples, self.member_idx):
+            column.clear()
         self._grows.clear()
         self._stops.clear()
 
@@ -112,6 +121,9 @@ class DecodeCohort:
         self.computed_base -= seq.num_computed_tokens - seq.cohort_mark
         seq.cohort_mark = -1
         self.num_members -= 1
+        i = self.members.index(seq)
+        for column in (self.members, self.member_req_ids, self.member_samples, self.member_idx):
+            del column[i]
 
     # ---- the step -----------------------------------------------------------------------------
     def grow(self, running: list[Sequence], preempt: Callable[[Sequence], None] | None) -> bool:
@@ -168,6 +180,10 @@ class DecodeCohort:
                 self.sum_marks += clock
                 self.computed_base += seq.num_computed_tokens - clock
                 self.num_members += 1
+                self.members.append(seq)
+                self.member_req_ids.append(seq.req_id)
+                self.member_samples.append(seq.sample)
+                self.member_idx.append(seq.cohort_idx)
                 steps_left = seq.stop_num_tokens - len(token_ids)
                 assert steps_left >= 1, f"{seq}: running at its stop length"
                 stop_at = seq.cohort_stop_at = clock + steps_left

@@ -35,7 +35,6 @@ _num_computed = attrgetter("num_computed_tokens")
 _req_id = attrgetter("req_id")
 _sample_index = attrgetter("sample")
 _cohort_token = attrgetter("cohort_token")
-_cohort_idx = attrgetter("cohort_idx")
 
 
 class LivelockError(RuntimeError):
@@ -390,12 +389,15 @@ class LLMEngine:
     def _cohort_tokens(self, decoded: list[Sequence], rest: list[tuple[Sequence, int]]) -> tuple:
         """The trace's token columns of a cohort step (`_record`'s), its tokens delivered: a decode's
         index is its cohort_idx plus the clock, so the decodes are not visited one by one."""
-        idx = list(map(add, map(_cohort_idx, decoded), repeat(self.scheduler.cohort.clock, len(decoded))))
+        cohort = self.scheduler.cohort   # its members are the decodes, in their order
+        req_ids, samples = cohort.member_req_ids[:], cohort.member_samples[:]
+        idx = list(map(add, cohort.member_idx, repeat(cohort.clock, len(decoded))))
         if rest:
-            idx += [len(seq.token_ids) - seq.num_prompt_tokens - 1 for seq, _ in rest]
-            decoded = decoded + [seq for seq, _ in rest]
-        return (list(map(_req_id, decoded)), list(map(_sample_index, decoded)), idx,
-                [None] * len(decoded))   # the simulator's placeholders are recorded as null
+            rest_seqs = [seq for seq, _ in rest]
+            req_ids += map(_req_id, rest_seqs)
+            samples += map(_sample_index, rest_seqs)
+            idx += [len(seq.token_ids) - seq.num_prompt_tokens - 1 for seq in rest_seqs]
+        return req_ids, samples, idx, [None] * len(idx)   # the simulator's placeholders are recorded as null
 
     def decode_window(self, until_s: float, max_steps: int = 256) -> tuple[int, int]:
         """Run the steps of a stretch where the simulated engine only decodes: every running sequence
@@ -828,6 +830,9 @@ class LLMEngine:
             assert cohort.sum_marks == sum(seq.cohort_mark for seq in members), "the cohort's sum of marks is off"
             assert cohort.computed_base == sum(seq.num_computed_tokens - seq.cohort_mark for seq in members), \
                 "the cohort's sum of positions is off"
+            assert cohort.members == members and cohort.member_idx == [seq.cohort_idx for seq in members] \
+                and cohort.member_req_ids == [seq.req_id for seq in members] \
+                and cohort.member_samples == [seq.sample for seq in members], "the cohort's member columns are off"
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Convenience: run prompts to completion, return each request's sample-0 output ids."""
