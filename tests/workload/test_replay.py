@@ -211,3 +211,44 @@ def test_a_replay_hands_each_prompt_to_the_engine_and_keeps_none(make_engine):
     assert [item.prompt_token_ids for item in items] == [None, None]
     assert [len(p) for p in prompts] == [6 + 3, 5 + 2]   # the outputs were appended to the handed lists
     assert [p[:len(o)] for p, o in zip(prompts, originals)] == originals
+
+
+def test_prepare_refuses_a_prompt_with_no_room_for_an_output_token(make_engine):
+    # before the run, with the workload's name: not a request rejected at its arrival
+    from kvtrace.errors import KvtraceError
+    from kvtrace.workload import WorkloadRequest
+
+    engine = make_engine(ListTracer(), max_model_len=16)
+    requests = [WorkloadRequest(id="a", arrival_s=0.0, prompt_tokens=8, max_tokens=4, line=1),
+                WorkloadRequest(id="b", arrival_s=0.0, prompt_tokens=16, max_tokens=4, line=2)]
+    with pytest.raises(KvtraceError) as info:
+        prepare(requests, engine, tokenizer=None, seed=0, time_scale=None, backlog=False, workload_name="w.jsonl")
+    assert str(info.value) == ("1 prompt leaves no room for an output token within max_model_len 16: "
+                               "line 2 (id b): 16 tokens")
+
+
+def test_prepare_orders_requests_given_out_of_order_by_arrival(make_engine):
+    # a caller's requests need not come sorted (load_workload sorts a file's): the replay admits by arrival
+    from kvtrace.workload import WorkloadRequest
+
+    engine = make_engine(ListTracer())
+    requests = [WorkloadRequest(id=name, arrival_s=t, prompt_tokens=4, max_tokens=2) for name, t in
+                (("late", 0.5), ("early", 0.0), ("middle", 0.2))]
+    items = prepare(requests, engine, tokenizer=None, seed=0, time_scale=2.0, backlog=False, workload_name="w")
+    assert [(item.req.id, item.arrival_s) for item in items] == [("early", 0.0), ("middle", 0.1), ("late", 0.25)]
+
+
+def test_the_replay_tunes_the_collector_for_its_run_and_restores_it(make_engine):
+    # what exists when the replay starts is frozen out of the collector's view, which runs less often;
+    # the caller's settings come back afterwards
+    import gc
+
+    engine, items = replay_of(make_engine, [{"prompt_tokens": 6, "max_tokens": 3}])
+    before = gc.get_threshold(), gc.get_freeze_count()
+    during = []
+    replay(engine, items, on_progress=lambda s: during.append((gc.get_threshold(), gc.get_freeze_count())),
+           progress_every_s=0.0)
+    assert (gc.get_threshold(), gc.get_freeze_count()) == before
+    *steps, end = during   # after each step, then once the replay is over
+    assert steps and all(threshold == (200_000, 20, 100) and frozen > before[1] for threshold, frozen in steps)
+    assert end == before
