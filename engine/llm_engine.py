@@ -338,13 +338,13 @@ class LLMEngine:
             num_decodes = out.num_decodes
             num_recompute = self._account(out, start_s, num_decodes)
             if out.cohort:   # the decodes are the cohort's: their counts advance lazily (engine/cohort.py)
-                decoded = out.seqs[:num_decodes]
                 rest = self._sample(result, num_decodes, skip=num_decodes)
                 stopped = self.scheduler.cohort.advance()
                 for seq in stopped:
                     self._check_stop(seq, seq.token_ids[-1])
                     assert seq.finish_reason, f"{seq} at its stop length without a reason to stop"
                 if pairs:
+                    decoded = out.seqs[:num_decodes]
                     emitted = list(zip(decoded, map(_cohort_token, decoded))) + rest
                 num_emitted = num_decodes + len(rest)
             else:
@@ -360,7 +360,7 @@ class LLMEngine:
                 seq.token_ids.append(token)
             self._deliver(rest, self.now())
             if out.cohort:
-                tokens = self._cohort_tokens(decoded, rest)
+                tokens = self._cohort_tokens(rest)
         finished = self._pending_finished + out.rejected
         self._pending_finished = []
         # --n-mode cow, rejected before forking: every sample finishes
@@ -386,12 +386,12 @@ class LLMEngine:
         self._check_progress(bool(num_emitted or finished))
         return emitted, num_emitted
 
-    def _cohort_tokens(self, decoded: list[Sequence], rest: list[tuple[Sequence, int]]) -> tuple:
+    def _cohort_tokens(self, rest: list[tuple[Sequence, int]]) -> tuple:
         """The trace's token columns of a cohort step (`_record`'s), its tokens delivered: a decode's
         index is its cohort_idx plus the clock, so the decodes are not visited one by one."""
         cohort = self.scheduler.cohort   # its members are the decodes, in their order
         req_ids, samples = cohort.member_req_ids[:], cohort.member_samples[:]
-        idx = list(map(add, cohort.member_idx, repeat(cohort.clock, len(decoded))))
+        idx = list(map(add, cohort.member_idx, repeat(cohort.clock, cohort.num_members)))
         if rest:
             rest_seqs = [seq for seq, _ in rest]
             req_ids += map(_req_id, rest_seqs)

@@ -28,13 +28,26 @@ class Tee:
         self.writer.on_step(record)
 
 
+def teed_engine(tmp_path, make_engine, engine: str, max_rows: int, **settings):
+    """An engine (real or simulated) whose step records go to a TraceWriter of tmp_path/run and to a
+    kept copy; returns (engine, tee)."""
+    writer = TraceWriter(tmp_path / "run", "run", max_rows=max_rows, background=engine == "real")
+    sim = {"engine": "sim", "hardware": "a100-80gb"} if engine == "sim" else {}
+    tee = Tee(writer)
+    return make_engine(tee, **settings, **sim), tee
+
+
+def run_and_close(tmp_path, e, tee: Tee) -> None:
+    run_checked(e)
+    tee.writer.close()
+    (tmp_path / "run" / "meta.json").write_text('{"run_id": "run", "schema_version": 3}')
+
+
 @pytest.mark.parametrize("engine", ["real", "sim"])
 @pytest.mark.parametrize("max_rows", [7, 200_000])
 def test_every_eviction_is_a_row_before_the_alloc_that_made_it(tmp_path, make_engine, engine, max_rows):
-    writer = TraceWriter(tmp_path / "run", "run", max_rows=max_rows, background=engine == "real")
-    tee = Tee(writer)
-    sim = {"engine": "sim", "hardware": "a100-80gb"} if engine == "sim" else {}
-    e = make_engine(tee, block_size=4, num_gpu_blocks=14, enable_prefix_caching=True, **sim)
+    e, tee = teed_engine(tmp_path, make_engine, engine, max_rows, block_size=4, num_gpu_blocks=14,
+                         enable_prefix_caching=True)
     # finished prompts leave their full blocks cached; later prompts (a shared prefix among them) take
     # those blocks back, a prefill evicting several at once, a decode one
     shared = list(range(100, 108))
@@ -42,9 +55,7 @@ def test_every_eviction_is_a_row_before_the_alloc_that_made_it(tmp_path, make_en
         own = [200 + 10 * i + j for j in range(5 + i % 4)]
         e.add_request(f"r{i}", (shared if i % 3 == 0 else []) + own,
                       SamplingParams(max_tokens=6 + i % 5, ignore_eos=True), arrival_s=0.0)
-    run_checked(e)
-    writer.close()
-    (tmp_path / "run" / "meta.json").write_text('{"run_id": "run", "schema_version": 3}')
+    run_and_close(tmp_path, e, tee)
 
     written = assert_written_as_kept(tmp_path / "run", tee)
     allocs = [ev for r in tee.kept.records for ev in r.events if ev.kind == "alloc" and ev.evicted]
@@ -73,17 +84,12 @@ def assert_written_as_kept(run, tee: Tee) -> list[tuple]:
 def test_the_rarer_kinds_keep_every_field(tmp_path, make_engine, engine, max_rows):
     # preemptions by swap and by recompute, swaps both ways, re-prefills, copy-on-write forks: the
     # fields only these kinds set (bytes, src_blocks, requester_*, ...) are written from them alone
-    writer = TraceWriter(tmp_path / "run", "run", max_rows=max_rows, background=engine == "real")
-    tee = Tee(writer)
-    sim = {"engine": "sim", "hardware": "a100-80gb"} if engine == "sim" else {}
-    e = make_engine(tee, block_size=4, num_gpu_blocks=12, num_cpu_blocks=6, preemption_mode="swap", n_mode="cow",
-                    enable_prefix_caching=True, **sim)
+    e, tee = teed_engine(tmp_path, make_engine, engine, max_rows, block_size=4, num_gpu_blocks=12, num_cpu_blocks=6,
+                         preemption_mode="swap", n_mode="cow", enable_prefix_caching=True)
     for i in range(6):
         e.add_request(f"r{i}", [300 + 7 * i + j for j in range(6 + i % 3)],
                       SamplingParams(max_tokens=10 + i % 4, ignore_eos=True, n=2 if i % 2 else 1), arrival_s=0.0)
-    run_checked(e)
-    writer.close()
-    (tmp_path / "run" / "meta.json").write_text('{"run_id": "run", "schema_version": 3}')
+    run_and_close(tmp_path, e, tee)
     written = assert_written_as_kept(tmp_path / "run", tee)
     kinds = {row[3] for row in written}
     assert {"preempt", "swap_out", "swap_in", "cow", "reprefill"} <= kinds, kinds
