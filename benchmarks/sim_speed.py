@@ -15,7 +15,11 @@ command: start-up, replay and closing the trace):
 - an hour: 72,000 requests of the ShareGPT-like shape at 20 req/s (issue 32's hour of production
   traffic), on simulated Llama-3-8B / H100 with the same limits; `--hour-repeats` runs (1 by default:
   it takes minutes), `--skip-hour` leaves it out.
-`--only sharegpt|paged-kv|hour` runs one scenario.
+- the hour's sweep (`--hour-sweep`, or `--only hour-sweep`; a quarter of an hour and more, so not by
+  default): `kvtrace sweep` of that hour over 20 points, max_num_seqs 64 / 128 / 192 / 256 / 384 by
+  gpu_memory_utilization 0.5 / 0.6 / 0.75 / 0.9, the points run side by side as the sweep runs them
+  (one process per core). The goal: the whole sweep within the hour it replays.
+`--only sharegpt|paged-kv|hour|hour-sweep` runs one scenario.
 Steps/s and sequence-steps/s (running sequences summed over steps) are measured per replay.
 """
 from __future__ import annotations
@@ -53,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-paged-kv", action="store_true")
     parser.add_argument("--skip-hour", action="store_true", help="Leave out the 72,000-request hour.")
     parser.add_argument("--hour-repeats", type=int, default=1, help="Runs of the hour (default 1).")
-    parser.add_argument("--only", choices=sorted(ONLY), help="Run one scenario only.")
+    parser.add_argument("--hour-sweep", action="store_true",
+                        help="Also sweep the hour over 20 points (max_num_seqs by gpu_memory_utilization).")
+    parser.add_argument("--only", choices=sorted([*ONLY, "hour-sweep"]), help="Run one scenario only.")
     parser.add_argument("--vidur-python", type=Path, default=default_vidur_python(),
                         help="Python of Vidur 0.0.26's venv (default: scripts/vidur_env.sh's cached one, if built).")
     parser.add_argument("--vidur-cache", type=Path, default=CACHE_DIR,
@@ -92,6 +98,10 @@ SCENARIOS = {
 HOUR = "an hour at 20 req/s, Llama-3-8B / H100"
 SHAREGPT = "ShareGPT-like, Llama-3-8B / A100"
 ONLY = {"sharegpt": SHAREGPT, "paged-kv": "paged-kv 4,000 backlog, paged 16", "hour": HOUR}
+# the hour's sweep: its scenario's options less the two swept, and the grid (5 x 4 = 20 points)
+HOUR_SWEEP_SHARED = ["--model", "llama-3-8b", "--engine", "sim", "--hardware", "h100-sxm",
+                     "--max-num-batched-tokens", "8192"]
+HOUR_SWEEP_GRID = ["--set", "max_num_seqs=64,128,192,256,384", "--set", "gpu_memory_utilization=0.5,0.6,0.75,0.9"]
 # Vidur's settings for the ShareGPT-like scenario, as close to its kvtrace options as Vidur allows
 VIDUR_CONFIG = VidurConfig(block_size=16, batch_size_cap=256, max_tokens_in_batch=8192, gpu_memory_utilization=0.9,
                            max_tokens=8192)
@@ -101,8 +111,10 @@ SHAREGPT_SHAPE = ["--prompt-median", "250", "--prompt-sigma", "1.0", "--output-m
 
 
 def wanted(args: argparse.Namespace, name: str) -> bool:
+    if name == "hour-sweep":
+        return args.only == "hour-sweep" or (args.hour_sweep and not args.only)
     if args.only:
-        return name == ONLY[args.only]
+        return name == ONLY.get(args.only)
     return not ((args.skip_paged_kv and name.startswith("paged-kv")) or (args.skip_hour and name == HOUR))
 
 
@@ -121,7 +133,7 @@ def run(args: argparse.Namespace) -> None:
         if wanted(args, SHAREGPT):
             kvtrace("workload", "synth", "--num-requests", str(args.num_requests), "--rate", str(args.rate),
                     *SHAREGPT_SHAPE, "-o", str(workloads["ShareGPT-like, Llama-3-8B / A100"]))
-        if wanted(args, HOUR):
+        if wanted(args, HOUR) or wanted(args, "hour-sweep"):
             kvtrace("workload", "synth", "--num-requests", "72000", "--rate", "20", *SHAREGPT_SHAPE,
                     "-o", str(workloads[HOUR]))
         if wanted(args, ONLY["paged-kv"]):
@@ -163,6 +175,7 @@ def run(args: argparse.Namespace) -> None:
                 vidur_wall = median([r.wall_s for r in vidur_runs]) if vidur_runs else VIDUR_WALL_S
                 vidur_cpu = median([r.cpu_s for r in vidur_runs]) if vidur_runs else VIDUR_WALL_S
                 vs_vidur = (wall / vidur_wall, median(cpus) / vidur_cpu)
+        swept = hour_sweep(workloads[HOUR], tmp_path / "hour-sweep") if wanted(args, "hour-sweep") else None
     section.add("Wall time of `kvtrace record --engine sim` (start-up, replay, trace closed), "
                 f"{args.repeats} runs each ({args.hour_repeats} of the hour), and the CPU time (user + system) it used, which a busy machine "
                 "inflates less; the replay's own span (meta.json's started_at to ended_at: the replay with its trace "
@@ -174,10 +187,15 @@ def run(args: argparse.Namespace) -> None:
         table += (f"\n\nShareGPT-like vs Vidur 0.0.26 ({VIDUR_WALL_S} s of wall time here, no KV trace): "
                   f"**{vs_vidur[0]:.2f}x** its time in wall time, **{vs_vidur[1]:.2f}x** in CPU time. "
                   "(No Vidur venv: `bash scripts/vidur_env.sh` builds it, and this suite then runs it.)")
-    section.add(table)
+    if rows:
+        section.add(table)
+    if swept:
+        section.add(swept["report"])
     if vidur_runs:
         section.add(side_by_side(sharegpt, vidur_runs, vidur_bare_runs, vidur_first))
     headline = "median wall s of `record --engine sim`: " + "; ".join(f"{n} {w:.1f} s" for n, w in medians.items())
+    if swept:
+        headline += ("; " if medians else "") + swept["headline"]
     if vs_vidur is not None:
         if vidur_runs:
             bare = median([r.wall_s for r in vidur_bare_runs])
@@ -187,6 +205,30 @@ def run(args: argparse.Namespace) -> None:
         else:
             headline += f" (ShareGPT-like: {vs_vidur[0]:.2f}× Vidur's {VIDUR_WALL_S} s)"
     section.write(headline)
+
+
+def hour_sweep(workload: Path, folder: Path) -> dict:
+    """`kvtrace sweep` of the hour over HOUR_SWEEP_GRID: the whole command's wall time, and each point's
+    replay (its meta.json's span) and outcome."""
+    wall, cpu = kvtrace("sweep", "run", "-w", str(workload), "-o", str(folder), *HOUR_SWEEP_SHARED, *HOUR_SWEEP_GRID)
+    spec = json.loads((folder / "sweep.json").read_text())
+    points = spec["points"]
+    done = [p for p in points if p["status"] == "completed"]
+    replays = [replay_s(folder / "runs" / p["run_id"]) for p in done]
+    preempted = connect([folder / "runs" / p["run_id"] for p in done]).sql(
+        "SELECT count(*) FILTER (WHERE kind = 'preempt') FROM kv_events").fetchall()[0][0]
+    rows = [[", ".join(f"{k} {v}" for k, v in p["settings"].items()), p["status"],
+             f"{replay_s(folder / 'runs' / p['run_id']):.1f}" if p in done else "-"] for p in points]
+    report = (f"The hour swept: `kvtrace sweep run` of its 72,000 requests over {len(points)} points "
+              "(max_num_seqs 64 / 128 / 192 / 256 / 384 by gpu_memory_utilization 0.5 / 0.6 / 0.75 / 0.9; "
+              "Llama-3-8B / H100, 8,192 tokens a step), its points run side by side, one process per core: "
+              f"**{wall / 60:.1f} min** of wall time for the whole sweep ({cpu / 60:.1f} min of CPU time), "
+              f"{len(done)} of {len(points)} points completed, each point's replay {min(replays, default=0):.1f}"
+              f"–{max(replays, default=0):.1f} s (median {median(replays) if replays else 0:.1f} s), "
+              f"{preempted:,} preemptions over all points. Goal: within the hour it replays (60 min).\n\n"
+              + markdown_table(["point", "status", "replay s"], rows))
+    return {"wall": wall, "report": report,
+            "headline": f"the hour swept over {len(points)} points {wall / 60:.1f} min ({len(done)} completed)"}
 
 
 def side_by_side(kv: dict, vidur_runs: list, bare_runs: list, vidur_first) -> str:

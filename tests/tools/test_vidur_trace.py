@@ -98,11 +98,15 @@ def test_profiles_in_the_columns_vidurs_loaders_filter_on(tmp_path):
 
 def test_only_runs_one_scenario():
     class Args:
-        only, skip_paged_kv, skip_hour = "sharegpt", False, False
-    assert [name for name in (SHAREGPT, ONLY["paged-kv"], ONLY["hour"]) if wanted(Args, name)] == [SHAREGPT]
+        only, skip_paged_kv, skip_hour, hour_sweep = "sharegpt", False, False, False
+    names = (SHAREGPT, ONLY["paged-kv"], ONLY["hour"], "hour-sweep")
+    assert [name for name in names if wanted(Args, name)] == [SHAREGPT]
     Args.only, Args.skip_hour = None, True
-    assert [name for name in (SHAREGPT, ONLY["paged-kv"], ONLY["hour"]) if wanted(Args, name)] == [
-        SHAREGPT, ONLY["paged-kv"]]
+    assert [name for name in names if wanted(Args, name)] == [SHAREGPT, ONLY["paged-kv"]]
+    Args.hour_sweep = True        # the sweep of the hour only when asked for (minutes)
+    assert [name for name in names if wanted(Args, name)] == [SHAREGPT, ONLY["paged-kv"], "hour-sweep"]
+    Args.only, Args.hour_sweep = "hour-sweep", False
+    assert [name for name in names if wanted(Args, name)] == ["hour-sweep"]
 
 
 @pytest.mark.external
