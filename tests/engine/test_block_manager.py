@@ -57,6 +57,21 @@ def test_a_duplicate_evicted_before_its_primary_leaves_the_primary_serving_hits(
     assert [(e.step, e.req_id, e.blocks) for e in tracer.events if e.kind == "prefix_hit"] == [(3, "E", [1])]
 
 
+def test_the_free_queue_view_counts_and_finds_the_blocks_of_both_its_parts(make_engine):
+    # the pool of the test above after its step 1: blocks 4-6 free and uncached (the stack), block 2
+    # free and cached (the LRU part), blocks 1 and 3 held. The view is one queue over both parts.
+    engine = make_engine(ListTracer(), num_gpu_blocks=6, long_prefill_token_threshold=3)
+    engine.add_request("A", [60, 61, 62, 63, 70, 71], ignore_eos(3), arrival_s=0.0)
+    engine.add_request("B", [60, 61, 62, 63, 80, 81], ignore_eos(1), arrival_s=0.0)
+    engine.step()
+    engine.step()
+    bm = engine.block_manager
+    assert bm.free_uncached and list(bm.free_cached) == [2]
+    queue = bm.free_queue
+    assert len(queue) == 4 == len(list(queue))
+    assert [b for b in range(8) if b in queue] == [2, 4, 5, 6]
+
+
 def test_a_block_completed_by_a_token_still_in_flight_is_not_offered_to_a_hit_before_delivery(make_engine):
     # Async scheduling, blocks of 4. A's 3-token prompt runs in step 0 (block 1); its first output
     # token x0 is sampled but not delivered when step 1 is scheduled with x0 as A's input at position
@@ -154,3 +169,11 @@ def test_the_integrity_check_catches_broken_duplicate_and_host_books(make_engine
     corrupt(bm)
     with pytest.raises(AssertionError, match=re.escape(message)):
         engine.check_integrity()
+
+
+def test_taking_no_blocks_takes_none_and_taking_them_all_takes_the_front_first():
+    bm = BlockManager(num_blocks=4, block_size=4, num_cpu_blocks=0, enable_prefix_caching=False, watermark_blocks=0)
+    front = list(bm.free_queue)
+    assert bm._allocate_blocks(0) == [] and list(bm.free_queue) == front   # a zero-length slice is not the stack
+    assert bm._allocate_blocks(4) == front and len(bm.free_queue) == 0
+    assert all(bm.blocks[b].ref_count == 1 for b in front)
