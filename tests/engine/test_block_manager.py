@@ -5,6 +5,7 @@ shared host blocks."""
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import pytest
 
@@ -177,3 +178,22 @@ def test_taking_no_blocks_takes_none_and_taking_them_all_takes_the_front_first()
     assert bm._allocate_blocks(0) == [] and list(bm.free_queue) == front   # a zero-length slice is not the stack
     assert bm._allocate_blocks(4) == front and len(bm.free_queue) == 0
     assert all(bm.blocks[b].ref_count == 1 for b in front)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("n_mode", ["independent", "cow"])
+def test_every_block_a_request_takes_comes_back_in_its_free_events(make_engine, caching, n_mode):
+    # requests shorter than a block (no full block: nothing cached), longer ones (their full blocks
+    # cached under prefix caching), and forked samples sharing blocks: whatever part of the pool a
+    # release takes, each finished sequence's free event names every block it took that is free again
+    tracer = ListTracer()
+    engine = make_engine(tracer, enable_prefix_caching=caching, n_mode=n_mode)
+    engine.add_request("short", [5, 6], ignore_eos(1), arrival_s=0.0)
+    engine.add_request("long", list(range(20, 31)), ignore_eos(6), arrival_s=0.0)
+    engine.add_request("forked", [40, 41, 42, 43, 44], ignore_eos(5, n=2), arrival_s=0.0)
+    run_checked(engine)
+    events = tracer.events
+    assert {e.req_id for e in events if e.kind == "free"} == {"short", "long", "forked"}
+    # every block ends free: each one taken (alloc) as often as it came back (free)
+    assert Counter(b for e in events if e.kind == "alloc" for b in e.blocks) == \
+        Counter(b for e in events if e.kind == "free" for b in e.blocks)

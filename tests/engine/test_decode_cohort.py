@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.scheduler import Scheduler
@@ -159,3 +160,22 @@ def test_a_cohort_steps_lazy_positions_are_what_its_members_computed_and_do_not_
         engine.step()
     assert len(outputs) >= 15 and max(lazy for lazy, _ in outputs) >= 3
     assert all(lazy == lag for lazy, lag in outputs)
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_without_prefix_caching_the_cohort_visits_a_member_only_for_the_block_it_takes(tiny_loaded, monkeypatch, seed):
+    """The cohort's point: a member is touched at the step its next block starts, not between. Without
+    the prefix cache a decode's grow_decode does nothing else, so every call must take a block."""
+    calls = []
+    grow_decode = BlockManager.grow_decode
+
+    def counted(self, seq, num_tokens):
+        before = len(seq.block_table)
+        grow_decode(self, seq, num_tokens)
+        calls.append(len(seq.block_table) - before)
+
+    monkeypatch.setattr(BlockManager, "grow_decode", counted)
+    settings = dict(block_size=4, num_gpu_blocks=400, watermark=0.0, max_num_batched_tokens=256, max_num_seqs=64,
+                    engine="sim", hardware="a100-80gb", enable_prefix_caching=False)
+    run(tiny_loaded, staggered(seed, 40), True, seed != 3, windows=False, **settings)
+    assert len(calls) >= 100 and set(calls) == {1}
