@@ -891,7 +891,13 @@ def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[d
 def load_equivalents(path: Path = EQUIVALENT) -> list[dict]:
     """Survivors judged equivalent (the same behaviour, or unreachable), each with its reason: a list of
     {target, before, after, reason[, line]}, before/after the changed line without its indentation."""
-    return json.loads(path.read_text()) if path.exists() else []
+    for attempt in range(50):   # an editor may be saving it while a run reads it (survivors answered as they come)
+        try:
+            return json.loads(path.read_text()) if path.exists() else []
+        except json.JSONDecodeError:
+            if attempt == 49:
+                raise
+            time.sleep(0.1)
 
 
 def _changed_lines(diff: str) -> tuple[str, str]:
