@@ -252,3 +252,45 @@ def test_the_replay_tunes_the_collector_for_its_run_and_restores_it(make_engine)
     *steps, end = during   # after each step, then once the replay is over
     assert steps and all(threshold == (200_000, 20, 100) and frozen > before[1] for threshold, frozen in steps)
     assert end == before
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_simulated_replays_decode_windows_end_at_the_next_arrival(make_engine, seed):
+    """The simulated replay runs decode-only stretches at once (LLMEngine.decode_window), each ending at
+    the next arrival: the same steps, events and times as stepping one by one, with most steps in them."""
+    import random
+
+    from kvtrace.workload import WorkloadRequest
+    from tests.engine.test_decode_fast_path import timed
+    from tests.engine.test_simulation import decisions
+
+    rng = random.Random(seed)
+    arrival = 0.0
+    rows = []
+    for i in range(40):
+        arrival += rng.expovariate(40.0)
+        rows.append({"id": f"r{i}", "arrival_s": round(arrival, 4), "prompt_tokens": rng.randint(4, 30),
+                     "max_tokens": rng.randint(20, 90)})
+
+    def run(windows: bool):
+        engine = make_engine(ListTracer(), engine="sim", hardware="a100-80gb", num_gpu_blocks=400)
+        requests = [WorkloadRequest(**row, line=i + 1) for i, row in enumerate(rows)]
+        items = prepare(requests, engine, tokenizer=None, seed=0, time_scale=None, backlog=False, workload_name="w")
+        window = engine.decode_window
+        windowed = []
+
+        def counted(until_s, *args):
+            steps, tokens = window(until_s, *args) if windows else (0, 0)
+            windowed.append(steps)
+            return steps, tokens
+
+        engine.decode_window = counted
+        stats = replay(engine, items)
+        return engine.tracer, stats, sum(windowed)
+
+    stepped, stepped_stats, _ = run(False)
+    windowed, stats, in_windows = run(True)
+    assert decisions(windowed) == decisions(stepped)
+    assert timed(windowed) == timed(stepped)
+    assert (stats.num_steps, stats.num_output_tokens) == (stepped_stats.num_steps, stepped_stats.num_output_tokens)
+    assert in_windows >= stats.num_steps // 2, f"{in_windows} of {stats.num_steps} steps in decode windows"
