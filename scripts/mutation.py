@@ -1099,6 +1099,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.report_only or args.recheck:
         results = load(args.out)
+        chosen = results
         if args.recheck:
             work = scratch_copy()
             drivers = None
@@ -1114,7 +1115,8 @@ def main() -> int:
                 if drivers is not None:
                     drivers.stop()
                 shutil.rmtree(work, ignore_errors=True)
-        write(args.out, results)
+        # only the rows rechecked: another target's row may have been rewritten by a run going on meanwhile
+        write(args.out, chosen)
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # clean up (restore, write results) when stopped
     deadline = time.monotonic() + args.budget_min * 60

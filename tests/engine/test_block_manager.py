@@ -197,3 +197,24 @@ def test_every_block_a_request_takes_comes_back_in_its_free_events(make_engine, 
     # every block ends free: each one taken (alloc) as often as it came back (free)
     assert Counter(b for e in events if e.kind == "alloc" for b in e.blocks) == \
         Counter(b for e in events if e.kind == "free" for b in e.blocks)
+
+
+def test_taking_a_chunk_back_out_of_its_step_uncaches_the_blocks_it_would_have_completed():
+    # The pool alone, blocks of 4, prefix caching. P's 12-token prompt is prefilled in chunks: the first
+    # (5 tokens) completes block 1; the second (7) is scheduled, which caches blocks 2 and 3 at once (V1
+    # caches on scheduling), and is then taken back out of the step: their KV is never written, so
+    # they must leave the cache (a hit on them would read nothing), while block 1 stays cached.
+    bm = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=0, enable_prefix_caching=True, watermark_blocks=0)
+    prompt = list(range(60, 72))
+    seq = hand_built("P", prompt)
+    bm.allocate(seq, [], 5, "new")
+    seq.num_computed_tokens = 5
+    first = seq.block_table[0]
+    bm.grow(seq, 7)
+    assert len(seq.block_hashes) == 3 and len(bm.hash_to_block_id) == 3
+    taken = seq.block_table[1:3]
+    bm.uncache_from(seq, 1)
+    assert seq.block_hashes == [bm.blocks[first].hash] and list(bm.hash_to_block_id.values()) == [first]
+    assert all(bm.blocks[b].hash is None and bm.blocks[b].token_ids is None for b in taken)
+    assert bm.match_prefix(hand_built("Q", prompt + [1])) == [first]
+    bm.check_integrity([seq])

@@ -294,3 +294,13 @@ def test_a_simulated_replays_decode_windows_end_at_the_next_arrival(make_engine,
     assert timed(windowed) == timed(stepped)
     assert (stats.num_steps, stats.num_output_tokens) == (stepped_stats.num_steps, stepped_stats.num_output_tokens)
     assert in_windows >= stats.num_steps // 2, f"{in_windows} of {stats.num_steps} steps in decode windows"
+
+
+def test_an_async_replay_hands_its_last_steps_record_to_the_trace(make_engine):
+    # with async scheduling the last step's output is never processed (vLLM leaves it in its batch
+    # queue): the replay's end must still record that step, or the trace ends a step short
+    engine, items = replay_of(make_engine, [{"prompt_token_ids": [5, 6, 7, 8, 9], "max_tokens": 6},
+                                            {"prompt_token_ids": [9, 8, 7], "max_tokens": 4}], async_scheduling=True)
+    stats = replay(engine, items)
+    steps = [r.step for r in engine.tracer.records]
+    assert steps == list(range(len(steps))) and len(steps) == stats.num_steps
