@@ -218,3 +218,23 @@ def test_taking_a_chunk_back_out_of_its_step_uncaches_the_blocks_it_would_have_c
     assert all(bm.blocks[b].hash is None and bm.blocks[b].token_ids is None for b in taken)
     assert bm.match_prefix(hand_built("Q", prompt + [1])) == [first]
     bm.check_integrity([seq])
+
+
+@pytest.mark.parametrize("engine_kind", ["real", "sim"])
+def test_without_prefix_caching_no_block_is_ever_hashed(make_engine, engine_kind):
+    # chunked prefills, decodes (the fast path, the simulator's cohort and decode windows), preemptions
+    # and swaps in a tight pool: with the prefix cache off, nothing registers a block in it
+    sim = dict(engine="sim", hardware="a100-80gb") if engine_kind == "sim" else {}
+    engine = make_engine(ListTracer(), enable_prefix_caching=False, num_gpu_blocks=24, num_cpu_blocks=40,
+                         preemption_mode="swap", long_prefill_token_threshold=5, **sim)
+    for i in range(8):
+        engine.add_request(f"r{i}", [7 + i] * (3 + 2 * i), ignore_eos(6 + 3 * i), arrival_s=0.0)
+    bm = engine.block_manager
+    swaps = 0
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+        swaps += engine.tracer.records[-1].num_preemptions
+        assert not bm.hash_to_block_id and all(b.hash is None for b in bm.blocks)
+        assert all(not seq.block_hashes for seq in engine.scheduler.all_seqs())
+    assert swaps >= 2
