@@ -193,9 +193,8 @@ def run(args: argparse.Namespace) -> None:
         section.add(swept["report"])
     if vidur_runs:
         section.add(side_by_side(sharegpt, vidur_runs, vidur_bare_runs, vidur_first))
-    headline = "median wall s of `record --engine sim`: " + "; ".join(f"{n} {w:.1f} s" for n, w in medians.items())
-    if swept:
-        headline += ("; " if medians else "") + swept["headline"]
+    headline = ("median wall s of `record --engine sim`: " + "; ".join(f"{n} {w:.1f} s" for n, w in medians.items())
+                if medians else "")
     if vs_vidur is not None:
         if vidur_runs:
             bare = median([r.wall_s for r in vidur_bare_runs])
@@ -204,6 +203,8 @@ def run(args: argparse.Namespace) -> None:
                          f"{medians[SHAREGPT] / bare:.2f}× its {bare:.1f} s without metrics)")
         else:
             headline += f" (ShareGPT-like: {vs_vidur[0]:.2f}× Vidur's {VIDUR_WALL_S} s)"
+    if swept:
+        headline = "; ".join(filter(None, [headline, swept["headline"]]))
     section.write(headline)
 
 
@@ -213,22 +214,23 @@ def hour_sweep(workload: Path, folder: Path) -> dict:
     wall, cpu = kvtrace("sweep", "run", "-w", str(workload), "-o", str(folder), *HOUR_SWEEP_SHARED, *HOUR_SWEEP_GRID)
     spec = json.loads((folder / "sweep.json").read_text())
     points = spec["points"]
-    done = [p for p in points if p["status"] == "completed"]
-    replays = [replay_s(folder / "runs" / p["run_id"]) for p in done]
-    preempted = connect([folder / "runs" / p["run_id"] for p in done]).sql(
+    spans = {p["run_id"]: replay_s(folder / "runs" / p["run_id"]) for p in points if p["status"] == "completed"}
+    replays = list(spans.values())
+    done = len(spans)
+    preempted = connect([folder / "runs" / run_id for run_id in spans]).sql(
         "SELECT count(*) FILTER (WHERE kind = 'preempt') FROM kv_events").fetchall()[0][0]
     rows = [[", ".join(f"{k} {v}" for k, v in p["settings"].items()), p["status"],
-             f"{replay_s(folder / 'runs' / p['run_id']):.1f}" if p in done else "-"] for p in points]
+             f"{spans[p['run_id']]:.1f}" if p["run_id"] in spans else "-"] for p in points]
     report = (f"The hour swept: `kvtrace sweep run` of its 72,000 requests over {len(points)} points "
               "(max_num_seqs 64 / 128 / 192 / 256 / 384 by gpu_memory_utilization 0.5 / 0.6 / 0.75 / 0.9; "
               "Llama-3-8B / H100, 8,192 tokens a step), its points run side by side, one process per core: "
               f"**{wall / 60:.1f} min** of wall time for the whole sweep ({cpu / 60:.1f} min of CPU time), "
-              f"{len(done)} of {len(points)} points completed, each point's replay {min(replays, default=0):.1f}"
+              f"{done} of {len(points)} points completed, each point's replay {min(replays, default=0):.1f}"
               f"–{max(replays, default=0):.1f} s (median {median(replays) if replays else 0:.1f} s), "
               f"{preempted:,} preemptions over all points. Goal: within the hour it replays (60 min).\n\n"
               + markdown_table(["point", "status", "replay s"], rows))
-    return {"wall": wall, "report": report,
-            "headline": f"the hour swept over {len(points)} points {wall / 60:.1f} min ({len(done)} completed)"}
+    return {"report": report,
+            "headline": f"the hour swept over {len(points)} points in {wall / 60:.1f} min ({done} completed)"}
 
 
 def side_by_side(kv: dict, vidur_runs: list, bare_runs: list, vidur_first) -> str:

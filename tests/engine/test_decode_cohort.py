@@ -94,12 +94,18 @@ def test_a_step_that_runs_short_of_blocks_preempts_from_the_cohort(tiny_loaded, 
     assert sum(r.num_preemptions for r in tracer.records) >= len(calls)
 
 
+def cohort_engine(make_engine, max_tokens: list[int]):
+    """A simulated engine whose requests are all admitted at step 0 and then only decode, in a roomy pool."""
+    engine = make_engine(engine="sim", hardware="a100-80gb", num_gpu_blocks=400)
+    for i, n in enumerate(max_tokens):
+        engine.add_request(str(i), [10 + i] * (3 + i), SamplingParams(max_tokens=n, ignore_eos=True), arrival_s=0.0)
+    return engine
+
+
 def test_a_members_computed_positions_count_the_steps_it_has_not_settled(make_engine):
     """`num_computed` (what the integrity check compares with a member's blocks) is the sequence's own
     count plus the steps the cohort ran since its mark: what settling would write out."""
-    engine = make_engine(engine="sim", hardware="a100-80gb", num_gpu_blocks=400)
-    for i in range(6):
-        engine.add_request(str(i), [10 + i] * (3 + i), SamplingParams(max_tokens=40, ignore_eos=True), arrival_s=0.0)
+    engine = cohort_engine(make_engine, [40] * 6)
     cohort = engine.scheduler.cohort
     for _ in range(12):
         engine.step()
@@ -111,14 +117,6 @@ def test_a_members_computed_positions_count_the_steps_it_has_not_settled(make_en
     cohort.dissolve(engine.scheduler.running)
     assert counted == [seq.num_computed_tokens for seq in running]
     assert [cohort.num_computed(seq) for seq in running] == counted   # no longer members: their own counts
-
-
-def cohort_engine(make_engine, max_tokens: list[int]):
-    """A simulated engine whose requests are all admitted at step 0 and then only decode, in a roomy pool."""
-    engine = make_engine(engine="sim", hardware="a100-80gb", num_gpu_blocks=400)
-    for i, n in enumerate(max_tokens):
-        engine.add_request(str(i), [10 + i] * (3 + i), SamplingParams(max_tokens=n, ignore_eos=True), arrival_s=0.0)
-    return engine
 
 
 def test_the_steps_before_the_next_stop_are_counted_to_the_step_and_forget_a_member_that_left(make_engine):
