@@ -853,15 +853,27 @@ def changed_tests(commit: str, folders: list[str]) -> list[str]:
     return sorted({n for n in names if Path(n).name.startswith("test_") and n.endswith(".py") and (ROOT / n).exists()})
 
 
-def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[dict], timeout: float) -> None:
+def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[dict], timeout: float | None) -> None:
     """Plant each survivor (and timeout) of a previous run again and run its target's tests as they
     are now: first the test files changed since that run (changed_tests), then, if none fails, all of
-    them."""
+    them. Without a `timeout`, a mutant's limit is six times the tests' unmutated time, measured
+    first (as a run's is), so that a loaded machine does not turn slow runs into kills."""
     for r in results:
         tests = tests_of(r.target)
         first = changed_tests(r.commit.split("+")[0], [t for t in tests if not t.startswith("-")])
         path = runner.work / r.target
         original = path.read_text()
+        limit = timeout
+        if limit is None and any(m.outcome in ("survived", "timeout") and equivalence(m, equivalents) is None
+                                 for m in r.mutants):
+            began = time.monotonic()
+            if runner.run(tests, 900, fresh=None if r.target.endswith(".sql") else r.target) != "survived":
+                print(f"{r.target}: the tests fail without any mutant: not rechecked\n{runner.output()}",
+                      file=sys.stderr, flush=True)
+                continue
+            limit = max(30.0, 6 * (time.monotonic() - began))
+            print(f"{r.target}: unmutated tests {time.monotonic() - began:.1f} s; a mutant's limit {limit:.0f} s",
+                  flush=True)
         try:
             for m in r.mutants:
                 # a timeout is planted again too: on a loaded machine it may be a slow run, not a loop
@@ -876,9 +888,9 @@ def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[d
                 fresh = None if r.target.endswith(".sql") else r.target
                 state = "survived"
                 if first:   # the test files changed since the run: the likely killers, alone first
-                    state = runner.run([*first, *SELECTION], timeout, fresh=fresh)
+                    state = runner.run([*first, *SELECTION], limit, fresh=fresh)
                 if state == "survived":
-                    state = runner.run(tests, timeout, fresh=fresh)
+                    state = runner.run(tests, limit, fresh=fresh)
                 failed = re.findall(r"^FAILED (\S+)", runner.output(), re.MULTILINE)
                 m.recheck = (f"killed by {failed[0].split(' ')[0]}" if state == "killed" and failed
                              else "killed (timeout)" if state == "timeout" else
@@ -1110,7 +1122,7 @@ def main() -> int:
                 if any(r.target in NEEDS_VLLM for r in chosen) and vllm_pythons():
                     drivers = VllmDrivers(work, vllm_pythons(), args.capture_workloads)
                     drivers.start()
-                recheck(runner, chosen, load_equivalents(), args.test_timeout or 120.0)
+                recheck(runner, chosen, load_equivalents(), args.test_timeout)
             finally:
                 if drivers is not None:
                     drivers.stop()

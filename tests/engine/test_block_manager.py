@@ -145,6 +145,67 @@ def test_a_forked_sample_writing_past_its_shared_last_block_needs_a_block_for_th
     bm.check_integrity([parent, child])
 
 
+# ---------------------------------------------------------------- swapping a forked group
+
+def swapped_group(prompt: list[int], decoded: int) -> tuple[BlockManager, Sequence, Sequence]:
+    """The pool alone, blocks of 4, 8 host blocks, no prefix caching: P's prompt allocated and
+    computed, C forked from it, each decoding `decoded` positions of its own (one new block or
+    copy-on-write as the scheduler would), then a token more each, and the pair swapped out as
+    one group."""
+    bm = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=8, enable_prefix_caching=False, watermark_blocks=0)
+    parent = hand_built("P", list(prompt))
+    bm.allocate(parent, [], len(prompt), "new")
+    parent.num_computed_tokens = len(prompt)
+    child = hand_built("P", list(prompt), sample=1)
+    bm.fork(parent, child)
+    for k in range(decoded):
+        for seq, token in ((parent, 100 + k), (child, 200 + k)):
+            seq.token_ids.append(token)
+            bm.grow(seq, 1)
+            seq.num_computed_tokens += 1
+    parent.token_ids.append(1)
+    child.token_ids.append(2)
+    bm.check_integrity([parent, child])
+    assert bm.can_swap_out([parent, child])
+    bm.swap_out([parent, child])
+    bm.check_integrity([parent, child])
+    bm.take_events()
+    return bm, parent, child
+
+
+@pytest.mark.parametrize("prompt_len, decoded, needed, copies", [
+    (4, 1, 3, 0),   # block 0 shared, each writes its own block 1: 3 host blocks, no copy (none for block 0)
+    (6, 0, 3, 1),   # both write to the shared, half-full block 1: 2 host blocks and one copy, the first writer's
+    (8, 0, 4, 0),   # the shared blocks are full: 2 host blocks and a new block 2 each, no copy
+    (5, 3, 5, 0),   # each wrote past block 1's copy: 3 host blocks and a new block 2 each, no copy
+])
+def test_a_forked_group_swapped_in_takes_the_blocks_its_count_said(prompt_len, decoded, needed, copies):
+    # num_swap_in_blocks is what can_swap_in judges the pool by: the distinct host blocks, new blocks
+    # past them, and a copy for each write to a block still shared. Whatever the group shares, the
+    # swap-in and the step's growth must take exactly that many device blocks, no more, no fewer.
+    bm, parent, child = swapped_group(list(range(10, 10 + prompt_len)), decoded)
+    group, new_tokens = [parent, child], [1, 1]
+    assert bm.num_swap_in_blocks(group, new_tokens) == needed
+    free_before = bm.num_free_blocks
+    bm.swap_in(group)
+    made = [bm.grow(seq, num_new) for seq, num_new in zip(group, new_tokens)]
+    bm.check_integrity(group)
+    assert free_before - bm.num_free_blocks == needed
+    assert sum(1 for copy in made if copy) == copies
+
+
+def test_a_sample_whose_blocks_its_group_brought_back_gets_no_empty_swap_in_event():
+    # P's 8-token prompt fills two blocks and C shares both (no position of its own yet): the group's
+    # swap-in copies them back once, with P. C takes no block of its own, so it has no alloc event
+    # (an empty one would be a block event naming no block); its swap-in event says it holds them.
+    bm, parent, child = swapped_group(list(range(10, 18)), 0)
+    bm.swap_in([parent, child])
+    allocs = [(e.req_id, e.sample, e.blocks) for e in bm.take_events() if e.kind == "alloc"]
+    assert allocs == [("P", 0, parent.block_table)]
+    assert child.block_table == parent.block_table
+    bm.check_integrity([parent, child])
+
+
 # ---------------------------------------------------------------- the integrity check
 
 def unindex(bm: BlockManager, block_id: int) -> int:
