@@ -17,7 +17,8 @@ command: start-up, replay and closing the trace):
   it takes minutes), `--skip-hour` leaves it out.
 - the hour's sweep (`--hour-sweep`, or `--only hour-sweep`; a quarter of an hour and more, so not by
   default): `kvtrace sweep` of that hour over 20 points, max_num_seqs 64 / 128 / 192 / 256 / 384 by
-  gpu_memory_utilization 0.5 / 0.6 / 0.75 / 0.9, the points run side by side as the sweep runs them
+  gpu_memory_utilization 0.25 / 0.3 / 0.5 / 0.9 (the two smallest pools thrash: the question a sweep
+  of memory asks, and the replay's slow case), the points run side by side as the sweep runs them
   (one process per core). The goal: the whole sweep within the hour it replays.
 `--only sharegpt|paged-kv|hour|hour-sweep` runs one scenario.
 Steps/s and sequence-steps/s (running sequences summed over steps) are measured per replay.
@@ -101,7 +102,7 @@ ONLY = {"sharegpt": SHAREGPT, "paged-kv": "paged-kv 4,000 backlog, paged 16", "h
 # the hour's sweep: its scenario's options less the two swept, and the grid (5 x 4 = 20 points)
 HOUR_SWEEP_SHARED = ["--model", "llama-3-8b", "--engine", "sim", "--hardware", "h100-sxm",
                      "--max-num-batched-tokens", "8192"]
-HOUR_SWEEP_GRID = ["--set", "max_num_seqs=64,128,192,256,384", "--set", "gpu_memory_utilization=0.5,0.6,0.75,0.9"]
+HOUR_SWEEP_GRID = ["--set", "max_num_seqs=64,128,192,256,384", "--set", "gpu_memory_utilization=0.25,0.3,0.5,0.9"]
 # Vidur's settings for the ShareGPT-like scenario, as close to its kvtrace options as Vidur allows
 VIDUR_CONFIG = VidurConfig(block_size=16, batch_size_cap=256, max_tokens_in_batch=8192, gpu_memory_utilization=0.9,
                            max_tokens=8192)
@@ -208,6 +209,12 @@ def run(args: argparse.Namespace) -> None:
     section.write(headline)
 
 
+def grid_axis(setting: str) -> str:
+    """A `--set name=a,b,c` value as prose: "name a / b / c"."""
+    name, _, values = setting.partition("=")
+    return f"{name} {' / '.join(values.split(','))}"
+
+
 def hour_sweep(workload: Path, folder: Path) -> dict:
     """`kvtrace sweep` of the hour over HOUR_SWEEP_GRID: the whole command's wall time, and each point's
     replay (its meta.json's span) and outcome."""
@@ -217,18 +224,20 @@ def hour_sweep(workload: Path, folder: Path) -> dict:
     spans = {p["run_id"]: replay_s(folder / "runs" / p["run_id"]) for p in points if p["status"] == "completed"}
     replays = list(spans.values())
     done = len(spans)
-    preempted = connect([folder / "runs" / run_id for run_id in spans]).sql(
-        "SELECT count(*) FILTER (WHERE kind = 'preempt') FROM kv_events").fetchall()[0][0]
+    by_run = dict(connect([folder / "runs" / run_id for run_id in spans]).sql(
+        "SELECT run_id, count(*) FILTER (WHERE kind = 'preempt') FROM kv_events GROUP BY run_id").fetchall())
+    preempted = sum(by_run.values())
     rows = [[", ".join(f"{k} {v}" for k, v in p["settings"].items()), p["status"],
-             f"{spans[p['run_id']]:.1f}" if p["run_id"] in spans else "-"] for p in points]
+             f"{spans[p['run_id']]:.1f}" if p["run_id"] in spans else "-",
+             f"{by_run.get(p['run_id'], 0):,}" if p["run_id"] in spans else "-"] for p in points]
     report = (f"The hour swept: `kvtrace sweep run` of its 72,000 requests over {len(points)} points "
-              "(max_num_seqs 64 / 128 / 192 / 256 / 384 by gpu_memory_utilization 0.5 / 0.6 / 0.75 / 0.9; "
+              f"({' by '.join(grid_axis(s) for s in HOUR_SWEEP_GRID[1::2])}; "
               "Llama-3-8B / H100, 8,192 tokens a step), its points run side by side, one process per core: "
               f"**{wall / 60:.1f} min** of wall time for the whole sweep ({cpu / 60:.1f} min of CPU time), "
               f"{done} of {len(points)} points completed, each point's replay {min(replays, default=0):.1f}"
               f"–{max(replays, default=0):.1f} s (median {median(replays) if replays else 0:.1f} s), "
               f"{preempted:,} preemptions over all points. Goal: within the hour it replays (60 min).\n\n"
-              + markdown_table(["point", "status", "replay s"], rows))
+              + markdown_table(["point", "status", "replay s", "preemptions"], rows))
     return {"report": report,
             "headline": f"the hour swept over {len(points)} points in {wall / 60:.1f} min ({done} completed)"}
 
