@@ -853,6 +853,11 @@ def changed_tests(commit: str, folders: list[str]) -> list[str]:
     return sorted({n for n in names if Path(n).name.startswith("test_") and n.endswith(".py") and (ROOT / n).exists()})
 
 
+def mutant_limit(unmutated_s: float) -> float:
+    """A mutant's time limit: six times the tests' unmutated time, at least 30 s."""
+    return max(30.0, 6 * unmutated_s)
+
+
 def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[dict], timeout: float | None) -> None:
     """Plant each survivor (and timeout) of a previous run again and run its target's tests as they
     are now: first the test files changed since that run (changed_tests), then, if none fails, all of
@@ -863,17 +868,18 @@ def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[d
         first = changed_tests(r.commit.split("+")[0], [t for t in tests if not t.startswith("-")])
         path = runner.work / r.target
         original = path.read_text()
+        fresh = None if r.target.endswith(".sql") else r.target
         limit = timeout
         if limit is None and any(m.outcome in ("survived", "timeout") and equivalence(m, equivalents) is None
                                  for m in r.mutants):
             began = time.monotonic()
-            if runner.run(tests, 900, fresh=None if r.target.endswith(".sql") else r.target) != "survived":
+            if runner.run(tests, 900, fresh=fresh) != "survived":
                 print(f"{r.target}: the tests fail without any mutant: not rechecked\n{runner.output()}",
                       file=sys.stderr, flush=True)
                 continue
-            limit = max(30.0, 6 * (time.monotonic() - began))
-            print(f"{r.target}: unmutated tests {time.monotonic() - began:.1f} s; a mutant's limit {limit:.0f} s",
-                  flush=True)
+            seconds = time.monotonic() - began
+            limit = mutant_limit(seconds)
+            print(f"{r.target}: unmutated tests {seconds:.1f} s; a mutant's limit {limit:.0f} s", flush=True)
         try:
             for m in r.mutants:
                 # a timeout is planted again too: on a loaded machine it may be a slow run, not a loop
@@ -885,7 +891,6 @@ def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[d
                     m.recheck = "not replanted (its line changed)"
                     print(f"  {r.target}:{m.line} {m.operator}: {m.recheck}", flush=True)
                     continue
-                fresh = None if r.target.endswith(".sql") else r.target
                 state = "survived"
                 if first:   # the test files changed since the run: the likely killers, alone first
                     state = runner.run([*first, *SELECTION], limit, fresh=fresh)
@@ -1168,7 +1173,7 @@ def main() -> int:
                     return 2
                 unmutated[tuple(tests)] = time.monotonic() - began
             seconds = unmutated.get(tuple(tests), 0.0)
-            timeout = args.test_timeout or max(30.0, 6 * seconds)
+            timeout = args.test_timeout or mutant_limit(seconds)
             print(f"{name}: unmutated tests {seconds:.1f} s; a mutant's limit {timeout:.0f} s" if needed else
                   f"{name}: a mutant's limit {timeout:.0f} s (the tests pass unmutated: checked under coverage)"
                   + (" (past the budget: nothing runs)" if past_budget else ""), flush=True)
