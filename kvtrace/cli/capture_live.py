@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-import duckdb
-import pyarrow as pa
+from typing import TYPE_CHECKING
+
 import typer
 from rich.console import Console, RenderableType
 from rich.live import Live
@@ -23,8 +23,12 @@ from rich.text import Text
 
 from kvtrace.cli.app import parse_params, user_errors
 from kvtrace.errors import KvtraceError
-from kvtrace.views import dashboard
-from kvtrace.vllm.follow import ChunkReader, LiveTrace, server_info
+
+if TYPE_CHECKING:
+    from kvtrace.vllm.follow import LiveTrace
+
+# duckdb, pyarrow, the dashboard and the folder's follower are imported by the commands themselves: every
+# kvtrace command registers these two, and `record --engine sim` should not pay for them at start-up
 
 CAPTURE_HELP = "The capture folder the server writes (KVTRACE_CAPTURE_DIR of `kvtrace vllm-env`)."
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
@@ -47,6 +51,9 @@ def _capture_folder(capture: Path) -> Path:
 
 def watch_view(trace: LiveTrace, capture: Path, window_s: float, params: dict[str, str], width: int) -> RenderableType:
     """The dashboard of the last `window_s` seconds of the server that wrote last."""
+    from kvtrace.views import dashboard
+    from kvtrace.vllm.follow import server_info
+
     server = trace.newest_server()
     if server is None:
         return Text(f"waiting for the first steps in {capture} …")
@@ -76,6 +83,8 @@ def watch(
     capture writes chunks (Ctrl-C stops).
 
     It shows the server that wrote last, over the --window that ends with its last step."""
+    from kvtrace.vllm.follow import ChunkReader, LiveTrace
+
     window_s, refresh_s = parse_duration(window, "--window"), parse_duration(refresh, "--refresh")
     params = parse_params(param)
     capture = _capture_folder(capture)
@@ -119,6 +128,8 @@ def metrics(
     Counters start from what the folder holds when it starts and never go backwards after, whatever
     the capture's retention removes."""
     # prometheus_client only for this command (as textual for explore)
+    import duckdb
+    import pyarrow as pa
     from prometheus_client import start_http_server
     from prometheus_client.core import CollectorRegistry
 

@@ -13,7 +13,6 @@ from rich.console import Console
 
 from kvtrace.cli.app import app, user_errors
 from kvtrace.errors import KvtraceError
-from kvtrace.views import explain as stories
 
 
 class WorstBy(str, Enum):
@@ -48,6 +47,8 @@ def explain(
     if (request is None) == (worst is None):
         raise KvtraceError("give a request (REQ_ID[:SAMPLE]) or --worst N, not both" if request is not None
                            else "give a request (REQ_ID[:SAMPLE]) or --worst N")
+    from kvtrace.views import explain as stories   # duckdb: only for this command
+
     ex = stories.Explainer.open(run)
     if worst is not None:
         data = stories.worst(ex, worst, by.value)

@@ -10,7 +10,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
-import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 import typer
@@ -69,6 +68,8 @@ def write_result(result: pa.Table, fmt: OutputFormat, output: Path | None, max_r
         # DuckDB's writer: quotes only where needed, lists as [1, 2], fast on big results
         with tempfile.TemporaryDirectory() as folder:
             path = output or Path(folder) / "result.csv"
+            import duckdb
+
             duckdb.connect().from_arrow(result).write_csv(str(path))
             if output is None:
                 with path.open() as csv_file:
@@ -112,6 +113,8 @@ def _analyses_text() -> str:
 
 
 def _run_query(con: duckdb.DuckDBPyConnection, query: str) -> pa.Table | None:
+    import duckdb
+
     try:
         relation = con.sql(query)
         return None if relation is None else relation.to_arrow_table()

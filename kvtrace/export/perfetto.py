@@ -35,8 +35,8 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -53,6 +53,9 @@ from kvtrace.export.perfetto_writer import (
     pb,
 )
 from kvtrace.trace import db
+
+if TYPE_CHECKING:   # duckdb is imported where a connection is made: not by every command's start-up
+    import duckdb
 
 BATCH_ROWS = 8_192             # rows per Arrow batch read from DuckDB
 CHUNK_ROWS = 16_384            # rows turned into packets at once (numpy's working arrays: some tens of MB)

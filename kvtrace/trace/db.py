@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -41,6 +40,11 @@ from kvtrace.trace.schema import OPTIONAL_TABLES, TABLES
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
+
+    import duckdb
+
+# duckdb itself is imported by the functions that use it: `kvtrace record` reads meta.json through this
+# module and never queries, and every command's start-up would pay for it
 
 META_FILE = "meta.json"
 MEMORY_LIMIT = "500MB"             # DuckDB's memory limit unless KVTRACE_MEMORY_LIMIT says otherwise
@@ -242,6 +246,8 @@ def connect(runs: list[str | Path]) -> duckdb.DuckDBPyConnection:
             pa.Table.from_pylist([row], schema=RUNS_SCHEMA)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise KvtraceError(f"{Path(row['path']) / META_FILE}: unexpected value ({exc})") from exc
+    import duckdb
+
     con = duckdb.connect(config=duckdb_config())
     runs_table = pa.Table.from_pylist(rows, schema=RUNS_SCHEMA)
     con.register("_runs_arrow", runs_table)
@@ -286,6 +292,8 @@ def _table_view_sql(con: duckdb.DuckDBPyConnection, table: str, schema: pa.Schem
     if not globs:
         columns = ", ".join(f"NULL::{_DUCKDB_TYPES[f.type]} AS {f.name}" for f in schema)
         return f"CREATE OR REPLACE VIEW {table} AS SELECT {columns} WHERE false"
+    import duckdb
+
     source = f"read_parquet([{', '.join(map(_sql_string, globs))}], union_by_name = true, hive_partitioning = false)"
     try:
         present = [row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()]
@@ -481,6 +489,8 @@ def analysis_params(name: str, **params: object) -> dict[str, float | int | str]
 
 def run_analysis(con: duckdb.DuckDBPyConnection, name: str, **params: object) -> pa.Table:
     """Run `analyses/<name>.sql` with its declared params (defaults overridden by `params`)."""
+    import duckdb
+
     values = analysis_params(name, **params)
     text = _sql_files()[name]
     bound = {key: value for key, value in values.items() if re.search(rf"\${key}\b", text)}

@@ -15,8 +15,8 @@ renderers only lay those figures out; every number on the screen is a value of s
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import duckdb
 from rich.console import Group, RenderableType
 from rich.rule import Rule
 from rich.table import Table
@@ -24,6 +24,9 @@ from rich.text import Text
 
 from kvtrace.errors import KvtraceError
 from kvtrace.trace import db
+
+if TYPE_CHECKING:   # duckdb is imported where a connection is made: not by every command's start-up
+    import duckdb
 
 TWO_COLUMNS_WIDTH = 120          # terminal width from which the dashboard uses two columns
 DEFAULT_BUCKETS = 60             # pool timeline intervals for --json and when the width is unknown

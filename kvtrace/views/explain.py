@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import duckdb
 from rich.console import Group, RenderableType
 from rich.padding import Padding
 from rich.table import Table
@@ -19,6 +19,9 @@ from rich.text import Text
 from kvtrace.errors import KvtraceError
 from kvtrace.trace import db
 from kvtrace.views.dashboard import fmt_ms
+
+if TYPE_CHECKING:   # duckdb is imported where a connection is made: not by every command's start-up
+    import duckdb
 
 WORST_BY = ("ttft", "e2e", "itl", "preemptions")
 

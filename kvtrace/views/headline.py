@@ -13,14 +13,17 @@ they moved. The settings line is the difference of the runs' engine configs (met
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
-import duckdb
 import pyarrow as pa
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from kvtrace.views.dashboard import VERDICT_STYLE, fmt_ms, fmt_num, fmt_share
+
+if TYPE_CHECKING:   # duckdb is imported where a connection is made: not by every command's start-up
+    import duckdb
 
 VERDICT_ORDER = {"none": 0, "occasional": 1, "sustained": 2}
 # (summary.sql column, label, True when a higher value is better)

@@ -17,13 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import duckdb
-
 from kvtrace.trace import db
 from kvtrace.views.dashboard import fmt_bytes, fmt_num, fmt_seconds, fmt_share, split_params
 
-if TYPE_CHECKING:   # altair is imported by the functions that draw (it takes a second)
+if TYPE_CHECKING:   # altair is imported by the functions that draw (it takes a second), duckdb by db.connect
     import altair as alt
+    import duckdb
 
 TIMELINE_BUCKETS = 150          # intervals of pool_timeline.sql per run for the occupancy chart
 RATE_BUCKETS_DIVISOR = 5        # recompute and swap rates: a fifth as many (wider) intervals

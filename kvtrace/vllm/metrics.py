@@ -19,13 +19,16 @@ import tempfile
 import threading
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import duckdb
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine.events import PreemptReason
 from kvtrace.trace import db
 from kvtrace.vllm.follow import ChunkReader, LiveTrace, server_info
+
+if TYPE_CHECKING:   # duckdb is imported where a connection is made: not by every command's start-up
+    import duckdb
 
 # the upper bounds of the ITL histogram (s): vLLM's own inter-token latency buckets, from 1 ms
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,

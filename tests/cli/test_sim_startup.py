@@ -1,5 +1,5 @@
 """`kvtrace record --engine sim` pays only for what it uses: it runs no model, so it never imports
-torch (seconds in a cold process), nor the report's and explorer's libraries."""
+torch (seconds in a cold process), nor the report's and explorer's libraries, nor DuckDB (it queries nothing)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 from tests.helpers.cli import write_workload
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_IMPORTED = ("torch", "altair", "textual", "safetensors")
+NOT_IMPORTED = ("torch", "altair", "textual", "safetensors", "duckdb")
 
 # the CLI's entry point as `python -m kvtrace` runs it, then the modules it loaded, as JSON
 RECORD_THEN_LIST_MODULES = """
