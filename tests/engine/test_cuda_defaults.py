@@ -3,13 +3,14 @@ the dtype and the KV pool as vLLM picks them, TF32 for fp32, swap mode's host po
 reserve against the forward's real peak, and the ceiling on --gpu-memory-utilization."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from engine.config import MAX_GPU_MEMORY_UTILIZATION, PRESETS, EngineConfig, device_defaults, resolve_batch_limits
-from engine.executor.model_runner import tf32_matmuls
+from engine.executor.model_runner import swap_staging_reserve, tf32_matmuls
 from engine.llm_engine import pool_geometry
 from engine.model.loader import checkpoint_dtype
 
@@ -91,3 +92,52 @@ def test_gpu_memory_utilization_above_the_estimates_margin_is_refused_on_cuda():
     # no real device memory at stake: the simulator and the CPU keep (0, 1]
     EngineConfig(engine="sim", gpu_memory_utilization=1.0)
     EngineConfig(gpu_memory_utilization=1.0)
+
+
+def test_swap_mode_on_cuda_reserves_the_staging_buffer_and_nothing_else_does():
+    # the swaps' device buffer (and a layer's gathered blocks beside it) comes out of the KV pool on
+    # CUDA in swap mode only: recompute mode has no swaps, and the simulator and the CPU stage nothing
+    _, recompute = on_h200()
+    _, swap = on_h200(preemption_mode="swap")
+    staging = swap_staging_reserve(swap.bytes_per_block, LLAMA.num_layers)
+    assert staging >= swap.bytes_per_block
+    assert swap.derivation["activations"] - recompute.derivation["activations"] == staging
+    assert swap.num_gpu_blocks < recompute.num_gpu_blocks
+    for mode in ("recompute", "swap"):
+        config = EngineConfig(model="llama-3-8b", engine="sim", gpu_memory_utilization=0.9, preemption_mode=mode,
+                              max_num_seqs=256, max_num_batched_tokens=8192)
+        sim = pool_geometry(config, LLAMA, LLAMA.max_position_embeddings, H200_MEMORY, "sim")
+        baseline = pool_geometry(dataclasses.replace(config, preemption_mode="recompute"), LLAMA,
+                                 LLAMA.max_position_embeddings, H200_MEMORY, "sim")
+        assert sim.derivation["activations"] == baseline.derivation["activations"]
+        assert sim.num_gpu_blocks == baseline.num_gpu_blocks
+
+
+def cuda_activations(model, **settings) -> int:
+    config = EngineConfig(model="llama-3-8b", engine="real", device="cuda", dtype="bfloat16",
+                          gpu_memory_utilization=0.9, max_num_seqs=256, max_num_batched_tokens=8192)
+    config = dataclasses.replace(config, **settings)
+    return pool_geometry(config, model, 8192, H200_MEMORY, "cuda").derivation["activations"]
+
+
+def test_the_cuda_reserve_counts_every_sequences_logits_in_the_dtype_and_in_fp32():
+    # a sequence more adds its row of logits twice: bf16 (2 bytes) from lm_head, fp32 (4) for sampling
+    assert cuda_activations(LLAMA, max_num_seqs=257) - cuda_activations(LLAMA) == LLAMA.vocab_size * (2 + 4)
+    assert (cuda_activations(LLAMA, max_num_seqs=257, dtype="float32") - cuda_activations(LLAMA, dtype="float32")
+            == LLAMA.vocab_size * (4 + 4))
+
+
+def test_the_cuda_reserve_takes_the_larger_of_the_mlps_and_the_attentions_tensors_per_token():
+    # per token of the step (bf16): at the MLP the residual stream, the last MLP output, the norm's
+    # output and the new one (4 x hidden) with gate_up, silu and their product (4 x intermediate); at
+    # attention the same 4 x hidden, qkv, RoPE's output and its temporaries (3 x (q + k heads)), the
+    # attention output. Llama's MLP is the larger; a model with a narrow MLP is sized by its attention
+    h, d = LLAMA.hidden_size, LLAMA.head_dim
+    per_token = cuda_activations(LLAMA, max_num_batched_tokens=8193) - cuda_activations(LLAMA)
+    assert per_token == (4 * h + 4 * LLAMA.intermediate_size) * 2
+    narrow = dataclasses.replace(LLAMA, name="narrow-mlp", intermediate_size=h // 2)
+    qkv = (LLAMA.num_heads + 2 * LLAMA.num_kv_heads) * d
+    rope = 3 * (LLAMA.num_heads + LLAMA.num_kv_heads) * d
+    attention = 4 * h + qkv + rope + LLAMA.num_heads * d
+    assert 4 * h + 4 * narrow.intermediate_size < attention
+    assert cuda_activations(narrow, max_num_batched_tokens=8193) - cuda_activations(narrow) == attention * 2

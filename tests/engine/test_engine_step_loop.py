@@ -429,3 +429,19 @@ def test_async_scheduling_computes_no_position_past_the_max_model_len(make_engin
         results[async_scheduling] = computed, finished
     assert results[True] == results[False]
     assert ("long", "length", 7) in results[False][1]   # 5 + 7 = 12 positions
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sequences_finishing_in_one_step_are_freed_in_the_order_it_scheduled_them(make_engine, async_scheduling):
+    # chunks of 4 while others wait: A (8 tokens, admitted first) prefills its second chunk in step 1
+    # while B (4 tokens) decodes beside it, and both finish there. The runner samples decodes first (B,
+    # then A), but V1 frees the finished in the step's scheduled order, A then B: the order their
+    # blocks join the free queue, which decides the blocks that later allocations take
+    tracer = ListTracer()
+    engine = make_engine(tracer, long_prefill_token_threshold=4, async_scheduling=async_scheduling)
+    engine.add_request("A", list(range(10, 18)), SamplingParams(max_tokens=1, ignore_eos=True), arrival_s=0.0)
+    engine.add_request("B", [5, 6, 7, 9], SamplingParams(max_tokens=2, ignore_eos=True), arrival_s=0.0)
+    run_checked(engine)
+    assert [(r.num_prefill_tokens, r.num_decode_tokens) for r in tracer.records][:2] == [(8, 0), (4, 1)]
+    assert [(e.kind, e.req_id) for e in tracer.events if e.kind in ("free", "finish")] == [
+        ("free", "A"), ("free", "B"), ("finish", "A"), ("finish", "B")]
