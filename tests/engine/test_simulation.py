@@ -5,15 +5,17 @@ workload; only time is predicted.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
 
 import kvtrace.cli  # noqa: F401  (registers the commands)
 from engine.config import PRESETS, EngineConfig
-from engine.executor.cost_model import CostModel, load_profile
+from engine.executor.cost_model import PROFILE_DIR, CostModel, load_profile
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from kvtrace.cli.app import app
@@ -372,6 +374,29 @@ def test_sim_without_a_pool_option_sizes_it_as_vllm_by_default(tiny_loaded):
     assert d["gpu_memory_utilization"] == 0.9 and d["device_memory"] == 141 * 10**9
     assert engine.config.gpu_memory_utilization == 0.9 and engine.model is None
 
+
+
+def test_a_profile_without_device_memory_needs_a_pool_size_and_says_so(tmp_path):
+    # a profile may leave the device's memory out (0): the pool is then sized by the options that
+    # need no memory figure, and the default (0.9 of the device) names what is missing
+    data = json.loads((PROFILE_DIR / "cpu-here.json").read_text())
+    path = tmp_path / "no-memory.json"
+    path.write_text(json.dumps({**data, "name": "no-memory", "memory_bytes": 0}))
+    with pytest.raises(ValueError, match="--gpu-memory-utilization needs a device whose memory is known"):
+        LLMEngine(EngineConfig(model="tiny", engine="sim", hardware=str(path)))
+    assert LLMEngine(EngineConfig(model="tiny", engine="sim", hardware=str(path), num_gpu_blocks=64)).geometry \
+        .num_gpu_blocks == 64
+
+
+def test_a_simulated_engine_takes_the_shape_it_is_handed():
+    # the benchmarks hand one loaded model to each engine they make: a simulated one models that shape
+    # and names its source, without reading the model again
+    shape = dataclasses.replace(PRESETS["tiny"], name="tiny-3-layers", num_layers=3)
+    engine = LLMEngine(EngineConfig(model="tiny", engine="sim", num_gpu_blocks=64),
+                       loaded=SimpleNamespace(config=shape, source="handed over"))
+    assert (engine.model_config.num_layers, engine.model_source) == (3, "handed over")
+    assert LLMEngine(EngineConfig(model="tiny", engine="sim", num_gpu_blocks=64)).model_config.num_layers \
+        == PRESETS["tiny"].num_layers != 3
 
 def test_the_shipped_cpu_profile_is_a_calibrated_smollm2_profile():
     profile = load_profile("cpu-here")
