@@ -141,3 +141,25 @@ def test_the_cuda_reserve_takes_the_larger_of_the_mlps_and_the_attentions_tensor
     attention = 4 * h + qkv + rope + LLAMA.num_heads * d
     assert 4 * h + 4 * narrow.intermediate_size < attention
     assert cuda_activations(narrow, max_num_batched_tokens=8193) - cuda_activations(narrow) == attention * 2
+
+
+@pytest.mark.parametrize("bf16, dtype", [(True, "bfloat16"), (False, "float16")])
+def test_the_engine_loads_the_weights_in_fp16_on_a_gpu_without_bf16(monkeypatch, bf16, dtype):
+    # what LLMEngine asks of the device when it resolves auto (a T4 or V100 has no bf16), up to the
+    # weights' loading, where the dtype it chose is seen and the engine stops (no GPU here)
+    import engine.executor.model_runner as model_runner
+    import engine.model.loader as loader
+    from engine.llm_engine import LLMEngine
+
+    class Loaded(Exception):
+        pass
+
+    def load_weights(model, load_format, dtype, seed):
+        raise Loaded(dtype)
+
+    monkeypatch.setattr(model_runner, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16)
+    monkeypatch.setattr(loader, "load_weights", load_weights)
+    with pytest.raises(Loaded) as loaded:
+        LLMEngine(EngineConfig(model="tiny", device="cuda"))
+    assert loaded.value.args[0] == getattr(torch, dtype)
