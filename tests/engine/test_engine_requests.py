@@ -67,6 +67,17 @@ def test_prompt_token_ids_must_lie_in_the_vocabulary_and_the_error_names_its_ran
     run_checked(engine)
 
 
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_an_empty_prompt_is_refused_by_name_even_from_a_prepared_replay(prepared):
+    # a replay's prepare checks the ids, not that there are any: the engine says what is wrong, and
+    # queues nothing that would schedule a sequence with no positions
+    engine = sim_engine()
+    with pytest.raises(ValueError) as raised:
+        engine.add_request("void", [], prepared=prepared)
+    assert str(raised.value) == "request void: empty prompt"
+    assert not engine.has_unfinished() and ("void", 0) not in engine.outputs
+
 # ---------------------------------------------------------------- arrival and priority (--preemption-policy priority)
 
 def test_the_priority_policy_admits_by_the_arrival_time_given_not_the_order_added(make_engine):
