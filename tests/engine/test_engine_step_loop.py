@@ -445,3 +445,25 @@ def test_sequences_finishing_in_one_step_are_freed_in_the_order_it_scheduled_the
     assert [(r.num_prefill_tokens, r.num_decode_tokens) for r in tracer.records][:2] == [(8, 0), (4, 1)]
     assert [(e.kind, e.req_id) for e in tracer.events if e.kind in ("free", "finish")] == [
         ("free", "A"), ("free", "B"), ("finish", "A"), ("finish", "B")]
+
+
+@pytest.mark.parametrize("engine_kind", ["real", "sim"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_count_counts_what_step_returns_in_both_loops(make_engine, engine_kind, async_scheduling):
+    # a replay steps with step_count, which makes no (sequence, token) pairs: step for step it must
+    # return how many pairs step returns (the async loop's are its previous step's) and leave the same trace
+    def run(counting: bool) -> tuple[list[int], list]:
+        tracer = ListTracer()
+        settings = dict(engine="sim", num_gpu_blocks=64) if engine_kind == "sim" else {}
+        engine = make_engine(tracer, async_scheduling=async_scheduling, max_num_batched_tokens=8, **settings)
+        engine.add_request("A", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True), arrival_s=0.0)
+        engine.add_request("B", [3, 4], SamplingParams(max_tokens=6, n=2, ignore_eos=True), arrival_s=0.0)
+        counts = []
+        while engine.has_unfinished() and len(counts) < 50:
+            counts.append(engine.step_count() if counting else len(engine.step()))
+        return counts, [(r.step, r.num_prefill_tokens, r.num_decode_tokens, [(e.kind, e.req_id) for e in r.events])
+                        for r in tracer.records]
+
+    counted, trace = run(counting=True)
+    assert (counted, trace) == run(counting=False)
+    assert sum(counted) == 4 + 2 * 6
