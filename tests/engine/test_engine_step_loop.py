@@ -460,10 +460,13 @@ def test_step_count_counts_what_step_returns_in_both_loops(make_engine, engine_k
         engine.add_request("B", [3, 4], SamplingParams(max_tokens=6, n=2, ignore_eos=True), arrival_s=0.0)
         counts = []
         while engine.has_unfinished() and len(counts) < 50:
+            if len(counts) == 4:   # a prompt joins while the others decode
+                engine.add_request("C", [11, 12, 13], SamplingParams(max_tokens=3, ignore_eos=True), arrival_s=0.0)
             counts.append(engine.step_count() if counting else len(engine.step()))
-        return counts, [(r.step, r.num_prefill_tokens, r.num_decode_tokens, [(e.kind, e.req_id) for e in r.events])
-                        for r in tracer.records]
+        return counts, [(r.step, r.num_prefill_tokens, r.num_decode_tokens, [(e.kind, e.req_id) for e in r.events],
+                         list(zip(r.token_req_ids, r.token_samples, r.token_idx))) for r in tracer.records]
 
     counted, trace = run(counting=True)
     assert (counted, trace) == run(counting=False)
-    assert sum(counted) == 4 + 2 * 6
+    assert sum(counted) == 4 + 2 * 6 + 3
+    assert any(prefill and decode for _, prefill, decode, _, _ in trace)
