@@ -168,3 +168,46 @@ def test_a_decode_window_ends_before_the_step_whose_blocks_run_out(tiny_loaded, 
         r.n, r.max_tokens, r.output_tokens = 1, 40, None
     fast, windowed = simulated_both_ways(tiny_loaded, requests, False, num_gpu_blocks=20, **settings)
     assert any(e.kind == "preempt" for e in fast.events) and windowed >= 20
+
+
+def test_more_decodes_than_the_token_budget_are_stepped_not_windowed(tiny_loaded):
+    """Samples forked past the token budget (--n-mode cow forks them when the prompt is done, outside
+    the budget): 6 of them decoding under a budget of 4 tokens, of which a step decodes 4, which no
+    decode window (every running sequence a token a step) may stand in for."""
+    requests = backlog_workload(3, num_requests=2)
+    for r in requests:
+        r.n, r.temperature, r.max_tokens, r.output_tokens = 6, 1.0, 12, None
+    fast, _ = simulated_both_ways(tiny_loaded, requests, False, num_gpu_blocks=200, max_num_batched_tokens=4,
+                                  n_mode="cow")
+    assert max(r.num_running for r in fast.records) > 4
+
+
+def decoding(tiny_loaded, tracer=None, **settings) -> LLMEngine:
+    """A simulated engine whose three sequences are all decoding, nothing else queued."""
+    engine = LLMEngine(EngineConfig(model="tiny", engine="sim", block_size=4, num_gpu_blocks=64, **settings), tracer,
+                       loaded=tiny_loaded)
+    for i in range(3):
+        engine.add_request(f"r{i}", [5 + i, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True), arrival_s=0.0)
+    engine.step()
+    assert len(engine.scheduler.running) == 3
+    return engine
+
+
+def test_a_decode_window_declines_an_idle_engine_the_slow_path_and_a_rejection_to_record(tiny_loaded):
+    idle = LLMEngine(EngineConfig(model="tiny", engine="sim", block_size=4, num_gpu_blocks=64), loaded=tiny_loaded)
+    assert idle.decode_window(math.inf) == (0, 0) and idle.step_counter == 0
+    assert decoding(tiny_loaded).decode_window(math.inf)[0] > 0   # as it is, a window runs
+    slow = decoding(tiny_loaded)
+    slow.scheduler.decode_fast_path = False   # the reference every window is checked against steps one by one
+    before = slow.step_counter
+    assert slow.decode_window(math.inf) == (0, 0) and slow.step_counter == before
+    # a request the pool can never hold is finished (rejected) by the next step, which records it: no
+    # window may run first and move its finish later
+    tracer = ListTracer()
+    assert decoding(tiny_loaded, max_model_len=8).decode_window(math.inf)[0] > 0
+    rejecting = decoding(tiny_loaded, tracer, max_model_len=8)
+    rejecting.add_request("too-long", list(range(10, 20)), SamplingParams(max_tokens=2))
+    step = rejecting.step_counter
+    assert rejecting.decode_window(math.inf) == (0, 0)
+    rejecting.step()
+    assert ("too-long", "rejected") in [(r.req_id, r.finish_reason) for r in tracer.records[step].finished]
