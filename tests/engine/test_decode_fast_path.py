@@ -211,3 +211,13 @@ def test_a_decode_window_declines_an_idle_engine_the_slow_path_and_a_rejection_t
     assert rejecting.decode_window(math.inf) == (0, 0)
     rejecting.step()
     assert ("too-long", "rejected") in [(r.req_id, r.finish_reason) for r in tracer.records[step].finished]
+
+
+def test_a_decode_window_declines_a_stretch_whose_first_token_is_a_stop(tiny_loaded):
+    # the simulator's placeholders are never a stop token, but a sampler that gives one (as the
+    # stop-token case above does) ends that sequence in the next step, which only that step can record
+    engine = decoding(tiny_loaded)
+    stop, sample = min(engine.stop_token_ids), engine.runner.sample
+    engine.runner.sample = lambda result, seqs, rows: [stop if s.req_id == "r1" else t
+                                                       for s, t in zip(seqs, sample(result, seqs, rows))]
+    assert engine.decode_window(math.inf) == (0, 0)
