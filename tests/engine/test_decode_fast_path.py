@@ -221,3 +221,15 @@ def test_a_decode_window_declines_a_stretch_whose_first_token_is_a_stop(tiny_loa
     engine.runner.sample = lambda result, seqs, rows: [stop if s.req_id == "r1" else t
                                                        for s, t in zip(seqs, sample(result, seqs, rows))]
     assert engine.decode_window(math.inf) == (0, 0)
+
+
+@pytest.mark.parametrize("prompt_len", [5, 6, 7])
+def test_forked_samples_sharing_the_block_they_write_next_are_stepped_not_windowed(tiny_loaded, prompt_len):
+    """--n-mode cow: samples forked when the prompt is done share its last, partial block, which
+    their next decode writes: that step copies the block first, which only the general pass does."""
+    requests = backlog_workload(5, num_requests=3)
+    for r in requests:
+        r.n, r.temperature, r.max_tokens, r.output_tokens = 3, 1.0, 20, None
+        r.prompt_token_ids = r.prompt_token_ids[:prompt_len]
+    fast, _ = simulated_both_ways(tiny_loaded, requests, False, num_gpu_blocks=200, n_mode="cow")
+    assert any(e.kind == "cow" for e in fast.events)
