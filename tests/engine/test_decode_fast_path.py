@@ -233,3 +233,28 @@ def test_forked_samples_sharing_the_block_they_write_next_are_stepped_not_window
         r.prompt_token_ids = r.prompt_token_ids[:prompt_len]
     fast, _ = simulated_both_ways(tiny_loaded, requests, False, num_gpu_blocks=200, n_mode="cow")
     assert any(e.kind == "cow" for e in fast.events)
+
+
+def test_decode_windows_stamp_their_steps_on_the_clock_started_after_a_warm_up(tiny_loaded):
+    """A replay's t = 0 is when start_clock ran, however much virtual time went before it: the steps
+    a window runs carry the times the step-by-step run gives them."""
+    def stamped(windows: bool) -> list:
+        tracer = ListTracer()
+        engine = LLMEngine(EngineConfig(model="tiny", engine="sim", block_size=4, num_gpu_blocks=64), tracer,
+                           loaded=tiny_loaded)
+        engine.add_request("warm-up", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), arrival_s=0.0)
+        while engine.has_unfinished():
+            engine.step()
+        engine.start_clock()
+        for i in range(3):
+            engine.add_request(f"r{i}", [5 + i, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True), arrival_s=0.0)
+        windowed = 0
+        while engine.has_unfinished():
+            num_steps = engine.decode_window(math.inf)[0] if windows else 0
+            windowed += num_steps
+            if not num_steps:
+                engine.step()
+        assert windowed > 10 or not windows
+        return [(r.step, r.start_s, r.end_s) for r in tracer.records]
+
+    assert stamped(windows=True) == stamped(windows=False)
