@@ -118,3 +118,29 @@ def test_record_refuses_async_scheduling_with_swap_in_one_line(tmp_path):
                            "-o", str(tmp_path / "run"), "--async-scheduling", "--preemption-mode", "swap"])
     assert "--async-scheduling" in line and "--preemption-mode swap" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_steps_output_is_processed_after_the_next_step_is_scheduled_and_re_prefills_end_with_it(make_engine):
+    """Each record's end is when its output was processed, which is after the next step was
+    scheduled (V1's batch queue: schedule, then process the previous output); a re-prefill completes
+    at the end of the step that computed it. On a clock that ticks at every reading, neither can
+    coincide with a step's start."""
+    tracer = ListTracer()
+    engine = tight_engine(make_engine, True, tracer)
+    ticks = iter(range(1, 10**6))
+    engine.clock = lambda: float(next(ticks))
+    engine.start_clock()
+    add_random(engine, seed=3, count=10)
+    run_checked(engine)
+    records = tracer.records
+    assert all(r.end_s > nxt.start_s for r, nxt in zip(records, records[1:]) if r.token_req_ids)
+    reprefills = [(r, e) for r in records for e in r.events if e.kind == "reprefill"]
+    assert reprefills and all(e.ts_s == r.end_s for r, e in reprefills)
+    # and in the record of the step that computed it: after the sequence was admitted again
+    admitted = {}
+    for e in tracer.events:
+        key = (e.req_id, e.sample)
+        if e.kind in ("preempt", "admit"):
+            admitted[key] = e.kind == "admit"
+        elif e.kind == "reprefill":
+            assert admitted.get(key), f"{key}: re-prefill recorded before its sequence was admitted again"

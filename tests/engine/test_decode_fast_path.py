@@ -258,3 +258,15 @@ def test_decode_windows_stamp_their_steps_on_the_clock_started_after_a_warm_up(t
         return [(r.step, r.start_s, r.end_s) for r in tracer.records]
 
     assert stamped(windows=True) == stamped(windows=False)
+
+
+def test_a_decode_window_returns_its_tokens_and_counts_as_progress(tiny_loaded):
+    # the replay adds the tokens to its counts, and the livelock guard counts steps without a token:
+    # a window's steps each gave every running sequence one
+    tracer = ListTracer()
+    engine = decoding(tiny_loaded, tracer)
+    engine._steps_without_progress = 7   # as after steps that only re-prefilled
+    first = len(tracer.records)
+    steps, tokens = engine.decode_window(math.inf)
+    assert steps > 1 and tokens == 3 * steps == sum(len(r.token_req_ids) for r in tracer.records[first:])
+    assert engine._steps_without_progress == 0
