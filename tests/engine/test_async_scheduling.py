@@ -144,3 +144,22 @@ def test_a_steps_output_is_processed_after_the_next_step_is_scheduled_and_re_pre
             admitted[key] = e.kind == "admit"
         elif e.kind == "reprefill":
             assert admitted.get(key), f"{key}: re-prefill recorded before its sequence was admitted again"
+
+
+def test_a_sequence_stopped_by_an_in_flight_eos_leaves_the_block_that_token_completes_uncached(make_engine):
+    """A (3 tokens) stops on its first token, EOS, at position 3. Async runs that token's position in
+    step 1 before step 0's output says A stopped, but V1 caches only what the delivered tokens complete
+    less the step's input: block 0 (positions 0-3) is not cached, as in the synchronous run, where
+    position 3 is never computed. C, arriving after, repeats A's tokens and hits nothing."""
+    probe = make_engine(block_size=4, num_gpu_blocks=16)
+    first = probe.generate([[5, 6, 7]], SamplingParams(max_tokens=1))[0][0]
+    for async_scheduling in (False, True):
+        engine = make_engine(block_size=4, num_gpu_blocks=16, enable_prefix_caching=True,
+                             async_scheduling=async_scheduling)
+        engine.stop_token_ids = frozenset({first})
+        a = engine.add_request("A", [5, 6, 7], SamplingParams(max_tokens=10), arrival_s=0.0)
+        run_checked(engine)
+        assert outputs([a]) == [[first]] and a.finish_reason == "stop"
+        c = engine.add_request("C", [5, 6, 7, first, 9], SamplingParams(max_tokens=1), arrival_s=0.0)
+        run_checked(engine)
+        assert c.num_prefix_hit_tokens == 0, async_scheduling
