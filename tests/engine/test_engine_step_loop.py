@@ -470,3 +470,26 @@ def test_step_count_counts_what_step_returns_in_both_loops(make_engine, engine_k
     assert (counted, trace) == run(counting=False)
     assert sum(counted) == 4 + 2 * 6 + 3
     assert any(prefill and decode for _, prefill, decode, _, _ in trace)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_positions_recomputed_in_chunks_are_each_counted_once(make_engine, async_scheduling):
+    # a budget of 4 tokens re-prefills a preempted sequence's 12 or 16 lost positions in chunks: every
+    # chunk inside the lost span is recomputation, the position after it is new, and the counts of the
+    # steps, the sequences and the re-prefill events agree with the positions each preemption lost
+    tracer = ListTracer()
+    engine = make_engine(tracer, block_size=4, num_gpu_blocks=9, max_num_batched_tokens=4, enable_prefix_caching=False,
+                         async_scheduling=async_scheduling)
+    seqs = [engine.add_request(f"r{i}", list(range(10 + i, 22 + i)), SamplingParams(max_tokens=12, ignore_eos=True),
+                               arrival_s=0.0) for i in range(3)]
+    run_checked(engine)
+    lost, recomputed = {}, {}
+    for e in tracer.events:
+        if e.kind == "preempt":
+            lost[e.req_id] = lost.get(e.req_id, 0) + e.num_tokens
+        elif e.kind == "reprefill":
+            assert e.num_cached_tokens == 0 and e.num_tokens > e.num_recomputed_tokens
+            recomputed[e.req_id] = recomputed.get(e.req_id, 0) + e.num_recomputed_tokens
+    assert lost and recomputed == lost
+    assert {s.req_id: s.num_recomputed_tokens for s in seqs if s.num_recomputed_tokens} == lost
+    assert sum(r.num_recompute_tokens for r in tracer.records) == sum(lost.values())
