@@ -141,3 +141,17 @@ def test_kv_events_are_numbered_from_0_in_the_order_they_happened(make_engine):
     run_checked(engine)
     seqs = [e.seq for e in tracer.events]
     assert len(seqs) > 10 and seqs == list(range(len(seqs)))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ignore_eos_runs_past_the_stop_token_to_max_tokens(make_engine, async_scheduling):
+    # every greedy token of A is made a stop token: without ignore_eos A stops on its first, with it A
+    # writes all of max_tokens (reason length)
+    probe = make_engine(block_size=4, num_gpu_blocks=16)
+    greedy = probe.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    for ignore_eos, expected, reason in ((False, greedy[:1], "stop"), (True, greedy, "length")):
+        engine = make_engine(block_size=4, num_gpu_blocks=16, async_scheduling=async_scheduling)
+        engine.stop_token_ids = frozenset(greedy)
+        seq = engine.add_request("A", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=ignore_eos))
+        run_checked(engine)
+        assert (seq.token_ids[3:], seq.finish_reason) == (expected, reason)
