@@ -493,3 +493,34 @@ def test_positions_recomputed_in_chunks_are_each_counted_once(make_engine, async
     assert lost and recomputed == lost
     assert {s.req_id: s.num_recomputed_tokens for s in seqs if s.num_recomputed_tokens} == lost
     assert sum(r.num_recompute_tokens for r in tracer.records) == sum(lost.values())
+
+
+def test_samples_forked_or_finished_unforked_carry_their_requests_standing(make_engine):
+    # --n-mode cow: the samples of a request share its arrival, priority and arrival order (the
+    # priority policy's tie-break), whether forked when its prompt is done or finished unforked with a
+    # rejected parent; a forked sample also starts where its parent stands: first scheduled, prefix
+    # positions hit, positions reserved (--kv-reserve), stop length, positions computed
+    tracer = ListTracer()
+    engine = make_engine(tracer, block_size=4, num_gpu_blocks=40, max_model_len=24, n_mode="cow",
+                         enable_prefix_caching=True, kv_reserve="max-tokens", preemption_policy="priority")
+    engine.add_request("warm", list(range(40, 48)), SamplingParams(max_tokens=1), arrival_s=0.0)
+    engine.step()
+    engine.step()
+    parent = engine.add_request("R", list(range(40, 50)), SamplingParams(max_tokens=20, n=3, temperature=1.0,
+                                                                          ignore_eos=True), arrival_s=0.5, priority=2)
+    engine.add_request("big", list(range(60, 84)), SamplingParams(max_tokens=2, n=2, temperature=1.0),
+                       arrival_s=0.25, priority=1)
+    while parent.num_pending_forks:
+        engine.step()
+    children = [engine.outputs[("R", i)] for i in (1, 2)]
+    assert parent.num_prefix_hit_tokens == 8 and parent.num_reserved_tokens == 24
+    for child in children:
+        for name in ("arrival_s", "priority", "arrival_order", "first_scheduled_s", "num_prefix_hit_tokens",
+                     "num_reserved_tokens", "stop_num_tokens", "num_ever_computed"):
+            assert getattr(child, name) == getattr(parent, name), name
+    run_checked(engine)
+    rows = {(r.req_id, r.sample): r for rec in tracer.records for r in rec.finished}
+    assert [(rows[("big", i)].arrival_s, rows[("big", i)].priority, rows[("big", i)].finish_reason) for i in (0, 1)] \
+        == [(0.25, 1, "rejected")] * 2
+    # the samples stop at max_model_len (24 positions), not at the prompt plus max_tokens (30)
+    assert [(rows[("R", i)].output_tokens, rows[("R", i)].finish_reason) for i in range(3)] == [(14, "length")] * 3
