@@ -126,6 +126,22 @@ def test_the_step_loop_waits_for_the_device_only_at_the_flush(make_engine, monke
     assert all(r.device_ms is not None and r.device_ms > 0 for r in tracer.records)
 
 
+
+def test_only_the_flush_waits_for_the_device_cpu_stand_in(make_engine, monkeypatch):
+    # the CUDA test above, where no GPU is: the runner says it is on CUDA and synchronize is counted;
+    # handing records over step by step never waits, the end of the run waits once
+    engine = make_engine(num_gpu_blocks=30)
+    engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    waits = []
+    monkeypatch.setattr(engine.runner, "is_cuda", True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
+    engine._flush_records(wait=False)
+    assert waits == []
+    engine.flush()
+    assert waits == [engine.device]
+
 # ---------------------------------------------------------------- the livelock guard
 
 def stalled_engine(make_engine, async_scheduling: bool = False) -> LLMEngine:
