@@ -142,6 +142,48 @@ def test_only_the_flush_waits_for_the_device_cpu_stand_in(make_engine, monkeypat
     engine.flush()
     assert waits == [engine.device]
 
+
+class _Event:
+    """A stand-in CUDA event: done when the test says so, 2.5 ms after its start."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end) -> float:
+        return 2.5
+
+
+def test_records_wait_for_their_device_timing_in_order_and_the_flush_takes_them_all(make_engine, monkeypatch):
+    # each step's forward ends on a stand-in event that is not done: its record (and every later one,
+    # in step order) waits; once its event is done the next step hands it over; the flush takes the rest
+    tracer = ListTracer()
+    engine = make_engine(tracer, num_gpu_blocks=30)
+    ends = []
+    execute = engine.runner.execute
+
+    def on_events(out):
+        result = execute(out)
+        ends.append(_Event(done=False))
+        result.timing.forward = (_Event(done=True), ends[-1])
+        return result
+
+    monkeypatch.setattr(engine.runner, "execute", on_events)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert tracer.records == []
+    ends[0].done = True
+    engine.step()
+    assert [(r.step, r.device_ms) for r in tracer.records] == [(0, 2.5)]
+    while engine.has_unfinished():
+        engine.step()
+    engine.flush()
+    assert [r.step for r in tracer.records] == list(range(engine.step_counter))
+
 # ---------------------------------------------------------------- the livelock guard
 
 def stalled_engine(make_engine, async_scheduling: bool = False) -> LLMEngine:
