@@ -177,3 +177,17 @@ def test_without_prefix_caching_the_cohort_visits_a_member_only_for_the_block_it
                     engine="sim", hardware="a100-80gb", enable_prefix_caching=False)
     run(tiny_loaded, staggered(seed, 40), True, seed != 3, windows=False, **settings)
     assert len(calls) >= 100 and set(calls) == {1}
+
+
+def test_the_integrity_check_counts_a_members_unsettled_steps_against_its_blocks(make_engine):
+    # a member's own count lags by the steps it has not settled: the check reads its true count, so
+    # a cohort clock run ahead of the blocks taken (a missed grow) is caught
+    engine = cohort_engine(make_engine, [12, 12])
+    for _ in range(3):
+        engine.step()
+    cohort = engine.scheduler.cohort
+    assert cohort.num_members == 2
+    engine.check_integrity()
+    cohort.clock += 8   # two blocks of 4 that nobody took
+    with pytest.raises(AssertionError, match="computed positions beyond its blocks"):
+        engine.check_integrity()

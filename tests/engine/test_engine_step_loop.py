@@ -431,6 +431,7 @@ def test_an_interrupted_run_keeps_only_delivered_tokens_and_aborts_every_unfinis
     assert sorted((s.req_id, s.finish_reason, s.output_tokens) for s in aborted) == [
         ("r0", "aborted", expected), ("r1", "aborted", expected), ("r2", "aborted", 0)]
     assert all(s.finish_s >= tracer.records[-1].start_s for s in aborted)
+    assert [seq.finish_reason for seq in seqs] == ["aborted"] * 3   # the sequences themselves, as their rows
 
 
 def test_an_interrupted_simulated_run_reports_the_tokens_its_decode_cohort_had_not_written_out(make_engine):
