@@ -858,11 +858,18 @@ def mutant_limit(unmutated_s: float) -> float:
     return max(30.0, 6 * unmutated_s)
 
 
-def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[dict], timeout: float | None) -> None:
+def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[dict], timeout: float | None,
+            resume: bool = False) -> None:
     """Plant each survivor (and timeout) of a previous run again and run its target's tests as they
     are now: first the test files changed since that run (changed_tests), then, if none fails, all of
     them. Without a `timeout`, a mutant's limit is six times the tests' unmutated time, measured
-    first (as a run's is), so that a loaded machine does not turn slow runs into kills."""
+    first (as a run's is), so that a loaded machine does not turn slow runs into kills. Survivors go
+    before timeouts (a timeout already counts as detected). `resume`: leave out the mutants an earlier,
+    stopped recheck found killed (what it decided is written even when it is stopped)."""
+    def pending(m: Mutant) -> bool:
+        return (m.outcome in ("survived", "timeout") and equivalence(m, equivalents) is None
+                and not (resume and m.recheck.startswith("killed")))
+
     for r in results:
         tests = tests_of(r.target)
         first = changed_tests(r.commit.split("+")[0], [t for t in tests if not t.startswith("-")])
@@ -870,8 +877,7 @@ def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[d
         original = path.read_text()
         fresh = None if r.target.endswith(".sql") else r.target
         limit = timeout
-        if limit is None and any(m.outcome in ("survived", "timeout") and equivalence(m, equivalents) is None
-                                 for m in r.mutants):
+        if limit is None and any(map(pending, r.mutants)):
             began = time.monotonic()
             if runner.run(tests, 900, fresh=fresh) != "survived":
                 print(f"{r.target}: the tests fail without any mutant: not rechecked\n{runner.output()}",
@@ -881,10 +887,8 @@ def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[d
             limit = mutant_limit(seconds)
             print(f"{r.target}: unmutated tests {seconds:.1f} s; a mutant's limit {limit:.0f} s", flush=True)
         try:
-            for m in r.mutants:
-                # a timeout is planted again too: on a loaded machine it may be a slow run, not a loop
-                if m.outcome not in ("survived", "timeout") or equivalence(m, equivalents) is not None:
-                    continue
+            # a timeout is planted again too (after the survivors): on a loaded machine it may be a slow run, not a loop
+            for m in sorted(filter(pending, r.mutants), key=lambda m: m.outcome == "timeout"):
                 try:
                     path.write_text(apply_diff(original, m))
                 except ValueError:                     # the line was edited since: rerun the target instead
@@ -1110,7 +1114,8 @@ def main() -> int:
                              "record which test kills it")
     parser.add_argument("--resume", action="store_true",
                         help="a target whose last row the budget stopped, on the same text, sample and tests: run "
-                             "only the mutants it left unrun and add them to that row")
+                             "only the mutants it left unrun and add them to that row; with --recheck: leave out "
+                             "the mutants a stopped recheck found killed")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite results.md from summary.json (after editing equivalent.json); run nothing")
     args = parser.parse_args()
@@ -1118,20 +1123,22 @@ def main() -> int:
         results = load(args.out)
         chosen = results
         if args.recheck:
+            chosen = [r for r in results if not args.only or r.target in args.only]
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # stopped: what it decided is written
             work = scratch_copy()
             drivers = None
             try:
                 runner = ForkRunner(work, work / ".mutation-test.log")
                 runner.check_reads_the_copy()
-                chosen = [r for r in results if not args.only or r.target in args.only]
                 if any(r.target in NEEDS_VLLM for r in chosen) and vllm_pythons():
                     drivers = VllmDrivers(work, vllm_pythons(), args.capture_workloads)
                     drivers.start()
-                recheck(runner, chosen, load_equivalents(), args.test_timeout)
+                recheck(runner, chosen, load_equivalents(), args.test_timeout, resume=args.resume)
             finally:
                 if drivers is not None:
                     drivers.stop()
                 shutil.rmtree(work, ignore_errors=True)
+                write(args.out, chosen)
         # only the rows rechecked: another target's row may have been rewritten by a run going on meanwhile
         write(args.out, chosen)
         return 0

@@ -173,3 +173,38 @@ def test_a_first_run_that_names_no_failed_test_is_no_kill_and_folders_select_the
                    [("survived", ""), ("survived", "")])
     assert child.runner.run_mutant(folders, 60) == "survived"
     assert child.calls == [["tests/engine/test_b.py::two"], folders]   # all of the folder still runs
+
+
+def test_a_recheck_takes_survivors_before_timeouts_and_its_resume_leaves_out_the_killed(tmp_path, monkeypatch):
+    # a stand-in runner: every planted text is noted, and the tests kill every mutant but "c"
+    target = "engine/t.py"
+    (tmp_path / "engine").mkdir()
+    (tmp_path / target).write_text("a = 1\nb = 2\nc = 3\n")
+
+    def mutant(line: int, name: str, outcome: str, recheck: str = "") -> mutation.Mutant:
+        return mutation.Mutant(target, line, "ConstantReplacement_Name_Zero", outcome,
+                               f"--- a\n+++ b\n@@ -{line} +{line} @@\n-{name} = {line}\n+{name} = 0\n", recheck=recheck)
+
+    class Runner:
+        work, planted = tmp_path, []
+
+        def run(self, tests, timeout, fresh=None):
+            text = (tmp_path / target).read_text()
+            self.planted.append(next(ln for ln in text.splitlines() if ln.endswith(" = 0")))
+            return "survived" if "c = 0" in text else "killed"
+
+        def output(self):
+            return "FAILED tests/x.py::test_t - assert\n"
+
+    monkeypatch.setattr(mutation, "changed_tests", lambda commit, folders: [])
+    monkeypatch.setitem(mutation.TARGETS, target, ["tests/x.py"])
+    r = mutation.TargetResult(target, ["tests/x.py"], [mutant(1, "a", "timeout"), mutant(2, "b", "survived"),
+                                                       mutant(3, "c", "survived")], 1.0, commit="abc1234")
+    runner = Runner()
+    mutation.recheck(runner, [r], [], timeout=5.0)
+    assert runner.planted == ["b = 0", "c = 0", "a = 0"]   # survivors first, in file order
+    assert [m.recheck for m in r.mutants] == ["killed by tests/x.py::test_t", "killed by tests/x.py::test_t", "survives"]
+    assert (tmp_path / target).read_text() == "a = 1\nb = 2\nc = 3\n"
+    runner.planted = []
+    mutation.recheck(runner, [r], [], timeout=5.0, resume=True)
+    assert runner.planted == ["c = 0"]
