@@ -191,3 +191,7 @@ def test_the_integrity_check_counts_a_members_unsettled_steps_against_its_blocks
     cohort.clock += 8   # two blocks of 4 that nobody took
     with pytest.raises(AssertionError, match="computed positions beyond its blocks"):
         engine.check_integrity()
+    cohort.clock -= 8
+    cohort.sum_marks += 1   # and the cohort's own sums, kept as members join, settle and leave
+    with pytest.raises(AssertionError, match="the cohort's sum of marks is off"):
+        engine.check_integrity()

@@ -583,3 +583,13 @@ def test_samples_forked_or_finished_unforked_carry_their_requests_standing(make_
         == [(0.25, 1, "rejected")] * 2
     # the samples stop at max_model_len (24 positions), not at the prompt plus max_tokens (30)
     assert [(rows[("R", i)].output_tokens, rows[("R", i)].finish_reason) for i in range(3)] == [(14, "length")] * 3
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_generate_hands_every_steps_record_to_the_tracer(make_engine, async_scheduling):
+    # generate runs to the end and flushes: the async loop's last step (its output never processed)
+    # is recorded too, one record a step
+    tracer = ListTracer()
+    engine = make_engine(tracer, async_scheduling=async_scheduling)
+    engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [r.step for r in tracer.records] == list(range(engine.step_counter))
