@@ -1138,9 +1138,10 @@ def main() -> int:
                 if drivers is not None:
                     drivers.stop()
                 shutil.rmtree(work, ignore_errors=True)
+                # only the rows rechecked: another target's row may have been rewritten by a run going on meanwhile
                 write(args.out, chosen)
-        # only the rows rechecked: another target's row may have been rewritten by a run going on meanwhile
-        write(args.out, chosen)
+        else:
+            write(args.out, chosen)
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # clean up (restore, write results) when stopped
     deadline = time.monotonic() + args.budget_min * 60

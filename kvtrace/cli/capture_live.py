@@ -12,9 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Annotated
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console, RenderableType
