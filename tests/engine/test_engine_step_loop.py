@@ -221,6 +221,21 @@ def test_a_token_resets_the_livelock_count(make_engine, async_scheduling):
         engine.step()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_idle_engine_is_not_a_livelock(make_engine, async_scheduling):
+    # a server steps its engine while no request is in: those steps emit nothing and are not a stall,
+    # nor do they count towards one that follows
+    engine = make_engine(block_size=4, num_gpu_blocks=16, max_model_len=16, async_scheduling=async_scheduling)
+    for _ in range(MAX_STEPS_WITHOUT_PROGRESS + 1):
+        assert engine.step() == []
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.scheduler.schedule = lambda: SchedulerOutput()
+    for _ in range(MAX_STEPS_WITHOUT_PROGRESS):
+        engine.step()
+    with pytest.raises(LivelockError):
+        engine.step()
+
+
 # ---------------------------------------------------------------- the async loop
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
