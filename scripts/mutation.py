@@ -911,7 +911,8 @@ def recheck(runner: ForkRunner, results: list[TargetResult], equivalents: list[d
 
 def load_equivalents(path: Path = EQUIVALENT) -> list[dict]:
     """Survivors judged equivalent (the same behaviour, or unreachable), each with its reason: a list of
-    {target, before, after, reason[, line]}, before/after the changed line without its indentation."""
+    {target, before, after, reason[, line]}, before/after the changed line without its indentation (line:
+    its number, or numbers, where the same text occurs elsewhere in the file)."""
     for attempt in range(50):   # an editor may be saving it while a run reads it (survivors answered as they come)
         try:
             return json.loads(path.read_text()) if path.exists() else []
@@ -930,8 +931,12 @@ def _changed_lines(diff: str) -> tuple[str, str]:
 
 def equivalence(m: Mutant, equivalents: list[dict]) -> str | None:
     before, after = _changed_lines(m.diff)
-    for e in equivalents:  # "line" (optional): for a line whose text occurs more than once in the file
-        if (e["target"], e["before"], e["after"]) == (m.target, before, after) and e.get("line", m.line) == m.line:
+    # "line" (optional): for a line whose text occurs more than once in the file; a list where the line
+    # has moved since a run that is still reported (its number there, and now)
+    for e in equivalents:
+        line = e.get("line", m.line)
+        if (e["target"], e["before"], e["after"]) == (m.target, before, after) and m.line in (
+                line if isinstance(line, list) else [line]):
             return e["reason"]
     return None
 

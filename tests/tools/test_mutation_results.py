@@ -208,3 +208,14 @@ def test_a_recheck_takes_survivors_before_timeouts_and_its_resume_leaves_out_the
     runner.planted = []
     mutation.recheck(runner, [r], [], timeout=5.0, resume=True)
     assert runner.planted == ["c = 0"]
+
+
+def test_an_equivalent_with_a_line_answers_only_that_line_or_those_it_lists():
+    """A line whose text occurs twice in the file: an entry answers the mutant of the line it names,
+    or of any line it lists (the line moved since a run still reported: its number there, and now)."""
+    def mutant(line: int) -> mutation.Mutant:
+        return mutation.Mutant("t.py", line, "AddNot", "survived", "-    if a:\n+    if not a:")
+    entry = {"target": "t.py", "before": "if a:", "after": "if not a:", "reason": "why"}
+    assert [mutation.equivalence(mutant(n), [entry]) for n in (3, 9)] == ["why", "why"]
+    assert [mutation.equivalence(mutant(n), [{**entry, "line": 9}]) for n in (3, 9)] == [None, "why"]
+    assert [mutation.equivalence(mutant(n), [{**entry, "line": [3, 5]}]) for n in (3, 5, 9)] == ["why", "why", None]

@@ -448,6 +448,73 @@ def test_capture_records_what_vllm_decided(vllm, asynchronous):
         assert counts["preempting"] and counts["hitting"], counts   # not vacuous
 
 
+# Generated workloads (tests.vllm_sched.workloads) that told a planted bug apart from the capture where
+# the first workloads did not, kept whole: why each matters, and its workload
+FOUND = {
+    "two-re-prefills-complete-in-one-step": (
+        "r02 and r01:1 complete their re-prefills in one step, in the watch's order otherwise than the "
+        "step scheduled them: their reprefill events are in the scheduler's order",
+        {"config": {"block_size": 1, "num_blocks": 35, "max_num_seqs": 3, "max_num_batched_tokens": 8,
+                    "max_model_len": 36, "long_prefill_token_threshold": 0, "policy": "fcfs", "async": False,
+                    "enable_prefix_caching": False},
+         "requests": [{"id": "r00", "prompt": [2, 1, 2, 3, 2, 2, 2, 2, 2, 3, 1, 3, 1, 2, 1, 1, 3, 2, 3, 3, 3, 1, 2, 1, 3,
+                                               1, 3, 2, 2, 3, 1, 2, 2, 2, 3], "max_tokens": 1, "arrival_step": 0},
+                      {"id": "r01", "prompt": [3, 1, 3, 2, 2, 3, 2, 1, 3, 1, 1, 3, 2, 3, 3], "max_tokens": 5, "n": 2,
+                       "arrival_step": 0},
+                      {"id": "r02", "prompt": [3], "max_tokens": 2, "arrival_step": 0},
+                      {"id": "r03", "prompt": [1], "max_tokens": 1, "arrival_step": 0}]}),
+    "one-position-recomputed": (
+        "r00 is preempted with two positions computed and recomputes exactly one of them (the other a "
+        "prefix hit): a recompute of one position counts",
+        {"config": {"block_size": 1, "num_blocks": 2, "max_num_seqs": 2, "max_num_batched_tokens": 4,
+                    "max_model_len": 3, "long_prefill_token_threshold": 1, "policy": "priority", "async": False,
+                    "enable_prefix_caching": True},
+         "requests": [{"id": "r00", "prompt": [2], "max_tokens": 2, "priority": 1, "arrival_step": 0},
+                      {"id": "r01", "prompt": [1, 2], "max_tokens": 1, "priority": 0, "arrival_step": 0}]}),
+    "re-prefill-chunk-two-short-of-its-end": (
+        "r06:0, resumed with outputs, recomputes in chunks, one of which ends two positions short of its "
+        "tokens: the next chunk's blocks are a prefill's (num_computed_tokens < num_tokens - 1), not a decode's",
+        {"config": {"block_size": 1, "num_blocks": 98, "max_num_seqs": 4, "max_num_batched_tokens": 4,
+                    "max_model_len": 99, "long_prefill_token_threshold": 0, "policy": "priority", "async": False,
+                    "enable_prefix_caching": True},
+         "requests": [{"id": "r00", "prompt": [3, 1, 3, 1, 2, 1, 1, 3, 2, 3, 3, 3, 1, 2, 1, 3, 1, 3, 2, 2, 3, 1, 2, 2, 2,
+                                               3, 3, 1, 3, 2, 2, 3, 2, 1, 3, 1, 1, 3, 2, 3, 3, 3, 1, 3, 2, 2, 1, 3, 2, 3,
+                                               1, 1, 3, 1, 1, 1, 3, 2, 1, 1, 2, 3, 2, 1, 2, 3, 2, 3, 1, 3, 2, 3, 1, 3, 3,
+                                               3, 2, 2, 1, 3, 2, 2, 3, 1, 2, 1, 1, 1, 1, 3, 3, 2, 2, 1, 1, 3, 1, 1],
+                       "max_tokens": 1, "priority": 0, "arrival_step": 0},
+                      {"id": "r01", "prompt": [1, 1, 3, 3, 3, 2, 3, 3, 2, 3, 1, 1, 3, 3, 2, 3, 2, 2, 2, 3, 3, 3, 2, 1, 2,
+                                               3, 1, 2, 3, 3, 2, 1, 1, 1, 3, 2, 1, 3, 1, 2, 1, 2, 2, 1, 1, 1, 3, 1, 1, 3,
+                                               3, 3, 3, 3, 1, 1, 1, 3, 1, 3, 3, 1, 2, 1, 2, 1, 1, 3],
+                       "max_tokens": 19, "n": 2, "priority": 1, "arrival_step": 0},
+                      *[{"id": f"r0{i}", "prompt": [t], "max_tokens": 1, "priority": 0, "arrival_step": 0}
+                        for i, t in [(2, 1), (3, 1), (4, 1), (5, 3)]],
+                      {"id": "r06", "prompt": [2, 2, 1, 2, 3, 2, 2, 1, 2, 1, 3, 1], "max_tokens": 3, "priority": 1,
+                       "arrival_step": 0},
+                      *[{"id": f"r0{i}", "prompt": [t], "max_tokens": 1, "priority": 0, "arrival_step": 0}
+                        for i, t in [(7, 3), (8, 1), (9, 3)]]],
+         "token_ids": True}),
+    "async-resumed-with-one-output": (
+        "async: r01 resumes with one output delivered and, after its re-prefill, decodes with two "
+        "placeholders (the step before's token not yet delivered): that step's token is a decode's",
+        {"config": {"block_size": 1, "num_blocks": 3, "max_num_seqs": 2, "max_num_batched_tokens": 4,
+                    "max_model_len": 4, "long_prefill_token_threshold": 0, "policy": "fcfs", "async": True,
+                    "enable_prefix_caching": True},
+         "requests": [{"id": "r00", "prompt": [2], "max_tokens": 3, "arrival_step": 0},
+                      {"id": "r01", "prompt": [1], "max_tokens": 3, "arrival_step": 0},
+                      {"id": "r02", "prompt": [2], "max_tokens": 1, "arrival_step": 0}],
+         "token_ids": True}),
+}
+
+
+@starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("name", sorted(FOUND))
+def test_workloads_that_told_a_planted_bug_apart_still_match(vllm, name, tmp_path):
+    """Each of FOUND's workloads, captured, is kvtrace's own trace of it (and vLLM's decisions)."""
+    why, workload = FOUND[name]
+    answer, problems = every_difference(vllm, {**workload, "capture_dir": str(tmp_path / "capture")})
+    assert not problems, f"{name} ({why}):\n" + "\n".join(problems[:10])
+
+
 def every_difference(vllm, workload: dict) -> tuple[dict, list[str]]:
     """One workload's answer, and everything capture_differences, table_differences and (on a version
     kvtrace's scheduler follows) trace_differences find in its capture."""
@@ -485,17 +552,50 @@ def test_the_capture_leaves_allocate_slots_as_it_found_it_after_every_step(vllm,
     """The capture puts its admission wrapper on the KV-cache manager's instance from the waiting loop's
     first look to the end of the step, and takes it off again, also in steps with nobody waiting (no
     waiting loop) and after a preemption. Here nothing else is on the instance (the driver's own
-    wrapper is off, "bare"): after every step vLLM's own method is what the running loop calls."""
+    wrapper is off, "bare"): after every step vLLM's own method is what the running loop calls.
+    Nor is anything between vLLM's schedule() and its _preempt_request (the driver counts the
+    victims where their blocks are freed), as in a server: each preemption's requester, which the
+    capture finds in the frame that calls _preempt_request, is kvtrace's."""
     workload = {"config": {**WORKLOAD["config"], "async": asynchronous, "num_blocks": 4},
                 "requests": [{"id": f"r{i:02d}", "prompt": list(range(10 * i + 1, 10 * i + 6)), "max_tokens": 6,
                               "arrival_step": 3 * i} for i in range(4)],
                 "capture_dir": str(tmp_path / "capture"), "bare": True}
-    answer = vllm.answer(workload)
+    answer, problems = every_difference(vllm, workload)
     assert "error" not in answer, answer.get("traceback")
     assert any(step["preempted"] for step in answer["steps"]) and any(not step["admitted"] for step in answer["steps"])
     assert answer.get("left_on_allocate_slots", []) == []
-    problems = capture_differences(workload, answer["steps"], answer)
     assert not problems, "\n".join(problems[:10])
+    from kvtrace.vllm.importer import read_chunks
+    k = read_chunks(Path(answer["capture"]))["kv_events"]
+    requesters = [r for kind, r in zip(k["kind"], k["requester_req_id"]) if kind == "preempt"]
+    assert requesters and None not in requesters, requesters
+
+
+@starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_a_steps_device_time_runs_from_the_end_of_its_scheduling_to_its_output(vllm, asynchronous, tmp_path):
+    """device_ms is the time from the end of a step's schedule() to the start of its
+    update_from_output: the model's run (and, async, the next step's scheduling, which runs
+    meanwhile). Step 1's model runs 0.4 s longer and step 2's schedule() takes 0.4 s longer: every
+    step's device_ms is at least the driver's own time from schedule() returning to calling
+    update_from_output, and more by no more than the capture's hooks (never the scheduling itself)."""
+    workload = {"config": {**WORKLOAD["config"], "async": asynchronous},
+                "requests": [{"id": "r00", "prompt": list(range(1, 9)), "max_tokens": 6, "arrival_step": 0}],
+                "capture_dir": str(tmp_path / "capture"), "gap": [[1, 0.4]], "slow_schedule": [[2, 0.4]]}
+    answer, problems = every_difference(vllm, workload)
+    assert not problems, "\n".join(problems[:10])
+    from kvtrace.vllm.importer import read_chunks
+    s = read_chunks(Path(answer["capture"]))["steps"]
+    timing = answer["timing"]
+    assert len(s["step"]) == len(timing) >= 4, (s["step"], timing)
+    for step, ms in zip(s["step"], s["device_ms"]):
+        if len(timing[step]) == 1:   # async: the last step's output, never processed
+            assert ms is None, (step, ms)
+            continue
+        returned, called = timing[step]
+        low = (called - returned) * 1e3
+        assert low <= ms <= low + 150, (step, ms, low)
+    assert s["device_ms"][1] >= 400, s["device_ms"]
 
 
 @starts_vllm(unless=bool(DRIVERS))
@@ -529,20 +629,26 @@ def test_steps_whose_output_is_never_processed_are_written_as_they_are_and_not_k
 
 @starts_vllm(unless=bool(DRIVERS))
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
-def test_aborted_requests_and_a_shutdown_with_requests_in_flight_are_captured_whole(vllm, asynchronous, tmp_path):
+@pytest.mark.parametrize("left", [["r00:0"], ["r00:0", "r01:0"]], ids=["one-left", "two-left"])
+def test_aborted_requests_and_a_shutdown_with_requests_in_flight_are_captured_whole(vllm, asynchronous, left, tmp_path):
     """Clients that go away: before step 3 the frontend aborts r03 (waiting for blocks: it holds none),
-    before step 4 r01 (running); before step 9 the server shuts down and aborts what is left. Every request has its row
-    (the aborted ones `aborted`, with the tokens they had), every block given is freed by an event
-    (the last ones by the capture's close, after the last step), and the self-check finds nothing."""
+    before step 4 r01 (running) unless it is left; before step 9 (7 with r01 left) the server shuts
+    down and aborts what is left. Every request has its row (the aborted ones `aborted`, with the tokens they had, finished
+    when their finish event says), every block given is freed by an event (the last ones by the
+    capture's close, after the last step: async, with the last step, whose output is never
+    processed), and the self-check finds nothing."""
+    aborts = [[3, ["r03:0"]]] + ([[4, ["r01:0"]]] if "r01:0" not in left else [])
     workload = {"config": {**WORKLOAD["config"], "async": asynchronous, "num_blocks": 6, "max_num_seqs": 3,
                            "max_model_len": 32},
                 "requests": [{"id": f"r{i:02d}", "prompt": list(range(10 * i + 1, 10 * i + 7)), "max_tokens": m,
                               "arrival_step": 0} for i, m in enumerate([20, 20, 2, 20])],
-                "capture_dir": str(tmp_path / "capture"), "aborts": [[3, ["r03:0"]], [4, ["r01:0"]]], "stop_at": 9}
+                "capture_dir": str(tmp_path / "capture"), "aborts": aborts,
+                "stop_at": 9 if len(left) == 1 else 7}   # r01 left: before it runs out of blocks
     answer = vllm.answer(workload)
     assert "error" not in answer, answer.get("traceback")
-    assert answer["aborted_at_stop"], answer   # something was still in flight at the shutdown
+    assert sorted(answer["aborted_at_stop"]) == left, answer["aborted_at_stop"]
     problems = capture_differences(workload, answer["steps"], answer)
+    problems += table_differences(workload, answer["steps"], answer)
     assert not problems, "\n".join(problems[:10])
     from kvtrace.vllm.importer import read_chunks
     columns = read_chunks(Path(answer["capture"]))
@@ -552,7 +658,7 @@ def test_aborted_requests_and_a_shutdown_with_requests_in_flight_are_captured_wh
     k = columns["kv_events"]
     last = max(columns["steps"]["step"])
     closing = [(kind, rid) for step, kind, rid in zip(k["step"], k["kind"], k["req_id"]) if step == last]
-    assert ("finish", "r00:0") in closing and ("free", "r00:0") in closing, closing
+    assert all(("finish", r) in closing and ("free", r) in closing for r in left), closing
     given, freed = defaultdict(list), defaultdict(list)   # no prefix is shared: each block is one request's
     for kind, rid, blocks in zip(k["kind"], k["req_id"], k["blocks"]):
         if kind in ("alloc", "prefix_hit"):

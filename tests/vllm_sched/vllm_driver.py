@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import sys
+import time
 import traceback
 
 TOKEN = -1   # the placeholder every step samples (kvtrace's GREEDY_TOKEN)
@@ -157,9 +158,17 @@ class Recorder:
             self.finished.append(request.request_id)
             return free(request, *args, **kwargs)
 
+        def _free_request_blocks(request, *args, **kwargs):
+            if request.status.name == "RUNNING":   # a preemption's (a finished request's status says so)
+                self.preempted.append(request.request_id)
+            return free_request_blocks(request, *args, **kwargs)
+
         if wrap_allocate_slots:   # without it ("bare"): no victim's hashes are taken out, no calls counted
             kvm.allocate_slots = _allocate_slots
-        sched._preempt_request = _preempt_request
+            sched._preempt_request = _preempt_request
+        else:   # and nothing between vLLM's schedule and its _preempt_request, as in a server
+            free_request_blocks = sched._free_request_blocks
+            sched._free_request_blocks = _free_request_blocks
         sched._free_request = _free_request
 
     def table(self, rid: str) -> list[int]:
@@ -311,6 +320,10 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     # requests arriving in one step keep their order, as kvtrace's arrival order does
     for index, r in enumerate(pending):
         r["arrival_time"] = r["arrival_step"] + index * 1e-6
+    gaps = dict(workload.get("gap", ()))   # {step: seconds} between its schedule() and its update_from_output
+    timing: list[list[float]] = []
+    if gaps or "slow_schedule" in workload:
+        answer["timing"] = timing
     while pending or sched.has_unfinished_requests() or prev is not None:
         if not sched.has_unfinished_requests() and pending and prev is None:
             step = max(step, pending[0]["arrival_step"])   # idle until the next arrival
@@ -340,7 +353,17 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             if steps and not cfg["async"]:   # freed after the last step, which the capture files them with
                 steps[-1]["finished"] += rec.finished
             break
+        slow = dict(workload.get("slow_schedule", ()))   # {step: seconds} vLLM's schedule takes longer
+        if len(steps) in slow:
+            after_schedule = sched._update_after_schedule   # called inside schedule(), at its end
+
+            def _update_after_schedule(*args, seconds=slow[len(steps)], **kwargs):
+                time.sleep(seconds)
+                return after_schedule(*args, **kwargs)
+            sched._update_after_schedule = _update_after_schedule
         so = sched.schedule()
+        sched.__dict__.pop("_update_after_schedule", None)
+        scheduled_at = time.monotonic()
         if "allocate_slots" in sched.kv_cache_manager.__dict__ and workload.get("bare"):
             # nothing of the driver's on the instance: anything there is a wrapper left behind
             answer.setdefault("left_on_allocate_slots", []).append(len(steps))
@@ -357,14 +380,19 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
                 admitted.append([rid, kind, request.num_computed_tokens - n, rec.table(rid)])
         preempted, uncached = list(rec.preempted), list(rec.uncached)
         index = len(steps)
+        timing.append([scheduled_at])   # when schedule() returned, then when update_from_output was called
         executed = output_for(sched, so, index)   # what the model runner returns for this step, run now
         if dropped_from is not None and index >= dropped_from:
             pass   # a caller that stops processing outputs: vLLM then schedules nothing new, step after step
         elif cfg["async"]:   # the engine core's batch queue: this step's output is processed next step
             if prev is not None:
+                time.sleep(gaps.get(prev[2], 0))
+                timing[prev[2]].append(time.monotonic())
                 deliver(prev[2], sched.update_from_output(*prev[:2]))
             prev = (so, executed, index) if so.total_num_scheduled_tokens else None
         else:
+            time.sleep(gaps.get(index, 0))   # the model runs longer
+            timing[index].append(time.monotonic())
             deliver(index, sched.update_from_output(so, executed))
         if drafts:   # the drafter's proposals for the next step: every decoding request gets `drafts`
             sched.update_draft_token_ids(DraftTokenIds(

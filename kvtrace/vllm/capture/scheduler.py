@@ -147,6 +147,7 @@ class _Capture:
         self.events: list[tuple] = []
         self.seq = 0
         self.step = -1
+        self.last_end: float | None = None   # when the last processed step's output was (its row's end_s)
         self.step_preemptions = 0
         self.admit_failed = False                          # a waiting request's allocate_slots failed this step
         # vLLM's victim: the least urgent (priority policy), else the newest, running[-1]
@@ -523,6 +524,7 @@ class _Capture:
         self.finish_pending(now, step)
         if row is not None:
             self.write_step(row, now, (start - row[2]) * 1e3)
+        self.last_end = now
         self.flush_events(step, now)
         if self.self_check:
             self.check(step)
@@ -707,8 +709,11 @@ class _Capture:
         for entry in self.pending.values():
             self.write_unprocessed(entry)
         self.pending.clear()
-        self.finish_pending(time.monotonic(), self.step)
-        self.flush_events(self.step, time.monotonic())
+        # what happened after the last step (a shutdown's aborts) is filed with it, at its end, as an
+        # unprocessed step's is above; before any step, when it happened
+        end = self.last_end if self.last_end is not None else time.monotonic()
+        self.finish_pending(end, self.step)
+        self.flush_events(self.step, end)
         self.sink.close()
         if not self.folder.is_dir():
             return   # the folder was removed: not made again for a summary of nothing
