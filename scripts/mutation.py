@@ -941,23 +941,34 @@ def equivalence(m: Mutant, equivalents: list[dict]) -> str | None:
     return None
 
 
+def is_open(m: Mutant, equivalents: list[dict]) -> bool:
+    """A survivor, or a timeout that a recheck found surviving, neither listed equivalent nor killed when
+    rechecked: left to answer."""
+    if m.outcome == "survived" or (m.outcome == "timeout" and m.recheck == "survives"):
+        return equivalence(m, equivalents) is None and not m.recheck.startswith("killed")
+    return False
+
+
 def markdown(results: list[TargetResult], equivalents: list[dict] | None = None) -> str:
     equivalents = load_equivalents() if equivalents is None else equivalents
-    out = ["| target | mutants | killed | survived | equivalent | timeout | error | not run | score | time | run |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    out = ["| target | mutants | killed | survived | equivalent | timeout | error | not run | score | open | time | run |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
         equivalent = sum(m.outcome == "survived" and equivalence(m, equivalents) is not None for m in r.mutants)
         ran = r.count("killed") + r.count("survived") + r.count("timeout") - equivalent
         score = f"{(r.count('killed') + r.count('timeout')) / ran:.0%}" if ran else "-"
         out.append(f"| {r.label} | {r.num_mutants} | {r.count('killed')} | {r.count('survived') - equivalent} | "
                    f"{equivalent} | {r.count('timeout')} | {r.count('error')} | {r.count('not run')} | {score} | "
+                   f"{sum(is_open(m, equivalents) for m in r.mutants)} | "
                    f"{r.seconds:.0f} s | {r.date or '?'} `{r.commit or '?'}`"
                    + (f", in {r.parts} parts since {r.first_date}" if r.parts > 1 else "")
                    + (f", every {r.sample}th mutant" if r.sample > 1 else "")
                    + (", tests by coverage" if r.by_coverage else "") + " |")
     out.append("\nEach row is its target's last run (run: its date, UTC, and commit; `+changes`: with uncommitted "
                "changes; tests by coverage: each mutant ran the tests that execute its statement). Score: (killed + "
-               "timeout) / (mutants run - equivalent). Equivalent survivors: "
+               "timeout) / (mutants run - equivalent), as the run found them. Open: its survivors (and timeouts a "
+               "recheck found surviving) neither listed equivalent nor killed by the tests when rechecked (`--recheck`, "
+               "the survivors' lines below): what is left to answer. Equivalent survivors: "
                f"{EQUIVALENT.relative_to(ROOT)}.\n")
     out.extend(family_table(results, equivalents))
     for r in results:

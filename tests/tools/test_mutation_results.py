@@ -219,3 +219,18 @@ def test_an_equivalent_with_a_line_answers_only_that_line_or_those_it_lists():
     assert [mutation.equivalence(mutant(n), [entry]) for n in (3, 9)] == ["why", "why"]
     assert [mutation.equivalence(mutant(n), [{**entry, "line": 9}]) for n in (3, 9)] == [None, "why"]
     assert [mutation.equivalence(mutant(n), [{**entry, "line": [3, 5]}]) for n in (3, 5, 9)] == ["why", "why", None]
+
+
+def test_a_rows_open_count_leaves_out_the_equivalent_and_what_a_recheck_killed():
+    """Open: survivors neither listed equivalent nor killed when rechecked, and timeouts a recheck found
+    surviving; a timeout not rechecked counts as caught."""
+    def mutant(line: int, outcome: str, recheck: str = "") -> mutation.Mutant:
+        return mutation.Mutant("t.py", line, "AddNot", outcome, f"-    x = {line}\n+    x = not {line}", recheck=recheck)
+    mutants = [mutant(1, "survived"), mutant(2, "survived", "killed by tests/t.py::a"), mutant(3, "survived"),
+               mutant(4, "timeout"), mutant(5, "timeout", "survives"), mutant(6, "survived", "survives"),
+               mutant(7, "killed")]
+    equivalents = [{"target": "t.py", "before": "x = 3", "after": "x = not 3", "reason": "why"}]
+    table = mutation.markdown([mutation.TargetResult("t.py", ["tests/t.py"], mutants, 1.0, date="d", commit="c")],
+                              equivalents)
+    header, _, row = table.splitlines()[:3]
+    assert dict(zip(header.split(" | "), row.split(" | ")))["open"] == "3", (header, row)   # lines 1, 5 and 6
