@@ -321,8 +321,9 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     for index, r in enumerate(pending):
         r["arrival_time"] = r["arrival_step"] + index * 1e-6
     gaps = dict(workload.get("gap", ()))   # {step: seconds} between its schedule() and its update_from_output
+    slow = dict(workload.get("slow_schedule", ()))   # {step: seconds} vLLM's schedule() takes longer
     timing: list[list[float]] = []
-    if gaps or "slow_schedule" in workload:
+    if gaps or slow:
         answer["timing"] = timing
     while pending or sched.has_unfinished_requests() or prev is not None:
         if not sched.has_unfinished_requests() and pending and prev is None:
@@ -353,7 +354,6 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             if steps and not cfg["async"]:   # freed after the last step, which the capture files them with
                 steps[-1]["finished"] += rec.finished
             break
-        slow = dict(workload.get("slow_schedule", ()))   # {step: seconds} vLLM's schedule takes longer
         if len(steps) in slow:
             after_schedule = sched._update_after_schedule   # called inside schedule(), at its end
 
