@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-import kvtrace.cli  # noqa: E402,F401  (registers every command)
+import kvtrace.cli.commands  # noqa: E402,F401  (registers every command)
 from kvtrace.cli.app import app  # noqa: E402  (the story's recordings run in this process: --modelled-clock)
 from kvtrace.trace import db  # noqa: E402
 from kvtrace.views import dashboard, explain, headline  # noqa: E402

@@ -13,11 +13,13 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from kvtrace.cli import capture_live
 from kvtrace.cli.app import app, user_errors
 
 capture_app = typer.Typer(help="A vLLM server's capture folder of live traffic: list it, turn a window of it into a run, watch it, export its metrics.",
                           no_args_is_help=True)
 app.add_typer(capture_app, name="capture")
+capture_live.register(capture_app)
 
 CAPTURE_HELP = "The capture folder the server writes (KVTRACE_CAPTURE_DIR of `kvtrace vllm-env`)."
 TIME_HELP = "An ISO 8601 time (UTC unless it names its zone, e.g. 2026-12-01T03:00:00Z) or Unix seconds."

@@ -513,7 +513,7 @@ def test_every_analysis_on_a_recorded_run(tmp_path):
 
     from typer.testing import CliRunner
 
-    import kvtrace.cli  # noqa: F401  (registers the commands)
+    import kvtrace.cli.commands  # noqa: F401  (registers the commands)
     from kvtrace.cli.app import app
 
     workload = tmp_path / "four.jsonl"

@@ -21,7 +21,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-import kvtrace.cli  # noqa: F401  (registers every command)
+import kvtrace.cli.commands  # noqa: F401  (registers every command)
 from kvtrace.cli.app import app
 from kvtrace.cli.view import dashboard_view, follow
 from kvtrace.trace import db

@@ -16,7 +16,7 @@ import pytest
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 from typer.testing import CliRunner
 
-import kvtrace.cli  # noqa: F401  (registers the commands)
+import kvtrace.cli.commands  # noqa: F401  (registers the commands)
 from kvtrace.cli.app import app
 from kvtrace.export import perfetto
 from kvtrace.trace import db

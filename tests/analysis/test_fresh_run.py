@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import kvtrace.cli  # noqa: F401  (registers every command)
+import kvtrace.cli.commands  # noqa: F401  (registers every command)
 from kvtrace.cli.app import app
 from kvtrace.trace import db
 from tests.helpers.report import specs_of

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvtrace.cli import app
+import kvtrace.cli.commands  # noqa: F401  (registers every command)
+from kvtrace.cli.app import app
 from kvtrace.vllm.follow import ChunkReader
 from kvtrace.vllm.metrics import Exporter
 from tests.helpers.capture_figures import (

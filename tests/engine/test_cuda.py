@@ -71,7 +71,7 @@ def test_preemption_transparency_on_cuda(make_engine, mode):
 def test_record_on_cuda(tmp_path):
     from typer.testing import CliRunner
 
-    import kvtrace.cli  # noqa: F401
+    import kvtrace.cli.commands  # noqa: F401
     from kvtrace.cli.app import app
 
     workload = tmp_path / "w.jsonl"

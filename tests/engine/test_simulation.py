@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-import kvtrace.cli  # noqa: F401  (registers the commands)
+import kvtrace.cli.commands  # noqa: F401  (registers the commands)
 from engine.config import PRESETS, EngineConfig
 from engine.executor.cost_model import PROFILE_DIR, CostModel, load_profile
 from engine.llm_engine import LLMEngine

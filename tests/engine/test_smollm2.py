@@ -71,7 +71,7 @@ def test_prompt_text_never_reaches_the_trace(smollm2, tmp_path):
     import pyarrow.parquet as pq
     from typer.testing import CliRunner
 
-    import kvtrace.cli  # noqa: F401
+    import kvtrace.cli.commands  # noqa: F401
     from kvtrace.cli.app import app
 
     secret = "Quartzwhistle the zebra keeps her diary under the violet staircase"

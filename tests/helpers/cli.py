@@ -8,7 +8,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-import kvtrace.cli  # noqa: F401  (registers every command)
+import kvtrace.cli.commands  # noqa: F401  (registers every command)
 from kvtrace.cli.app import app
 from kvtrace.trace.db import connect
 

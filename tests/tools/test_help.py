@@ -11,7 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-import kvtrace.cli  # noqa: F401  (registers every command)
+import kvtrace.cli.commands  # noqa: F401  (registers every command)
 from kvtrace.cli.app import app
 
 runner = CliRunner()

@@ -23,7 +23,7 @@ from tests.helpers.cli import record as record_cli
 from tests.helpers.vllm_runs import ITEMS, chunk, write_capture
 from typer.testing import CliRunner
 
-import kvtrace.cli  # noqa: F401  (registers the commands)
+import kvtrace.cli.commands  # noqa: F401  (registers the commands)
 from kvtrace.cli.app import app
 
 POOL = ["--dtype", "float32", "--block-size", "4", "--num-gpu-blocks", "24", "--watermark", "0", "--max-num-batched-tokens", "64"]

@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-import kvtrace.cli  # noqa: F401  (registers the commands)
+import kvtrace.cli.commands  # noqa: F401  (registers the commands)
 from engine.config import VLLM_VERSION
 from kvtrace.cli.app import app
 from kvtrace.cli.sweep import _open_from_run

@@ -9,7 +9,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-import kvtrace.cli  # noqa: F401  (registers the commands)
+import kvtrace.cli.commands  # noqa: F401  (registers the commands)
 from kvtrace.cli.app import app
 from kvtrace.record.replay import prepare, replay
 from kvtrace.trace.db import connect
