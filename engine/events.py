@@ -187,7 +187,56 @@ class StepRecord:
     finished: list[RequestStats] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class DecodeWindow:
+    """A stretch of simulated decode-only steps (LLMEngine.decode_window) handed over at once: the
+    StepRecords it stands for, as columns, so that a long replay builds no record per step. Step j of
+    the window (0 <= j < num_steps) is step `first_step + j`: every running sequence decodes one token
+    (its token idx `first_token_idx[i] + j`, a placeholder id recorded as null), nothing waits, is
+    swapped, preempted or finishes, and its block allocations and prefix-cache entries are among
+    `events`, each stamped with its step. `records()` gives the steps one by one."""
+
+    first_step: int
+    start_s: list[float]
+    end_s: list[float]
+    device_ms: list[float]
+    num_free_blocks: list[int]
+    num_cached_blocks: list[int]
+    num_running: int
+    num_total_blocks: int
+    first_kv_tokens: int            # num_kv_tokens of the first step; each later one holds num_running more
+    events: list[KVEvent]           # every step's, in order
+    token_req_ids: list[str]        # the running sequences in batch order: each step's tokens
+    token_samples: list[int]
+    first_token_idx: list[int]
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.start_s)
+
+    def records(self) -> list[StepRecord]:
+        """The window's steps as the StepRecords `LLMEngine.step` would have made, in order."""
+        n, total = self.num_running, self.num_total_blocks
+        by_step: dict[int, list[KVEvent]] = {}
+        for e in self.events:
+            by_step.setdefault(e.step, []).append(e)
+        return [StepRecord(
+            step=self.first_step + j, start_s=self.start_s[j], end_s=self.end_s[j], device_ms=self.device_ms[j],
+            num_running=n, num_waiting=0, num_swapped=0, num_prefill_tokens=0, num_decode_tokens=n,
+            num_recompute_tokens=0, num_free_blocks=self.num_free_blocks[j],
+            num_used_blocks=total - self.num_free_blocks[j], num_cached_blocks=self.num_cached_blocks[j],
+            num_total_blocks=total, num_kv_tokens=self.first_kv_tokens + j * n, num_preemptions=0,
+            admission_stop=AdmissionStop.NOTHING_WAITING, events=by_step.get(self.first_step + j, []),
+            token_req_ids=self.token_req_ids.copy(), token_samples=self.token_samples.copy(),
+            token_idx=[i + j for i in self.first_token_idx], token_ids=[None] * n, finished=[])
+            for j in range(self.num_steps)]
+
+
 class Tracer(Protocol):
+    """Takes each step's record. A tracer may also take a simulated stretch of decode-only steps at
+    once, `on_decode_window(window: DecodeWindow)`; the engine hands one without it the window's
+    records one by one."""
+
     def on_step(self, record: StepRecord) -> None: ...
 
 

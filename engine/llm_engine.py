@@ -12,7 +12,7 @@ from engine.block_manager import BlockManager
 from engine.cohort import DecodeCohort
 from engine.config import (SWAP_SPACE_DEFAULT, EngineConfig, KVReserve, ModelConfig, NMode, PreemptionMode,
                            device_defaults, resolve_batch_limits)
-from engine.events import AdmissionStop, FinishReason, KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
+from engine.events import AdmissionStop, DecodeWindow, FinishReason, KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
 from engine.executor import Executor, StepResult
 from engine.executor.cost_model import CostModel, load_profile, weight_params
 from engine.executor.sim_executor import SimExecutor
@@ -478,37 +478,49 @@ class LLMEngine:
         num_kv = bm.num_kv_positions(running) + num_running   # of the first step; then num_running more a step
         clock, origin = self.clock, self.time_origin
         num_total = bm.num_blocks
-        tracer = self.tracer
         event_seq = self._event_seq
+        first_step = self.step_counter
+        # the steps' records, as the window's columns (events.DecodeWindow)
+        starts: list[float] = []
+        ends: list[float] = []
+        forward: list[float] = []
+        free: list[int] = []
+        cached: list[int] = []
+        events: list[KVEvent] = []
+        decode_step = self.runner.decode_step
         k = 0
         while k < horizon and (k == 0 or clock() - origin < until_s):
             start_s = clock() - origin
             for seq in touched.get(k, ()):   # Scheduler._grow_decodes's action, at this step's length
                 bm.grow_decode(seq, seq.num_computed_tokens + k + 1)
-            step = self.step_counter
-            step_events = bm.take_events()
-            for e in step_events:   # decided while scheduling: stamped at the step's start (_record)
-                e.step = step
-                e.ts_s = start_s
-                if e.evicted:   # its evictions come first (events.with_evictions)
-                    event_seq += len(e.evicted)
-                e.seq = event_seq
-                event_seq += 1
-            num_free = bm.num_free_blocks
-            forward_ms = self.runner.decode_step(num_running, held + (k + 1) * num_running)
-            # the record `_record` and `_flush_records` would hand over for this step (its timing is
-            # known at once: simulated)
-            tracer.on_step(StepRecord(
-                step=step, start_s=start_s, end_s=clock() - origin, device_ms=forward_ms,
-                num_running=num_running, num_waiting=0, num_swapped=0, num_prefill_tokens=0,
-                num_decode_tokens=num_running, num_recompute_tokens=0, num_free_blocks=num_free,
-                num_used_blocks=num_total - num_free, num_cached_blocks=bm.num_cached_free_blocks,
-                num_total_blocks=num_total, num_kv_tokens=num_kv + k * num_running, num_preemptions=0,
-                admission_stop=AdmissionStop.NOTHING_WAITING, events=step_events, token_req_ids=req_ids.copy(),
-                token_samples=samples.copy(), token_idx=[i + k for i in first_idx], token_ids=[None] * num_running,
-                finished=[]))
-            self.step_counter = step + 1
+            if bm.events or bm.evicted:
+                step = first_step + k
+                step_events = bm.take_events()
+                for e in step_events:   # decided while scheduling: stamped at the step's start (_record)
+                    e.step = step
+                    e.ts_s = start_s
+                    if e.evicted:   # its evictions come first (events.with_evictions)
+                        event_seq += len(e.evicted)
+                    e.seq = event_seq
+                    event_seq += 1
+                events += step_events
+            free.append(bm.num_free_blocks)
+            cached.append(bm.num_cached_free_blocks)
+            forward.append(decode_step(num_running, held + (k + 1) * num_running))
+            starts.append(start_s)
+            ends.append(clock() - origin)
             k += 1
+        self.step_counter = first_step + k
+        window = DecodeWindow(
+            first_step=first_step, start_s=starts, end_s=ends, device_ms=forward, num_free_blocks=free,
+            num_cached_blocks=cached, num_running=num_running, num_total_blocks=num_total, first_kv_tokens=num_kv,
+            events=events, token_req_ids=req_ids, token_samples=samples, first_token_idx=first_idx)
+        on_window = getattr(self.tracer, "on_decode_window", None)
+        if on_window is not None:
+            on_window(window)
+        else:
+            for record in window.records():
+                self.tracer.on_step(record)
         self._event_seq = event_seq
         for seq in running:   # k steps of _account and _advance_decodes; the tokens of steps not run go
             seq.num_computed_tokens = seq.num_ever_computed = seq.num_computed_tokens + k

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine import events as ev
-from engine.events import RequestStats, StepRecord
+from engine.events import AdmissionStop, DecodeWindow, RequestStats, StepRecord
 from kvtrace.trace.schema import TABLES
 
 _REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id"]
@@ -53,7 +53,7 @@ _RECORD_TABLES = ("steps", "kv_events", "requests")   # buffered as records, not
 def _records_as_columns(name: str, records: list) -> dict[str, list]:
     """A buffer of StepRecords, KVEvents or RequestStats as the table's columns."""
     if name == "steps":
-        return {column: list(map(attrgetter(attribute), records)) for column, attribute in _STEP_ATTRIBUTES.items()}
+        return _steps_as_columns(records)
     if name == "requests":
         return {column: list(map(attrgetter(column), records)) for column in _REQUEST_FIELDS}
     columns: dict = {column: list(map(attrgetter(column), records)) for column in _COMMON_EVENT_FIELDS}
@@ -69,6 +69,40 @@ def _records_as_columns(name: str, records: list) -> dict[str, list]:
     for column, default in _RARE_DEFAULTS.items():
         values = pa.array([default, *map(attrgetter(column), rarer)], schema.field(column).type)
         columns[column] = values.take(at)
+    return columns
+
+
+def _steps_as_columns(records: list) -> dict[str, list]:
+    """The steps buffer, StepRecords and DecodeWindows in step order, as the steps table's columns: a
+    run of StepRecords column by column, a window from its own columns."""
+    columns: dict[str, list] = {column: [] for column in _STEP_ATTRIBUTES}
+    start = 0
+    for i, item in enumerate(records + [None]):
+        if isinstance(item, StepRecord):
+            continue
+        if i > start:   # the StepRecords since the last window
+            run = records[start:i]
+            for column, attribute in _STEP_ATTRIBUTES.items():
+                columns[column] += map(attrgetter(attribute), run)
+        start = i + 1
+        if item is None:
+            break
+        w: DecodeWindow = item
+        k, n, total = w.num_steps, w.num_running, w.num_total_blocks
+        columns["step"] += range(w.first_step, w.first_step + k)
+        columns["start_s"] += w.start_s
+        columns["end_s"] += w.end_s
+        columns["device_ms"] += w.device_ms
+        columns["running"] += [n] * k
+        columns["decode_tokens"] += [n] * k
+        for column in ("waiting", "swapped", "prefill_tokens", "recompute_tokens", "preemptions"):
+            columns[column] += [0] * k
+        columns["free_blocks"] += w.num_free_blocks
+        columns["used_blocks"] += [total - f for f in w.num_free_blocks]
+        columns["cached_blocks"] += w.num_cached_blocks
+        columns["total_blocks"] += [total] * k
+        columns["kv_tokens"] += range(w.first_kv_tokens, w.first_kv_tokens + k * n, n)
+        columns["admission_stop"] += [AdmissionStop.NOTHING_WAITING] * k
     return columns
 
 
@@ -135,6 +169,27 @@ class TraceWriter:
         if r.finished:
             self._finished_keys += [(stats.req_id, stats.sample) for stats in r.finished]
             self._records["requests"] += r.finished
+        if (time.monotonic() - self._last_flush >= self.flush_seconds
+                or len(t["idx"]) >= self.max_rows or len(events) >= self.max_rows):
+            self.flush()
+
+    def on_decode_window(self, w: DecodeWindow) -> None:
+        """Buffer a stretch of simulated decode-only steps as `on_step` would buffer its records: the
+        window itself in the steps buffer (turned into columns with the chunk), its events, and its
+        tokens as columns (every running sequence's, step after step)."""
+        self._records["steps"].append(w)
+        events = self._records["kv_events"]
+        events += w.events
+        k, n = w.num_steps, w.num_running
+        t = self._columns["tokens"]
+        t["req_id"] += w.token_req_ids * k
+        t["sample"] += w.token_samples * k
+        first_idx = w.first_token_idx
+        t["idx"] += [i + j for j in range(k) for i in first_idx]
+        t["token_id"] += [None] * (k * n)   # the simulator's placeholders are recorded as null
+        t["step"] += range(w.first_step, w.first_step + k)
+        t["ts_s"] += w.end_s
+        t["num"] += [n] * k
         if (time.monotonic() - self._last_flush >= self.flush_seconds
                 or len(t["idx"]) >= self.max_rows or len(events) >= self.max_rows):
             self.flush()

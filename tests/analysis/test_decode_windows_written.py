@@ -1,0 +1,82 @@
+"""A simulated replay's decode windows (LLMEngine.decode_window: stretches of decode-only steps)
+reach the trace writer whole (TraceWriter.on_decode_window: no record made per step), and the tables
+written are the ones the same steps give handed over one by one (the records the engine gives a tracer
+without that method): every row of every table, with chunks closing inside and between windows."""
+from __future__ import annotations
+
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from kvtrace.record.recorder import TraceWriter
+from kvtrace.record.replay import prepare, replay
+from tests.engine.test_simulation import backlog_workload
+
+KEYS = {"steps": ["step"], "kv_events": ["seq"], "tokens": ["step", "req_id", "sample", "idx"],
+        "requests": ["req_id", "sample"]}
+
+
+class StepByStep:
+    """The writer without `on_decode_window`: the engine hands it each window's step records."""
+
+    def __init__(self, writer: TraceWriter) -> None:
+        self.writer = writer
+
+    def on_step(self, record) -> None:
+        self.writer.on_step(record)
+
+
+class Windows:
+    """The writer as it is, counting the windows and steps it takes at once."""
+
+    def __init__(self, writer: TraceWriter) -> None:
+        self.writer, self.windows, self.steps, self.events = writer, 0, 0, 0
+
+    def on_step(self, record) -> None:
+        self.writer.on_step(record)
+
+    def on_decode_window(self, window) -> None:
+        self.windows += 1
+        self.steps += window.num_steps
+        self.events += len(window.events)
+        self.writer.on_decode_window(window)
+
+
+def replayed(tmp_path, name: str, wrap, max_rows: int, settings: dict):
+    """Replay the workload on the simulator into run folder `name`; return (the tracer, the tables)."""
+    requests = backlog_workload(5, num_requests=14)
+    rng = random.Random(11)
+    for r in requests:   # long outputs, arrivals apart: decode-only stretches between them
+        r.arrival_s = round(rng.uniform(0.0, 0.3), 4)
+        r.max_tokens = rng.randint(30, 70)
+        r.output_tokens = rng.choice([None, rng.randint(20, r.max_tokens)])
+    writer = TraceWriter(tmp_path / name, "run", max_rows=max_rows, background=False)
+    tracer = wrap(writer)
+    engine = LLMEngine(EngineConfig(model="tiny", load_format="dummy", engine="sim", hardware="a100-80gb",
+                                    block_size=4, watermark=0.0, max_num_batched_tokens=64, **settings), tracer)
+    items = prepare(requests, engine, tokenizer=None, seed=0, time_scale=None, backlog=False, workload_name="w")
+    replay(engine, items)
+    writer.close()
+    tables = {}
+    for table, key in KEYS.items():
+        parts = sorted((tmp_path / name / table).glob("part-*.parquet"))
+        tables[table] = pa.concat_tables(pq.read_table(p) for p in parts).sort_by([(k, "ascending") for k in key])
+    return tracer, tables
+
+
+@pytest.mark.parametrize("max_rows", [40, 200_000])
+@pytest.mark.parametrize("settings", [dict(num_gpu_blocks=200), dict(num_gpu_blocks=40),
+                                      dict(num_gpu_blocks=60, enable_prefix_caching=False)])
+def test_decode_windows_are_written_as_their_steps_one_by_one(tmp_path, settings, max_rows):
+    windowed, tables = replayed(tmp_path, "windows", Windows, max_rows, settings)
+    _, expected = replayed(tmp_path, "steps", StepByStep, max_rows, settings)
+    # windows of several steps, taking blocks and caching full ones as they go
+    assert windowed.windows >= 5 and windowed.steps >= 3 * windowed.windows and windowed.events >= 5
+    for name, table in tables.items():
+        assert table.num_rows == expected[name].num_rows, name
+        for column in table.column_names:
+            assert table[column].equals(expected[name][column]), f"{name}.{column}"
