@@ -22,7 +22,7 @@ from kvtrace.atomic import write_json_atomic
 from kvtrace.errors import KvtraceError
 from kvtrace.record.nvml import NvmlSampler
 from kvtrace.record.recorder import TraceWriter
-from kvtrace.record.replay import ReplayItem, ReplayStats, fill_stats, prepare, replay
+from kvtrace.record.replay import ReplayItem, ReplayStats, fill_stats, prepare, replay, steady_gc
 from kvtrace.trace import db
 from kvtrace.trace.schema import SCHEMA_VERSION
 from kvtrace.workload import load_workload, workload_sha256
@@ -156,38 +156,39 @@ class Recording:
             self.console.print(f"[dim]note: {self.meta['device']['kernels_note']}[/]")
         self.engine.tracer = writer
         status, error = "completed", None
-        sampler.start()
-        try:
-            with self._progress() as on_progress:
-                self.stats = ReplayStats()
-                replay(self.engine, self.items, on_progress=on_progress, stop=stop, stats=self.stats)
-        except interrupt_types:
-            status = "interrupted"
-        except BaseException as exc:
-            status, error = "failed", f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
+        with steady_gc():   # to the trace's close (replay.steady_gc)
+            sampler.start()
             try:
-                sampler.stop()
-                if status != "completed":
-                    self.engine.flush()
-                    for stats in self.engine.abort_all():
-                        writer.add_request(stats)
-                writer.close()
-            except BaseException as exc:  # the trace may be short: never leave meta saying "running"
-                if status != "failed":
-                    status, error = "failed", f"closing the trace: {type(exc).__name__}: {exc}"
+                with self._progress() as on_progress:
+                    self.stats = ReplayStats()
+                    replay(self.engine, self.items, on_progress=on_progress, stop=stop, stats=self.stats)
+            except interrupt_types:
+                status = "interrupted"
+            except BaseException as exc:
+                status, error = "failed", f"{type(exc).__name__}: {exc}"
                 raise
             finally:
-                if self.stats is None:
-                    self.stats = ReplayStats(num_requests=len(self.items))
-                if status != "completed":   # the counts up to the interruption
-                    fill_stats(self.stats, self.engine)
-                self.meta["status"] = status
-                self.meta["error"] = error
-                self.meta["ended_at"] = datetime.now(timezone.utc).isoformat()
-                self.meta["summary"] = {**asdict(self.stats), "rows": dict(writer.rows_written)}
-                write_json_atomic(meta_path, self.meta)
+                try:
+                    sampler.stop()
+                    if status != "completed":
+                        self.engine.flush()
+                        for stats in self.engine.abort_all():
+                            writer.add_request(stats)
+                    writer.close()
+                except BaseException as exc:  # the trace may be short: never leave meta saying "running"
+                    if status != "failed":
+                        status, error = "failed", f"closing the trace: {type(exc).__name__}: {exc}"
+                    raise
+                finally:
+                    if self.stats is None:
+                        self.stats = ReplayStats(num_requests=len(self.items))
+                    if status != "completed":   # the counts up to the interruption
+                        fill_stats(self.stats, self.engine)
+                    self.meta["status"] = status
+                    self.meta["error"] = error
+                    self.meta["ended_at"] = datetime.now(timezone.utc).isoformat()
+                    self.meta["summary"] = {**asdict(self.stats), "rows": dict(writer.rows_written)}
+                    write_json_atomic(meta_path, self.meta)
         return status
 
     @contextlib.contextmanager
