@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import tokenizers
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from typing import TYPE_CHECKING
 
 from engine.config import PRESETS
 from engine.model.loader import BUILTIN_WITH_WEIGHTS, builtin_gguf_path, gguf_cache_dir, write_atomic
+
+if TYPE_CHECKING:   # imported where a tokenizer is made: a model without one (the simulator's) never pays for it
+    import tokenizers
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 _CONTROL_TOKEN = 3  # llama.cpp's token_type for special (control) tokens
@@ -75,6 +76,8 @@ def load_tokenizer(model: str) -> Tokenizer | None:
 
 
 def _from_folder(folder: Path) -> Tokenizer:
+    import tokenizers
+
     tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
@@ -98,6 +101,8 @@ def _from_gguf(path: Path) -> Tokenizer:
     if (cache / "tokenizer.json").is_file():
         return _from_folder(cache)
     import gguf
+    import tokenizers
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
     reader = gguf.GGUFReader(path)
     value = lambda key: reader.fields[key].contents() if key in reader.fields else None  # noqa: E731

@@ -13,12 +13,11 @@ import os
 import queue
 import threading
 import time
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine import events as ev
@@ -43,10 +42,13 @@ _EVENT_FIELDS = [f for f in TABLES["kv_events"].names if f not in ("run_id", "nu
 # What only the rarer kinds set (preempt, swap_out, swap_in, reprefill, cow). The plain kinds' events,
 # nearly all of a run's, leave these at their defaults (engine/events.py), so the columns are read
 # from the rarer events alone and the plain rows take the default.
-_PLAIN_KINDS = pa.array([ev.ALLOC, ev.FREE, ev.FINISH, ev.ADMIT, ev.PREFIX_HIT], pa.string())
+_PLAIN_KINDS = frozenset([ev.ALLOC, ev.FREE, ev.FINISH, ev.ADMIT, ev.PREFIX_HIT])
 _RARE_DEFAULTS = {"bytes": 0, "duration_ms": None, "num_cached_tokens": 0, "num_recomputed_tokens": 0,
                   "src_blocks": None, "requester_req_id": None, "requester_sample": None, "victim_reason": None}
 _COMMON_EVENT_FIELDS = [f for f in _EVENT_FIELDS if f not in _RARE_DEFAULTS and f != "kind"]
+# an evict row's values but its seq, step, ts_s and block (the rest null)
+_EVICT_VALUES = {"kind": ev.EVICT, "req_id": "", "sample": 0, "num_tokens": 0, "bytes": 0, "num_cached_tokens": 0,
+                 "num_recomputed_tokens": 0}
 _RECORD_TABLES = ("steps", "kv_events", "requests")   # buffered as records, not columns
 
 
@@ -57,19 +59,39 @@ def _records_as_columns(name: str, records: list) -> dict[str, list]:
     if name == "requests":
         return {column: list(map(attrgetter(column), records)) for column in _REQUEST_FIELDS}
     columns: dict = {column: list(map(attrgetter(column), records)) for column in _COMMON_EVENT_FIELDS}
-    columns["evicted"] = list(map(_evicted, records))   # num_blocks: from blocks
-    kinds = columns["kind"] = pa.array(list(map(_kind, records)), pa.string())
-    rare = np.flatnonzero(np.invert(pc.is_in(kinds, value_set=_PLAIN_KINDS).to_numpy(zero_copy_only=False)))
-    # row i's value: at place 0 (the default) for a plain row, 1 + j for the j-th rarer one
-    at = np.zeros(len(records), dtype=np.int32)
-    at[rare] = np.arange(1, len(rare) + 1, dtype=np.int32)
-    at = pa.array(at)
-    rarer = [records[i] for i in rare.tolist()]
-    schema = TABLES["kv_events"]
+    kinds = columns["kind"] = list(map(_kind, records))
+    rare = [i for i, kind in enumerate(kinds) if kind not in _PLAIN_KINDS]
     for column, default in _RARE_DEFAULTS.items():
-        values = pa.array([default, *map(attrgetter(column), rarer)], schema.field(column).type)
-        columns[column] = values.take(at)
+        values = columns[column] = [default] * len(records)
+        for i in rare:
+            values[i] = getattr(records[i], column)
+    evicting = [i for i, evicted in enumerate(map(_evicted, records)) if evicted]
+    if evicting:
+        _add_evictions(columns, records, evicting)
     return columns
+
+
+def _add_evictions(columns: dict[str, list], records: list, evicting: list[int]) -> None:
+    """An `evict` row for each block an alloc event evicted, right before it, with the seq numbers the
+    engine left free for them (engine/events.py, `with_evictions`); the rows kept in seq order."""
+    evicted = [records[i].evicted for i in evicting]
+    counts = list(map(len, evicted))
+    parents = [i for i, count in zip(evicting, counts) for _ in range(count)]
+    seq = columns["seq"]
+    rows = {   # the evict rows' columns
+        "seq": [seq[i] - count + place for i, count in zip(evicting, counts) for place in range(count)],
+        "step": list(map(columns["step"].__getitem__, parents)),
+        "ts_s": list(map(columns["ts_s"].__getitem__, parents)),
+        "blocks": [[block] for blocks in evicted for block in blocks],
+    }
+    num = len(parents)
+    for column in columns:
+        if column not in rows:
+            rows[column] = [_EVICT_VALUES.get(column)] * num
+    order = np.argsort(np.array(seq + rows["seq"], dtype=np.int64), kind="stable").tolist()
+    take = itemgetter(*order)   # (two rows at least: an alloc and its eviction)
+    for column, values in columns.items():
+        columns[column] = list(take(values + rows[column]))
 
 
 def _steps_as_columns(records: list) -> dict[str, list]:
@@ -104,6 +126,14 @@ def _steps_as_columns(records: list) -> dict[str, list]:
         columns["kv_tokens"] += range(w.first_kv_tokens, w.first_kv_tokens + k * n, n)
         columns["admission_stop"] += [AdmissionStop.NOTHING_WAITING] * k
     return columns
+
+
+def _from_numpy(values: np.ndarray, type: pa.DataType, missing: np.ndarray | None = None) -> pa.Array:
+    """A numeric numpy column as an Arrow array of `type` (rows where `missing` is true null), made from
+    its buffer: pa.array's numpy path would import numpy.ma (10 ms of a simulated recording's start)."""
+    values = np.ascontiguousarray(values, dtype=np.dtype(type.to_pandas_dtype()))
+    validity = pa.py_buffer(np.packbits(~missing, bitorder="little")) if missing is not None and missing.any() else None
+    return pa.Array.from_buffers(type, len(values), [validity, pa.py_buffer(values)])
 
 
 _evicted = attrgetter("evicted")
@@ -262,59 +292,26 @@ class TraceWriter:
         schema = TABLES[name]
         columns = _records_as_columns(name, buffer) if name in _RECORD_TABLES else dict(buffer)
         finished = columns.pop("finished", ())
-        evicted = columns.pop("evicted", None)
         if name == "tokens":   # a step's step and ts_s, once for each of its tokens
             num = columns.pop("num")
-            columns["step"] = np.repeat(np.array(columns["step"], dtype=np.int64), num)
-            columns["ts_s"] = np.repeat(np.array(columns["ts_s"], dtype=np.float64), num)
+            columns["step"] = _from_numpy(np.repeat(np.array(columns["step"], dtype=np.int64), num), pa.int64())
+            columns["ts_s"] = _from_numpy(np.repeat(np.array(columns["ts_s"], dtype=np.float64), num), pa.float64())
             # the usual chunk of a simulated run: every sample 0, no token id (cheaper than converting the lists)
             if not any(columns["sample"]):
-                columns["sample"] = pa.array(np.zeros(len(columns["sample"]), dtype=np.int32))
+                columns["sample"] = _from_numpy(np.zeros(len(columns["sample"]), dtype=np.int32), pa.int32())
             if columns["token_id"].count(None) == len(columns["token_id"]):
                 columns["token_id"] = pa.nulls(len(columns["token_id"]), pa.int32())
         num_rows = len(next(iter(columns.values())))
         arrays = {f.name: c if isinstance(c := columns[f.name], pa.Array) else pa.array(c, f.type)
                   for f in schema if f.name in columns}
         if name == "kv_events":
-            arrays["num_blocks"] = pc.fill_null(pc.list_value_length(arrays["blocks"]), 0).cast(pa.int32())
+            arrays["num_blocks"] = _from_numpy(np.diff(arrays["blocks"].offsets.to_numpy()), pa.int32())   # a null: 0
         if name == "tokens":
-            arrays["prev_step"], arrays["prev_ts_s"] = self._predecessors(arrays)
+            arrays["prev_step"], arrays["prev_ts_s"] = self._predecessors(arrays, columns["req_id"])
             for key in finished:
                 self._last_token.pop(key, None)
         arrays["run_id"] = pa.repeat(pa.scalar(self.run_id, pa.string()), num_rows)
-        table = pa.Table.from_arrays([arrays[f.name] for f in schema], schema=schema)
-        return table if evicted is None else self._with_evictions(table, evicted)
-
-    def _with_evictions(self, events: pa.Table, evicted: list) -> pa.Table:
-        """The kv_events chunk with an `evict` row for each block an alloc event evicted, right before
-        it (the seq numbers the engine left free for them: engine/events.py, `with_evictions`)."""
-        lists = pa.array(evicted, pa.list_(pa.int32()))
-        if lists.null_count == len(lists):
-            return events
-        counts = pc.fill_null(pc.list_value_length(lists), 0).to_numpy()
-        parent = pc.list_parent_indices(lists).to_numpy()
-        num = len(parent)
-        offsets = lists.offsets.to_numpy()
-        position = np.arange(num) - (offsets[parent] - offsets[0])   # the block's place among its alloc's
-        seq = events["seq"].to_numpy()[parent] - counts[parent] + position
-        schema = events.schema
-        columns = {
-            "run_id": pa.repeat(pa.scalar(self.run_id, pa.string()), num),
-            "seq": pa.array(seq, pa.int64()),
-            "step": events["step"].take(parent), "ts_s": events["ts_s"].take(parent),
-            "kind": pa.repeat(pa.scalar("evict", pa.string()), num),
-            "req_id": pa.repeat(pa.scalar("", pa.string()), num),
-            "blocks": pa.ListArray.from_arrays(pa.array(np.arange(num + 1, dtype=np.int32)), pc.list_flatten(lists),
-                                               type=schema.field("blocks").type),
-            "num_blocks": pa.repeat(pa.scalar(1, pa.int32()), num),
-        }
-        for name, value in (("sample", 0), ("num_tokens", 0), ("bytes", 0), ("num_cached_tokens", 0),
-                            ("num_recomputed_tokens", 0)):
-            columns[name] = pa.repeat(pa.scalar(value, schema.field(name).type), num)
-        rows = pa.Table.from_arrays([columns[f.name] if f.name in columns else pa.nulls(num, f.type) for f in schema],
-                                    schema=schema)
-        both = pa.concat_tables([events, rows])
-        return both.take(pc.sort_indices(both["seq"])).combine_chunks()
+        return pa.Table.from_arrays([arrays[f.name] for f in schema], schema=schema)
 
     def _store(self, name: str, part: int, table: pa.Table) -> None:
         """Write the chunk under a hidden name, then rename it into place."""
@@ -326,7 +323,7 @@ class TraceWriter:
         os.replace(tmp, final)
         self.rows_written[name] += table.num_rows
 
-    def _predecessors(self, tokens: dict[str, pa.Array]) -> tuple[pa.Array, pa.Array]:
+    def _predecessors(self, tokens: dict[str, pa.Array], req_ids: list[str]) -> tuple[pa.Array, pa.Array]:
         """prev_step and prev_ts_s of a chunk's tokens, so that an ITL gap is one row (schema 2): each
         token's predecessor is its sequence's token of idx - 1, the sequence's previous row in this
         chunk or its last token of an earlier chunk (`_last_token`); null for a first token. Whole
@@ -334,8 +331,11 @@ class TraceWriter:
         own. A sequence's tokens arrive in idx order (one a step at most, steps in order), so a stable
         sort by sequence puts each right after its predecessor."""
         num_rows = len(tokens["idx"])
-        encoded = pc.dictionary_encode(tokens["req_id"])
-        reqs = encoded.indices.to_numpy()
+        index = dict.fromkeys(req_ids)   # the chunk's requests, numbered
+        for code, req_id in enumerate(index):
+            index[req_id] = code
+        names = list(index)
+        reqs = np.fromiter(map(index.__getitem__, req_ids), dtype=np.int64, count=num_rows)
         samples = tokens["sample"].to_numpy()
         codes = reqs.astype(np.int64) * (int(samples.max()) + 1) + samples
         order = np.argsort(codes, kind="stable")
@@ -349,7 +349,6 @@ class TraceWriter:
         prev_ts = np.empty(num_rows, dtype=np.float64)
         prev_step[1:], prev_ts[1:] = steps[:-1], times[:-1]
         known = ~first
-        names = encoded.dictionary.to_pylist()
         sorted_samples = samples[order]
         sorted_req = reqs[order]
         last = self._last_token
@@ -368,4 +367,4 @@ class TraceWriter:
         unsorted_known = np.empty_like(known)
         unsorted_step[order], unsorted_ts[order], unsorted_known[order] = prev_step, prev_ts, known
         missing = ~unsorted_known
-        return pa.array(unsorted_step, pa.int64(), mask=missing), pa.array(unsorted_ts, pa.float64(), mask=missing)
+        return _from_numpy(unsorted_step, pa.int64(), missing), _from_numpy(unsorted_ts, pa.float64(), missing)
