@@ -488,11 +488,16 @@ class LLMEngine:
         cached: list[int] = []
         events: list[KVEvent] = []
         decode_step = self.runner.decode_step
+        free_now, cached_now = bm.num_free_blocks, bm.num_cached_free_blocks   # change only as sequences grow
+        now = clock() - origin
         k = 0
-        while k < horizon and (k == 0 or clock() - origin < until_s):
-            start_s = clock() - origin
-            for seq in touched.get(k, ()):   # Scheduler._grow_decodes's action, at this step's length
-                bm.grow_decode(seq, seq.num_computed_tokens + k + 1)
+        while k < horizon and (k == 0 or now < until_s):
+            start_s = now
+            grow = touched.get(k)
+            if grow is not None:
+                for seq in grow:   # Scheduler._grow_decodes's action, at this step's length
+                    bm.grow_decode(seq, seq.num_computed_tokens + k + 1)
+                free_now, cached_now = bm.num_free_blocks, bm.num_cached_free_blocks
             if bm.events or bm.evicted:
                 step = first_step + k
                 step_events = bm.take_events()
@@ -504,11 +509,12 @@ class LLMEngine:
                     e.seq = event_seq
                     event_seq += 1
                 events += step_events
-            free.append(bm.num_free_blocks)
-            cached.append(bm.num_cached_free_blocks)
+            free.append(free_now)
+            cached.append(cached_now)
             forward.append(decode_step(num_running, held + (k + 1) * num_running))
+            now = clock() - origin   # this step's end, the next one's start
             starts.append(start_s)
-            ends.append(clock() - origin)
+            ends.append(now)
             k += 1
         self.step_counter = first_step + k
         window = DecodeWindow(

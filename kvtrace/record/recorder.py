@@ -18,11 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from engine import events as ev
 from engine.events import AdmissionStop, DecodeWindow, RequestStats, StepRecord
-from kvtrace.trace.schema import TABLES
+from kvtrace.trace.schema import TABLES, write_parquet
 
 _REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id"]
 
@@ -319,7 +318,7 @@ class TraceWriter:
         folder.mkdir(exist_ok=True)
         final = folder / f"part-{part:05d}.parquet"
         tmp = folder / f".part-{part:05d}.parquet.tmp"
-        pq.write_table(table, tmp, compression="zstd")
+        write_parquet(table, tmp)
         os.replace(tmp, final)
         self.rows_written[name] += table.num_rows
 

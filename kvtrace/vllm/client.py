@@ -19,10 +19,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from kvtrace.errors import KvtraceError
-from kvtrace.trace.schema import OPTIONAL_TABLES
+from kvtrace.trace.schema import OPTIONAL_TABLES, write_parquet
 from kvtrace.vllm.importer import convert, map_ids, read_chunks, read_json
 
 
@@ -152,7 +151,7 @@ def write_client_tokens(run_dir: Path, run_id: str, replay: ClientReplay, items,
     folder.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pydict(cols, schema=schema)
     tmp = folder / ".part-00000.parquet.tmp"
-    pq.write_table(table, tmp, compression="zstd")
+    write_parquet(table, tmp)
     tmp.replace(folder / "part-00000.parquet")
     return table.num_rows
 

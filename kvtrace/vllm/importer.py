@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from kvtrace.errors import KvtraceError
-from kvtrace.trace.schema import TABLES, token_predecessors
+from kvtrace.trace.schema import TABLES, token_predecessors, write_parquet
 from kvtrace.vllm.capture.sink import CHUNK_COLUMNS, COLUMNS
 
 _ID = re.compile(r"^(?:(?P<sample>\d+)_)?(?:cmpl-)?kvt(?P<index>\d+)(?:-(?P<prompt>\d+))?(?:-[0-9A-Za-z]+)?$")
@@ -180,7 +179,7 @@ def write_tables(columns: dict[str, dict[str, list]], run_dir: Path, run_id: str
         folder.mkdir(parents=True, exist_ok=True)
         if num:
             tmp = folder / ".part-00000.parquet.tmp"
-            pq.write_table(pa.Table.from_arrays(arrays, schema=schema), tmp, compression="zstd")
+            write_parquet(pa.Table.from_arrays(arrays, schema=schema), tmp)
             tmp.replace(folder / "part-00000.parquet")
         rows[table] = num
     return rows

@@ -24,12 +24,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 import kvtrace
 from kvtrace.atomic import write_json_atomic
 from kvtrace.errors import KvtraceError
-from kvtrace.trace.schema import OPTIONAL_TABLES, SCHEMA_VERSION
+from kvtrace.trace.schema import OPTIONAL_TABLES, SCHEMA_VERSION, write_parquet
 from kvtrace.vllm.importer import Chunk, list_chunks, read_chunks, read_json, rebase, write_tables
 
 # how far before and after a window the chunks are read for the requests in flight across its edges
@@ -299,7 +298,7 @@ def _write_marks(run_dir: Path, run_id: str, marks: list[tuple]) -> int:
     folder = run_dir / "capture_requests"
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / ".part-00000.parquet.tmp"
-    pq.write_table(table, tmp, compression="zstd")
+    write_parquet(table, tmp)
     tmp.replace(folder / "part-00000.parquet")
     return table.num_rows
 
