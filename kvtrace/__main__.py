@@ -1,3 +1,3 @@
-from kvtrace.cli import main
+from kvtrace.cli import run
 
-main()
+run()

@@ -4,6 +4,7 @@ options as when every module is loaded, as the help shows them."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -54,3 +55,36 @@ def test_a_command_started_alone_imports_its_module_only_and_is_whole(module):
     alone = json.loads(result.stdout)
     assert alone["modules"] == sorted({"kvtrace.cli.app", f"kvtrace.cli.{module}", *ALSO.get(module, ())})
     assert alone["commands"] == {name: shape(full.commands[name]) for name in names}
+
+
+# the process's entry as the `kvtrace` script runs it, with an atexit handler and, if asked, a thread
+# still running when the command is done
+ENTRY = """
+import atexit, sys, threading, time
+from kvtrace.cli import run
+atexit.register(lambda: print("atexit handler ran"))   # left in stdout's buffer: run must flush it
+if sys.argv[1] == "thread":
+    threading.Thread(target=lambda: (time.sleep(0.5), print("thread done"))).start()
+sys.argv = ["kvtrace", *sys.argv[2:]]
+run()
+"""
+
+
+@pytest.mark.parametrize("thread", ["none", "thread"])
+@pytest.mark.parametrize("args, status, shown", [
+    (["--help"], 0, "Record a replay"),
+    (["workload", "check", "/nonexistent/w.jsonl"], 2, "kvtrace: error: workload file not found"),
+    (["no-such-command"], 2, "No such command"),
+])
+def test_the_entry_exits_with_the_commands_status_its_output_whole_and_its_atexit_handlers_run(
+        tmp_path, thread, args, status, shown):
+    """`run` skips the interpreter's teardown, not the exit's work: the status, every line written
+    (piped, so buffered), the atexit handlers; and with another thread running it waits for it."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}   # stdout a buffered pipe
+    done = subprocess.run([sys.executable, "-c", ENTRY, thread, *args], capture_output=True, text=True, cwd=tmp_path,
+                          env=env)
+    assert done.returncode == status, done.stderr
+    assert shown in done.stdout + done.stderr
+    # as at any exit: the other threads finish, then the atexit handlers run
+    ending = ["thread done", "atexit handler ran"] if thread == "thread" else ["atexit handler ran"]
+    assert done.stdout.rstrip().splitlines()[-len(ending):] == ending

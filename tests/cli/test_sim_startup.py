@@ -15,12 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 NOT_IMPORTED = ("torch", "altair", "textual", "safetensors", "duckdb", "tokenizers", "pyarrow.compute", "numpy.ma",
                 "kvtrace.cli.sql", "kvtrace.views")
 
-# the CLI's entry point as `python -m kvtrace` runs it, then the modules it loaded, as JSON
+# the command line as `python -m kvtrace` runs it (its `main`, less the exit of `run`), then the
+# modules it loaded, as JSON
 RECORD_THEN_LIST_MODULES = """
-import json, runpy, sys
+import json, sys
+from kvtrace.cli import main
 sys.argv = ["kvtrace", *sys.argv[1:]]
 try:
-    runpy.run_module("kvtrace", run_name="__main__")
+    main()
 except SystemExit as exc:
     assert not exc.code, exc.code
 print(json.dumps(sorted(sys.modules)))
