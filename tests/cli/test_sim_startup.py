@@ -1,7 +1,8 @@
 """`kvtrace record --engine sim` pays only for what it uses: it runs no model, so it never imports
 torch (seconds in a cold process), nor the report's and explorer's libraries, nor DuckDB (it queries
 nothing), nor a tokenizer library (its models have none), nor the other commands' modules; and its
-trace writer needs neither Arrow's compute functions nor numpy's masked arrays (together 40 ms)."""
+trace writer needs neither Arrow's compute functions nor numpy's masked arrays (together 40 ms), nor
+its option parsing pydantic (typer 0.29's, 80 ms: pyproject.toml caps typer below it)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ from tests.helpers.cli import write_workload
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_IMPORTED = ("torch", "altair", "textual", "safetensors", "duckdb", "tokenizers", "pyarrow.compute", "numpy.ma",
-                "kvtrace.cli.sql", "kvtrace.views")
+                "pydantic", "kvtrace.cli.sql", "kvtrace.views")
 
 # the command line as `python -m kvtrace` runs it (its `main`, less the exit of `run`), then the
 # modules it loaded, as JSON
