@@ -49,6 +49,10 @@ _COMMON_EVENT_FIELDS = [f for f in _EVENT_FIELDS if f not in _RARE_DEFAULTS and 
 _EVICT_VALUES = {"kind": ev.EVICT, "req_id": "", "sample": 0, "num_tokens": 0, "bytes": 0, "num_cached_tokens": 0,
                  "num_recomputed_tokens": 0}
 _RECORD_TABLES = ("steps", "kv_events", "requests")   # buffered as records, not columns
+# a chunk's tables, largest first: the writer thread encodes the tokens while this one makes the rest
+# (at the end of a simulated run, only the smallest is then left to write)
+_LARGEST_FIRST = ("tokens", "kv_events", "steps", "requests")
+_FLUSH_ORDER = (*_LARGEST_FIRST, *(name for name in TABLES if name not in _LARGEST_FIRST))
 
 
 def _records_as_columns(name: str, records: list) -> dict[str, list]:
@@ -70,7 +74,7 @@ def _records_as_columns(name: str, records: list) -> dict[str, list]:
     return columns
 
 
-def _add_evictions(columns: dict[str, list], records: list, evicting: list[int]) -> None:
+def _add_evictions(columns: dict[str, list | tuple], records: list, evicting: list[int]) -> None:
     """An `evict` row for each block an alloc event evicted, right before it, with the seq numbers the
     engine left free for them (engine/events.py, `with_evictions`); the rows kept in seq order."""
     evicted = [records[i].evicted for i in evicting]
@@ -90,7 +94,7 @@ def _add_evictions(columns: dict[str, list], records: list, evicting: list[int])
     order = np.argsort(np.array(seq + rows["seq"], dtype=np.int64), kind="stable").tolist()
     take = itemgetter(*order)   # (two rows at least: an alloc and its eviction)
     for column, values in columns.items():
-        columns[column] = list(take(values + rows[column]))
+        columns[column] = take(values + rows[column])   # a tuple
 
 
 def _steps_as_columns(records: list) -> dict[str, list]:
@@ -238,7 +242,7 @@ class TraceWriter:
         self._last_flush = time.monotonic()
         chunks = []
         with self._lock:
-            for name in TABLES:
+            for name in _FLUSH_ORDER:
                 if name in self._records:
                     buffer = self._records[name]
                     if not buffer:
