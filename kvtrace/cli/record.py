@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from engine.config import EngineConfig
 from kvtrace.cli.app import app, user_errors
@@ -150,9 +149,9 @@ def record(
         long_prefill_token_threshold=long_prefill_token_threshold, enable_chunked_prefill=enable_chunked_prefill,
         async_scheduling=async_scheduling, follow_vllm=follow_vllm,
     )
-    from kvtrace.record.run import Recording, default_run_dir  # torch: imported only when recording
+    from kvtrace.record.run import Recording, default_run_dir, recording_console  # torch: imported only when recording
 
-    console = Console(stderr=True, quiet=quiet)
+    console = recording_console(quiet)
     run_dir = out or default_run_dir(model)
     try:
         recording = Recording.prepare(config, workload, run_dir, max_requests=max_requests, time_scale=time_scale,
@@ -234,9 +233,9 @@ def _record_vllm(a: dict) -> None:
                        enable_chunked_prefill=a["enable_chunked_prefill"], async_scheduling=a["async_scheduling"],
                        vllm_python=a["vllm_python"],
                        vllm_args=list(a["vllm_arg"] or []), self_check=a["self_check"])
-    from kvtrace.record.run import default_run_dir
+    from kvtrace.record.run import default_run_dir, recording_console
 
-    console = Console(stderr=True, quiet=a["quiet"])
+    console = recording_console(a["quiet"])
     out = a["out"]
     run_dir = out or default_run_dir(Path(a["model"]).name)
     server = a["endpoint"] is not None

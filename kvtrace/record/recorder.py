@@ -139,6 +139,19 @@ def _from_numpy(values: np.ndarray, type: pa.DataType, missing: np.ndarray | Non
     return pa.Array.from_buffers(type, len(values), [validity, pa.py_buffer(values)])
 
 
+class _Numbering(dict):
+    """str -> int: each key numbered as it is first looked up (0, 1, ...); `names` the keys in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __missing__(self, key: str) -> int:
+        self[key] = number = len(self.names)
+        self.names.append(key)
+        return number
+
+
 _evicted = attrgetter("evicted")
 _kind = attrgetter("kind")
 
@@ -164,6 +177,10 @@ class TraceWriter:
         del self._columns["tokens"]["prev_step"], self._columns["tokens"]["prev_ts_s"]
         # a step's tokens share its step and ts_s: those columns hold one entry a step, and `num` its tokens
         self._columns["tokens"]["num"] = []
+        # each token's request as a number (the run's requests numbered as their first token comes):
+        # `_predecessors` groups the chunk's tokens by it
+        self._columns["tokens"]["req"] = []
+        self._req_numbers = _Numbering()
         self._finished_keys: list[tuple[str, int]] = []   # (req_id, sample) finished since the last tokens chunk
         self._part = {name: 0 for name in TABLES}
         self._last_flush = time.monotonic()
@@ -193,6 +210,7 @@ class TraceWriter:
         t = self._columns["tokens"]
         if num_tokens:
             t["req_id"] += r.token_req_ids
+            t["req"] += map(self._req_numbers.__getitem__, r.token_req_ids)
             t["sample"] += r.token_samples
             t["idx"] += r.token_idx
             t["token_id"] += r.token_ids if self.record_token_ids else [None] * num_tokens
@@ -216,6 +234,7 @@ class TraceWriter:
         k, n = w.num_steps, w.num_running
         t = self._columns["tokens"]
         t["req_id"] += w.token_req_ids * k
+        t["req"] += list(map(self._req_numbers.__getitem__, w.token_req_ids)) * k
         t["sample"] += w.token_samples * k
         first_idx = w.first_token_idx
         t["idx"] += [i + j for j in range(k) for i in first_idx]
@@ -297,6 +316,7 @@ class TraceWriter:
         finished = columns.pop("finished", ())
         if name == "tokens":   # a step's step and ts_s, once for each of its tokens
             num = columns.pop("num")
+            reqs = columns.pop("req")
             columns["step"] = _from_numpy(np.repeat(np.array(columns["step"], dtype=np.int64), num), pa.int64())
             columns["ts_s"] = _from_numpy(np.repeat(np.array(columns["ts_s"], dtype=np.float64), num), pa.float64())
             # the usual chunk of a simulated run: every sample 0, no token id (cheaper than converting the lists)
@@ -310,7 +330,7 @@ class TraceWriter:
         if name == "kv_events":
             arrays["num_blocks"] = _from_numpy(np.diff(arrays["blocks"].offsets.to_numpy()), pa.int32())   # a null: 0
         if name == "tokens":
-            arrays["prev_step"], arrays["prev_ts_s"] = self._predecessors(arrays, columns["req_id"])
+            arrays["prev_step"], arrays["prev_ts_s"] = self._predecessors(arrays, reqs)
             for key in finished:
                 self._last_token.pop(key, None)
         arrays["run_id"] = pa.repeat(pa.scalar(self.run_id, pa.string()), num_rows)
@@ -326,7 +346,7 @@ class TraceWriter:
         os.replace(tmp, final)
         self.rows_written[name] += table.num_rows
 
-    def _predecessors(self, tokens: dict[str, pa.Array], req_ids: list[str]) -> tuple[pa.Array, pa.Array]:
+    def _predecessors(self, tokens: dict[str, pa.Array], req_numbers: list[int]) -> tuple[pa.Array, pa.Array]:
         """prev_step and prev_ts_s of a chunk's tokens, so that an ITL gap is one row (schema 2): each
         token's predecessor is its sequence's token of idx - 1, the sequence's previous row in this
         chunk or its last token of an earlier chunk (`_last_token`); null for a first token. Whole
@@ -334,11 +354,8 @@ class TraceWriter:
         own. A sequence's tokens arrive in idx order (one a step at most, steps in order), so a stable
         sort by sequence puts each right after its predecessor."""
         num_rows = len(tokens["idx"])
-        index = dict.fromkeys(req_ids)   # the chunk's requests, numbered
-        for code, req_id in enumerate(index):
-            index[req_id] = code
-        names = list(index)
-        reqs = np.fromiter(map(index.__getitem__, req_ids), dtype=np.int64, count=num_rows)
+        names = self._req_numbers.names
+        reqs = np.fromiter(req_numbers, dtype=np.int64, count=num_rows)
         samples = tokens["sample"].to_numpy()
         codes = reqs.astype(np.int64) * (int(samples.max()) + 1) + samples
         order = np.argsort(codes, kind="stable")
