@@ -16,7 +16,7 @@ from tests.helpers.cli import write_workload
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_IMPORTED = ("torch", "altair", "textual", "safetensors", "duckdb", "tokenizers", "pyarrow.compute", "numpy.ma",
-                "pydantic", "kvtrace.cli.sql", "kvtrace.views", "rich", "importlib.metadata")
+                "pydantic", "kvtrace.cli.sql", "kvtrace.views", "rich", "importlib.metadata", "kvtrace.workload.importers")
 
 # the command line as `python -m kvtrace` runs it (its `main`, less the exit of `run`), then the
 # modules it loaded, as JSON
