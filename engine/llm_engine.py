@@ -476,30 +476,26 @@ class LLMEngine:
         first_idx = [len(seq.token_ids) - horizon - seq.num_prompt_tokens for seq in running]
         held = sum(map(_num_computed, running))
         num_kv = bm.num_kv_positions(running) + num_running   # of the first step; then num_running more a step
-        clock, origin = self.clock, self.time_origin
         num_total = bm.num_blocks
         event_seq = self._event_seq
         first_step = self.step_counter
-        # the steps' records, as the window's columns (events.DecodeWindow)
-        starts: list[float] = []
-        ends: list[float] = []
-        forward: list[float] = []
+        # the steps' times first (the clock is the executor's; nothing below moves it), then their block
+        # work and records, as the window's columns (events.DecodeWindow)
+        starts, ends, forward = self.runner.decode_clock(num_running, held, horizon, until_s, self.time_origin)
         free: list[int] = []
         cached: list[int] = []
         events: list[KVEvent] = []
-        decode_step = self.runner.decode_step
         free_now, cached_now = bm.num_free_blocks, bm.num_cached_free_blocks   # change only as sequences grow
-        now = clock() - origin
-        k = 0
-        while k < horizon and (k == 0 or now < until_s):
-            start_s = now
-            grow = touched.get(k)
+        k = len(starts)
+        for j in range(k):
+            grow = touched.get(j)
             if grow is not None:
                 for seq in grow:   # Scheduler._grow_decodes's action, at this step's length
-                    bm.grow_decode(seq, seq.num_computed_tokens + k + 1)
+                    bm.grow_decode(seq, seq.num_computed_tokens + j + 1)
                 free_now, cached_now = bm.num_free_blocks, bm.num_cached_free_blocks
             if bm.events or bm.evicted:
-                step = first_step + k
+                step = first_step + j
+                start_s = starts[j]
                 step_events = bm.take_events()
                 for e in step_events:   # decided while scheduling: stamped at the step's start (_record)
                     e.step = step
@@ -511,11 +507,6 @@ class LLMEngine:
                 events += step_events
             free.append(free_now)
             cached.append(cached_now)
-            forward.append(decode_step(num_running, held + (k + 1) * num_running))
-            now = clock() - origin   # this step's end, the next one's start
-            starts.append(start_s)
-            ends.append(now)
-            k += 1
         self.step_counter = first_step + k
         window = DecodeWindow(
             first_step=first_step, start_s=starts, end_s=ends, device_ms=forward, num_free_blocks=free,

@@ -170,6 +170,13 @@ class CostModel:
         # exact where one term is 0: a calibrated profile (weights_ms 0) prices compute alone
         return self._step + math.hypot(self._weights, compute) + self._kv * num_kv + self._pair * num_pairs
 
+    def decode_ms(self, num_decodes: int):
+        """`forward_ms(0, num_decodes, num_kv, 0.0)` as a function of num_kv alone, its other terms
+        worked out once (the steps of a decode window differ only in their KV): the same floats."""
+        fixed = self._step + math.hypot(self._weights, self._prefill * 0 + self._decode * num_decodes)
+        kv, pairs = self._kv, self._pair * 0.0
+        return lambda num_kv: fixed + kv * num_kv + pairs
+
     def swap_ms(self, num_bytes: int) -> float:
         return self.coefficients["swap_ms"] + num_bytes * self.coefficients["swap_byte_ms"]
 

@@ -92,13 +92,31 @@ class SimExecutor:
         self.now_s += total_ms / 1000
         return result
 
-    def decode_step(self, num_decodes: int, num_kv: int) -> float:
-        """`execute` of a step that decodes one token for each of `num_decodes` sequences and copies no
-        block (LLMEngine.decode_window's steps): the same prediction, the same clock. Returns the
-        forward's milliseconds."""
-        forward_ms = self.cost.forward_ms(0, num_decodes, num_kv, 0.0)
-        self.now_s += forward_ms / 1000
-        return forward_ms
+    def decode_clock(self, num_decodes: int, held: int, max_steps: int, until_s: float,
+                     origin: float) -> tuple[list[float], list[float], list[float]]:
+        """The clock of a decode window (LLMEngine.decode_window): up to `max_steps` steps that each
+        decode one token for each of `num_decodes` sequences and copy no block, step j with
+        `held + (j + 1) * num_decodes` KV positions, the window ending before the first step after its
+        first that would start at or after `until_s` (times less `origin`). Returns the steps' starts,
+        ends (less `origin`) and forward milliseconds, the clock moved past them, as `execute` step by
+        step would: the same prediction, the same floats."""
+        step_ms = self.cost.decode_ms(num_decodes)
+        now = self.now_s
+        start = now - origin
+        starts: list[float] = []
+        ends: list[float] = []
+        forward: list[float] = []
+        for j in range(max_steps):
+            if j and not start < until_s:
+                break
+            forward_ms = step_ms(held + (j + 1) * num_decodes)
+            now += forward_ms / 1000
+            starts.append(start)
+            forward.append(forward_ms)
+            start = now - origin
+            ends.append(start)
+        self.now_s = now
+        return starts, ends, forward
 
     def sample(self, result: StepResult, seqs: list[Sequence], rows: list[int]) -> list[int]:
         """Placeholder tokens for the sequences that sample this step (no logits: `rows` unused)."""
