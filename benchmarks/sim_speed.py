@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> None:
             wall = median(walls)
             medians[name] = wall
             rows.append([name, f"{meta['workload']['num_requests']:,}", f"{simulated_s:,.0f}", f"{steps:,}",
-                         f"{rows_written:,}", " ".join(f"{w:.1f}" for w in walls), f"{wall:.1f}",
+                         f"{rows_written:,}", " ".join(f"{w:.2f}" for w in walls), f"{wall:.2f}",
                          f"{median(replays):.2f}", f"{median(cpus):.1f}", f"{steps / wall:,.0f} / {steps / median(cpus):,.0f}",
                          f"{seq_steps / wall:,.0f} / {seq_steps / median(cpus):,.0f}"])
             if name == SHAREGPT:
@@ -207,14 +207,16 @@ def run(args: argparse.Namespace) -> None:
         section.add(swept["report"])
     if vidur_runs:
         section.add(side_by_side(sharegpt, vidur_runs, vidur_bare_runs, vidur_first))
-    headline = ("median wall s of `record --engine sim`: " + "; ".join(f"{n} {w:.1f} s" for n, w in medians.items())
+    headline = ("median wall s of `record --engine sim`: " + "; ".join(f"{n} {w:.2f} s" if w < 10 else f"{n} {w:.1f} s"
+                                                                       for n, w in medians.items())
                 if medians else "")
     if vs_vidur is not None:
         if vidur_runs:
             bare = median([r.wall_s for r in vidur_bare_runs])
-            headline += (f" (ShareGPT-like: {vs_vidur[0]:.2f}× Vidur 0.0.26's "
+            headline += (f" (ShareGPT-like: {vs_vidur[0]:.3f}× Vidur 0.0.26's "
                          f"{median([r.wall_s for r in vidur_runs]):.1f} s side by side, "
-                         f"{medians[SHAREGPT] / bare:.2f}× its {bare:.1f} s without metrics)")
+                         f"{medians[SHAREGPT] / bare:.2f}× its {bare:.1f} s without metrics; goal ≤ 0.1×: "
+                         f"{'met' if vs_vidur[0] <= 0.1 else 'missed'})")
         else:
             headline += f" (ShareGPT-like: {vs_vidur[0]:.2f}× Vidur's {VIDUR_WALL_S} s)"
     if swept:
@@ -264,15 +266,15 @@ def side_by_side(kv: dict, vidur_runs: list, bare_runs: list, vidur_first) -> st
                 f"{info['batches']:,}", f"{info['sequence_steps']:,}", f"{info['simulated_s']:,.0f}",
                 f"{info['num_blocks']:,}"]
 
-    rows = [["kvtrace `record --engine sim` (full KV trace)", " ".join(f"{w:.1f}" for w in kv["walls"]),
-             f"{median(kv['walls']):.1f}", f"{median(kv['cpus']):.1f}", f"{kv['steps']:,}", f"{kv['seq_steps']:,}",
+    rows = [["kvtrace `record --engine sim` (full KV trace)", " ".join(f"{w:.2f}" for w in kv["walls"]),
+             f"{median(kv['walls']):.2f}", f"{median(kv['cpus']):.2f}", f"{kv['steps']:,}", f"{kv['seq_steps']:,}",
              f"{kv['simulated_s']:,.0f}", f"{kv['num_gpu_blocks']:,}"],
             vidur_row("its metrics and Chrome trace, as by default", vidur_runs),
             vidur_row("no metrics, no trace", bare_runs)]
     kv_wall, kv_cpu = median(kv["walls"]), median(kv["cpus"])
     ratios = "; ".join(
-        f"{what}: **{kv_wall / median([r.wall_s for r in runs]):.2f}x** in wall time, "
-        f"{kv_cpu / median([r.cpu_s for r in runs]):.2f}x in CPU time"
+        f"{what}: **{kv_wall / median([r.wall_s for r in runs]):.3f}x** in wall time, "
+        f"{kv_cpu / median([r.cpu_s for r in runs]):.3f}x in CPU time"
         for what, runs in (("against Vidur with its outputs", vidur_runs), ("against Vidur without", bare_runs)))
     phases = " / ".join(f"{median([r.info[k] for r in vidur_runs]):.1f}" for k in ("import_s", "predictor_s", "simulate_s"))
     first = (f"Vidur's first run, not timed (it trains its random forests into --vidur-cache when they are not "
