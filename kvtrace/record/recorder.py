@@ -49,10 +49,6 @@ _COMMON_EVENT_FIELDS = [f for f in _EVENT_FIELDS if f not in _RARE_DEFAULTS and 
 _EVICT_VALUES = {"kind": ev.EVICT, "req_id": "", "sample": 0, "num_tokens": 0, "bytes": 0, "num_cached_tokens": 0,
                  "num_recomputed_tokens": 0}
 _RECORD_TABLES = ("steps", "kv_events", "requests")   # buffered as records, not columns
-# a chunk's tables, largest first: the writer thread encodes the tokens while this one makes the rest
-# (at the end of a simulated run, only the smallest is then left to write)
-_LARGEST_FIRST = ("tokens", "kv_events", "steps", "requests")
-_FLUSH_ORDER = (*_LARGEST_FIRST, *(name for name in TABLES if name not in _LARGEST_FIRST))
 
 
 def _records_as_columns(name: str, records: list) -> dict[str, list]:
@@ -263,7 +259,7 @@ class TraceWriter:
         self._last_flush = time.monotonic()
         chunks = []
         with self._lock:
-            for name in _FLUSH_ORDER:
+            for name in TABLES:
                 if name in self._records:
                     buffer = self._records[name]
                     if not buffer:
