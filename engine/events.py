@@ -214,22 +214,31 @@ class DecodeWindow:
     def num_steps(self) -> int:
         return len(self.start_s)
 
+    def step_fields(self) -> dict[str, list | range]:
+        """The window's steps as StepRecord's fields (events, tokens and finishes aside), each a
+        sequence over the steps: the one account of what a window's step records."""
+        k, n, total = self.num_steps, self.num_running, self.num_total_blocks
+        return {
+            "step": range(self.first_step, self.first_step + k), "start_s": self.start_s, "end_s": self.end_s,
+            "device_ms": self.device_ms, "num_running": [n] * k, "num_waiting": [0] * k, "num_swapped": [0] * k,
+            "num_prefill_tokens": [0] * k, "num_decode_tokens": [n] * k, "num_recompute_tokens": [0] * k,
+            "num_free_blocks": self.num_free_blocks, "num_used_blocks": [total - f for f in self.num_free_blocks],
+            "num_cached_blocks": self.num_cached_blocks, "num_total_blocks": [total] * k,
+            "num_kv_tokens": range(self.first_kv_tokens, self.first_kv_tokens + k * n, n),
+            "num_preemptions": [0] * k, "admission_stop": [AdmissionStop.NOTHING_WAITING] * k,
+        }
+
     def records(self) -> list[StepRecord]:
         """The window's steps as the StepRecords `LLMEngine.step` would have made, in order."""
-        n, total = self.num_running, self.num_total_blocks
+        fields = self.step_fields()
         by_step: dict[int, list[KVEvent]] = {}
         for e in self.events:
             by_step.setdefault(e.step, []).append(e)
-        return [StepRecord(
-            step=self.first_step + j, start_s=self.start_s[j], end_s=self.end_s[j], device_ms=self.device_ms[j],
-            num_running=n, num_waiting=0, num_swapped=0, num_prefill_tokens=0, num_decode_tokens=n,
-            num_recompute_tokens=0, num_free_blocks=self.num_free_blocks[j],
-            num_used_blocks=total - self.num_free_blocks[j], num_cached_blocks=self.num_cached_blocks[j],
-            num_total_blocks=total, num_kv_tokens=self.first_kv_tokens + j * n, num_preemptions=0,
-            admission_stop=AdmissionStop.NOTHING_WAITING, events=by_step.get(self.first_step + j, []),
-            token_req_ids=self.token_req_ids.copy(), token_samples=self.token_samples.copy(),
-            token_idx=[i + j for i in self.first_token_idx], token_ids=[None] * n, finished=[])
-            for j in range(self.num_steps)]
+        return [StepRecord(**{name: values[j] for name, values in fields.items()},
+                           events=by_step.get(self.first_step + j, []), token_req_ids=self.token_req_ids.copy(),
+                           token_samples=self.token_samples.copy(), token_idx=[i + j for i in self.first_token_idx],
+                           token_ids=[None] * self.num_running, finished=[])
+                for j in range(self.num_steps)]
 
 
 class Tracer(Protocol):

@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import time
+from itertools import groupby
 from operator import attrgetter, itemgetter
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from engine import events as ev
-from engine.events import AdmissionStop, DecodeWindow, RequestStats, StepRecord
+from engine.events import DecodeWindow, RequestStats, StepRecord
 from kvtrace.trace.schema import TABLES, write_parquet
 
 _REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id"]
@@ -95,36 +96,23 @@ def _add_evictions(columns: dict[str, list | tuple], records: list, evicting: li
 
 def _steps_as_columns(records: list) -> dict[str, list]:
     """The steps buffer, StepRecords and DecodeWindows in step order, as the steps table's columns: a
-    run of StepRecords column by column, a window from its own columns."""
+    run of StepRecords column by column, a window from its own fields (DecodeWindow.step_fields)."""
     columns: dict[str, list] = {column: [] for column in _STEP_ATTRIBUTES}
-    start = 0
-    for i, item in enumerate(records + [None]):
-        if isinstance(item, StepRecord):
-            continue
-        if i > start:   # the StepRecords since the last window
-            run = records[start:i]
+    for windows, run in groupby(records, key=_is_window):
+        if windows:
+            for window in run:
+                fields = window.step_fields()
+                for column, attribute in _STEP_ATTRIBUTES.items():
+                    columns[column] += fields[attribute]
+        else:
+            run = list(run)
             for column, attribute in _STEP_ATTRIBUTES.items():
                 columns[column] += map(attrgetter(attribute), run)
-        start = i + 1
-        if item is None:
-            break
-        w: DecodeWindow = item
-        k, n, total = w.num_steps, w.num_running, w.num_total_blocks
-        columns["step"] += range(w.first_step, w.first_step + k)
-        columns["start_s"] += w.start_s
-        columns["end_s"] += w.end_s
-        columns["device_ms"] += w.device_ms
-        columns["running"] += [n] * k
-        columns["decode_tokens"] += [n] * k
-        for column in ("waiting", "swapped", "prefill_tokens", "recompute_tokens", "preemptions"):
-            columns[column] += [0] * k
-        columns["free_blocks"] += w.num_free_blocks
-        columns["used_blocks"] += [total - f for f in w.num_free_blocks]
-        columns["cached_blocks"] += w.num_cached_blocks
-        columns["total_blocks"] += [total] * k
-        columns["kv_tokens"] += range(w.first_kv_tokens, w.first_kv_tokens + k * n, n)
-        columns["admission_stop"] += [AdmissionStop.NOTHING_WAITING] * k
     return columns
+
+
+def _is_window(item: StepRecord | DecodeWindow) -> bool:
+    return isinstance(item, DecodeWindow)
 
 
 def _from_numpy(values: np.ndarray, type: pa.DataType, missing: np.ndarray | None = None) -> pa.Array:

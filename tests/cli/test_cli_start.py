@@ -3,6 +3,7 @@ pays for no other's imports), and that module registers COMMAND whole: the same 
 options as when every module is loaded, as the help shows them."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -18,26 +19,24 @@ from kvtrace.cli.app import app
 # what a command's module brings besides itself
 ALSO = {"capture": {"kvtrace.cli.capture_live"}}
 
-SHAPE = """
+def shape(command):
+    """A command's subcommands and options, as names."""
+    if hasattr(command, "commands"):
+        return {name: shape(sub) for name, sub in sorted(command.commands.items())}
+    return sorted(p.name for p in command.params)
+
+
+# in a fresh process: the commands' shapes with one command's module loaded, and the CLI modules imported
+SHAPE = f"""
 import json, sys
 import typer
 from kvtrace.cli import load
 
-def shape(command):
-    if hasattr(command, "commands"):
-        return {name: shape(sub) for name, sub in sorted(command.commands.items())}
-    return sorted(p.name for p in command.params)
-
+{inspect.getsource(shape)}
 group = typer.main.get_command(load(sys.argv[1]))
-print(json.dumps({"commands": {name: shape(group.commands[name]) for name in sys.argv[2:]},
-                  "modules": sorted(m for m in sys.modules if m.startswith("kvtrace.cli."))}))
+print(json.dumps({{"commands": {{name: shape(group.commands[name]) for name in sys.argv[2:]}},
+                  "modules": sorted(m for m in sys.modules if m.startswith("kvtrace.cli."))}}))
 """
-
-
-def shape(command):
-    if hasattr(command, "commands"):
-        return {name: shape(sub) for name, sub in sorted(command.commands.items())}
-    return sorted(p.name for p in command.params)
 
 
 def test_every_command_has_its_module_listed():
