@@ -7,6 +7,7 @@ Publishing is the tracer's job; the default tracer does nothing.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
@@ -187,6 +188,25 @@ class StepRecord:
     finished: list[RequestStats] = field(default_factory=list)
 
 
+class Same(Sequence):
+    """One value `length` times: a field that a decode window's every step shares (a writer takes it
+    as a value and a count rather than a list)."""
+
+    __slots__ = ("value", "length")
+
+    def __init__(self, value, length: int) -> None:
+        self.value = value
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, j: int):
+        if not -self.length <= j < self.length:
+            raise IndexError(j)
+        return self.value
+
+
 @dataclass(slots=True)
 class DecodeWindow:
     """A stretch of simulated decode-only steps (LLMEngine.decode_window) handed over at once: the
@@ -216,16 +236,18 @@ class DecodeWindow:
 
     def step_fields(self) -> dict[str, list | range]:
         """The window's steps as StepRecord's fields (events, tokens and finishes aside), each a
-        sequence over the steps: the one account of what a window's step records."""
+        sequence over the steps (`Same` where every step has the same value): the one account of what
+        a window's step records."""
         k, n, total = self.num_steps, self.num_running, self.num_total_blocks
+        none = Same(0, k)
         return {
             "step": range(self.first_step, self.first_step + k), "start_s": self.start_s, "end_s": self.end_s,
-            "device_ms": self.device_ms, "num_running": [n] * k, "num_waiting": [0] * k, "num_swapped": [0] * k,
-            "num_prefill_tokens": [0] * k, "num_decode_tokens": [n] * k, "num_recompute_tokens": [0] * k,
+            "device_ms": self.device_ms, "num_running": Same(n, k), "num_waiting": none, "num_swapped": none,
+            "num_prefill_tokens": none, "num_decode_tokens": Same(n, k), "num_recompute_tokens": none,
             "num_free_blocks": self.num_free_blocks, "num_used_blocks": [total - f for f in self.num_free_blocks],
-            "num_cached_blocks": self.num_cached_blocks, "num_total_blocks": [total] * k,
+            "num_cached_blocks": self.num_cached_blocks, "num_total_blocks": Same(total, k),
             "num_kv_tokens": range(self.first_kv_tokens, self.first_kv_tokens + k * n, n),
-            "num_preemptions": [0] * k, "admission_stop": [AdmissionStop.NOTHING_WAITING] * k,
+            "num_preemptions": none, "admission_stop": Same(AdmissionStop.NOTHING_WAITING, k),
         }
 
     def records(self) -> list[StepRecord]:

@@ -13,7 +13,7 @@ import os
 import queue
 import threading
 import time
-from itertools import groupby
+from itertools import chain, groupby
 from operator import attrgetter, itemgetter
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from engine import events as ev
-from engine.events import DecodeWindow, RequestStats, StepRecord
+from engine.events import DecodeWindow, RequestStats, Same, StepRecord
 from kvtrace.trace.schema import TABLES, write_parquet
 
 _REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id"]
@@ -49,7 +49,16 @@ _COMMON_EVENT_FIELDS = [f for f in _EVENT_FIELDS if f not in _RARE_DEFAULTS and 
 # an evict row's values but its seq, step, ts_s and block (the rest null)
 _EVICT_VALUES = {"kind": ev.EVICT, "req_id": "", "sample": 0, "num_tokens": 0, "bytes": 0, "num_cached_tokens": 0,
                  "num_recomputed_tokens": 0}
+# the integer columns whose evict rows hold a number (_EVICT_VALUES)
+_INT_EVENT_FIELDS = frozenset(["sample", "num_tokens", "bytes", "num_cached_tokens", "num_recomputed_tokens"])
 _RECORD_TABLES = ("steps", "kv_events", "requests")   # buffered as records, not columns
+# The tokens buffer: stretches of steps in which the same sequences each emit a token a step, a step's
+# tokens or a decode window's. A stretch's `num` sequences, `steps` steps and first `step`; each step's
+# `ts_s`; each sequence's `req` (its request's number), `sample`, `idx` (of its token at the stretch's
+# first step) and `token_id` (when recorded: a window's are null). The rows are made with the chunk.
+_TOKEN_BUFFER = ("num", "steps", "step", "ts_s", "req", "sample", "idx", "token_id")
+# the tables of the closing chunk made in this order: the slowest to write first
+_CLOSING_ORDER = {"tokens": 0, "kv_events": 1, "steps": 2}
 
 
 def _records_as_columns(name: str, records: list) -> dict[str, list]:
@@ -60,54 +69,105 @@ def _records_as_columns(name: str, records: list) -> dict[str, list]:
         return {column: list(map(attrgetter(column), records)) for column in _REQUEST_FIELDS}
     columns: dict = {column: list(map(attrgetter(column), records)) for column in _COMMON_EVENT_FIELDS}
     kinds = columns["kind"] = list(map(_kind, records))
-    rare = [i for i, kind in enumerate(kinds) if kind not in _PLAIN_KINDS]
-    for column, default in _RARE_DEFAULTS.items():
-        values = columns[column] = [default] * len(records)
-        for i in rare:
-            values[i] = getattr(records[i], column)
     evicting = [i for i, evicted in enumerate(map(_evicted, records)) if evicted]
-    if evicting:
-        _add_evictions(columns, records, evicting)
+    rows = _add_evictions(columns, records, evicting) if evicting else range(len(records))   # each event's row
+    num_rows = len(columns["seq"])
+    rare = [i for i, kind in enumerate(kinds) if kind not in _PLAIN_KINDS]
+    for column, default in _RARE_DEFAULTS.items():   # (an evict row's value is the default too)
+        values = columns[column] = [default] * num_rows
+        for i in rare:
+            values[rows[i]] = getattr(records[i], column)
     return columns
 
 
-def _add_evictions(columns: dict[str, list | tuple], records: list, evicting: list[int]) -> None:
+def _add_evictions(columns: dict[str, list | tuple | np.ndarray | pa.Array], records: list,
+                   evicting: list[int]) -> np.ndarray:
     """An `evict` row for each block an alloc event evicted, right before it, with the seq numbers the
-    engine left free for them (engine/events.py, `with_evictions`); the rows kept in seq order."""
+    engine left free for them (engine/events.py, `with_evictions`); the rows kept in seq order. The
+    number columns come out as numpy arrays, blocks as an Arrow array, the others as tuples. Returns
+    each event's row."""
     evicted = [records[i].evicted for i in evicting]
-    counts = list(map(len, evicted))
-    parents = [i for i, count in zip(evicting, counts) for _ in range(count)]
-    seq = columns["seq"]
-    rows = {   # the evict rows' columns
-        "seq": [seq[i] - count + place for i, count in zip(evicting, counts) for place in range(count)],
-        "step": list(map(columns["step"].__getitem__, parents)),
-        "ts_s": list(map(columns["ts_s"].__getitem__, parents)),
-        "blocks": [[block] for blocks in evicted for block in blocks],
-    }
-    num = len(parents)
-    for column in columns:
-        if column not in rows:
-            rows[column] = [_EVICT_VALUES.get(column)] * num
-    order = np.argsort(np.array(seq + rows["seq"], dtype=np.int64), kind="stable").tolist()
-    take = itemgetter(*order)   # (two rows at least: an alloc and its eviction)
+    counts = np.fromiter(map(len, evicted), dtype=np.int64, count=len(evicting))
+    num = int(counts.sum())
+    parents = np.repeat(np.array(evicting, dtype=np.int64), counts)   # each evict row's alloc
+    seq = np.array(columns["seq"], dtype=np.int64)
+    place = np.arange(num) - np.repeat(np.cumsum(counts) - counts, counts)   # among its alloc's evictions
+    merged = np.concatenate([seq, seq[parents] - counts.repeat(counts) + place])
+    order = np.argsort(merged, kind="stable")
+    columns["seq"] = merged[order]
+    take = itemgetter(*order.tolist())   # (two rows at least: an alloc and its eviction)
     for column, values in columns.items():
-        columns[column] = take(values + rows[column])   # a tuple
+        if column == "seq":
+            continue
+        if column in ("step", "ts_s"):   # the alloc's
+            array = np.array(values, dtype=np.float64 if column == "ts_s" else np.int64)
+            columns[column] = np.concatenate([array, array[parents]])[order]
+        elif column == "blocks":
+            evicted_blocks = np.fromiter(chain.from_iterable(evicted), dtype=np.int64, count=num)
+            columns[column] = _with_single_lists(pa.array(values, pa.list_(pa.int32())), evicted_blocks, order)
+        elif column in _INT_EVENT_FIELDS and None not in values:
+            array = np.array(values, dtype=np.int64)
+            columns[column] = np.concatenate([array, np.full(num, _EVICT_VALUES[column], dtype=np.int64)])[order]
+        else:
+            columns[column] = take(values + [_EVICT_VALUES.get(column)] * num)
+    rows = np.empty(len(merged), dtype=np.int64)
+    rows[order] = np.arange(len(merged))
+    return rows[:len(seq)]
 
 
-def _steps_as_columns(records: list) -> dict[str, list]:
+def _with_single_lists(lists: pa.ListArray, values: np.ndarray, order: np.ndarray) -> pa.Array:
+    """`lists`, then a one-element list for each of `values`, rows taken in `order` (a permutation):
+    made from the arrays' buffers (Arrow's take would import pyarrow.compute)."""
+    offsets = lists.offsets.to_numpy()
+    source = np.concatenate([lists.values.to_numpy(), values])
+    lengths = np.concatenate([np.diff(offsets), np.ones(len(values), dtype=np.int64)])[order]
+    starts = np.concatenate([offsets[:-1], len(lists.values) + np.arange(len(values))])[order]
+    new_offsets = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=new_offsets[1:])
+    index = np.repeat(starts - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])
+    validity = None
+    if lists.null_count:
+        valid = np.unpackbits(np.frombuffer(lists.buffers()[0], dtype=np.uint8), bitorder="little")
+        valid = np.concatenate([valid[lists.offset:lists.offset + len(lists)].astype(bool),
+                                np.ones(len(values), dtype=bool)])[order]
+        validity = pa.py_buffer(np.packbits(valid, bitorder="little"))
+    child = _from_numpy(source[index], lists.type.value_type)
+    return pa.Array.from_buffers(lists.type, len(order), [validity, pa.py_buffer(new_offsets.astype(np.int32))],
+                                 children=[child])
+
+
+def _steps_as_columns(records: list) -> dict[str, list | pa.Array]:
     """The steps buffer, StepRecords and DecodeWindows in step order, as the steps table's columns: a
-    run of StepRecords column by column, a window from its own fields (DecodeWindow.step_fields)."""
-    columns: dict[str, list] = {column: [] for column in _STEP_ATTRIBUTES}
+    run of StepRecords column by column, a window from its own fields (DecodeWindow.step_fields), a
+    field its steps share (`Same`) as one value and its count of steps."""
+    values: dict[str, list] = {column: [] for column in _STEP_ATTRIBUTES}
+    repeats: dict[str, list[tuple[int, int]]] = {column: [] for column in _STEP_ATTRIBUTES}   # a Same's place, count
     for windows, run in groupby(records, key=_is_window):
         if windows:
             for window in run:
                 fields = window.step_fields()
                 for column, attribute in _STEP_ATTRIBUTES.items():
-                    columns[column] += fields[attribute]
+                    field = fields[attribute]
+                    if type(field) is Same:
+                        repeats[column].append((len(values[column]), field.length))
+                        values[column].append(field.value)
+                    else:
+                        values[column] += field
         else:
-            run = list(run)
-            for column, attribute in _STEP_ATTRIBUTES.items():
-                columns[column] += map(attrgetter(attribute), run)
+            for column, column_values in zip(_STEP_ATTRIBUTES, zip(*map(_step_fields, run))):
+                values[column] += column_values
+    columns: dict[str, list | pa.Array] = values
+    for column, where in repeats.items():
+        if not where:
+            continue
+        counts = np.ones(len(values[column]), dtype=np.int64)
+        places, lengths = zip(*where)
+        counts[list(places)] = lengths
+        arrow_type = TABLES["steps"].field(column).type
+        if pa.types.is_integer(arrow_type):
+            columns[column] = _from_numpy(np.repeat(np.array(values[column], dtype=np.int64), counts), arrow_type)
+        else:
+            columns[column] = [value for value, count in zip(values[column], counts.tolist()) for _ in range(count)]
     return columns
 
 
@@ -121,6 +181,33 @@ def _from_numpy(values: np.ndarray, type: pa.DataType, missing: np.ndarray | Non
     values = np.ascontiguousarray(values, dtype=np.dtype(type.to_pandas_dtype()))
     validity = pa.py_buffer(np.packbits(~missing, bitorder="little")) if missing is not None and missing.any() else None
     return pa.Array.from_buffers(type, len(values), [validity, pa.py_buffer(values)])
+
+
+def _strings(names: pa.Array, codes: np.ndarray) -> pa.Array:
+    """names[codes] as a string array, its characters copied by numpy (Arrow's take would import
+    pyarrow.compute: 30 ms of a simulated recording's start)."""
+    _, offsets, data = names.buffers()
+    offsets = np.frombuffer(offsets, dtype=np.int32, count=names.offset + len(names) + 1)[names.offset:]
+    lengths = np.diff(offsets)[codes]
+    row_offsets = np.zeros(len(codes) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=row_offsets[1:])
+    if row_offsets[-1] >= 2 ** 31:   # past one string array's 32-bit offsets: Arrow's chunks
+        strings = names.to_pylist()
+        return pa.array([strings[code] for code in codes.tolist()], pa.string())
+    index = np.repeat(offsets[:-1][codes] - row_offsets[:-1], lengths) + np.arange(row_offsets[-1])
+    chars = np.frombuffer(data, dtype=np.uint8)[index] if data is not None else np.zeros(0, dtype=np.uint8)
+    return pa.Array.from_buffers(pa.string(), len(codes), [None, pa.py_buffer(row_offsets.astype(np.int32)),
+                                                          pa.py_buffer(chars)])
+
+
+class _TokenStretches:
+    """A tokens chunk as arrays (TraceWriter._token_stretches): per stretch `num` sequences, `steps`
+    (None when every stretch is one step) and `first_step`; per step `ts_s`; per sequence `req`,
+    `sample`, `idx`, `token_id` (None when none is recorded) and its predecessor at its stretch's
+    first step (`prev_step`, `prev_ts_s`, `no_prev`); `names` the requests' req_ids by number."""
+
+    __slots__ = ("num", "steps", "first_step", "ts_s", "req", "sample", "idx", "token_id", "no_token_id",
+                 "stretch_of", "prev_step", "prev_ts_s", "no_prev", "names")
 
 
 class _Numbering(dict):
@@ -137,6 +224,7 @@ class _Numbering(dict):
 
 
 _evicted = attrgetter("evicted")
+_step_fields = attrgetter(*_STEP_ATTRIBUTES.values())
 _kind = attrgetter("kind")
 
 
@@ -160,13 +248,14 @@ class TraceWriter:
         self._records: dict[str, list] = {name: [] for name in _RECORD_TABLES}
         self._columns = {name: {c: [] for c in schema.names if c != "run_id"}
                          for name, schema in TABLES.items() if name not in _RECORD_TABLES}
-        del self._columns["tokens"]["prev_step"], self._columns["tokens"]["prev_ts_s"]
-        # a step's tokens share its step and ts_s: those columns hold one entry a step, and `num` its tokens
-        self._columns["tokens"]["num"] = []
-        # each token's request as a number (the run's requests numbered as their first token comes):
-        # `_predecessors` groups the chunk's tokens by it
-        self._columns["tokens"]["req"] = []
+        # the tokens as stretches (_TOKEN_BUFFER: a step's tokens, or a decode window's), turned into rows
+        # with the chunk (`_token_rows`)
+        self._columns["tokens"] = {c: [] for c in _TOKEN_BUFFER}
+        self._num_token_rows = 0
+        # the run's requests numbered as their first token comes: a token's request is buffered as its
+        # number, and its req_id is taken from `_names` (the names as Arrow strings, the writer's)
         self._req_numbers = _Numbering()
+        self._names = pa.array([], pa.string())
         self._finished_keys: list[tuple[str, int]] = []   # (req_id, sample) finished since the last tokens chunk
         self._part = {name: 0 for name in TABLES}
         self._last_flush = time.monotonic()
@@ -195,41 +284,44 @@ class TraceWriter:
         num_tokens = len(r.token_req_ids)
         t = self._columns["tokens"]
         if num_tokens:
-            t["req_id"] += r.token_req_ids
+            t["num"].append(num_tokens)
+            t["steps"].append(1)
+            t["step"].append(r.step)
+            t["ts_s"].append(r.end_s)
             t["req"] += map(self._req_numbers.__getitem__, r.token_req_ids)
             t["sample"] += r.token_samples
             t["idx"] += r.token_idx
-            t["token_id"] += r.token_ids if self.record_token_ids else [None] * num_tokens
-            t["step"].append(r.step)
-            t["ts_s"].append(r.end_s)
-            t["num"].append(num_tokens)
+            if self.record_token_ids:
+                t["token_id"] += r.token_ids
+            self._num_token_rows += num_tokens
         if r.finished:
             self._finished_keys += [(stats.req_id, stats.sample) for stats in r.finished]
             self._records["requests"] += r.finished
         if (time.monotonic() - self._last_flush >= self.flush_seconds
-                or len(t["idx"]) >= self.max_rows or len(events) >= self.max_rows):
+                or self._num_token_rows >= self.max_rows or len(events) >= self.max_rows):
             self.flush()
 
     def on_decode_window(self, w: DecodeWindow) -> None:
         """Buffer a stretch of simulated decode-only steps as `on_step` would buffer its records: the
         window itself in the steps buffer (turned into columns with the chunk), its events, and its
-        tokens as columns (every running sequence's, step after step)."""
+        tokens as one stretch (every running sequence's token, step after step)."""
         self._records["steps"].append(w)
         events = self._records["kv_events"]
         events += w.events
         k, n = w.num_steps, w.num_running
         t = self._columns["tokens"]
-        t["req_id"] += w.token_req_ids * k
-        t["req"] += list(map(self._req_numbers.__getitem__, w.token_req_ids)) * k
-        t["sample"] += w.token_samples * k
-        first_idx = w.first_token_idx
-        t["idx"] += [i + j for j in range(k) for i in first_idx]
-        t["token_id"] += [None] * (k * n)   # the simulator's placeholders are recorded as null
-        t["step"] += range(w.first_step, w.first_step + k)
+        t["num"].append(n)
+        t["steps"].append(k)
+        t["step"].append(w.first_step)
         t["ts_s"] += w.end_s
-        t["num"] += [n] * k
+        t["req"] += map(self._req_numbers.__getitem__, w.token_req_ids)
+        t["sample"] += w.token_samples
+        t["idx"] += w.first_token_idx
+        if self.record_token_ids:
+            t["token_id"] += [None] * n   # the simulator's placeholders are recorded as null
+        self._num_token_rows += n * k
         if (time.monotonic() - self._last_flush >= self.flush_seconds
-                or len(t["idx"]) >= self.max_rows or len(events) >= self.max_rows):
+                or self._num_token_rows >= self.max_rows or len(events) >= self.max_rows):
             self.flush()
 
     def add_request(self, stats: RequestStats) -> None:
@@ -242,8 +334,10 @@ class TraceWriter:
                 values.append(row[name])
 
     # ---- chunks -------------------------------------------------------------------------
-    def flush(self) -> None:
-        """Hand every non-empty buffer to the writer thread as one closed chunk."""
+    def flush(self, closing: bool = False) -> None:
+        """Hand every non-empty buffer to the writer thread as one closed chunk. `closing`: the last
+        flush, whose tables are handed over one by one as they are made (the largest to write first),
+        so that writing them overlaps the making of the rest: nothing else is left to run."""
         self._last_flush = time.monotonic()
         chunks = []
         with self._lock:
@@ -261,11 +355,21 @@ class TraceWriter:
                     if name == "tokens":   # the sequences done by then: the writer forgets their last token
                         buffer = {**buffer, "finished": self._finished_keys}
                         self._finished_keys = []
+                        self._num_token_rows = 0
                 chunks.append((name, self._part[name], buffer))
                 self._part[name] += 1
         if self.background:
             for chunk in chunks:
                 self._queue.put(chunk)
+        elif closing:
+            chunks.sort(key=lambda chunk: _CLOSING_ORDER.get(chunk[0], len(_CLOSING_ORDER)))
+            for name, part, buffer in chunks:
+                if self._error is not None:
+                    break
+                try:
+                    self._queue.put((name, part, self._table(name, buffer)))
+                except Exception as exc:
+                    self._error = exc
         elif self._error is None:
             try:
                 tables = [(name, part, self._table(name, buffer)) for name, part, buffer in chunks]
@@ -278,50 +382,53 @@ class TraceWriter:
             raise RuntimeError(f"writing the trace failed: {self._error}") from self._error
 
     def close(self) -> None:
-        """Flush everything and wait until every chunk is on disk."""
-        self.flush()
-        self._queue.put(None)
-        self._thread.join()
+        """Flush everything and wait until every chunk is on disk. Tables made here (not `background`)
+        this thread writes too, beside the writer thread, until none is left (a background writer's
+        chunks stay its own: it makes the tokens chunks' tables in order)."""
+        try:
+            self.flush(closing=True)
+        finally:
+            self._queue.put(None)
+            while not self.background:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:   # the writer thread took the last, and the stop
+                    break
+                if item is None:
+                    self._queue.put(None)   # the writer thread's stop
+                    break
+                self._write(item)
+            self._thread.join()
         if self._error is not None:
             raise RuntimeError(f"writing the trace failed: {self._error}") from self._error
 
     def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if self._error is not None:
-                continue
-            name, part, content = item
-            try:
-                self._store(name, part, self._table(name, content) if self.background else content)
-            except BaseException as exc:  # reported on the engine's thread at the next flush
-                self._error = exc
+        while (item := self._queue.get()) is not None:
+            self._write(item)
+
+    def _write(self, item: tuple) -> None:
+        """Write one chunk (its table made here in the background mode); an error is kept for the
+        engine's thread, which reports it at its next flush."""
+        if self._error is not None:
+            return
+        name, part, content = item
+        try:
+            self._store(name, part, self._table(name, content) if self.background else content)
+        except BaseException as exc:
+            self._error = exc
 
     def _table(self, name: str, buffer: dict[str, list] | list) -> pa.Table:
         """A chunk's buffer as an Arrow table of the trace's schema."""
+        if name == "tokens":
+            return self._tokens_table(self._token_stretches(buffer))
         schema = TABLES[name]
-        columns = _records_as_columns(name, buffer) if name in _RECORD_TABLES else dict(buffer)
-        finished = columns.pop("finished", ())
-        if name == "tokens":   # a step's step and ts_s, once for each of its tokens
-            num = columns.pop("num")
-            reqs = columns.pop("req")
-            columns["step"] = _from_numpy(np.repeat(np.array(columns["step"], dtype=np.int64), num), pa.int64())
-            columns["ts_s"] = _from_numpy(np.repeat(np.array(columns["ts_s"], dtype=np.float64), num), pa.float64())
-            # the usual chunk of a simulated run: every sample 0, no token id (cheaper than converting the lists)
-            if not any(columns["sample"]):
-                columns["sample"] = _from_numpy(np.zeros(len(columns["sample"]), dtype=np.int32), pa.int32())
-            if columns["token_id"].count(None) == len(columns["token_id"]):
-                columns["token_id"] = pa.nulls(len(columns["token_id"]), pa.int32())
+        columns = _records_as_columns(name, buffer) if name in _RECORD_TABLES else buffer
         num_rows = len(next(iter(columns.values())))
-        arrays = {f.name: c if isinstance(c := columns[f.name], pa.Array) else pa.array(c, f.type)
+        arrays = {f.name: c if isinstance(c := columns[f.name], pa.Array)
+                  else _from_numpy(c, f.type) if isinstance(c, np.ndarray) else pa.array(c, f.type)
                   for f in schema if f.name in columns}
         if name == "kv_events":
             arrays["num_blocks"] = _from_numpy(np.diff(arrays["blocks"].offsets.to_numpy()), pa.int32())   # a null: 0
-        if name == "tokens":
-            arrays["prev_step"], arrays["prev_ts_s"] = self._predecessors(arrays, reqs)
-            for key in finished:
-                self._last_token.pop(key, None)
         arrays["run_id"] = pa.repeat(pa.scalar(self.run_id, pa.string()), num_rows)
         return pa.Table.from_arrays([arrays[f.name] for f in schema], schema=schema)
 
@@ -333,29 +440,108 @@ class TraceWriter:
         tmp = folder / f".part-{part:05d}.parquet.tmp"
         write_parquet(table, tmp)
         os.replace(tmp, final)
-        self.rows_written[name] += table.num_rows
+        with self._lock:   # (the closing thread writes too)
+            self.rows_written[name] += table.num_rows
 
-    def _predecessors(self, tokens: dict[str, pa.Array], req_numbers: list[int]) -> tuple[pa.Array, pa.Array]:
-        """prev_step and prev_ts_s of a chunk's tokens, so that an ITL gap is one row (schema 2): each
-        token's predecessor is its sequence's token of idx - 1, the sequence's previous row in this
-        chunk or its last token of an earlier chunk (`_last_token`); null for a first token. Whole
-        columns at a time: only a chunk's first and last token of each sequence is looked at on its
-        own. A sequence's tokens arrive in idx order (one a step at most, steps in order), so a stable
-        sort by sequence puts each right after its predecessor."""
-        num_rows = len(tokens["idx"])
+    def _token_stretches(self, buffer: dict[str, list]) -> _TokenStretches:
+        """A chunk's tokens buffer (_TOKEN_BUFFER) as arrays, and each stretch's sequences' predecessors
+        at its first step (`_first_predecessors`): the part of making its table that reads and updates
+        the writer's state (done for the chunks in order); `_tokens_table` makes the rest."""
+        t = _TokenStretches()
+        t.num = np.array(buffer["num"], dtype=np.int64)
+        t.first_step = np.array(buffer["step"], dtype=np.int64)
+        t.steps = None if len(buffer["ts_s"]) == len(buffer["num"]) else np.array(buffer["steps"], dtype=np.int64)
+        t.ts_s = np.array(buffer["ts_s"], dtype=np.float64)
+        t.req, t.sample, t.idx = (np.array(buffer[c], dtype=np.int64) for c in ("req", "sample", "idx"))
+        ids = buffer["token_id"]
+        if ids.count(None) == len(ids):   # none recorded, or the simulator's placeholders
+            t.token_id = t.no_token_id = None
+        else:
+            t.no_token_id = np.fromiter((i is None for i in ids), dtype=bool, count=len(ids))
+            t.token_id = np.array([0 if i is None else i for i in ids] if t.no_token_id.any() else ids, dtype=np.int64)
+        t.stretch_of = np.repeat(np.arange(len(t.num)), t.num)   # each sequence's stretch
+        if t.steps is None:   # every stretch a single step (always so in a real engine's run)
+            last_step_number, last_ts = t.first_step[t.stretch_of], t.ts_s[t.stretch_of]
+        else:
+            last = (np.cumsum(t.steps) - 1)[t.stretch_of]   # each sequence's last step in its stretch
+            last_step_number, last_ts = t.first_step[t.stretch_of] + t.steps[t.stretch_of] - 1, t.ts_s[last]
+        t.prev_step, t.prev_ts_s, t.no_prev = self._first_predecessors(t.req, t.sample, last_step_number, last_ts)
+        for key in buffer["finished"]:
+            self._last_token.pop(key, None)
         names = self._req_numbers.names
-        reqs = np.fromiter(req_numbers, dtype=np.int64, count=num_rows)
-        samples = tokens["sample"].to_numpy()
-        codes = reqs.astype(np.int64) * (int(samples.max()) + 1) + samples
+        if len(self._names) < len(names):   # (the engine's thread may be numbering more meanwhile)
+            self._names = pa.concat_arrays([self._names, pa.array(names[len(self._names):], pa.string())])
+        t.names = self._names
+        return t
+
+    def _tokens_table(self, t: _TokenStretches) -> pa.Table:
+        """A chunk's tokens table from its stretches (_token_stretches). A stretch's rows run step by
+        step, each step's in the stretch's batch order: its i-th sequence's token at its j-th step has
+        idx `idx[i] + j`, and its predecessor is that sequence's token of the step before (j > 0), or,
+        at the stretch's first step, the one found for the sequence."""
+        num, req, sample, idx, ts_s = t.num, t.req, t.sample, t.idx, t.ts_s
+        if t.steps is None:
+            member = None
+            width = num   # each step's tokens
+            step_number = t.first_step
+            first_row = np.arange(len(req))   # each sequence's row at its stretch's first step
+        else:
+            steps = t.steps
+            stretch = np.repeat(np.arange(len(num)), steps)   # each step's
+            stretch_first_step = np.cumsum(steps) - steps
+            j = np.arange(len(ts_s)) - stretch_first_step[stretch]   # each step's place in its stretch
+            width = num[stretch]
+            step_first_row = np.cumsum(width) - width
+            stretch_first_member = np.cumsum(num) - num
+            member = (np.arange(int(width.sum()))   # each row's sequence
+                      - np.repeat(step_first_row - stretch_first_member[stretch], width))
+            idx = idx[member] + np.repeat(j, width)
+            step_number = t.first_step[stretch] + j
+            first_row = (step_first_row[stretch_first_step][t.stretch_of]
+                         + np.arange(len(req)) - stretch_first_member[t.stretch_of])
+        step = np.repeat(step_number, width)
+        num_rows = len(step)
+        prev_step = step - 1
+        prev_ts_s = np.repeat(np.roll(ts_s, 1), width)
+        missing = np.zeros(num_rows, dtype=bool)
+        prev_step[first_row], prev_ts_s[first_row], missing[first_row] = t.prev_step, t.prev_ts_s, t.no_prev
+        if t.token_id is None:
+            token_id = pa.nulls(num_rows, pa.int32())
+        elif member is None:
+            token_id = _from_numpy(t.token_id, pa.int32(), t.no_token_id)
+        else:
+            token_id = _from_numpy(t.token_id[member], pa.int32(), t.no_token_id[member])
+        if member is not None:
+            req, sample = req[member], sample[member]
+        arrays = {"req_id": _strings(t.names, req), "sample": _from_numpy(sample, pa.int32()),
+                  "idx": _from_numpy(idx, pa.int32()), "token_id": token_id, "step": _from_numpy(step, pa.int64()),
+                  "ts_s": _from_numpy(np.repeat(ts_s, width), pa.float64()),
+                  "prev_step": _from_numpy(prev_step, pa.int64(), missing),
+                  "prev_ts_s": _from_numpy(prev_ts_s, pa.float64(), missing),
+                  "run_id": pa.repeat(pa.scalar(self.run_id, pa.string()), num_rows)}
+        schema = TABLES["tokens"]
+        return pa.Table.from_arrays([arrays[f.name] for f in schema], schema=schema)
+
+    def _first_predecessors(self, reqs: np.ndarray, samples: np.ndarray, last_steps: np.ndarray,
+                            last_times: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The predecessor (step, ts_s, missing) of each stretch's sequence's first token in a chunk
+        (_token_columns), given each one's last token's step and ts_s: its sequence's last token in
+        the stretch before, or in an earlier chunk (`_last_token`), or none (a first token). A stable
+        sort by sequence puts each right after the stretch before it (a sequence is in a step at most
+        once, steps in order); only a sequence's first and last stretch in the chunk is looked at
+        on its own."""
+        num = len(reqs)
+        names = self._req_numbers.names
+        codes = reqs * (int(samples.max()) + 1) + samples
         order = np.argsort(codes, kind="stable")
         codes = codes[order]
-        steps = tokens["step"].to_numpy()[order]
-        times = tokens["ts_s"].to_numpy()[order]
-        first = np.empty(num_rows, dtype=bool)   # a sequence's first token in the chunk
+        steps = last_steps[order]
+        times = last_times[order]
+        first = np.empty(num, dtype=bool)   # a sequence's first stretch in the chunk
         first[0] = True
         np.not_equal(codes[1:], codes[:-1], out=first[1:])
-        prev_step = np.empty(num_rows, dtype=np.int64)
-        prev_ts = np.empty(num_rows, dtype=np.float64)
+        prev_step = np.empty(num, dtype=np.int64)
+        prev_ts = np.empty(num, dtype=np.float64)
         prev_step[1:], prev_ts[1:] = steps[:-1], times[:-1]
         known = ~first
         sorted_samples = samples[order]
@@ -367,7 +553,7 @@ class TraceWriter:
             if before is not None:
                 prev_step[i], prev_ts[i] = before
                 known[i] = True
-        ends = np.append(starts[1:] - 1, num_rows - 1)   # a sequence's last token in the chunk
+        ends = np.append(starts[1:] - 1, num - 1)   # a sequence's last stretch in the chunk
         for req, sample, step, ts_s in zip(sorted_req[ends].tolist(), sorted_samples[ends].tolist(),
                                            steps[ends].tolist(), times[ends].tolist()):
             last[(names[req], sample)] = (step, ts_s)
@@ -375,5 +561,4 @@ class TraceWriter:
         unsorted_ts = np.empty_like(prev_ts)
         unsorted_known = np.empty_like(known)
         unsorted_step[order], unsorted_ts[order], unsorted_known[order] = prev_step, prev_ts, known
-        missing = ~unsorted_known
-        return _from_numpy(unsorted_step, pa.int64(), missing), _from_numpy(unsorted_ts, pa.float64(), missing)
+        return unsorted_step, unsorted_ts, ~unsorted_known
