@@ -7,10 +7,12 @@ Publishing is the tracer's job; the default tracer does nothing.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import chain
 from typing import Protocol
+
+import numpy as np
 
 # kv event kinds (see docs/trace-format.md)
 ALLOC = "alloc"            # blocks given to a sequence
@@ -188,25 +190,6 @@ class StepRecord:
     finished: list[RequestStats] = field(default_factory=list)
 
 
-class Same(Sequence):
-    """One value `length` times: a field that a decode window's every step shares (a writer takes it
-    as a value and a count rather than a list)."""
-
-    __slots__ = ("value", "length")
-
-    def __init__(self, value, length: int) -> None:
-        self.value = value
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, j: int):
-        if not -self.length <= j < self.length:
-            raise IndexError(j)
-        return self.value
-
-
 @dataclass(slots=True)
 class DecodeWindow:
     """A stretch of simulated decode-only steps (LLMEngine.decode_window) handed over at once: the
@@ -234,25 +217,36 @@ class DecodeWindow:
     def num_steps(self) -> int:
         return len(self.start_s)
 
-    def step_fields(self) -> dict[str, list | range]:
-        """The window's steps as StepRecord's fields (events, tokens and finishes aside), each a
-        sequence over the steps (`Same` where every step has the same value): the one account of what
-        a window's step records."""
-        k, n, total = self.num_steps, self.num_running, self.num_total_blocks
-        none = Same(0, k)
+    @staticmethod
+    def step_columns(windows: list[DecodeWindow]) -> dict[str, np.ndarray | list]:
+        """The steps of `windows`, in order, as StepRecord's fields (events, tokens and finishes aside),
+        each a column over the steps (numpy's, but device_ms, a list): the one account of what a
+        window's step records."""
+        k = np.array([w.num_steps for w in windows], dtype=np.int64)
+        n = np.repeat(np.array([w.num_running for w in windows], dtype=np.int64), k)
+        total = np.repeat(np.array([w.num_total_blocks for w in windows], dtype=np.int64), k)
+        j = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)   # a step's place in its window
+        free = np.array(list(chain.from_iterable(w.num_free_blocks for w in windows)), dtype=np.int64)
+        none = np.zeros(len(j), dtype=np.int64)
         return {
-            "step": range(self.first_step, self.first_step + k), "start_s": self.start_s, "end_s": self.end_s,
-            "device_ms": self.device_ms, "num_running": Same(n, k), "num_waiting": none, "num_swapped": none,
-            "num_prefill_tokens": none, "num_decode_tokens": Same(n, k), "num_recompute_tokens": none,
-            "num_free_blocks": self.num_free_blocks, "num_used_blocks": [total - f for f in self.num_free_blocks],
-            "num_cached_blocks": self.num_cached_blocks, "num_total_blocks": Same(total, k),
-            "num_kv_tokens": range(self.first_kv_tokens, self.first_kv_tokens + k * n, n),
-            "num_preemptions": none, "admission_stop": Same(AdmissionStop.NOTHING_WAITING, k),
+            "step": np.repeat(np.array([w.first_step for w in windows], dtype=np.int64), k) + j,
+            "start_s": np.array(list(chain.from_iterable(w.start_s for w in windows)), dtype=np.float64),
+            "end_s": np.array(list(chain.from_iterable(w.end_s for w in windows)), dtype=np.float64),
+            "device_ms": list(chain.from_iterable(w.device_ms for w in windows)),
+            "num_running": n, "num_waiting": none, "num_swapped": none, "num_prefill_tokens": none,
+            "num_decode_tokens": n, "num_recompute_tokens": none, "num_free_blocks": free,
+            "num_used_blocks": total - free,
+            "num_cached_blocks": np.array(list(chain.from_iterable(w.num_cached_blocks for w in windows)),
+                                          dtype=np.int64),
+            "num_total_blocks": total,
+            "num_kv_tokens": np.repeat(np.array([w.first_kv_tokens for w in windows], dtype=np.int64), k) + j * n,
+            "num_preemptions": none, "admission_stop": np.full(len(j), AdmissionStop.NOTHING_WAITING, dtype=object),
         }
 
     def records(self) -> list[StepRecord]:
         """The window's steps as the StepRecords `LLMEngine.step` would have made, in order."""
-        fields = self.step_fields()
+        fields = {name: values.tolist() if isinstance(values, np.ndarray) else values
+                  for name, values in self.step_columns([self]).items()}
         by_step: dict[int, list[KVEvent]] = {}
         for e in self.events:
             by_step.setdefault(e.step, []).append(e)

@@ -13,7 +13,7 @@ import os
 import queue
 import threading
 import time
-from itertools import chain, groupby
+from itertools import chain
 from operator import attrgetter, itemgetter
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from engine import events as ev
-from engine.events import DecodeWindow, RequestStats, Same, StepRecord
+from engine.events import DecodeWindow, RequestStats, StepRecord
 from kvtrace.trace.schema import TABLES, write_parquet
 
 _REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id"]
@@ -74,9 +74,17 @@ def _records_as_columns(name: str, records: list) -> dict[str, list]:
     num_rows = len(columns["seq"])
     rare = [i for i, kind in enumerate(kinds) if kind not in _PLAIN_KINDS]
     for column, default in _RARE_DEFAULTS.items():   # (an evict row's value is the default too)
-        values = columns[column] = [default] * num_rows
-        for i in rare:
-            values[rows[i]] = getattr(records[i], column)
+        set_values = [(rows[i], value) for i in rare if (value := getattr(records[i], column)) != default]
+        if default is not None:   # a count
+            values = np.full(num_rows, default, dtype=np.int64)
+        elif set_values:
+            values = [None] * num_rows
+        else:
+            columns[column] = pa.nulls(num_rows, TABLES["kv_events"].field(column).type)
+            continue
+        for row, value in set_values:
+            values[row] = value
+        columns[column] = values
     return columns
 
 
@@ -136,43 +144,39 @@ def _with_single_lists(lists: pa.ListArray, values: np.ndarray, order: np.ndarra
                                  children=[child])
 
 
-def _steps_as_columns(records: list) -> dict[str, list | pa.Array]:
-    """The steps buffer, StepRecords and DecodeWindows in step order, as the steps table's columns: a
-    run of StepRecords column by column, a window from its own fields (DecodeWindow.step_fields), a
-    field its steps share (`Same`) as one value and its count of steps."""
-    values: dict[str, list] = {column: [] for column in _STEP_ATTRIBUTES}
-    repeats: dict[str, list[tuple[int, int]]] = {column: [] for column in _STEP_ATTRIBUTES}   # a Same's place, count
-    for windows, run in groupby(records, key=_is_window):
-        if windows:
-            for window in run:
-                fields = window.step_fields()
-                for column, attribute in _STEP_ATTRIBUTES.items():
-                    field = fields[attribute]
-                    if type(field) is Same:
-                        repeats[column].append((len(values[column]), field.length))
-                        values[column].append(field.value)
-                    else:
-                        values[column] += field
+def _steps_as_columns(records: list) -> dict[str, list | tuple | np.ndarray]:
+    """The steps buffer, StepRecords and DecodeWindows in step order, as the steps table's columns:
+    the windows' steps made at once (DecodeWindow.step_columns), the records' read field by field,
+    the two merged by step."""
+    windows = [item for item in records if type(item) is DecodeWindow]
+    if len(windows) < len(records):
+        steps = [item for item in records if type(item) is not DecodeWindow] if windows else records
+        fields = {attribute: list(map(attrgetter(attribute), steps)) for attribute in _STEP_ATTRIBUTES.values()}
+        if not windows:
+            return {column: fields[attribute] for column, attribute in _STEP_ATTRIBUTES.items()}
+    window_fields = DecodeWindow.step_columns(windows)
+    if len(windows) == len(records):
+        return {column: window_fields[attribute] for column, attribute in _STEP_ATTRIBUTES.items()}
+    order = np.argsort(np.concatenate([window_fields["step"], np.array(fields["step"], dtype=np.int64)]),
+                       kind="stable")
+    take = itemgetter(*order.tolist())
+    columns = {}
+    for column, attribute in _STEP_ATTRIBUTES.items():
+        ours, theirs = window_fields[attribute], fields[attribute]
+        if isinstance(ours, np.ndarray) and ours.dtype != object and None not in theirs:
+            columns[column] = np.concatenate([ours, np.array(theirs, dtype=ours.dtype)])[order]
         else:
-            for column, column_values in zip(_STEP_ATTRIBUTES, zip(*map(_step_fields, run))):
-                values[column] += column_values
-    columns: dict[str, list | pa.Array] = values
-    for column, where in repeats.items():
-        if not where:
-            continue
-        counts = np.ones(len(values[column]), dtype=np.int64)
-        places, lengths = zip(*where)
-        counts[list(places)] = lengths
-        arrow_type = TABLES["steps"].field(column).type
-        if pa.types.is_integer(arrow_type):
-            columns[column] = _from_numpy(np.repeat(np.array(values[column], dtype=np.int64), counts), arrow_type)
-        else:
-            columns[column] = [value for value, count in zip(values[column], counts.tolist()) for _ in range(count)]
+            columns[column] = take(list(ours) + theirs)
     return columns
 
 
-def _is_window(item: StepRecord | DecodeWindow) -> bool:
-    return isinstance(item, DecodeWindow)
+def _as_arrow(values: list | tuple | np.ndarray | pa.Array, type: pa.DataType) -> pa.Array:
+    """A column as made (Python values, numpy's, Arrow's) as an Arrow array of `type`."""
+    if isinstance(values, pa.Array):
+        return values
+    if isinstance(values, np.ndarray):
+        return _from_numpy(values, type) if values.dtype != object else pa.array(values.tolist(), type)
+    return pa.array(values, type)
 
 
 def _from_numpy(values: np.ndarray, type: pa.DataType, missing: np.ndarray | None = None) -> pa.Array:
@@ -224,7 +228,6 @@ class _Numbering(dict):
 
 
 _evicted = attrgetter("evicted")
-_step_fields = attrgetter(*_STEP_ATTRIBUTES.values())
 _kind = attrgetter("kind")
 
 
@@ -424,9 +427,7 @@ class TraceWriter:
         schema = TABLES[name]
         columns = _records_as_columns(name, buffer) if name in _RECORD_TABLES else buffer
         num_rows = len(next(iter(columns.values())))
-        arrays = {f.name: c if isinstance(c := columns[f.name], pa.Array)
-                  else _from_numpy(c, f.type) if isinstance(c, np.ndarray) else pa.array(c, f.type)
-                  for f in schema if f.name in columns}
+        arrays = {f.name: _as_arrow(columns[f.name], f.type) for f in schema if f.name in columns}
         if name == "kv_events":
             arrays["num_blocks"] = _from_numpy(np.diff(arrays["blocks"].offsets.to_numpy()), pa.int32())   # a null: 0
         arrays["run_id"] = pa.repeat(pa.scalar(self.run_id, pa.string()), num_rows)
