@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}   # the dtypes EngineConfig accepts
 DEFAULT_KV_CACHE_MEMORY = 1 << 30   # 1 GiB when neither --num-gpu-blocks nor --kv-cache-memory is given
 MAX_STEPS_WITHOUT_PROGRESS = 10_000
-MIN_WINDOW_OVER_COHORT = 8         # decode_window: the shortest stretch worth dissolving a decode cohort for
+# decode_window: the shortest stretch worth dissolving a decode cohort for, and a step longer for every
+# so many running sequences (dissolving and forming it again is work per sequence)
+MIN_WINDOW_OVER_COHORT = 2
+SEQUENCES_PER_WINDOW_STEP = 16
 NON_TORCH_RESERVE = 1 << 30         # --gpu-memory-utilization: CUDA context, graphs, workspaces (an estimate)
 
 
@@ -424,7 +427,8 @@ class LLMEngine:
             # and formed again after it, which a stretch of a few steps does not repay
             num_kv = self._kv_positions(running) + len(running)
             step_s = self.runner.cost.forward_ms(0, len(running), num_kv, 0.0) / 1000
-            if min(cohort.steps_to_next_stop(), (until_s - self.now()) / step_s) < MIN_WINDOW_OVER_COHORT:
+            shortest = MIN_WINDOW_OVER_COHORT + len(running) // SEQUENCES_PER_WINDOW_STEP
+            if min(cohort.steps_to_next_stop(), (until_s - self.now()) / step_s) < shortest:
                 return 0, 0
             cohort.dissolve(running)
         num_running = len(running)
