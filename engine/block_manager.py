@@ -74,7 +74,7 @@ class BlockManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = watermark_blocks
-        self.blocks = [Block(i) for i in range(num_blocks + 1)]            # [0] is the null block
+        self.blocks = list(map(Block, range(num_blocks + 1)))             # [0] is the null block
         self.free_uncached: list[int] = list(range(num_blocks, 0, -1))   # the front: its end (block 1 first)
         self.free_cached: OrderedDict[int, None] = OrderedDict()         # free blocks holding a cached prefix
         # cached full blocks by hash: the block a lookup finds, and later blocks with the same hash

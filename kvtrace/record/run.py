@@ -119,6 +119,14 @@ class Recording:
         """Check every input before anything is written; raise KvtraceError / ValueError on bad input."""
         if run_dir.exists() and any(run_dir.iterdir()):
             raise KvtraceError(f"run folder {run_dir} already exists and is not empty")
+        with steady_gc():   # the workload, its prompts and the engine's blocks live to the end
+            return cls._prepare(config, workload, run_dir, max_requests=max_requests, time_scale=time_scale,
+                                backlog=backlog, record_token_ids=record_token_ids, command=command, console=console)
+
+    @classmethod
+    def _prepare(cls, config: EngineConfig, workload: Path, run_dir: Path, *, max_requests: int | None,
+                 time_scale: float | None, backlog: bool, record_token_ids: bool, command: str,
+                 console: Console) -> Recording:
         requests = load_workload(workload)
         if max_requests is not None:
             requests = requests[:max_requests]
