@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from itertools import chain
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
@@ -92,7 +92,7 @@ def _add_evictions(columns: dict[str, list | tuple | np.ndarray | pa.Array], rec
                    evicting: list[int]) -> np.ndarray:
     """An `evict` row for each block an alloc event evicted, right before it, with the seq numbers the
     engine left free for them (engine/events.py, `with_evictions`); the rows kept in seq order. The
-    number columns come out as numpy arrays, blocks as an Arrow array, the others as tuples. Returns
+    number columns come out as numpy arrays, blocks as an Arrow array, the strings as lists. Returns
     each event's row."""
     evicted = [records[i].evicted for i in evicting]
     counts = np.fromiter(map(len, evicted), dtype=np.int64, count=len(evicting))
@@ -103,7 +103,6 @@ def _add_evictions(columns: dict[str, list | tuple | np.ndarray | pa.Array], rec
     merged = np.concatenate([seq, seq[parents] - counts.repeat(counts) + place])
     order = np.argsort(merged, kind="stable")
     columns["seq"] = merged[order]
-    take = itemgetter(*order.tolist())   # (two rows at least: an alloc and its eviction)
     for column, values in columns.items():
         if column == "seq":
             continue
@@ -116,8 +115,11 @@ def _add_evictions(columns: dict[str, list | tuple | np.ndarray | pa.Array], rec
         elif column in _INT_EVENT_FIELDS and None not in values:
             array = np.array(values, dtype=np.int64)
             columns[column] = np.concatenate([array, np.full(num, _EVICT_VALUES[column], dtype=np.int64)])[order]
-        else:
-            columns[column] = take(values + [_EVICT_VALUES.get(column)] * num)
+        else:   # strings (or None)
+            objects = np.empty(len(merged), dtype=object)
+            objects[:len(values)] = values
+            objects[len(values):] = _EVICT_VALUES.get(column)
+            columns[column] = objects[order].tolist()
     rows = np.empty(len(merged), dtype=np.int64)
     rows[order] = np.arange(len(merged))
     return rows[:len(seq)]
@@ -159,14 +161,16 @@ def _steps_as_columns(records: list) -> dict[str, list | tuple | np.ndarray]:
         return {column: window_fields[attribute] for column, attribute in _STEP_ATTRIBUTES.items()}
     order = np.argsort(np.concatenate([window_fields["step"], np.array(fields["step"], dtype=np.int64)]),
                        kind="stable")
-    take = itemgetter(*order.tolist())
     columns = {}
     for column, attribute in _STEP_ATTRIBUTES.items():
         ours, theirs = window_fields[attribute], fields[attribute]
         if isinstance(ours, np.ndarray) and ours.dtype != object and None not in theirs:
             columns[column] = np.concatenate([ours, np.array(theirs, dtype=ours.dtype)])[order]
-        else:
-            columns[column] = take(list(ours) + theirs)
+        else:   # nullable (device_ms) or strings
+            objects = np.empty(len(order), dtype=object)
+            objects[:len(ours)] = ours
+            objects[len(ours):] = theirs
+            columns[column] = objects[order].tolist()
     return columns
 
 
