@@ -375,16 +375,24 @@ class BlockManager:
                 self.cache_full_blocks(seq, num_cacheable)
         return copy
 
-    def grow_decode(self, seq: Sequence, num_tokens: int) -> None:
+    def grow_decode(self, seq: Sequence, num_tokens: int, allocs: list | None = None) -> None:
         """`grow(seq, 1)` for a decode at `num_tokens` positions whose write copies no shared block
         (the running pass's fast path and the simulator's decode windows): a block when the position
-        starts one, the prefix-cache entry of the block it completes."""
+        starts one, the prefix-cache entry of the block it completes. `allocs`: a decode window's
+        (events.DecodeWindow.allocs), which takes the alloc event as a row, (req_id, sample, block,
+        evicted blocks or None), rather than as an event."""
         table = seq.block_table
         bs = self.block_size
         if num_tokens > len(table) * bs:
             block_id = self._take_one()
             table.append(block_id)
-            self._alloc_event(seq, [block_id], AllocReason.DECODE)
+            if allocs is None:
+                self._alloc_event(seq, [block_id], AllocReason.DECODE)
+            else:
+                evicted = self.evicted
+                if evicted:
+                    self.evicted = []
+                allocs.append((seq.req_id, seq.sample, block_id, evicted or None))
         if self.enable_prefix_caching:
             i = len(seq.block_hashes)
             if i < num_tokens // bs and i < len(table):

@@ -196,8 +196,8 @@ class DecodeWindow:
     StepRecords it stands for, as columns, so that a long replay builds no record per step. Step j of
     the window (0 <= j < num_steps) is step `first_step + j`: every running sequence decodes one token
     (its token idx `first_token_idx[i] + j`, a placeholder id recorded as null), nothing waits, is
-    swapped, preempted or finishes, and its block allocations and prefix-cache entries are among
-    `events`, each stamped with its step. `records()` gives the steps one by one."""
+    swapped, preempted or finishes, and its only events are its decodes' block allocations, as rows
+    (`allocs`, `alloc_columns`; `events` as KVEvents). `records()` gives the steps one by one."""
 
     first_step: int
     start_s: list[float]
@@ -208,7 +208,11 @@ class DecodeWindow:
     num_running: int
     num_total_blocks: int
     first_kv_tokens: int            # num_kv_tokens of the first step; each later one holds num_running more
-    events: list[KVEvent]           # every step's, in order
+    first_event_seq: int            # the seq number its first event takes (the first alloc's evictions first)
+    # its events, every one a decode's alloc of one block: (req_id, sample, block, evicted blocks or None)
+    # in order, and each one's step in the window (0 the first)
+    allocs: list[tuple[str, int, int, list[int] | None]]
+    alloc_steps: list[int]
     token_req_ids: list[str]        # the running sequences in batch order: each step's tokens
     token_samples: list[int]
     first_token_idx: list[int]
@@ -242,6 +246,42 @@ class DecodeWindow:
             "num_kv_tokens": np.repeat(np.array([w.first_kv_tokens for w in windows], dtype=np.int64), k) + j * n,
             "num_preemptions": none, "admission_stop": np.full(len(j), AdmissionStop.NOTHING_WAITING, dtype=object),
         }
+
+    @staticmethod
+    def alloc_columns(windows: list[DecodeWindow]) -> dict[str, np.ndarray | list]:
+        """The alloc events of `windows`, in order, as KVEvent's fields (kind, reason and blocks
+        aside: each a decode's alloc of `block`), each a column: the one account of a window's events.
+        An alloc's evictions take the seq numbers right before its own (`with_evictions`)."""
+        rows = list(chain.from_iterable(w.allocs for w in windows))
+        num = np.array([len(w.allocs) for w in windows], dtype=np.int64)
+        req_id, sample, block, evicted = map(list, zip(*rows)) if rows else ([], [], [], [])
+        num_evicted = np.zeros(len(rows), dtype=np.int64)
+        evicting = [i for i, blocks in enumerate(evicted) if blocks]
+        num_evicted[evicting] = [len(evicted[i]) for i in evicting]
+        # a window's i-th alloc: its first_event_seq + i + the blocks its allocs up to it evicted
+        evicted_through = np.cumsum(num_evicted)
+        first = np.cumsum(num) - num   # each window's first alloc among the rows
+        evicted_before = np.concatenate([[0], evicted_through])[first]   # by the windows before
+        seq = (np.repeat(np.array([w.first_event_seq for w in windows], dtype=np.int64) - first - evicted_before, num)
+               + np.arange(len(rows)) + evicted_through)
+        steps = np.array(list(chain.from_iterable(w.alloc_steps for w in windows)), dtype=np.int64)
+        first_step_index = np.cumsum([w.num_steps for w in windows]) - [w.num_steps for w in windows]
+        start_s = np.array(list(chain.from_iterable(w.start_s for w in windows)), dtype=np.float64)
+        return {
+            "seq": seq, "step": np.repeat(np.array([w.first_step for w in windows], dtype=np.int64), num) + steps,
+            "ts_s": start_s[np.repeat(np.asarray(first_step_index, dtype=np.int64), num) + steps],
+            "req_id": req_id, "sample": np.array(sample, dtype=np.int64), "block": np.array(block, dtype=np.int64),
+            "evicted": evicted,
+        }
+
+    @property
+    def events(self) -> list[KVEvent]:
+        """Its alloc events as the KVEvents the steps one by one would have made, stamped."""
+        columns = {name: values.tolist() if isinstance(values, np.ndarray) else values
+                   for name, values in self.alloc_columns([self]).items()}
+        return [KVEvent(ALLOC, req_id, sample, blocks=[block], reason=AllocReason.DECODE, evicted=evicted,
+                        step=step, ts_s=ts_s, seq=seq)
+                for seq, step, ts_s, req_id, sample, block, evicted in zip(*columns.values())]
 
     def records(self) -> list[StepRecord]:
         """The window's steps as the StepRecords `LLMEngine.step` would have made, in order."""

@@ -488,34 +488,30 @@ class LLMEngine:
         starts, ends, forward = self.runner.decode_clock(num_running, held, horizon, until_s, self.time_origin)
         free: list[int] = []
         cached: list[int] = []
-        events: list[KVEvent] = []
+        allocs: list[tuple] = []   # the steps' events, all decodes' allocs, as rows (DecodeWindow.allocs)
+        alloc_steps: list[int] = []
         free_now, cached_now = bm.num_free_blocks, bm.num_cached_free_blocks   # change only as sequences grow
         k = len(starts)
         for j in range(k):
             grow = touched.get(j)
             if grow is not None:
+                num_allocs = len(allocs)
                 for seq in grow:   # Scheduler._grow_decodes's action, at this step's length
-                    bm.grow_decode(seq, seq.num_computed_tokens + j + 1)
+                    bm.grow_decode(seq, seq.num_computed_tokens + j + 1, allocs)
+                if len(allocs) > num_allocs:
+                    alloc_steps += [j] * (len(allocs) - num_allocs)
                 free_now, cached_now = bm.num_free_blocks, bm.num_cached_free_blocks
-            if bm.events or bm.evicted:
-                step = first_step + j
-                start_s = starts[j]
-                step_events = bm.take_events()
-                for e in step_events:   # decided while scheduling: stamped at the step's start (_record)
-                    e.step = step
-                    e.ts_s = start_s
-                    if e.evicted:   # its evictions come first (events.with_evictions)
-                        event_seq += len(e.evicted)
-                    e.seq = event_seq
-                    event_seq += 1
-                events += step_events
             free.append(free_now)
             cached.append(cached_now)
+        assert not bm.events and not bm.evicted, "a decode window's step made an event other than a decode's alloc"
         self.step_counter = first_step + k
         window = DecodeWindow(
             first_step=first_step, start_s=starts, end_s=ends, device_ms=forward, num_free_blocks=free,
             num_cached_blocks=cached, num_running=num_running, num_total_blocks=num_total, first_kv_tokens=num_kv,
-            events=events, token_req_ids=req_ids, token_samples=samples, first_token_idx=first_idx)
+            first_event_seq=event_seq, allocs=allocs, alloc_steps=alloc_steps, token_req_ids=req_ids,
+            token_samples=samples, first_token_idx=first_idx)
+        # each alloc's evictions take the seq numbers before its own (events.with_evictions)
+        event_seq += len(allocs) + sum(len(evicted) for *_, evicted in allocs if evicted)
         on_window = getattr(self.tracer, "on_decode_window", None)
         if on_window is not None:
             on_window(window)

@@ -49,6 +49,8 @@ _COMMON_EVENT_FIELDS = [f for f in _EVENT_FIELDS if f not in _RARE_DEFAULTS and 
 # an evict row's values but its seq, step, ts_s and block (the rest null)
 _EVICT_VALUES = {"kind": ev.EVICT, "req_id": "", "sample": 0, "num_tokens": 0, "bytes": 0, "num_cached_tokens": 0,
                  "num_recomputed_tokens": 0}
+# a decode window's alloc row's values but its seq, step, ts_s, req_id, sample and block (the rest the default)
+_WINDOW_ALLOC_VALUES = {"kind": ev.ALLOC, "num_tokens": 0, "reason": ev.AllocReason.DECODE}
 # the integer columns whose evict rows hold a number (_EVICT_VALUES)
 _INT_EVENT_FIELDS = frozenset(["sample", "num_tokens", "bytes", "num_cached_tokens", "num_recomputed_tokens"])
 _RECORD_TABLES = ("steps", "kv_events", "requests")   # buffered as records, not columns
@@ -62,19 +64,35 @@ _CLOSING_ORDER = {"tokens": 0, "kv_events": 1, "steps": 2}
 
 
 def _records_as_columns(name: str, records: list) -> dict[str, list]:
-    """A buffer of StepRecords, KVEvents or RequestStats as the table's columns."""
+    """A buffer of StepRecords (and DecodeWindows), KVEvents (and DecodeWindows) or RequestStats as
+    the table's columns."""
     if name == "steps":
         return _steps_as_columns(records)
     if name == "requests":
         return {column: list(map(attrgetter(column), records)) for column in _REQUEST_FIELDS}
-    columns: dict = {column: list(map(attrgetter(column), records)) for column in _COMMON_EVENT_FIELDS}
-    kinds = columns["kind"] = list(map(_kind, records))
-    evicting = [i for i, evicted in enumerate(map(_evicted, records)) if evicted]
-    rows = _add_evictions(columns, records, evicting) if evicting else range(len(records))   # each event's row
+    return _events_as_columns(records)
+
+
+def _events_as_columns(items: list) -> dict[str, list | np.ndarray | pa.Array]:
+    """The kv_events buffer, the steps' KVEvents and the decode windows whose allocs are rows
+    (DecodeWindow.alloc_columns), in seq order, as the table's columns: an `evict` row for each block
+    an alloc evicted, right before it, with the seq numbers the engine left free for them
+    (engine/events.py, `with_evictions`)."""
+    windows = [item for item in items if type(item) is DecodeWindow]
+    events = [item for item in items if type(item) is not DecodeWindow] if windows else items
+    columns: dict = {column: list(map(attrgetter(column), events)) for column in _COMMON_EVENT_FIELDS}
+    kinds = columns["kind"] = list(map(_kind, events))
+    evicted = list(map(_evicted, events))
+    allocs = None
+    if windows:
+        allocs = DecodeWindow.alloc_columns(windows)
+        evicted += allocs["evicted"]
+    evicting = [i for i, blocks in enumerate(evicted) if blocks]
+    rows = _merge_rows(columns, allocs, evicted, evicting) if allocs or evicting else range(len(events))
     num_rows = len(columns["seq"])
     rare = [i for i, kind in enumerate(kinds) if kind not in _PLAIN_KINDS]
-    for column, default in _RARE_DEFAULTS.items():   # (an evict row's value is the default too)
-        set_values = [(rows[i], value) for i in rare if (value := getattr(records[i], column)) != default]
+    for column, default in _RARE_DEFAULTS.items():   # (an alloc's or evict row's value is the default too)
+        set_values = [(rows[i], value) for i in rare if (value := getattr(events[i], column)) != default]
         if default is not None:   # a count
             values = np.full(num_rows, default, dtype=np.int64)
         elif set_values:
@@ -88,17 +106,19 @@ def _records_as_columns(name: str, records: list) -> dict[str, list]:
     return columns
 
 
-def _add_evictions(columns: dict[str, list | tuple | np.ndarray | pa.Array], records: list,
-                   evicting: list[int]) -> np.ndarray:
-    """An `evict` row for each block an alloc event evicted, right before it, with the seq numbers the
-    engine left free for them (engine/events.py, `with_evictions`); the rows kept in seq order. The
-    number columns come out as numpy arrays, blocks as an Arrow array, the strings as lists. Returns
-    each event's row."""
-    evicted = [records[i].evicted for i in evicting]
-    counts = np.fromiter(map(len, evicted), dtype=np.int64, count=len(evicting))
+def _merge_rows(columns: dict[str, list | np.ndarray | pa.Array], allocs: dict | None, evicted: list,
+                evicting: list[int]) -> np.ndarray:
+    """The events' columns (KVEvents'), the windows' allocs after them, and an `evict` row for each
+    block in `evicted` (of those rows, in their order), merged in seq order: the number columns as
+    numpy arrays, blocks as an Arrow array, the strings as lists. Returns each event's row."""
+    num_events = len(columns["seq"])
+    num_allocs = len(allocs["seq"]) if allocs else 0
+    counts = np.fromiter(map(len, [evicted[i] for i in evicting]), dtype=np.int64, count=len(evicting))
     num = int(counts.sum())
     parents = np.repeat(np.array(evicting, dtype=np.int64), counts)   # each evict row's alloc
     seq = np.array(columns["seq"], dtype=np.int64)
+    if allocs:
+        seq = np.concatenate([seq, allocs["seq"]])
     place = np.arange(num) - np.repeat(np.cumsum(counts) - counts, counts)   # among its alloc's evictions
     merged = np.concatenate([seq, seq[parents] - counts.repeat(counts) + place])
     order = np.argsort(merged, kind="stable")
@@ -106,23 +126,30 @@ def _add_evictions(columns: dict[str, list | tuple | np.ndarray | pa.Array], rec
     for column, values in columns.items():
         if column == "seq":
             continue
-        if column in ("step", "ts_s"):   # the alloc's
+        of_allocs = (allocs[column] if column in allocs else _WINDOW_ALLOC_VALUES.get(column)) if allocs else ()
+        if column in ("step", "ts_s"):   # an evict row's: its alloc's
             array = np.array(values, dtype=np.float64 if column == "ts_s" else np.int64)
+            if allocs:
+                array = np.concatenate([array, of_allocs])
             columns[column] = np.concatenate([array, array[parents]])[order]
         elif column == "blocks":
-            evicted_blocks = np.fromiter(chain.from_iterable(evicted), dtype=np.int64, count=num)
-            columns[column] = _with_single_lists(pa.array(values, pa.list_(pa.int32())), evicted_blocks, order)
+            singles = np.fromiter(chain.from_iterable(evicted[i] for i in evicting), dtype=np.int64, count=num)
+            if allocs:
+                singles = np.concatenate([allocs["block"], singles])
+            columns[column] = _with_single_lists(pa.array(values, pa.list_(pa.int32())), singles, order)
         elif column in _INT_EVENT_FIELDS and None not in values:
-            array = np.array(values, dtype=np.int64)
-            columns[column] = np.concatenate([array, np.full(num, _EVICT_VALUES[column], dtype=np.int64)])[order]
+            columns[column] = np.concatenate([np.array(values, dtype=np.int64),
+                                              np.broadcast_to(np.asarray(of_allocs, dtype=np.int64), num_allocs),
+                                              np.full(num, _EVICT_VALUES[column], dtype=np.int64)])[order]
         else:   # strings (or None)
             objects = np.empty(len(merged), dtype=object)
-            objects[:len(values)] = values
-            objects[len(values):] = _EVICT_VALUES.get(column)
+            objects[:num_events] = values
+            objects[num_events:num_events + num_allocs] = of_allocs
+            objects[num_events + num_allocs:] = _EVICT_VALUES.get(column)
             columns[column] = objects[order].tolist()
     rows = np.empty(len(merged), dtype=np.int64)
     rows[order] = np.arange(len(merged))
-    return rows[:len(seq)]
+    return rows[:num_events]
 
 
 def _with_single_lists(lists: pa.ListArray, values: np.ndarray, order: np.ndarray) -> pa.Array:
@@ -259,6 +286,7 @@ class TraceWriter:
         # with the chunk (`_token_rows`)
         self._columns["tokens"] = {c: [] for c in _TOKEN_BUFFER}
         self._num_token_rows = 0
+        self._num_events = 0   # the kv_events buffer's events (a window's allocs each one)
         # the run's requests numbered as their first token comes: a token's request is buffered as its
         # number, and its req_id is taken from `_names` (the names as Arrow strings, the writer's)
         self._req_numbers = _Numbering()
@@ -288,6 +316,7 @@ class TraceWriter:
         self._records["steps"].append(r)
         events = self._records["kv_events"]
         events += r.events
+        self._num_events += len(r.events)
         num_tokens = len(r.token_req_ids)
         t = self._columns["tokens"]
         if num_tokens:
@@ -305,16 +334,18 @@ class TraceWriter:
             self._finished_keys += [(stats.req_id, stats.sample) for stats in r.finished]
             self._records["requests"] += r.finished
         if (time.monotonic() - self._last_flush >= self.flush_seconds
-                or self._num_token_rows >= self.max_rows or len(events) >= self.max_rows):
+                or self._num_token_rows >= self.max_rows or self._num_events >= self.max_rows):
             self.flush()
 
     def on_decode_window(self, w: DecodeWindow) -> None:
         """Buffer a stretch of simulated decode-only steps as `on_step` would buffer its records: the
-        window itself in the steps buffer (turned into columns with the chunk), its events, and its
-        tokens as one stretch (every running sequence's token, step after step)."""
+        window itself in the steps buffer and, if it has any, in the events buffer (both turned into
+        columns with the chunk), and its tokens as one stretch (every running sequence's token, step
+        after step)."""
         self._records["steps"].append(w)
-        events = self._records["kv_events"]
-        events += w.events
+        if w.allocs:   # its events, as rows
+            self._records["kv_events"].append(w)
+            self._num_events += len(w.allocs)
         k, n = w.num_steps, w.num_running
         t = self._columns["tokens"]
         t["num"].append(n)
@@ -328,7 +359,7 @@ class TraceWriter:
             t["token_id"] += [None] * n   # the simulator's placeholders are recorded as null
         self._num_token_rows += n * k
         if (time.monotonic() - self._last_flush >= self.flush_seconds
-                or self._num_token_rows >= self.max_rows or len(events) >= self.max_rows):
+                or self._num_token_rows >= self.max_rows or self._num_events >= self.max_rows):
             self.flush()
 
     def add_request(self, stats: RequestStats) -> None:
@@ -354,6 +385,8 @@ class TraceWriter:
                     if not buffer:
                         continue
                     self._records[name] = []
+                    if name == "kv_events":
+                        self._num_events = 0
                 else:
                     buffer = self._columns[name]
                     if not next(iter(buffer.values())):
