@@ -265,11 +265,11 @@ class DecodeWindow:
         seq = (np.repeat(np.array([w.first_event_seq for w in windows], dtype=np.int64) - first - evicted_before, num)
                + np.arange(len(rows)) + evicted_through)
         steps = np.array(list(chain.from_iterable(w.alloc_steps for w in windows)), dtype=np.int64)
-        first_step_index = np.cumsum([w.num_steps for w in windows]) - [w.num_steps for w in windows]
+        num_steps = np.array([w.num_steps for w in windows], dtype=np.int64)
         start_s = np.array(list(chain.from_iterable(w.start_s for w in windows)), dtype=np.float64)
         return {
             "seq": seq, "step": np.repeat(np.array([w.first_step for w in windows], dtype=np.int64), num) + steps,
-            "ts_s": start_s[np.repeat(np.asarray(first_step_index, dtype=np.int64), num) + steps],
+            "ts_s": start_s[np.repeat(np.cumsum(num_steps) - num_steps, num) + steps],
             "req_id": req_id, "sample": np.array(sample, dtype=np.int64), "block": np.array(block, dtype=np.int64),
             "evicted": evicted,
         }

@@ -142,11 +142,8 @@ def _merge_rows(columns: dict[str, list | np.ndarray | pa.Array], allocs: dict |
                                               np.broadcast_to(np.asarray(of_allocs, dtype=np.int64), num_allocs),
                                               np.full(num, _EVICT_VALUES[column], dtype=np.int64)])[order]
         else:   # strings (or None)
-            objects = np.empty(len(merged), dtype=object)
-            objects[:num_events] = values
-            objects[num_events:num_events + num_allocs] = of_allocs
-            objects[num_events + num_allocs:] = _EVICT_VALUES.get(column)
-            columns[column] = objects[order].tolist()
+            columns[column] = _in_order(order, [(values, num_events), (of_allocs, num_allocs),
+                                                (_EVICT_VALUES.get(column), num)])
     rows = np.empty(len(merged), dtype=np.int64)
     rows[order] = np.arange(len(merged))
     return rows[:num_events]
@@ -194,11 +191,20 @@ def _steps_as_columns(records: list) -> dict[str, list | tuple | np.ndarray]:
         if isinstance(ours, np.ndarray) and ours.dtype != object and None not in theirs:
             columns[column] = np.concatenate([ours, np.array(theirs, dtype=ours.dtype)])[order]
         else:   # nullable (device_ms) or strings
-            objects = np.empty(len(order), dtype=object)
-            objects[:len(ours)] = ours
-            objects[len(ours):] = theirs
-            columns[column] = objects[order].tolist()
+            columns[column] = _in_order(order, [(ours, len(ours)), (theirs, len(theirs))])
     return columns
+
+
+def _in_order(order: np.ndarray, parts: list[tuple[object, int]]) -> list:
+    """Parts of a column one after another, each (its values, or one value for all its rows; its
+    rows), as a list in `order` (a permutation of the rows): strings and nullable values, put in order
+    through a numpy object array (an itemgetter of every row took twice as long)."""
+    objects = np.empty(len(order), dtype=object)
+    at = 0
+    for values, num_rows in parts:
+        objects[at:at + num_rows] = values
+        at += num_rows
+    return objects[order].tolist()
 
 
 def _as_arrow(values: list | tuple | np.ndarray | pa.Array, type: pa.DataType) -> pa.Array:
@@ -233,16 +239,6 @@ def _strings(names: pa.Array, codes: np.ndarray) -> pa.Array:
     chars = np.frombuffer(data, dtype=np.uint8)[index] if data is not None else np.zeros(0, dtype=np.uint8)
     return pa.Array.from_buffers(pa.string(), len(codes), [None, pa.py_buffer(row_offsets.astype(np.int32)),
                                                           pa.py_buffer(chars)])
-
-
-class _TokenStretches:
-    """A tokens chunk as arrays (TraceWriter._token_stretches): per stretch `num` sequences, `steps`
-    (None when every stretch is one step) and `first_step`; per step `ts_s`; per sequence `req`,
-    `sample`, `idx`, `token_id` (None when none is recorded) and its predecessor at its stretch's
-    first step (`prev_step`, `prev_ts_s`, `no_prev`); `names` the requests' req_ids by number."""
-
-    __slots__ = ("num", "steps", "first_step", "ts_s", "req", "sample", "idx", "token_id", "no_token_id",
-                 "stretch_of", "prev_step", "prev_ts_s", "no_prev", "names")
 
 
 class _Numbering(dict):
@@ -283,7 +279,7 @@ class TraceWriter:
         self._columns = {name: {c: [] for c in schema.names if c != "run_id"}
                          for name, schema in TABLES.items() if name not in _RECORD_TABLES}
         # the tokens as stretches (_TOKEN_BUFFER: a step's tokens, or a decode window's), turned into rows
-        # with the chunk (`_token_rows`)
+        # with the chunk (`_tokens_table`)
         self._columns["tokens"] = {c: [] for c in _TOKEN_BUFFER}
         self._num_token_rows = 0
         self._num_events = 0   # the kv_events buffer's events (a window's allocs each one)
@@ -312,7 +308,7 @@ class TraceWriter:
     def on_step(self, r: StepRecord) -> None:
         """Buffer one step: its record and events as they are (the engine hands them over once and
         never changes them again), its tokens as columns (their predecessors are found per chunk, with
-        its table: `_predecessors`)."""
+        its table: `_tokens_table`)."""
         self._records["steps"].append(r)
         events = self._records["kv_events"]
         events += r.events
@@ -460,7 +456,7 @@ class TraceWriter:
     def _table(self, name: str, buffer: dict[str, list] | list) -> pa.Table:
         """A chunk's buffer as an Arrow table of the trace's schema."""
         if name == "tokens":
-            return self._tokens_table(self._token_stretches(buffer))
+            return self._tokens_table(buffer)
         schema = TABLES[name]
         columns = _records_as_columns(name, buffer) if name in _RECORD_TABLES else buffer
         num_rows = len(next(iter(columns.values())))
@@ -481,50 +477,25 @@ class TraceWriter:
         with self._lock:   # (the closing thread writes too)
             self.rows_written[name] += table.num_rows
 
-    def _token_stretches(self, buffer: dict[str, list]) -> _TokenStretches:
-        """A chunk's tokens buffer (_TOKEN_BUFFER) as arrays, and each stretch's sequences' predecessors
-        at its first step (`_first_predecessors`): the part of making its table that reads and updates
-        the writer's state (done for the chunks in order); `_tokens_table` makes the rest."""
-        t = _TokenStretches()
-        t.num = np.array(buffer["num"], dtype=np.int64)
-        t.first_step = np.array(buffer["step"], dtype=np.int64)
-        t.steps = None if len(buffer["ts_s"]) == len(buffer["num"]) else np.array(buffer["steps"], dtype=np.int64)
-        t.ts_s = np.array(buffer["ts_s"], dtype=np.float64)
-        t.req, t.sample, t.idx = (np.array(buffer[c], dtype=np.int64) for c in ("req", "sample", "idx"))
-        ids = buffer["token_id"]
-        if ids.count(None) == len(ids):   # none recorded, or the simulator's placeholders
-            t.token_id = t.no_token_id = None
-        else:
-            t.no_token_id = np.fromiter((i is None for i in ids), dtype=bool, count=len(ids))
-            t.token_id = np.array([0 if i is None else i for i in ids] if t.no_token_id.any() else ids, dtype=np.int64)
-        t.stretch_of = np.repeat(np.arange(len(t.num)), t.num)   # each sequence's stretch
-        if t.steps is None:   # every stretch a single step (always so in a real engine's run)
-            last_step_number, last_ts = t.first_step[t.stretch_of], t.ts_s[t.stretch_of]
-        else:
-            last = (np.cumsum(t.steps) - 1)[t.stretch_of]   # each sequence's last step in its stretch
-            last_step_number, last_ts = t.first_step[t.stretch_of] + t.steps[t.stretch_of] - 1, t.ts_s[last]
-        t.prev_step, t.prev_ts_s, t.no_prev = self._first_predecessors(t.req, t.sample, last_step_number, last_ts)
-        for key in buffer["finished"]:
-            self._last_token.pop(key, None)
-        names = self._req_numbers.names
-        if len(self._names) < len(names):   # (the engine's thread may be numbering more meanwhile)
-            self._names = pa.concat_arrays([self._names, pa.array(names[len(self._names):], pa.string())])
-        t.names = self._names
-        return t
-
-    def _tokens_table(self, t: _TokenStretches) -> pa.Table:
-        """A chunk's tokens table from its stretches (_token_stretches). A stretch's rows run step by
-        step, each step's in the stretch's batch order: its i-th sequence's token at its j-th step has
-        idx `idx[i] + j`, and its predecessor is that sequence's token of the step before (j > 0), or,
-        at the stretch's first step, the one found for the sequence."""
-        num, req, sample, idx, ts_s = t.num, t.req, t.sample, t.idx, t.ts_s
-        if t.steps is None:
+    def _tokens_table(self, buffer: dict[str, list]) -> pa.Table:
+        """A chunk's tokens buffer (_TOKEN_BUFFER) as its table. A stretch's rows run step by step,
+        each step's in the stretch's batch order: its i-th sequence's token at its j-th step has idx
+        `idx[i] + j`, and its predecessor is that sequence's token of the step before (j > 0), or, at
+        the stretch's first step, its sequence's last token before the stretch (`_first_predecessors`,
+        which reads and updates the writer's state: the chunks' tables are made in order)."""
+        num = np.array(buffer["num"], dtype=np.int64)   # a stretch's sequences
+        first_step = np.array(buffer["step"], dtype=np.int64)
+        ts_s = np.array(buffer["ts_s"], dtype=np.float64)   # each step's
+        req, sample, idx = (np.array(buffer[c], dtype=np.int64) for c in ("req", "sample", "idx"))
+        stretch_of = np.repeat(np.arange(len(num)), num)   # each sequence's stretch
+        if len(ts_s) == len(num):   # every stretch a single step (always so in a real engine's run)
             member = None
             width = num   # each step's tokens
-            step_number = t.first_step
+            step_number = first_step
+            last_step = stretch_of   # each sequence's last step in its stretch
             first_row = np.arange(len(req))   # each sequence's row at its stretch's first step
         else:
-            steps = t.steps
+            steps = np.array(buffer["steps"], dtype=np.int64)
             stretch = np.repeat(np.arange(len(num)), steps)   # each step's
             stretch_first_step = np.cumsum(steps) - steps
             j = np.arange(len(ts_s)) - stretch_first_step[stretch]   # each step's place in its stretch
@@ -534,24 +505,34 @@ class TraceWriter:
             member = (np.arange(int(width.sum()))   # each row's sequence
                       - np.repeat(step_first_row - stretch_first_member[stretch], width))
             idx = idx[member] + np.repeat(j, width)
-            step_number = t.first_step[stretch] + j
-            first_row = (step_first_row[stretch_first_step][t.stretch_of]
-                         + np.arange(len(req)) - stretch_first_member[t.stretch_of])
+            step_number = first_step[stretch] + j
+            last_step = (stretch_first_step + steps - 1)[stretch_of]
+            first_row = (step_first_row[stretch_first_step][stretch_of]
+                         + np.arange(len(req)) - stretch_first_member[stretch_of])
         step = np.repeat(step_number, width)
         num_rows = len(step)
         prev_step = step - 1
         prev_ts_s = np.repeat(np.roll(ts_s, 1), width)
         missing = np.zeros(num_rows, dtype=bool)
-        prev_step[first_row], prev_ts_s[first_row], missing[first_row] = t.prev_step, t.prev_ts_s, t.no_prev
-        if t.token_id is None:
+        prev_step[first_row], prev_ts_s[first_row], missing[first_row] = self._first_predecessors(
+            req, sample, step_number[last_step], ts_s[last_step])
+        for key in buffer["finished"]:
+            self._last_token.pop(key, None)
+        ids = buffer["token_id"]
+        if ids.count(None) == len(ids):   # none recorded, or the simulator's placeholders
             token_id = pa.nulls(num_rows, pa.int32())
-        elif member is None:
-            token_id = _from_numpy(t.token_id, pa.int32(), t.no_token_id)
         else:
-            token_id = _from_numpy(t.token_id[member], pa.int32(), t.no_token_id[member])
+            none = np.fromiter((i is None for i in ids), dtype=bool, count=len(ids))
+            values = np.array([0 if i is None else i for i in ids] if none.any() else ids, dtype=np.int64)
+            if member is not None:
+                values, none = values[member], none[member]
+            token_id = _from_numpy(values, pa.int32(), none)
         if member is not None:
             req, sample = req[member], sample[member]
-        arrays = {"req_id": _strings(t.names, req), "sample": _from_numpy(sample, pa.int32()),
+        names = self._req_numbers.names
+        if len(self._names) < len(names):   # (the engine's thread may be numbering more meanwhile)
+            self._names = pa.concat_arrays([self._names, pa.array(names[len(self._names):], pa.string())])
+        arrays = {"req_id": _strings(self._names, req), "sample": _from_numpy(sample, pa.int32()),
                   "idx": _from_numpy(idx, pa.int32()), "token_id": token_id, "step": _from_numpy(step, pa.int64()),
                   "ts_s": _from_numpy(np.repeat(ts_s, width), pa.float64()),
                   "prev_step": _from_numpy(prev_step, pa.int64(), missing),
@@ -563,7 +544,7 @@ class TraceWriter:
     def _first_predecessors(self, reqs: np.ndarray, samples: np.ndarray, last_steps: np.ndarray,
                             last_times: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The predecessor (step, ts_s, missing) of each stretch's sequence's first token in a chunk
-        (_token_columns), given each one's last token's step and ts_s: its sequence's last token in
+        (_tokens_table), given each one's last token's step and ts_s: its sequence's last token in
         the stretch before, or in an earlier chunk (`_last_token`), or none (a first token). A stable
         sort by sequence puts each right after the stretch before it (a sequence is in a step at most
         once, steps in order); only a sequence's first and last stretch in the chunk is looked at
