@@ -1,5 +1,5 @@
 -- What did each step cost, and what was it made of? The rows `kvtrace calibrate` fits the
--- simulator's cost model to (engine/executor/cost_model.py), and the rows a prediction is checked against.
+-- simulator's cost model to (engine/sim/cost_model.py), and the rows a prediction is checked against.
 --
 -- Columns, one row per step, in step order:
 --   run_id, step

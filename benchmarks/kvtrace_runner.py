@@ -9,6 +9,7 @@ from pathlib import Path
 
 from benchmarks.run_result import RunResult
 from benchmarks.workload import Request
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model.loader import LoadedModel, load_weights
@@ -48,7 +49,7 @@ class KvtraceRunner:
         self._warm = False
 
     def engine(self, tracer=None) -> LLMEngine:
-        return LLMEngine(self.config, tracer=tracer, loaded=self.loaded)
+        return build_engine(self.config, tracer=tracer, loaded=self.loaded)
 
     def warm_up(self, requests: list[Request]) -> None:
         """One short untimed generation, so the first timed run does not pay for first calls."""

@@ -9,7 +9,7 @@ latencies within 15 %, preemptions exact in backlog mode. The machine's own timi
 runs, so each predicted run is recorded `--repeats` times, round-robin (the calibration run after the
 first round), and compared with the median of its repeats; the table shows that spread (the noise
 floor no cost model can beat). `--save-profile` also writes the fitted profile to
-engine/executor/profiles/cpu-here.json (the profile the tests use as `--hardware cpu-here`).
+engine/sim/profiles/cpu-here.json (the profile the tests use as `--hardware cpu-here`).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ GOALS = {"duration_s": 0.10, "ttft_p50_ms": 0.15, "ttft_p99_ms": 0.15, "itl_p50_
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--save-profile", action="store_true", help="write the fit to engine/executor/profiles/cpu-here.json")
+    parser.add_argument("--save-profile", action="store_true", help="write the fit to engine/sim/profiles/cpu-here.json")
     parser.add_argument("--keep", type=Path, help="keep the runs in this folder")
     parser.add_argument("--repeats", type=int, default=3, help="real recordings of each predicted run (median)")
 

@@ -2,7 +2,7 @@
 
 Vidur (github.com/microsoft/vidur) publishes operator timings measured on A100 and H100 GPUs for
 Llama-family models (benchmarks/data/vidur/, with source and licence): one decoder layer, fp16, one GPU,
-in ms per layer. This suite prices the same work with kvtrace's cost model (engine/executor/cost_model.py)
+in ms per layer. This suite prices the same work with kvtrace's cost model (engine/sim/cost_model.py)
 on the matching shipped profile (`a100` → `a100-80gb`, `h100` → `h100-sxm`) and reports the relative
 error by kind, with each kind's median and p90 of |predicted − measured| / measured and its bias (the
 median signed error). What is compared, like with like:
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from benchmarks.results import Section, markdown_table
 from engine.config import PRESETS, ModelConfig
-from engine.executor.cost_model import CostModel, HardwareProfile, load_profile
+from engine.sim.cost_model import CostModel, HardwareProfile, load_profile
 
 DATA = Path(__file__).resolve().parent / "data" / "vidur"
 DTYPE = "float16"   # Vidur profiles in fp16

@@ -12,8 +12,8 @@ from pathlib import Path
 from benchmarks.kvtrace_runner import MODEL
 from benchmarks.results import Section, markdown_table
 from benchmarks.stats import fmt_ratio, interleave, median, ratios
+from engine.build import build_engine
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from engine.model.loader import load_weights
 from kvtrace.record.recorder import TraceWriter
 from kvtrace.record.replay import prepare, replay
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> None:
         trace_dir = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))
         try:
             writer = TraceWriter(trace_dir, "bench") if traced else None
-            engine = LLMEngine(config, tracer=writer, loaded=loaded)
+            engine = build_engine(config, tracer=writer, loaded=loaded)
             items = prepare(requests, engine, tokenizer=None, seed=0, time_scale=None, backlog=True,
                             workload_name=str(args.workload))
             t0 = time.perf_counter()

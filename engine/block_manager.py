@@ -13,7 +13,6 @@ from engine import events as ev
 from engine.events import AllocReason, FreeReason, KVEvent
 from engine.sequence import Sequence
 
-
 _computed = attrgetter("num_computed_tokens")
 
 
@@ -115,7 +114,7 @@ class BlockManager:
 
     def num_kv_positions(self, running: list[Sequence], held: int | None = None) -> int:
         """KV positions stored in device blocks, a shared position counted once. `held`: the running
-        sequences' computed positions, summed already (a decode cohort keeps them)."""
+        sequences' computed positions, when the caller has their sum already."""
         if held is None:
             held = sum(map(_computed, running))
         return held - sum((self.blocks[b].ref_count - 1) * fill for b, fill in self.shared_fill.items())
@@ -150,14 +149,6 @@ class BlockManager:
         if k < n:
             ids += [self._evict_one() for _ in range(n - k)]
         return ids
-
-    def _take_one(self) -> int:
-        """`_allocate_blocks(1)[0]`, the decode's case, without the slices and the list."""
-        if self.free_uncached:
-            block_id = self.free_uncached.pop()
-            self.blocks[block_id].ref_count = 1
-            return block_id
-        return self._evict_one()
 
     def _evict_one(self) -> int:
         """Take the least recently used cached free block (no uncached one is left): out of the prefix
@@ -328,7 +319,6 @@ class BlockManager:
         seq.block_table = list(cached_ids) + new_ids
         seq.block_hashes = [self.blocks[b].hash for b in cached_ids]
         seq.num_computed_tokens = num_cached_tokens
-        seq.num_cached_tokens = num_cached_tokens
         self.cache_full_blocks(seq, num_cached_tokens + num_new_tokens)
 
     # ---- running sequences ----------------------------------------------------------------
@@ -374,32 +364,6 @@ class BlockManager:
             if num_hashed < num_cacheable // self.block_size and num_hashed < len(seq.block_table):
                 self.cache_full_blocks(seq, num_cacheable)
         return copy
-
-    def grow_decode(self, seq: Sequence, num_tokens: int, allocs: list | None = None) -> None:
-        """`grow(seq, 1)` for a decode at `num_tokens` positions whose write copies no shared block
-        (the running pass's fast path and the simulator's decode windows): a block when the position
-        starts one, the prefix-cache entry of the block it completes. `allocs`: a decode window's
-        (events.DecodeWindow.allocs), which takes the alloc event as a row, (req_id, sample, block,
-        evicted blocks or None), rather than as an event."""
-        table = seq.block_table
-        bs = self.block_size
-        if num_tokens > len(table) * bs:
-            block_id = self._take_one()
-            table.append(block_id)
-            if allocs is None:
-                self._alloc_event(seq, [block_id], AllocReason.DECODE)
-            else:
-                evicted = self.evicted
-                if evicted:
-                    self.evicted = []
-                allocs.append((seq.req_id, seq.sample, block_id, evicted or None))
-        if self.enable_prefix_caching:
-            i = len(seq.block_hashes)
-            if i < num_tokens // bs and i < len(table):
-                if i + 1 < num_tokens // bs:
-                    self.cache_full_blocks(seq, num_tokens)
-                else:   # the decode completes one block, block i: cache_full_blocks' loop, once
-                    self._cache_block(seq, i, self._token_block_hashes(seq, i + 1)[i])
 
     # ---- release ------------------------------------------------------------------------
     def _release_table(self, seq: Sequence, reason: str) -> None:

@@ -235,7 +235,10 @@ class EngineConfig:
     async_scheduling: bool = False       # V1's batch queue: a step is scheduled before the last one's output
     n_mode: str = "independent"          # n > 1: independent requests sharing the prefix cache (V1) | cow
     enable_prefix_caching: bool = True
-    engine: str = "real"                 # real: run the model; sim: predict step times (engine/executor/sim_executor.py)
+    engine: str = "real"                 # real: run the model; sim: predict step times (engine/sim/)
+    # sim: the simulator's fast path (engine/sim/fast_path.py), the same decisions made cheaper; off, the
+    # general pass decides every step (what the fast path is tested against)
+    sim_fast_path: bool = True
     hardware: str | None = None          # sim: a built-in profile name or a profile JSON (default h100-sxm)
     kv_reserve: str = "none"             # none: on-demand paging; else hold the whole context from admission
     gpu_memory_utilization: float | None = None  # size the pool as vLLM does, from the device's memory
@@ -283,6 +286,8 @@ class EngineConfig:
             raise ValueError(f"--kv-reserve must be one of {', '.join(KV_RESERVE)}, got {self.kv_reserve!r}")
         if self.hardware is not None and self.engine != "sim":
             raise ValueError("--hardware is for --engine sim (the real engine runs on --device)")
+        if not self.sim_fast_path and self.engine != "sim":
+            raise ValueError("--no-sim-fast-path is for --engine sim (the real engine has no fast path)")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if (self.engine == "real" and self.device.startswith("cuda") and self.gpu_memory_utilization is not None
@@ -299,6 +304,17 @@ class EngineConfig:
         return asdict(self)
 
 GiB = 1 << 30
+
+
+@dataclass
+class PoolGeometry:
+    """The KV pool's size, resolved from the config and the device (engine/build.py, pool_geometry)."""
+
+    num_gpu_blocks: int      # usable device blocks (ids 1..num_gpu_blocks; 0 is V1's null block)
+    num_cpu_blocks: int      # host blocks for swap
+    block_size: int          # tokens per block
+    bytes_per_block: int     # one block's K and V across all layers, in the run's dtype
+    derivation: dict | None = None   # how --gpu-memory-utilization sized the pool
 
 
 def batch_defaults(device_type: str, device_memory: int | None, device_name: str = "") -> tuple[int, int]:
@@ -318,7 +334,7 @@ def device_defaults(config: EngineConfig, device_type: str, checkpoint_dtype: st
     them on a GPU: on CUDA the model's dtype (its checkpoint's when 16-bit, else bf16, or fp16 where the
     GPU has no bf16: vLLM's "auto") and a KV pool of 0.9 of the device's memory; --engine sim models a
     GPU and takes the same pool. The CPU keeps float32 (kvtrace's CPU kernels are fp32) and a pool of at
-    most 1 GiB (llm_engine.pool_geometry)."""
+    most 1 GiB (build.pool_geometry)."""
     cuda = config.engine == "real" and device_type == "cuda"
     dtype = config.dtype
     if dtype == "auto":

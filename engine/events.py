@@ -9,10 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from itertools import chain
 from typing import Protocol
-
-import numpy as np
 
 # kv event kinds (see docs/trace-format.md)
 ALLOC = "alloc"            # blocks given to a sequence
@@ -190,117 +187,8 @@ class StepRecord:
     finished: list[RequestStats] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class DecodeWindow:
-    """A stretch of simulated decode-only steps (LLMEngine.decode_window) handed over at once: the
-    StepRecords it stands for, as columns, so that a long replay builds no record per step. Step j of
-    the window (0 <= j < num_steps) is step `first_step + j`: every running sequence decodes one token
-    (its token idx `first_token_idx[i] + j`, a placeholder id recorded as null), nothing waits, is
-    swapped, preempted or finishes, and its only events are its decodes' block allocations, as rows
-    (`allocs`, `alloc_columns`; `events` as KVEvents). `records()` gives the steps one by one."""
-
-    first_step: int
-    start_s: list[float]
-    end_s: list[float]
-    device_ms: list[float]
-    num_free_blocks: list[int]
-    num_cached_blocks: list[int]
-    num_running: int
-    num_total_blocks: int
-    first_kv_tokens: int            # num_kv_tokens of the first step; each later one holds num_running more
-    first_event_seq: int            # the seq number its first event takes (the first alloc's evictions first)
-    # its events, every one a decode's alloc of one block: (req_id, sample, block, evicted blocks or None)
-    # in order, and each one's step in the window (0 the first)
-    allocs: list[tuple[str, int, int, list[int] | None]]
-    alloc_steps: list[int]
-    token_req_ids: list[str]        # the running sequences in batch order: each step's tokens
-    token_samples: list[int]
-    first_token_idx: list[int]
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.start_s)
-
-    @staticmethod
-    def step_columns(windows: list[DecodeWindow]) -> dict[str, np.ndarray | list]:
-        """The steps of `windows`, in order, as StepRecord's fields (events, tokens and finishes aside),
-        each a column over the steps (numpy's, but device_ms, a list): the one account of what a
-        window's step records."""
-        k = np.array([w.num_steps for w in windows], dtype=np.int64)
-        n = np.repeat(np.array([w.num_running for w in windows], dtype=np.int64), k)
-        total = np.repeat(np.array([w.num_total_blocks for w in windows], dtype=np.int64), k)
-        j = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)   # a step's place in its window
-        free = np.array(list(chain.from_iterable(w.num_free_blocks for w in windows)), dtype=np.int64)
-        none = np.zeros(len(j), dtype=np.int64)
-        return {
-            "step": np.repeat(np.array([w.first_step for w in windows], dtype=np.int64), k) + j,
-            "start_s": np.array(list(chain.from_iterable(w.start_s for w in windows)), dtype=np.float64),
-            "end_s": np.array(list(chain.from_iterable(w.end_s for w in windows)), dtype=np.float64),
-            "device_ms": list(chain.from_iterable(w.device_ms for w in windows)),
-            "num_running": n, "num_waiting": none, "num_swapped": none, "num_prefill_tokens": none,
-            "num_decode_tokens": n, "num_recompute_tokens": none, "num_free_blocks": free,
-            "num_used_blocks": total - free,
-            "num_cached_blocks": np.array(list(chain.from_iterable(w.num_cached_blocks for w in windows)),
-                                          dtype=np.int64),
-            "num_total_blocks": total,
-            "num_kv_tokens": np.repeat(np.array([w.first_kv_tokens for w in windows], dtype=np.int64), k) + j * n,
-            "num_preemptions": none, "admission_stop": np.full(len(j), AdmissionStop.NOTHING_WAITING, dtype=object),
-        }
-
-    @staticmethod
-    def alloc_columns(windows: list[DecodeWindow]) -> dict[str, np.ndarray | list]:
-        """The alloc events of `windows`, in order, as KVEvent's fields (kind, reason and blocks
-        aside: each a decode's alloc of `block`), each a column: the one account of a window's events.
-        An alloc's evictions take the seq numbers right before its own (`with_evictions`)."""
-        rows = list(chain.from_iterable(w.allocs for w in windows))
-        num = np.array([len(w.allocs) for w in windows], dtype=np.int64)
-        req_id, sample, block, evicted = map(list, zip(*rows)) if rows else ([], [], [], [])
-        num_evicted = np.zeros(len(rows), dtype=np.int64)
-        evicting = [i for i, blocks in enumerate(evicted) if blocks]
-        num_evicted[evicting] = [len(evicted[i]) for i in evicting]
-        # a window's i-th alloc: its first_event_seq + i + the blocks its allocs up to it evicted
-        evicted_through = np.cumsum(num_evicted)
-        first = np.cumsum(num) - num   # each window's first alloc among the rows
-        evicted_before = np.concatenate([[0], evicted_through])[first]   # by the windows before
-        seq = (np.repeat(np.array([w.first_event_seq for w in windows], dtype=np.int64) - first - evicted_before, num)
-               + np.arange(len(rows)) + evicted_through)
-        steps = np.array(list(chain.from_iterable(w.alloc_steps for w in windows)), dtype=np.int64)
-        num_steps = np.array([w.num_steps for w in windows], dtype=np.int64)
-        start_s = np.array(list(chain.from_iterable(w.start_s for w in windows)), dtype=np.float64)
-        return {
-            "seq": seq, "step": np.repeat(np.array([w.first_step for w in windows], dtype=np.int64), num) + steps,
-            "ts_s": start_s[np.repeat(np.cumsum(num_steps) - num_steps, num) + steps],
-            "req_id": req_id, "sample": np.array(sample, dtype=np.int64), "block": np.array(block, dtype=np.int64),
-            "evicted": evicted,
-        }
-
-    @property
-    def events(self) -> list[KVEvent]:
-        """Its alloc events as the KVEvents the steps one by one would have made, stamped."""
-        columns = {name: values.tolist() if isinstance(values, np.ndarray) else values
-                   for name, values in self.alloc_columns([self]).items()}
-        return [KVEvent(ALLOC, req_id, sample, blocks=[block], reason=AllocReason.DECODE, evicted=evicted,
-                        step=step, ts_s=ts_s, seq=seq)
-                for seq, step, ts_s, req_id, sample, block, evicted in zip(*columns.values())]
-
-    def records(self) -> list[StepRecord]:
-        """The window's steps as the StepRecords `LLMEngine.step` would have made, in order."""
-        fields = {name: values.tolist() if isinstance(values, np.ndarray) else values
-                  for name, values in self.step_columns([self]).items()}
-        by_step: dict[int, list[KVEvent]] = {}
-        for e in self.events:
-            by_step.setdefault(e.step, []).append(e)
-        return [StepRecord(**{name: values[j] for name, values in fields.items()},
-                           events=by_step.get(self.first_step + j, []), token_req_ids=self.token_req_ids.copy(),
-                           token_samples=self.token_samples.copy(), token_idx=[i + j for i in self.first_token_idx],
-                           token_ids=[None] * self.num_running, finished=[])
-                for j in range(self.num_steps)]
-
-
 class Tracer(Protocol):
-    """Takes each step's record. A tracer may also take a simulated stretch of decode-only steps at
-    once, `on_decode_window(window: DecodeWindow)`; the engine hands one without it the window's
-    records one by one."""
+    """Takes each step's record."""
 
     def on_step(self, record: StepRecord) -> None: ...
 

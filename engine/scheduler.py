@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from engine import events as ev
 from engine.block_manager import BlockManager
-from engine.cohort import DecodeCohort
 from engine.config import VLLM_VERSIONS, PreemptionMode, PreemptionPolicy
 from engine.events import (
     REPREFILL_INTERRUPTED,
@@ -18,7 +17,7 @@ from engine.events import (
     PreemptReason,
     VictimReason,
 )
-from engine.sequence import Sequence, SequenceStatus, is_plain_decode
+from engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -41,13 +40,6 @@ class SchedulerOutput:
     # sequences that finished without running (rejected: can never fit)
     rejected: list[Sequence] = field(default_factory=list)
     num_preemptions: int = 0
-    # the first `num_decodes` of `seqs` decode one token each and were running before the step (the
-    # running pass's fast path): no prefill, no recompute, no forks pending
-    num_decodes: int = 0
-    # those decodes are the simulator's lazy cohort (engine/cohort.py): their Sequences' counts lag by
-    # `lazy_positions` positions in all, which the step's KV sums add
-    cohort: bool = False
-    lazy_positions: int = 0
     # why admission stopped: what held back the front of the swapped and waiting queues (an
     # AdmissionStop; nothing-waiting when both are empty at the end of the step's scheduling)
     admission_stop: str = AdmissionStop.NOTHING_WAITING
@@ -92,12 +84,6 @@ class Scheduler:
         # vLLM 0.33: under the priority policy, the running pass goes on after a sequence that preempted
         # itself (those after it are more urgent and may fit in what it freed); 0.32 ends the pass there
         self.priority_pass_goes_on = False
-        # the running pass's fast path for a batch of plain decodes (_grow_decodes); off: the general
-        # pass decides every step (the reference the fast path is tested against)
-        self.decode_fast_path = True
-        # the simulator's lazy decodes (set by the simulated engine): the fast path's sequences
-        # advanced only where a step changes something for them
-        self.cohort: DecodeCohort | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # in admission order, oldest first
         self.swapped: deque[Sequence] = deque()
@@ -121,23 +107,27 @@ class Scheduler:
 
     # ---- the algorithm ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Decide the next step: the running sequences first, then the queues (`admit`)."""
         out = SchedulerOutput()
-        bm = self.bm
-        budget = self.max_num_batched_tokens
-        threshold = self.long_prefill_token_threshold
-        if threshold and len(self.running) + len(self.waiting) + len(self.swapped) <= 1:
-            threshold = 0  # a lone request starves nobody: it may use the whole budget
-        scheduled: dict[int, tuple[int, int]] = {}  # id(seq) -> (tokens scheduled, cached blocks before)
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        self.admit(out, budget)
+        return out
 
-        # 1. Running sequences, oldest first: decode tokens and continuing prefill chunks.
+    def prefill_cap(self) -> int:
+        """The largest prefill chunk a step gives one sequence (--long-prefill-token-threshold; 0: none)."""
+        if len(self.running) + len(self.waiting) + len(self.swapped) <= 1:
+            return 0   # a lone request starves nobody: it may use the whole budget
+        return self.long_prefill_token_threshold
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """1. Running sequences, oldest first: decode tokens and continuing prefill chunks, each with
+        blocks for what it computes, preempting when they run out. Returns the budget left."""
+        bm = self.bm
+        threshold = self.prefill_cap()
+        scheduled: dict[int, tuple[int, int]] = {}  # id(seq) -> (tokens scheduled, cached blocks before)
         running = self.running
         max_model_len = self.max_model_len
         i = 0
-        if running and budget >= len(running) and self.decode_fast_path and self._grow_decodes(out):
-            i = len(running)   # every running sequence decodes: the pass below has nothing left
-            budget -= i
-        elif self.cohort is not None:   # (also when the cohort's fast path declined the step)
-            self.cohort.dissolve(running)   # the general pass reads every running sequence's counts
         while i < len(running) and budget > 0:
             seq = running[i]
             if seq.num_undelivered and seq.num_output_tokens >= seq.stop_length:
@@ -185,14 +175,29 @@ class Scheduler:
             scheduled[id(seq)] = (num_new, num_hashed)
             budget -= num_new
             i += 1
+        return budget
 
+    def admit(self, out: SchedulerOutput, budget: int) -> None:
+        """The queues' turn, after the running pass: swapped sequences come back (vLLM V0's swap mode),
+        then waiting ones are admitted; nothing in a step that preempted (V1). Sets why admission
+        stopped."""
         if out.num_preemptions:
             if self.waiting or self.swapped:
                 out.admission_stop = AdmissionStop.PREEMPTION
-            return out
+            return
+        threshold = self.prefill_cap()
+        budget = self._swap_in(out, budget)
+        if self.swapped:
+            if budget <= 0:
+                out.admission_stop = AdmissionStop.BUDGET
+            return
+        self._admit_waiting(out, budget, threshold)
 
-        # 2. vLLM V0's swap mode: swapped sequences come back before anything new is admitted (a
-        # request's copy-on-write samples together, as they left).
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        """2. vLLM V0's swap mode: swapped sequences come back before anything new is admitted (a
+        request's copy-on-write samples together, as they left). Returns the budget left."""
+        bm = self.bm
+        running = self.running
         while self.swapped and budget > 0:
             group = [self.swapped[0]]
             while len(group) < len(self.swapped) and self.swapped[len(group)].req_id == group[0].req_id:
@@ -237,14 +242,14 @@ class Scheduler:
                 out.seqs.append(seq)
                 out.num_new_tokens.append(num_new)
                 budget -= num_new
-        if self.swapped:
-            if budget <= 0:
-                out.admission_stop = AdmissionStop.BUDGET
-            return out
+        return budget
 
-        # 3. Waiting sequences (new, or preempted by recompute), front first. A running request
-        # still prefilling will fork its other samples (--n-mode cow): they count against
-        # max_num_seqs already.
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, threshold: int) -> None:
+        """3. Waiting sequences (new, or preempted by recompute), front first, each only if its whole
+        prompt fits, with blocks for its first chunk. A running request still prefilling will fork its
+        other samples (--n-mode cow): they count against max_num_seqs already."""
+        bm = self.bm
+        running = self.running
         num_forks = sum([s.num_pending_forks for s in running]) if self.waiting else 0
         while self.waiting and budget > 0:
             if len(running) + num_forks >= self.max_num_seqs:
@@ -290,67 +295,6 @@ class Scheduler:
             budget -= num_new
         if self.waiting and budget <= 0:
             out.admission_stop = AdmissionStop.BUDGET
-        return out
-
-    def _grow_decodes(self, out: SchedulerOutput) -> bool:
-        """The running pass when every running sequence decodes one token and the free blocks cover
-        every block they need: the pass below would serve each in order with one token and preempt
-        nobody, so its outcome is known and this makes it with one loop over the batch (most steps of
-        a long replay). False, having changed nothing, when a sequence prefills, re-prefills, has a
-        token in flight (async) or writes to a shared block, or when
-        the blocks fall short: the general pass decides then.
-
-        The same decisions as the general pass, block for block and event for event (the trace
-        comparisons of tests/engine/test_decode_fast_path.py)."""
-        running = self.running
-        cohort = self.cohort
-        if cohort is not None:   # the same decisions, made only for the sequences they change
-            # V1's newest policy preempts from the batch's end, which the cohort follows (the others
-            # leave a short step to the general pass)
-            preempt = (lambda seq: self._preempt_for(seq, out)) if self.preemption_policy == PreemptionPolicy.NEWEST \
-                else None
-            if not cohort.grow(running, preempt):
-                return False
-            out.seqs = list(running)
-            out.num_new_tokens = [1] * len(running)
-            out.num_decodes = len(running)
-            out.cohort = True
-            out.lazy_positions = cohort.lag
-            return True
-        bm = self.bm
-        shared = bm.shared_fill   # blocks held more than once: a write to one copies it first
-        bs = bm.block_size
-        caching = bm.enable_prefix_caching
-        touched = []   # those that need a block or complete one (about one in block_size a step)
-        num_needed = 0
-        for seq in running:
-            # (the max model length's clamp: a decode at it has stopped, or has its last token in flight)
-            if not is_plain_decode(seq):
-                return False
-            computed = seq.num_computed_tokens
-            table = seq.block_table
-            if computed >= len(table) * bs:
-                num_needed += 1
-                touched.append(seq)
-                continue
-            if shared and table[computed // bs] in shared:   # copy-on-write due: the general pass makes it
-                return False
-            if caching and len(seq.block_hashes) < (computed + 1) // bs:   # its tokens: computed + 1
-                touched.append(seq)
-        if num_needed > len(bm.free_queue):
-            return False
-        for seq in touched:   # in the batch's order
-            bm.grow_decode(seq, seq.num_computed_tokens + 1)
-        out.seqs = list(running)
-        out.num_new_tokens = [1] * len(running)
-        out.num_decodes = len(running)
-        return True
-
-    def _preempt_for(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Preempt the policy's victim so that `seq` can grow (the running pass's inner loop, for a
-        decode cohort: engine/cohort.py)."""
-        victim, why = self._pick_victim(seq)
-        self._preempt(self._swap_group(victim), out, seq, {id(victim): why})
 
     def adopt(self, seq: Sequence) -> None:
         """A sample forked from a running sequence joins the running batch."""
@@ -480,7 +424,5 @@ class Scheduler:
             self.waiting.remove(seq)
         else:
             self.running.remove(seq)
-            if self.cohort is not None:
-                self.cohort.leave(seq)
         seq.status = SequenceStatus.FINISHED
         self.bm.free(seq, FreeReason.FINISH)

@@ -74,7 +74,6 @@ class Sequence:
         self.num_computed_tokens = 0            # positions whose KV is in the block table
         self.num_undelivered = 0                # --async-scheduling: sampled tokens (last of token_ids)
                                                 # whose output the engine has not processed yet
-        self.num_cached_tokens = 0              # of those, mapped from the prefix cache this admission
         self.num_ever_computed = 0              # high-water mark of positions that had KV
         self.num_reserved_tokens = 0            # --kv-reserve: positions held from admission (0: on demand)
         self._generator: torch.Generator | None = None   # made on first use (see `generator`)
@@ -84,11 +83,6 @@ class Sequence:
         self.reprefill_cached = 0
         self.reprefill_recomputed = 0
         self.num_pending_forks = 0               # n > 1: samples to fork when the prompt is done
-        # the simulator's lazy decodes (engine/cohort.py): the cohort clock its counts are true at (-1:
-        # not a member, its counts are true), its placeholder token, and its token index less the clock
-        self.cohort_mark = -1
-        self.cohort_token = 0
-        self.cohort_idx = 0
         # stats
         self.first_scheduled_s: float | None = None
         self.first_token_s: float | None = None
@@ -133,17 +127,3 @@ class Sequence:
     def stop_length(self) -> int:
         """Output tokens at which it stops for good (max_tokens, or where a recorded request stopped)."""
         return self.params.output_tokens or self.params.max_tokens
-
-    @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
-
-def is_plain_decode(seq: Sequence) -> bool:
-    """Whether the running sequence's next step is a plain decode, the kind the running pass's fast
-    path takes (Scheduler._grow_decodes, the simulator's cohort and decode windows): one position to
-    compute, its last token delivered (not in flight) and an output token (not the prompt's last),
-    nothing to re-prefill."""
-    num_tokens = len(seq.token_ids)
-    return (num_tokens - seq.num_computed_tokens == 1 and num_tokens != seq.num_prompt_tokens
-            and not seq.num_undelivered and not seq.reprefill_target)

@@ -1,4 +1,4 @@
-"""`kvtrace calibrate`: fit the simulator's cost model (engine/executor/cost_model.py) to recorded runs.
+"""`kvtrace calibrate`: fit the simulator's cost model (engine/sim/cost_model.py) to recorded runs.
 
 The rows come from analyses/step_costs.sql: each step's composition and its period (start to next
 start, host work included). A step costs
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.executor.cost_model import COEFFICIENTS, HardwareProfile
+from engine.sim.cost_model import COEFFICIENTS, HardwareProfile
 from kvtrace.errors import KvtraceError
 from kvtrace.trace import db
 

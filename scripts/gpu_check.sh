@@ -119,7 +119,7 @@ calibrate() {
     done
     "$PY" - "$WORK" <<'PYEOF'
 import json, sys
-from engine.executor.cost_model import load_profile
+from engine.sim.cost_model import load_profile
 work = sys.argv[1]
 shipped, measured = load_profile("h200"), load_profile(f"{work}/h200-measured.json")
 print("coefficients: measured vs shipped h200 (derived where not fitted)")

@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.build import build_engine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model.loader import load_weights  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
 
@@ -73,10 +73,10 @@ def roofline(args: argparse.Namespace) -> dict:
         # every sequence keeps decoding until the last one is prefilled, then `steps` more
         max_tokens = args.steps + 8 + -(-batch * args.context // budget)
         tokens_per_seq = -(-(args.context + max_tokens + 1) // 16) * 16
-        engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", device=args.device, dtype=args.dtype,
-                                        max_num_seqs=batch, max_num_batched_tokens=budget,
-                                        kv_cache_memory=batch * tokens_per_seq * loaded.config.kv_values_per_token
-                                        * dtype.itemsize), tracer, loaded=loaded)
+        engine = build_engine(EngineConfig(model=args.model, load_format="dummy", device=args.device, dtype=args.dtype,
+                                           max_num_seqs=batch, max_num_batched_tokens=budget,
+                                           kv_cache_memory=batch * tokens_per_seq * loaded.config.kv_values_per_token
+                                           * dtype.itemsize), tracer, loaded=loaded)
         rng = random.Random(batch)
         for i in range(batch):
             engine.add_request(str(i), [rng.randrange(3, loaded.config.vocab_size) for _ in range(args.context)],
@@ -132,7 +132,7 @@ def tracing(args: argparse.Namespace) -> dict:
         folder = Path(tempfile.mkdtemp(prefix="kvtrace-gpu-"))
         try:
             writer = TraceWriter(folder, "bench") if traced else None
-            engine = LLMEngine(config, tracer=writer, loaded=loaded)
+            engine = build_engine(config, tracer=writer, loaded=loaded)
             items = prepare(requests, engine, tokenizer=None, seed=0, time_scale=None, backlog=True,
                             workload_name="bursty")
             t0 = time.perf_counter()
@@ -157,9 +157,9 @@ def tracing(args: argparse.Namespace) -> dict:
 def syncs(args: argparse.Namespace) -> dict:
     """Synchronisations torch reports (sync debug mode 'warn') over a replay, by where they happened."""
     loaded = load_weights(args.model, "dummy", dtype=getattr(torch, args.dtype), seed=0)
-    engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", device=args.device, dtype=args.dtype,
-                                    max_num_seqs=16, kv_cache_memory="64MiB", preemption_mode="swap",
-                                    swap_space="256MiB"), loaded=loaded)
+    engine = build_engine(EngineConfig(model=args.model, load_format="dummy", device=args.device, dtype=args.dtype,
+                                       max_num_seqs=16, kv_cache_memory="64MiB", preemption_mode="swap",
+                                       swap_space="256MiB"), loaded=loaded)
     rng = random.Random(0)
     for i in range(24):
         prompt = [rng.randrange(3, min(1000, loaded.config.vocab_size)) for _ in range(rng.randint(16, 400))]

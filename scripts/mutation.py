@@ -94,7 +94,9 @@ TARGETS: dict[str, list[str]] = {
     "kvtrace/record/replay.py": ["tests/workload", "tests/cli"],   # the replay and `kvtrace record`
     "kvtrace/workload/format.py": ["tests/workload"],
     "engine/scheduler.py": ["tests/engine"],
-    "engine/cohort.py": ["tests/engine"],
+    "engine/sim/cohort.py": ["tests/engine"],
+    "engine/sim/fast_path.py": ["tests/engine"],
+    "engine/sim/window.py": ["tests/engine", "tests/analysis"],
     "engine/block_manager.py": ["tests/engine"],
     "engine/llm_engine.py": ["tests/engine"],
     # the capture's tests that need no vLLM, and test_capture_on_vllm.py's on vLLM drivers (vllm_drivers)

@@ -18,9 +18,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("KVTRACE_CUDA_GRAPHS", "0")  # no decode steps here: skip capturing graphs
 
-from engine.kernels import host_memory  # noqa: E402
+from engine.build import build_engine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.kernels import host_memory  # noqa: E402
 
 
 def pinned_peak(nbytes: int, device: str, repeat: int) -> dict[str, float]:
@@ -49,9 +49,9 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model or ("llama-3.2-1b" if args.device.startswith("cuda") else "smollm2-135m")
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    engine = LLMEngine(EngineConfig(model=model, load_format="dummy", device=args.device, dtype=dtype,
-                                    num_gpu_blocks=args.blocks * 2, num_cpu_blocks=args.blocks,
-                                    preemption_mode="swap"))
+    engine = build_engine(EngineConfig(model=model, load_format="dummy", device=args.device, dtype=dtype,
+                                       num_gpu_blocks=args.blocks * 2, num_cpu_blocks=args.blocks,
+                                       preemption_mode="swap"))
     runner = engine.runner
     out_map = [(2 * i, i) for i in range(args.blocks)]          # scattered device blocks
     in_map = [(i, 2 * i + 1) for i in range(args.blocks)]

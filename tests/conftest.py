@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import settings
 
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model.loader import load_weights
@@ -46,7 +47,7 @@ def make_engine(tiny_loaded):
         settings = dict(model="tiny", load_format="dummy", dtype="float32", block_size=4, num_gpu_blocks=256,
                         watermark=0.0)
         settings.update(overrides)
-        return LLMEngine(EngineConfig(**settings), tracer, loaded=loaded or tiny_loaded)
+        return build_engine(EngineConfig(**settings), tracer, loaded=loaded or tiny_loaded)
     return make
 
 

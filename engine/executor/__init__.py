@@ -1,7 +1,7 @@
 """How a scheduled step runs: the protocol the engine loop calls, and what a step returns.
 
-Two executors satisfy it, and `LLMEngine.__init__` picks one: `ModelRunner` (model_runner.py) runs
-the model on real KV tensors; `SimExecutor` (sim_executor.py) runs nothing and predicts each step's
+Two executors satisfy it, and engine/build.py picks one: `ModelRunner` (model_runner.py) runs the
+model on real KV tensors; `SimExecutor` (engine/sim/executor.py) runs nothing and predicts each step's
 duration from a cost model, in virtual time. The loop never asks which one it holds.
 """
 from __future__ import annotations
@@ -67,6 +67,10 @@ class Executor(Protocol):
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one scheduled step: its KV block copies first (swap out, swap in, copy-on-write), then
         the forward of its batch; return which sequences sample and the step's timings."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait until every step's timings have resolved (the end of a run)."""
         ...
 
     def sample(self, result: StepResult, seqs: list[Sequence], rows: list[int]) -> list[int]:

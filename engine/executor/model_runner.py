@@ -75,7 +75,7 @@ def staging_blocks(block_bytes: int, num_cpu_blocks: int | None = None) -> int:
 
 
 def swap_staging_reserve(block_bytes: int, num_layers: int) -> int:
-    """Device memory a swap holds on CUDA (llm_engine.pool_geometry reserves it): the staging buffer
+    """Device memory a swap holds on CUDA (build.pool_geometry reserves it): the staging buffer
     and one layer's blocks that gather_blocks holds beside it."""
     staged = staging_blocks(block_bytes) * block_bytes
     return staged + -(-staged // num_layers)
@@ -137,7 +137,7 @@ class ModelRunner:
             self.host_cache = torch.zeros(host_shape, dtype=self.dtype)
         self.swap_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
         # swaps go through one preallocated device buffer, in parts when larger: its size is fixed and
-        # reserved (llm_engine.pool_geometry), and the swap stream orders one part's reuse after the last
+        # reserved (build.pool_geometry), and the swap stream orders one part's reuse after the last
         self.staging = None
         if self.is_cuda and num_cpu_blocks:
             block_bytes = math.prod(host_shape[1:]) * self.host_cache.element_size()
@@ -155,6 +155,11 @@ class ModelRunner:
         self.sleep(min(max(t - self.clock(), 0.0), 0.05))
 
     # ---- KV copies ----------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for the device's queued work, so that every step's CUDA events resolve (the end of a run)."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
     def _event_pair(self) -> tuple:
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 

@@ -90,6 +90,9 @@ def record(
                                                         "processed (vLLM V1's default on GPUs; finished requests free "
                                                         "their blocks a step later).")] = False,
     enable_prefix_caching: Annotated[bool, typer.Option(rich_help_panel="Switches", help="Share cached full blocks between requests.")] = True,
+    sim_fast_path: Annotated[bool, typer.Option(rich_help_panel="Switches", help="--engine sim: make the general pass's decisions "
+                                                     "faster where steps only decode (docs/simulation.md); off: the "
+                                                     "general pass decides every step (the same trace, slower).")] = True,
     follow_vllm: Annotated[str | None, typer.Option(rich_help_panel="Scheduling", help="The vLLM whose scheduling decisions to make "
                                                 "where versions differ: 0.32.0 or 0.33.0 (docs/scheduling.md); default: the "
                                                 "one a `workload from-run` header names, else 0.32.0.")] = None,
@@ -147,7 +150,7 @@ def record(
         watermark=watermark, preemption_mode=preemption_mode, preemption_policy=preemption_policy,
         enable_prefix_caching=enable_prefix_caching, n_mode=n_mode,
         long_prefill_token_threshold=long_prefill_token_threshold, enable_chunked_prefill=enable_chunked_prefill,
-        async_scheduling=async_scheduling, follow_vllm=follow_vllm,
+        async_scheduling=async_scheduling, follow_vllm=follow_vllm, sim_fast_path=sim_fast_path,
     )
     from kvtrace.record.run import Recording, default_run_dir, recording_console  # torch: imported only when recording
 
@@ -220,6 +223,8 @@ def _record_vllm(a: dict) -> None:
 
     if a["hardware"] is not None:
         raise KvtraceError("--hardware is for --engine sim")
+    if not a["sim_fast_path"]:
+        raise KvtraceError("--no-sim-fast-path is for --engine sim")
     refuse_unsupported(preemption_mode=a["preemption_mode"], preemption_policy=a["preemption_policy"],
                        kv_reserve=a["kv_reserve"], num_cpu_blocks=a["num_cpu_blocks"], swap_space=a["swap_space"],
                        device=a["device"], load_format=a["load_format"],

@@ -21,7 +21,8 @@ import numpy as np
 import pyarrow as pa
 
 from engine import events as ev
-from engine.events import DecodeWindow, RequestStats, StepRecord
+from engine.events import RequestStats, StepRecord
+from engine.sim.window import DecodeWindow
 from kvtrace.trace.schema import TABLES, write_parquet
 
 _REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id"]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import kvtrace
+from engine.build import build_engine
 from engine.config import EngineConfig, scheduling_description
 from engine.llm_engine import LLMEngine
 from engine.model.tokenizer import load_tokenizer
@@ -131,14 +132,14 @@ class Recording:
         if max_requests is not None:
             requests = requests[:max_requests]
         with console.status(f"loading {config.model}"):
-            engine = LLMEngine(config)
+            engine = build_engine(config)
             tokenizer = load_tokenizer(config.model) if config.load_format != "dummy" else None
         items = prepare(requests, engine, tokenizer=tokenizer, seed=config.seed, time_scale=time_scale,
                         backlog=backlog, workload_name=str(workload))
         mc = engine.model_config
         g = engine.geometry
         if engine.simulated:   # no model runs: torch is not imported, only its version is noted
-            device = {"type": "sim", "name": engine.cost_model.profile.name, "torch": torch_version(),
+            device = {"type": "sim", "name": engine.runner.cost_model.profile.name, "torch": torch_version(),
                       "threads": None, "kernels": None, "kernels_note": None}
         else:
             import torch
@@ -160,7 +161,7 @@ class Recording:
                       "max_model_len": engine.max_model_len},
             "device": device,
             # a simulated run: the real scheduler and block manager, step times from this cost model
-            "simulated": engine.cost_model.describe() if engine.simulated else None,
+            "simulated": engine.runner.cost_model.describe() if engine.simulated else None,
             "kv_pool": {"num_gpu_blocks": g.num_gpu_blocks, "block_size": g.block_size,
                         "bytes_per_block": g.bytes_per_block, "num_cpu_blocks": g.num_cpu_blocks,
                         "total_bytes": g.num_gpu_blocks * g.bytes_per_block,

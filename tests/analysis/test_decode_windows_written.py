@@ -1,4 +1,4 @@
-"""A simulated replay's decode windows (LLMEngine.decode_window: stretches of decode-only steps)
+"""A simulated replay's decode windows (engine/sim/window.py: stretches of decode-only steps)
 reach the trace writer whole (TraceWriter.on_decode_window: no record made per step), and the tables
 written are the ones the same steps give handed over one by one (the records the engine gives a tracer
 without that method): every row of every table, with chunks closing inside and between windows."""
@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from engine.build import build_engine
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from kvtrace.record.recorder import TraceWriter
 from kvtrace.record.replay import prepare, replay
 from tests.engine.test_simulation import backlog_workload
@@ -56,8 +56,8 @@ def replayed(tmp_path, name: str, wrap, max_rows: int, settings: dict):
         r.output_tokens = rng.choice([None, rng.randint(20, r.max_tokens)])
     writer = TraceWriter(tmp_path / name, "run", max_rows=max_rows, background=False)
     tracer = wrap(writer)
-    engine = LLMEngine(EngineConfig(model="tiny", load_format="dummy", engine="sim", hardware="a100-80gb",
-                                    block_size=4, watermark=0.0, max_num_batched_tokens=64, **settings), tracer)
+    engine = build_engine(EngineConfig(model="tiny", load_format="dummy", engine="sim", hardware="a100-80gb",
+                                       block_size=4, watermark=0.0, max_num_batched_tokens=64, **settings), tracer)
     items = prepare(requests, engine, tokenizer=None, seed=0, time_scale=None, backlog=False, workload_name="w")
     replay(engine, items)
     writer.close()

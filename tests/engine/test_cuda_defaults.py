@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
+from engine.build import pool_geometry
 from engine.config import MAX_GPU_MEMORY_UTILIZATION, PRESETS, EngineConfig, device_defaults, resolve_batch_limits
 from engine.executor.model_runner import swap_staging_reserve, tf32_matmuls
-from engine.llm_engine import pool_geometry
 from engine.model.loader import checkpoint_dtype
 
 GiB = 1 << 30
@@ -145,11 +145,11 @@ def test_the_cuda_reserve_takes_the_larger_of_the_mlps_and_the_attentions_tensor
 
 @pytest.mark.parametrize("bf16, dtype", [(True, "bfloat16"), (False, "float16")])
 def test_the_engine_loads_the_weights_in_fp16_on_a_gpu_without_bf16(monkeypatch, bf16, dtype):
-    # what LLMEngine asks of the device when it resolves auto (a T4 or V100 has no bf16), up to the
+    # what build_engine asks of the device when it resolves auto (a T4 or V100 has no bf16), up to the
     # weights' loading, where the dtype it chose is seen and the engine stops (no GPU here)
     import engine.executor.model_runner as model_runner
     import engine.model.loader as loader
-    from engine.llm_engine import LLMEngine
+    from engine.build import build_engine
 
     class Loaded(Exception):
         pass
@@ -161,5 +161,5 @@ def test_the_engine_loads_the_weights_in_fp16_on_a_gpu_without_bf16(monkeypatch,
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16)
     monkeypatch.setattr(loader, "load_weights", load_weights)
     with pytest.raises(Loaded) as loaded:
-        LLMEngine(EngineConfig(model="tiny", device="cuda"))
+        build_engine(EngineConfig(model="tiny", device="cuda"))
     assert loaded.value.args[0] == getattr(torch, dtype)

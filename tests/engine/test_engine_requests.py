@@ -8,6 +8,7 @@ import time
 import pytest
 
 from engine import events as ev
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
@@ -15,7 +16,7 @@ from tests.helpers.engine_runs import ListTracer, run_checked
 
 
 def sim_engine(**overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(**{"model": "tiny", "engine": "sim", "block_size": 4, "num_gpu_blocks": 64,
+    return build_engine(EngineConfig(**{"model": "tiny", "engine": "sim", "block_size": 4, "num_gpu_blocks": 64,
                                      **overrides}))
 
 

@@ -1,4 +1,4 @@
-"""Setting the engine up (engine/llm_engine.py's pool_geometry and LLMEngine.__init__): how it is
+"""Setting the engine up (engine/build.py's build_engine and pool_geometry): how it is
 called, which weights and device it takes, the device class a simulated engine's defaults follow, the
 watermark's base, the KV tensor's size, how the device and host pools are sized from the memory
 options, and the figures of the error for a device too small."""
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.build import NON_TORCH_RESERVE, build_engine, pool_geometry
 from engine.config import PRESETS, EngineConfig, ModelConfig
-from engine.llm_engine import NON_TORCH_RESERVE, LLMEngine, pool_geometry
 from engine.model.loader import load_weights
 from engine.sequence import SamplingParams
 from tests.helpers.cli import one_line_error
@@ -30,9 +30,9 @@ def tiny_config(**overrides) -> EngineConfig:
 # ---------------------------------------------------------------- how the engine is built
 
 def test_the_engine_takes_its_tracer_by_keyword_as_the_benchmarks_pass_it(tiny_loaded):
-    # benchmarks/kvtrace_runner.py and tracing_cost.py: LLMEngine(config, tracer=writer, loaded=loaded)
+    # benchmarks/kvtrace_runner.py and tracing_cost.py: build_engine(config, tracer=writer, loaded=loaded)
     tracer = ListTracer()
-    engine = LLMEngine(tiny_config(), tracer=tracer, loaded=tiny_loaded)
+    engine = build_engine(tiny_config(), tracer=tracer, loaded=tiny_loaded)
     engine.add_request("r", PROMPTS[0], GREEDY)
     run_checked(engine)
     assert len(tracer.records) == GREEDY.max_tokens
@@ -42,24 +42,24 @@ def test_the_engine_takes_its_tracer_by_keyword_as_the_benchmarks_pass_it(tiny_l
 def test_the_engine_loads_the_configured_weights_unless_it_is_given_some(tiny_loaded):
     # kvtrace record builds the engine from the config alone: it loads the weights itself (the tiny
     # fixture is the same dummy weights, seed 0)
-    given_seed_0 = LLMEngine(tiny_config(seed=0), loaded=tiny_loaded).generate(PROMPTS, GREEDY)
-    assert LLMEngine(tiny_config(seed=0)).generate(PROMPTS, GREEDY) == given_seed_0
+    given_seed_0 = build_engine(tiny_config(seed=0), loaded=tiny_loaded).generate(PROMPTS, GREEDY)
+    assert build_engine(tiny_config(seed=0)).generate(PROMPTS, GREEDY) == given_seed_0
     # weights handed in are the ones it runs, whatever the config's seed would load
     seed_1 = load_weights("tiny", "dummy", dtype=torch.float32, seed=1)
-    from_seed_1 = LLMEngine(tiny_config(seed=0), loaded=seed_1).generate(PROMPTS, GREEDY)
-    assert from_seed_1 == LLMEngine(tiny_config(seed=1)).generate(PROMPTS, GREEDY)
+    from_seed_1 = build_engine(tiny_config(seed=0), loaded=seed_1).generate(PROMPTS, GREEDY)
+    assert from_seed_1 == build_engine(tiny_config(seed=1)).generate(PROMPTS, GREEDY)
     assert from_seed_1 != given_seed_0   # (the two seeds' weights answer differently)
 
 
 def test_the_real_engine_runs_on_the_device_it_is_given_and_the_simulated_one_on_none(tiny_loaded):
     # a simulated engine runs no model: --device is not looked at, even naming a GPU this machine lacks
-    sim = LLMEngine(tiny_config(engine="sim", device="cuda"))
+    sim = build_engine(tiny_config(engine="sim", device="cuda"))
     assert sim.device == torch.device("cpu") and sim.model is None
     if torch.cuda.is_available():
-        assert LLMEngine(tiny_config(device="cuda"), loaded=tiny_loaded).device.type == "cuda"
+        assert build_engine(tiny_config(device="cuda"), loaded=tiny_loaded).device.type == "cuda"
     else:
         with pytest.raises(ValueError, match="--device cuda: CUDA is not available on this machine"):
-            LLMEngine(tiny_config(device="cuda"), loaded=tiny_loaded)
+            build_engine(tiny_config(device="cuda"), loaded=tiny_loaded)
 
 
 # ---------------------------------------------------------------- the simulated engine's device
@@ -67,9 +67,9 @@ def test_the_real_engine_runs_on_the_device_it_is_given_and_the_simulated_one_on
 def test_the_simulated_engine_sizes_its_pool_at_vllms_0_9_when_given_no_pool_option():
     sized = dict(model="llama-3-8b", engine="sim", hardware="h100-sxm", dtype="bfloat16", max_num_seqs=256,
                  max_num_batched_tokens=8192)
-    default = LLMEngine(EngineConfig(**sized))
+    default = build_engine(EngineConfig(**sized))
     assert default.config.gpu_memory_utilization == 0.9
-    explicit = LLMEngine(EngineConfig(**sized, gpu_memory_utilization=0.9))
+    explicit = build_engine(EngineConfig(**sized, gpu_memory_utilization=0.9))
     # docs/simulation.md's figure for Llama-3-8B on an H100 at 0.9, 256 sequences, 8,192 tokens
     assert default.block_manager.num_blocks == explicit.block_manager.num_blocks == 25_698
 
@@ -77,13 +77,13 @@ def test_the_simulated_engine_sizes_its_pool_at_vllms_0_9_when_given_no_pool_opt
 def test_a_cpu_profile_gives_the_simulated_engine_vllms_cpu_batch_defaults(tmp_path):
     # vLLM's CPU defaults are 256 sequences and 4,096 tokens a step; a CUDA device below 70 GB gets 8,192.
     # A profile is a CPU when its name says so (cpu-here knows its 25 GB of memory) or it gives no memory.
-    here = LLMEngine(tiny_config(engine="sim", hardware="cpu-here"))
-    profile = json.loads((Path(__file__).parents[2] / "engine/executor/profiles/cpu-here.json").read_text())
+    here = build_engine(tiny_config(engine="sim", hardware="cpu-here"))
+    profile = json.loads((Path(__file__).parents[2] / "engine/sim/profiles/cpu-here.json").read_text())
     path = tmp_path / "nameless.json"
     path.write_text(json.dumps({**profile, "name": "nameless", "memory_bytes": 0}))
-    nameless = LLMEngine(tiny_config(engine="sim", hardware=str(path)))
+    nameless = build_engine(tiny_config(engine="sim", hardware=str(path)))
     for engine in (here, nameless):
-        assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (256, 4096), engine.cost_model.profile.name
+        assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (256, 4096), engine.runner.cost_model.profile.name
 
 
 # ---------------------------------------------------------------- the pools
@@ -149,8 +149,8 @@ def test_gpu_memory_utilization_leaves_the_documented_block_counts():
     per_token = 4 * mc.hidden_size + (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim + 2 * mc.intermediate_size
     for limits, (seqs, tokens, blocks) in (({"max_num_seqs": 256, "max_num_batched_tokens": 8192}, (256, 8192, 25_698)),
                                            ({}, (1024, 16_384, 25_110))):   # an H100's: a CUDA device's defaults
-        engine = LLMEngine(EngineConfig(model="llama-3-8b", engine="sim", hardware="h100-sxm", dtype="bfloat16",
-                                        gpu_memory_utilization=0.9, **limits))
+        engine = build_engine(EngineConfig(model="llama-3-8b", engine="sim", hardware="h100-sxm", dtype="bfloat16",
+                                           gpu_memory_utilization=0.9, **limits))
         assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (seqs, tokens)
         d = engine.geometry.derivation
         # activations: every token's hidden states, q/k/v and MLP intermediates in bf16, fp32 logits a sequence
@@ -194,7 +194,7 @@ def test_kv_cache_memory_is_cut_into_blocks_less_the_null_block(make_engine):
 def test_the_simulated_engine_takes_the_pool_option_it_is_given():
     # vLLM's 0.9 only stands in when no pool option is given
     for option, blocks in (({"kv_cache_memory": 11 * TINY_BLOCK_BYTES}, 10), ({"num_gpu_blocks": 7}, 7)):
-        engine = LLMEngine(EngineConfig(model="tiny", engine="sim", block_size=4, **option))
+        engine = build_engine(EngineConfig(model="tiny", engine="sim", block_size=4, **option))
         assert engine.block_manager.num_blocks == blocks
         assert engine.config.gpu_memory_utilization is None and engine.geometry.derivation is None
 

@@ -4,6 +4,7 @@ never forked, a request's first-scheduled and first-token times, positions count
 async loop's tokens in flight, the end of an interrupted run, and the integrity check's waiting queue."""
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -99,7 +100,7 @@ def test_swap_events_carry_their_bytes_and_their_share_of_the_copy_time(make_eng
     for e in swaps:
         together = sum(len(o.blocks) for o in swaps if (o.step, o.kind) == (e.step, e.kind))
         assert e.bytes == len(e.blocks) * per_block
-        assert e.duration_ms == pytest.approx(engine.cost_model.swap_ms(together * per_block) * len(e.blocks) / together)
+        assert e.duration_ms == pytest.approx(engine.runner.cost_model.swap_ms(together * per_block) * len(e.blocks) / together)
 
 
 @pytest.mark.cuda
@@ -450,16 +451,17 @@ def test_an_interrupted_run_keeps_only_delivered_tokens_and_aborts_every_unfinis
 
 
 def test_an_interrupted_simulated_run_reports_the_tokens_its_decode_cohort_had_not_written_out(make_engine):
-    # the simulator's running decodes advance lazily (engine/cohort.py): interrupted mid-run, the
+    # the simulator's running decodes advance lazily (engine/sim/cohort.py): interrupted mid-run, the
     # aborted rows still count every token the records carry
     tracer = ListTracer()
     engine = make_engine(tracer, engine="sim", hardware="a100-80gb", block_size=4, num_gpu_blocks=64,
                          enable_prefix_caching=False)
     for i in range(3):
         engine.add_request(f"r{i}", list(range(10 + 10 * i, 15 + 10 * i)), SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.fast_path._window_worth_it = lambda until_s: False   # lazy steps only
     for _ in range(12):
-        engine.step()
-    assert engine.scheduler.cohort.num_members == 3
+        engine.advance()
+    assert engine.fast_path.cohort.num_members == 3
     engine.flush()
     recorded = {}
     for r in tracer.records:
@@ -523,10 +525,11 @@ def test_sequences_finishing_in_one_step_are_freed_in_the_order_it_scheduled_the
 
 @pytest.mark.parametrize("engine_kind", ["real", "sim"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_step_count_counts_what_step_returns_in_both_loops(make_engine, engine_kind, async_scheduling):
-    # a replay steps with step_count, which makes no (sequence, token) pairs: step for step it must
-    # return how many pairs step returns (the async loop's are its previous step's) and leave the same trace
-    def run(counting: bool) -> tuple[list[int], list]:
+def test_advance_counts_what_step_returns_in_both_loops(make_engine, engine_kind, async_scheduling):
+    # a replay steps with advance, which counts the tokens rather than make (sequence, token) pairs, and
+    # may run several steps at once (the simulator's fast path): its counts must add up to what step
+    # returns (the async loop's are its previous step's), and the trace must be the same
+    def run(advancing: bool) -> tuple[list[int], list]:
         tracer = ListTracer()
         settings = dict(engine="sim", num_gpu_blocks=64) if engine_kind == "sim" else {}
         engine = make_engine(tracer, async_scheduling=async_scheduling, max_num_batched_tokens=8, **settings)
@@ -536,13 +539,18 @@ def test_step_count_counts_what_step_returns_in_both_loops(make_engine, engine_k
         while engine.has_unfinished() and len(counts) < 50:
             if len(counts) == 4:   # a prompt joins while the others decode
                 engine.add_request("C", [11, 12, 13], SamplingParams(max_tokens=3, ignore_eos=True), arrival_s=0.0)
-            counts.append(engine.step_count() if counting else len(engine.step()))
+            if advancing:
+                num_steps, num_tokens = engine.advance(math.inf if len(counts) >= 4 else engine.now())
+                counts += [num_tokens] + [0] * (num_steps - 1)
+            else:
+                counts.append(len(engine.step()))
         return counts, [(r.step, r.num_prefill_tokens, r.num_decode_tokens, [(e.kind, e.req_id) for e in r.events],
                          list(zip(r.token_req_ids, r.token_samples, r.token_idx))) for r in tracer.records]
 
-    counted, trace = run(counting=True)
-    assert (counted, trace) == run(counting=False)
-    assert sum(counted) == 4 + 2 * 6 + 3
+    advanced, trace = run(advancing=True)
+    stepped, stepped_trace = run(advancing=False)
+    assert trace == stepped_trace and sum(advanced) == sum(stepped) == 4 + 2 * 6 + 3
+    assert len(advanced) == len(stepped)
     assert any(prefill and decode for _, prefill, decode, _, _ in trace)
 
 

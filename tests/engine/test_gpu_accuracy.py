@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import results
 from benchmarks import sim_gpu_accuracy as gpu
-from engine.executor.cost_model import CostModel, load_profile
+from engine.sim.cost_model import CostModel, load_profile
 
 
 @pytest.fixture(scope="module")

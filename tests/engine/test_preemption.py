@@ -259,11 +259,11 @@ def test_a_request_id_used_twice_is_refused(make_engine):
 def test_priority_pass_after_a_self_preemption_follows_the_vllm_version(version, scheduled):
     """A (least urgent) preempts itself for a block; vLLM 0.32 ends the running pass there, 0.33 goes
     on to B, whose decode needs no new block."""
+    from engine.build import build_engine
     from engine.config import EngineConfig, scheduling_description
-    from engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model="tiny", engine="sim", block_size=2, num_gpu_blocks=4, num_cpu_blocks=0,
-                                    preemption_policy="priority", enable_prefix_caching=False, follow_vllm=version))
+    engine = build_engine(EngineConfig(model="tiny", engine="sim", block_size=2, num_gpu_blocks=4, num_cpu_blocks=0,
+                                       preemption_policy="priority", enable_prefix_caching=False, follow_vllm=version))
     engine.add_request("A", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True), priority=5)
     engine.step()   # A: blocks 1, 2
     engine.add_request("B", [4, 5, 6], SamplingParams(max_tokens=8, ignore_eos=True), arrival_s=1.0, priority=0)

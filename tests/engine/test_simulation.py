@@ -14,10 +14,11 @@ import pytest
 from typer.testing import CliRunner
 
 import kvtrace.cli.commands  # noqa: F401  (registers the commands)
+from engine.build import build_engine
 from engine.config import PRESETS, EngineConfig
-from engine.executor.cost_model import PROFILE_DIR, CostModel, load_profile
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
+from engine.sim.cost_model import PROFILE_DIR, CostModel, load_profile
 from kvtrace.cli.app import app
 from kvtrace.record.replay import prepare, replay
 from kvtrace.workload.format import WorkloadRequest
@@ -51,7 +52,7 @@ def backlog_workload(seed: int, num_requests: int = 12) -> list[WorkloadRequest]
 
 def run(tiny_loaded, requests, **settings) -> tuple[LLMEngine, ListTracer]:
     tracer = ListTracer()
-    engine = LLMEngine(EngineConfig(model="tiny", load_format="dummy", **settings), tracer, loaded=tiny_loaded)
+    engine = build_engine(EngineConfig(model="tiny", load_format="dummy", **settings), tracer, loaded=tiny_loaded)
     items = prepare(requests, engine, tokenizer=None, seed=0, time_scale=None, backlog=True, workload_name="w")
     replay(engine, items)
     engine.check_integrity()
@@ -126,13 +127,13 @@ def test_virtual_time_is_the_sum_of_predicted_steps_and_jumps_idle_gaps(tiny_loa
     requests = [WorkloadRequest(id="a", arrival_s=0.0, prompt_tokens=40, max_tokens=5),
                 WorkloadRequest(id="b", arrival_s=1000.0, prompt_tokens=40, max_tokens=5)]
     tracer = ListTracer()
-    engine = LLMEngine(EngineConfig(model="tiny", load_format="dummy", engine="sim", hardware="h100-sxm",
-                                    num_gpu_blocks=64, block_size=4), tracer, loaded=tiny_loaded)
+    engine = build_engine(EngineConfig(model="tiny", load_format="dummy", engine="sim", hardware="h100-sxm",
+                                       num_gpu_blocks=64, block_size=4), tracer, loaded=tiny_loaded)
     items = prepare(requests, engine, tokenizer=None, seed=0, time_scale=None, backlog=False, workload_name="w")
     replay(engine, items)
     steps = tracer.records
     assert len(steps) == 10
-    cost = engine.cost_model
+    cost = engine.runner.cost_model
     first = steps[0]
     # a prefill of 40 tokens: the roofline's compute side is below the weights' read time for this model
     expected = cost.forward_ms(40, 0, 40, 40 * 41 / 2)
@@ -369,7 +370,7 @@ def test_pool_density_is_the_paged_kv_table(tmp_path):
 
 
 def test_sim_without_a_pool_option_sizes_it_as_vllm_by_default(tiny_loaded):
-    engine = LLMEngine(EngineConfig(model="llama-3-8b", engine="sim", hardware="h200", dtype="bfloat16"))
+    engine = build_engine(EngineConfig(model="llama-3-8b", engine="sim", hardware="h200", dtype="bfloat16"))
     d = engine.geometry.derivation
     assert d["gpu_memory_utilization"] == 0.9 and d["device_memory"] == 141 * 10**9
     assert engine.config.gpu_memory_utilization == 0.9 and engine.model is None
@@ -383,8 +384,8 @@ def test_a_profile_without_device_memory_needs_a_pool_size_and_says_so(tmp_path)
     path = tmp_path / "no-memory.json"
     path.write_text(json.dumps({**data, "name": "no-memory", "memory_bytes": 0}))
     with pytest.raises(ValueError, match="--gpu-memory-utilization needs a device whose memory is known"):
-        LLMEngine(EngineConfig(model="tiny", engine="sim", hardware=str(path)))
-    assert LLMEngine(EngineConfig(model="tiny", engine="sim", hardware=str(path), num_gpu_blocks=64)).geometry \
+        build_engine(EngineConfig(model="tiny", engine="sim", hardware=str(path)))
+    assert build_engine(EngineConfig(model="tiny", engine="sim", hardware=str(path), num_gpu_blocks=64)).geometry \
         .num_gpu_blocks == 64
 
 
@@ -392,10 +393,10 @@ def test_a_simulated_engine_takes_the_shape_it_is_handed():
     # the benchmarks hand one loaded model to each engine they make: a simulated one models that shape
     # and names its source, without reading the model again
     shape = dataclasses.replace(PRESETS["tiny"], name="tiny-3-layers", num_layers=3)
-    engine = LLMEngine(EngineConfig(model="tiny", engine="sim", num_gpu_blocks=64),
-                       loaded=SimpleNamespace(config=shape, source="handed over"))
+    engine = build_engine(EngineConfig(model="tiny", engine="sim", num_gpu_blocks=64),
+                          loaded=SimpleNamespace(config=shape, source="handed over"))
     assert (engine.model_config.num_layers, engine.model_source) == (3, "handed over")
-    assert LLMEngine(EngineConfig(model="tiny", engine="sim", num_gpu_blocks=64)).model_config.num_layers \
+    assert build_engine(EngineConfig(model="tiny", engine="sim", num_gpu_blocks=64)).model_config.num_layers \
         == PRESETS["tiny"].num_layers != 3
 
 def test_the_shipped_cpu_profile_is_a_calibrated_smollm2_profile():

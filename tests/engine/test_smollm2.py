@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model.loader import load_weights
@@ -25,7 +26,7 @@ def smollm2():
 def engine_for(smollm2, **overrides) -> LLMEngine:
     settings = dict(model="smollm2-135m", block_size=16, num_gpu_blocks=256, watermark=0.0)
     settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings), loaded=smollm2[0])
+    return build_engine(EngineConfig(**settings), loaded=smollm2[0])
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:

@@ -10,7 +10,10 @@ function-level and TYPE_CHECKING ones included, relative ones resolved):
   environment, which has no kvtrace dependencies);
 - inside `engine/`: `kernels/` imports nothing from `model/` or `executor/`, `model/` nothing from
   `executor/`, and the core (scheduler, block_manager, sequence, events, config) nothing from
-  `model/`, `executor/` or `kernels/`.
+  `model/`, `executor/` or `kernels/`;
+- the engine loop and its core (llm_engine besides those) import nothing of the simulator's package
+  `engine/sim/` (its fast path plugs in behind one seam, LLMEngine.fast_path), nothing of the builder
+  `engine/build.py` that picks it, and no numpy.
 """
 from __future__ import annotations
 
@@ -101,6 +104,13 @@ def test_the_engine_layers(files, forbidden):
     paths = python_files(files) if isinstance(files, str) else [ROOT / f for f in files]
     assert all(p.is_file() for p in paths) and paths
     assert violations(paths, forbidden) == []
+
+
+LOOP = ("engine/llm_engine.py", *CORE)
+
+
+def test_the_engine_loop_imports_nothing_of_the_simulator_nor_numpy():
+    assert violations([ROOT / f for f in LOOP], ("engine.sim", "engine.build", "numpy")) == []
 
 
 def test_the_checker_reads_every_kind_of_import(tmp_path, monkeypatch):

@@ -37,7 +37,7 @@ def expected_files() -> set[str]:
         return [p for p in ROOT.glob(pattern) if "__pycache__" not in p.parts]
     paths = {p.relative_to(ROOT).as_posix() for pattern in ("kvtrace/**/*.py", "engine/**/*.py",
                                                             "engine/kernels/csrc/*.c",
-                                                            "engine/executor/profiles/*.json")
+                                                            "engine/sim/profiles/*.json")
              for p in files(pattern)}
     paths |= {f"kvtrace/analyses/{p.name}" for pattern in ("analyses/*.sql", "analyses/*.py") for p in files(pattern)}
     return paths

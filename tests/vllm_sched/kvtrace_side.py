@@ -18,6 +18,7 @@ A step's record, on both sides (keys as the driver writes them):
 """
 from __future__ import annotations
 
+from engine.build import build_engine
 from engine.config import VLLM_VERSION, EngineConfig, PreemptionPolicy
 from engine.llm_engine import LLMEngine
 from engine.scheduler import Scheduler
@@ -38,7 +39,7 @@ def build(cfg: dict, vllm_version: str = VLLM_VERSION) -> LLMEngine:
                           long_prefill_token_threshold=cfg["long_prefill_token_threshold"],
                           preemption_policy=policy, async_scheduling=cfg["async"],
                           enable_prefix_caching=cfg["enable_prefix_caching"])
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     engine.scheduler.follow(vllm_version)
     engine.keep_outputs = False
     return engine

@@ -140,13 +140,13 @@ def test_the_progress_callback_comes_every_quarter_second_then_at_the_end(make_e
     for every in (0.0, None):
         seen = []
         engine, items = replay_of(make_engine, rows)
-        step_count = engine.step_count   # the replay's step
+        advance = engine.advance   # the replay's step
 
-        def timed_step():
+        def timed_step(until_s):
             clock[0] += 0.125
-            return step_count()
+            return advance(until_s)
 
-        engine.step_count = timed_step
+        engine.advance = timed_step
         progress = {} if every is None else {"progress_every_s": every}
         stats = replay(engine, items, on_progress=lambda s: seen.append((s.num_steps, s.num_finished)), **progress)
         runs.append([steps for steps, _ in seen])
@@ -165,7 +165,7 @@ def test_the_progress_callback_sees_the_counts_of_the_run_so_far(make_engine):
     assert seen == [(1, 0), (2, 1), (3, 1), (4, 1), (5, 2), (5, 2)]
 
 
-def test_a_replay_keeps_no_finished_sequences_in_memory(make_engine):
+def test_a_replay_keeps_no_finished_samples_in_memory(make_engine):
     # a long replay must stay flat in memory: the trace keeps what matters, the engine's outputs nothing
     engine, items = replay_of(make_engine, [{"prompt_tokens": 6, "max_tokens": 2, "n": 2}, {"prompt_tokens": 5, "max_tokens": 3}])
     stats = replay(engine, items)
@@ -256,12 +256,13 @@ def test_the_replay_tunes_the_collector_for_its_run_and_restores_it(make_engine)
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_a_simulated_replays_decode_windows_end_at_the_next_arrival(make_engine, seed):
-    """The simulated replay runs decode-only stretches at once (LLMEngine.decode_window), each ending at
-    the next arrival: the same steps, events and times as stepping one by one, with most steps in them."""
+    """The simulated replay runs decode-only stretches at once (the fast path's decode windows), each
+    ending at the next arrival: the same steps, events and times as the general pass stepping one by
+    one, with most steps in them."""
     import random
 
     from kvtrace.workload import WorkloadRequest
-    from tests.engine.test_decode_fast_path import timed
+    from tests.engine.test_fast_path import timed
     from tests.engine.test_simulation import decisions
 
     rng = random.Random(seed)
@@ -273,20 +274,12 @@ def test_a_simulated_replays_decode_windows_end_at_the_next_arrival(make_engine,
                      "max_tokens": rng.randint(20, 90)})
 
     def run(windows: bool):
-        engine = make_engine(ListTracer(), engine="sim", hardware="a100-80gb", num_gpu_blocks=400)
+        engine = make_engine(ListTracer(), engine="sim", hardware="a100-80gb", num_gpu_blocks=400,
+                             sim_fast_path=windows)
         requests = [WorkloadRequest(**row, line=i + 1) for i, row in enumerate(rows)]
         items = prepare(requests, engine, tokenizer=None, seed=0, time_scale=None, backlog=False, workload_name="w")
-        window = engine.decode_window
-        windowed = []
-
-        def counted(until_s, *args):
-            steps, tokens = window(until_s, *args) if windows else (0, 0)
-            windowed.append(steps)
-            return steps, tokens
-
-        engine.decode_window = counted
         stats = replay(engine, items)
-        return engine.tracer, stats, sum(windowed)
+        return engine.tracer, stats, engine.fast_path.num_window_steps if windows else 0
 
     stepped, stepped_stats, _ = run(False)
     windowed, stats, in_windows = run(True)

@@ -13,16 +13,12 @@ request stops at its `output_tokens` or `max_tokens`, never at EOS.
 """
 from __future__ import annotations
 
-from operator import attrgetter
-
-from engine.cohort import DecodeCohort
 from engine.executor import StepResult
-from engine.executor.cost_model import CostModel
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+from engine.sim.cost_model import CostModel
 
 GREEDY_TOKEN = -1
-_computed = attrgetter("num_computed_tokens")
 
 
 class SimExecutor:
@@ -31,11 +27,10 @@ class SimExecutor:
     is_cuda = False
     emits_token_ids = False   # placeholders: the trace records them as null
 
-    def __init__(self, cost: CostModel, bytes_per_block: int) -> None:
-        self.cost = cost
+    def __init__(self, cost_model: CostModel, bytes_per_block: int) -> None:
+        self.cost_model = cost_model
         self.bytes_per_block = bytes_per_block
         self.now_s = 0.0        # virtual time, seconds
-        self.cohort: DecodeCohort | None = None   # the scheduler's, if it has one
 
     def clock(self) -> float:
         return self.now_s
@@ -45,10 +40,17 @@ class SimExecutor:
         if t > self.now_s:
             self.now_s = t
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def synchronize(self) -> None:
+        """Nothing runs: every timing is known when the step returns."""
+
+    def execute(self, out: SchedulerOutput, lazy: tuple[int, int] | None = None) -> StepResult:
+        """Predict the step's time and say who samples. `lazy` = (n, positions): the first n of out.seqs
+        are the fast path's lazy decodes (fast_path.py), holding `positions` KV positions in all, which
+        their Sequences do not count yet; they decode one token each and are left out of
+        `sample_seqs` (the fast path gives them their tokens)."""
         result = StepResult()
         timing = result.timing
-        cost = self.cost
+        cost = self.cost_model
         total_ms = 0.0
         if out.swap_out:
             timing.swap_out = cost.swap_ms(len(out.swap_out) * self.bytes_per_block)
@@ -59,18 +61,14 @@ class SimExecutor:
         if out.copies:
             total_ms += cost.copy_ms(len(out.copies) * self.bytes_per_block)
         if out.seqs:
-            # the model runner's batch order: decodes first, then prefill chunks (sampling order follows
-            # it); the running pass's decodes (out.num_decodes) lead, their positions summed in C
-            num_decodes = out.num_decodes
-            decodes: list[Sequence] = out.seqs[:num_decodes]
+            # the model runner's batch order: decodes first, then prefill chunks (sampling order follows it)
+            num_lazy, num_kv = lazy or (0, 0)
+            num_kv += num_lazy   # each lazy decode's new position
+            decodes: list[Sequence] = []
             prefill_samples: list[Sequence] = []
             num_prefill = 0
-            if out.cohort:   # the decodes are the cohort's members, whose positions it keeps summed (engine/cohort.py)
-                num_kv = self.cohort.positions(decodes) + num_decodes
-            else:
-                num_kv = sum(map(_computed, decodes)) + num_decodes
             num_pairs = 0.0
-            rest = zip(out.seqs[num_decodes:], out.num_new_tokens[num_decodes:]) if num_decodes else \
+            rest = zip(out.seqs[num_lazy:], out.num_new_tokens[num_lazy:]) if num_lazy else \
                 zip(out.seqs, out.num_new_tokens)
             for seq, num_new in rest:
                 start = seq.num_computed_tokens
@@ -86,21 +84,21 @@ class SimExecutor:
                     prefill_samples.append(seq)
             result.sample_seqs = decodes + prefill_samples
             result.num_prefill_tokens = num_prefill
-            result.num_decode_tokens = len(decodes)
-            timing.forward = cost.forward_ms(num_prefill, len(decodes), num_kv, num_pairs)
+            result.num_decode_tokens = num_lazy + len(decodes)
+            timing.forward = cost.forward_ms(num_prefill, result.num_decode_tokens, num_kv, num_pairs)
             total_ms += timing.forward
         self.now_s += total_ms / 1000
         return result
 
     def decode_clock(self, num_decodes: int, held: int, max_steps: int, until_s: float,
                      origin: float) -> tuple[list[float], list[float], list[float]]:
-        """The clock of a decode window (LLMEngine.decode_window): up to `max_steps` steps that each
+        """The clock of a decode window (window.py): up to `max_steps` steps that each
         decode one token for each of `num_decodes` sequences and copy no block, step j with
         `held + (j + 1) * num_decodes` KV positions, the window ending before the first step after its
         first that would start at or after `until_s` (times less `origin`). Returns the steps' starts,
         ends (less `origin`) and forward milliseconds, the clock moved past them, as `execute` step by
         step would: the same prediction, the same floats."""
-        step_ms = self.cost.decode_ms(num_decodes)
+        step_ms = self.cost_model.decode_ms(num_decodes)
         now = self.now_s
         start = now - origin
         starts: list[float] = []

@@ -1,7 +1,7 @@
-"""The running pass's fast path for a batch of plain decodes (Scheduler._grow_decodes, and the engine's
-_advance_decodes after it) makes the general pass's decisions: with it and without it, every KV event,
-step record, token and finish is the same, on both engines, with the block accounting checked after
-every step."""
+"""The simulator's fast path (engine/sim/fast_path.py: decode windows and the cohort's lazy steps)
+makes the general pass's decisions: with it and without it (--no-sim-fast-path), every KV event, step
+record, token, finish and predicted time is the same, with the block accounting checked after every
+step."""
 from __future__ import annotations
 
 import math
@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
@@ -24,18 +25,21 @@ def timed(tracer: ListTracer) -> list:
 
 def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, *, cohort: bool = True, windows: bool = True,
         **settings) -> tuple[ListTracer, int, list, int]:
-    """Replay the requests step by step, checking the books after each; return the trace, how many
-    steps took the scheduler's fast path, every sequence's tokens, and how many steps ran in the engine's
-    decode windows (LLMEngine.decode_window). `eos_at`: every third sequence that does not
-    ignore EOS samples the stop token as its output token of that index. `cohort`, `windows`: the
-    simulator's decode cohort (engine/cohort.py) and decode windows, with the fast path. The fast
-    synchronous run steps as the replay does (`step_count`: no pairs made), each count checked against
-    the step's recorded tokens."""
+    """Replay the requests step by step as a replay does (`LLMEngine.advance`), checking the books after
+    each; return the trace, how many steps the fast path ran as lazy steps, every sequence's tokens, and
+    how many it ran in decode windows. `fast`: the fast path on (else the general pass decides every
+    step); `cohort`, `windows`: its lazy steps and its decode windows. `eos_at`: every third sequence
+    that does not ignore EOS samples the stop token as its output token of that index. Each step's
+    count of tokens is checked against its recorded tokens."""
     tracer = ListTracer()
-    engine = LLMEngine(EngineConfig(model="tiny", load_format="dummy", **settings), tracer, loaded=loaded)
-    engine.scheduler.decode_fast_path = fast
-    if not cohort:
-        engine.scheduler.cohort = None
+    engine = build_engine(EngineConfig(model="tiny", load_format="dummy", sim_fast_path=fast, **settings), tracer,
+                          loaded=loaded)
+    fast_path = engine.fast_path
+    assert (fast_path is not None) == (fast and not engine.config.async_scheduling)
+    if fast_path is not None and not cohort:
+        fast_path.cohort = None
+    if fast_path is not None and not windows:
+        fast_path._window_worth_it = lambda until_s: False
     if eos_at:
         sample = engine.runner.sample
         stop = min(engine.stop_token_ids)
@@ -45,45 +49,34 @@ def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, *, cohort
                     else token for s, token in zip(seqs, sample(result, seqs, rows))]
 
         engine.runner.sample = sample_eos
-        # the simulator's decode cohort (engine/cohort.py) rests on its placeholders never being a stop
-        # token, which this sampler breaks: its decodes go through the fast path's loop
-        engine.scheduler.cohort = None
-    taken = 0
-    grow_decodes = engine.scheduler._grow_decodes
-
-    def counted(out):
-        nonlocal taken
-        fast_step = grow_decodes(out)
-        taken += fast_step
-        return fast_step
-
-    engine.scheduler._grow_decodes = counted
-    windowed = 0
+        # the cohort rests on the simulator's placeholders never being a stop token, which this sampler
+        # breaks: the fast path keeps only its windows (which look at every sequence's next token)
+        if fast_path is not None:
+            fast_path.cohort = None
     pending = sorted(requests, key=lambda r: r.arrival_s if arrivals else 0.0)
-    seqs = []
     while pending or engine.has_unfinished():
         while pending and (not arrivals or pending[0].arrival_s <= engine.now()):
             r = pending.pop(0)
             params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed, n=r.n,
                                     ignore_eos=r.ignore_eos, output_tokens=r.output_tokens)
-            seqs.append(engine.add_request(r.id, r.prompt_token_ids, params, arrival_s=r.arrival_s if arrivals else 0.0))
+            engine.add_request(r.id, r.prompt_token_ids, params, arrival_s=r.arrival_s if arrivals else 0.0)
         if engine.has_unfinished():
-            # the fast engine also runs decode-only stretches at once (the simulated one), as the replay does
-            num_steps = engine.decode_window(pending[0].arrival_s if pending and arrivals else math.inf)[0] \
-                if fast and windows else 0
-            windowed += num_steps
-            if not num_steps and fast and not engine.config.async_scheduling:
-                num_tokens = engine.step_count()
-                assert num_tokens == len(tracer.records[-1].token_req_ids), "step_count is not the step's tokens"
-            elif not num_steps:
-                engine.step()
+            first = len(tracer.records)
+            num_steps, num_tokens = engine.advance(pending[0].arrival_s if pending and arrivals else math.inf)
+            if not engine.config.async_scheduling:   # (async: a step emits the tokens of the step before)
+                assert num_steps == len(tracer.records) - first, "advance's steps are not the steps recorded"
+                assert num_tokens == sum(len(r.token_req_ids) for r in tracer.records[first:]), \
+                    "advance's tokens are not the tokens recorded"
             engine.check_integrity()
         else:
             engine.idle_until(pending[0].arrival_s)
     engine.flush()
     engine.check_integrity()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return tracer, taken, [list(s.token_ids) for s in engine.outputs.values()], windowed
+    tokens = [list(s.token_ids) for s in engine.outputs.values()]
+    if fast_path is None:
+        return tracer, 0, tokens, 0
+    return tracer, fast_path.num_lazy_steps, tokens, fast_path.num_window_steps
 
 
 MORE = {
@@ -101,30 +94,30 @@ MORE = {
 WORKLOAD = {"reprefill-chunks": (1, 16), "reserve-forks-backlog": (1, 12)}   # (seed, requests), all arriving at once
 
 
-@pytest.mark.parametrize("engine_kind", ["sim", "real"])
+@pytest.mark.parametrize("arrive", ["spread", "backlog"])
 @pytest.mark.parametrize("name", [*SETTINGS, *MORE])
-def test_the_decode_fast_path_decides_as_the_general_pass(tiny_loaded, name, engine_kind):
+def test_the_fast_path_decides_as_the_general_pass(tiny_loaded, name, arrive):
     rng = random.Random(7)
     seed, num_requests = WORKLOAD.get(name, (4, 16))
     requests = backlog_workload(seed, num_requests=num_requests)
-    arrivals = engine_kind == "sim" and name not in WORKLOAD
+    arrivals = arrive == "spread" and name not in WORKLOAD
     for i, r in enumerate(requests):   # arrivals spread over the run; some may stop at a stop token
         r.arrival_s = round(rng.uniform(0.0, 0.05), 4) if arrivals else 0.0
         r.ignore_eos = i % 3 != 0
-    settings = dict(block_size=4, num_gpu_blocks=24, watermark=0.0, max_num_batched_tokens=64) | SETTINGS.get(name, {}) \
-        | MORE.get(name, {})
-    if engine_kind == "sim":
-        settings |= dict(engine="sim", hardware="a100-80gb")
+    settings = dict(block_size=4, num_gpu_blocks=24, watermark=0.0, max_num_batched_tokens=64, engine="sim",
+                    hardware="a100-80gb") | SETTINGS.get(name, {}) | MORE.get(name, {})
     eos_at = 4 if name == "stop-token" else 0
     reference, never, ref_tokens, no_window = run(tiny_loaded, requests, False, arrivals, eos_at, **settings)
     fast, taken, fast_tokens, windowed = run(tiny_loaded, requests, True, arrivals, eos_at, **settings)
     assert never == 0 and no_window == 0
     assert decisions(fast) == decisions(reference)
-    if engine_kind == "sim":   # virtual time: the same to the last bit (the real engine's is the host's)
-        assert timed(fast) == timed(reference)
+    assert timed(fast) == timed(reference)   # virtual time: the same to the last bit
     assert fast_tokens == ref_tokens
-    if name != "async":   # async: every decode has a token in flight, which the fast path leaves to the general pass
-        assert taken + windowed >= len(fast.records) // 10, f"the fast paths ran {taken} + {windowed} of {len(fast.records)} steps"
+    if name == "stop-token":   # the cohort is off (it rests on placeholders never being a stop token), and a
+        # window runs only where no sequence's next token is one
+        assert windowed >= 1 and taken == 0
+    elif name != "async":   # async: every decode has a token in flight; the engine holds no fast path
+        assert taken + windowed >= len(fast.records) // 10, f"the fast path ran {taken} + {windowed} of {len(fast.records)} steps"
     if name == "stop-token":
         assert sum(r.finish_reason == "stop" and r.output_tokens == 5 for rec in fast.records for r in rec.finished) >= 2
     if name == "reprefill-chunks":
@@ -132,7 +125,7 @@ def test_the_decode_fast_path_decides_as_the_general_pass(tiny_loaded, name, eng
 
 
 def simulated_both_ways(loaded, requests, arrivals: bool, **settings) -> tuple[ListTracer, int]:
-    """The simulator's run without and with the fast paths, asserted the same to the bit; the fast
+    """The simulator's run without and with the fast path, asserted the same to the bit; the fast
     run's trace and its steps in windows."""
     settings = dict(block_size=4, watermark=0.0, max_num_batched_tokens=64, engine="sim", hardware="a100-80gb") | settings
     reference, _, ref_tokens, _ = run(loaded, requests, False, arrivals, **settings)
@@ -146,7 +139,7 @@ def simulated_both_ways(loaded, requests, arrivals: bool, **settings) -> tuple[L
 @pytest.mark.parametrize("settings", [dict(), dict(enable_prefix_caching=False), dict(preemption_mode="swap", num_cpu_blocks=64)])
 def test_decode_windows_run_most_of_a_roomy_replay_as_its_steps_would(tiny_loaded, settings):
     """Long outputs, a pool with room, arrivals apart: most steps are decode-only stretches, which
-    LLMEngine.decode_window runs at once (blocks taken, prefix blocks cached, times predicted as the
+    the fast path's decode windows run at once (blocks taken, prefix blocks cached, times predicted as the
     step-by-step run's)."""
     rng = random.Random(11)
     requests = backlog_workload(5, num_requests=10)
@@ -182,10 +175,21 @@ def test_more_decodes_than_the_token_budget_are_stepped_not_windowed(tiny_loaded
     assert max(r.num_running for r in fast.records) > 4
 
 
+def window(engine: LLMEngine, until_s: float = math.inf) -> tuple[int, int]:
+    """The fast path's decode window alone (its lazy step not tried): (steps, tokens), (0, 0) where it
+    declines."""
+    fast_path = engine.fast_path
+    cohort, fast_path.cohort = fast_path.cohort, None
+    try:
+        return fast_path.advance(until_s) or (0, 0)
+    finally:
+        fast_path.cohort = cohort
+
+
 def decoding(tiny_loaded, tracer=None, **settings) -> LLMEngine:
     """A simulated engine whose three sequences are all decoding, nothing else queued."""
-    engine = LLMEngine(EngineConfig(model="tiny", engine="sim", block_size=4, num_gpu_blocks=64, **settings), tracer,
-                       loaded=tiny_loaded)
+    engine = build_engine(EngineConfig(model="tiny", engine="sim", block_size=4, num_gpu_blocks=64, **settings), tracer,
+                          loaded=tiny_loaded)
     for i in range(3):
         engine.add_request(f"r{i}", [5 + i, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True), arrival_s=0.0)
     engine.step()
@@ -194,21 +198,21 @@ def decoding(tiny_loaded, tracer=None, **settings) -> LLMEngine:
 
 
 def test_a_decode_window_declines_an_idle_engine_the_slow_path_and_a_rejection_to_record(tiny_loaded):
-    idle = LLMEngine(EngineConfig(model="tiny", engine="sim", block_size=4, num_gpu_blocks=64), loaded=tiny_loaded)
-    assert idle.decode_window(math.inf) == (0, 0) and idle.step_counter == 0
-    assert decoding(tiny_loaded).decode_window(math.inf)[0] > 0   # as it is, a window runs
-    slow = decoding(tiny_loaded)
-    slow.scheduler.decode_fast_path = False   # the reference every window is checked against steps one by one
+    idle = build_engine(EngineConfig(model="tiny", engine="sim", block_size=4, num_gpu_blocks=64), loaded=tiny_loaded)
+    assert window(idle) == (0, 0) and idle.step_counter == 0
+    assert window(decoding(tiny_loaded))[0] > 0   # as it is, a window runs
+    # the reference every window is checked against steps one by one
+    slow = decoding(tiny_loaded, sim_fast_path=False)
     before = slow.step_counter
-    assert slow.decode_window(math.inf) == (0, 0) and slow.step_counter == before
+    assert slow.fast_path is None and slow.advance() == (1, 3) and slow.step_counter == before + 1
     # a request the pool can never hold is finished (rejected) by the next step, which records it: no
     # window may run first and move its finish later
     tracer = ListTracer()
-    assert decoding(tiny_loaded, max_model_len=8).decode_window(math.inf)[0] > 0
+    assert window(decoding(tiny_loaded, max_model_len=8))[0] > 0
     rejecting = decoding(tiny_loaded, tracer, max_model_len=8)
     rejecting.add_request("too-long", list(range(10, 20)), SamplingParams(max_tokens=2))
     step = rejecting.step_counter
-    assert rejecting.decode_window(math.inf) == (0, 0)
+    assert window(rejecting) == (0, 0)
     rejecting.step()
     assert ("too-long", "rejected") in [(r.req_id, r.finish_reason) for r in tracer.records[step].finished]
 
@@ -220,7 +224,7 @@ def test_a_decode_window_declines_a_stretch_whose_first_token_is_a_stop(tiny_loa
     stop, sample = min(engine.stop_token_ids), engine.runner.sample
     engine.runner.sample = lambda result, seqs, rows: [stop if s.req_id == "r1" else t
                                                        for s, t in zip(seqs, sample(result, seqs, rows))]
-    assert engine.decode_window(math.inf) == (0, 0)
+    assert window(engine) == (0, 0)
 
 
 @pytest.mark.parametrize("prompt_len", [5, 6, 7])
@@ -240,8 +244,8 @@ def test_decode_windows_stamp_their_steps_on_the_clock_started_after_a_warm_up(t
     a window runs carry the times the step-by-step run gives them."""
     def stamped(windows: bool) -> list:
         tracer = ListTracer()
-        engine = LLMEngine(EngineConfig(model="tiny", engine="sim", block_size=4, num_gpu_blocks=64), tracer,
-                           loaded=tiny_loaded)
+        engine = build_engine(EngineConfig(model="tiny", engine="sim", block_size=4, num_gpu_blocks=64), tracer,
+                              loaded=tiny_loaded)
         engine.add_request("warm-up", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), arrival_s=0.0)
         while engine.has_unfinished():
             engine.step()
@@ -250,7 +254,7 @@ def test_decode_windows_stamp_their_steps_on_the_clock_started_after_a_warm_up(t
             engine.add_request(f"r{i}", [5 + i, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True), arrival_s=0.0)
         windowed = 0
         while engine.has_unfinished():
-            num_steps = engine.decode_window(math.inf)[0] if windows else 0
+            num_steps = window(engine)[0] if windows else 0
             windowed += num_steps
             if not num_steps:
                 engine.step()
@@ -267,6 +271,6 @@ def test_a_decode_window_returns_its_tokens_and_counts_as_progress(tiny_loaded):
     engine = decoding(tiny_loaded, tracer)
     engine._steps_without_progress = 7   # as after steps that only re-prefilled
     first = len(tracer.records)
-    steps, tokens = engine.decode_window(math.inf)
+    steps, tokens = window(engine)
     assert steps > 1 and tokens == 3 * steps == sum(len(r.token_req_ids) for r in tracer.records[first:])
     assert engine._steps_without_progress == 0

@@ -92,7 +92,7 @@ PROFILES: dict[str, HardwareProfile] = {
         0.864 * _TB, 32e9, source="NVIDIA L40S datasheet: 362 TFLOP/s BF16 dense, 864 GB/s GDDR6, PCIe Gen4 x16; "
                                   "efficiencies: the defaults (not measured)"),
 }
-CALIBRATED = ("cpu-here",)   # shipped fitted profiles, engine/executor/profiles/<name>.json
+CALIBRATED = ("cpu-here",)   # shipped fitted profiles, engine/sim/profiles/<name>.json
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:

@@ -1,0 +1,160 @@
+"""The simulator's fast path: the engine loop's decisions, made cheaper where most simulated steps are
+plain decodes. The loop (engine/llm_engine.py) holds it only when it simulates with it on
+(EngineConfig.sim_fast_path, `kvtrace record --no-sim-fast-path` to turn it off) and asks it first
+for every step a replay runs (`LLMEngine.advance`); wherever it declines, the general pass decides.
+
+    advance(until_s):  a decode window, when one can start (window.py), else
+                       a lazy step, when every running sequence makes a plain decode (cohort.py), else
+                       None: the cohort dissolved, the general step runs
+
+A lazy step is the general step's schedule-run-process-record with its running pass made by the
+cohort: the members' counts advance only where the step changes something for them, while the
+sequences admitted in the same step (the scheduler's `admit`), their tokens and their finishes are
+processed by the loop's own parts.
+
+The fast path makes the general pass's decisions, block for block and event for event, at the same
+predicted times: tests/engine/test_fast_path.py runs every setting with it and without it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.config import PreemptionPolicy
+from engine.llm_engine import TokenColumns, in_batch_order
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+from engine.sim.cohort import DecodeCohort
+from engine.sim.window import run_window
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+    from engine.sim.executor import SimExecutor
+
+# the shortest decode window worth dissolving a cohort for, and a step longer for every so many running
+# sequences (dissolving it and forming it again is work per sequence)
+MIN_WINDOW_OVER_COHORT = 2
+SEQUENCES_PER_WINDOW_STEP = 16
+
+
+class DecodeFastPath:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.runner: SimExecutor = engine.runner
+        self.cohort: DecodeCohort | None = DecodeCohort(engine.block_manager)   # None: windows only (tests)
+        self.num_window_steps = 0   # steps run in decode windows, and as lazy steps (for tests, and curiosity)
+        self.num_lazy_steps = 0
+
+    def settle(self) -> None:
+        if self.cohort is not None:
+            self.cohort.dissolve()
+
+    def check_integrity(self) -> None:
+        if self.cohort is not None:
+            self.cohort.check_integrity(self.engine.scheduler.running)
+
+    def advance(self, until_s: float) -> tuple[int, int] | None:
+        engine = self.engine
+        sched = engine.scheduler
+        running = sched.running
+        if not running or len(running) > sched.max_num_batched_tokens:   # no step of plain decodes
+            self.settle()
+            return None
+        # a window's steps are decodes only: nothing may wait, nor be finished (rejected) by the next step
+        if (not sched.waiting and not sched.swapped and not engine._pending_finished and not engine._pending_records
+                and self._window_worth_it(until_s)):
+            self.settle()
+            ran = run_window(engine, until_s)
+            if ran[0]:
+                self.num_window_steps += ran[0]
+                return ran
+        if self.cohort is None:
+            return None
+        num_tokens = self._lazy_step()
+        if num_tokens is None:
+            self.cohort.dissolve()
+            return None
+        self.num_lazy_steps += 1
+        return 1, num_tokens
+
+    def _window_worth_it(self, until_s: float) -> bool:
+        """Whether a window may run now: always without lazy decodes; with them, only one long enough
+        to repay dissolving the cohort and forming it again."""
+        cohort = self.cohort
+        if cohort is None or not cohort.num_members:
+            return True
+        engine = self.engine
+        running = engine.scheduler.running
+        num_kv = engine.block_manager.num_kv_positions(running, cohort.positions(running)) + len(running)
+        step_s = self.runner.cost_model.forward_ms(0, len(running), num_kv, 0.0) / 1000
+        shortest = MIN_WINDOW_OVER_COHORT + len(running) // SEQUENCES_PER_WINDOW_STEP
+        return min(cohort.steps_to_next_stop(), (until_s - engine.now()) / step_s) >= shortest
+
+    def _lazy_step(self) -> int | None:
+        """The general step with its running pass made by the cohort; the tokens it emitted, or None
+        (nothing changed but members' counts written out) when a running sequence does not make a
+        plain decode, or blocks fall short under a policy other than newest."""
+        engine, cohort = self.engine, self.cohort
+        sched, bm = engine.scheduler, engine.block_manager
+        running = sched.running
+        start_s = engine.now()
+        out = SchedulerOutput()
+        # V1's newest policy preempts from the batch's end, which the cohort follows; the other policies,
+        # and swap groups (a victim's samples swapped out with it, some scheduled earlier in the step),
+        # leave a step short of blocks to the general pass
+        preempt = None
+        if sched.preemption_policy == PreemptionPolicy.NEWEST and not sched.swap_groups:
+            preempt = lambda seq: self._preempt_for(seq, out)   # noqa: E731
+        if not cohort.grow(running, preempt):
+            return None
+        num_members = len(running)
+        out.seqs = list(running)
+        out.num_new_tokens = [1] * num_members
+        sched.admit(out, sched.max_num_batched_tokens - num_members)
+        sched_events = bm.take_events()
+        held = cohort.positions(running)
+        occupancy = engine._occupancy(out, held)
+        result = self.runner.execute(out, lazy=(num_members, cohort.computed_base + num_members * cohort.clock))
+        rest, rest_new = out.seqs[num_members:], out.num_new_tokens[num_members:]
+        num_recompute = engine._account(rest, rest_new, start_s)
+        sampled = engine._sample(result)   # the admitted sequences' (the members' tokens are the cohort's)
+        stopped = cohort.advance()
+        for seq in stopped:
+            engine._check_stop(seq, seq.token_ids[-1])
+            assert seq.finish_reason, f"{seq} at its stop length without a reason to stop"
+        for seq, token in sampled:
+            seq.token_ids.append(token)
+        engine._deliver(sampled, engine.now())
+        tokens = self._token_columns(sampled)
+        for seq in stopped:
+            cohort.leave(seq)
+        # the members' stops first: they lead the batch
+        finished = engine._finish(out, stopped + in_batch_order([seq for seq, _ in sampled if seq.finish_reason],
+                                                                 rest))
+        engine._record(step=engine.step_counter, start_s=start_s, end_s=engine.now(), out=out, result=result,
+                       kv_events=sched_events + bm.take_events(), num_sched_events=len(sched_events),
+                       occupancy=occupancy, num_recompute=num_recompute, tokens=tokens, finished=finished)
+        engine.step_counter += 1
+        num_tokens = num_members + len(sampled)
+        engine._check_progress(bool(num_tokens or finished))
+        return num_tokens
+
+    def _preempt_for(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preempt the policy's victim so that `seq` can grow (the general running pass's inner loop)."""
+        sched = self.engine.scheduler
+        victim, why = sched._pick_victim(seq)
+        sched._preempt(sched._swap_group(victim), out, seq, {id(victim): why})
+
+    def _token_columns(self, sampled: list[tuple[Sequence, int]]) -> TokenColumns:
+        """The step's token columns: the members' (each one's idx is its member idx plus the clock, so
+        that they are not visited one by one), then the admitted sequences'."""
+        cohort = self.cohort
+        clock = cohort.clock
+        columns = TokenColumns(cohort.member_req_ids[:], cohort.member_samples[:],
+                               [idx + clock for idx in cohort.member_idx], [])
+        if sampled:
+            rest = self.engine._token_columns(sampled)
+            columns.req_ids.extend(rest.req_ids)
+            columns.samples.extend(rest.samples)
+            columns.idx.extend(rest.idx)
+        columns.token_ids.extend([None] * len(columns.req_ids))   # the simulator's placeholders are recorded as null
+        return columns
