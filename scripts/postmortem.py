@@ -304,8 +304,8 @@ runs', the fix's included.
 {answers}
 ## The fix
 
-The background texts order the fixes by bluntness: cap concurrency (`--max-num-seqs`), keep a
-free-block watermark (`--watermark`), give the cache more memory. The first two decide *who
+The usual remedies for sustained preemption, bluntest first: cap concurrency (`--max-num-seqs`),
+keep a free-block watermark (`--watermark`), give the cache more memory. The first two decide *who
 waits*: they admit fewer requests, so the wait moves from the preempted streams to the queue, and
 it shows as TTFT instead; try them and `kvtrace compare` the runs. The queries above say the pool
 itself is too small for these bursts (full at the first one, requests queued behind it), so the
