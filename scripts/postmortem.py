@@ -114,14 +114,18 @@ class StoryBroken(Exception):
     """A figure of the story no longer holds."""
 
 
-def record(model: str, load_format: str, run: Path, settings: list[str]) -> None:
-    args = ["record", "--model", model, "--load-format", load_format, "-w", str(ROOT / WORKLOAD),
-            "-o", str(run), "-q", *settings]
+def kvtrace(args: list[str]) -> None:
+    """Run a kvtrace command in this process (so that modelled_clock() reaches its replay)."""
     try:
         typer.main.get_command(app).main(args=args, prog_name="kvtrace", standalone_mode=False)
     except SystemExit as exc:  # a user error: the CLI printed its one line
         if exc.code:
             raise StoryBroken(f"kvtrace {' '.join(args)} failed (exit {exc.code})") from None
+
+
+def record(model: str, load_format: str, run: Path, settings: list[str]) -> None:
+    kvtrace(["record", "--model", model, "--load-format", load_format, "-w", str(ROOT / WORKLOAD),
+             "-o", str(run), "-q", *settings])
 
 
 def text_of(renderable, width: int = WIDTH) -> str:
