@@ -79,7 +79,7 @@ def test_the_page_is_one_table_with_one_row_per_suite_and_each_figure_is_its_log
         assert len([cells for cells in rows if cells[0].startswith(f"`{suite}`")]) == 1, suite
     logged = log_entries(PAGE.parent / "log")
     for suite in SUITES:
-        what, goal, figure, date, commit, machine = row(page, suite)
+        _what, goal, figure, date, commit, machine = row(page, suite)
         assert goal, f"{suite}: no goal"
         link = re.fullmatch(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d)\]\(log/([^#)]+)#([^)]+)\)", date)
         assert link, f"{suite}: the date does not link to its report: {date}"
