@@ -43,6 +43,21 @@ def describe_machine() -> str:
     return f"{cpu_name()}, {os.cpu_count()} cores, {memory_gib():.1f} GiB memory, {platform.system()}"
 
 
+def has_avx512() -> bool:
+    """Whether the CPU has AVX-512, without which kvtrace's CPU kernels are off (engine/kernels/cpu_kernels.py)."""
+    try:
+        return any(line.startswith("flags") and " avx512f" in line
+                   for line in Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return False
+
+
+def machine_cell() -> str:
+    """The machine in a few words, for RESULTS.md's table: the CPU, whether it has AVX-512 (the
+    CPU changes between sessions of a cloud VM, and the kernels with it), the cores."""
+    return f"{cpu_name()}{' with AVX-512' if has_avx512() else ''}, {os.cpu_count()} cores"
+
+
 def describe_software(revision: str | None = None) -> str:
     """Versions, and the commit (`revision`, else git_revision() now)."""
     return (f"Python {platform.python_version()}, torch {torch.__version__} "

@@ -1,27 +1,25 @@
 """Where a suite's results go. A run prints its report as it goes, appends it in full to the month's log
-(benchmarks/log/YYYY-MM.md, newest last) and rewrites its own section of RESULTS.md: the latest
-headline figure with its command, date, commit and load, and a table of the last few.
+(benchmarks/log/YYYY-MM.md, newest last) and rewrites its own row of RESULTS.md's one table: the
+latest headline figure with its date, commit and machine.
 
-Each suite's section of RESULTS.md is the text between `<!-- suite:NAME -->` and
-`<!-- /suite:NAME -->`; a run rewrites that block and nothing else, so the page's prose (each suite's
-goal, the introduction) stays as it was written. The block it writes:
+RESULTS.md has one table, one row per figure:
 
-    <!-- suite:NAME -->
-    Latest: **HEADLINE**
+    | what | goal | latest figure | date (UTC) | commit | machine |
+    |---|---|---|---|---|---|
+    | `SUITE`: WHAT | GOAL | HEADLINE | [DATE](log/YYYY-MM.md#ANCHOR) | COMMIT | MACHINE; load START → END |
 
-    `COMMAND` · DATE UTC · commit COMMIT · load START → END · full report: [log/YYYY-MM.md](log/YYYY-MM.md)
-
-    | date (UTC) | commit | figure | load |      the last HISTORY runs, newest first
-    |---|---|---|---|
-    | DATE | COMMIT | HEADLINE | START → END |
-    <!-- /suite:NAME -->
+A suite's row is the one whose first cell opens with the suite's name in backticks. A run rewrites
+that row's last four cells and nothing else: the first two (what the suite measures, its goal), the
+other rows (figures no suite writes: the mutation check, the GPU's) and the prose around the table
+stay as they were written. The date links to the run's full report in the log; the older runs are
+only there. A suite without a row gets one at the end of the table.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 import sys
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,14 +28,15 @@ from benchmarks.machine import (
     describe_software,
     git_revision,
     load_average,
+    machine_cell,
 )
 from kvtrace.atomic import atomic_write
 
 BENCHMARKS = Path(__file__).resolve().parent
 RESULTS_MD = BENCHMARKS / "RESULTS.md"
 LOG_DIR = BENCHMARKS / "log"
-HISTORY = 3          # runs kept in each suite's table on RESULTS.md (older ones: the log)
-TABLE_HEADER = "| date (UTC) | commit | figure | load |\n|---|---|---|---|"
+COLUMNS = ("what", "goal", "latest figure", "date (UTC)", "commit", "machine")
+TABLE_HEADER = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS)
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -46,9 +45,39 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-@dataclass(frozen=True)
+def anchor(heading: str) -> str:
+    """The fragment a Markdown renderer (GitHub's rule) gives a heading: lower case, every character
+    but letters, digits, '_', '-' and spaces dropped, spaces made '-'."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)        # a link: its text
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def headings(markdown: str) -> list[tuple[int, int, str]]:
+    """(line index, level, anchor) of a page's headings in order; a heading's second namesake gets the
+    anchor '-1', its third '-2' (GitHub's rule). Lines inside fenced code blocks are not headings."""
+    found: list[tuple[int, int, str]] = []
+    seen: dict[str, int] = {}
+    fenced = False
+    for i, line in enumerate(markdown.splitlines()):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        match = None if fenced else re.match(r"(#{1,6}) +(.*?)(?: +#+)? *$", line)
+        if match:
+            slug = anchor(match.group(2))
+            found.append((i, len(match.group(1)), slug if slug not in seen else f"{slug}-{seen[slug]}"))
+            seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def heading_anchors(markdown: str) -> list[str]:
+    """The anchors of a page's headings, in order (`headings`)."""
+    return [slug for _, _, slug in headings(markdown)]
+
+
+@dataclasses.dataclass(frozen=True)
 class Entry:
-    """One run of a suite, as its section of RESULTS.md shows it."""
+    """One run of a suite, as its row of RESULTS.md shows it."""
     suite: str
     started: datetime         # UTC
     command: str              # `python -m benchmarks SUITE ...`, as typed
@@ -56,7 +85,8 @@ class Entry:
     load_at_start: str        # 1-minute load averages
     load_at_end: str
     headline: str             # one line: the suite's figure and whether it met its goal
-    log_link: str             # the log file, relative to RESULTS.md's folder
+    log_link: str             # the run's report: the log file relative to RESULTS.md's folder, '#', its anchor
+    machine: str = ""         # machine_cell(): the CPU and its cores
 
     @property
     def date(self) -> str:
@@ -66,52 +96,76 @@ class Entry:
     def load(self) -> str:
         return f"{self.load_at_start} → {self.load_at_end}"
 
-    def table_row(self) -> str:
-        # a '|' inside a cell would end it: the figure is the only free text
-        return f"| {self.date} | {self.commit} | {self.headline.replace('|', '/')} | {self.load} |"
+    @property
+    def log_heading(self) -> str:
+        """The heading of the run's report in the log (without its '## ')."""
+        return f"{self.date} UTC — {self.suite}"
+
+    def cells(self) -> list[str]:
+        """The row's last four cells: latest figure, date (linked to the run's report), commit, machine.
+        A '|' inside a cell would end it: the figure is the only free text."""
+        machine = f"{self.machine}; load {self.load}" if self.machine else f"load {self.load}"
+        return [self.headline.replace("|", "/"), f"[{self.date}]({self.log_link})", self.commit, machine]
 
 
-def _markers(suite: str) -> tuple[str, str]:
-    return f"<!-- suite:{suite} -->", f"<!-- /suite:{suite} -->"
+def split_row(line: str) -> list[str]:
+    """A table line's cells, stripped ('\\|' inside a cell does not split it)."""
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
 
 
-def section_block(page: str, suite: str) -> str | None:
-    """The text between `suite`'s markers (without them), or None when the page has no such section."""
-    begin, end = _markers(suite)
-    found = re.findall(re.escape(begin) + r"\n(.*?)" + re.escape(end), page, flags=re.DOTALL)
-    if len(found) > 1:
-        raise ValueError(f"RESULTS.md has {len(found)} sections marked {begin}")
-    return found[0] if found else None
+def join_row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
-def table_rows(block: str) -> list[str]:
-    """The history table's rows in a section, as written (header and separator left out)."""
-    rows = [line for line in block.splitlines() if line.startswith("|")]
-    return rows[2:] if rows[:1] == [TABLE_HEADER.splitlines()[0]] else rows
+def suite_of(line: str) -> str | None:
+    """The suite a table row belongs to: the name in backticks its first cell opens with, if any."""
+    match = re.match(r"\|\s*`([^`]+)`", line)
+    return match.group(1) if match else None
 
 
-def render_block(entry: Entry, rows: list[str]) -> str:
-    return (f"Latest: **{entry.headline}**\n\n"
-            f"`{entry.command}` · {entry.date} UTC · commit {entry.commit} · load {entry.load} · "
-            f"full report: [{entry.log_link}]({entry.log_link})\n\n"
-            + TABLE_HEADER + "\n" + "\n".join(rows) + "\n")
+def table_span(lines: list[str]) -> tuple[int, int] | None:
+    """(index of the header line, index past the table's last row), or None when the page has no table."""
+    header = TABLE_HEADER.splitlines()[0]
+    starts = [i for i, line in enumerate(lines) if line.strip() == header]
+    if len(starts) > 1:
+        raise ValueError(f"RESULTS.md has {len(starts)} results tables")
+    if not starts:
+        return None
+    end = starts[0] + 2
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return starts[0], end
 
 
-def update_page(page: str, entry: Entry, history: int = HISTORY) -> str:
-    """`page` with `entry.suite`'s section rewritten to show `entry` first and at most `history` runs in
-    its table; the rest of the page is returned as it was. A page without the suite's section gets one
-    at its end. Applying the same entry twice gives the page of applying it once."""
-    begin, end = _markers(entry.suite)
-    block = section_block(page, entry.suite)
-    new_row = entry.table_row()
-    if block is None:
-        old_rows: list[str] = []
-        page = page.rstrip("\n") + f"\n\n## {entry.suite}\n\n{begin}\n{end}\n"
+def row_of(page: str, suite: str) -> list[str] | None:
+    """The cells of `suite`'s row, or None when the page has none."""
+    lines = page.splitlines()
+    span = table_span(lines)
+    rows = [line for line in lines[span[0] + 2:span[1]] if suite_of(line) == suite] if span else []
+    if len(rows) > 1:
+        raise ValueError(f"RESULTS.md has {len(rows)} rows for suite {suite}")
+    return split_row(rows[0]) if rows else None
+
+
+def update_page(page: str, entry: Entry) -> str:
+    """`page` with `entry.suite`'s row showing `entry`; the rest of the page is returned as it was. A
+    page without the suite's row gets one at the end of its table (a page without the table, the table
+    at its end). Applying the same entry twice gives the page of applying it once."""
+    row_of(page, entry.suite)                       # refuses a page with two rows for the suite
+    lines = page.splitlines()
+    span = table_span(lines)
+    if span is None:
+        lines += ["", *TABLE_HEADER.splitlines()]
+        span = (len(lines) - 2, len(lines))
+    start, end = span
+    for i in range(start + 2, end):
+        if suite_of(lines[i]) == entry.suite:
+            what, goal = (split_row(lines[i]) + ["", ""])[:2]
+            lines[i] = join_row([what, goal, *entry.cells()])
+            break
     else:
-        old_rows = [row for row in table_rows(block) if row != new_row]
-    rows = [new_row] + old_rows[:history - 1]
-    whole = f"{begin}\n{block if block is not None else ''}{end}"
-    return page.replace(whole, f"{begin}\n{render_block(entry, rows)}{end}", 1)
+        lines.insert(end, join_row([f"`{entry.suite}`", "", *entry.cells()]))
+    return "\n".join(lines) + "\n"
 
 
 def log_path(log_dir: Path, started: datetime) -> Path:
@@ -146,11 +200,14 @@ class Section:
         load_at_end = load_average()
         log = log_path(log_dir, self.started)
         entry = Entry(self.suite, self.started, command, self.commit, self.load_at_start, load_at_end,
-                      " ".join(headline.split()), log.relative_to(results_md.parent).as_posix()
-                      if log.is_relative_to(results_md.parent) else str(log))
+                      " ".join(headline.split()), "", machine_cell())
+        # the anchor the report's heading will have once appended (a namesake above it adds '-N')
+        fragment = heading_anchors((log.read_text() if log.exists() else "") + f"\n## {entry.log_heading}\n")[-1]
+        relative = log.relative_to(results_md.parent).as_posix() if log.is_relative_to(results_md.parent) else str(log)
+        entry = dataclasses.replace(entry, log_link=f"{relative}#{fragment}")
         software = describe_software(self.commit) + (f"; {self.peer_software}" if self.peer_software else "")
         head = [
-            f"## {entry.date} UTC — {self.suite}",
+            f"## {entry.log_heading}",
             "",
             f"- Command: `{command}`",
             f"- Headline: {entry.headline}",
@@ -169,4 +226,4 @@ class Section:
         page = results_md.read_text() if results_md.exists() else "# Benchmark results\n"
         with atomic_write(results_md) as f:
             f.write(update_page(page, entry))
-        print(f"appended to {log}; {results_md.name}: section {self.suite} updated")
+        print(f"appended to {log}; {results_md.name}: the row of {self.suite} updated")

@@ -10,7 +10,7 @@ command: start-up, replay and closing the trace):
   Each repeat runs kvtrace's command and then Vidur's whole process (start-up, its cached predictions,
   the simulation) twice, with its outputs (metrics and Chrome trace, as by default) and without;
   Vidur's first run, which trains its predictors when they are not cached yet, is not timed. Without a Vidur venv the reference is the 6.6 s measured once for a workload of this shape.
-- paged-kv: the 4,000-request backlog of paged-kv-memory.txt (scripts/paged_kv_workload.py), paged
+- paged-kv: the 4,000-request backlog of scripts/paged_kv_workload.py (a paged-KV lesson's draws), paged
   with 16-token blocks, 1,024 sequences at most: the scale test of docs/simulation.md.
 - an hour: 72,000 requests of the ShareGPT-like shape at 20 req/s (issue 32's hour of production
   traffic), on simulated Llama-3-8B / H100 with the same limits; `--hour-repeats` runs (1 by default:

@@ -114,14 +114,18 @@ class StoryBroken(Exception):
     """A figure of the story no longer holds."""
 
 
-def record(model: str, load_format: str, run: Path, settings: list[str]) -> None:
-    args = ["record", "--model", model, "--load-format", load_format, "-w", str(ROOT / WORKLOAD),
-            "-o", str(run), "-q", *settings]
+def kvtrace(args: list[str]) -> None:
+    """Run a kvtrace command in this process (so that modelled_clock() reaches its replay)."""
     try:
         typer.main.get_command(app).main(args=args, prog_name="kvtrace", standalone_mode=False)
     except SystemExit as exc:  # a user error: the CLI printed its one line
         if exc.code:
             raise StoryBroken(f"kvtrace {' '.join(args)} failed (exit {exc.code})") from None
+
+
+def record(model: str, load_format: str, run: Path, settings: list[str]) -> None:
+    kvtrace(["record", "--model", model, "--load-format", load_format, "-w", str(ROOT / WORKLOAD),
+             "-o", str(run), "-q", *settings])
 
 
 def text_of(renderable, width: int = WIDTH) -> str:
@@ -304,8 +308,8 @@ runs', the fix's included.
 {answers}
 ## The fix
 
-The background texts order the fixes by bluntness: cap concurrency (`--max-num-seqs`), keep a
-free-block watermark (`--watermark`), give the cache more memory. The first two decide *who
+The usual remedies for sustained preemption, bluntest first: cap concurrency (`--max-num-seqs`),
+keep a free-block watermark (`--watermark`), give the cache more memory. The first two decide *who
 waits*: they admit fewer requests, so the wait moves from the preempted streams to the queue, and
 it shows as TTFT instead; try them and `kvtrace compare` the runs. The queries above say the pool
 itself is too small for these bursts (full at the first one, requests queued behind it), so the

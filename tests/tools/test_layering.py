@@ -1,4 +1,4 @@
-"""The layering the README's Layout section draws, read from the source (every import statement,
+"""The layering that docs/contributing.md's Layout section draws, read from the source (every import statement,
 function-level and TYPE_CHECKING ones included, relative ones resolved):
 
 - `engine/` imports nothing of `kvtrace` (kvtrace observes it only through its Tracer);
