@@ -1,4 +1,4 @@
--- Helper: the thrash evidence of every step, over a sliding window that ends with the step.
+-- Helper: the thrash evidence of every step, over the window of window_s seconds that ends with the step.
 --
 -- _thrash_steps(window_s, full_pool_frac, min_preempt_per_s, min_recompute_share,
 --               min_full_pool_share): one row per step.
@@ -51,14 +51,14 @@ SELECT *,
        AND (recompute_share >= min_recompute_share OR full_pool_share >= min_full_pool_share) AS thrashing
 FROM evidence;
 
--- _thrash_windows(...same params...): the stretches of time where thrashing holds, one row per
--- stretch of consecutive thrashing steps.
+-- _thrash_windows(...same params...): the thrash windows, the periods in which thrashing holds, one
+-- row per run of consecutive thrashing steps.
 --   run_id
 --   start_s, end_s        from the window start of the first thrashing step (not before 0, nor
---                         before the previous stretch's end) to the end of the last one (s)
+--                         before the previous thrash window's end) to the end of the last one (s)
 --   duration_s            end_s - start_s (s)
 --   thrashing_steps       steps whose window qualified
---   peak_preempt_per_s    highest windowed preemption rate in the stretch (1/s)
+--   peak_preempt_per_s    highest windowed preemption rate in the thrash window (1/s)
 --   peak_recompute_share  highest windowed recompute share
 --   peak_full_pool_share  highest windowed share of full-pool steps
 CREATE OR REPLACE MACRO _thrash_windows(window_s, full_pool_frac, min_preempt_per_s,
@@ -66,10 +66,10 @@ CREATE OR REPLACE MACRO _thrash_windows(window_s, full_pool_frac, min_preempt_pe
 WITH marked AS (
     SELECT *,
            row_number() OVER (PARTITION BY run_id ORDER BY end_s, step)
-           - row_number() OVER (PARTITION BY run_id, thrashing ORDER BY end_s, step) AS stretch
+           - row_number() OVER (PARTITION BY run_id, thrashing ORDER BY end_s, step) AS thrash_window
     FROM _thrash_steps(window_s, full_pool_frac, min_preempt_per_s, min_recompute_share, min_full_pool_share)
 ),
-stretches AS (
+thrash_windows AS (
     SELECT run_id,
            greatest(min(end_s) - window_s, 0) AS window_start_s,
            max(end_s) AS end_s,
@@ -79,15 +79,15 @@ stretches AS (
            max(full_pool_share) AS peak_full_pool_share
     FROM marked
     WHERE thrashing
-    GROUP BY run_id, stretch
+    GROUP BY run_id, thrash_window
 ),
--- a stretch's window can reach back into the previous stretch: start where that one ended,
--- so that stretches never overlap and their durations add up to at most the run's length
+-- a thrash window's first step's window can reach back into the previous thrash window: start
+-- where that one ended, so that they never overlap and their durations add up to at most the run's length
 disjoint AS (
     SELECT *,
            greatest(window_start_s,
                     coalesce(lag(end_s) OVER (PARTITION BY run_id ORDER BY end_s), 0)) AS start_s
-    FROM stretches
+    FROM thrash_windows
 )
 SELECT run_id, start_s, end_s, end_s - start_s AS duration_s, thrashing_steps,
        peak_preempt_per_s, peak_recompute_share, peak_full_pool_share
@@ -103,7 +103,7 @@ WITH per_run AS (
     FROM _thrash_steps(window_s, full_pool_frac, min_preempt_per_s, min_recompute_share, min_full_pool_share)
     GROUP BY run_id
 ),
-stretches AS (
+per_run_windows AS (
     SELECT run_id, count(*) AS thrash_windows, sum(duration_s) AS thrash_s
     FROM _thrash_windows(window_s, full_pool_frac, min_preempt_per_s, min_recompute_share, min_full_pool_share)
     GROUP BY run_id
@@ -134,5 +134,5 @@ SELECT span.run_id,
 FROM _run_span span
 JOIN _recompute rc USING (run_id)
 LEFT JOIN per_run pr USING (run_id)
-LEFT JOIN stretches st USING (run_id)
+LEFT JOIN per_run_windows st USING (run_id)
 LEFT JOIN preempted p USING (run_id);

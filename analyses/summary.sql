@@ -6,7 +6,7 @@
 -- param: ttft_ms = 2000  SLO for time to first token (ms); <= 0 disables it
 -- param: tpot_ms = 100  SLO for time per output token (ms); <= 0 disables it
 -- param: e2el_ms = 0  SLO for end-to-end latency (ms); <= 0 disables it
--- param: window_s = 5  thrash: sliding window length (s)
+-- param: window_s = 5  thrash: the window judged at each step, in seconds
 -- param: full_pool_frac = 0.95  thrash: a step's pool is full when used_blocks / total_blocks >= this
 -- param: min_preempt_per_s = 1  thrash: preemptions per second a thrashing window has at least
 -- param: min_recompute_share = 0.2  thrash: recomputed share of the window's computed positions, or...

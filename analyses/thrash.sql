@@ -1,16 +1,16 @@
 -- Did the engine thrash? A verdict per run, none / occasional / sustained, with its evidence.
 --
 -- Thrashing is preemption that keeps coming back while the pool stays full, so that a good part
--- of the compute redoes work already done. Every step is judged over a sliding window of
--- `window_s` seconds ending with it: the window thrashes when it has at least
+-- of the compute redoes work already done. Every step is judged over the window of `window_s`
+-- seconds ending with it: the window thrashes when it has at least
 -- `min_preempt_per_s` preemptions per second AND either at least `min_recompute_share` of the
 -- positions computed in it were recomputed (recompute mode) or at least `min_full_pool_share`
 -- of its steps ran with the pool `full_pool_frac` full (swap mode shows up here).
--- Verdict: none = no preemption at all; sustained = some window thrashes (the stretches are
--- listed by thrash_windows.sql); occasional = preemptions, but no window thrashes.
+-- Verdict: none = no preemption at all; sustained = some window thrashes (the thrash windows,
+-- periods of consecutive thrashing steps, are listed by thrash_windows.sql); occasional = preemptions, but no window thrashes.
 -- The defaults call it sustained from 5 preemptions in 5 s with a fifth of the compute wasted
 -- or the pool full in half the steps.
--- param: window_s = 5  sliding window length (s)
+-- param: window_s = 5  the window judged at each step, in seconds
 -- param: full_pool_frac = 0.95  a step's pool is full when used_blocks / total_blocks >= this
 -- param: min_preempt_per_s = 1  preemptions per second a thrashing window has at least
 -- param: min_recompute_share = 0.2  recomputed share of the window's computed positions, or...
@@ -20,7 +20,7 @@
 --   run_id, verdict
 --   preemptions            preempt events
 --   peak_preempt_per_s     highest windowed preemption rate (1/s)
---   thrash_windows         stretches of time that thrash (see thrash_windows.sql)
+--   thrash_windows         periods of time that thrash (see thrash_windows.sql)
 --   thrash_s               their total length (s)
 --   preempted_sequences    sequences preempted at least once
 --   repreempted_sequences  sequences preempted more than once

@@ -269,7 +269,7 @@ kvtrace analyze traces/runs/thrash
 Read it from the verdict down:
 
 - **thrash SUSTAINED**: {preemptions} preemptions of {sequences} sequences ({again} of them more
-  than once), in {windows} stretch(es) that add up to {thrash_s} of a {duration} run. The pool strip
+  than once), in {windows} thrash window(s) that add up to {thrash_s} of a {duration} run. The pool strip
   is red (full) through the bursts, and the ▲ marks are preemptions.
 - **{share} of compute recomputed**: a preempted request lost its KV, and when blocks came back it
   re-prefilled its prompt and every token it had already produced. The engine stayed busy; part of

@@ -23,7 +23,7 @@ and writes them as packets, streaming: query results are read in Arrow batches, 
 (whole steps, whole sequences) becomes a table of packets in file order (slice ends and requester
 instants put in place by sort keys), and the writer encodes the table with numpy and appends it
 to the file (kvtrace/export/perfetto_writer.py), so memory stays flat and no Python runs per
-packet; the engine track, whose query gathers every evicted block, is read a window of steps at
+packet; the engine track, whose query gathers every evicted block, is read a range of steps at
 a time.
 Timestamps are integer nanoseconds on each run's clock (seconds since it started); the same runs
 give the same bytes.
@@ -60,7 +60,7 @@ if TYPE_CHECKING:   # duckdb is imported where a connection is made: not by ever
 BATCH_ROWS = 8_192             # rows per Arrow batch read from DuckDB
 CHUNK_ROWS = 16_384            # rows turned into packets at once (numpy's working arrays: some tens of MB)
 DUCKDB_MEMORY = "128MB"        # DuckDB's working memory; sorts and aggregations beyond it spill to disk
-WINDOW_EVENTS = 1_000_000      # about this many kv_events per window of steps of the engine track's stream
+EVENTS_PER_READ = 1_000_000      # about this many kv_events per range of steps the engine track's stream reads
 
 # column of _timeline_counters -> (track name, unit shown, axis key: counters with one share a y axis)
 COUNTERS: dict[str, tuple[str, str, str]] = {
@@ -132,7 +132,7 @@ def export_perfetto(runs: list[str | Path], output: Path) -> ExportSummary:
             con.execute(f"SET memory_limit = '{DUCKDB_MEMORY}'")
             con.execute(f"SET temp_directory = '{spill}'")
             db.keep(con, "_timeline_phases", "_timeline_flows")     # once: the flows of the engine track's
-            #                                                        windows and the requests' states read them
+            #                                                        step ranges and the requests' states read them
             summary = _write_runs(con, TraceWriter(file), output)
             con.close()
         os.replace(temp, output)
@@ -199,14 +199,14 @@ def _write_run(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str,
     _write_requests(con, writer, run_id, tracks)
 
 
-def _engine_windows(con: duckdb.DuckDBPyConnection, run_id: str) -> Iterator[tuple[str, dict]]:
-    """The run's steps cut into windows of about WINDOW_EVENTS kv_events, in order, as (condition
+def _engine_step_ranges(con: duckdb.DuckDBPyConnection, run_id: str) -> Iterator[tuple[str, dict]]:
+    """The run's steps cut into ranges of about EVENTS_PER_READ kv_events, in order, as (condition
     on step, its params); then the rows without a step, which sort last."""
     starts = [row[0] for row in _rows(con, f"""
         SELECT min(step) FROM (
             SELECT step, sum(count(*)) OVER (ORDER BY step) AS events_to_here
             FROM kv_events WHERE run_id = $run AND step IS NOT NULL GROUP BY step)
-        GROUP BY (events_to_here - 1) // {WINDOW_EVENTS}
+        GROUP BY (events_to_here - 1) // {EVENTS_PER_READ}
         ORDER BY 1""", run_id)]
     if len(starts) < 2:
         yield "step IS NOT NULL", {}
@@ -222,11 +222,11 @@ def _write_engine(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: s
     """Step slices with the instants of each step inside them: one ordered stream (_timeline_engine),
     a step's slice closed when the next step's rows begin.
 
-    The stream is read a window of steps at a time (_engine_windows), so that what DuckDB holds at
-    once (the step's evicted blocks gathered, the flows joined, the rows sorted) is a window's, not
+    The stream is read a range of steps at a time (_engine_step_ranges), so that what DuckDB holds at
+    once (the step's evicted blocks gathered, the flows joined, the rows sorted) is a range's, not
     the run's: read whole, the stream of 10M kv_events did not fit in DUCKDB_MEMORY (nor in twice
     that) although each of its parts did."""
-    for where, params in _engine_windows(con, run_id):
+    for where, params in _engine_step_ranges(con, run_id):
         for rows in _chunks(con, f"""
                 SELECT part, ts_ns, end_ns, name, flow_ids, {', '.join(_ENGINE_ARGS)}
                 FROM _timeline_engine WHERE run_id = $run AND {where}

@@ -246,7 +246,7 @@ def thrash_verdict(t: dict) -> Text:
     evidence = [f"peak {fmt_num(t.get('peak_preempt_per_s'))} preempt/s"]
     windows = t.get("thrash_windows") or 0
     if windows:
-        evidence.append(f"{windows} stretch{'es' if windows > 1 else ''} ({fmt_seconds(t.get('thrash_s'))})")
+        evidence.append(f"{windows} window{'s' if windows > 1 else ''} ({fmt_seconds(t.get('thrash_s'))})")
     if t.get("recompute_share"):
         evidence.append(f"{fmt_share(t['recompute_share'])} recomputed")
     return text.append(" · " + " · ".join(evidence))

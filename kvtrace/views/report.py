@@ -266,7 +266,7 @@ def build(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = Non
         ReportChart("pool_occupancy", "KV pool occupancy",
                     f"Mean share of the device KV pool in use in each of {buckets} intervals per run (faint: the "
                     "interval's fullest step); marks above: intervals with preemptions or swap copies; shaded: "
-                    "thrashing stretches. From pool_timeline.sql and thrash_windows.sql.",
+                    "thrash windows. From pool_timeline.sql and thrash_windows.sql.",
                     pool_occupancy(timeline, windows, run_ids)),
         ReportChart("request_gantt", "Most preempted requests",
                     f"What the {requests} most preempted requests of each run went through, state by state. "

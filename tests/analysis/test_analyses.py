@@ -552,10 +552,10 @@ def test_every_analysis_on_a_recorded_run(tmp_path):
                        {("recompute", "reprefill"), ("swap", "swap_wait")})
 
 
-def test_thrash_stretches_never_overlap(tmp_path):
+def test_thrash_windows_never_overlap(tmp_path):
     # preemptions at the steps ending 1 s and 3.4 s; with 2 s windows the steps ending 1, 2, 3
     # thrash, the one ending 3.2 does not, and the one ending 3.4 does again: its window reaches
-    # back to 1.4 s, inside the first stretch, so the second stretch starts where the first ended
+    # back to 1.4 s, inside the first thrash window, so the second starts where the first ended
     ends = [1.0, 2.0, 3.0, 3.2, 3.4]
     preempts = [3, 0, 0, 0, 3]
     steps = [{"step": i, "start_s": (ends[i - 1] if i else 0.0), "end_s": e, "prefill_tokens": 0,

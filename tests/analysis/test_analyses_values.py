@@ -79,9 +79,9 @@ def test_a_pool_at_exactly_the_full_fraction_is_full(tmp_path):
     # (steps 1-3: windows of 2 or 3 steps, at least half of them full)
     (got,) = rows(con, "thrash", full_pool_frac=0.75, window_s=2)
     assert (got["verdict"], got["thrash_windows"], got["thrash_s"]) == ("sustained", 1, 4.0)
-    # the stretch's peak rate is its highest window's: 2 preemptions in 2 s at step 1, 3 after
-    (stretch,) = rows(con, "thrash_windows", full_pool_frac=0.75, window_s=2)
-    assert (stretch["thrashing_steps"], stretch["peak_preempt_per_s"]) == (3, 1.5)
+    # the thrash window's peak rate is its steps' highest: 2 preemptions in 2 s at step 1, 3 after
+    (window,) = rows(con, "thrash_windows", full_pool_frac=0.75, window_s=2)
+    assert (window["thrashing_steps"], window["peak_preempt_per_s"]) == (3, 1.5)
     (got,) = rows(con, "thrash", full_pool_frac=0.76)
     assert got["full_pool_step_share"] == 0.25
     # the default 0.95: 19 of 20 blocks is full

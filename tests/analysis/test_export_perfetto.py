@@ -245,16 +245,16 @@ def test_a_second_export_is_byte_identical(exported, tmp_path):
     assert again.read_bytes() == path.read_bytes()
 
 
-def test_the_engine_track_read_in_windows_of_steps_is_the_same_file(exported, tmp_path, monkeypatch):
-    """A window of about 50 kv_events' steps cuts each fixture's engine track into a dozen windows
+def test_the_engine_track_read_in_ranges_of_steps_is_the_same_file(exported, tmp_path, monkeypatch):
+    """A range of about 50 kv_events' steps cuts each fixture's engine track into a dozen ranges
     or more (a step's rows never split); the file is the one read whole."""
-    monkeypatch.setattr(perfetto, "WINDOW_EVENTS", 50)
+    monkeypatch.setattr(perfetto, "EVENTS_PER_READ", 50)
     con = db.connect(RUNS)
-    assert all(len(list(perfetto._engine_windows(con, run.name))) >= 12 for run in RUNS)
+    assert all(len(list(perfetto._engine_step_ranges(con, run.name))) >= 12 for run in RUNS)
     path, _ = exported
-    windowed = tmp_path / "windowed.pftrace"
-    perfetto.export_perfetto(RUNS, windowed)
-    assert windowed.read_bytes() == path.read_bytes()
+    ranged = tmp_path / "ranged.pftrace"
+    perfetto.export_perfetto(RUNS, ranged)
+    assert ranged.read_bytes() == path.read_bytes()
 
 
 # --------------------------------------------------------------------------- fresh runs and bad input
