@@ -188,7 +188,7 @@ class Recording:
         self.meta["started_at"] = datetime.now(timezone.utc).isoformat()
         self.meta["status"] = "running"
         writer = TraceWriter(self.run_dir, self.meta["run_id"], record_token_ids=self.record_token_ids,
-                             background=not self.engine.simulated)
+                             engine_makes_tables=self.engine.simulated)
         sampler = NvmlSampler(None if self.engine.simulated else self.engine.device, writer, clock=self.engine.now)
         self.meta["nvml"] = {"enabled": sampler.enabled, "reason": sampler.reason, "fields": sampler.fields}
         write_json_atomic(meta_path, self.meta)
