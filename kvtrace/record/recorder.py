@@ -21,8 +21,8 @@ from engine.events import DecodeWindow, KVEvent, RequestStats, StepRecord
 from kvtrace.record import tables
 from kvtrace.trace.schema import TABLES, write_parquet
 
-# the order a chunk's tables are taken: the slowest to write first (the closing flush hands each
-# over as it is made)
+# the order a chunk's tables are handed to the writer thread: the slowest to write first, so that
+# its writing overlaps the making of the others where the engine's thread makes them
 _WRITING_ORDER = ("tokens", "kv_events", "steps", "requests", "gpu_samples")
 
 
@@ -56,7 +56,7 @@ class TraceWriter:
         self._req_numbers = tables.RequestNumbers()
         self._tokens_table = tables.TokensTable(self._req_numbers, run_id)
         self._part = {name: 0 for name in TABLES}   # each table's next part number
-        self.rows_written = {name: 0 for name in TABLES}
+        self.rows_written = {name: 0 for name in TABLES}   # the writer thread's; read once it has stopped
         # (table name, part number, its buffer or its table made) for the writer thread; None: stop
         self._queue: queue.Queue[tuple[str, int, object] | None] = queue.Queue()
         self._error: BaseException | None = None   # the first failure, reported on the engine's thread
@@ -126,54 +126,32 @@ class TraceWriter:
                 values.append(row[name])
 
     # ---- chunks -------------------------------------------------------------------------
-    def flush(self, closing: bool = False) -> None:
-        """Hand every non-empty buffer to the writer thread as one closed chunk. `closing`: the last
-        flush, whose tables are handed over one by one as they are made (the largest to write first),
-        so that writing them overlaps the making of the rest: nothing else is left to run."""
+    def flush(self) -> None:
+        """Close a chunk: each non-empty buffer is handed to the writer thread as the next part of its
+        table, as it is or (`engine_makes_tables`) as its table, made here, one table after another
+        (_WRITING_ORDER). Raises if writing the trace has failed."""
         self._last_flush = time.monotonic()
-        chunks = []
         for name, buffer in self._take_buffers():
-            chunks.append((name, self._part[name], buffer))
+            if self._error is not None:
+                break
+            part = self._part[name]
             self._part[name] += 1
-        if not self.engine_makes_tables:
-            for chunk in chunks:
-                self._queue.put(chunk)
-        elif closing:
-            for name, part, buffer in chunks:
-                if self._error is not None:
-                    break
+            if self.engine_makes_tables:
                 try:
-                    self._queue.put((name, part, self._make_table(name, buffer)))
+                    buffer = self._make_table(name, buffer)
                 except Exception as exc:
                     self._error = exc
-        elif self._error is None:
-            try:
-                made = [(name, part, self._make_table(name, buffer)) for name, part, buffer in chunks]
-            except Exception as exc:
-                self._error = exc
-            else:
-                for chunk in made:
-                    self._queue.put(chunk)
+                    break
+            self._queue.put((name, part, buffer))
         if self._error is not None:
             raise RuntimeError(f"writing the trace failed: {self._error}") from self._error
 
     def close(self) -> None:
-        """Flush everything and wait until every chunk is on disk. Tables made here
-        (`engine_makes_tables`) this thread writes too, beside the writer thread, until none is left
-        (the writer thread's chunks stay its own: it makes the tokens chunks' tables in order)."""
+        """Flush everything and wait until every chunk is on disk."""
         try:
-            self.flush(closing=True)
+            self.flush()
         finally:
             self._queue.put(None)
-            while self.engine_makes_tables:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:   # the writer thread took the last, and the stop
-                    break
-                if item is None:
-                    self._queue.put(None)   # the writer thread's stop
-                    break
-                self._write(item)
             self._thread.join()
         if self._error is not None:
             raise RuntimeError(f"writing the trace failed: {self._error}") from self._error
@@ -209,19 +187,17 @@ class TraceWriter:
         return tables.gpu_samples_table(buffer, self.run_id)
 
     def _write_loop(self) -> None:
+        """The writer thread: each part's table made (unless made already) and written, in the order
+        handed over; after a failure, the rest is dropped (the engine's thread reports it)."""
         while (item := self._queue.get()) is not None:
-            self._write(item)
-
-    def _write(self, item: tuple) -> None:
-        """Write one chunk (its table made here unless `engine_makes_tables`); an error is kept for
-        the engine's thread, which reports it at its next flush."""
-        if self._error is not None:
-            return
-        name, part, content = item
-        try:
-            self._store(name, part, content if self.engine_makes_tables else self._make_table(name, content))
-        except BaseException as exc:
-            self._error = exc
+            if self._error is not None:
+                continue
+            name, part, content = item
+            try:
+                table = content if self.engine_makes_tables else self._make_table(name, content)
+                self._store(name, part, table)
+            except BaseException as exc:
+                self._error = exc
 
     def _store(self, name: str, part: int, table: pa.Table) -> None:
         """Write the part under a hidden name, then rename it into place."""
@@ -231,5 +207,4 @@ class TraceWriter:
         tmp = folder / f".part-{part:05d}.parquet.tmp"
         write_parquet(table, tmp)
         os.replace(tmp, final)
-        with self._lock:   # (the closing thread writes too)
-            self.rows_written[name] += table.num_rows
+        self.rows_written[name] += table.num_rows
