@@ -3,9 +3,9 @@
 A chunk closes when a table's buffer reaches `max_rows` or, at a step, when `flush_seconds` have
 passed since the last chunk: a SIGKILL loses at most the steps of those last seconds (while the engine
 idles between arrivals nothing new is buffered, and what the last steps buffered waits for the next
-step). Each buffer of the chunk becomes a part of its table (tables.py makes them) that a thread of the
-writer's own writes to a hidden temporary name, then renames into place, so a reader (or a crash) never
-sees half a file.
+step). Each buffer of the chunk becomes a part of its table (tables.py and tokens_table.py make
+them) that a thread of the writer's own writes to a hidden temporary name, then renames into place,
+so a reader (or a crash) never sees half a file.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from engine.events import DecodeWindow, KVEvent, RequestStats, StepRecord
 from kvtrace.record import tables
+from kvtrace.record.tokens_table import RequestNumbers, TokensTable, TokenStretches
 from kvtrace.trace.schema import TABLES, write_parquet
 
 # the order a chunk's tables are handed to the writer thread: the slowest to write first, so that
@@ -49,12 +50,12 @@ class TraceWriter:
         self._events: list[KVEvent | DecodeWindow] = []
         self._num_events = 0   # the rows of `_events` but evictions (a window's allocs each one)
         self._requests: list[RequestStats] = []
-        self._tokens = tables.TokenStretches()
+        self._tokens = TokenStretches()
         self._gpu_samples: dict[str, list] = {c: [] for c in TABLES["gpu_samples"].names if c != "run_id"}
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
-        self._req_numbers = tables.RequestNumbers()
-        self._tokens_table = tables.TokensTable(self._req_numbers, run_id)
+        self._req_numbers = RequestNumbers()
+        self._tokens_table = TokensTable(self._req_numbers, run_id)
         self._part = {name: 0 for name in TABLES}   # each table's next part number
         self.rows_written = {name: 0 for name in TABLES}   # the writer thread's; read once it has stopped
         # (table name, part number, its buffer or its table made) for the writer thread; None: stop
@@ -161,7 +162,7 @@ class TraceWriter:
         (the tokens' finished sequences stay until a tokens chunk takes them)."""
         taken = {}
         if self._tokens.num:
-            taken["tokens"], self._tokens = self._tokens, tables.TokenStretches()
+            taken["tokens"], self._tokens = self._tokens, TokenStretches()
         if self._events:
             taken["kv_events"], self._events, self._num_events = self._events, [], 0
         if self._steps:
