@@ -4,7 +4,7 @@ what it saves: `kvtrace record --engine sim` is timed whole against another simu
 sweep` starts one per point. The figures are of the 1,000-request ShareGPT-like simulated recording
 (benchmarks/sim_speed.py; about 0.7 s), each trick taken out alone, medians of runs in turn with and
 without it (the time in the collector over the whole command, from gc.callbacks; the exit's, from its
-last atexit handler to the process gone), on the shared 2-core VM at a load of about 8, 2026-12-05
+last atexit handler to the process gone), on the shared 2-core VM at a load of about 2, 2026-12-05
 (benchmarks/log/2026-12.md). Only public functions of the standard library are used.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import NoReturn
 def start_up() -> Iterator[None]:
     """While the command line loads (modules, classes: all live to the end), no collection; then what
     it made is frozen out of the collector's view, so that no later collection walks it. In the
-    collector: 4 ms instead of 17 ms (16 collections instead of 59)."""
+    collector: 2 ms instead of 8 ms (16 collections instead of 59)."""
     gc.disable()
     try:
         yield
@@ -46,7 +46,7 @@ def steady_gc() -> Iterator[None]:
     walks what the block made) and the thresholds are restored. Nested, only the outermost acts: a
     recording holds it from its preparation (the workload, the engine) until its trace is closed, so
     that the trace's buffers, let go by then, are not walked once more by a collection at the
-    replay's end. In the collector: 4 ms instead of 122 ms (16 collections instead of 222); 23 ms (68
+    replay's end. In the collector: 2 ms instead of 62 ms (16 collections instead of 222); 12 ms (68
     collections) with the replay's own block alone, not the recording's around it."""
     global _steady_gc_depth
     _steady_gc_depth += 1
@@ -71,7 +71,7 @@ def steady_gc() -> Iterator[None]:
 # ---- the exit -------------------------------------------------------------------------------
 # The interpreter's teardown frees every object of numpy, Arrow, the engine and the run one by one,
 # and nothing after it needs them: the command line's exit ends the process once the exit's own work
-# is done (from the last atexit handler to the process gone: 18 ms instead of 34 ms). The exit is the
+# is done (from the last atexit handler to the process gone: 10 ms instead of 18 ms). The exit is the
 # normal one up to its last atexit handler: its status, the other threads joined, every atexit
 # handler run (logging's, tempfile's finalizers, Ray's in a sweep, a test's), then the standard
 # streams flushed and `os._exit`. Handlers run in the reverse of the order they were registered in,
