@@ -3,18 +3,20 @@ module registers its commands on the shared Typer app (kvtrace/cli/app.py) when 
 
 `main` imports only the module of the command it runs, so that a command's start-up pays for no
 other command's imports (`kvtrace record --engine sim` is timed whole against other simulators, and
-`kvtrace sweep` starts one per point): the rest (the analyses, DuckDB, Rich's tables, the sweep's
-views) cost a tenth of a second more. `load()` registers every command (the help lists them all, and
-`import kvtrace.cli.commands` does the same for tests and scripts that drive the app)."""
+`kvtrace sweep` starts one per point; what the others' imports cost is in benchmarks/log/2026-12.md,
+2026-12-05). `load()` registers every command (the help lists them all, and `import
+kvtrace.cli.commands` does the same for tests and scripts that drive the app). What the process does
+to start and end sooner is in kvtrace/process.py."""
 from __future__ import annotations
 
-import atexit
-import gc
 import importlib
-import os
 import sys
-import threading
 from typing import NoReturn
+
+from kvtrace import process
+
+# the handler that ends the process, registered before the command can register any (kvtrace/process.py)
+process.end_after_atexit_handlers()
 
 # every command module, in the order their commands are listed
 MODULES = ("calibrate", "capture", "explain", "explore", "export", "model", "record", "sql", "sweep", "view",
@@ -41,42 +43,20 @@ def load(command: str | None = None):
 
 def main() -> None:
     """Run the command line; ends with SystemExit, as Typer's app does."""
-    # The cyclic collector need not walk what start-up makes (modules, classes: all live to the end),
-    # nor anything once the command is done: the collection at the interpreter's exit then has
-    # nothing to look at (together 40 ms of a simulated recording of 1,000 requests).
-    gc.disable()
-    app = load(sys.argv[1] if len(sys.argv) > 1 else None)
-    gc.freeze()
-    gc.enable()
-    try:
-        app()
-    finally:
-        gc.freeze()
+    with process.start_up():
+        app = load(sys.argv[1] if len(sys.argv) > 1 else None)
+    app()
 
 
 def run() -> NoReturn:
-    """The process's entry (the `kvtrace` script, `python -m kvtrace`): `main`, then an exit without the
-    interpreter's teardown, which frees every object of numpy, Arrow, the engine and the run one by one
-    (50 ms of a one-second simulated recording). Standard output and error are flushed and the atexit
-    handlers run first, as at a normal exit; with another thread still running, or output that cannot
-    be flushed, the exit is the normal one."""
+    """The process's entry (the `kvtrace` script, `python -m kvtrace`): `main`, then its exit without
+    the interpreter's teardown (`process.exit_without_teardown`)."""
     try:
         main()
         code = None
     except SystemExit as exc:
         code = exc.code
-    if threading.active_count() == 1:
-        status = 0 if code is None else code if isinstance(code, int) else 1
-        if not isinstance(code, (int, type(None))):
-            print(code, file=sys.stderr)
-        atexit._run_exitfuncs()   # (and forgets them)
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except (OSError, ValueError):   # a closed pipe: the normal exit reports it
-            raise SystemExit(code) from None
-        os._exit(status)
-    raise SystemExit(code)
+    process.exit_without_teardown(code)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,15 @@
 """Replay a workload through the engine on its arrival clock."""
 from __future__ import annotations
 
-import gc
 import math
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
 from kvtrace.errors import KvtraceError
+from kvtrace.process import steady_gc
 from kvtrace.workload import WorkloadRequest, resolve_prompt_ids, validate_lengths
 
 
@@ -84,38 +83,6 @@ def replay(engine: LLMEngine, items: list[ReplayItem], *,
     if on_progress is not None:
         on_progress(stats)
     return stats
-
-
-@contextmanager
-def steady_gc():
-    """The replay allocates a step's records and events by the thousand, nearly none in cycles, beside
-    what lives for the whole run (the workload's prompts, the engine). The cyclic collector would walk
-    the latter again at every full collection and the young objects every 700 allocations: the
-    objects made before are frozen out of its view and it runs less often (a long simulated replay
-    spent a fifth of its time in it). Restored afterwards. Nested, only the outermost acts: a recording
-    holds it until its trace is closed, so that the trace's buffers, let go by then, are not walked
-    once more by a collection at the replay's end (40 ms of a 1,000-request simulated replay)."""
-    global _gc_depth
-    _gc_depth += 1
-    if _gc_depth > 1:
-        try:
-            yield
-        finally:
-            _gc_depth -= 1
-        return
-    thresholds = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(200_000, 20, 100)
-    try:
-        yield
-    finally:
-        _gc_depth -= 1
-        gc.freeze()   # what the replay made joins the rest, uncollected: no young collection walks it now
-        gc.set_threshold(*thresholds)
-        gc.unfreeze()
-
-
-_gc_depth = 0
 
 
 def _run(engine: LLMEngine, items: list[ReplayItem], on_progress, progress_every_s: float, stop, stats: ReplayStats) -> None:

@@ -21,7 +21,8 @@ from kvtrace.atomic import write_json_atomic
 from kvtrace.errors import KvtraceError
 from kvtrace.record.nvml import NvmlSampler
 from kvtrace.record.recorder import TraceWriter
-from kvtrace.record.replay import ReplayItem, ReplayStats, fill_stats, prepare, replay, steady_gc
+from kvtrace.process import steady_gc
+from kvtrace.record.replay import ReplayItem, ReplayStats, fill_stats, prepare, replay
 from kvtrace.trace.schema import SCHEMA_VERSION
 from kvtrace.workload import load_workload, workload_sha256
 
@@ -189,7 +190,7 @@ class Recording:
         self.meta["started_at"] = datetime.now(timezone.utc).isoformat()
         self.meta["status"] = "running"
         writer = TraceWriter(self.run_dir, self.meta["run_id"], record_token_ids=self.record_token_ids,
-                             background=not self.engine.simulated)
+                             engine_makes_tables=self.engine.simulated)
         sampler = NvmlSampler(None if self.engine.simulated else self.engine.device, writer, clock=self.engine.now)
         self.meta["nvml"] = {"enabled": sampler.enabled, "reason": sampler.reason, "fields": sampler.fields}
         write_json_atomic(meta_path, self.meta)
@@ -199,7 +200,7 @@ class Recording:
             self.console.print(f"[dim]note: {self.meta['device']['kernels_note']}[/]")
         self.engine.tracer = writer
         status, error = "completed", None
-        with steady_gc():   # to the trace's close (replay.steady_gc)
+        with steady_gc():   # to the trace's close (process.steady_gc)
             sampler.start()
             try:
                 with self._progress() as on_progress:

@@ -54,7 +54,7 @@ def replayed(tmp_path, name: str, wrap, max_rows: int, settings: dict):
         r.arrival_s = round(rng.uniform(0.0, 0.3), 4)
         r.max_tokens = rng.randint(30, 70)
         r.output_tokens = rng.choice([None, rng.randint(20, r.max_tokens)])
-    writer = TraceWriter(tmp_path / name, "run", max_rows=max_rows, background=False)
+    writer = TraceWriter(tmp_path / name, "run", max_rows=max_rows, engine_makes_tables=True)
     tracer = wrap(writer)
     engine = build_engine(EngineConfig(model="tiny", load_format="dummy", engine="sim", hardware="a100-80gb",
                                        block_size=4, watermark=0.0, max_num_batched_tokens=64, **settings), tracer)

@@ -31,7 +31,7 @@ class Tee:
 def teed_engine(tmp_path, make_engine, engine: str, max_rows: int, **settings):
     """An engine (real or simulated) whose step records go to a TraceWriter of tmp_path/run and to a
     kept copy; returns (engine, tee)."""
-    writer = TraceWriter(tmp_path / "run", "run", max_rows=max_rows, background=engine == "real")
+    writer = TraceWriter(tmp_path / "run", "run", max_rows=max_rows, engine_makes_tables=engine == "sim")
     sim = {"engine": "sim", "hardware": "a100-80gb"} if engine == "sim" else {}
     tee = Tee(writer)
     return make_engine(tee, **settings, **sim), tee

@@ -138,10 +138,10 @@ def test_the_vllm_importer_writes_them(tmp_path):
     assert sorted(round(g, 6) for (g,) in con.sql("SELECT gap_ms FROM _itl").fetchall()) == [0.0] * 3 + [1000.0] * 4
 
 
-@pytest.mark.parametrize("background", [True, False])
-def test_a_chunk_that_cannot_be_written_fails_the_flush(tmp_path, monkeypatch, background):
+@pytest.mark.parametrize("engine_makes_tables", [False, True])
+def test_a_chunk_that_cannot_be_written_fails_the_flush(tmp_path, monkeypatch, engine_makes_tables):
     """Whichever thread makes the chunks' tables, a write that fails is reported on the engine's thread."""
-    writer = TraceWriter(tmp_path / "run", "run", background=background)
+    writer = TraceWriter(tmp_path / "run", "run", engine_makes_tables=engine_makes_tables)
 
     def broken(*args):
         raise OSError("disk full")

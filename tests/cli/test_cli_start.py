@@ -57,13 +57,13 @@ def test_a_command_started_alone_imports_its_module_only_and_is_whole(module):
 
 
 # the process's entry as the `kvtrace` script runs it, with an atexit handler and, if asked, a thread
-# still running when the command is done
+# still running when the command is done (it waits for the main thread to end)
 ENTRY = """
-import atexit, sys, threading, time
+import atexit, sys, threading
 from kvtrace.cli import run
 atexit.register(lambda: print("atexit handler ran"))   # left in stdout's buffer: run must flush it
 if sys.argv[1] == "thread":
-    threading.Thread(target=lambda: (time.sleep(0.5), print("thread done"))).start()
+    threading.Thread(target=lambda: (threading.main_thread().join(), print("thread done"))).start()
 sys.argv = ["kvtrace", *sys.argv[2:]]
 run()
 """

@@ -5,11 +5,13 @@ exactly as `kvtrace vllm-env` arranges it, in an interpreter without kvtrace's d
 
 The build runs on a copy of the files the build reads (pyproject.toml, setup.py, README.md,
 kvtrace/, engine/, analyses/), so that a stale build/ folder of the checkout cannot put old files
-in the wheel and the test writes nothing into the checkout. The environment is created with
---system-site-packages so that torch and the other heavy dependencies come from this Python (nothing
-is downloaded); its own site-packages comes first on sys.path, and the editable install's finder
-(a meta-path hook for the developer's checkout) answers only for what the path does not find. The
-test asserts where `kvtrace`, `engine` and the SQL library were imported from.
+in the wheel and the test writes nothing into the checkout. Torch and the other heavy dependencies
+come from this Python (nothing is downloaded): the environment is created with
+--system-site-packages, which gives it the base interpreter's site-packages, and when this Python
+runs in a virtual environment of its own, that environment's site-packages is added after the new
+one's (`see_running_packages`). The new environment's own site-packages comes first on sys.path, and
+an editable install's finder (a meta-path hook for a developer's checkout) answers only for what the
+path does not find. The test asserts where `kvtrace`, `engine` and the SQL library were imported from.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -41,6 +44,20 @@ def expected_files() -> set[str]:
              for p in files(pattern)}
     paths |= {f"kvtrace/analyses/{p.name}" for pattern in ("analyses/*.sql", "analyses/*.py") for p in files(pattern)}
     return paths
+
+
+def see_running_packages(venv: Path) -> None:
+    """Let `venv` (made by this Python with --system-site-packages, so it sees the base interpreter's
+    site-packages) see the packages of the virtual environment this Python runs in, if it runs in one:
+    its site-packages added by a .pth file after the venv's own, as `site` adds a site directory (its
+    own .pth files processed too)."""
+    if sys.prefix == sys.base_prefix:   # not in a virtual environment: the system site is this Python's
+        return
+    running = sysconfig.get_paths()
+    ours = Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"])
+    lines = [f"import site; site.addsitedir({path!r})"
+             for path in dict.fromkeys([running["purelib"], running["platlib"]])]
+    (ours / "zz-running-python.pth").write_text("\n".join(lines) + "\n")
 
 
 class Installed:
@@ -92,9 +109,10 @@ def installed(tmp_path_factory) -> Installed:
     (wheel,) = dist.glob("kvtrace-*.whl")
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root / "venv")],
                    check=True, timeout=120)
+    see_running_packages(root / "venv")
     installed = Installed(root, wheel, build.stdout + build.stderr)
-    # the venv has no pip of its own: this Python's, from the system site, installs into the venv;
-    # --ignore-installed, since the editable kvtrace of the system site has the same version
+    # the venv has no pip of its own: this Python's installs into the venv; --ignore-installed, since
+    # an editable kvtrace of the system site (or of this Python's venv) has the same version
     installed.run(installed.python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
                   "--ignore-installed", wheel)
     return installed

@@ -1,0 +1,191 @@
+"""The trace's tables made from what the trace writer buffers (recorder.py): one builder per table,
+each turning one chunk's buffer into an Arrow table of the table's schema (kvtrace/trace/schema.py),
+the tokens' in tokens_table.py.
+
+What each table is buffered as, between two chunks:
+- steps: the engine's StepRecords and DecodeWindows, in step order (`steps_table`);
+- kv_events: its KVEvents and the DecodeWindows that allocated blocks, in seq order (`kv_events_table`);
+- requests: its RequestStats (`requests_table`);
+- tokens: stretches of steps in which the same sequences each emit a token (tokens_table.py);
+- gpu_samples: the NVML sampler's rows as columns (`gpu_samples_table`).
+
+The records are kept as the engine handed them over (one append per step) and read field by field
+once per chunk; where a column is made for many rows at once it is made with numpy, and arrays that
+Arrow's compute functions would make are made from their buffers (arrays.py says why).
+"""
+from __future__ import annotations
+
+from itertools import chain
+from operator import attrgetter
+
+import numpy as np
+import pyarrow as pa
+
+from engine import events as ev
+from engine.events import KVEvent, RequestStats, StepRecord
+from engine.sim.window import DecodeWindow
+from kvtrace.record.arrays import as_arrow, from_numpy, lists_then_singles
+from kvtrace.trace.schema import TABLES
+
+# each steps column: the StepRecord (and DecodeWindow.step_columns) field it is read from
+_STEP_FIELDS = {
+    "step": "step", "start_s": "start_s", "end_s": "end_s", "device_ms": "device_ms", "running": "num_running",
+    "waiting": "num_waiting", "swapped": "num_swapped", "prefill_tokens": "num_prefill_tokens",
+    "decode_tokens": "num_decode_tokens", "recompute_tokens": "num_recompute_tokens",
+    "preemptions": "num_preemptions", "free_blocks": "num_free_blocks", "used_blocks": "num_used_blocks",
+    "cached_blocks": "num_cached_blocks", "total_blocks": "num_total_blocks", "kv_tokens": "num_kv_tokens",
+    "admission_stop": "admission_stop",
+}
+_REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id"]
+# The kv_events columns that only the rarer kinds set (preempt, swap_out, swap_in, reprefill, cow),
+# with the value every other event leaves (engine/events.py): they are read from the rarer events
+# alone, and the rest of the rows take the default.
+_PLAIN_KINDS = frozenset([ev.ALLOC, ev.FREE, ev.FINISH, ev.ADMIT, ev.PREFIX_HIT])
+_RARE_DEFAULTS = {"bytes": 0, "duration_ms": None, "num_cached_tokens": 0, "num_recomputed_tokens": 0,
+                  "src_blocks": None, "requester_req_id": None, "requester_sample": None, "victim_reason": None}
+# the kv_events columns read from every KVEvent (kind aside, which `_kind` reads)
+_COMMON_EVENT_FIELDS = [f for f in TABLES["kv_events"].names
+                        if f not in ("run_id", "num_blocks", "kind") and f not in _RARE_DEFAULTS]
+# an evict row's values but its seq, step, ts_s and blocks (the rest null)
+_EVICT_VALUES = {"kind": ev.EVICT, "req_id": "", "sample": 0, "num_tokens": 0, "bytes": 0, "num_cached_tokens": 0,
+                 "num_recomputed_tokens": 0}
+# a decode window's alloc row's values but its seq, step, ts_s, req_id, sample and blocks (the rest the default)
+_WINDOW_ALLOC_VALUES = {"kind": ev.ALLOC, "num_tokens": 0, "reason": ev.AllocReason.DECODE}
+# the integer columns whose evict rows hold a number (_EVICT_VALUES)
+_INT_EVENT_FIELDS = frozenset(["sample", "num_tokens", "bytes", "num_cached_tokens", "num_recomputed_tokens"])
+_evicted = attrgetter("evicted")
+_kind = attrgetter("kind")
+
+Column = list | tuple | np.ndarray | pa.Array   # a column as a builder makes it, before `as_arrow`
+
+
+def steps_table(records: list[StepRecord | DecodeWindow], run_id: str) -> pa.Table:
+    """The steps table of StepRecords and DecodeWindows in step order: each window's steps made at
+    once (DecodeWindow.step_columns), the records' read field by field, the two merged by step."""
+    windows = [item for item in records if type(item) is DecodeWindow]
+    if len(windows) < len(records):
+        steps = [item for item in records if type(item) is not DecodeWindow] if windows else records
+        fields = {name: list(map(attrgetter(name), steps)) for name in _STEP_FIELDS.values()}
+        if not windows:
+            return table("steps", {column: fields[name] for column, name in _STEP_FIELDS.items()}, run_id)
+    window_fields = DecodeWindow.step_columns(windows)
+    if len(windows) == len(records):
+        return table("steps", {column: window_fields[name] for column, name in _STEP_FIELDS.items()}, run_id)
+    order = np.argsort(np.concatenate([window_fields["step"], np.array(fields["step"], dtype=np.int64)]),
+                       kind="stable")
+    columns: dict[str, Column] = {}
+    for column, name in _STEP_FIELDS.items():
+        ours, theirs = window_fields[name], fields[name]
+        if isinstance(ours, np.ndarray) and ours.dtype != object and None not in theirs:
+            columns[column] = np.concatenate([ours, np.array(theirs, dtype=ours.dtype)])[order]
+        else:   # nullable (device_ms) or strings
+            columns[column] = _in_order(order, [(ours, len(ours)), (theirs, len(theirs))])
+    return table("steps", columns, run_id)
+
+
+def kv_events_table(items: list[KVEvent | DecodeWindow], run_id: str) -> pa.Table:
+    """The kv_events table of KVEvents and of decode windows' allocs (DecodeWindow.alloc_columns), in
+    seq order: an `evict` row for each block an alloc evicted, right before it, with the seq numbers
+    the engine left free for them (engine/events.py, `with_evictions`)."""
+    windows = [item for item in items if type(item) is DecodeWindow]
+    events = [item for item in items if type(item) is not DecodeWindow] if windows else items
+    columns: dict[str, Column] = {column: list(map(attrgetter(column), events)) for column in _COMMON_EVENT_FIELDS}
+    kinds = columns["kind"] = list(map(_kind, events))
+    evicted = list(map(_evicted, events))
+    allocs = None
+    if windows:
+        allocs = DecodeWindow.alloc_columns(windows)
+        evicted += allocs["evicted"]
+    evicting = [i for i, blocks in enumerate(evicted) if blocks]
+    rows = _merge_event_rows(columns, allocs, evicted, evicting) if allocs or evicting else range(len(events))
+    num_rows = len(columns["seq"])
+    rare = [i for i, kind in enumerate(kinds) if kind not in _PLAIN_KINDS]
+    for column, default in _RARE_DEFAULTS.items():   # (an alloc's or evict row's value is the default too)
+        set_values = [(rows[i], value) for i in rare if (value := getattr(events[i], column)) != default]
+        if default is not None:   # a count
+            values = np.full(num_rows, default, dtype=np.int64)
+        elif set_values:
+            values = [None] * num_rows
+        else:
+            columns[column] = pa.nulls(num_rows, TABLES["kv_events"].field(column).type)
+            continue
+        for row, value in set_values:
+            values[row] = value
+        columns[column] = values
+    blocks = columns["blocks"] = as_arrow(columns["blocks"], TABLES["kv_events"].field("blocks").type)
+    columns["num_blocks"] = from_numpy(np.diff(blocks.offsets.to_numpy()), pa.int32())   # a null: 0
+    return table("kv_events", columns, run_id)
+
+
+def _merge_event_rows(columns: dict[str, Column], allocs: dict | None, evicted: list, evicting: list[int]) -> np.ndarray:
+    """The events' columns (KVEvents'), the windows' allocs after them, and an `evict` row for each
+    block in `evicted` (of those rows, in their order), merged in seq order, in place: the number
+    columns as numpy arrays, blocks as an Arrow array, the strings as lists. Returns each event's row."""
+    num_events = len(columns["seq"])
+    num_allocs = len(allocs["seq"]) if allocs else 0
+    counts = np.fromiter(map(len, [evicted[i] for i in evicting]), dtype=np.int64, count=len(evicting))
+    num = int(counts.sum())
+    parents = np.repeat(np.array(evicting, dtype=np.int64), counts)   # each evict row's alloc
+    seq = np.array(columns["seq"], dtype=np.int64)
+    if allocs:
+        seq = np.concatenate([seq, allocs["seq"]])
+    place = np.arange(num) - np.repeat(np.cumsum(counts) - counts, counts)   # among its alloc's evictions
+    merged = np.concatenate([seq, seq[parents] - counts.repeat(counts) + place])
+    order = np.argsort(merged, kind="stable")
+    columns["seq"] = merged[order]
+    for column, values in columns.items():
+        if column == "seq":
+            continue
+        of_allocs = (allocs[column] if column in allocs else _WINDOW_ALLOC_VALUES.get(column)) if allocs else ()
+        if column in ("step", "ts_s"):   # an evict row's: its alloc's
+            array = np.array(values, dtype=np.float64 if column == "ts_s" else np.int64)
+            if allocs:
+                array = np.concatenate([array, of_allocs])
+            columns[column] = np.concatenate([array, array[parents]])[order]
+        elif column == "blocks":
+            singles = np.fromiter(chain.from_iterable(evicted[i] for i in evicting), dtype=np.int64, count=num)
+            if allocs:
+                singles = np.concatenate([allocs["block"], singles])
+            columns[column] = lists_then_singles(pa.array(values, pa.list_(pa.int32())), singles, order)
+        elif column in _INT_EVENT_FIELDS and None not in values:
+            columns[column] = np.concatenate([np.array(values, dtype=np.int64),
+                                              np.broadcast_to(np.asarray(of_allocs, dtype=np.int64), num_allocs),
+                                              np.full(num, _EVICT_VALUES[column], dtype=np.int64)])[order]
+        else:   # strings (or None)
+            columns[column] = _in_order(order, [(values, num_events), (of_allocs, num_allocs),
+                                                (_EVICT_VALUES.get(column), num)])
+    rows = np.empty(len(merged), dtype=np.int64)
+    rows[order] = np.arange(len(merged))
+    return rows[:num_events]
+
+
+def _in_order(order: np.ndarray, parts: list[tuple[object, int]]) -> list:
+    """Parts of a column one after another, each (its values, or one value for all its rows; its
+    rows), as a list in `order` (a permutation of the rows): strings and nullable values, put in order
+    through a numpy object array."""
+    objects = np.empty(len(order), dtype=object)
+    at = 0
+    for values, num_rows in parts:
+        objects[at:at + num_rows] = values
+        at += num_rows
+    return objects[order].tolist()
+
+
+def requests_table(stats: list[RequestStats], run_id: str) -> pa.Table:
+    """The requests table: one row per finished sequence."""
+    return table("requests", {column: list(map(attrgetter(column), stats)) for column in _REQUEST_FIELDS}, run_id)
+
+
+def gpu_samples_table(columns: dict[str, list], run_id: str) -> pa.Table:
+    """The gpu_samples table of the NVML sampler's rows, buffered as columns (the schema's, run_id aside)."""
+    return table("gpu_samples", columns, run_id)
+
+
+def table(name: str, columns: dict[str, Column], run_id: str) -> pa.Table:
+    """Table `name` of `columns` (every column of its schema but run_id, as a builder made it) and
+    `run_id`."""
+    schema = TABLES[name]
+    num_rows = len(next(iter(columns.values())))
+    arrays = {f.name: as_arrow(columns[f.name], f.type) for f in schema if f.name != "run_id"}
+    arrays["run_id"] = pa.repeat(pa.scalar(run_id, pa.string()), num_rows)
+    return pa.Table.from_arrays([arrays[f.name] for f in schema], schema=schema)
