@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import NoReturn
 
 from kvtrace import process
-
-# the handler that ends the process, registered before the command can register any (kvtrace/process.py)
-process.end_after_atexit_handlers()
 
 # every command module, in the order their commands are listed
 MODULES = ("calibrate", "capture", "explain", "explore", "export", "model", "record", "sql", "sweep", "view",
@@ -45,18 +41,15 @@ def main() -> None:
     """Run the command line; ends with SystemExit, as Typer's app does."""
     with process.start_up():
         app = load(sys.argv[1] if len(sys.argv) > 1 else None)
-    app()
-
-
-def run() -> NoReturn:
-    """The process's entry (the `kvtrace` script, `python -m kvtrace`): `main`, then its exit without
-    the interpreter's teardown (`process.exit_without_teardown`)."""
     try:
-        main()
-        code = None
-    except SystemExit as exc:
-        code = exc.code
-    process.exit_without_teardown(code)
+        app()
+    finally:
+        process.finished()
+
+
+def run() -> None:
+    """The process's entry (the `kvtrace` script, `python -m kvtrace`)."""
+    main()
 
 
 if __name__ == "__main__":
