@@ -1,5 +1,6 @@
 -- When did the engine thrash? The thrash windows: the periods in which thrashing holds (see
--- thrash.sql for the test applied to the window ending with each step, and for the params).
+-- thrash.sql for the test applied to the window ending with each step, and for the params; the
+-- words: docs/glossary.md).
 -- param: window_s = 5  the window judged at each step, in seconds
 -- param: full_pool_frac = 0.95  a step's pool is full when used_blocks / total_blocks >= this
 -- param: min_preempt_per_s = 1  preemptions per second a thrashing window has at least

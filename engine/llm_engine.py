@@ -6,7 +6,8 @@
              finish, record                    blocks freed, the step handed to the tracer
 
 The loop holds an Executor (engine/executor/) and never asks which: the model on a device, or the
-simulator's cost model (engine/sim/). engine/build.py makes an engine from its config.
+simulator's cost model (engine/sim/). engine/build.py makes an engine from its config. What this file
+writes is the general pass (docs/glossary.md), which the simulator's fast path is held to.
 """
 from __future__ import annotations
 
@@ -218,7 +219,7 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
     def advance(self, until_s: float = math.inf) -> tuple[int, int]:
         """What a replay calls: run the next step and return (steps, tokens emitted). The simulator's
-        fast path may run a stretch of steps at once, up to the one that would start at `until_s`
+        fast path may run several steps at once, up to the one that would start at `until_s`
         (the next arrival)."""
         if self.fast_path is not None:
             ran = self.fast_path.advance(until_s)

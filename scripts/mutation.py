@@ -96,7 +96,7 @@ TARGETS: dict[str, list[str]] = {
     "engine/scheduler.py": ["tests/engine"],
     "engine/sim/cohort.py": ["tests/engine"],
     "engine/sim/fast_path.py": ["tests/engine"],
-    "engine/sim/window.py": ["tests/engine", "tests/analysis"],
+    "engine/sim/leap.py": ["tests/engine", "tests/analysis"],
     "engine/block_manager.py": ["tests/engine"],
     "engine/llm_engine.py": ["tests/engine"],
     # the capture's tests that need no vLLM, and test_capture_on_vllm.py's on vLLM drivers (vllm_drivers)

@@ -3,7 +3,7 @@
 - executor.py: `SimExecutor`, the Executor of `--engine sim`: runs nothing, predicts each step's time
   from cost_model.py (a hardware profile: built-in, or calibrated into profiles/), in virtual time.
 - fast_path.py: the loop's decisions made cheaper where most simulated steps are plain decodes,
-  behind one seam (`LLMEngine.fast_path`): decode windows (window.py) and lazy steps (cohort.py),
+  behind one seam (`LLMEngine.fast_path`): leaps (leap.py) and lazy steps (cohort.py),
   both built on a plain decode's block work (decodes.py).
 
 Every KV decision is still the core's (engine/scheduler.py, engine/block_manager.py): the fast path

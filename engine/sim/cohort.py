@@ -15,7 +15,7 @@ stops (`_stops`), so that a step touches only those.
 
 A member's true counts: num_computed_tokens + lag and len(token_ids) + lag, lag = clock - mark, every
 missing token its placeholder. `settle` writes one member's counts out, `dissolve` every member's;
-the fast path dissolves the cohort before the general pass or a decode window reads the running
+the fast path dissolves the cohort before the general pass or a leap reads the running
 sequences. The words (cohort, member, settle, dissolve, lag) are defined in docs/glossary.md.
 """
 from __future__ import annotations

@@ -172,7 +172,7 @@ class CostModel:
 
     def decode_ms(self, num_decodes: int):
         """`forward_ms(0, num_decodes, num_kv, 0.0)` as a function of num_kv alone, its other terms
-        worked out once (the steps of a decode window differ only in their KV): the same floats."""
+        worked out once (the steps of a leap differ only in their KV): the same floats."""
         fixed = self._step + math.hypot(self._weights, self._prefill * 0 + self._decode * num_decodes)
         kv, pairs = self._kv, self._pair * 0.0
         return lambda num_kv: fixed + kv * num_kv + pairs

@@ -15,7 +15,7 @@ from engine.events import AllocReason
 from engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from engine.sim.window import DecodeAllocs
+    from engine.sim.leap import LeapAllocs
 
 
 def is_plain_decode(seq: Sequence) -> bool:
@@ -36,10 +36,10 @@ def take_block(bm: BlockManager) -> int:
     return bm._evict_one()
 
 
-def grow_decode(bm: BlockManager, seq: Sequence, num_tokens: int, allocs: DecodeAllocs | None = None) -> None:
+def grow_decode(bm: BlockManager, seq: Sequence, num_tokens: int, allocs: LeapAllocs | None = None) -> None:
     """`bm.grow(seq, 1)` for a decode at `num_tokens` positions whose write copies no shared block: a
     block when the position starts one, the prefix-cache entry of the block it completes. `allocs`: a
-    decode window's, which takes the alloc event as a row rather than as a KVEvent."""
+    leap's, which takes the alloc event as a row rather than as a KVEvent."""
     table = seq.block_table
     bs = bm.block_size
     if num_tokens > len(table) * bs:

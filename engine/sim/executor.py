@@ -92,9 +92,9 @@ class SimExecutor:
 
     def decode_clock(self, num_decodes: int, held: int, max_steps: int, until_s: float,
                      origin: float) -> tuple[list[float], list[float], list[float]]:
-        """The clock of a decode window (window.py): up to `max_steps` steps that each
+        """The clock of a leap (leap.py): up to `max_steps` steps that each
         decode one token for each of `num_decodes` sequences and copy no block, step j with
-        `held + (j + 1) * num_decodes` KV positions, the window ending before the first step after its
+        `held + (j + 1) * num_decodes` KV positions, the leap ending before the first step after its
         first that would start at or after `until_s` (times less `origin`). Returns the steps' starts,
         ends (less `origin`) and forward milliseconds, the clock moved past them, as `execute` step by
         step would: the same prediction, the same floats."""

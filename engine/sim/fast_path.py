@@ -3,7 +3,7 @@ plain decodes. The loop (engine/llm_engine.py) holds it only when it simulates w
 (EngineConfig.sim_fast_path, `kvtrace record --no-sim-fast-path` to turn it off) and asks it first
 for every step a replay runs (`LLMEngine.advance`); wherever it declines, the general pass decides.
 
-    advance(until_s):  a decode window, when one can start (window.py), else
+    advance(until_s):  a leap, when one can start (leap.py), else
                        a lazy step, when every running sequence makes a plain decode (cohort.py), else
                        None: the cohort dissolved, the general step runs
 
@@ -13,7 +13,8 @@ sequences admitted in the same step (the scheduler's `admit`), their tokens and 
 processed by the loop's own parts.
 
 The fast path makes the general pass's decisions, block for block and event for event, at the same
-predicted times: tests/engine/test_fast_path.py runs every setting with it and without it.
+predicted times: tests/engine/test_fast_path.py runs every setting with it and without it. The words
+(fast path, general pass, plain decode, leap, lazy step, cohort) are defined in docs/glossary.md.
 """
 from __future__ import annotations
 
@@ -24,24 +25,24 @@ from engine.llm_engine import TokenColumns, in_batch_order
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.sim.cohort import DecodeCohort
-from engine.sim.window import run_window
+from engine.sim.leap import take_leap
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
     from engine.sim.executor import SimExecutor
 
-# the shortest decode window worth dissolving a cohort for, and a step longer for every so many running
+# the shortest leap worth dissolving a cohort for, and a step longer for every so many running
 # sequences (dissolving it and forming it again is work per sequence)
-MIN_WINDOW_OVER_COHORT = 2
-SEQUENCES_PER_WINDOW_STEP = 16
+MIN_LEAP_OVER_COHORT = 2
+SEQUENCES_PER_LEAP_STEP = 16
 
 
 class DecodeFastPath:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.runner: SimExecutor = engine.runner
-        self.cohort: DecodeCohort | None = DecodeCohort(engine.block_manager)   # None: windows only (tests)
-        self.num_window_steps = 0   # steps run in decode windows, and as lazy steps (for tests, and curiosity)
+        self.cohort: DecodeCohort | None = DecodeCohort(engine.block_manager)   # None: leaps only (tests)
+        self.num_leap_steps = 0   # steps run in leaps, and as lazy steps (for tests, and curiosity)
         self.num_lazy_steps = 0
 
     def settle(self) -> None:
@@ -59,13 +60,13 @@ class DecodeFastPath:
         if not running or len(running) > sched.max_num_batched_tokens:   # no step of plain decodes
             self.settle()
             return None
-        # a window's steps are decodes only: nothing may wait, nor be finished (rejected) by the next step
+        # a leap's steps are decodes only: nothing may wait, nor be finished (rejected) by the next step
         if (not sched.waiting and not sched.swapped and not engine._pending_finished and not engine._pending_records
-                and self._window_worth_it(until_s)):
+                and self._leap_worth_it(until_s)):
             self.settle()
-            ran = run_window(engine, until_s)
+            ran = take_leap(engine, until_s)
             if ran[0]:
-                self.num_window_steps += ran[0]
+                self.num_leap_steps += ran[0]
                 return ran
         if self.cohort is None:
             return None
@@ -76,8 +77,8 @@ class DecodeFastPath:
         self.num_lazy_steps += 1
         return 1, num_tokens
 
-    def _window_worth_it(self, until_s: float) -> bool:
-        """Whether a window may run now: always without lazy decodes; with them, only one long enough
+    def _leap_worth_it(self, until_s: float) -> bool:
+        """Whether a leap may run now: always without lazy decodes; with them, only one long enough
         to repay dissolving the cohort and forming it again."""
         cohort = self.cohort
         if cohort is None or not cohort.num_members:
@@ -86,7 +87,7 @@ class DecodeFastPath:
         running = engine.scheduler.running
         num_kv = engine.block_manager.num_kv_positions(running, cohort.positions(running)) + len(running)
         step_s = self.runner.cost_model.forward_ms(0, len(running), num_kv, 0.0) / 1000
-        shortest = MIN_WINDOW_OVER_COHORT + len(running) // SEQUENCES_PER_WINDOW_STEP
+        shortest = MIN_LEAP_OVER_COHORT + len(running) // SEQUENCES_PER_LEAP_STEP
         return min(cohort.steps_to_next_stop(), (until_s - engine.now()) / step_s) >= shortest
 
     def _lazy_step(self) -> int | None:

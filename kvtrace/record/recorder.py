@@ -18,9 +18,9 @@ from pathlib import Path
 import pyarrow as pa
 
 from engine.events import KVEvent, RequestStats, StepRecord
-from engine.sim.window import DecodeWindow
+from engine.sim.leap import DecodeLeap
 from kvtrace.record import tables
-from kvtrace.record.tokens_table import RequestNumbers, TokensTable, TokenStretches
+from kvtrace.record.tokens_table import RequestNumbers, TokensTable, TokenGrids
 from kvtrace.trace.schema import TABLES, write_parquet
 
 # the order a chunk's tables are handed to the writer thread: the slowest to write first, so that
@@ -47,11 +47,11 @@ class TraceWriter:
         self.engine_makes_tables = engine_makes_tables
         # The buffers of the chunk being filled (tables.py says what each holds). The engine's thread
         # fills them; gpu_samples come from the NVML thread, under `_lock`.
-        self._steps: list[StepRecord | DecodeWindow] = []
-        self._events: list[KVEvent | DecodeWindow] = []
-        self._num_events = 0   # the rows of `_events` but evictions (a window's allocs each one)
+        self._steps: list[StepRecord | DecodeLeap] = []
+        self._events: list[KVEvent | DecodeLeap] = []
+        self._num_events = 0   # the rows of `_events` but evictions (a leap's allocs each one)
         self._requests: list[RequestStats] = []
-        self._tokens = TokenStretches()
+        self._tokens = TokenGrids()
         self._gpu_samples: dict[str, list] = {c: [] for c in TABLES["gpu_samples"].names if c != "run_id"}
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
@@ -71,7 +71,7 @@ class TraceWriter:
     # ---- the Tracer protocol ------------------------------------------------------------
     def on_step(self, r: StepRecord) -> None:
         """Buffer one step: its record and events as they are (the engine hands them over once and
-        never changes them again), its tokens as a one-step stretch."""
+        never changes them again), its tokens as a one-step grid."""
         self._steps.append(r)
         self._events += r.events
         self._num_events += len(r.events)
@@ -95,10 +95,10 @@ class TraceWriter:
                 or t.num_rows >= self.max_rows or self._num_events >= self.max_rows):
             self.flush()
 
-    def on_decode_window(self, w: DecodeWindow) -> None:
-        """Buffer a stretch of simulated decode-only steps as `on_step` would buffer its records: the
-        window itself in the steps buffer and, if it allocated blocks, in the events buffer, and its
-        tokens as one stretch (every running sequence's token, step after step)."""
+    def on_decode_leap(self, w: DecodeLeap) -> None:
+        """Buffer a grid of simulated decode-only steps as `on_step` would buffer its records: the
+        leap itself in the steps buffer and, if it allocated blocks, in the events buffer, and its
+        tokens as one grid (every running sequence's token, step after step)."""
         self._steps.append(w)
         if w.allocs:
             self._events.append(w)
@@ -163,7 +163,7 @@ class TraceWriter:
         (the tokens' finished sequences stay until a tokens chunk takes them)."""
         taken = {}
         if self._tokens.num:
-            taken["tokens"], self._tokens = self._tokens, TokenStretches()
+            taken["tokens"], self._tokens = self._tokens, TokenGrids()
         if self._events:
             taken["kv_events"], self._events, self._num_events = self._events, [], 0
         if self._steps:

@@ -99,7 +99,7 @@ def _run(engine: LLMEngine, items: list[ReplayItem], on_progress, progress_every
             item.prompt_token_ids = None   # the engine's now (it appends the outputs): let it go when done
             next_item += 1
         if engine.has_unfinished():
-            # the next step, or (the simulator's fast path) a stretch of steps up to the next arrival
+            # the next step, or (the simulator's fast path) several steps at once, up to the next arrival
             num_steps, num_tokens = engine.advance(items[next_item].arrival_s if next_item < len(items) else math.inf)
             stats.num_steps += num_steps
             stats.num_output_tokens += num_tokens

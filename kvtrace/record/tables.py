@@ -3,10 +3,10 @@ each turning one chunk's buffer into an Arrow table of the table's schema (kvtra
 the tokens' in tokens_table.py.
 
 What each table is buffered as, between two chunks:
-- steps: the engine's StepRecords and DecodeWindows, in step order (`steps_table`);
-- kv_events: its KVEvents and the DecodeWindows that allocated blocks, in seq order (`kv_events_table`);
+- steps: the engine's StepRecords and DecodeLeaps, in step order (`steps_table`);
+- kv_events: its KVEvents and the DecodeLeaps that allocated blocks, in seq order (`kv_events_table`);
 - requests: its RequestStats (`requests_table`);
-- tokens: stretches of steps in which the same sequences each emit a token (tokens_table.py);
+- tokens: grids of steps in which the same sequences each emit a token (tokens_table.py);
 - gpu_samples: the NVML sampler's rows as columns (`gpu_samples_table`).
 
 The records are kept as the engine handed them over (one append per step) and read field by field
@@ -23,11 +23,11 @@ import pyarrow as pa
 
 from engine import events as ev
 from engine.events import KVEvent, RequestStats, StepRecord
-from engine.sim.window import DecodeWindow
+from engine.sim.leap import DecodeLeap
 from kvtrace.record.arrays import as_arrow, from_numpy, lists_then_singles
 from kvtrace.trace.schema import TABLES
 
-# each steps column: the StepRecord (and DecodeWindow.step_columns) field it is read from
+# each steps column: the StepRecord (and DecodeLeap.step_columns) field it is read from
 _STEP_FIELDS = {
     "step": "step", "start_s": "start_s", "end_s": "end_s", "device_ms": "device_ms", "running": "num_running",
     "waiting": "num_waiting", "swapped": "num_swapped", "prefill_tokens": "num_prefill_tokens",
@@ -49,8 +49,8 @@ _COMMON_EVENT_FIELDS = [f for f in TABLES["kv_events"].names
 # an evict row's values but its seq, step, ts_s and blocks (the rest null)
 _EVICT_VALUES = {"kind": ev.EVICT, "req_id": "", "sample": 0, "num_tokens": 0, "bytes": 0, "num_cached_tokens": 0,
                  "num_recomputed_tokens": 0}
-# a decode window's alloc row's values but its seq, step, ts_s, req_id, sample and blocks (the rest the default)
-_WINDOW_ALLOC_VALUES = {"kind": ev.ALLOC, "num_tokens": 0, "reason": ev.AllocReason.DECODE}
+# a leap's alloc row's values but its seq, step, ts_s, req_id, sample and blocks (the rest the default)
+_LEAP_ALLOC_VALUES = {"kind": ev.ALLOC, "num_tokens": 0, "reason": ev.AllocReason.DECODE}
 # the integer columns whose evict rows hold a number (_EVICT_VALUES)
 _INT_EVENT_FIELDS = frozenset(["sample", "num_tokens", "bytes", "num_cached_tokens", "num_recomputed_tokens"])
 _evicted = attrgetter("evicted")
@@ -59,23 +59,23 @@ _kind = attrgetter("kind")
 Column = list | tuple | np.ndarray | pa.Array   # a column as a builder makes it, before `as_arrow`
 
 
-def steps_table(records: list[StepRecord | DecodeWindow], run_id: str) -> pa.Table:
-    """The steps table of StepRecords and DecodeWindows in step order: each window's steps made at
-    once (DecodeWindow.step_columns), the records' read field by field, the two merged by step."""
-    windows = [item for item in records if type(item) is DecodeWindow]
-    if len(windows) < len(records):
-        steps = [item for item in records if type(item) is not DecodeWindow] if windows else records
+def steps_table(records: list[StepRecord | DecodeLeap], run_id: str) -> pa.Table:
+    """The steps table of StepRecords and DecodeLeaps in step order: each leap's steps made at
+    once (DecodeLeap.step_columns), the records' read field by field, the two merged by step."""
+    leaps = [item for item in records if type(item) is DecodeLeap]
+    if len(leaps) < len(records):
+        steps = [item for item in records if type(item) is not DecodeLeap] if leaps else records
         fields = {name: list(map(attrgetter(name), steps)) for name in _STEP_FIELDS.values()}
-        if not windows:
+        if not leaps:
             return table("steps", {column: fields[name] for column, name in _STEP_FIELDS.items()}, run_id)
-    window_fields = DecodeWindow.step_columns(windows)
-    if len(windows) == len(records):
-        return table("steps", {column: window_fields[name] for column, name in _STEP_FIELDS.items()}, run_id)
-    order = np.argsort(np.concatenate([window_fields["step"], np.array(fields["step"], dtype=np.int64)]),
+    leap_fields = DecodeLeap.step_columns(leaps)
+    if len(leaps) == len(records):
+        return table("steps", {column: leap_fields[name] for column, name in _STEP_FIELDS.items()}, run_id)
+    order = np.argsort(np.concatenate([leap_fields["step"], np.array(fields["step"], dtype=np.int64)]),
                        kind="stable")
     columns: dict[str, Column] = {}
     for column, name in _STEP_FIELDS.items():
-        ours, theirs = window_fields[name], fields[name]
+        ours, theirs = leap_fields[name], fields[name]
         if isinstance(ours, np.ndarray) and ours.dtype != object and None not in theirs:
             columns[column] = np.concatenate([ours, np.array(theirs, dtype=ours.dtype)])[order]
         else:   # nullable (device_ms) or strings
@@ -83,18 +83,18 @@ def steps_table(records: list[StepRecord | DecodeWindow], run_id: str) -> pa.Tab
     return table("steps", columns, run_id)
 
 
-def kv_events_table(items: list[KVEvent | DecodeWindow], run_id: str) -> pa.Table:
-    """The kv_events table of KVEvents and of decode windows' allocs (DecodeWindow.alloc_columns), in
+def kv_events_table(items: list[KVEvent | DecodeLeap], run_id: str) -> pa.Table:
+    """The kv_events table of KVEvents and of leaps' allocs (DecodeLeap.alloc_columns), in
     seq order: an `evict` row for each block an alloc evicted, right before it, with the seq numbers
     the engine left free for them (engine/events.py, `with_evictions`)."""
-    windows = [item for item in items if type(item) is DecodeWindow]
-    events = [item for item in items if type(item) is not DecodeWindow] if windows else items
+    leaps = [item for item in items if type(item) is DecodeLeap]
+    events = [item for item in items if type(item) is not DecodeLeap] if leaps else items
     columns: dict[str, Column] = {column: list(map(attrgetter(column), events)) for column in _COMMON_EVENT_FIELDS}
     kinds = columns["kind"] = list(map(_kind, events))
     evicted = list(map(_evicted, events))
     allocs = None
-    if windows:
-        allocs = DecodeWindow.alloc_columns(windows)
+    if leaps:
+        allocs = DecodeLeap.alloc_columns(leaps)
         evicted += allocs["evicted"]
     evicting = [i for i, blocks in enumerate(evicted) if blocks]
     rows = _merge_event_rows(columns, allocs, evicted, evicting) if allocs or evicting else range(len(events))
@@ -118,7 +118,7 @@ def kv_events_table(items: list[KVEvent | DecodeWindow], run_id: str) -> pa.Tabl
 
 
 def _merge_event_rows(columns: dict[str, Column], allocs: dict | None, evicted: list, evicting: list[int]) -> np.ndarray:
-    """The events' columns (KVEvents'), the windows' allocs after them, and an `evict` row for each
+    """The events' columns (KVEvents'), the leaps' allocs after them, and an `evict` row for each
     block in `evicted` (of those rows, in their order), merged in seq order, in place: the number
     columns as numpy arrays, blocks as an Arrow array, the strings as lists. Returns each event's row."""
     num_events = len(columns["seq"])
@@ -136,7 +136,7 @@ def _merge_event_rows(columns: dict[str, Column], allocs: dict | None, evicted: 
     for column, values in columns.items():
         if column == "seq":
             continue
-        of_allocs = (allocs[column] if column in allocs else _WINDOW_ALLOC_VALUES.get(column)) if allocs else ()
+        of_allocs = (allocs[column] if column in allocs else _LEAP_ALLOC_VALUES.get(column)) if allocs else ()
         if column in ("step", "ts_s"):   # an evict row's: its alloc's
             array = np.array(values, dtype=np.float64 if column == "ts_s" else np.int64)
             if allocs:

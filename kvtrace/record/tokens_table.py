@@ -1,7 +1,7 @@
-"""The tokens table: how the trace writer buffers a chunk's tokens (`TokenStretches`, each token's
+"""The tokens table: how the trace writer buffers a chunk's tokens (`TokenGrids`, each token's
 request as a number: `RequestNumbers`) and the builder that makes the table of each chunk in turn
 (`TokensTable`), finding each token's predecessor (prev_step, prev_ts_s), which may be in an earlier
-chunk.
+chunk. A token grid, a trace chunk, a leap: docs/glossary.md.
 """
 from __future__ import annotations
 
@@ -30,28 +30,28 @@ class RequestNumbers(dict):
 
 
 @dataclass(slots=True)
-class TokenStretches:
-    """A chunk's tokens as stretches: runs of steps in which the same sequences each emit one token a
-    step, in the same batch order (a step's tokens, one step; or a decode window's). The rows are made
-    with the table (`TokensTable`): a stretch's i-th sequence's token at its j-th step has idx
+class TokenGrids:
+    """A chunk's tokens as grids: sequences that each emit one token a step over some steps, in the
+    same batch order every step (a step's tokens, one step; or a leap's). The rows are made
+    with the table (`TokensTable`): a grid's i-th sequence's token at its j-th step has idx
     `idx[i] + j`."""
 
-    num: list[int] = field(default_factory=list)       # each stretch's sequences
-    steps: list[int] = field(default_factory=list)     # each stretch's steps
-    step: list[int] = field(default_factory=list)      # each stretch's first step
-    ts_s: list[float] = field(default_factory=list)    # each step's time, stretch after stretch
-    req: list[int] = field(default_factory=list)       # each stretch's sequences' requests (RequestNumbers)
+    num: list[int] = field(default_factory=list)       # each grid's sequences
+    steps: list[int] = field(default_factory=list)     # each grid's steps
+    step: list[int] = field(default_factory=list)      # each grid's first step
+    ts_s: list[float] = field(default_factory=list)    # each step's time, grid after grid
+    req: list[int] = field(default_factory=list)       # each grid's sequences' requests (RequestNumbers)
     sample: list[int] = field(default_factory=list)
-    idx: list[int] = field(default_factory=list)       # each sequence's token idx at its stretch's first step
-    # each sequence's token id, when recorded (empty when not): a one-step stretch's; a window's are None
+    idx: list[int] = field(default_factory=list)       # each sequence's token idx at its grid's first step
+    # each sequence's token id, when recorded (empty when not): a one-step grid's; a leap's are None
     token_id: list[int | None] = field(default_factory=list)
     # (req_id, sample) of the sequences finished since the last tokens chunk: no later token follows theirs
     finished: list[tuple[str, int]] = field(default_factory=list)
-    num_rows: int = 0                                  # the rows the stretches make
+    num_rows: int = 0                                  # the rows the grids make
 
 
 class TokensTable:
-    """Makes the tokens table of each chunk's TokenStretches, the chunks in order: a token's
+    """Makes the tokens table of each chunk's TokenGrids, the chunks in order: a token's
     predecessor (prev_step, prev_ts_s: its sequence's token before it) may be in an earlier chunk,
     so it keeps each live sequence's last token written."""
 
@@ -62,36 +62,36 @@ class TokensTable:
         # (req_id, sample) -> (step, ts_s) of its last token in the chunks made so far
         self._last_token: dict[tuple[str, int], tuple[int, float]] = {}
 
-    def make(self, buffer: TokenStretches) -> pa.Table:
-        """The chunk's rows run stretch by stretch, step by step, each step's in its stretch's batch
-        order. A token's predecessor is its sequence's token of the step before inside a stretch; at a
-        stretch's first step, its sequence's last token before the stretch (`_first_predecessors`)."""
-        num = np.array(buffer.num, dtype=np.int64)   # a stretch's sequences
+    def make(self, buffer: TokenGrids) -> pa.Table:
+        """The chunk's rows run grid by grid, step by step, each step's in its grid's batch
+        order. A token's predecessor is its sequence's token of the step before inside a grid; at a
+        grid's first step, its sequence's last token before the grid (`_first_predecessors`)."""
+        num = np.array(buffer.num, dtype=np.int64)   # a grid's sequences
         first_step = np.array(buffer.step, dtype=np.int64)
         ts_s = np.array(buffer.ts_s, dtype=np.float64)   # each step's
         req, sample, idx = (np.array(values, dtype=np.int64) for values in (buffer.req, buffer.sample, buffer.idx))
-        stretch_of = np.repeat(np.arange(len(num)), num)   # each sequence's stretch
-        if len(ts_s) == len(num):   # every stretch a single step (always so in a real engine's run)
+        grid_of = np.repeat(np.arange(len(num)), num)   # each sequence's grid
+        if len(ts_s) == len(num):   # every grid a single step (always so in a real engine's run)
             member = None
             width = num   # each step's tokens
             step_number = first_step
-            last_step = stretch_of   # each sequence's last step in its stretch
-            first_row = np.arange(len(req))   # each sequence's row at its stretch's first step
+            last_step = grid_of   # each sequence's last step in its grid
+            first_row = np.arange(len(req))   # each sequence's row at its grid's first step
         else:
             steps = np.array(buffer.steps, dtype=np.int64)
-            stretch = np.repeat(np.arange(len(num)), steps)   # each step's
-            stretch_first_step = np.cumsum(steps) - steps
-            j = np.arange(len(ts_s)) - stretch_first_step[stretch]   # each step's place in its stretch
-            width = num[stretch]
+            grid = np.repeat(np.arange(len(num)), steps)   # each step's
+            grid_first_step = np.cumsum(steps) - steps
+            j = np.arange(len(ts_s)) - grid_first_step[grid]   # each step's place in its grid
+            width = num[grid]
             step_first_row = np.cumsum(width) - width
-            stretch_first_member = np.cumsum(num) - num
+            grid_first_member = np.cumsum(num) - num
             member = (np.arange(int(width.sum()))   # each row's sequence
-                      - np.repeat(step_first_row - stretch_first_member[stretch], width))
+                      - np.repeat(step_first_row - grid_first_member[grid], width))
             idx = idx[member] + np.repeat(j, width)
-            step_number = first_step[stretch] + j
-            last_step = (stretch_first_step + steps - 1)[stretch_of]
-            first_row = (step_first_row[stretch_first_step][stretch_of]
-                         + np.arange(len(req)) - stretch_first_member[stretch_of])
+            step_number = first_step[grid] + j
+            last_step = (grid_first_step + steps - 1)[grid_of]
+            first_row = (step_first_row[grid_first_step][grid_of]
+                         + np.arange(len(req)) - grid_first_member[grid_of])
         step = np.repeat(step_number, width)
         num_rows = len(step)
         prev_step = step - 1
@@ -124,11 +124,11 @@ class TokensTable:
 
     def _first_predecessors(self, reqs: np.ndarray, samples: np.ndarray, last_steps: np.ndarray,
                             last_times: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The predecessor (step, ts_s, missing) of each stretch's sequence's first token in a chunk,
-        given each one's last token's step and ts_s: its sequence's last token in the stretch before,
+        """The predecessor (step, ts_s, missing) of each grid's sequence's first token in a chunk,
+        given each one's last token's step and ts_s: its sequence's last token in the grid before,
         or in an earlier chunk (`_last_token`, which this updates), or none (a first token). A stable
-        sort by sequence puts each right after the stretch before it (a sequence is in a step at most
-        once, steps in order); only a sequence's first and last stretch in the chunk is looked at
+        sort by sequence puts each right after the grid before it (a sequence is in a step at most
+        once, steps in order); only a sequence's first and last grid in the chunk is looked at
         on its own."""
         num = len(reqs)
         names = self.numbers.names
@@ -137,7 +137,7 @@ class TokensTable:
         codes = codes[order]
         steps = last_steps[order]
         times = last_times[order]
-        first = np.empty(num, dtype=bool)   # a sequence's first stretch in the chunk
+        first = np.empty(num, dtype=bool)   # a sequence's first grid in the chunk
         first[0] = True
         np.not_equal(codes[1:], codes[:-1], out=first[1:])
         prev_step = np.empty(num, dtype=np.int64)
@@ -153,7 +153,7 @@ class TokensTable:
             if before is not None:
                 prev_step[i], prev_ts[i] = before
                 known[i] = True
-        ends = np.append(starts[1:] - 1, num - 1)   # a sequence's last stretch in the chunk
+        ends = np.append(starts[1:] - 1, num - 1)   # a sequence's last grid in the chunk
         for req, sample, step, ts_s in zip(sorted_req[ends].tolist(), sorted_samples[ends].tolist(),
                                            steps[ends].tolist(), times[ends].tolist()):
             last[(names[req], sample)] = (step, ts_s)

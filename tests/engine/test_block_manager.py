@@ -283,7 +283,7 @@ def test_taking_a_chunk_back_out_of_its_step_uncaches_the_blocks_it_would_have_c
 
 @pytest.mark.parametrize("engine_kind", ["real", "sim"])
 def test_without_prefix_caching_no_block_is_ever_hashed(make_engine, engine_kind):
-    # chunked prefills, decodes (the fast path, the simulator's cohort and decode windows), preemptions
+    # chunked prefills, decodes (the simulator's fast path: its cohort and leaps), preemptions
     # and swaps in a tight pool: with the prefix cache off, nothing registers a block in it
     sim = dict(engine="sim", hardware="a100-80gb") if engine_kind == "sim" else {}
     engine = make_engine(ListTracer(), enable_prefix_caching=False, num_gpu_blocks=24, num_cpu_blocks=40,

@@ -52,13 +52,13 @@ def test_the_cohort_decides_as_the_general_pass(tiny_loaded, name, seed):
     settings = dict(block_size=4, num_gpu_blocks=400, watermark=0.0, max_num_batched_tokens=256, max_num_seqs=64,
                     engine="sim", hardware="a100-80gb") | SETTINGS[name]
     arrivals = seed != 3   # seed 3: a backlog
-    windows = seed == 2   # the decode windows dissolve the cohort before they run
+    leaps = seed == 2   # the leaps dissolve the cohort before they run
     general, _, general_tokens, _ = run(tiny_loaded, requests, False, arrivals, **settings)
-    lazy, taken, lazy_tokens, windowed = run(tiny_loaded, requests, True, arrivals, windows=windows, **settings)
+    lazy, taken, lazy_tokens, leaped = run(tiny_loaded, requests, True, arrivals, leaps=leaps, **settings)
     assert decisions(lazy) == decisions(general)
     assert timed(lazy) == timed(general)
     assert lazy_tokens == general_tokens
-    assert taken + windowed >= len(lazy.records) // 3, f"the fast path ran {taken} + {windowed} of {len(lazy.records)} steps"
+    assert taken + leaped >= len(lazy.records) // 3, f"the fast path ran {taken} + {leaped} of {len(lazy.records)} steps"
 
 
 def test_only_the_simulator_with_synchronous_scheduling_has_a_fast_path(tiny_loaded):
@@ -87,16 +87,16 @@ def test_a_step_that_runs_short_of_blocks_preempts_from_the_cohort(tiny_loaded, 
     monkeypatch.setattr(DecodeFastPath, "_preempt_for", counted)
     settings = dict(block_size=4, num_gpu_blocks=60, watermark=0.0, max_num_batched_tokens=256, max_num_seqs=64,
                     engine="sim", hardware="a100-80gb")
-    tracer, _, _, _ = run(tiny_loaded, staggered(1, 40), True, True, windows=False, **settings)
+    tracer, _, _, _ = run(tiny_loaded, staggered(1, 40), True, True, leaps=False, **settings)
     assert len(calls) >= 5 and min(calls) > 0
     assert sum(r.num_preemptions for r in tracer.records) >= len(calls)
 
 
 def cohort_engine(make_engine, max_tokens: list[int]):
     """A simulated engine whose requests are all admitted at step 0 and then only decode, in a roomy
-    pool, its fast path without windows (each `advance` a lazy step)."""
+    pool, its fast path without leaps (each `advance` a lazy step)."""
     engine = make_engine(engine="sim", hardware="a100-80gb", num_gpu_blocks=400)
-    engine.fast_path._window_worth_it = lambda until_s: False
+    engine.fast_path._leap_worth_it = lambda until_s: False
     for i, n in enumerate(max_tokens):
         engine.add_request(str(i), [10 + i] * (3 + i), SamplingParams(max_tokens=n, ignore_eos=True), arrival_s=0.0)
     return engine
@@ -176,7 +176,7 @@ def test_without_prefix_caching_the_cohort_visits_a_member_only_for_the_block_it
     monkeypatch.setattr(engine.sim.cohort, "grow_decode", counted)
     settings = dict(block_size=4, num_gpu_blocks=400, watermark=0.0, max_num_batched_tokens=256, max_num_seqs=64,
                     engine="sim", hardware="a100-80gb", enable_prefix_caching=False)
-    run(tiny_loaded, staggered(seed, 40), True, seed != 3, windows=False, **settings)
+    run(tiny_loaded, staggered(seed, 40), True, seed != 3, leaps=False, **settings)
     assert len(calls) >= 100 and set(calls) == {1}
 
 

@@ -458,7 +458,7 @@ def test_an_interrupted_simulated_run_reports_the_tokens_its_decode_cohort_had_n
                          enable_prefix_caching=False)
     for i in range(3):
         engine.add_request(f"r{i}", list(range(10 + 10 * i, 15 + 10 * i)), SamplingParams(max_tokens=30, ignore_eos=True))
-    engine.fast_path._window_worth_it = lambda until_s: False   # lazy steps only
+    engine.fast_path._leap_worth_it = lambda until_s: False   # lazy steps only
     for _ in range(12):
         engine.advance()
     assert engine.fast_path.cohort.num_members == 3

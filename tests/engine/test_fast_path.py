@@ -1,4 +1,4 @@
-"""The simulator's fast path (engine/sim/fast_path.py: decode windows and the cohort's lazy steps)
+"""The simulator's fast path (engine/sim/fast_path.py: leaps and the cohort's lazy steps)
 makes the general pass's decisions: with it and without it (--no-sim-fast-path), every KV event, step
 record, token, finish and predicted time is the same, with the block accounting checked after every
 step."""
@@ -23,12 +23,12 @@ def timed(tracer: ListTracer) -> list:
             [(e.seq, e.ts_s, e.requester_req_id, e.victim_reason) for e in tracer.events])
 
 
-def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, *, cohort: bool = True, windows: bool = True,
+def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, *, cohort: bool = True, leaps: bool = True,
         **settings) -> tuple[ListTracer, int, list, int]:
     """Replay the requests step by step as a replay does (`LLMEngine.advance`), checking the books after
     each; return the trace, how many steps the fast path ran as lazy steps, every sequence's tokens, and
-    how many it ran in decode windows. `fast`: the fast path on (else the general pass decides every
-    step); `cohort`, `windows`: its lazy steps and its decode windows. `eos_at`: every third sequence
+    how many it ran in leaps. `fast`: the fast path on (else the general pass decides every
+    step); `cohort`, `leaps`: its lazy steps and its leaps. `eos_at`: every third sequence
     that does not ignore EOS samples the stop token as its output token of that index. Each step's
     count of tokens is checked against its recorded tokens."""
     tracer = ListTracer()
@@ -38,8 +38,8 @@ def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, *, cohort
     assert (fast_path is not None) == (fast and not engine.config.async_scheduling)
     if fast_path is not None and not cohort:
         fast_path.cohort = None
-    if fast_path is not None and not windows:
-        fast_path._window_worth_it = lambda until_s: False
+    if fast_path is not None and not leaps:
+        fast_path._leap_worth_it = lambda until_s: False
     if eos_at:
         sample = engine.runner.sample
         stop = min(engine.stop_token_ids)
@@ -50,7 +50,7 @@ def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, *, cohort
 
         engine.runner.sample = sample_eos
         # the cohort rests on the simulator's placeholders never being a stop token, which this sampler
-        # breaks: the fast path keeps only its windows (which look at every sequence's next token)
+        # breaks: the fast path keeps only its leaps (which look at every sequence's next token)
         if fast_path is not None:
             fast_path.cohort = None
     pending = sorted(requests, key=lambda r: r.arrival_s if arrivals else 0.0)
@@ -76,7 +76,7 @@ def run(loaded, requests, fast: bool, arrivals: bool, eos_at: int = 0, *, cohort
     tokens = [list(s.token_ids) for s in engine.outputs.values()]
     if fast_path is None:
         return tracer, 0, tokens, 0
-    return tracer, fast_path.num_lazy_steps, tokens, fast_path.num_window_steps
+    return tracer, fast_path.num_lazy_steps, tokens, fast_path.num_leap_steps
 
 
 MORE = {
@@ -107,17 +107,17 @@ def test_the_fast_path_decides_as_the_general_pass(tiny_loaded, name, arrive):
     settings = dict(block_size=4, num_gpu_blocks=24, watermark=0.0, max_num_batched_tokens=64, engine="sim",
                     hardware="a100-80gb") | SETTINGS.get(name, {}) | MORE.get(name, {})
     eos_at = 4 if name == "stop-token" else 0
-    reference, never, ref_tokens, no_window = run(tiny_loaded, requests, False, arrivals, eos_at, **settings)
-    fast, taken, fast_tokens, windowed = run(tiny_loaded, requests, True, arrivals, eos_at, **settings)
-    assert never == 0 and no_window == 0
+    reference, never, ref_tokens, no_leap = run(tiny_loaded, requests, False, arrivals, eos_at, **settings)
+    fast, taken, fast_tokens, leaped = run(tiny_loaded, requests, True, arrivals, eos_at, **settings)
+    assert never == 0 and no_leap == 0
     assert decisions(fast) == decisions(reference)
     assert timed(fast) == timed(reference)   # virtual time: the same to the last bit
     assert fast_tokens == ref_tokens
     if name == "stop-token":   # the cohort is off (it rests on placeholders never being a stop token), and a
-        # window runs only where no sequence's next token is one
-        assert windowed >= 1 and taken == 0
+        # leap runs only where no sequence's next token is one
+        assert leaped >= 1 and taken == 0
     elif name != "async":   # async: every decode has a token in flight; the engine holds no fast path
-        assert taken + windowed >= len(fast.records) // 10, f"the fast path ran {taken} + {windowed} of {len(fast.records)} steps"
+        assert taken + leaped >= len(fast.records) // 10, f"the fast path ran {taken} + {leaped} of {len(fast.records)} steps"
     if name == "stop-token":
         assert sum(r.finish_reason == "stop" and r.output_tokens == 5 for rec in fast.records for r in rec.finished) >= 2
     if name == "reprefill-chunks":
@@ -126,20 +126,20 @@ def test_the_fast_path_decides_as_the_general_pass(tiny_loaded, name, arrive):
 
 def simulated_both_ways(loaded, requests, arrivals: bool, **settings) -> tuple[ListTracer, int]:
     """The simulator's run without and with the fast path, asserted the same to the bit; the fast
-    run's trace and its steps in windows."""
+    run's trace and its steps in leaps."""
     settings = dict(block_size=4, watermark=0.0, max_num_batched_tokens=64, engine="sim", hardware="a100-80gb") | settings
     reference, _, ref_tokens, _ = run(loaded, requests, False, arrivals, **settings)
-    fast, _, fast_tokens, windowed = run(loaded, requests, True, arrivals, **settings)
+    fast, _, fast_tokens, leaped = run(loaded, requests, True, arrivals, **settings)
     assert decisions(fast) == decisions(reference)
     assert timed(fast) == timed(reference)
     assert fast_tokens == ref_tokens
-    return fast, windowed
+    return fast, leaped
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(enable_prefix_caching=False), dict(preemption_mode="swap", num_cpu_blocks=64)])
-def test_decode_windows_run_most_of_a_roomy_replay_as_its_steps_would(tiny_loaded, settings):
-    """Long outputs, a pool with room, arrivals apart: most steps are decode-only stretches, which
-    the fast path's decode windows run at once (blocks taken, prefix blocks cached, times predicted as the
+def test_leaps_run_most_of_a_roomy_replay_as_its_steps_would(tiny_loaded, settings):
+    """Long outputs, a pool with room, arrivals apart: most steps are decode-only steps, which
+    the fast path's leaps run at once (blocks taken, prefix blocks cached, times predicted as the
     step-by-step run's)."""
     rng = random.Random(11)
     requests = backlog_workload(5, num_requests=10)
@@ -147,26 +147,26 @@ def test_decode_windows_run_most_of_a_roomy_replay_as_its_steps_would(tiny_loade
         r.arrival_s = round(rng.uniform(0.0, 0.2), 4)
         r.max_tokens = rng.randint(30, 60)
         r.output_tokens = rng.choice([None, rng.randint(20, r.max_tokens)])
-    fast, windowed = simulated_both_ways(tiny_loaded, requests, True, num_gpu_blocks=200, **settings)
-    assert windowed >= len(fast.records) // 2, f"{windowed} of {len(fast.records)} steps in windows"
+    fast, leaped = simulated_both_ways(tiny_loaded, requests, True, num_gpu_blocks=200, **settings)
+    assert leaped >= len(fast.records) // 2, f"{leaped} of {len(fast.records)} steps in leaps"
     assert any(e.kind == "alloc" and e.reason == "decode" for e in fast.events)
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(preemption_mode="swap", num_cpu_blocks=64)])
-def test_a_decode_window_ends_before_the_step_whose_blocks_run_out(tiny_loaded, settings):
-    """Three long decodes in a pool that runs dry while they decode: the window stops at the step the
+def test_a_leap_ends_before_the_step_whose_blocks_run_out(tiny_loaded, settings):
+    """Three long decodes in a pool that runs dry while they decode: the leap stops at the step the
     free blocks no longer cover, and that step preempts as the step-by-step run does."""
     requests = backlog_workload(6, num_requests=3)
     for r in requests:
         r.n, r.max_tokens, r.output_tokens = 1, 40, None
-    fast, windowed = simulated_both_ways(tiny_loaded, requests, False, num_gpu_blocks=20, **settings)
-    assert any(e.kind == "preempt" for e in fast.events) and windowed >= 20
+    fast, leaped = simulated_both_ways(tiny_loaded, requests, False, num_gpu_blocks=20, **settings)
+    assert any(e.kind == "preempt" for e in fast.events) and leaped >= 20
 
 
-def test_more_decodes_than_the_token_budget_are_stepped_not_windowed(tiny_loaded):
+def test_more_decodes_than_the_token_budget_are_stepped_not_leaped(tiny_loaded):
     """Samples forked past the token budget (--n-mode cow forks them when the prompt is done, outside
     the budget): 6 of them decoding under a budget of 4 tokens, of which a step decodes 4, which no
-    decode window (every running sequence a token a step) may stand in for."""
+    leap (every running sequence a token a step) may stand in for."""
     requests = backlog_workload(3, num_requests=2)
     for r in requests:
         r.n, r.temperature, r.max_tokens, r.output_tokens = 6, 1.0, 12, None
@@ -175,8 +175,8 @@ def test_more_decodes_than_the_token_budget_are_stepped_not_windowed(tiny_loaded
     assert max(r.num_running for r in fast.records) > 4
 
 
-def window(engine: LLMEngine, until_s: float = math.inf) -> tuple[int, int]:
-    """The fast path's decode window alone (its lazy step not tried): (steps, tokens), (0, 0) where it
+def leap(engine: LLMEngine, until_s: float = math.inf) -> tuple[int, int]:
+    """The fast path's leap alone (its lazy step not tried): (steps, tokens), (0, 0) where it
     declines."""
     fast_path = engine.fast_path
     cohort, fast_path.cohort = fast_path.cohort, None
@@ -197,38 +197,38 @@ def decoding(tiny_loaded, tracer=None, **settings) -> LLMEngine:
     return engine
 
 
-def test_a_decode_window_declines_an_idle_engine_the_slow_path_and_a_rejection_to_record(tiny_loaded):
+def test_a_leap_declines_an_idle_engine_the_slow_path_and_a_rejection_to_record(tiny_loaded):
     idle = build_engine(EngineConfig(model="tiny", engine="sim", block_size=4, num_gpu_blocks=64), loaded=tiny_loaded)
-    assert window(idle) == (0, 0) and idle.step_counter == 0
-    assert window(decoding(tiny_loaded))[0] > 0   # as it is, a window runs
-    # the reference every window is checked against steps one by one
+    assert leap(idle) == (0, 0) and idle.step_counter == 0
+    assert leap(decoding(tiny_loaded))[0] > 0   # as it is, a leap runs
+    # the reference every leap is checked against steps one by one
     slow = decoding(tiny_loaded, sim_fast_path=False)
     before = slow.step_counter
     assert slow.fast_path is None and slow.advance() == (1, 3) and slow.step_counter == before + 1
     # a request the pool can never hold is finished (rejected) by the next step, which records it: no
-    # window may run first and move its finish later
+    # leap may run first and move its finish later
     tracer = ListTracer()
-    assert window(decoding(tiny_loaded, max_model_len=8))[0] > 0
+    assert leap(decoding(tiny_loaded, max_model_len=8))[0] > 0
     rejecting = decoding(tiny_loaded, tracer, max_model_len=8)
     rejecting.add_request("too-long", list(range(10, 20)), SamplingParams(max_tokens=2))
     step = rejecting.step_counter
-    assert window(rejecting) == (0, 0)
+    assert leap(rejecting) == (0, 0)
     rejecting.step()
     assert ("too-long", "rejected") in [(r.req_id, r.finish_reason) for r in tracer.records[step].finished]
 
 
-def test_a_decode_window_declines_a_stretch_whose_first_token_is_a_stop(tiny_loaded):
+def test_a_leap_declines_steps_whose_first_token_is_a_stop(tiny_loaded):
     # the simulator's placeholders are never a stop token, but a sampler that gives one (as the
     # stop-token case above does) ends that sequence in the next step, which only that step can record
     engine = decoding(tiny_loaded)
     stop, sample = min(engine.stop_token_ids), engine.runner.sample
     engine.runner.sample = lambda result, seqs, rows: [stop if s.req_id == "r1" else t
                                                        for s, t in zip(seqs, sample(result, seqs, rows))]
-    assert window(engine) == (0, 0)
+    assert leap(engine) == (0, 0)
 
 
 @pytest.mark.parametrize("prompt_len", [5, 6, 7])
-def test_forked_samples_sharing_the_block_they_write_next_are_stepped_not_windowed(tiny_loaded, prompt_len):
+def test_forked_samples_sharing_the_block_they_write_next_are_stepped_not_leaped(tiny_loaded, prompt_len):
     """--n-mode cow: samples forked when the prompt is done share its last, partial block, which
     their next decode writes: that step copies the block first, which only the general pass does."""
     requests = backlog_workload(5, num_requests=3)
@@ -239,10 +239,10 @@ def test_forked_samples_sharing_the_block_they_write_next_are_stepped_not_window
     assert any(e.kind == "cow" for e in fast.events)
 
 
-def test_decode_windows_stamp_their_steps_on_the_clock_started_after_a_warm_up(tiny_loaded):
+def test_leaps_stamp_their_steps_on_the_clock_started_after_a_warm_up(tiny_loaded):
     """A replay's t = 0 is when start_clock ran, however much virtual time went before it: the steps
-    a window runs carry the times the step-by-step run gives them."""
-    def stamped(windows: bool) -> list:
+    a leap runs carry the times the step-by-step run gives them."""
+    def stamped(leaps: bool) -> list:
         tracer = ListTracer()
         engine = build_engine(EngineConfig(model="tiny", engine="sim", block_size=4, num_gpu_blocks=64), tracer,
                               loaded=tiny_loaded)
@@ -252,25 +252,25 @@ def test_decode_windows_stamp_their_steps_on_the_clock_started_after_a_warm_up(t
         engine.start_clock()
         for i in range(3):
             engine.add_request(f"r{i}", [5 + i, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True), arrival_s=0.0)
-        windowed = 0
+        leaped = 0
         while engine.has_unfinished():
-            num_steps = window(engine)[0] if windows else 0
-            windowed += num_steps
+            num_steps = leap(engine)[0] if leaps else 0
+            leaped += num_steps
             if not num_steps:
                 engine.step()
-        assert windowed > 10 or not windows
+        assert leaped > 10 or not leaps
         return [(r.step, r.start_s, r.end_s) for r in tracer.records]
 
-    assert stamped(windows=True) == stamped(windows=False)
+    assert stamped(leaps=True) == stamped(leaps=False)
 
 
-def test_a_decode_window_returns_its_tokens_and_counts_as_progress(tiny_loaded):
+def test_a_leap_returns_its_tokens_and_counts_as_progress(tiny_loaded):
     # the replay adds the tokens to its counts, and the livelock guard counts steps without a token:
-    # a window's steps each gave every running sequence one
+    # a leap's steps each gave every running sequence one
     tracer = ListTracer()
     engine = decoding(tiny_loaded, tracer)
     engine._steps_without_progress = 7   # as after steps that only re-prefilled
     first = len(tracer.records)
-    steps, tokens = window(engine)
+    steps, tokens = leap(engine)
     assert steps > 1 and tokens == 3 * steps == sum(len(r.token_req_ids) for r in tracer.records[first:])
     assert engine._steps_without_progress == 0

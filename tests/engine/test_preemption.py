@@ -201,7 +201,7 @@ def test_request_outgrowing_the_pool_finishes_with_capacity(make_engine):
 @given(seed=st.integers(0, 10_000), mode=st.sampled_from(["recompute", "swap"]),
        policy=st.sampled_from(["newest", "priority", "fewest-computed", "newest-sparing"]))
 def test_resumed_sequences_progress_before_being_preempted_again(make_engine, seed, mode, policy):
-    # a token budget of 4 makes every re-prefill take several steps: the window a livelock needs.
+    # a token budget of 4 makes every re-prefill take several steps: the room a livelock needs.
     # Every policy finishes the workload (run_checked fails on a livelock); kvtrace's own policies
     # also never preempt a resumed sequence before it has delivered a token (V1's preempt the newest
     # unconditionally, as vLLM does)

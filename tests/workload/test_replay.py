@@ -255,8 +255,8 @@ def test_the_replay_tunes_the_collector_for_its_run_and_restores_it(make_engine)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-def test_a_simulated_replays_decode_windows_end_at_the_next_arrival(make_engine, seed):
-    """The simulated replay runs decode-only stretches at once (the fast path's decode windows), each
+def test_a_simulated_replays_leaps_end_at_the_next_arrival(make_engine, seed):
+    """The simulated replay runs decode-only steps at once (the fast path's leaps), each
     ending at the next arrival: the same steps, events and times as the general pass stepping one by
     one, with most steps in them."""
     import random
@@ -273,20 +273,20 @@ def test_a_simulated_replays_decode_windows_end_at_the_next_arrival(make_engine,
         rows.append({"id": f"r{i}", "arrival_s": round(arrival, 4), "prompt_tokens": rng.randint(4, 30),
                      "max_tokens": rng.randint(20, 90)})
 
-    def run(windows: bool):
+    def run(leaps: bool):
         engine = make_engine(ListTracer(), engine="sim", hardware="a100-80gb", num_gpu_blocks=400,
-                             sim_fast_path=windows)
+                             sim_fast_path=leaps)
         requests = [WorkloadRequest(**row, line=i + 1) for i, row in enumerate(rows)]
         items = prepare(requests, engine, tokenizer=None, seed=0, time_scale=None, backlog=False, workload_name="w")
         stats = replay(engine, items)
-        return engine.tracer, stats, engine.fast_path.num_window_steps if windows else 0
+        return engine.tracer, stats, engine.fast_path.num_leap_steps if leaps else 0
 
     stepped, stepped_stats, _ = run(False)
-    windowed, stats, in_windows = run(True)
-    assert decisions(windowed) == decisions(stepped)
-    assert timed(windowed) == timed(stepped)
+    leaped, stats, in_leaps = run(True)
+    assert decisions(leaped) == decisions(stepped)
+    assert timed(leaped) == timed(stepped)
     assert (stats.num_steps, stats.num_output_tokens) == (stepped_stats.num_steps, stepped_stats.num_output_tokens)
-    assert in_windows >= stats.num_steps // 2, f"{in_windows} of {stats.num_steps} steps in decode windows"
+    assert in_leaps >= stats.num_steps // 2, f"{in_leaps} of {stats.num_steps} steps in leaps"
 
 
 def test_an_async_replay_hands_its_last_steps_record_to_the_trace(make_engine):

@@ -1,7 +1,7 @@
-"""A simulated replay's decode windows (engine/sim/window.py: stretches of decode-only steps)
-reach the trace writer whole (TraceWriter.on_decode_window: no record made per step), and the tables
+"""A simulated replay's leaps (engine/sim/leap.py: decode-only steps taken at once)
+reach the trace writer whole (TraceWriter.on_decode_leap: no record made per step), and the tables
 written are the ones the same steps give handed over one by one (the records the engine gives a tracer
-without that method): every row of every table, with chunks closing inside and between windows."""
+without that method): every row of every table, with chunks closing inside and between leaps."""
 from __future__ import annotations
 
 import random
@@ -21,7 +21,7 @@ KEYS = {"steps": ["step"], "kv_events": ["seq"], "tokens": ["step", "req_id", "s
 
 
 class StepByStep:
-    """The writer without `on_decode_window`: the engine hands it each window's step records."""
+    """The writer without `on_decode_leap`: the engine hands it each leap's step records."""
 
     def __init__(self, writer: TraceWriter) -> None:
         self.writer = writer
@@ -30,27 +30,27 @@ class StepByStep:
         self.writer.on_step(record)
 
 
-class Windows:
-    """The writer as it is, counting the windows and steps it takes at once."""
+class Leaps:
+    """The writer as it is, counting the leaps and steps it takes at once."""
 
     def __init__(self, writer: TraceWriter) -> None:
-        self.writer, self.windows, self.steps, self.events = writer, 0, 0, 0
+        self.writer, self.leaps, self.steps, self.events = writer, 0, 0, 0
 
     def on_step(self, record) -> None:
         self.writer.on_step(record)
 
-    def on_decode_window(self, window) -> None:
-        self.windows += 1
-        self.steps += window.num_steps
-        self.events += len(window.events)
-        self.writer.on_decode_window(window)
+    def on_decode_leap(self, leap) -> None:
+        self.leaps += 1
+        self.steps += leap.num_steps
+        self.events += len(leap.events)
+        self.writer.on_decode_leap(leap)
 
 
 def replayed(tmp_path, name: str, wrap, max_rows: int, settings: dict):
     """Replay the workload on the simulator into run folder `name`; return (the tracer, the tables)."""
     requests = backlog_workload(5, num_requests=14)
     rng = random.Random(11)
-    for r in requests:   # long outputs, arrivals apart: decode-only stretches between them
+    for r in requests:   # long outputs, arrivals apart: decode-only steps between them
         r.arrival_s = round(rng.uniform(0.0, 0.3), 4)
         r.max_tokens = rng.randint(30, 70)
         r.output_tokens = rng.choice([None, rng.randint(20, r.max_tokens)])
@@ -71,11 +71,11 @@ def replayed(tmp_path, name: str, wrap, max_rows: int, settings: dict):
 @pytest.mark.parametrize("max_rows", [40, 200_000])
 @pytest.mark.parametrize("settings", [dict(num_gpu_blocks=200), dict(num_gpu_blocks=40),
                                       dict(num_gpu_blocks=60, enable_prefix_caching=False)])
-def test_decode_windows_are_written_as_their_steps_one_by_one(tmp_path, settings, max_rows):
-    windowed, tables = replayed(tmp_path, "windows", Windows, max_rows, settings)
+def test_leaps_are_written_as_their_steps_one_by_one(tmp_path, settings, max_rows):
+    leaped, tables = replayed(tmp_path, "leaps", Leaps, max_rows, settings)
     _, expected = replayed(tmp_path, "steps", StepByStep, max_rows, settings)
-    # windows of several steps, taking blocks and caching full ones as they go
-    assert windowed.windows >= 5 and windowed.steps >= 3 * windowed.windows and windowed.events >= 5
+    # leaps of several steps, taking blocks and caching full ones as they go
+    assert leaped.leaps >= 5 and leaped.steps >= 3 * leaped.leaps and leaped.events >= 5
     for name, table in tables.items():
         assert table.num_rows == expected[name].num_rows, name
         for column in table.column_names:

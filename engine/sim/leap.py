@@ -1,15 +1,15 @@
-"""Decode windows: a run of simulated steps in which every running sequence makes a plain decode and
-nothing else happens, run and handed to the tracer at once.
+"""Leaps: many simulated steps, in each of which every running sequence makes a plain decode and
+nothing else happens, taken and handed to the tracer at once.
 
-In such a run nothing waits, is swapped, preempted, finishes or arrives, so each step's outcome is
+In such steps nothing waits, is swapped, preempted, finishes or arrives, so each step's outcome is
 known ahead: the sequences' tokens are placeholders, and the steps at which each takes or completes
-a block are computed once. A window ends before the step that would start at or after the next
+a block are computed once. A leap ends before the step that would start at or after the next
 arrival, before the step at which a sequence would stop, and before the step whose blocks the free
 queue no longer covers; those steps are left to the fast path's step or the general pass.
 
-A tracer with `on_decode_window(window)` (kvtrace's trace writer) takes the window whole, as columns;
-any other gets its steps' StepRecords one by one (`DecodeWindow.records()`). The words (decode
-window, plain decode) are defined in docs/glossary.md.
+A tracer with `on_decode_leap(leap)` (kvtrace's trace writer) takes the leap whole, as columns;
+any other gets its steps' StepRecords one by one (`DecodeLeap.records()`). The words (leap, plain
+decode) are defined in docs/glossary.md.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
 
-class DecodeAllocs:
-    """A window's events, every one a decode's alloc of one block, as columns, in order."""
+class LeapAllocs:
+    """A leap's events, every one a decode's alloc of one block, as columns, in order."""
 
     __slots__ = ("req_ids", "samples", "blocks", "evicted", "steps")
 
@@ -37,7 +37,7 @@ class DecodeAllocs:
         self.samples: list[int] = []
         self.blocks: list[int] = []
         self.evicted: list[list[int] | None] = []   # the cached blocks the alloc evicted, if any
-        self.steps: list[int] = []                  # the alloc's step in the window (0: its first)
+        self.steps: list[int] = []                  # the alloc's step in the leap (0: its first)
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -50,14 +50,14 @@ class DecodeAllocs:
         self.evicted.append(evicted)
 
     def stamp(self, step: int) -> None:
-        """The allocs added since the last stamp were made in the window's step `step`."""
+        """The allocs added since the last stamp were made in the leap's step `step`."""
         self.steps += [step] * (len(self.blocks) - len(self.steps))
 
 
 @dataclass(slots=True)
-class DecodeWindow:
-    """A decode window handed over at once: the StepRecords it stands for, as columns, so that a long
-    replay builds no record per step. Step j of the window (0 <= j < num_steps) is step
+class DecodeLeap:
+    """A leap handed over at once: the StepRecords it stands for, as columns, so that a long
+    replay builds no record per step. Step j of the leap (0 <= j < num_steps) is step
     `first_step + j`: every running sequence decodes one token (its token idx `first_token_idx[i] + j`,
     a placeholder id recorded as null), nothing waits, is swapped, preempted or finishes, and its only
     events are its decodes' block allocations (`allocs`; `alloc_columns`, `events`). `records()` gives
@@ -73,7 +73,7 @@ class DecodeWindow:
     num_total_blocks: int
     first_kv_tokens: int            # num_kv_tokens of the first step; each later one holds num_running more
     first_event_seq: int            # the seq number its first event takes (the first alloc's evictions first)
-    allocs: DecodeAllocs
+    allocs: LeapAllocs
     token_req_ids: list[str]        # the running sequences in batch order: each step's tokens
     token_samples: list[int]
     first_token_idx: list[int]
@@ -83,53 +83,53 @@ class DecodeWindow:
         return len(self.start_s)
 
     @staticmethod
-    def step_columns(windows: list[DecodeWindow]) -> dict[str, np.ndarray | list]:
-        """The steps of `windows`, in order, as StepRecord's fields (events, tokens and finishes aside),
+    def step_columns(leaps: list[DecodeLeap]) -> dict[str, np.ndarray | list]:
+        """The steps of `leaps`, in order, as StepRecord's fields (events, tokens and finishes aside),
         each a column over the steps (numpy's, but device_ms, a list): the one account of what a
-        window's step records."""
-        k = np.array([w.num_steps for w in windows], dtype=np.int64)
-        n = np.repeat(np.array([w.num_running for w in windows], dtype=np.int64), k)
-        total = np.repeat(np.array([w.num_total_blocks for w in windows], dtype=np.int64), k)
-        j = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)   # a step's place in its window
-        free = np.array(list(chain.from_iterable(w.num_free_blocks for w in windows)), dtype=np.int64)
+        leap's step records."""
+        k = np.array([w.num_steps for w in leaps], dtype=np.int64)
+        n = np.repeat(np.array([w.num_running for w in leaps], dtype=np.int64), k)
+        total = np.repeat(np.array([w.num_total_blocks for w in leaps], dtype=np.int64), k)
+        j = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)   # a step's place in its leap
+        free = np.array(list(chain.from_iterable(w.num_free_blocks for w in leaps)), dtype=np.int64)
         none = np.zeros(len(j), dtype=np.int64)
         return {
-            "step": np.repeat(np.array([w.first_step for w in windows], dtype=np.int64), k) + j,
-            "start_s": np.array(list(chain.from_iterable(w.start_s for w in windows)), dtype=np.float64),
-            "end_s": np.array(list(chain.from_iterable(w.end_s for w in windows)), dtype=np.float64),
-            "device_ms": list(chain.from_iterable(w.device_ms for w in windows)),
+            "step": np.repeat(np.array([w.first_step for w in leaps], dtype=np.int64), k) + j,
+            "start_s": np.array(list(chain.from_iterable(w.start_s for w in leaps)), dtype=np.float64),
+            "end_s": np.array(list(chain.from_iterable(w.end_s for w in leaps)), dtype=np.float64),
+            "device_ms": list(chain.from_iterable(w.device_ms for w in leaps)),
             "num_running": n, "num_waiting": none, "num_swapped": none, "num_prefill_tokens": none,
             "num_decode_tokens": n, "num_recompute_tokens": none, "num_free_blocks": free,
             "num_used_blocks": total - free,
-            "num_cached_blocks": np.array(list(chain.from_iterable(w.num_cached_blocks for w in windows)),
+            "num_cached_blocks": np.array(list(chain.from_iterable(w.num_cached_blocks for w in leaps)),
                                           dtype=np.int64),
             "num_total_blocks": total,
-            "num_kv_tokens": np.repeat(np.array([w.first_kv_tokens for w in windows], dtype=np.int64), k) + j * n,
+            "num_kv_tokens": np.repeat(np.array([w.first_kv_tokens for w in leaps], dtype=np.int64), k) + j * n,
             "num_preemptions": none, "admission_stop": np.full(len(j), AdmissionStop.NOTHING_WAITING, dtype=object),
         }
 
     @staticmethod
-    def alloc_columns(windows: list[DecodeWindow]) -> dict[str, np.ndarray | list]:
-        """The alloc events of `windows`, in order, as KVEvent's fields (kind, reason and blocks
-        aside: each a decode's alloc of `block`), each a column: the one account of a window's events.
+    def alloc_columns(leaps: list[DecodeLeap]) -> dict[str, np.ndarray | list]:
+        """The alloc events of `leaps`, in order, as KVEvent's fields (kind, reason and blocks
+        aside: each a decode's alloc of `block`), each a column: the one account of a leap's events.
         An alloc's evictions take the seq numbers right before its own (`events.with_evictions`)."""
-        allocs = [w.allocs for w in windows]
+        allocs = [w.allocs for w in leaps]
         num = np.array([len(a) for a in allocs], dtype=np.int64)
         evicted = list(chain.from_iterable(a.evicted for a in allocs))
         num_evicted = np.zeros(len(evicted), dtype=np.int64)
         evicting = [i for i, blocks in enumerate(evicted) if blocks]
         num_evicted[evicting] = [len(evicted[i]) for i in evicting]
-        # a window's i-th alloc: its first_event_seq + i + the blocks its allocs up to it evicted
+        # a leap's i-th alloc: its first_event_seq + i + the blocks its allocs up to it evicted
         evicted_through = np.cumsum(num_evicted)
-        first = np.cumsum(num) - num   # each window's first alloc among the rows
-        evicted_before = np.concatenate([[0], evicted_through])[first]   # by the windows before
-        seq = (np.repeat(np.array([w.first_event_seq for w in windows], dtype=np.int64) - first - evicted_before, num)
+        first = np.cumsum(num) - num   # each leap's first alloc among the rows
+        evicted_before = np.concatenate([[0], evicted_through])[first]   # by the leaps before
+        seq = (np.repeat(np.array([w.first_event_seq for w in leaps], dtype=np.int64) - first - evicted_before, num)
                + np.arange(len(evicted)) + evicted_through)
         steps = np.array(list(chain.from_iterable(a.steps for a in allocs)), dtype=np.int64)
-        num_steps = np.array([w.num_steps for w in windows], dtype=np.int64)
-        start_s = np.array(list(chain.from_iterable(w.start_s for w in windows)), dtype=np.float64)
+        num_steps = np.array([w.num_steps for w in leaps], dtype=np.int64)
+        start_s = np.array(list(chain.from_iterable(w.start_s for w in leaps)), dtype=np.float64)
         return {
-            "seq": seq, "step": np.repeat(np.array([w.first_step for w in windows], dtype=np.int64), num) + steps,
+            "seq": seq, "step": np.repeat(np.array([w.first_step for w in leaps], dtype=np.int64), num) + steps,
             "ts_s": start_s[np.repeat(np.cumsum(num_steps) - num_steps, num) + steps],
             "req_id": list(chain.from_iterable(a.req_ids for a in allocs)),
             "sample": np.array(list(chain.from_iterable(a.samples for a in allocs)), dtype=np.int64),
@@ -147,7 +147,7 @@ class DecodeWindow:
                 for seq, step, ts_s, req_id, sample, block, evicted in zip(*columns.values())]
 
     def records(self) -> list[StepRecord]:
-        """The window's steps as the StepRecords the general pass would have made, in order."""
+        """The leap's steps as the StepRecords the general pass would have made, in order."""
         fields = {name: values.tolist() if isinstance(values, np.ndarray) else values
                   for name, values in self.step_columns([self]).items()}
         by_step: dict[int, list[KVEvent]] = {}
@@ -160,14 +160,14 @@ class DecodeWindow:
                 for j in range(self.num_steps)]
 
 
-def run_window(engine: LLMEngine, until_s: float, max_steps: int = 256) -> tuple[int, int]:
-    """Run the decode window that starts at the engine's next step, up to the step that would start
+def take_leap(engine: LLMEngine, until_s: float, max_steps: int = 256) -> tuple[int, int]:
+    """Run the leap that starts at the engine's next step, up to the step that would start
     at or after `until_s`: (steps, tokens), or (0, 0) when the next step cannot start one. The caller
     has dissolved any lazy decodes (cohort.py): every running sequence's counts are its own.
 
     Each step is the one the general pass would run: the same block allocations, evictions and
     prefix-cache entries in the same order, the same predicted times, the same step records, events
-    and tokens. What the window makes cheap is the per-sequence work: a step touches only the
+    and tokens. What the leap makes cheap is the per-sequence work: a step touches only the
     sequences that take or complete a block, and each sequence's counts are advanced once at the end."""
     sched, bm, runner = engine.scheduler, engine.block_manager, engine.runner
     running = sched.running
@@ -184,7 +184,7 @@ def run_window(engine: LLMEngine, until_s: float, max_steps: int = 256) -> tuple
             return 0, 0
         if shared and not shared.keys().isdisjoint(seq.block_table[computed // bs:]):
             return 0, 0   # a write ahead copies a shared block first (forks share even blocks reserved ahead)
-        # after step j it holds num_tokens + j + 1 tokens: the window ends before the step it stops at
+        # after step j it holds num_tokens + j + 1 tokens: the leap ends before the step it stops at
         horizon = min(horizon, seq.stop_num_tokens - num_tokens - 1)
     if horizon < 2:
         return 0, 0
@@ -223,7 +223,7 @@ def run_window(engine: LLMEngine, until_s: float, max_steps: int = 256) -> tuple
     starts, ends, forward = runner.decode_clock(num_running, held, horizon, until_s, engine.time_origin)
     free: list[int] = []
     cached: list[int] = []
-    allocs = DecodeAllocs()
+    allocs = LeapAllocs()
     free_now, cached_now = bm.num_free_blocks, bm.num_cached_free_blocks   # change only as sequences grow
     k = len(starts)
     for j in range(k):
@@ -235,21 +235,21 @@ def run_window(engine: LLMEngine, until_s: float, max_steps: int = 256) -> tuple
             free_now, cached_now = bm.num_free_blocks, bm.num_cached_free_blocks
         free.append(free_now)
         cached.append(cached_now)
-    assert not bm.events and not bm.evicted, "a decode window's step made an event other than a decode's alloc"
+    assert not bm.events and not bm.evicted, "a leap's step made an event other than a decode's alloc"
     engine.step_counter = first_step + k
     event_seq = engine._event_seq
-    window = DecodeWindow(
+    leap = DecodeLeap(
         first_step=first_step, start_s=starts, end_s=ends, device_ms=forward, num_free_blocks=free,
         num_cached_blocks=cached, num_running=num_running, num_total_blocks=bm.num_blocks, first_kv_tokens=num_kv,
         first_event_seq=event_seq, allocs=allocs, token_req_ids=[seq.req_id for seq in running],
         token_samples=[seq.sample for seq in running], first_token_idx=first_idx)
     # each alloc's evictions take the seq numbers before its own (events.with_evictions)
     engine._event_seq = event_seq + len(allocs) + sum(len(evicted) for evicted in allocs.evicted if evicted)
-    on_window = getattr(engine.tracer, "on_decode_window", None)
-    if on_window is not None:
-        on_window(window)
+    on_leap = getattr(engine.tracer, "on_decode_leap", None)
+    if on_leap is not None:
+        on_leap(leap)
     else:
-        for record in window.records():
+        for record in leap.records():
             engine.tracer.on_step(record)
     for seq in running:   # k steps of the general pass's accounting; the tokens of steps not run go
         seq.num_computed_tokens = seq.num_ever_computed = seq.num_computed_tokens + k
