@@ -20,7 +20,7 @@ import pyarrow as pa
 from engine.events import KVEvent, RequestStats, StepRecord
 from engine.sim.leap import DecodeLeap
 from kvtrace.record import tables
-from kvtrace.record.tokens_table import RequestNumbers, TokensTable, TokenGrids
+from kvtrace.record.tokens_table import RequestNumbers, TokenGrids, TokensTable
 from kvtrace.trace.schema import TABLES, write_parquet
 
 # the order a chunk's tables are handed to the writer thread: the slowest to write first, so that
@@ -96,9 +96,9 @@ class TraceWriter:
             self.flush()
 
     def on_decode_leap(self, w: DecodeLeap) -> None:
-        """Buffer a grid of simulated decode-only steps as `on_step` would buffer its records: the
-        leap itself in the steps buffer and, if it allocated blocks, in the events buffer, and its
-        tokens as one grid (every running sequence's token, step after step)."""
+        """Buffer a leap (simulated decode-only steps taken at once) as `on_step` would buffer its
+        records: the leap itself in the steps buffer and, if it allocated blocks, in the events
+        buffer, and its tokens as one grid (every running sequence's token, step after step)."""
         self._steps.append(w)
         if w.allocs:
             self._events.append(w)
