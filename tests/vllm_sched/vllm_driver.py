@@ -207,13 +207,14 @@ def corrupt(cap, how: str) -> None:
     """Make the capture's own record of the pool wrong once (the workload's "corrupt"), so that its
     self-check has something to find: "held" gives a request a block it does not hold, "lost" forgets
     a request's blocks, "cached" miscounts the cached free blocks."""
-    rid = next(iter(cap.held))
+    held = cap.check.held
+    rid = next(iter(held))
     if how == "held":
-        cap.held[rid].add(10**6)
+        held[rid].add(10**6)
     elif how == "lost":
-        del cap.held[rid]
+        del held[rid]
     elif how == "cached":
-        cap.cached_free += 1
+        cap.wraps.cached_free += 1
     else:
         raise ValueError(f"no such corruption {how!r}")
 
@@ -421,8 +422,8 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             import pickle
             answer["chunks_before_shutdown"] = [len(pickle.loads(c.read_bytes()).get("steps", {}).get("step", ()))
                                                 for c in sorted(cap.folder.rglob("*.pkl"))]
-            answer["capture_held"] = {name: len(getattr(cap, name))
-                                      for name in ("states", "watched", "emitted", "pending")}
+            answer["capture_held"] = {"states": len(cap.steps.states), "watched": len(cap.steps.watched),
+                                      "emitted": len(cap.columns.emitted), "pending": len(cap.pending)}
         if workload.get("remove_capture_before_shutdown"):   # after the last chunk: no write fails
             shutil.rmtree(workload["capture_dir"])
         if workload.get("remake_capture_before_shutdown"):   # and makes it again, empty
