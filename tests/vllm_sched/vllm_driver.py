@@ -207,7 +207,7 @@ def corrupt(cap, how: str) -> None:
     """Make the capture's own record of the pool wrong once (the workload's "corrupt"), so that its
     self-check has something to find: "held" gives a request a block it does not hold, "lost" forgets
     a request's blocks, "cached" miscounts the cached free blocks."""
-    held = cap.check.held
+    held = cap.self_check.held
     rid = next(iter(held))
     if how == "held":
         held[rid].add(10**6)

@@ -58,7 +58,7 @@ class Recorder:
                                wall_minus_monotonic=self.server.wall_minus_monotonic,
                                total_blocks=self.steps.total_blocks)
         self.pending = PendingSteps()
-        self.check = SelfCheck(scheduler.kv_cache_manager, self.steps.null_id, self.steps.total_blocks)
+        self.self_check = SelfCheck(scheduler.kv_cache_manager, self.steps.null_id, self.steps.total_blocks)
         self.last_end: float | None = None   # when the last processed step's output was (its row's end_s)
         self.closed = False
         self.hook_s = 0.0                    # time in the step hooks (after_schedule, after_update)
@@ -144,7 +144,7 @@ class Recorder:
         self.last_end = now
         self._write_events(step, now)
         if self.settings.self_check:
-            self.check.check(step, self.pending, self.wraps.cached_free)
+            self.self_check.check(step, self.pending, self.wraps.cached_free)
         if self.scheduler.has_unfinished_requests():
             self.sink.maybe_flush(now)
         else:   # idle until the next request: keep nothing back
@@ -180,7 +180,7 @@ class Recorder:
             return
         self.columns.kv_events(events, step, now)
         if self.settings.self_check:
-            self.check.replay(events)
+            self.self_check.replay(events)
         self.steps.events = []
 
     def _write_unprocessed(self, scheduled: ScheduledStep) -> None:
@@ -214,12 +214,13 @@ class Recorder:
         self.sink.close()
         if not self.folder.is_dir():
             return   # the folder was removed: not made again for a summary of nothing
+        check = self.self_check
         try:
             write_json(self.folder, "done.json", {
                 "server_id": self.server.server_id,
                 "steps": self.steps.step + 1, "events": self.columns.seq, "hook_s": self.hook_s,
-                "self_check_steps": self.check.num_checked_steps,
-                "self_check_errors": self.check.num_check_errors, "self_check_examples": self.check.check_errors,
+                "self_check_steps": check.num_checked_steps,
+                "self_check_errors": check.num_check_errors, "self_check_examples": check.check_errors,
                 "writer_error": repr(self.sink.error) if self.sink.error else None,
             })
         except OSError:
