@@ -6,8 +6,7 @@ accounting does only what must be recorded. Requests that need a closer look (ad
 prefilling, or re-prefilling after a preemption) are `watched`: when a step is scheduled, only they
 are looked at one by one. Every other scheduled request decodes: it has computed every position it
 ever had, so it recomputes nothing, and its tokens are the step's decode tokens (the scheduled
-tokens less the watched ones' prefill). A step's KV tokens are one C-level pass over the running
-requests.
+tokens less the watched ones' prefill). A step's KV tokens are one pass over the running requests.
 
 Between two schedule() calls the accounting collects the KV events (the block pool's wrappers,
 wraps.py, append theirs) and the requests freed; `take_step` hands them, with the step's row, to the

@@ -128,8 +128,8 @@ class Recorder:
         # outputs are processed in the order they were scheduled (vLLM's batch queue): one scheduled
         # before this and still waiting never will be (a caller that skips empty steps); written now
         older, scheduled = self.pending.take(out)
-        for step in older:
-            self._write_unprocessed(step)
+        for unprocessed in older:
+            self._write_unprocessed(unprocessed)
         if scheduled is not None:
             self.steps.join(scheduled)
             step = scheduled.row.step
