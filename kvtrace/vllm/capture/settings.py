@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+
 from kvtrace.vllm.capture.sink import parse_age, parse_bytes
 
 
@@ -87,9 +90,6 @@ def write_json(folder: Path, name: str, data: dict) -> None:
 
 def write_identity(settings: Settings, server: Server, scheduler, version: str, capture_module: str) -> None:
     """servers/<server id>.json and capture.json: who writes the chunks, with what options."""
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.core.sched.request_queue import SchedulingPolicy
-
     kvm = scheduler.kv_cache_manager
     pool = kvm.block_pool
     model = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
