@@ -39,16 +39,17 @@ fixture that does), in their usual order. A test that never runs the mutated sta
 did, so it cannot kill the mutant: the selection changes no outcome, only the time. A statement outside
 any function (run at import) gets all the tests; a mutant that no test reaches survives without a run.
 
-The vLLM capture's scheduler (kvtrace/vllm/capture/scheduler.py) imports vLLM, so it runs only in a
-vLLM venv (NEEDS_VLLM): its tests are tests/vllm's that need no vLLM, and there
+The vLLM capture's parts (kvtrace/vllm/capture/: the scheduler subclasses and what they call) run only
+inside vLLM, in a vLLM venv (NEEDS_VLLM): their tests are tests/vllm's that need no vLLM, and there
 tests/vllm/test_capture_on_vllm.py steps vLLM's own Scheduler and AsyncScheduler with the capture and
 no model in a driver process (not marked `vllm` when given drivers to use). vLLM's import takes tens
 of seconds, so the run starts one driver
 per vLLM venv (KVTRACE_VLLM_PYTHON, KVTRACE_VLLM_SCHED_PYTHONS) for the whole target, serving on a
 socket in a private folder (`vllm_driver.py --serve`, KVTRACE_CAPTURE_DRIVERS): each mutant's tests
-open a session there, forked from the driver, that loads the scratch copy's mutated file by its path
-(the rest of kvtrace from the scratch copy, through a link in that folder; no other vLLM run on the
-machine sees either). Its mutants run all these tests (no coverage inside vLLM); without a vLLM venv
+open a session there, forked from the driver, that loads the scratch copy's capture package, the
+mutated file among its modules, from the source files (no bytecode; the rest of kvtrace from the
+scratch copy, through a link in that folder; no other vLLM run on the machine sees either). Their
+mutants run all these tests (no coverage inside vLLM); without a vLLM venv
 they run the source-reading test only, and a survivor there is untested rather than equivalent.
 
     python scripts/mutation.py [--budget-min 30] [--only NAME ...] [--sample K] [--sample-own K] [--out DIR]
@@ -99,12 +100,16 @@ TARGETS: dict[str, list[str]] = {
     "engine/sim/leap.py": ["tests/engine", "tests/analysis"],
     "engine/block_manager.py": ["tests/engine"],
     "engine/llm_engine.py": ["tests/engine"],
-    # the capture's tests that need no vLLM, and test_capture_on_vllm.py's on vLLM drivers (vllm_drivers)
-    "kvtrace/vllm/capture/scheduler.py": ["tests/vllm"],
 }
-# targets only vLLM's Python can import: their tests run in vLLM drivers started for the target
+# the vLLM capture's parts that run inside vLLM's scheduler (kvtrace/vllm/capture/; its sink and guard
+# have tests of their own without vLLM): the capture's tests that need no vLLM, and
+# test_capture_on_vllm.py's on vLLM drivers (vllm_drivers)
+CAPTURE_TARGETS = [f"kvtrace/vllm/capture/{name}.py" for name in (
+    "scheduler", "recorder", "wraps", "accounting", "pending", "columns", "self_check", "rows", "settings")]
+TARGETS.update({target: ["tests/vllm"] for target in CAPTURE_TARGETS})
+# targets that run only inside vLLM: their tests run in vLLM drivers started for the target
 # (vllm_drivers), every mutant gets all of them, and without a vLLM venv a survivor is marked untested
-NEEDS_VLLM = {"kvtrace/vllm/capture/scheduler.py"}
+NEEDS_VLLM = set(CAPTURE_TARGETS)
 SQL_FOLDERS = ["tests/analysis"]                                 # every analyses/_*.sql
 
 

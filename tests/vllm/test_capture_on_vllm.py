@@ -24,7 +24,7 @@ test runs `python -m benchmarks vllm-capture-cost` at 8 requests, on the last vL
 
 KVTRACE_CAPTURE_DRIVERS (socket paths, os.pathsep between them) sends the first test to drivers
 already running (`tests/vllm_sched/vllm_driver.py --serve`, one per vLLM venv), a session each, in
-which the capture is this checkout's kvtrace/vllm/capture/scheduler.py loaded by its path: the test
+which the capture is this checkout's kvtrace/vllm/capture package loaded from its files: the test
 then starts no vLLM (it is not marked `vllm`), and scripts/mutation.py runs it with the capture's
 other tests that need no vLLM, a mutant planted in a scratch copy, one vLLM import for the whole run
 rather than one per mutant. A failing workload is then not shrunk (a mutant needs only to fail).

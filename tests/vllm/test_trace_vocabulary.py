@@ -9,7 +9,8 @@ from pathlib import Path
 
 from engine import events as ev
 
-CAPTURE = Path(__file__).resolve().parents[2] / "kvtrace" / "vllm" / "capture" / "scheduler.py"
+CAPTURE = Path(__file__).resolve().parents[2] / "kvtrace" / "vllm" / "capture"
+EVENT_FIELDS = ("kind", "req_id", "blocks", "num_tokens", "reason")   # rows.py's KvEvent, as far as read here
 CAPTURE_ONLY = {"other"}   # a block vLLM allocates or frees outside any step the capture can attribute
 
 
@@ -23,14 +24,16 @@ def _strings(node: ast.AST | None) -> set[str]:
 
 
 def _capture_vocabulary() -> dict[str, set[str]]:
-    tree = ast.parse(CAPTURE.read_text())
+    tree = ast.Module(body=[node for path in sorted(CAPTURE.glob("*.py")) for node in ast.parse(path.read_text()).body],
+                      type_ignores=[])
     found: dict[str, set[str]] = {"kind": set(), "event reason": set(), "alloc_reason": set(),
                                   "free_reason": set(), "reason": set(), "finish": set(), "victim_reason": set(),
                                   "admission_stop": set()}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Tuple) and len(node.elts) in (7, 9) and _strings(node.elts[0]):
-            found["kind"] |= _strings(node.elts[0])          # (kind, req, blocks, num_tokens, reason, ...)
-            found["event reason"] |= _strings(node.elts[4])
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "KvEvent":
+            fields = {**dict(zip(EVENT_FIELDS, node.args)), **{k.arg: k.value for k in node.keywords}}
+            found["kind"] |= _strings(fields.get("kind"))
+            found["event reason"] |= _strings(fields.get("reason"))
         elif isinstance(node, ast.FunctionDef) and node.name == "admission_stop":
             found["admission_stop"] |= {s for r in ast.walk(node) if isinstance(r, ast.Return) for s in _strings(r.value)}
         elif isinstance(node, ast.Assign):

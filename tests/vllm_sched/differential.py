@@ -20,8 +20,8 @@ class VllmScheduler:
     the driver builds kvtrace's capture scheduler class: this process's kvtrace package (a checkout's, or
     the mutation check's scratch copy) through a link in a folder of this driver's own, so that no other
     vLLM run on the machine is sent to it. With `socket` (a `vllm_driver.py --serve` driver that someone
-    else started, e.g. scripts/mutation.py) a session there instead: its capture module is this
-    process's kvtrace/vllm/capture/scheduler.py, loaded by that file's path."""
+    else started, e.g. scripts/mutation.py) a session there instead: its capture is this
+    process's kvtrace/vllm/capture package, loaded from that folder's files."""
 
     def __init__(self, python: str, model_folder: str, wait: bool = True, env: dict | None = None, *,
                  capture: bool = False, socket: str | None = None) -> None:
@@ -33,7 +33,7 @@ class VllmScheduler:
             self.conn = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
             self.conn.connect(socket)
             self.stdin, self.stdout = self.conn.makefile("w"), self.conn.makefile("r")
-            self.stdin.write(json.dumps({"capture_module": str(capture_module())} if capture else {}) + "\n")
+            self.stdin.write(json.dumps({"capture_package": str(capture_package())} if capture else {}) + "\n")
             self.stdin.flush()
             self.wait_ready()
             return
@@ -44,7 +44,7 @@ class VllmScheduler:
             args.append("--capture")
             env = {k: v for k, v in (env or os.environ).items() if k != "PYTHONPATH"}
             self.link = Path(tempfile.mkdtemp(prefix="kvtrace-capture-on-vllm-"))
-            (self.link / "kvtrace").symlink_to(capture_module().parents[2])
+            (self.link / "kvtrace").symlink_to(capture_package().parents[1])
             env["PYTHONPATH"] = str(self.link)
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, bufsize=1, env=env)
@@ -106,12 +106,12 @@ class VllmScheduler:
             shutil.rmtree(self.link, ignore_errors=True)
 
 
-def capture_module() -> Path:
-    """The capture's scheduler file of the kvtrace package this process imports (never imported here:
-    it imports vLLM)."""
+def capture_package() -> Path:
+    """The capture's folder (kvtrace/vllm/capture) of the kvtrace package this process imports (never
+    imported here: it imports vLLM)."""
     import kvtrace
 
-    return Path(kvtrace.__file__).resolve().parent / "vllm" / "capture" / "scheduler.py"
+    return Path(kvtrace.__file__).resolve().parent / "vllm" / "capture"
 
 
 class VllmSchedulers:

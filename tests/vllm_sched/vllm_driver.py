@@ -36,7 +36,7 @@ import traceback
 TOKEN = -1   # the placeholder every step samples (kvtrace's GREEDY_TOKEN)
 HASH_FN = None   # the block hash function, set once vLLM is imported
 CAPTURE = False  # --capture: kvtrace's capture scheduler class instead of vLLM's own
-CAPTURE_CLASS = None   # --serve: the capture class of the session's module (loaded from its file)
+CAPTURE_CLASS = None   # --serve: the capture class of the session's package (loaded from its folder)
 
 
 CONFIGS: dict = {}   # the VllmConfig built once, and the config values each workload sets
@@ -207,13 +207,14 @@ def corrupt(cap, how: str) -> None:
     """Make the capture's own record of the pool wrong once (the workload's "corrupt"), so that its
     self-check has something to find: "held" gives a request a block it does not hold, "lost" forgets
     a request's blocks, "cached" miscounts the cached free blocks."""
-    rid = next(iter(cap.held))
+    held = cap.self_check.held
+    rid = next(iter(held))
     if how == "held":
-        cap.held[rid].add(10**6)
+        held[rid].add(10**6)
     elif how == "lost":
-        del cap.held[rid]
+        del held[rid]
     elif how == "cached":
-        cap.cached_free += 1
+        cap.wraps.cached_free += 1
     else:
         raise ValueError(f"no such corruption {how!r}")
 
@@ -421,8 +422,8 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             import pickle
             answer["chunks_before_shutdown"] = [len(pickle.loads(c.read_bytes()).get("steps", {}).get("step", ()))
                                                 for c in sorted(cap.folder.rglob("*.pkl"))]
-            answer["capture_held"] = {name: len(getattr(cap, name))
-                                      for name in ("states", "watched", "emitted", "pending")}
+            answer["capture_held"] = {"states": len(cap.steps.states), "watched": len(cap.steps.watched),
+                                      "emitted": len(cap.columns.emitted), "pending": len(cap.pending)}
         if workload.get("remove_capture_before_shutdown"):   # after the last chunk: no write fails
             shutil.rmtree(workload["capture_dir"])
         if workload.get("remake_capture_before_shutdown"):   # and makes it again, empty
@@ -462,27 +463,49 @@ def answer_all(model: str, lines, out) -> None:
         out.flush()
 
 
-def load_capture(path: str):
-    """The capture's scheduler module compiled from `path` (no bytecode read or written: a mutant can
-    share its file's size and mtime with the original), under its own name, so that the kvtrace
-    modules it imports come from this process's path."""
-    import types
-    name = "kvtrace.vllm.capture.scheduler"
-    module = types.ModuleType(name)
-    module.__file__ = path
-    sys.modules[name] = module
-    exec(compile(open(path).read(), path, "exec"), module.__dict__)
-    return module
+def load_capture(folder: str):
+    """The capture package (kvtrace.vllm.capture, every module of it) compiled from the source files in
+    `folder`, and its scheduler module returned. No bytecode is read or written: a mutant can share its
+    file's size and mtime with the original, so a cached .pyc could be the original's. The rest of
+    kvtrace (the parent packages) comes from this process's path."""
+    import importlib
+    import importlib.machinery
+    import importlib.util
+    from pathlib import Path
+
+    package, folder = "kvtrace.vllm.capture", Path(folder)
+
+    class SourceOnly(importlib.machinery.SourceFileLoader):
+        def get_code(self, fullname):
+            return compile(self.get_data(self.path), self.path, "exec", dont_inherit=True)
+
+    class CaptureFinder:
+        @staticmethod
+        def find_spec(fullname, path=None, target=None):
+            if fullname == package:
+                source = folder / "__init__.py"
+            elif fullname.startswith(package + "."):
+                source = folder / (fullname[len(package) + 1:].replace(".", "/") + ".py")
+            else:
+                return None
+            if not source.is_file():
+                return None
+            return importlib.util.spec_from_file_location(
+                fullname, source, loader=SourceOnly(fullname, str(source)),
+                submodule_search_locations=[str(folder)] if fullname == package else None)
+
+    sys.meta_path.insert(0, CaptureFinder)
+    return importlib.import_module(package + ".scheduler")
 
 
 def serve(model: str, socket_path: str, ready) -> None:
     """Sessions on a Unix socket, one at a time, each in a child forked from this process (vLLM and its
-    configs imported and built once, here): the session's first line names the capture's scheduler file
-    ({"capture_module": PATH}), the child loads that file, answers {"ready": ..., "vllm_version": ...} and
-    then one answer per workload, as on stdin. A new connection ends the session still running (a
-    client killed mid-workload leaves its child behind, maybe in a loop): sessions are for one client
-    at a time (scripts/mutation.py's runs, one mutant a session). The socket's folder is the caller's
-    own: nothing else connects."""
+    configs imported and built once, here): the session's first line names the capture's package folder
+    ({"capture_package": PATH}), the child loads the package from it (load_capture), answers
+    {"ready": ..., "vllm_version": ...} and then one answer per workload, as on stdin. A new connection
+    ends the session still running (a client killed mid-workload leaves its child behind, maybe in a
+    loop): sessions are for one client at a time (scripts/mutation.py's runs, one mutant a session).
+    The socket's folder is the caller's own: nothing else connects."""
     import signal
     import socket
     import vllm
@@ -510,9 +533,9 @@ def serve(model: str, socket_path: str, ready) -> None:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 inp, out = conn.makefile("r"), conn.makefile("w")
                 hello = json.loads(inp.readline() or "{}")
-                CAPTURE = "capture_module" in hello
+                CAPTURE = "capture_package" in hello
                 if CAPTURE:
-                    CAPTURE_CLASS = load_capture(hello["capture_module"]).KvtraceCaptureScheduler
+                    CAPTURE_CLASS = load_capture(hello["capture_package"]).KvtraceCaptureScheduler
                 out.write(json.dumps({"ready": True, "vllm_version": vllm.__version__}) + "\n")
                 out.flush()
                 answer_all(model, inp, out)

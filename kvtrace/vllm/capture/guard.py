@@ -37,7 +37,7 @@ BLOCK_POOL_METHODS = {
     "_maybe_evict_cached_block": ("block",),
     "get_num_free_blocks": (),
 }
-# locals the capture reads in vLLM's frames (scheduler.py's `allocating` and `requester`): the request
+# locals the capture reads in vLLM's frames (wraps.py's `allocating` and `requester`): the request
 # of a running request's allocate_slots, and the running request the schedule loop preempts for
 FRAME_LOCALS = {("Scheduler", "schedule"): ("request",), ("KVCacheManager", "allocate_slots"): ("request",)}
 BLOCK_FIELDS = ("block_id", "ref_cnt", "block_hash", "is_null")

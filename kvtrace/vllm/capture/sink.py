@@ -11,7 +11,7 @@ server's chunks are `chunks/<server id>_<part>_<first>_<last>_<arrivals>.pkl` (i
 seconds) and the requests that arrived in it, so that `kvtrace capture ls` and `capture run` know
 what a chunk holds without reading it.
 Besides the trace's tables a chunk may hold `arrivals`, the capture's own: one row per request when
-the scheduler takes it, with its prompt's block hashes salted per capture (scheduler.py).
+the scheduler takes it, with its prompt's block hashes salted per capture (columns.py).
 
 Retention keeps the folder bounded: after each chunk, the oldest whole chunks of the folder (every
 server's) are removed while the chunks add up to more than `max_bytes`, or are older than
@@ -19,7 +19,7 @@ server's) are removed while the chunks add up to more than `max_bytes`, or are o
 the sink counts what it writes itself (a folder is meant for one server at a time).
 
 There is no writer thread: the engine's own thread writes each chunk, synchronously, at the end of
-a step's `update_from_output` (scheduler.py): every `flush_seconds`, when a buffer reaches
+a step's `update_from_output` (recorder.py): every `flush_seconds`, when a buffer reaches
 `max_rows`, after a step that leaves the engine with nothing to do (a server between bursts keeps
 nothing back), and at shutdown (`close`). A background writer thread was tried and measured +3 % on
 the replay's wall time (docs/vllm.md; the vllm-capture benchmark), more than the writes themselves cost

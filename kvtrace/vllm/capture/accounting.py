@@ -1,0 +1,219 @@
+"""What each step did, per request where it must be and in bulk where it can: the capture's
+per-step accounting.
+
+The running requests are many (1,024 and more) and nearly all of them decode, so per request the
+accounting does only what must be recorded. Requests that need a closer look (admitted and still
+prefilling, or re-prefilling after a preemption) are `watched`: when a step is scheduled, only they
+are looked at one by one. Every other scheduled request decodes: it has computed every position it
+ever had, so it recomputes nothing, and its tokens are the step's decode tokens (the scheduled
+tokens less the watched ones' prefill). A step's KV tokens are one pass over the running requests.
+
+Between two schedule() calls the accounting collects the KV events (the block pool's wrappers,
+wraps.py, append theirs) and the requests freed; `take_step` hands them, with the step's row, to the
+step they belong to (rows.py's ScheduledStep), which waits for its output (pending.py).
+"""
+from __future__ import annotations
+
+import operator
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from kvtrace.vllm.capture.rows import KvEvent, RequestState, ScheduledStep, StepRow
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "aborted",
+    RequestStatus.FINISHED_IGNORED: "rejected",
+}
+_num_computed_tokens = operator.attrgetter("num_computed_tokens")
+
+
+class StepAccounting:
+    """The requests' states, and what happened since the last schedule(); one per scheduler."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.kvm = scheduler.kv_cache_manager
+        self.pool = self.kvm.block_pool
+        self.null_id = self.pool.null_block.block_id
+        self.block_size = scheduler.block_size
+        self.total_blocks = self.pool.num_gpu_blocks - 1   # block 0 is vLLM's null block
+        self.is_async = isinstance(scheduler, AsyncScheduler)
+        self.states: dict[str, RequestState] = {}
+        # the requests whose steps need more than "a decode step": admitted and not yet past their
+        # (re-)prefill; every other scheduled request decodes, which the step's totals account for
+        self.watched: dict[str, RequestState] = {}
+        self.events: list[KvEvent] = []                       # since the last schedule()
+        self.finishing: list[tuple[Request, RequestState]] = []   # freed since the last schedule()
+        self.step = -1
+        self.step_start = 0.0
+        self.step_preemptions = 0
+        self.admit_failed = False                          # a waiting request's allocate_slots failed this step
+        # vLLM's victim: the least urgent (priority policy), else the newest, running[-1]
+        self.victim_reason = "lowest-priority" if scheduler.policy == SchedulingPolicy.PRIORITY else "newest"
+        self.max_seats = getattr(scheduler, "max_num_active_reqs", scheduler.max_num_running_reqs)
+        self.max_step_tokens = getattr(scheduler, "max_num_scheduled_tokens",
+                                       scheduler.scheduler_config.max_num_batched_tokens)
+
+    def state(self, rid: str) -> RequestState:
+        st = self.states.get(rid)
+        if st is None:
+            st = self.states[rid] = RequestState()
+        return st
+
+    def begin_step(self, start: float) -> None:
+        self.step_start = start
+        self.step += 1
+        self.step_preemptions = 0
+        self.admit_failed = False
+
+    def admitted(self, request: Request, status, num_hit: int, hit_blocks, mark: int) -> None:
+        """A waiting or preempted request got its blocks (`mark`: where its allocations' events
+        begin): it is scheduled this step."""
+        rid = request.request_id
+        st = self.state(rid)
+        resumed = status == RequestStatus.PREEMPTED
+        reason = "resume-recompute" if resumed else "new"
+        self.watched[rid] = st
+        if st.first_scheduled is None:
+            st.first_scheduled = self.step_start
+        rows = [KvEvent("admit", rid, None, request.num_tokens - num_hit, reason)]
+        if num_hit:
+            ids = [b for b in hit_blocks.get_block_ids()[0] if b != self.null_id] if hit_blocks is not None else []
+            rows.append(KvEvent("prefix_hit", rid, ids, num_hit, reason))
+            st.prefix_hits += num_hit
+        self.events[mark:mark] = rows     # before the blocks it was given, as kvtrace's engine orders them
+        if resumed:
+            st.reprefill_target = request.num_tokens
+            st.reprefill_cached = num_hit
+            st.reprefill_recomputed = 0
+
+    def scheduled(self, out, start: float, end: float, cached_free: int) -> StepRow:
+        """The row of the step vLLM's schedule() just returned (`out`, its SchedulerOutput)."""
+        sched = self.scheduler
+        scheduled = out.num_scheduled_tokens
+        num_scheduled = sum(scheduled.values())
+        prefill = recompute = 0
+        requests = sched.requests
+        is_async = self.is_async
+        watched = self.watched
+        for new in out.scheduled_new_reqs:   # one admitted other than from WAITING / PREEMPTED (a KV connector's)
+            if new.req_id not in watched:
+                st = watched[new.req_id] = self.state(new.req_id)
+                if st.first_scheduled is None:
+                    st.first_scheduled = start
+        # Only the watched requests are looked at one by one. Every other scheduled request decodes:
+        # it has computed every position it ever had (`ever` is its begin, so nothing is recomputed)
+        # and its tokens are the step's decode tokens, num_scheduled less the watched ones' prefill.
+        done, reprefilled = [], []
+        for rid, st in watched.items():
+            n = scheduled.get(rid)
+            if not n:
+                continue
+            req = requests[rid]
+            stop = req.num_computed_tokens
+            begin = stop - n
+            # async: tokens sampled but not delivered count as known, less the one this step will sample
+            extra = req.num_output_placeholders - (is_async and not req.is_prefill_chunk)
+            # a prompt's last token is prefill
+            decoding = begin >= req.num_tokens + extra - 1 and req.num_output_tokens + extra
+            if not decoding:
+                prefill += n
+            again = min(stop, st.ever) - begin
+            if again > 0:
+                recompute += again
+                st.recomputed += again
+            else:
+                again = 0
+            if stop > st.ever:
+                st.ever = stop
+            if st.reprefill_target:
+                st.reprefill_recomputed += again
+                if stop >= st.reprefill_target:
+                    reprefilled.append(KvEvent("reprefill", rid, None, st.reprefill_target, None, st.reprefill_cached,
+                                               st.reprefill_recomputed))
+                    st.reprefill_target = 0
+            if decoding and not st.reprefill_target and stop >= st.ever:
+                done.append(rid)   # from now on a decoding request like the others, until a preemption
+        for rid in done:
+            del watched[rid]
+        if len(reprefilled) > 1:   # in the order the scheduler scheduled them
+            order = {rid: i for i, rid in enumerate(scheduled)}
+            reprefilled.sort(key=lambda event: order[event.req_id])
+        self.events += reprefilled
+        free = self.pool.get_num_free_blocks()
+        used = self.total_blocks - free
+        bs = self.block_size
+        # the unfilled tail of each running request's last block: bs - filled, 0 for a full one
+        gaps = sum([-computed % bs for computed in map(_num_computed_tokens, sched.running)])
+        return StepRow(self.step, start, end, len(sched.running), len(sched.waiting), prefill, num_scheduled - prefill,
+                       recompute, self.step_preemptions, free, used, cached_free, used * bs - gaps,
+                       self.admission_stop(num_scheduled))
+
+    def admission_stop(self, num_scheduled: int) -> str:
+        """Why vLLM admitted no further waiting request this step, from what the step left behind
+        (docs/trace-format.md): vLLM does not say, so the checks follow its waiting loop's order."""
+        sched = self.scheduler
+        if not len(sched.waiting) and not len(getattr(sched, "kv_holding_waiting", ())):
+            return "nothing-waiting"
+        if self.step_preemptions:
+            return "preemption"                    # the waiting loop runs only without preemptions
+        if num_scheduled >= self.max_step_tokens:
+            return "budget"                        # the loop runs while tokens are left, then checks seats
+        if len(sched.running) >= self.max_seats:
+            return "seats"
+        if self.admit_failed:
+            return "blocks"                        # allocate_slots refused a waiting request
+        return "other"
+
+    def take_step(self, row: StepRow, out) -> ScheduledStep:
+        """The step just scheduled, with what its scheduling did; the next one starts empty."""
+        step = ScheduledStep(row, self.events, self.finishing, out)
+        self.events, self.finishing = [], []
+        return step
+
+    def join(self, step: ScheduledStep) -> None:
+        """What the step's scheduling did goes before what has happened since: its output is processed."""
+        self.events[:0] = step.events
+        self.finishing[:0] = step.finishing
+
+    def file_with(self, step: ScheduledStep) -> None:
+        """What has happened since goes with `step` (a step still waiting for its output)."""
+        step.events += self.events
+        step.finishing += self.finishing
+        self.events, self.finishing = [], []
+
+    def preempting(self, request: Request, requester: str | None) -> None:
+        """vLLM is about to preempt `request` for `requester` (wraps.py finds it)."""
+        rid = request.request_id
+        st = self.state(rid)
+        blocks = [b for b in self.kvm.get_block_ids(rid)[0] if b != self.null_id]
+        # watched again from its resume: what it recomputes is counted against the most it had
+        st.ever = max(st.ever, request.num_computed_tokens)
+        if st.reprefill_target:   # cut short while re-prefilling: what it did redo, before the preemption
+            self.events.append(KvEvent("reprefill", rid, None, st.reprefill_target, "interrupted", st.reprefill_cached,
+                                       st.reprefill_recomputed))
+            st.reprefill_target = 0
+        # vLLM preempts inside the allocate_slots loop of the running request it could not serve
+        # (that request itself when it is the newest); the victim is running[-1] or the least urgent
+        self.events.append(KvEvent("preempt", rid, blocks, request.num_computed_tokens, "recompute", 0, 0,
+                                   requester, self.victim_reason))
+        st.preemptions += 1
+        self.step_preemptions += 1
+
+    def freeing(self, request: Request) -> None:
+        """vLLM is about to free a finished request: its row is written with the step's output."""
+        self.finishing.append((request, self.state(request.request_id)))
+
+    def finished(self, request: Request) -> str:
+        """A freed request's finish event; it is forgotten. Its finish reason, for its row."""
+        rid = request.request_id
+        reason = FINISH_REASONS.get(request.status, str(request.status).lower())
+        self.events.append(KvEvent("finish", rid, None, request.num_output_tokens, reason))
+        self.states.pop(rid, None)
+        self.watched.pop(rid, None)
+        return reason

@@ -1,0 +1,143 @@
+"""The capture's rows written into the sink's columns (sink.py's COLUMNS and ARRIVALS).
+
+Once per step, not once per event or token: a step's KV events (rows.py's KvEvent) become the
+kv_events columns field by field, and a decode step's outputs the tokens columns in a few C-level
+passes (no Python per request but two list comprehensions). The columns a vLLM capture fills with
+one value (a request's sample and n, an event's bytes and duration, swaps) are filled here.
+Times are raw monotonic seconds (the importer rebases them).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import Counter
+from itertools import chain, repeat
+
+from kvtrace.vllm.capture.rows import KvEvent, RequestState, StepRow
+from kvtrace.vllm.capture.sink import Sink
+
+
+def salted(salt: bytes, block_hashes) -> list[int]:
+    """vLLM's block hashes as 63-bit integers keyed by this capture's salt."""
+    return [int.from_bytes(hashlib.blake2b(bytes(h), key=salt, digest_size=8).digest(), "big") >> 1
+            for h in block_hashes]
+
+
+class Columns:
+    """Writes rows into the sink's columns; numbers the events and each request's tokens."""
+
+    def __init__(self, sink: Sink, *, token_ids: bool, salt: bytes, wall_minus_monotonic: float,
+                 total_blocks: int) -> None:
+        self.sink = sink
+        self.token_ids = token_ids
+        self.salt = salt
+        self.wall_minus_monotonic = wall_minus_monotonic
+        self.total_blocks = total_blocks
+        self.emitted: Counter[str] = Counter()             # tokens delivered per request so far (tokens.idx)
+        self.seq = 0                                       # the next event's number
+
+    def arrival(self, request) -> None:
+        """A request the scheduler has just taken: its arrival row (the capture's own table), so that a
+        window of live traffic knows every request in flight, finished or not."""
+        a = self.sink.columns["arrivals"]
+        arrival = request.arrival_time - self.wall_minus_monotonic if request.arrival_time else time.monotonic()
+        for name, value in (("req_id", request.request_id), ("arrival_s", arrival),
+                            ("prompt_tokens", request.num_prompt_tokens), ("max_tokens", request.max_tokens),
+                            ("priority", request.priority),
+                            ("block_hashes", salted(self.salt, getattr(request, "block_hashes", ()) or ()))):
+            a[name].append(value)
+
+    def tokens(self, outs: list, step: int, now: float) -> list[str]:
+        """The tokens rows of one step's outputs (vLLM's EngineCoreOutput, one per request). Returns the
+        requests whose first token may be among them (their state's first_token is the caller's)."""
+        t = self.sink.columns["tokens"]
+        emitted = self.emitted
+        req_ids = [o.request_id for o in outs]
+        new_token_ids = [o.new_token_ids for o in outs]
+        m = len(req_ids)
+        if list(map(len, new_token_ids)).count(1) == m:
+            # a decode step, one token each: in bulk, no Python per request but the two lists above
+            idx = list(map(emitted.get, req_ids, repeat(0)))
+            emitted.update(req_ids)   # a Counter: one more each, counted in C
+            first = [rid for rid, i in zip(req_ids, idx) if i == 0] if 0 in idx else []
+            t["req_id"].extend(req_ids)
+            t["idx"].extend(idx)
+            t["token_id"].extend(chain.from_iterable(new_token_ids) if self.token_ids else repeat(None, m))
+        else:
+            m = 0
+            first = []
+            for rid, ids in zip(req_ids, new_token_ids):
+                if not ids:
+                    continue
+                first.append(rid)
+                k = len(ids)
+                start = emitted.get(rid, 0)
+                emitted[rid] = start + k
+                t["req_id"].extend([rid] * k)
+                t["idx"].extend(range(start, start + k))
+                t["token_id"].extend(ids if self.token_ids else [None] * k)
+                m += k
+        t["sample"].extend(repeat(0, m))
+        t["step"].extend(repeat(step, m))
+        t["ts_s"].extend(repeat(now, m))
+        return first
+
+    def step(self, row: StepRow, end: float, device_ms: float | None) -> None:
+        """A steps row: `end` when its output was processed (its scheduling's end if it never was)."""
+        s = self.sink.columns["steps"]
+        for name, value in (("step", row.step), ("start_s", row.start_s), ("end_s", end),
+                            ("device_ms", device_ms), ("running", row.running),
+                            ("waiting", row.waiting), ("swapped", 0), ("prefill_tokens", row.prefill_tokens),
+                            ("decode_tokens", row.decode_tokens), ("recompute_tokens", row.recompute_tokens),
+                            ("preemptions", row.preemptions), ("free_blocks", row.free_blocks),
+                            ("used_blocks", row.used_blocks), ("cached_blocks", row.cached_blocks),
+                            ("total_blocks", self.total_blocks), ("kv_tokens", row.kv_tokens),
+                            ("admission_stop", row.admission_stop)):
+            s[name].append(value)
+
+    def request(self, request, st: RequestState, finish_reason: str, finish_s: float) -> None:
+        """A finished request's row; its token count is forgotten."""
+        q = self.sink.columns["requests"]
+        rid = request.request_id
+        arrival = request.arrival_time - self.wall_minus_monotonic if request.arrival_time else None
+        for name, value in (("req_id", rid), ("sample", 0), ("n", 1), ("priority", request.priority),
+                            ("arrival_s", arrival), ("prompt_tokens", request.num_prompt_tokens),
+                            ("max_tokens", request.max_tokens), ("output_tokens", request.num_output_tokens),
+                            ("first_scheduled_s", st.first_scheduled), ("first_token_s", st.first_token),
+                            ("finish_s", finish_s), ("finish_reason", finish_reason), ("preemptions", st.preemptions),
+                            ("swaps", 0), ("recomputed_tokens", st.recomputed),
+                            ("prefix_hit_tokens", st.prefix_hits)):
+            q[name].append(value)
+        self.emitted.pop(rid, None)
+
+    def kv_events(self, events: list[KvEvent], step: int, now: float) -> None:
+        """A step's events, numbered on from the last, stamped with its step and time."""
+        k = self.sink.columns["kv_events"]
+        m = len(events)
+        # the events' fields as columns
+        (kinds, req_ids, blocks, num_tokens, reasons, cached, recomputed, requesters,
+         victim_reasons) = zip(*events)
+        k["seq"].extend(range(self.seq, self.seq + m))
+        self.seq += m
+        k["step"].extend(repeat(step, m))
+        k["ts_s"].extend(repeat(now, m))
+        k["kind"].extend(kinds)
+        k["req_id"].extend(req_ids)
+        k["sample"].extend(repeat(0, m))
+        k["blocks"].extend(blocks)
+        k["num_blocks"].extend([len(b) if b else 0 for b in blocks])
+        k["num_tokens"].extend(num_tokens)
+        k["bytes"].extend(repeat(0, m))
+        k["duration_ms"].extend(repeat(None, m))
+        k["reason"].extend(reasons)
+        k["num_cached_tokens"].extend(cached)
+        k["num_recomputed_tokens"].extend(recomputed)
+        k["src_blocks"].extend(repeat(None, m))
+        if "preempt" in kinds:   # only a preemption has a cause
+            k["requester_req_id"].extend(requesters)
+            k["requester_sample"].extend([0 if r else None for r in requesters])
+            k["victim_reason"].extend(victim_reasons)
+        else:
+            k["requester_req_id"].extend(repeat(None, m))
+            k["requester_sample"].extend(repeat(None, m))
+            k["victim_reason"].extend(repeat(None, m))

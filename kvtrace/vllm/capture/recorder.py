@@ -1,0 +1,227 @@
+"""The recorder: one per scheduler, the capture's parts put together, and what each of the scheduler's
+hooks (scheduler.py) does with them.
+
+At start-up it reads the options, checks that vLLM still has every name the capture uses (guard.py;
+error.json says why it refuses), puts the wraps on (wraps.py) and writes the server's identity
+(settings.py). Each step: `before_schedule` numbers it; `after_schedule` takes its row from the
+accounting (accounting.py) and keeps it waiting for its output (pending.py); `after_update` writes
+that step's tokens, finished requests, row and KV events into the sink's columns (columns.py),
+self-checks where asked (self_check.py), and lets the sink write a chunk when one is due (sink.py).
+The time spent in those two hooks is `hook_s` (done.json; the vllm-capture-cost benchmark).
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import time
+from pathlib import Path
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from kvtrace.vllm.capture import guard
+from kvtrace.vllm.capture.accounting import StepAccounting
+from kvtrace.vllm.capture.columns import Columns
+from kvtrace.vllm.capture.pending import PendingSteps
+from kvtrace.vllm.capture.rows import ScheduledStep
+from kvtrace.vllm.capture.self_check import SelfCheck
+from kvtrace.vllm.capture.settings import Server, Settings, capture_folder, write_identity, write_json
+from kvtrace.vllm.capture.sink import Sink
+from kvtrace.vllm.capture.wraps import PoolWraps
+
+# vLLM's handlers are on its "vllm" logger: a child of it writes where vLLM's own lines go
+logger = logging.getLogger("vllm.kvtrace.capture")
+
+
+class Recorder:
+    """The capture of one scheduler. OSError where its folder cannot be made or written (the scheduler
+    then runs unrecorded); RuntimeError, ValueError or guard.VllmChanged where it must not start."""
+
+    def __init__(self, scheduler: Scheduler, vllm_schedule, capture_module: str) -> None:
+        """`vllm_schedule`: vLLM's own schedule method (wraps.py reads its frame); `capture_module`: the
+        file of the scheduler class vLLM was told to load (capture.json names it)."""
+        folder = capture_folder()
+        import vllm
+        version = getattr(vllm, "__version__", "unknown")
+        folder.mkdir(parents=True, exist_ok=True)
+        self.server = Server.starting()
+        self._check_vllm(scheduler, version, folder)
+        self.settings = settings = Settings.from_environment(folder)
+        self.folder = folder
+        self.sink = Sink(folder, self.server.server_id, max_bytes=settings.max_bytes, max_age_s=settings.max_age_s,
+                         log=logger, wall_minus_monotonic=self.server.wall_minus_monotonic,
+                         flush_seconds=settings.flush_s)
+        self.scheduler = scheduler
+        self.steps = StepAccounting(scheduler)
+        self.columns = Columns(self.sink, token_ids=settings.token_ids, salt=self.server.salt,
+                               wall_minus_monotonic=self.server.wall_minus_monotonic,
+                               total_blocks=self.steps.total_blocks)
+        self.pending = PendingSteps()
+        self.self_check = SelfCheck(scheduler.kv_cache_manager, self.steps.null_id, self.steps.total_blocks)
+        self.last_end: float | None = None   # when the last processed step's output was (its row's end_s)
+        self.closed = False
+        self.hook_s = 0.0                    # time in the step hooks (after_schedule, after_update)
+        self.wraps = PoolWraps(scheduler, vllm_schedule, self.steps)
+        write_identity(settings, self.server, scheduler, version, capture_module)
+        logger.info("kvtrace capture %s: %s (retention %d bytes, %d s; token ids %s)", self.server.server_id,
+                    folder, settings.max_bytes, settings.max_age_s, "kept" if settings.token_ids else "not kept")
+        atexit.register(self.close)
+
+    @staticmethod
+    def _check_vllm(scheduler: Scheduler, version: str, folder: Path) -> None:
+        """guard.py's checks of this vLLM; error.json says what failed (EngineCore's exception stays in
+        its log: it is said where kvtrace reads)."""
+        try:
+            if os.environ.get("KVTRACE_VLLM_ANY_VERSION") != "1":
+                guard.check_version(version)
+            guard.check_instance(scheduler)
+            guard.check_kv_cache(scheduler)
+            kvm = scheduler.kv_cache_manager
+            pool = kvm.block_pool
+            try:
+                from vllm.v1.core.sched.output import SchedulerOutput
+                from vllm.v1.engine import EngineCoreOutput
+            except ImportError as exc:
+                raise guard.VllmChanged(f"vLLM changed: {exc} (the capture reads SchedulerOutput and "
+                                        f"EngineCoreOutput)") from exc
+            guard.check_classes(type(scheduler), type(kvm), type(pool), type(pool.null_block), Request, RequestStatus,
+                                SchedulerOutput, EngineCoreOutput)
+        except guard.VllmChanged as exc:
+            write_json(folder, "error.json", {"error": str(exc), "vllm_version": version})
+            raise
+
+    # ---- the scheduler's hooks ------------------------------------------------------------------------------
+    def arrived(self, request: Request) -> None:
+        self.columns.arrival(request)
+
+    def before_schedule(self) -> float:
+        """A step begins: its number; its start, returned."""
+        if self.pending:   # async, or outputs not processed: what happened since joins the oldest
+            self.file_between_steps()
+        start = time.monotonic()
+        self.steps.begin_step(start)
+        return start
+
+    def after_schedule(self, out, start: float) -> None:
+        end = time.monotonic()
+        try:
+            row = self.steps.scheduled(out, start, end, self.wraps.cached_free)
+            # what this scheduling did belongs to its step, however late its output is processed (async)
+            dropped = self.pending.add(self.steps.take_step(row, out))
+            if dropped is not None:
+                self._write_unprocessed(dropped)
+        finally:
+            self.hook_s += time.monotonic() - end
+
+    def preempting(self, request: Request, caller) -> None:
+        """vLLM's `_preempt_request` is called from `caller` (a frame)."""
+        self.steps.preempting(request, self.wraps.requester(caller))
+
+    def after_update(self, out, outputs, start: float) -> None:
+        t = time.monotonic()
+        self._after_update(out, outputs, start)
+        self.hook_s += time.monotonic() - t
+
+    def _after_update(self, out, outputs, start: float) -> None:
+        now = time.monotonic()
+        # outputs are processed in the order they were scheduled (vLLM's batch queue): one scheduled
+        # before this and still waiting never will be (a caller that skips empty steps); written now
+        older, scheduled = self.pending.take(out)
+        for unprocessed in older:
+            self._write_unprocessed(unprocessed)
+        if scheduled is not None:
+            self.steps.join(scheduled)
+            step = scheduled.row.step
+        else:
+            step = self.steps.step
+        for engine_outputs in outputs.values():
+            if engine_outputs.outputs:
+                self._write_tokens(engine_outputs.outputs, step, now)
+        self._write_finished(now)
+        if scheduled is not None:
+            self.columns.step(scheduled.row, now, (start - scheduled.row.schedule_end_s) * 1e3)
+        self.last_end = now
+        self._write_events(step, now)
+        if self.settings.self_check:
+            self.self_check.check(step, self.pending, self.wraps.cached_free)
+        if self.scheduler.has_unfinished_requests():
+            self.sink.maybe_flush(now)
+        else:   # idle until the next request: keep nothing back
+            self.sink.flush()
+
+    def file_between_steps(self) -> None:
+        """What happened since the last schedule() (an abort's frees and finish, a prefix-cache reset's
+        evictions) while a scheduled step still waits for its output (async): it joins that step's
+        events, whose output is processed next, so that they reach the trace and the self-check at the
+        same update as vLLM's pool does; filed with the step about to be scheduled, they would wait a
+        step longer than the pool."""
+        self.steps.file_with(self.pending.oldest())
+
+    # ---- into the columns -----------------------------------------------------------------------------------
+    def _write_tokens(self, outs: list, step: int, now: float) -> None:
+        for rid in self.columns.tokens(outs, step, now):
+            st = self.steps.state(rid)
+            if st.first_token is None:
+                st.first_token = now
+
+    def _write_finished(self, now: float) -> None:
+        """Requests freed since the last step: their finish event and request row."""
+        steps = self.steps
+        if not steps.finishing:
+            return
+        for request, st in steps.finishing:
+            self.columns.request(request, st, steps.finished(request), now)
+        steps.finishing = []
+
+    def _write_events(self, step: int, now: float) -> None:
+        events = self.steps.events
+        if not events:
+            return
+        self.columns.kv_events(events, step, now)
+        if self.settings.self_check:
+            self.self_check.replay(events)
+        self.steps.events = []
+
+    def _write_unprocessed(self, scheduled: ScheduledStep) -> None:
+        """A step whose output was never processed: its row and what its scheduling did, without tokens,
+        at its scheduling's end. What has happened since is not its own, and waits."""
+        steps = self.steps
+        since = steps.events, steps.finishing
+        steps.events, steps.finishing = [], []
+        steps.join(scheduled)
+        end = scheduled.row.schedule_end_s
+        self._write_finished(end)
+        self.columns.step(scheduled.row, end, None)
+        self._write_events(scheduled.row.step, end)
+        steps.events, steps.finishing = since
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        # async: the last step's output is never processed (the engine stops once every request has
+        # finished); its row and what its scheduling did are written as they are, without tokens, and
+        # what happened after the last step (a shutdown's aborts) is filed with it, at its end
+        if self.pending:
+            self.file_between_steps()
+        for scheduled in self.pending.take_all():
+            self._write_unprocessed(scheduled)
+        # without a step waiting: filed with the last step, at its end; before any step, when it happened
+        end = self.last_end if self.last_end is not None else time.monotonic()
+        self._write_finished(end)
+        self._write_events(self.steps.step, end)
+        self.sink.close()
+        if not self.folder.is_dir():
+            return   # the folder was removed: not made again for a summary of nothing
+        check = self.self_check
+        try:
+            write_json(self.folder, "done.json", {
+                "server_id": self.server.server_id,
+                "steps": self.steps.step + 1, "events": self.columns.seq, "hook_s": self.hook_s,
+                "self_check_steps": check.num_checked_steps,
+                "self_check_errors": check.num_check_errors, "self_check_examples": check.check_errors,
+                "writer_error": repr(self.sink.error) if self.sink.error else None,
+            })
+        except OSError:
+            pass   # the disk that stopped the capture; the log already says so

@@ -1,0 +1,76 @@
+"""What the capture's parts hand one another: a request's state between steps, a KV event, a step's
+row, and a step scheduled whose output is not processed yet.
+
+The wraps of vLLM's methods (wraps.py) and the per-step accounting (accounting.py) make KV events
+and steps rows; the column building (columns.py) turns them into the sink's columns once per step,
+and the self-check (self_check.py) replays the events. A `KvEvent`'s fields are named as the
+kv_events columns they become (sink.py's COLUMNS); the columns a vLLM capture fills with one value
+(sample, bytes, duration_ms, src_blocks) are the column building's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+
+class RequestState:
+    """What the capture keeps of one request between steps."""
+
+    __slots__ = ["ever", "recomputed", "prefix_hits", "preemptions", "first_scheduled", "first_token",
+                 "reprefill_target", "reprefill_cached", "reprefill_recomputed"]
+
+    def __init__(self) -> None:
+        self.ever = 0                 # most KV positions it ever had computed (kept up to date while watched)
+        self.recomputed = 0
+        self.prefix_hits = 0
+        self.preemptions = 0
+        self.first_scheduled: float | None = None
+        self.first_token: float | None = None
+        self.reprefill_target = 0     # while re-prefilling after a preemption: the positions to get back
+        self.reprefill_cached = 0
+        self.reprefill_recomputed = 0
+
+
+class KvEvent(NamedTuple):
+    """One kv_events row before its step, sequence number and time are known (a tuple: events are made
+    in the block pool's wrappers, many a step, and built into columns in bulk)."""
+
+    kind: str
+    req_id: str                         # vLLM's request id; "" for a block no request is known for
+    blocks: list[int] | None
+    num_tokens: int
+    reason: str | None
+    num_cached_tokens: int = 0          # a re-prefill's positions served from the prefix cache
+    num_recomputed_tokens: int = 0      # and those computed again
+    requester_req_id: str | None = None   # a preemption's cause: the request it served
+    victim_reason: str | None = None      # and why vLLM chose this victim
+
+
+class StepRow(NamedTuple):
+    """A steps row as its scheduling leaves it; its end and device time come with its output."""
+
+    step: int
+    start_s: float
+    schedule_end_s: float               # when schedule() returned: the device time runs from here
+    running: int
+    waiting: int
+    prefill_tokens: int
+    decode_tokens: int
+    recompute_tokens: int
+    preemptions: int
+    free_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    kv_tokens: int
+    admission_stop: str
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    """A step scheduled and waiting for its output (async: the next step is scheduled first): what its
+    scheduling did belongs to it, however late its output is processed."""
+
+    row: StepRow
+    events: list[KvEvent]
+    finishing: list                     # (Request, RequestState) of the requests freed
+    output: Any                         # its SchedulerOutput, held so that its id is not reused while it waits

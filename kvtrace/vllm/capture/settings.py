@@ -1,0 +1,116 @@
+"""The capture's options, read from the environment, and the files that say who is writing.
+
+The options are environment variables because vLLM builds the scheduler itself, in EngineCore, from a
+class name: `kvtrace vllm-env` prints them (docs/vllm.md). `KVTRACE_CAPTURE_DIR` is required; the
+retention and flush interval are parsed as sink.py parses them.
+
+A capture folder can hold several servers (restarts, replicas): each writes under its own id,
+`<UTC start>Z-<pid>`. The files beside the chunks:
+- `servers/<server id>.json`, and `capture.json` (the newest server's, for `kvtrace record --endpoint`):
+  the server's identity (vLLM version, model, scheduler, KV pool geometry, options, clock offset);
+- `error.json`: why the capture refused to start (vLLM changed), where kvtrace looks for it, since
+  EngineCore keeps the exception in its own log;
+- `done.json`: the summary written at close.
+Each is written to a hidden name and renamed into place, so a reader never sees half of one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+
+from kvtrace.vllm.capture.sink import parse_age, parse_bytes
+
+
+def capture_folder() -> Path:
+    """KVTRACE_CAPTURE_DIR; a server with kvtrace's scheduler class and none set refuses to start
+    rather than record nowhere."""
+    folder = os.environ.get("KVTRACE_CAPTURE_DIR")
+    if not folder:
+        raise RuntimeError("kvtrace capture: set KVTRACE_CAPTURE_DIR to the capture folder "
+                           "(kvtrace record --engine vllm does; see docs/vllm.md for vllm serve)")
+    return Path(folder)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The capture's options (ValueError names a variable it cannot parse)."""
+
+    folder: Path
+    token_ids: bool      # KVTRACE_CAPTURE_TOKEN_IDS=1: live traffic's token ids are its users' text, kept only if asked
+    self_check: bool     # KVTRACE_CAPTURE_SELF_CHECK=1: the pool replayed from the events, checked every step
+    max_bytes: int       # KVTRACE_CAPTURE_MAX_BYTES and _MAX_AGE: the folder's retention (sink.py)
+    max_age_s: float
+    flush_s: float       # KVTRACE_CAPTURE_FLUSH_EVERY: how often a busy server writes a chunk (what a crash can lose)
+
+    @classmethod
+    def from_environment(cls, folder: Path) -> Settings:
+        env = os.environ.get
+        return cls(folder=folder, token_ids=env("KVTRACE_CAPTURE_TOKEN_IDS") == "1",
+                   self_check=env("KVTRACE_CAPTURE_SELF_CHECK") == "1",
+                   max_bytes=parse_bytes(env("KVTRACE_CAPTURE_MAX_BYTES") or "4GiB", "KVTRACE_CAPTURE_MAX_BYTES"),
+                   max_age_s=parse_age(env("KVTRACE_CAPTURE_MAX_AGE") or "7d", "KVTRACE_CAPTURE_MAX_AGE"),
+                   flush_s=parse_age(env("KVTRACE_CAPTURE_FLUSH_EVERY") or "2s", "KVTRACE_CAPTURE_FLUSH_EVERY"))
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    """This server's name in the folder, its salt and its clock."""
+
+    server_id: str
+    started: datetime
+    # prefix structure without content: vLLM's block hashes (of token ids) hashed again with a key
+    # that is never written, so they match within this capture and cannot be matched to any text
+    salt: bytes
+    salt_id: str
+    wall_minus_monotonic: float   # the rows carry monotonic seconds; this puts them on the wall clock
+
+    @classmethod
+    def starting(cls) -> Server:
+        started = datetime.now(timezone.utc)
+        return cls(server_id=f"{started:%Y%m%dT%H%M%S}Z-{os.getpid()}", started=started,
+                   salt=secrets.token_bytes(16), salt_id=secrets.token_hex(4),
+                   wall_minus_monotonic=time.time() - time.monotonic())
+
+
+def write_json(folder: Path, name: str, data: dict) -> None:
+    path = folder / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp"
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def write_identity(settings: Settings, server: Server, scheduler, version: str, capture_module: str) -> None:
+    """servers/<server id>.json and capture.json: who writes the chunks, with what options."""
+    kvm = scheduler.kv_cache_manager
+    pool = kvm.block_pool
+    model = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
+    identity = {
+        "server_id": server.server_id, "started_at": server.started.isoformat(), "pid": os.getpid(),
+        "vllm_version": version, "model": getattr(model, "served_model_name", None) or getattr(model, "model", None),
+        "scheduler": type(scheduler).__name__, "async_scheduling": isinstance(scheduler, AsyncScheduler),
+        "policy": "priority" if scheduler.policy == SchedulingPolicy.PRIORITY else "fcfs",
+        "salt_id": server.salt_id, "token_ids": settings.token_ids, "capture_module": capture_module,
+        "max_bytes": settings.max_bytes, "max_age_s": settings.max_age_s, "flush_s": settings.flush_s,
+        "started_monotonic": time.monotonic(), "wall_minus_monotonic": server.wall_minus_monotonic,
+        "block_size": scheduler.block_size, "num_gpu_blocks": pool.num_gpu_blocks,
+        "null_block": pool.null_block.block_id,
+        "enable_prefix_caching": bool(getattr(pool, "enable_caching", False)),
+        "max_num_seqs": scheduler.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": scheduler.scheduler_config.max_num_batched_tokens,
+        "max_model_len": getattr(scheduler, "max_model_len", None),
+        "watermark_blocks": getattr(kvm, "watermark_blocks", None),
+        "self_check": settings.self_check,
+    }
+    if isinstance(identity["model"], list):   # served under several names: the first
+        identity["model"] = identity["model"][0]
+    write_json(settings.folder, f"servers/{server.server_id}.json", identity)
+    write_json(settings.folder, "capture.json", identity)

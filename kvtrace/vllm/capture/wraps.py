@@ -1,0 +1,179 @@
+"""The wraps of vLLM's KV-cache methods on one scheduler's instances, and the frames they read.
+
+What is wrapped here, and nothing else (the scheduler's own methods are scheduler.py's; vLLM's
+classes are never patched, and nothing changes a decision): on this scheduler's block pool the
+instance's `get_new_blocks`, `free_blocks`, `touch` and `_maybe_evict_cached_block`; on its KV
+cache manager `free`, and `allocate_slots` from the waiting loop's first `peek_request` to the end of
+the step (admissions); the `peek_request` of its waiting queues, which marks where admissions begin.
+
+Each wrapper calls the method it replaced and writes what it saw as KV events into the step's
+accounting (accounting.py), and keeps the count of free blocks that still hold a prefix-cache hash.
+
+The running loop's `allocate_slots`, called for every running request every step, is vLLM's own,
+unwrapped: when it does call the block pool (a request's new block, every block-size tokens), the
+wrapper finds the request in that allocate_slots call's frame (`allocating`), and a preemption finds
+the request it serves (its requester) in the frame of vLLM's schedule (`requester`). guard.py checks
+both locals by name at start-up.
+"""
+from __future__ import annotations
+
+import sys
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from kvtrace.vllm.capture.accounting import StepAccounting
+from kvtrace.vllm.capture.rows import KvEvent
+
+ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+class PoolWraps:
+    """The wrappers on one scheduler's KV cache manager, block pool and waiting queues, and their state."""
+
+    def __init__(self, scheduler: Scheduler, vllm_schedule, steps: StepAccounting) -> None:
+        """Put the wrappers on. `vllm_schedule`: vLLM's own schedule method, whose frame a preemption's
+        requester is read from."""
+        kvm = scheduler.kv_cache_manager
+        pool = kvm.block_pool
+        self.kvm, self.steps = kvm, steps
+        self.current: Request | None = None                # the request a block-pool call is for
+        self.free_reason = "other"                         # what the blocks freed now are freed for
+        self.cached_free = 0                               # free blocks that still hold a prefix-cache hash
+        self.allocate_slots_code = type(kvm).allocate_slots.__code__
+        self.schedule_code = vllm_schedule.__func__.__code__
+        self.admitting = False                             # the admission wrapper is on allocate_slots
+        self.allocate_slots = kvm.allocate_slots           # what the admission wrapper calls
+        self.allocate_slots_before = None                  # the instance's own allocate_slots before it, if any
+        # what each wrapper calls: the instance's method as it found it
+        self._get_new_blocks, self._free_blocks = pool.get_new_blocks, pool.free_blocks
+        self._touch, self._maybe_evict = pool.touch, pool._maybe_evict_cached_block
+        self._free = kvm.free
+        pool.get_new_blocks = self.get_new_blocks
+        pool.free_blocks = self.free_blocks
+        pool.touch = self.touch
+        pool._maybe_evict_cached_block = self.maybe_evict_cached_block
+        kvm.free = self.free
+        for name in ("waiting", "kv_holding_waiting"):
+            if hasattr(scheduler, name):
+                self._wrap_peek(getattr(scheduler, name))
+
+    # ---- the block pool ----------------------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks):
+        blocks = self._get_new_blocks(num_blocks)
+        if blocks:
+            # why, from the request's state inside allocate_slots (which changes none of it): only a
+            # step that allocates works it out, so a decode step's allocate_slots stays cheap
+            request = self.current or self.allocating()
+            if request is None:
+                rid, alloc_reason = "", "other"
+            else:
+                rid = request.request_id
+                placeholders = request.num_output_placeholders   # async: sampled, not yet delivered
+                alloc_reason = ("prefill" if request.status in ADMITTING
+                                or request.num_computed_tokens < request.num_tokens + placeholders - 1
+                                or not request.num_output_tokens + placeholders else "decode")
+            self.steps.events.append(KvEvent("alloc", rid, [b.block_id for b in blocks], 0, alloc_reason))
+        return blocks
+
+    def free_blocks(self, ordered_blocks):
+        blocks = list(ordered_blocks)
+        self._free_blocks(blocks)
+        freed = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
+        if freed:
+            self.cached_free += sum(1 for b in freed if b.block_hash is not None)
+            request = self.current or self.allocating()
+            self.steps.events.append(KvEvent("free", request.request_id if request is not None else "",
+                                             [b.block_id for b in freed], 0, self.free_reason))
+
+    def touch(self, blocks):
+        for b in blocks:
+            if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None:
+                self.cached_free -= 1
+        return self._touch(blocks)
+
+    def maybe_evict_cached_block(self, block):
+        evicted = self._maybe_evict(block)
+        if evicted:
+            if block.ref_cnt == 0:
+                self.cached_free -= 1
+            self.steps.events.append(KvEvent("evict", "", [block.block_id], 0, None))
+        return evicted
+
+    # ---- the KV cache manager ------------------------------------------------------------------------------
+    def free(self, request):
+        self.current = request
+        try:
+            return self._free(request)
+        finally:
+            self.current = None
+
+    def admit_slots(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
+                    *args, **kwargs):
+        """allocate_slots while the waiting loop admits: a waiting or preempted request's blocks are an
+        admission's (accounting.py's `admitted`), or vLLM stops admitting."""
+        status = request.status   # the scheduler changes it only after allocate_slots
+        if status not in ADMITTING:
+            return self.allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                       *args, **kwargs)
+        self.current = request
+        mark = len(self.steps.events)
+        try:
+            result = self.allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                         *args, **kwargs)
+        finally:
+            self.current = None
+        if result is None:   # vLLM stops admitting
+            self.steps.admit_failed = True
+        else:
+            self.steps.admitted(request, status, num_new_computed_tokens, new_computed_blocks, mark)
+        return result
+
+    # ---- the waiting queues: where admissions begin -----------------------------------------------------
+    def _wrap_peek(self, queue) -> None:
+        peek = queue.peek_request
+        kvm = self.kvm
+
+        def peek_request():
+            if not self.admitting:   # the waiting loop has begun: admissions are watched from here on
+                self.admitting = True
+                # whatever allocate_slots is now (vLLM's, or another instance wrapper's) stays under ours
+                self.allocate_slots_before = kvm.__dict__.get("allocate_slots")
+                self.allocate_slots = kvm.allocate_slots
+                kvm.allocate_slots = self.admit_slots
+            return peek()
+        queue.peek_request = peek_request
+
+    def end_admitting(self) -> None:
+        """The step's scheduling is over: the running loop of the next calls vLLM's own allocate_slots."""
+        if self.admitting:
+            self.admitting = False
+            if self.allocate_slots_before is None:
+                del self.kvm.allocate_slots
+            else:
+                self.kvm.allocate_slots = self.allocate_slots_before
+
+    # ---- vLLM's frames ---------------------------------------------------------------------------------------
+    def allocating(self) -> Request | None:
+        """The request of the allocate_slots call that a block-pool call is made in (None outside one)."""
+        frame = sys._getframe(2)   # the caller of the block-pool wrapper
+        for _ in range(8):         # allocate_slots -> coordinator -> its manager -> the pool
+            if frame is None:
+                return None
+            if frame.f_code is self.allocate_slots_code:
+                return frame.f_locals.get("request")
+            frame = frame.f_back
+        return None
+
+    def requester(self, frame) -> str | None:
+        """The running request whose allocate_slots failed, when vLLM's schedule (`frame`, the caller of
+        `_preempt_request`, or a few frames up where something else wraps it on the instance) preempts
+        for it: its running loop's `request`; None for a preemption from anywhere else
+        (reset_prefix_cache)."""
+        for _ in range(4):
+            if frame is None:
+                return None
+            if frame.f_code is self.schedule_code:
+                return getattr(frame.f_locals.get("request"), "request_id", None)
+            frame = frame.f_back
+        return None
