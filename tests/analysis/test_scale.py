@@ -118,14 +118,14 @@ def test_memory_settings(monkeypatch, tmp_path, big_run):
 
 
 def test_perfetto_export_in_bounded_memory(monkeypatch, tmp_path, big_run):
-    """The engine track read a window of steps at a time fits DuckDB memory that its stream read
+    """The engine track read a range of steps at a time fits DuckDB memory that its stream read
     whole does not (at 10M events it needed more than 256 MB; here, at 1M, more than 56 MB)."""
     from kvtrace.export import perfetto
     monkeypatch.setattr(perfetto, "DUCKDB_MEMORY", "56MB")
-    monkeypatch.setattr(perfetto, "WINDOW_EVENTS", 100_000)
-    summary = perfetto.export_perfetto([big_run], tmp_path / "windows.pftrace")
+    monkeypatch.setattr(perfetto, "EVENTS_PER_READ", 100_000)
+    summary = perfetto.export_perfetto([big_run], tmp_path / "ranges.pftrace")
     assert summary.num_kv_events == 977_176
-    monkeypatch.setattr(perfetto, "WINDOW_EVENTS", 10**12)         # one window: the whole stream
+    monkeypatch.setattr(perfetto, "EVENTS_PER_READ", 10**12)       # one read: the whole stream
     with pytest.raises(duckdb.OutOfMemoryException):
         perfetto.export_perfetto([big_run], tmp_path / "whole.pftrace")
     assert not (tmp_path / "whole.pftrace").exists()
