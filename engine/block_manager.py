@@ -2,7 +2,8 @@
 
 Capacity checks come in pairs with their action (`can_allocate`/`allocate`, `can_grow`/`grow`,
 `can_swap_out`/`swap_out`, `can_swap_in`/`swap_in`).
-Every change is appended to `events` as a KVEvent; the engine takes them once per step.
+Every change is appended to `events` as a KVEvent; the engine takes them once per step. The words
+(null block, prefix hit, swap group, watermark) are docs/glossary.md's.
 """
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Continuous batching with chunked prefill, admission, and preemption when blocks run out."""
+"""Continuous batching with chunked prefill, admission, and preemption when blocks run out.
+
+A step is two passes: the running pass, then admission (the words: docs/glossary.md).
+"""
 from __future__ import annotations
 
 from collections import deque

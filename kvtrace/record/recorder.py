@@ -5,7 +5,8 @@ passed since the last chunk: a SIGKILL loses at most the steps of those last sec
 idles between arrivals nothing new is buffered, and what the last steps buffered waits for the next
 step). Each buffer of the chunk becomes a part of its table (tables.py and tokens_table.py make
 them) that a thread of the writer's own writes to a hidden temporary name, then renames into place,
-so a reader (or a crash) never sees half a file.
+so a reader (or a crash) never sees half a file. The words (trace chunk, token grid, leap):
+docs/glossary.md.
 """
 from __future__ import annotations
 

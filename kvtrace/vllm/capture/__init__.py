@@ -1,4 +1,4 @@
-"""A kvtrace capture inside an unmodified vLLM V1 engine (docs/vllm.md).
+"""A kvtrace capture inside an unmodified vLLM V1 engine (docs/vllm.md; the words: docs/glossary.md).
 
 This package runs in the user's vLLM environment, inside vLLM's EngineCore process: it imports only
 the standard library and vLLM itself (no pyarrow, nothing else of kvtrace). Its parts, each one job:
