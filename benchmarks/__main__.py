@@ -20,6 +20,7 @@ SUITES = {
     "sim-gpu-accuracy": "benchmarks.sim_gpu_accuracy",
     "vllm-capture": "benchmarks.vllm_capture",
     "vllm-capture-cost": "benchmarks.vllm_capture_cost",
+    "process": "benchmarks.process_tricks",
 }
 
 
