@@ -36,9 +36,8 @@ def main() -> None:
 
     gc.callbacks.append(timed)
 
-    from kvtrace import (
-        process,  # only the standard library: nothing of kvtrace's command line yet
-    )
+    # kvtrace.process imports only the standard library: nothing of kvtrace's command line is loaded yet
+    from kvtrace import process
 
     if variant == "no-start_up":
         process.start_up = contextlib.nullcontext
