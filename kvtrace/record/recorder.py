@@ -92,9 +92,7 @@ class TraceWriter:
         if r.finished:
             t.finished += [(stats.req_id, stats.sample) for stats in r.finished]
             self._requests += r.finished
-        if (time.monotonic() - self._last_flush >= self.flush_seconds
-                or t.num_rows >= self.max_rows or self._num_events >= self.max_rows):
-            self.flush()
+        self._flush_if_due()
 
     def on_decode_leap(self, w: DecodeLeap) -> None:
         """Buffer a leap (simulated decode-only steps taken at once) as `on_step` would buffer its
@@ -116,8 +114,12 @@ class TraceWriter:
         if self.record_token_ids:
             t.token_id += [None] * n   # the simulator's placeholders are recorded as null
         t.num_rows += n * k
+        self._flush_if_due()
+
+    def _flush_if_due(self) -> None:
+        """Close the chunk when `flush_seconds` have passed since the last or a buffer holds `max_rows`."""
         if (time.monotonic() - self._last_flush >= self.flush_seconds
-                or t.num_rows >= self.max_rows or self._num_events >= self.max_rows):
+                or self._tokens.num_rows >= self.max_rows or self._num_events >= self.max_rows):
             self.flush()
 
     def add_request(self, stats: RequestStats) -> None:

@@ -4,9 +4,11 @@ turns each into an `evict` row of its own right before the alloc, with the seq n
 left free for them."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from engine.events import EVICT, with_evictions
+from engine.events import ALLOC, EVICT, AllocReason, KVEvent, StepRecord, with_evictions
 from engine.sequence import SamplingParams
 from kvtrace.record.recorder import TraceWriter
 from kvtrace.trace import db
@@ -106,3 +108,19 @@ def test_with_evictions_puts_them_first_in_the_order_evicted():
     assert [(x.kind, x.req_id, x.blocks, x.seq, x.step, x.ts_s) for x in out] == [
         ("evict", "", [3], 10, 4, 1.5), ("evict", "", [9], 11, 4, 1.5), ("alloc", "a", [5, 3, 9], 12, 4, 1.5),
         ("finish", "b", None, 13, 4, 1.5)]
+
+
+def test_a_chunk_closes_when_its_events_reach_max_rows(tmp_path):
+    """Steps that emit no token (long prefills, a pool busy preempting) still close a chunk once their
+    events reach max_rows: a crash loses at most that many, and the buffers stay bounded."""
+    writer = TraceWriter(tmp_path / "run", "run", max_rows=10, flush_seconds=math.inf)
+    for step in range(12):   # 4 events a step, no token: a chunk every 3 steps
+        events = [KVEvent(ALLOC, f"r{step}", 0, blocks=[i + 1], reason=AllocReason.PREFILL, step=step,
+                          ts_s=float(step), seq=4 * step + i) for i in range(4)]
+        writer.on_step(StepRecord(step=step, start_s=float(step), end_s=step + 0.5, device_ms=None, num_running=1,
+                                  num_waiting=0, num_swapped=0, num_prefill_tokens=4, num_decode_tokens=0,
+                                  num_recompute_tokens=0, num_free_blocks=10, num_used_blocks=4, num_cached_blocks=0,
+                                  num_total_blocks=14, num_kv_tokens=4, num_preemptions=0, events=events))
+    writer.close()
+    assert len(list((tmp_path / "run" / "kv_events").glob("part-*.parquet"))) == 4
+    assert writer.rows_written["kv_events"] == 48
