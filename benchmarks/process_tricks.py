@@ -74,35 +74,34 @@ def run(args: argparse.Namespace) -> None:
             for name in order:
                 print(f"  [{i + 1}/{args.rounds}] {VARIANTS[name]} ...", flush=True)
                 runs[name].append(one_run(name, workload, tmp_path / f"{name}-{i}", tmp_path / "report.json"))
-    rows = [[VARIANTS[name], f"{median([r['gc_ms'] for r in runs[name]]):.1f}",
-             f"{median([r['collections'] for r in runs[name]]):.0f}",
-             f"{median([r['exit_ms'] for r in runs[name]]):.1f}", f"{median([r['wall_s'] for r in runs[name]]):.2f}",
+    # each variant's median of each figure
+    med = {name: {figure: median([r[figure] for r in runs[name]]) for figure in ("gc_ms", "collections", "exit_ms",
+                                                                                  "wall_s")} for name in names}
+    rows = [[VARIANTS[name], f"{med[name]['gc_ms']:.1f}", f"{med[name]['collections']:.0f}",
+             f"{med[name]['exit_ms']:.1f}", f"{med[name]['wall_s']:.2f}",
              " ".join(f"{r['wall_s']:.2f}" for r in runs[name])] for name in names]
     section.add(f"`kvtrace record --engine sim` of {args.num_requests:,} ShareGPT-like requests (Llama-3-8B / A100, "
                 f"the sim-speed suite's command), {args.rounds} rounds of the four variants in turn; medians:\n\n"
                 + markdown_table(["variant", "in the collector ms", "collections", "exit ms", "wall s", "each wall s"],
                                  rows))
-    savings = {}
-    for name, figure in ACTS_ON.items():
-        saved = [without[figure] - on[figure] for without, on in zip(runs[name], runs["all"])]
-        savings[name] = (median(saved), min(saved), max(saved))
-    wall_saved = {name: median([without["wall_s"] - on["wall_s"] for without, on in zip(runs[name], runs["all"])])
-                  for name in ACTS_ON}
+
+    def saved(name: str, figure: str) -> list[float]:
+        """Per round: the figure without the setting minus with everything on."""
+        return [without[figure] - on[figure] for without, on in zip(runs[name], runs["all"])]
+
+    savings = {name: saved(name, figure) for name, figure in ACTS_ON.items()}
     section.add("Saved per round, the variant without the setting minus everything on (median, range), in what the "
                 "setting acts on, and in the whole command's wall time (which a shared machine's noise can swamp):\n\n"
                 + markdown_table(["setting", "acts on", "saved ms (median)", "range ms", "wall ms saved (median)"],
                                  [[name.removeprefix("no-"), "the collector" if ACTS_ON[name] == "gc_ms" else "the exit",
-                                   f"{savings[name][0]:.1f}", f"{savings[name][1]:.1f} to {savings[name][2]:.1f}",
-                                   f"{wall_saved[name] * 1e3:.0f}"] for name in ACTS_ON]))
-    on = runs["all"]
-    met = all(saved > 0 for saved, _, _ in savings.values())
+                                   f"{median(values):.1f}", f"{min(values):.1f} to {max(values):.1f}",
+                                   f"{median(saved(name, 'wall_s')) * 1e3:.0f}"] for name, values in savings.items()]))
+    met = all(median(values) > 0 for values in savings.values())
     section.write(
         f"each of kvtrace/process.py's settings taken out alone, medians of {args.rounds} rounds on the "
-        f"{args.num_requests:,}-request simulated recording ({median([r['wall_s'] for r in on]):.2f} s): "
-        f"start_up saves {savings['no-start_up'][0]:.1f} ms in the collector "
-        f"({median([r['gc_ms'] for r in on]):.1f} ms with it, {median([r['gc_ms'] for r in runs['no-start_up']]):.1f} "
-        f"without), steady_gc {savings['no-steady_gc'][0]:.1f} ms "
-        f"({median([r['gc_ms'] for r in runs['no-steady_gc']]):.1f} without), finished "
-        f"{savings['no-finished'][0]:.1f} ms of the exit ({median([r['exit_ms'] for r in on]):.1f} ms with it, "
-        f"{median([r['exit_ms'] for r in runs['no-finished']]):.1f} without); goal (each saves time): "
-        f"{'met' if met else 'missed'}")
+        f"{args.num_requests:,}-request simulated recording ({med['all']['wall_s']:.2f} s): "
+        f"start_up saves {median(savings['no-start_up']):.1f} ms in the collector "
+        f"({med['all']['gc_ms']:.1f} ms with it, {med['no-start_up']['gc_ms']:.1f} without), steady_gc "
+        f"{median(savings['no-steady_gc']):.1f} ms ({med['no-steady_gc']['gc_ms']:.1f} without), finished "
+        f"{median(savings['no-finished']):.1f} ms of the exit ({med['all']['exit_ms']:.1f} ms with it, "
+        f"{med['no-finished']['exit_ms']:.1f} without); goal (each saves time): {'met' if met else 'missed'}")
