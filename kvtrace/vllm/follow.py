@@ -14,22 +14,26 @@ are nearly all of a busy server's rows, so a poll then costs what is new, not th
 from __future__ import annotations
 
 import json
-import pickle
 from pathlib import Path
 
 from kvtrace.trace.schema import SCHEMA_VERSION, token_predecessors
+from kvtrace.vllm.capture.chunk_format import ChunkError
 from kvtrace.vllm.capture.sink import COLUMNS
-from kvtrace.vllm.importer import TIME_COLUMNS, keep_window, list_chunks, read_json, write_tables
+from kvtrace.vllm.importer import (TIME_COLUMNS, foreign_files, keep_window, list_chunks, read_chunk, read_json,
+                                  say, skipped_line, write_tables)
 
 MAX_AGE_S = 3600.0   # rows of a sequence that never finished (a lost request) are dropped after this
 
 
 class ChunkReader:
-    """The chunk files of a capture folder (importer.list_chunks: both layouts), each read once."""
+    """The chunk files of a capture folder (importer.list_chunks), each read once; a file that is no
+    chunk kvtrace reads is skipped, said once to `warn` (a line naming it), and counted."""
 
-    def __init__(self, capture: Path) -> None:
+    def __init__(self, capture: Path, warn=say) -> None:
         self.capture = Path(capture)
+        self.warn = warn
         self.seen: set[str] = set()
+        self.foreign: set[str] = set()
         self.num_read = 0
         self.num_unreadable = 0
 
@@ -38,6 +42,11 @@ class ChunkReader:
         server's order."""
         if not (self.capture / "chunks").is_dir():   # the server has not started capturing yet
             return []
+        for path, reason in foreign_files(self.capture):
+            if path.name not in self.foreign:
+                self.foreign.add(path.name)
+                self.num_unreadable += 1
+                self.warn(skipped_line(path, reason))
         chunks = list_chunks(self.capture)
         self.seen &= {c.path.name for c in chunks}   # forget what retention removed: the set stays small
         found = []
@@ -48,11 +57,12 @@ class ChunkReader:
                 break
             self.seen.add(c.path.name)
             try:
-                chunk = pickle.loads(c.path.read_bytes())
+                chunk = read_chunk(c.path)
             except FileNotFoundError:   # removed by retention since the listing
                 continue
-            except (pickle.UnpicklingError, EOFError, OSError):   # chunks are renamed into place whole:
-                self.num_unreadable += 1                          # this one is not the capture's
+            except (ChunkError, OSError) as exc:   # chunks are renamed into place whole: this one is not ours
+                self.num_unreadable += 1
+                self.warn(skipped_line(c.path, str(exc)))
                 continue
             self.num_read += 1
             found.append((c.server_id, chunk))
@@ -199,7 +209,7 @@ def _keep(cols: dict[str, list], mask: list[bool]) -> None:
 def server_info(capture: Path, server: str) -> dict:
     """What capture.json says of the server, where it is the one that wrote it last."""
     info = read_json(Path(capture) / "capture.json") or {}
-    return info if str(info.get("pid")) == server else {}
+    return info if server in (info.get("server_id"), str(info.get("pid"))) else {}
 
 
 def run_meta(run_id: str, info: dict, command: str, rows: dict[str, int]) -> dict:

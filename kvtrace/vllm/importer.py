@@ -1,6 +1,6 @@
 """Turn a vLLM capture folder (kvtrace/vllm/capture) into a kvtrace run folder.
 
-The capture wrote pickled column chunks with vLLM's request ids and raw monotonic times; this maps
+The capture wrote column chunks (kvtrace/vllm/capture/chunk_format.py: typed columns, no code) with vLLM's request ids and raw monotonic times; this maps
 each id back to the workload's (`kvt<index>`, with vLLM's random suffix, `<k>_` for the k-th of
 n samples and `cmpl-…-<i>` from the OpenAI server), rebases every time on the replay's origin, fills
 what only the workload knows (n, the request of an interrupted run that never finished) and writes
@@ -9,8 +9,8 @@ the tables with kvtrace's schemas.
 from __future__ import annotations
 
 import json
-import pickle
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from kvtrace.errors import KvtraceError
 from kvtrace.trace.schema import TABLES, token_predecessors, write_parquet
+from kvtrace.vllm.capture import chunk_format
 from kvtrace.vllm.capture.sink import CHUNK_COLUMNS, COLUMNS
 
 _ID = re.compile(r"^(?:(?P<sample>\d+)_)?(?:cmpl-)?kvt(?P<index>\d+)(?:-(?P<prompt>\d+))?(?:-[0-9A-Za-z]+)?$")
@@ -43,7 +44,7 @@ class Item:
 @dataclass(frozen=True)
 class Chunk:
     """One chunk file: its server, its number and, from its name, the wall-clock span of its steps
-    (Unix seconds) and the requests that arrived in it (None in a chunk of an older capture)."""
+    (Unix seconds) and the requests that arrived in it."""
 
     path: Path
     server_id: str
@@ -56,22 +57,34 @@ class Chunk:
 
 def list_chunks(capture: Path) -> list[Chunk]:
     """Every chunk of the folder, each server's in order, servers in the order of their ids (their
-    start times): `chunks/<server id>_<part>_<first>_<last>_<arrivals>.pkl` (kvtrace/vllm/capture/sink.py),
-    and the older layout `chunks/<pid>-<part>.pkl` (one server per folder, its id the pid)."""
+    start times): `chunks/<server id>_<part>_<first>_<last>_<arrivals>.kvtc` (kvtrace/vllm/capture/sink.py)."""
     found = []
-    for path in (capture / "chunks").glob("*.pkl"):
+    for path in (capture / "chunks").glob(f"*{chunk_format.SUFFIX}"):
         fields = path.stem.split("_")
+        if path.name.startswith(".") or len(fields) != 5:
+            continue
         try:
-            if len(fields) == 5:
-                found.append(Chunk(path, fields[0], int(fields[1]), float(fields[2]), float(fields[3]),
-                                   int(fields[4]), _size(path)))
-                continue
-            pid, _, part = path.stem.partition("-")
-            if pid.isdigit() and part.isdigit():
-                found.append(Chunk(path, pid, int(part), size=_size(path)))
+            found.append(Chunk(path, fields[0], int(fields[1]), float(fields[2]), float(fields[3]),
+                               int(fields[4]), _size(path)))
         except ValueError:
-            continue   # not a chunk's name
-    return sorted(found, key=lambda c: (c.server_id.isdigit(), c.server_id, c.part))
+            continue   # not a chunk's name: foreign_files says so
+    return sorted(found, key=lambda c: (c.server_id, c.part))
+
+
+def foreign_files(capture: Path) -> list[tuple[Path, str]]:
+    """The files of the folder's chunks/ that are no chunk kvtrace reads, each with why (a hidden file is
+    a chunk being written, and no one's business)."""
+    listed = {c.path.name for c in list_chunks(capture)}
+    found = []
+    for path in sorted((capture / "chunks").glob("*")):
+        if path.name.startswith(".") or path.name in listed:
+            continue
+        if path.suffix == ".pkl":
+            found.append((path, "a pickled chunk (an older kvtrace's capture, or planted): not read, since "
+                                "loading a pickle can run code"))
+        else:
+            found.append((path, "not a capture chunk's name (<server>_<part>_<first>_<last>_<arrivals>.kvtc)"))
+    return found
 
 
 def _size(path: Path) -> int:
@@ -81,21 +94,46 @@ def _size(path: Path) -> int:
         return 0
 
 
-def read_chunks(capture: Path, chunks: list[Chunk] | None = None) -> dict[str, dict[str, list]]:
-    """The columns of `chunks` (default: every chunk of the folder), `arrivals` among them."""
+def skipped_line(path: Path, reason: str) -> str:
+    """The one line a reader says of a file it skips."""
+    return f"kvtrace: skipped {path}: {reason}"
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def read_chunk(path: Path) -> dict[str, dict[str, list]]:
+    """One chunk's tables. FileNotFoundError if retention removed it; chunk_format.ChunkError if it is
+    no chunk this kvtrace reads (another OSError as reading gives it)."""
+    tables = chunk_format.decode(path.read_bytes())
+    for table, cols in tables.items():
+        if table not in CHUNK_COLUMNS:
+            raise chunk_format.ChunkError(f"a table {table!r}, which no capture writes")
+        if len({len(v) for v in cols.values()}) > 1:
+            raise chunk_format.ChunkError(f"{table}: columns of different lengths")
+    return tables
+
+
+def read_chunks(capture: Path, chunks: list[Chunk] | None = None, warn=say) -> dict[str, dict[str, list]]:
+    """The columns of `chunks` (default: every chunk of the folder), `arrivals` among them. A file that
+    is no chunk kvtrace reads (a pickle, a truncated or foreign file, a newer format) is skipped, with
+    one line each to `warn`; the others are read."""
     columns = {table: {c: [] for c in cols} for table, cols in CHUNK_COLUMNS.items()}
-    files = [c.path for c in (list_chunks(capture) if chunks is None else chunks)]
-    for path in files:
+    if (capture / "chunks").is_dir():
+        for path, reason in foreign_files(capture):
+            warn(skipped_line(path, reason))
+    for c in (list_chunks(capture) if chunks is None else chunks):
         try:
-            chunk = pickle.loads(path.read_bytes())
+            chunk = read_chunk(c.path)
         except FileNotFoundError:
             continue   # retention removed it since it was listed: a running server's oldest
-        except Exception as exc:   # a chunk is renamed into place whole; anything else is not ours
-            raise KvtraceError(f"{path}: not a readable capture chunk ({exc})") from exc
+        except (chunk_format.ChunkError, OSError) as exc:
+            warn(skipped_line(c.path, str(exc)))
+            continue
         for table, cols in chunk.items():
             num_rows = len(next(iter(cols.values()), []))
             for name, values in columns[table].items():
-                # a chunk of an older capture lacks the newer columns (schema 3's causes): null
                 values.extend(cols.get(name, [None] * num_rows))
     return columns
 

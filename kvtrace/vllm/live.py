@@ -43,6 +43,7 @@ class Server:
     identity: dict
     chunks: list[Chunk] = field(default_factory=list)
     done: dict | None = None
+    dropped: dict | None = None   # servers/<id>.dropped.json: what a slow disk made the capture drop
 
     @property
     def first(self) -> float | None:
@@ -73,18 +74,27 @@ class Server:
         return float(self.identity.get("wall_minus_monotonic") or 0.0)
 
     def gaps(self) -> list[str]:
-        """What retention (or a stopped capture) left out: chunks missing before the first kept one
-        or between two kept ones, with the span they would have covered."""
+        """What retention, a slow disk or a stopped capture left out: chunks missing before the first kept
+        one or between two kept ones, with the span they would have covered and why, where known."""
         parts = sorted(c.part for c in self.chunks)
         gaps = []
+        dropped = set()
+        said = self.dropped or {}
+        for span in said.get("spans", ()):
+            a, b = span["parts"]
+            dropped.update(range(a, b + 1))
+            gaps.append(f"chunks {a}–{b} dropped ({_time(span.get('first'))} – {_time(span.get('last'))}): "
+                        f"{said.get('reason', 'the disk was slower than the capture')}")
+        if said.get("dropped_chunks", 0) > len(dropped):
+            gaps.append(f"{said['dropped_chunks']} chunks dropped in all ({said.get('dropped_rows', 0)} rows)")
         if not parts:
-            return ["no chunk kept (none written yet, or every one removed by retention)"]
-        if parts[0] > 0:
+            return [*gaps, "no chunk kept (none written yet, or every one removed by retention)"]
+        if parts[0] > 0 and not set(range(parts[0])) <= dropped:
             first = self.chunks[0].first
             span = f" (from the start {_time(self.started)} to {_time(first)})" if first and self.started else ""
             gaps.append(f"chunks 0–{parts[0] - 1} removed by retention{span}")
         for before, after in zip(parts, parts[1:]):
-            if after > before + 1:
+            if after > before + 1 and not set(range(before + 1, after)) <= dropped:
                 gaps.append(f"chunks {before + 1}–{after - 1} missing")
         return gaps
 
@@ -95,11 +105,12 @@ def servers(capture: Path) -> list[Server]:
         raise KvtraceError(f"{capture}: no such folder")
     found: dict[str, Server] = {}
     for path in sorted((capture / "servers").glob("*.json")):
-        if path.name.endswith(".done.json"):
+        if path.name.endswith((".done.json", ".dropped.json")):
             continue
         identity = read_json(path)
         if identity:
-            found[path.stem] = Server(path.stem, identity, done=read_json(path.with_suffix(".done.json")))
+            found[path.stem] = Server(path.stem, identity, done=read_json(path.with_suffix(".done.json")),
+                                      dropped=read_json(path.with_suffix(".dropped.json")))
     for chunk in list_chunks(capture):
         server = found.get(chunk.server_id)
         if server is None:   # an older capture: one server, its identity in capture.json

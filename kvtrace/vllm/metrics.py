@@ -26,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from engine.events import PreemptReason
 from kvtrace.trace import db
 from kvtrace.vllm.follow import ChunkReader, LiveTrace, server_info
+from kvtrace.vllm.importer import read_json
 
 if TYPE_CHECKING:   # duckdb is imported where a connection is made: not by every command's start-up
     import duckdb
@@ -63,6 +64,7 @@ class Exporter:
         self.folder = tempfile.TemporaryDirectory(prefix="kvtrace-live-")   # the live runs, rewritten each poll
         self.con: duckdb.DuckDBPyConnection | None = None
         self.signature: list | None = None
+        self.dropped: dict[str, int] = {}   # per server: chunks its sink dropped (a disk slower than the capture)
 
     def poll(self) -> int:
         """Read the chunks written since the last poll and update the figures; the chunks read.
@@ -74,6 +76,13 @@ class Exporter:
             num_read += len(chunks)
             if len(chunks) < BATCH_CHUNKS:
                 break
+        dropped = {}
+        for path in (self.capture / "servers").glob("*.dropped.json"):
+            said = read_json(path) or {}
+            if isinstance(said.get("dropped_chunks"), int):
+                dropped[path.name.removesuffix(".dropped.json")] = said["dropped_chunks"]
+        with self.lock:
+            self.dropped = dropped
         return num_read
 
     def _update(self, chunks: list[tuple[str, dict]]) -> None:
@@ -159,6 +168,15 @@ class Exporter:
             yield CounterMetricFamily("kvtrace_steps", "Engine steps.", value=self.counts["steps", ""])
             yield CounterMetricFamily("kvtrace_capture_chunks_read", "Capture chunk files read.",
                                       value=self.reader.num_read)
+            yield CounterMetricFamily("kvtrace_capture_chunks_skipped", "Files of the capture folder's chunks/ "
+                                      "skipped as no chunk kvtrace reads (a pickle, a truncated or foreign file).",
+                                      value=self.reader.num_unreadable)
+            dropped = CounterMetricFamily("kvtrace_capture_dropped_chunks", "Chunks the capture dropped because "
+                                          "the disk was slower than it (the sink's queue was full), by server.",
+                                          labels=["server"])
+            for server, count in sorted(self.dropped.items()):
+                dropped.add_metric([server], count)
+            yield dropped
             itl = HistogramMetricFamily("kvtrace_itl_seconds", "Inter-token latency: the gap between consecutive "
                                         "tokens of a sequence, by cause (itl_cliffs.sql's rules).", labels=["cause"])
             for cause, counts in self.itl.items():

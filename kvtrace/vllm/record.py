@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -131,7 +130,8 @@ def model_folder(model: str) -> Path:
     if model not in PRESETS:
         raise KvtraceError(f"--model {model}: --engine vllm needs a Hugging Face folder or a built-in model "
                            f"({', '.join(PRESETS)})")
-    cache = Path(os.environ.get("KVTRACE_CACHE") or Path.home() / ".cache" / "kvtrace") / "hf" / model
+    from engine.config import cache_root
+    cache = cache_root() / "hf" / model
     if not (cache / "config.json").is_file():
         from engine.model.export import export_hf_folder
         if cache.exists():
@@ -141,15 +141,20 @@ def model_folder(model: str) -> Path:
 
 
 def capture_path() -> Path:
-    """A folder whose only entry is a link to this kvtrace package: what vLLM's Python gets on its path.
-    One folder per package (its path's hash in the name): two checkouts of kvtrace used at once (git
+    """A folder whose only entry is a link to this kvtrace package: what vLLM's Python gets on its path
+    (the package's own parent would hand vLLM every package of kvtrace's environment, torch included).
+    It lives in kvtrace's cache folder (engine.config.cache_root: ~/.cache/kvtrace, `KVTRACE_CACHE_DIR`
+    moves it), not in the temporary folder, which cleaners empty under a server that runs for months. One
+    folder per package (its path's hash in the name): two checkouts of kvtrace used at once (git
     worktrees, a wheel beside an editable install) never point each other's vLLM at the wrong code."""
+    from engine.config import cache_root
+
     package = Path(kvtrace.__file__).resolve().parent
     digest = hashlib.blake2b(str(package).encode(), digest_size=4).hexdigest()
-    root = Path(tempfile.gettempdir()) / f"kvtrace-capture-path-{os.getuid()}-{digest}"
+    root = cache_root() / f"capture-path-{digest}"
     link = root / "kvtrace"
     if not (link.is_symlink() and link.resolve() == package):
-        root.mkdir(exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True)
         tmp = root / f".kvtrace.{os.getpid()}"
         tmp.unlink(missing_ok=True)
         tmp.symlink_to(package)

@@ -54,18 +54,19 @@ def expected(tmp_path_factory) -> dict[tuple[str, frozenset], float]:
 def test_chunk_by_chunk_under_retention_the_counters_only_grow_and_end_at_the_sql(tmp_path, expected):
     """The capture's chunks arrive five at a time, retention keeps the last six, a chunk is being
     written (.tmp); the exporter keeps 3 s of rows: what it forgot must not change a figure."""
-    chunks = sorted((FIXTURE / "chunks").glob("*.pkl"), key=lambda p: int(p.stem.split("-")[1]))
+    chunks = sorted((FIXTURE / "chunks").glob("*.kvtc"))
     capture = tmp_path / "capture"
     (capture / "chunks").mkdir(parents=True)
     shutil.copy(FIXTURE / "capture.json", capture)
+    shutil.copytree(FIXTURE / "servers", capture / "servers")
     exporter = Exporter(capture, window_s=3.0)
     before: dict = {}
     for i in range(0, len(chunks), 5):
         for path in chunks[i:i + 5]:
             shutil.copy(path, capture / "chunks" / path.name)
-        for old in sorted((capture / "chunks").glob("*.pkl"))[:-6]:
+        for old in sorted((capture / "chunks").glob("*.kvtc"))[:-6]:
             old.unlink()
-        (capture / "chunks" / f".{chunks[0].stem}-999999.pkl.tmp").write_bytes(b"\x80\x04half a chunk")
+        (capture / "chunks" / f".{chunks[0].name}.tmp").write_bytes(b"KVTRACE-CHUNK 1\nhalf a chunk")
         exporter.poll()
         now = scraped(exporter)
         for key, value in before.items():
@@ -82,18 +83,18 @@ def test_the_exporters_runs_of_new_tokens_carry_each_tokens_predecessor_as_a_who
     """The exporter writes each token once, in the poll that read it: its predecessor (the gap's
     start) must be the one a run of every chunk finds, the last token of an earlier poll included,
     while a 3 s window prunes what the figures no longer need."""
-    import pickle
-
     import pyarrow.parquet as pq
+
+    from kvtrace.vllm.importer import read_chunk
 
     from kvtrace.trace.schema import token_predecessors
     from kvtrace.vllm.follow import LiveTrace
 
-    chunks = sorted((FIXTURE / "chunks").glob("*.pkl"), key=lambda p: int(p.stem.split("-")[1]))
+    chunks = sorted((FIXTURE / "chunks").glob("*.kvtc"))
     trace, written, every = LiveTrace(3.0), [], {c: [] for c in ("req_id", "sample", "idx", "step", "ts_s")}
     across = 0   # tokens whose predecessor came in an earlier poll
     for i, path in enumerate(chunks):
-        chunk = pickle.loads(path.read_bytes())
+        chunk = read_chunk(path)
         t = chunk.get("tokens") or {name: [] for name in every}   # a chunk of no decode step has none
         for name in every:
             every[name].extend(t[name])
@@ -127,7 +128,7 @@ def test_the_verdict_is_thrash_sqls_on_the_last_window(tmp_path):
 def test_a_chunk_removed_between_listing_and_reading_is_skipped(tmp_path, monkeypatch):
     capture = tmp_path / "capture"
     shutil.copytree(FIXTURE, capture)
-    gone = sorted((capture / "chunks").glob("*.pkl"))[0]
+    gone = sorted((capture / "chunks").glob("*.kvtc"))[0]
     real = Path.read_bytes
 
     def read_bytes(path: Path) -> bytes:
@@ -137,7 +138,7 @@ def test_a_chunk_removed_between_listing_and_reading_is_skipped(tmp_path, monkey
 
     monkeypatch.setattr(Path, "read_bytes", read_bytes)
     reader = ChunkReader(capture)
-    assert len(reader.new_chunks()) == len(list((FIXTURE / "chunks").glob("*.pkl"))) - 1
+    assert len(reader.new_chunks()) == len(list((FIXTURE / "chunks").glob("*.kvtc"))) - 1
     assert reader.new_chunks() == []   # each chunk once
 
 
@@ -203,7 +204,7 @@ def test_watch_once_draws_the_dashboard_of_the_last_window():
     result = CliRunner().invoke(app, ["capture", "watch", str(FIXTURE), "--once", "--window", "90s"],
                                 env={"COLUMNS": "120"})
     assert result.exit_code == 0, result.output
-    assert "server 24953, last 90 s" in result.output
+    assert "server 20261119T000008Z-24953, last 90 s" in result.output
     assert "vLLM 0.32.0" in result.output and "thrash" in result.output
 
 
@@ -221,7 +222,7 @@ def test_watch_redraws_until_ctrl_c():
                 out += os.read(primary, 65536)
             except OSError:   # the other side closed
                 break
-        if not interrupted and out.count(b"server 24953") >= 2:   # drawn, and drawn again
+        if not interrupted and out.count(b"server 20261119T000008Z-24953") >= 2:   # drawn, and drawn again
             watch.send_signal(signal.SIGINT)
             interrupted = True
     watch.wait(timeout=30)

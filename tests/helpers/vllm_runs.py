@@ -3,12 +3,12 @@ command line run against vLLM's CPU build (KVTRACE_VLLM_PYTHON)."""
 from __future__ import annotations
 
 import os
-import pickle
 import subprocess
 import sys
 
 import pytest
 
+from kvtrace.vllm.capture import chunk_format
 from kvtrace.vllm.capture.sink import COLUMNS
 from kvtrace.vllm.importer import Item
 
@@ -21,10 +21,14 @@ def chunk(rows: dict[str, list[dict]]) -> dict:
             if rows.get(table)}
 
 
-def write_capture(folder, chunks: list[dict]) -> None:
+def write_capture(folder, chunks: list[dict], server: str = "20261201T030000Z-77") -> None:
+    """A capture folder of `chunks` (each `{table: {column: values}}`) as one server wrote them."""
     (folder / "chunks").mkdir(parents=True)
     for part, rows in enumerate(chunks):
-        (folder / "chunks" / f"77-{part:06d}.pkl").write_bytes(pickle.dumps(rows, protocol=4))
+        steps = rows.get("steps") or {"start_s": [0.0], "end_s": [0.0]}
+        name = (f"{server}_{part:06d}_{min(steps['start_s']):.3f}_{max(steps['end_s']):.3f}_"
+                f"{len(rows.get('arrivals', {}).get('req_id', ()))}{chunk_format.SUFFIX}")
+        (folder / "chunks" / name).write_bytes(chunk_format.encode(rows))
 
 
 VLLM_PYTHON = os.environ.get("KVTRACE_VLLM_PYTHON", "")

@@ -1,5 +1,5 @@
 """`kvtrace capture ls` and `kvtrace capture run` on a capture folder built by hand (no vLLM): the
-layout the capture writes (servers/<id>.json, chunks/<id>_<part>_<first>_<last>_<arrivals>.pkl),
+layout the capture writes (servers/<id>.json, chunks/<id>_<part>_<first>_<last>_<arrivals>.kvtc),
 windows with requests in flight across their edges, retention's gaps, and bad input.
 
 The folder holds one server whose monotonic clock is the wall clock less 1,000,000 s. Five requests,
@@ -13,13 +13,13 @@ one step a second from t = 100 to 119 (wall 1,000,100 …):
 from __future__ import annotations
 
 import json
-import pickle
 
 import pytest
 from typer.testing import CliRunner
 
 from kvtrace.cli.app import app
 from kvtrace.trace import db
+from kvtrace.vllm.capture import chunk_format
 from kvtrace.vllm.capture.sink import CHUNK_COLUMNS
 from tests.helpers.cli import one_line_error
 
@@ -73,8 +73,8 @@ def _write(folder, parts=range(10)) -> None:
         rows = _rows(100 + 2 * part, 102 + 2 * part)
         cols = {t: {c: [r.get(c) for r in rows[t]] for c in cs} for t, cs in CHUNK_COLUMNS.items() if rows[t]}
         first, last = OFFSET + 100 + 2 * part, OFFSET + 101.5 + 2 * part
-        (chunks / f"{SERVER}_{part:06d}_{first:.3f}_{last:.3f}_{len(rows['arrivals'])}.pkl").write_bytes(
-            pickle.dumps(cols))
+        (chunks / f"{SERVER}_{part:06d}_{first:.3f}_{last:.3f}_{len(rows['arrivals'])}.kvtc").write_bytes(
+            chunk_format.encode(cols))
 
 
 def _cli(*args) -> str:

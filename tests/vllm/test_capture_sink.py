@@ -1,5 +1,6 @@
-"""The capture's sink without vLLM (it is standard library only): retention by bytes and by age, and
-a write that fails (a full disk, simulated: ENOSPC from the write itself, since a real full filesystem
+"""The capture's sink without vLLM (it is standard library only): retention by bytes and by age, its
+writer thread behind a bounded queue (a slow disk drops whole chunks, counted; a step never waits), the
+modes of its files and folders, and a write that fails (a full disk, simulated: ENOSPC from the write itself, since a real full filesystem
 needs a mount, which tests/vllm/test_vllm_live.py makes where it may) or a removed folder stops the
 capture with one warning and never raises."""
 from __future__ import annotations
@@ -11,6 +12,7 @@ import shutil
 
 from typer.testing import CliRunner
 
+import kvtrace.cli.commands  # noqa: F401  (registers every command)
 from kvtrace.cli.app import app
 from kvtrace.vllm.capture import sink as sink_module
 from kvtrace.vllm.capture.sink import Sink, parse_age, parse_bytes
@@ -29,7 +31,7 @@ def _step(sink: Sink, t: float) -> None:
 
 
 def _parts(folder) -> list[int]:
-    return sorted(int(p.name.split("_")[1]) for p in (folder / "chunks").glob(f"{SERVER}_*.pkl"))
+    return sorted(int(p.name.split("_")[1]) for p in (folder / "chunks").glob(f"{SERVER}_*.kvtc"))
 
 
 def test_sizes_and_ages_parse():
@@ -43,6 +45,7 @@ def test_the_oldest_whole_chunks_go_first_and_ls_says_so(tmp_path):
     for t in range(5):
         _step(sink, float(t))
         sink.flush()
+        sink.drain()
     assert _parts(folder) == [4] and sink.num_removed == 4   # the newest always stays
     (folder / "servers").mkdir()
     (folder / "servers" / f"{SERVER}.json").write_text(json.dumps({"server_id": SERVER, "pid": 77}))
@@ -53,26 +56,32 @@ def test_the_oldest_whole_chunks_go_first_and_ls_says_so(tmp_path):
     for t in range(3):
         _step(budget, float(t))
         budget.flush()
+    budget.drain()
     assert _parts(tmp_path / "roomy") == [0, 1, 2]
     aged = Sink(tmp_path / "roomy", SERVER + "b", max_age_s=0.0)   # lists the folder's chunks at start
     _step(aged, 9.0)
     aged.flush()
-    assert _parts(tmp_path / "roomy") == [] and len(list((tmp_path / "roomy" / "chunks").glob("*.pkl"))) == 1
+    aged.drain()
+    assert _parts(tmp_path / "roomy") == [] and len(list((tmp_path / "roomy" / "chunks").glob("*.kvtc"))) == 1
 
 
 def test_a_full_disk_stops_the_capture_with_one_warning(tmp_path, monkeypatch, caplog):
     sink = Sink(tmp_path / "capture", SERVER)
     _step(sink, 0.0)
     sink.flush()
+    sink.drain()
 
-    def full(*args, **kwargs):
+    def full(path, data, mode):   # the disk fills up halfway through the chunk's bytes
+        (path.parent / f".{path.name}.tmp").write_bytes(data[:100])
+        (path.parent / f".{path.name}.tmp").unlink()
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(sink_module.pickle, "dump", full)
+    monkeypatch.setattr(sink_module, "write_file", full)
     with caplog.at_level(logging.WARNING, logger="vllm.kvtrace.capture"):
         for t in range(1, 4):
             _step(sink, float(t))
             sink.flush()   # never raises
+            sink.drain()
     assert [r.getMessage() for r in caplog.records if "kvtrace capture stopped" in r.getMessage()] == [
         f"kvtrace capture stopped (vLLM serves on): cannot write into {sink.folder}: "
         "[Errno 28] No space left on device"]
@@ -87,7 +96,76 @@ def test_a_removed_folder_stops_the_capture(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="vllm.kvtrace.capture"):
         _step(sink, 0.0)
         sink.flush()
+        sink.drain()
         _step(sink, 1.0)
         sink.flush()
+        sink.drain()
     assert len([r for r in caplog.records if "kvtrace capture stopped" in r.getMessage()]) == 1
     assert not (tmp_path / "capture").exists()
+
+
+def test_a_slow_disk_never_holds_a_step_and_loses_whole_chunks_counted(tmp_path, monkeypatch, caplog):
+    """Each write takes 0.5 s: a flush (the engine's thread) returns at once; once the queue is full whole
+    chunks are dropped, said once in the log, counted in dropped.json, and `capture ls` shows the gap with its
+    reason; what was queued is written, whole."""
+    import time
+
+    real = Sink._write_file
+
+    def slow(self, path, data):
+        time.sleep(0.5)
+        return real(self, path, data)
+
+    monkeypatch.setattr(Sink, "_write_file", slow)
+    folder = tmp_path / "capture"
+    sink = Sink(folder, SERVER, wall_minus_monotonic=0.0, queue_chunks=2)
+    waits = []
+    with caplog.at_level(logging.WARNING, logger="vllm.kvtrace.capture"):
+        for t in range(8):
+            _step(sink, float(t))
+            start = time.perf_counter()
+            sink.flush()
+            waits.append(time.perf_counter() - start)
+        sink.close()
+    assert max(waits) < 0.1, waits                          # never the disk's 0.5 s
+    written = _parts(folder)
+    assert sink.num_dropped == 8 - len(written) >= 4 and written[0] == 0
+    warned = [r.getMessage() for r in caplog.records if "slower than the capture" in r.getMessage()]
+    assert len(warned) == 1
+    said = json.loads((folder / "servers" / f"{SERVER}.dropped.json").read_text())
+    assert said["dropped_chunks"] == sink.num_dropped and said["dropped_rows"] == 2 * sink.num_dropped
+    assert sorted(p for s in said["spans"] for p in range(s["parts"][0], s["parts"][1] + 1)) == sorted(
+        set(range(8)) - set(written))
+    (folder / "servers" / f"{SERVER}.json").write_text(json.dumps({"server_id": SERVER, "pid": 77}))
+    out = CliRunner().invoke(app, ["capture", "ls", str(folder)]).stdout
+    assert "dropped" in out and "the disk was slower than the capture" in out and "missing" not in out
+
+
+def test_the_capture_files_are_for_owner_and_group_whatever_the_umask(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    from kvtrace.vllm.capture.files import parse_mode
+
+    old = os.umask(0o000)   # a umask that would leave everything open to everyone
+    try:
+        sink = Sink(tmp_path / "capture", SERVER)
+        _step(sink, 0.0)
+        sink.close()
+        own = Sink(tmp_path / "private", SERVER, file_mode=parse_mode("0600", "KVTRACE_CAPTURE_MODE"))
+        _step(own, 0.0)
+        own.close()
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert mode(tmp_path / "capture") == mode(tmp_path / "capture" / "chunks") == 0o750
+    assert [mode(p) for p in (tmp_path / "capture" / "chunks").iterdir()] == [0o640]
+    assert mode(tmp_path / "private" / "chunks") == 0o700
+    assert [mode(p) for p in (tmp_path / "private" / "chunks").iterdir()] == [0o600]
+    for bad in ("0999", "rw-r-----", "0040"):
+        try:
+            parse_mode(bad, "KVTRACE_CAPTURE_MODE")
+        except ValueError as exc:
+            assert str(exc).startswith(f"KVTRACE_CAPTURE_MODE='{bad}'")
+        else:
+            raise AssertionError(bad)

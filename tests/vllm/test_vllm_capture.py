@@ -294,7 +294,7 @@ def test_ctrl_c_leaves_a_readable_interrupted_trace(workload, tmp_path):
                              *POOL, *EAGER, "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=interruptible)
     deadline = time.monotonic() + 600
-    while not any((run / ".vllm-capture" / "chunks").glob("*.pkl")):   # the replay is under way
+    while not any((run / ".vllm-capture" / "chunks").glob("*.kvtc")):   # the replay is under way
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
         time.sleep(0.5)
     proc.send_signal(signal.SIGINT)

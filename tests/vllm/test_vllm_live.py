@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from kvtrace.trace import db
+from kvtrace.vllm.importer import read_chunk
 from tests.helpers.vllm_runs import (
     VLLM_MARKS,
     VLLM_PYTHON,
@@ -197,10 +197,10 @@ def test_a_window_of_the_second_burst_holds_exactly_its_requests(production, tmp
 
 
 def test_no_token_id_in_a_default_capture(production):
-    chunks = list((production["capture"] / "chunks").glob("*.pkl"))
+    chunks = list((production["capture"] / "chunks").glob("*.kvtc"))
     assert chunks
     for path in chunks:
-        chunk = pickle.loads(path.read_bytes())
+        chunk = read_chunk(path)
         assert set(chunk.get("tokens", {}).get("token_id", [])) <= {None}, path
 
 
@@ -227,8 +227,7 @@ def test_a_full_filesystem_stops_the_capture_and_the_server_answers(production):
 
 def test_sigkill_mid_burst_leaves_a_readable_folder_and_retention_drops_the_oldest(tmp_path):
     capture = tmp_path / "killed"
-    # a TMPDIR of its own: the capture path vllm-env prints (a link to this kvtrace) is per TMPDIR
-    lines = kvtrace("vllm-env", "--capture-dir", capture, "--max-bytes", "4KB", env={"TMPDIR": str(tmp_path)}).stdout
+    lines = kvtrace("vllm-env", "--capture-dir", capture, "--max-bytes", "4KB").stdout
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
     for line in lines.splitlines():
         if line.startswith("export "):
@@ -252,7 +251,7 @@ def test_sigkill_mid_burst_leaves_a_readable_folder_and_retention_drops_the_olde
         server.stop(signal.SIGKILL)
     (listed,) = json.loads(kvtrace("capture", "ls", capture, "--json").stdout)["servers"]
     assert listed["gaps"] and "removed by retention" in listed["gaps"][0]
-    assert listed["bytes"] <= 4_000 + max(p.stat().st_size for p in (capture / "chunks").glob("*.pkl"))
+    assert listed["bytes"] <= 4_000 + max(p.stat().st_size for p in (capture / "chunks").glob("*.kvtc"))
     run = tmp_path / "after-kill"
     kvtrace("capture", "run", capture, "-o", run, "--last", "10m")
     con = db.connect([run])

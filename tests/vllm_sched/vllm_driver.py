@@ -419,9 +419,11 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         cap = sched._kvtrace   # None: the capture did not start (vLLM's scheduler as its own)
         answer["capture_started"] = cap is not None
         if cap is not None:   # what is on disk before shutdown, and what it still holds per request
-            import pickle
-            answer["chunks_before_shutdown"] = [len(pickle.loads(c.read_bytes()).get("steps", {}).get("step", ()))
-                                                for c in sorted(cap.folder.rglob("*.pkl"))]
+            from kvtrace.vllm.capture import chunk_format
+            cap.sink.drain()   # what the writer thread was handed has been written
+            answer["chunks_before_shutdown"] = [
+                len(chunk_format.decode(c.read_bytes()).get("steps", {}).get("step", ()))
+                for c in sorted(cap.folder.rglob(f"*{chunk_format.SUFFIX}"))]
             answer["capture_held"] = {"states": len(cap.steps.states), "watched": len(cap.steps.watched),
                                       "emitted": len(cap.columns.emitted), "pending": len(cap.pending)}
         if workload.get("remove_capture_before_shutdown"):   # after the last chunk: no write fails

@@ -20,9 +20,11 @@ from pathlib import Path
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+import kvtrace
 from kvtrace.vllm.capture import guard
 from kvtrace.vllm.capture.accounting import StepAccounting
 from kvtrace.vllm.capture.columns import Columns
+from kvtrace.vllm.capture.files import make_folder
 from kvtrace.vllm.capture.pending import PendingSteps
 from kvtrace.vllm.capture.rows import ScheduledStep
 from kvtrace.vllm.capture.self_check import SelfCheck
@@ -44,14 +46,15 @@ class Recorder:
         folder = capture_folder()
         import vllm
         version = getattr(vllm, "__version__", "unknown")
-        folder.mkdir(parents=True, exist_ok=True)
-        self.server = Server.starting()
-        self._check_vllm(scheduler, version, folder)
         self.settings = settings = Settings.from_environment(folder)
+        make_folder(folder, settings.file_mode)
+        self.server = Server.starting()
+        self._check_vllm(scheduler, version, folder, settings.file_mode)
         self.folder = folder
         self.sink = Sink(folder, self.server.server_id, max_bytes=settings.max_bytes, max_age_s=settings.max_age_s,
                          log=logger, wall_minus_monotonic=self.server.wall_minus_monotonic,
-                         flush_seconds=settings.flush_s)
+                         flush_seconds=settings.flush_s, file_mode=settings.file_mode,
+                         meta={"kvtrace_version": kvtrace.__version__})
         self.scheduler = scheduler
         self.steps = StepAccounting(scheduler)
         self.columns = Columns(self.sink, token_ids=settings.token_ids, salt=self.server.salt,
@@ -69,7 +72,7 @@ class Recorder:
         atexit.register(self.close)
 
     @staticmethod
-    def _check_vllm(scheduler: Scheduler, version: str, folder: Path) -> None:
+    def _check_vllm(scheduler: Scheduler, version: str, folder: Path, file_mode: int) -> None:
         """guard.py's checks of this vLLM; error.json says what failed (EngineCore's exception stays in
         its log: it is said where kvtrace reads)."""
         try:
@@ -88,7 +91,7 @@ class Recorder:
             guard.check_classes(type(scheduler), type(kvm), type(pool), type(pool.null_block), Request, RequestStatus,
                                 SchedulerOutput, EngineCoreOutput)
         except guard.VllmChanged as exc:
-            write_json(folder, "error.json", {"error": str(exc), "vllm_version": version})
+            write_json(folder, "error.json", {"error": str(exc), "vllm_version": version}, file_mode)
             raise
 
     # ---- the scheduler's hooks ------------------------------------------------------------------------------
@@ -215,13 +218,18 @@ class Recorder:
         if not self.folder.is_dir():
             return   # the folder was removed: not made again for a summary of nothing
         check = self.self_check
-        try:
-            write_json(self.folder, "done.json", {
+        try:   # the folder's newest (kvtrace record reads it) and the server's own (capture ls)
+            done = {
                 "server_id": self.server.server_id,
                 "steps": self.steps.step + 1, "events": self.columns.seq, "hook_s": self.hook_s,
                 "self_check_steps": check.num_checked_steps,
                 "self_check_errors": check.num_check_errors, "self_check_examples": check.check_errors,
                 "writer_error": repr(self.sink.error) if self.sink.error else None,
-            })
+                "chunks_written": self.sink.num_written, "dropped_chunks": self.sink.num_dropped,
+                "dropped_rows": self.sink.dropped_rows,
+            }
+            write_json(self.folder, "done.json", done, self.settings.file_mode)
+            if (self.folder / "servers" / f"{self.server.server_id}.json").is_file():   # not in a remade folder
+                write_json(self.folder, f"servers/{self.server.server_id}.done.json", done, self.settings.file_mode)
         except OSError:
             pass   # the disk that stopped the capture; the log already says so

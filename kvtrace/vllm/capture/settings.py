@@ -5,12 +5,14 @@ class name: `kvtrace vllm-env` prints them (docs/vllm.md). `KVTRACE_CAPTURE_DIR`
 retention and flush interval are parsed as sink.py parses them.
 
 A capture folder can hold several servers (restarts, replicas): each writes under its own id,
-`<UTC start>Z-<pid>`. The files beside the chunks:
+`<UTC start>Z-<pid>`. Files and folders are made with files.py's modes (owner and group only by
+default; `KVTRACE_CAPTURE_MODE`). The files beside the chunks:
 - `servers/<server id>.json`, and `capture.json` (the newest server's, for `kvtrace record --endpoint`):
   the server's identity (vLLM version, model, scheduler, KV pool geometry, options, clock offset);
 - `error.json`: why the capture refused to start (vLLM changed), where kvtrace looks for it, since
   EngineCore keeps the exception in its own log;
-- `done.json`: the summary written at close.
+- `done.json`: the summary written at close;
+- `servers/<server id>.dropped.json`: the chunks a slow disk made the sink drop (sink.py).
 Each is written to a hidden name and renamed into place, so a reader never sees half of one.
 """
 from __future__ import annotations
@@ -26,6 +28,9 @@ from pathlib import Path
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 
+import kvtrace
+from kvtrace.vllm.capture import chunk_format
+from kvtrace.vllm.capture.files import FILE_MODE, make_folder, parse_mode, write_file
 from kvtrace.vllm.capture.sink import parse_age, parse_bytes
 
 
@@ -49,6 +54,7 @@ class Settings:
     max_bytes: int       # KVTRACE_CAPTURE_MAX_BYTES and _MAX_AGE: the folder's retention (sink.py)
     max_age_s: float
     flush_s: float       # KVTRACE_CAPTURE_FLUSH_EVERY: how often a busy server writes a chunk (what a crash can lose)
+    file_mode: int = FILE_MODE   # KVTRACE_CAPTURE_MODE: the files' mode (files.py)
 
     @classmethod
     def from_environment(cls, folder: Path) -> Settings:
@@ -57,7 +63,8 @@ class Settings:
                    self_check=env("KVTRACE_CAPTURE_SELF_CHECK") == "1",
                    max_bytes=parse_bytes(env("KVTRACE_CAPTURE_MAX_BYTES") or "4GiB", "KVTRACE_CAPTURE_MAX_BYTES"),
                    max_age_s=parse_age(env("KVTRACE_CAPTURE_MAX_AGE") or "7d", "KVTRACE_CAPTURE_MAX_AGE"),
-                   flush_s=parse_age(env("KVTRACE_CAPTURE_FLUSH_EVERY") or "2s", "KVTRACE_CAPTURE_FLUSH_EVERY"))
+                   flush_s=parse_age(env("KVTRACE_CAPTURE_FLUSH_EVERY") or "2s", "KVTRACE_CAPTURE_FLUSH_EVERY"),
+                   file_mode=parse_mode(env("KVTRACE_CAPTURE_MODE") or oct(FILE_MODE), "KVTRACE_CAPTURE_MODE"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +87,10 @@ class Server:
                    wall_minus_monotonic=time.time() - time.monotonic())
 
 
-def write_json(folder: Path, name: str, data: dict) -> None:
+def write_json(folder: Path, name: str, data: dict, file_mode: int = FILE_MODE) -> None:
     path = folder / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp"
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    make_folder(path.parent, file_mode)
+    write_file(path, (json.dumps(data, indent=2) + "\n").encode(), file_mode)
 
 
 def write_identity(settings: Settings, server: Server, scheduler, version: str, capture_module: str) -> None:
@@ -109,8 +114,10 @@ def write_identity(settings: Settings, server: Server, scheduler, version: str, 
         "max_model_len": getattr(scheduler, "max_model_len", None),
         "watermark_blocks": getattr(kvm, "watermark_blocks", None),
         "self_check": settings.self_check,
+        "kvtrace_version": kvtrace.__version__, "chunk_format": chunk_format.FORMAT,
+        "file_mode": oct(settings.file_mode),
     }
     if isinstance(identity["model"], list):   # served under several names: the first
         identity["model"] = identity["model"][0]
-    write_json(settings.folder, f"servers/{server.server_id}.json", identity)
-    write_json(settings.folder, "capture.json", identity)
+    write_json(settings.folder, f"servers/{server.server_id}.json", identity, settings.file_mode)
+    write_json(settings.folder, "capture.json", identity, settings.file_mode)

@@ -3,39 +3,47 @@
 The columns are those of kvtrace's trace tables (kvtrace/trace/schema.py; a test keeps the two equal)
 less `run_id`, which the importer adds. Times are raw `time.monotonic()` seconds (the importer
 rebases them on the run's origin): CLOCK_MONOTONIC is one clock for every process of the host, so
-the driver's arrival clock and the EngineCore's step clock line up. A chunk is a pickle of
-`{table: {column: list}}`, written to a hidden name and renamed into place, so a crash (a SIGKILL
-included) leaves only whole chunks: at most the rows of the last couple of seconds are lost. Each
-server's chunks are `chunks/<server id>_<part>_<first>_<last>_<arrivals>.pkl` (its identity is
+the driver's arrival clock and the EngineCore's step clock line up. A chunk is chunk_format.py's
+file of `{table: {column: values}}` (typed columns behind a versioned header: reading one runs no
+code), written to a hidden name and renamed into place, so a crash leaves only whole chunks. Each
+server's chunks are `chunks/<server id>_<part>_<first>_<last>_<arrivals>.kvtc` (its identity is
 `servers/<server id>.json`): the server, the chunk's number, the wall-clock span of its steps (Unix
 seconds) and the requests that arrived in it, so that `kvtrace capture ls` and `capture run` know
 what a chunk holds without reading it.
 Besides the trace's tables a chunk may hold `arrivals`, the capture's own: one row per request when
 the scheduler takes it, with its prompt's block hashes salted per capture (columns.py).
 
+**No write on the engine's thread.** The engine's thread only hands a chunk's columns over: every
+`flush_seconds`, when a buffer reaches `max_rows`, after a step that leaves the engine with nothing to
+do, and at shutdown (recorder.py). A writer thread encodes, compresses and writes them, behind a
+queue of `queue_chunks` chunks: a step never waits on the disk. A disk slower than the capture for
+long enough to fill the queue loses whole chunks, never parts of one: each is counted, the first
+drop is said once in vLLM's log, and `servers/<server id>.dropped.json` keeps the count and the
+spans lost (`kvtrace capture ls` shows them as gaps with their reason, the exporter as
+`kvtrace_capture_dropped_chunks`). What a crash can lose: the chunks still queued and the rows of the
+last `flush_seconds`. At shutdown `close` waits up to `close_timeout_s` for the queue to be written.
+
 Retention keeps the folder bounded: after each chunk, the oldest whole chunks of the folder (every
 server's) are removed while the chunks add up to more than `max_bytes`, or are older than
 `max_age_s`; the newest chunk always stays. The folder's chunks are listed once, at start-up; later
 the sink counts what it writes itself (a folder is meant for one server at a time).
-
-There is no writer thread: the engine's own thread writes each chunk, synchronously, at the end of
-a step's `update_from_output` (recorder.py): every `flush_seconds`, when a buffer reaches
-`max_rows`, after a step that leaves the engine with nothing to do (a server between bursts keeps
-nothing back), and at shutdown (`close`). A background writer thread was tried and measured +3 % on
-the replay's wall time (docs/vllm.md; the vllm-capture benchmark), more than the writes themselves cost
-(a pickle of a couple of seconds' rows). A failed write (a full disk, a removed folder, a permission
-error) never stops vLLM: it stops the capture, with one line in vLLM's log; from then on the rows
-are dropped, and the error is kept in `error` (done.json, where it can still be written).
+A failed write (a full disk, a removed folder, a permission error) never stops vLLM: it stops the
+capture, with one line in vLLM's log; from then on the rows are dropped, and the error is kept in
+`error` (done.json, where it can still be written). Files and folders get files.py's modes.
 """
 from __future__ import annotations
 
 import logging
-import os
-import pickle
+import json
+import queue
 import re
+import threading
 import time
 from collections import deque
 from pathlib import Path
+
+from kvtrace.vllm.capture import chunk_format
+from kvtrace.vllm.capture.files import FILE_MODE, make_folder, write_file
 
 COLUMNS = {
     "requests": ("req_id", "sample", "n", "priority", "arrival_s", "prompt_tokens", "max_tokens",
@@ -75,17 +83,22 @@ def parse_age(text: str, name: str) -> float:
 
 
 class Sink:
-    """Buffers rows as columns and writes them out in chunks."""
+    """Buffers rows as columns; a writer thread writes them out in chunks."""
 
     def __init__(self, folder: Path, server_id: str, *, max_bytes: int = 4 * 1024**3, max_age_s: float = 7 * 86400,
                  log: logging.Logger | None = None, wall_minus_monotonic: float | None = None,
-                 max_rows: int = 100_000, flush_seconds: float = 2.0) -> None:
-        self.folder = Path(folder) / "chunks"
-        self.folder.mkdir(parents=True, exist_ok=True)
+                 max_rows: int = 100_000, flush_seconds: float = 2.0, queue_chunks: int = 16,
+                 file_mode: int = FILE_MODE, close_timeout_s: float = 30.0, meta: dict | None = None) -> None:
+        self.capture = Path(folder)
+        self.folder = self.capture / "chunks"
+        self.file_mode = file_mode
+        make_folder(self.folder, file_mode)
         self.server_id = server_id
         self.max_rows = max_rows
         self.flush_seconds = flush_seconds
         self.max_bytes, self.max_age_s = max_bytes, max_age_s
+        self.close_timeout_s = close_timeout_s
+        self.meta = {"server_id": server_id, **(meta or {})}   # into every chunk's header
         self.log = log or logging.getLogger("vllm.kvtrace.capture")
         self.part = 0
         self.wall_minus_monotonic = (time.time() - time.monotonic() if wall_minus_monotonic is None
@@ -93,30 +106,41 @@ class Sink:
         self.columns = self._empty()
         self.last_flush = time.monotonic()
         self.error: BaseException | None = None
-        # (wall time written, bytes, path) of every chunk in the folder, oldest first
+        # (wall time written, bytes, path) of every chunk in the folder, oldest first: the writer's
         self.kept: deque[tuple[float, int, Path]] = deque(sorted(self._listed()))
         self.num_bytes = sum(size for _, size, _ in self.kept)
         self.num_removed = 0
+        self.num_written = 0
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_chunks)
+        self.writer: threading.Thread | None = None
+        # chunks lost to a full queue: their count, rows and spans [first part, last part, first, last]
+        self.num_dropped = 0
+        self.dropped_rows = 0
+        self.dropped: list[list] = []
+        self.dropped_said = 0        # the count dropped.json last said (the writer's)
 
     @staticmethod
     def _empty() -> dict[str, dict[str, list]]:
         return {table: {c: [] for c in cols} for table, cols in CHUNK_COLUMNS.items()}
 
     def _listed(self):
-        for path in self.folder.glob("*.pkl"):
+        for path in self.folder.glob(f"*{chunk_format.SUFFIX}"):
             try:
                 st = path.stat()
             except OSError:
                 continue
             yield st.st_mtime, st.st_size, path
 
+    # ---- the engine's thread ---------------------------------------------------------------------------------
     def maybe_flush(self, now: float) -> None:
         if (now - self.last_flush >= self.flush_seconds
                 or len(self.columns["tokens"]["ts_s"]) >= self.max_rows
                 or len(self.columns["kv_events"]["seq"]) >= self.max_rows):
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, wait_s: float = 0.0) -> None:
+        """Hand the buffered rows to the writer as one chunk. A step's flush never waits (a full queue
+        drops the chunk); `wait_s`: how long to wait for room instead (at shutdown)."""
         self.last_flush = time.monotonic()
         chunk = {t: cols for t, cols in self.columns.items() if next(iter(cols.values()))}
         if not chunk:
@@ -130,23 +154,100 @@ class Sink:
         first, last = (min(steps["start_s"]), max(steps["end_s"])) if steps else (now, now)
         offset = self.wall_minus_monotonic
         name = f"{part:06d}_{first + offset:.3f}_{last + offset:.3f}_{len(chunk.get('arrivals', {}).get('req_id', ()))}"
-        final = self.folder / f"{self.server_id}_{name}.pkl"
-        tmp = self.folder / f".{self.server_id}_{name}.pkl.tmp"
+        if self.writer is None:
+            self.writer = threading.Thread(target=self._write_chunks, name="kvtrace-capture-writer", daemon=True)
+            self.writer.start()
         try:
-            with open(tmp, "wb") as f:
-                pickle.dump(chunk, f, protocol=4)
-            os.replace(tmp, final)
-            size = final.stat().st_size
+            self.queue.put((f"{self.server_id}_{name}{chunk_format.SUFFIX}", part, chunk), timeout=wait_s or None,
+                           block=wait_s > 0)
+        except queue.Full:
+            self._drop(part, first + offset, last + offset, sum(len(next(iter(c.values()))) for c in chunk.values()))
+
+    def _drop(self, part: int, first: float, last: float, rows: int) -> None:
+        if not self.num_dropped:
+            self.log.warning("kvtrace capture: the disk is slower than the capture (%d chunks queued): whole "
+                             "chunks are dropped from now on while it stays behind, counted in %s (vLLM serves on)",
+                             self.queue.maxsize, self.capture / "servers" / f"{self.server_id}.dropped.json")
+        self.num_dropped += 1
+        self.dropped_rows += rows
+        spans = self.dropped
+        if spans and spans[-1][1] == part - 1:
+            spans[-1][1], spans[-1][3] = part, last
+        else:
+            spans.append([part, part, first, last])
+            del spans[:-100]   # the newest hundred spans; the counts keep the rest
+
+    def close(self) -> None:
+        """Write what is buffered and wait (up to close_timeout_s) until the writer has written it all."""
+        self.flush(wait_s=self.close_timeout_s)
+        if self.writer is None:
+            return
+        deadline = time.monotonic() + self.close_timeout_s
+        try:
+            self.queue.put(None, timeout=self.close_timeout_s)
+        except queue.Full:
+            pass
+        self.writer.join(max(0.0, deadline - time.monotonic()))
+        if self.writer.is_alive():
+            self.log.warning("kvtrace capture: %d chunks were not written at shutdown: the disk did not take them "
+                             "in %.0f s", self.queue.qsize(), self.close_timeout_s)
+        else:
+            self.writer = None
+        self._say_dropped()
+
+    def drain(self) -> None:
+        """Wait until every chunk handed over has been written (or dropped by a stopped capture)."""
+        if self.writer is not None:
+            self.queue.join()
+
+    # ---- the writer's thread ---------------------------------------------------------------------------------
+    def _write_chunks(self) -> None:
+        while True:
+            item = self.queue.get()
+            try:
+                if item is None:
+                    return
+                if self.error is None:
+                    self._write_chunk(*item)
+                if self.dropped_said != self.num_dropped and self.error is None:
+                    self._say_dropped()
+            except Exception as exc:  # noqa: BLE001 (nothing of the writer's may reach vLLM)
+                self.stop(exc)
+            finally:
+                self.queue.task_done()
+
+    def _write_chunk(self, name: str, part: int, chunk: dict) -> None:
+        final = self.folder / name
+        try:
+            data = chunk_format.encode(chunk, {**self.meta, "part": part})
+            size = self._write_file(final, data)
         except Exception as exc:  # noqa: BLE001 (a full disk, a removed folder, no permission): stop, serve on
             self.stop(exc)
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
             return
+        self.num_written += 1
         self.kept.append((time.time(), size, final))
         self.num_bytes += size
         self.retain()
+
+    def _write_file(self, path: Path, data: bytes) -> int:
+        """One chunk's bytes onto the disk (the seam a test or benchmark slows down)."""
+        return write_file(path, data, self.file_mode)
+
+    def _say_dropped(self) -> None:
+        """servers/<server id>.dropped.json: the chunks a full queue dropped, for capture ls and the exporter."""
+        if not self.num_dropped or self.error is not None:
+            return
+        self.dropped_said = count = self.num_dropped
+        said = {"server_id": self.server_id, "dropped_chunks": count, "dropped_rows": self.dropped_rows,
+                "reason": "the disk was slower than the capture (its queue of "
+                          f"{self.queue.maxsize} chunks was full)",
+                "spans": [{"parts": [a, b], "first": f, "last": t} for a, b, f, t in list(self.dropped)]}
+        try:
+            make_folder(self.capture / "servers", self.file_mode)
+            write_file(self.capture / "servers" / f"{self.server_id}.dropped.json",
+                       (json.dumps(said, indent=2) + "\n").encode(), self.file_mode)
+        except OSError:
+            pass   # the disk that is behind; the log said so
 
     def retain(self) -> None:
         """Remove the oldest whole chunks while over the budget or the age limit; keep the newest."""
@@ -163,8 +264,6 @@ class Sink:
             self.num_removed += 1
 
     def stop(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.log.warning("kvtrace capture stopped (vLLM serves on): cannot write into %s: %s", self.folder, exc)
         self.error = exc
-        self.log.warning("kvtrace capture stopped (vLLM serves on): cannot write into %s: %s", self.folder, exc)
-
-    def close(self) -> None:
-        self.flush()
