@@ -11,6 +11,7 @@
 --   max_itl_ms        its longest inter-token gap (ms; null under 2 tokens)
 --   queueing_ms       first scheduled - arrival (ms)
 --   preemptions, recomputed_tokens, output_tokens, finish_reason   from `requests`
+--   arrival_s, finish_s   from `requests` (run seconds): when it was in flight
 WITH gaps AS (
     SELECT run_id, req_id, sample, max(gap_ms) AS max_itl_ms
     FROM _itl
@@ -22,7 +23,7 @@ measured AS (
            (r.finish_s - r.arrival_s) * 1000 AS e2el_ms,
            g.max_itl_ms,
            (r.first_scheduled_s - r.arrival_s) * 1000 AS queueing_ms,
-           r.preemptions, r.recomputed_tokens, r.output_tokens, r.finish_reason
+           r.preemptions, r.recomputed_tokens, r.output_tokens, r.finish_reason, r.arrival_s, r.finish_s
     FROM requests r
     LEFT JOIN gaps g USING (run_id, req_id, sample)
 ),
@@ -37,7 +38,7 @@ ranked AS (
                ELSE error('worst_requests: by must be ttft, e2e, itl or preemptions, got ' || $by) END
 )
 SELECT run_id, req_id, sample, rank, ttft_ms, e2el_ms, max_itl_ms, queueing_ms, preemptions, recomputed_tokens,
-       output_tokens, finish_reason
+       output_tokens, finish_reason, arrival_s, finish_s
 FROM ranked
 WHERE rank <= $limit
 ORDER BY run_id, rank;

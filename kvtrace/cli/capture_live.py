@@ -111,7 +111,9 @@ def watch(
 @user_errors
 def metrics(
     capture: Annotated[Path, typer.Argument(help=CAPTURE_HELP, show_default=False)],
-    port: Annotated[int, typer.Option(help="The port to serve /metrics on.")] = 9400,
+    port: Annotated[int, typer.Option(help="The port to serve /metrics on (8473: outside 9100-9999, which "
+                                           "Prometheus's exporters have taken; 9400 is NVIDIA's DCGM exporter).")
+                    ] = 8473,
     host: Annotated[str, typer.Option(help="The address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     window: Annotated[str, typer.Option(help="The window of the thrash verdict, and how long the exporter "
                                               "keeps finished requests' rows in memory (1m, 5m).")] = "1m",
@@ -134,6 +136,8 @@ def metrics(
     from kvtrace.vllm.metrics import Exporter
 
     window_s, refresh_s = parse_duration(window, "--window"), parse_duration(refresh, "--refresh")
+    if not 1 <= port <= 65535:
+        raise KvtraceError(f"--port {port}: a TCP port is 1 to 65535")
     capture = _capture_folder(capture)
     exporter = Exporter(capture, window_s=window_s, thrash_params=parse_params(param))
     exporter.poll()   # before serving: a first scrape sees the folder's history

@@ -27,11 +27,16 @@ class WorstBy(str, Enum):
 def explain(
     run: Annotated[str, typer.Argument(help="The run folder.", show_default=False)],
     request: Annotated[str | None, typer.Argument(
-        help="The request, REQ_ID or REQ_ID:SAMPLE (sample 0 unless given).", show_default=False)] = None,
+        help="The request, REQ_ID or REQ_ID:SAMPLE (sample 0 unless given); in a capture, also the client's "
+             "X-Request-Id or a unique start of an id.", show_default=False)] = None,
     worst: Annotated[int | None, typer.Option(
         "--worst", help="Instead of one request: the N worst, each with its verdict.", show_default=False)] = None,
     by: Annotated[WorstBy, typer.Option(help="With --worst: ranked by ttft, e2e, itl (the longest gap) or "
                                              "preemptions.")] = WorstBy.e2e,
+    at: Annotated[str | None, typer.Option(
+        "--at", help="Instead of one request: those in flight at a time. A capture's run takes the wall clock "
+                     "(02:14, 02:14:30, an ISO time, UTC); any run takes run seconds as +12.5.",
+        show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the same as JSON (docs/explain.md).")] = False,
 ) -> None:
     """Why was this request slow? Its life as phases with times (queued, prefill, decode, preempted,
@@ -40,19 +45,23 @@ def explain(
     that needed the blocks, why the policy chose this victim, the KV positions lost and what came back
     from the prefix cache or was computed again; each inter-token gap above the run's p99; a verdict.
 
-    With --worst N, the N worst requests of the run instead, each with its one-line verdict.
+    With --worst N, the N worst requests of the run instead, each with its one-line verdict; with --at
+    TIME, the requests in flight then. A capture's run prints wall-clock times (UTC).
 
-    Example: kvtrace explain traces/runs/thrash B:0 ; kvtrace explain traces/runs/thrash --worst 5 --by ttft
+    Example: kvtrace explain traces/runs/thrash B:0 ; kvtrace explain traces/runs/thrash --worst 5 --by ttft ;
+    kvtrace explain runs/incident abc (the request sent with X-Request-Id: abc) ; kvtrace explain runs/incident --at 02:14
     """
-    if (request is None) == (worst is None):
-        raise KvtraceError("give a request (REQ_ID[:SAMPLE]) or --worst N, not both" if request is not None
-                           else "give a request (REQ_ID[:SAMPLE]) or --worst N")
+    if sum(x is not None for x in (request, worst, at)) != 1:
+        raise KvtraceError("give one of a request (REQ_ID[:SAMPLE] or an X-Request-Id), --worst N or --at TIME")
     from kvtrace.views import explain as stories   # duckdb: only for this command
 
     ex = stories.Explainer.open(run)
     if worst is not None:
         data = stories.worst(ex, worst, by.value)
         render = stories.render_worst
+    elif at is not None:
+        data = stories.in_flight(ex, ex.run_time(at))
+        render = stories.render_in_flight
     else:
         req_id, sample = stories.parse_request(request, ex.request_ids())
         data = stories.story(ex, req_id, sample)

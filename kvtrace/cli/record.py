@@ -191,6 +191,9 @@ def vllm_env(
     max_age: Annotated[str, typer.Option(help="Age limit of a chunk (7d, 12h, 90m, 600 seconds).")] = "7d",
     token_ids: Annotated[bool, typer.Option(
         help="Keep the output token ids (a test server's; live traffic's ids are its users' text).")] = False,
+    file_mode: Annotated[str, typer.Option(
+        help="The mode of the capture's files, in octal (0640: owner and group; folders get 0750); whatever "
+             "the umask.")] = "0640",
 ) -> None:
     """Shell lines that make `vllm serve` capture a kvtrace trace: eval "$(kvtrace vllm-env --capture-dir DIR)".
 
@@ -200,19 +203,26 @@ def vllm_env(
     kvtrace record --endpoint http://HOST:PORT --capture-dir DIR --model MODEL -w W.jsonl -o RUN
     (a server started with --token-ids, to compare tokens).
     """
+    from kvtrace.vllm.capture.files import make_folder, parse_mode
     from kvtrace.vllm.capture.sink import parse_age, parse_bytes
     from kvtrace.vllm.record import capture_path
 
     parse_bytes(max_bytes, "--max-bytes")
     parse_age(max_age, "--max-age")
+    mode = parse_mode(file_mode, "--file-mode")
     folder = capture_dir.expanduser().resolve()
-    folder.mkdir(parents=True, exist_ok=True)
+    make_folder(folder, mode)
     cls = {None: "KvtraceCaptureScheduler", True: "KvtraceAsyncScheduler", False: "KvtraceScheduler"}[async_scheduling]
-    print(f'export PYTHONPATH="{capture_path()}${{PYTHONPATH:+:$PYTHONPATH}}"')
+    path = capture_path()
+    print(f"# PYTHONPATH: {path} holds one entry, a link to this kvtrace ({(path / 'kvtrace').resolve()}),")
+    print("# in kvtrace's cache folder (KVTRACE_CACHE_DIR moves it), not the temporary folder: it lasts while this")
+    print("# kvtrace stays installed; run vllm-env again after moving or reinstalling kvtrace")
+    print(f'export PYTHONPATH="{path}${{PYTHONPATH:+:$PYTHONPATH}}"')
     print(f'export KVTRACE_CAPTURE_DIR="{folder}"')
     print(f'export KVTRACE_CAPTURE_MAX_BYTES="{max_bytes}"')
     print(f'export KVTRACE_CAPTURE_MAX_AGE="{max_age}"')
     print(f'export KVTRACE_CAPTURE_TOKEN_IDS="{1 if token_ids else 0}"')
+    print(f'export KVTRACE_CAPTURE_MODE="{mode:04o}"')
     print(f'export KVTRACE_SCHEDULER_CLS="kvtrace.vllm.capture.scheduler.{cls}"')
     print('# now: vllm serve MODEL --scheduler-cls "$KVTRACE_SCHEDULER_CLS" ...')
 

@@ -8,7 +8,11 @@ in docs/explain.md); `render_story()` and `render_worst()` lay them out for the 
 from __future__ import annotations
 
 import functools
+import json
+import re
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Group, RenderableType
@@ -53,21 +57,40 @@ MAX_NAMED = 3        # requesters named in a verdict; the rest are counted
 
 
 def parse_request(text: str, known: set[str]) -> tuple[str, int]:
-    """REQ_ID or REQ_ID:SAMPLE; an id that itself holds a colon is taken whole when the run has it."""
+    """The request `text` names, as (req_id, sample): REQ_ID or REQ_ID:SAMPLE (an id that itself holds a
+    colon is taken whole when the run has it); else, in a capture of live traffic, the client's
+    X-Request-Id (vLLM's OpenAI server names the request `cmpl-<X-Request-Id>-<prompt>-<suffix>`, or
+    `chatcmpl-<X-Request-Id>-<suffix>`); else a unique prefix of an id. KvtraceError when nothing or
+    more than one request matches, naming them."""
     if text in known:
         return text, 0
-    req_id, sep, sample = text.rpartition(":")
-    if sep and sample.isdigit() and req_id in known:
-        return req_id, int(sample)
-    return text, 0
+    base, sep, sample = text.rpartition(":")
+    if not (sep and sample.isdigit()):
+        base, sample = text, "0"
+    if base in known:
+        return base, int(sample)
+    given = re.compile(rf"^(?:(?:chat)?cmpl-)?{re.escape(base)}(?:-\d+)?(?:-[0-9A-Za-z]+)?$")
+    matches = sorted(k for k in known if given.match(k)) or sorted(k for k in known if k.startswith(base))
+    if len(matches) == 1:
+        return matches[0], int(sample)
+    if matches:
+        raise KvtraceError(f"{text!r} names {len(matches)} requests ({', '.join(matches[:5])}"
+                           f"{', …' if len(matches) > 5 else ''}): give more of the id")
+    ids = sorted(known)
+    hint = f" (it has {len(ids)}: {', '.join(ids[:5])}{', …' if len(ids) > 5 else ''})" if ids else ""
+    raise KvtraceError(f"no request {text!r}: neither an id, an X-Request-Id nor the start of an id of the run{hint}")
 
 
 @dataclass
 class Explainer:
-    """One run's connection, and what every story of the run shares (its ITL cliffs)."""
+    """One run's connection, and what every story of the run shares (its ITL cliffs, its clock)."""
 
     con: duckdb.DuckDBPyConnection
     run_id: str
+    # a capture of live traffic: (Unix seconds, run seconds) of its window's start, which put the run's
+    # times on the wall clock
+    wall: tuple[float, float] | None = None
+    until: float | None = None   # a capture's: the window's end, Unix seconds
 
     @classmethod
     def open(cls, run: str) -> Explainer:
@@ -76,7 +99,43 @@ class Explainer:
         if len(run_ids) != 1:
             raise KvtraceError(f"{run}: explain takes one run, this holds {len(run_ids)} "
                                f"({', '.join(run_ids[:5])}{', …' if len(run_ids) > 5 else ''}); name one")
-        return cls(con, run_ids[0])
+        window = (_meta(Path(run)).get("capture") or {}).get("window") or {}
+        wall = ((float(window["since_unix"]), float(window["start_s"]))
+                if window.get("since_unix") is not None and window.get("start_s") is not None else None)
+        return cls(con, run_ids[0], wall, window.get("until_unix"))
+
+    def wall_time(self, t: float | None) -> float | None:
+        """A time on the run's clock as Unix seconds (a capture's run only)."""
+        return None if t is None or self.wall is None else self.wall[0] + (t - self.wall[1])
+
+    def run_time(self, text: str) -> float:
+        """`--at`: a time on the run's clock. A capture's run takes the wall clock (an ISO time, Unix
+        seconds, or a time of day such as 02:14 or 02:14:30, UTC, on the window's day); any run takes
+        seconds on its own clock as `+12.5` (or `12.5s`)."""
+        m = re.fullmatch(r"\s*\+?(\d+(?:\.\d+)?)s?\s*", text)
+        if m and (self.wall is None or text.strip().startswith("+") or text.strip().endswith("s")):
+            return float(m[1])
+        if self.wall is None:
+            raise KvtraceError(f"--at {text!r}: this run has no wall clock (it is no capture of live traffic); "
+                               "give seconds on the run's clock, such as +12.5")
+        since = self.wall[0]
+        day = re.fullmatch(r"\s*(\d{1,2}):(\d{2})(?::(\d{2}(?:\.\d+)?))?Z?\s*", text)
+        if day:
+            h, mi, sec = int(day[1]), int(day[2]), float(day[3] or 0)
+            if h > 23 or mi > 59 or sec >= 60:
+                raise KvtraceError(f"--at {text!r}: not a time of day (HH:MM or HH:MM:SS)")
+            midnight = datetime.fromtimestamp(since, timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+            candidates = [midnight.timestamp() + d * 86400 + h * 3600 + mi * 60 + sec for d in (0, 1)]
+            unix = min(candidates, key=lambda c: 0 if c >= since else since - c)
+        else:
+            from kvtrace.vllm.live import parse_time
+            unix = parse_time(text, "--at")
+        t = self.wall[1] + (unix - since)
+        if self.until is not None and not since - self.wall[1] <= unix <= self.until:
+            fmt = lambda u: datetime.fromtimestamp(u, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")  # noqa: E731
+            raise KvtraceError(f"--at {text!r} ({fmt(unix)}) is outside the run, which covers "
+                               f"{fmt(since - self.wall[1])} to {fmt(self.until)}")
+        return t
 
     def rows(self, analysis: str, **params: object) -> list[dict]:
         return [r for r in db.records(db.run_analysis(self.con, analysis, **params)) if r["run_id"] == self.run_id]
@@ -94,6 +153,34 @@ class Explainer:
     def request_ids(self) -> set[str]:
         return {row[0] for row in self.con.execute(
             "SELECT DISTINCT req_id FROM requests WHERE run_id = ?", [self.run_id]).fetchall()}
+
+
+def _meta(run: Path) -> dict:
+    try:
+        return json.loads((run / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def in_flight(ex: Explainer, at_s: float) -> dict:
+    """The sequences in flight at `at_s` (run clock): arrived by then and not finished before, each with
+    its figures (worst_requests') and its story's verdict, the slowest end to end first."""
+    rows = [r for r in ex.rows("worst_requests", by="e2e", limit=2**31 - 1)
+            if r["arrival_s"] is not None and r["arrival_s"] <= at_s
+            and (r["finish_s"] is None or r["finish_s"] >= at_s)]
+    told = [{**_drop_ids(r, keep=("req_id", "sample")), "verdict": story(ex, r["req_id"], r["sample"], request=r)["verdict"]}
+            for r in rows]
+    return {"run_id": ex.run_id, "at_s": at_s, "at": _clock(ex, at_s), "requests": told}
+
+
+def _clock(ex: Explainer, t: float | None) -> str | None:
+    """A run time as the reader knows it: the wall clock for a capture, run seconds otherwise."""
+    if t is None:
+        return None
+    unix = ex.wall_time(t)
+    if unix is None:
+        return f"{t:.3f} s"
+    return datetime.fromtimestamp(unix, timezone.utc).strftime("%H:%M:%S.%f")[:-3] + "Z"
 
 
 def story(ex: Explainer, req_id: str, sample: int = 0, *, request: dict | None = None) -> dict:
@@ -119,8 +206,11 @@ def story(ex: Explainer, req_id: str, sample: int = 0, *, request: dict | None =
     gaps = [_drop_ids(r) for r in ex.gaps if r["req_id"] == req_id and r["sample"] == sample]
     causes_recorded = bool(ex.con.execute(
         "SELECT coalesce(schema_version, 0) >= 3 FROM runs WHERE run_id = ?", [ex.run_id]).fetchone()[0])
+    for row in (*phases, *waits):   # on the clock the reader knows: the wall clock for a capture
+        row["start"] = _clock(ex, row["start_s"])
     data = {
         "run_id": ex.run_id, "req_id": req_id, "sample": sample, "causes_recorded": causes_recorded,
+        "clock": "wall (UTC)" if ex.wall is not None else "run seconds",
         "request": request, "phases": phases, "waits": waits, "preemptions": preemptions,
         "itl_p99_ms": ex.itl_p99_ms, "gaps": gaps,
         "figures": _drop_ids(ex.rows("request_verdict", req_id=req_id, sample=sample)[0]),
@@ -245,7 +335,7 @@ def render_story(data: dict) -> RenderableType:
         duration = "" if p["phase"] == "finished" else fmt_ms(p["duration_ms"])
         steps = "" if p["phase"] == "finished" else (
             f"{p['num_steps']} from {p['first_step']}" if p["num_steps"] else "0")
-        phases.add_row(str(p["phase_no"]), PHASE_WORDS.get(p["phase"], p["phase"]), f"{p['start_s']:.3f} s",
+        phases.add_row(str(p["phase_no"]), PHASE_WORDS.get(p["phase"], p["phase"]), p.get("start") or f"{p['start_s']:.3f} s",
                        duration, steps, note)
     parts += [Text("Phases", style="bold"), phases, Text("")]
 
@@ -253,7 +343,7 @@ def render_story(data: dict) -> RenderableType:
         waits = _table(("wait", "left"), ("start", "right"), ("duration", "right"), ("causes, by share of time", "left"))
         for w in data["waits"]:
             causes = " · ".join(f"{c['cause']} {c['share'] * 100:.0f}%" for c in w["causes"] if c["share"] is not None)
-            waits.add_row(WAIT_WORDS[w["state"]], f"{w['start_s']:.3f} s", fmt_ms(w["wait_ms"]), causes)
+            waits.add_row(WAIT_WORDS[w["state"]], w.get("start") or f"{w['start_s']:.3f} s", fmt_ms(w["wait_ms"]), causes)
         parts += [Text("Waits", style="bold"), waits, Text("")]
         if not data["causes_recorded"]:
             parts += [Text("(this trace predates schema 3: the causes were not recorded)", style="dim"), Text("")]
@@ -291,6 +381,21 @@ def render_worst(data: dict) -> RenderableType:
         preempted = f"{r['preemptions']} preemption{'s' if r['preemptions'] != 1 else ''}"
         lines.append(Text.assemble(
             (f"{r['rank']:>2}. ", "bold"), (name, "bold"),
+            f"  e2e {fmt_ms(r['e2el_ms'])} · ttft {fmt_ms(r['ttft_ms'])} · max itl {fmt_ms(r['max_itl_ms'])}"
+            f" · {preempted}"))
+        lines.append(Padding(Text(r["verdict"]), (0, 0, 0, 4)))
+    return Group(*lines)
+
+
+def render_in_flight(data: dict) -> RenderableType:
+    """The requests in flight at a time, as render_worst lays them out."""
+    lines: list[RenderableType] = [
+        Text(f"{len(data['requests'])} requests in flight at {data['at']} in run {data['run_id']}", style="bold")]
+    for r in data["requests"]:
+        name = r["req_id"] if not r["sample"] else f"{r['req_id']}:{r['sample']}"
+        preempted = f"{r['preemptions']} preemption{'s' if r['preemptions'] != 1 else ''}"
+        lines.append(Text.assemble(
+            ("  ", ""), (name, "bold"),
             f"  e2e {fmt_ms(r['e2el_ms'])} · ttft {fmt_ms(r['ttft_ms'])} · max itl {fmt_ms(r['max_itl_ms'])}"
             f" · {preempted}"))
         lines.append(Padding(Text(r["verdict"]), (0, 0, 0, 4)))

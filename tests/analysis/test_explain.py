@@ -191,8 +191,9 @@ def test_a_run_before_schema_3_still_explains_with_the_causes_unknown():
 def test_explain_refuses_what_it_cannot_answer(runs):
     run = str(runs["four-block", "real"])
     assert "no request 'Q'" in one_line_error(["explain", run, "Q"])
-    assert "or --worst N" in one_line_error(["explain", run])
-    assert "not both" in one_line_error(["explain", run, "B", "--worst", "2"])
+    assert "--worst N or --at TIME" in one_line_error(["explain", run])
+    assert "--worst N or --at TIME" in one_line_error(["explain", run, "B", "--worst", "2"])
+    assert "no wall clock" in one_line_error(["explain", run, "--at", "02:14"])
     assert "--worst must be >= 1" in one_line_error(["explain", run, "--worst", "0"])
     assert "explain takes one run" in one_line_error(["explain", str(FIXTURES), "--worst", "1"])
     # REQ_ID:SAMPLE
@@ -246,3 +247,47 @@ def test_events_stamped_at_their_steps_end_tell_the_same_story(runs, tmp_path, s
     for s in (story, late):   # a preemption's wait is its phase of waiting to resume, by either stamp
         waits = [ph["duration_ms"] for ph in s["phases"] if ph["phase"] in ("preempted", "swapped")]
         assert [p["wait_ms"] for p in s["preemptions"]] == pytest.approx(waits)
+
+
+def test_a_request_is_found_by_its_x_request_id_or_a_unique_start():
+    """vLLM's OpenAI server names the request sent with X-Request-Id abc `cmpl-abc-0-<suffix>` (chat:
+    `chatcmpl-abc-<suffix>`); kvtrace record's driver `kvt3-<suffix>`."""
+    known = {"cmpl-abc-0-1f2e3d4c", "cmpl-abc-def-0-99aa", "chatcmpl-xyz-77ab", "cmpl-abcd-0-5555",
+             "kvt2-b4668", "kvt23-a539", "cmpl-two-0-aa", "cmpl-two-1-aa"}
+    parse = explain.parse_request
+    assert parse("abc", known) == ("cmpl-abc-0-1f2e3d4c", 0)       # not abc-def's, not abcd's
+    assert parse("abc-def", known) == ("cmpl-abc-def-0-99aa", 0)
+    assert parse("xyz:1", known) == ("chatcmpl-xyz-77ab", 1)
+    assert parse("kvt2", known) == ("kvt2-b4668", 0)
+    assert parse("cmpl-abcd", known) == ("cmpl-abcd-0-5555", 0)    # a unique start of an id
+    assert parse("kvt23-a539", known) == ("kvt23-a539", 0)
+    with pytest.raises(explain.KvtraceError, match="'two' names 2 requests .*give more of the id"):
+        parse("two", known)
+    with pytest.raises(explain.KvtraceError, match="no request 'nope'"):
+        parse("nope", known)
+
+
+def test_a_captures_explain_finds_requests_by_id_and_time_on_the_wall_clock(tmp_path):
+    """The capture fixture (tests/fixtures/captures/bursts) as a run: its request kvt2 found by the
+    id its client sent, its times on the wall clock, and --at listing the requests in flight then,
+    as the requests table says."""
+    run = tmp_path / "bursts"
+    capture = Path(__file__).resolve().parents[1] / "fixtures" / "captures" / "bursts"
+    assert CliRunner().invoke(app, ["capture", "run", str(capture), "-o", str(run)]).exit_code == 0
+    story = json.loads(CliRunner().invoke(app, ["explain", str(run), "kvt2", "--json"]).stdout)
+    assert story["req_id"] == "kvt2-b46681fd" and story["clock"] == "wall (UTC)"
+    meta = json.loads((run / "meta.json").read_text())["capture"]["window"]
+    first = story["phases"][0]
+    wall = meta["since_unix"] + first["start_s"] - meta["start_s"]
+    from datetime import datetime, timezone
+    assert first["start"] == datetime.fromtimestamp(wall, timezone.utc).strftime("%H:%M:%S.%f")[:-3] + "Z"
+    decoding = story["phases"][2]["start"]   # as explain printed it, 12:00:15.979Z
+    out = CliRunner().invoke(app, ["explain", str(run), "--at", decoding])
+    assert out.exit_code == 0 and "requests in flight at " + decoding in out.stdout, out.output
+    at = json.loads(CliRunner().invoke(app, ["explain", str(run), "--at", decoding, "--json"]).stdout)
+    con = db.connect([run])
+    expected = {r for (r,) in con.execute(
+        "SELECT req_id FROM requests WHERE arrival_s <= ? AND (finish_s IS NULL OR finish_s >= ?)",
+        [at["at_s"], at["at_s"]]).fetchall()}
+    assert {r["req_id"] for r in at["requests"]} == expected and "kvt2-b46681fd" in expected
+    assert "is outside the run" in one_line_error(["explain", str(run), "--at", "2026-11-18T13:00:00Z"])

@@ -65,7 +65,7 @@ class Installed:
         self.venv = root / "venv"
         self.python = self.venv / "bin" / "python"
         self.work = root / "work"             # the user's working directory: outside the checkout
-        self.tmp = root / "tmp"               # TMPDIR: vllm-env's capture path of this environment only
+        self.tmp = root / "tmp"               # TMPDIR: this environment's own
         self.wheel, self.build_log = wheel, build_log
         self.work.mkdir()
         self.tmp.mkdir()
