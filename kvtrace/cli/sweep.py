@@ -20,7 +20,8 @@ from kvtrace.cli.app import app, parse_params, user_errors
 from kvtrace.errors import KvtraceError
 from kvtrace.sweep.grid import MAX_POINTS_WITHOUT_YES, grid_size, parse_grid, record_knobs
 from kvtrace.sweep.runner import LocalRunner, RayRunner, Sweep, make_spec, point_command, threads_per_point
-from kvtrace.sweep.view import objective, points_of, recommend, summary_rows, table
+from kvtrace.sweep.from_run import run_options, vllm_args
+from kvtrace.sweep.view import best_point, objective, points_of, recommend, summary_rows, table, varying_knobs
 from kvtrace.workload.format import save_workload
 from kvtrace.workload.from_run import workload_from_run
 from kvtrace.workload.header import FOLLOW_NOTE
@@ -156,7 +157,7 @@ def run(
     if from_run is None:
         sweep = Sweep.open(folder, make_spec(name, workload, shared, grid))
     else:
-        sweep = _open_from_run(folder, name, from_run, shared, grid)
+        sweep = _open_from_run(folder, name, from_run, shared, grid, knobs)
     _validate_points(sweep, knobs)
     sweep.refresh()
     parallel = jobs or threads_per_point(1)
@@ -189,12 +190,16 @@ def run(
         raise typer.Exit(code=1)
 
 
-def _open_from_run(folder: Path, name: str, run: Path, shared: list[str], grid: dict[str, list[str]]) -> Sweep:
-    """The sweep of a run's traffic: the workload is made first, beside the folder, and moved into it
+def _open_from_run(folder: Path, name: str, run: Path, shared: list[str], grid: dict[str, list[str]],
+                   knobs: dict) -> Sweep:
+    """The sweep of a run's traffic, with the run's model, pool and limits where the command line does not
+    give them (kvtrace/sweep/from_run.py): the workload is made first, beside the folder, and moved into it
     only once the folder is known to be this sweep's (new, or the same one resumed: the same bytes)."""
     result = workload_from_run(run)
+    taken, said = run_options(run, shared, grid, knobs)
+    shared = [*shared, *taken]
+    said = [f"sweep: {line}" for line in said]   # said once the sweep is open: a refused one says only why
     given = "follow_vllm" in grid or any(a == "--follow-vllm" or a.startswith("--follow-vllm=") for a in shared)
-    said = []   # said once the sweep is open: a refused one says only why
     if result.follow_vllm and not given:   # the run's vLLM, a setting every point shares (sweep.json shows it)
         shared = [*shared, "--follow-vllm", result.follow_vllm]
         said.append(f"sweep: every point follows vLLM {result.follow_vllm} ({result.followed}); "
@@ -222,17 +227,22 @@ def _show(folder: Path, obj, params: dict[str, str], as_json: bool) -> None:
     sweep, rows = summary_rows(folder, params)
     points = points_of(rows, list(sweep.spec.grid))
     sentence = recommend(points, obj) if points else "No point has completed yet."
+    best = best_point(points, obj) if points else None
+    chosen = best is not None and not sentence.startswith("No ")   # a point recommended, not "no knee"
+    flags = vllm_args({k: v for k, v in best["settings"].items() if k in varying_knobs(points)}) if chosen else ""
     if as_json:
         print(json.dumps({"sweep": sweep.spec.name, "folder": str(folder), "grid": sweep.spec.grid,
                           "objective": obj.column, "points": [{**p} for p in points],
                           "not_completed": [{"point": p.index, "run_id": p.run_id, "status": p.status, "error": p.error}
                                             for p in sweep.points if p.status != "completed"],
-                          "recommendation": sentence}, indent=2, default=str))
+                          "recommendation": sentence, "best_as_vllm_args": flags or None}, indent=2, default=str))
         return
     console = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160)
     done = len(points)
     console.print(table(points, obj, f"sweep {sweep.spec.name}: {done}/{len(sweep.points)} points, "
                                      f"★ best by {obj.label}"))
+    if flags:
+        print(f"the best point as vLLM engine arguments: {flags}")
     print(sentence)  # one line, unwrapped: scripts read it
 
 

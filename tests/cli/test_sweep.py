@@ -360,3 +360,63 @@ def test_a_sweep_of_a_runs_traffic_replays_its_workload_and_resumes(tmp_path):
     assert "holds another sweep (its workload_sha256 differ)" in line
     assert (out / "from-run.jsonl").read_bytes() == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []   # no staged file left
+
+
+# --------------------------------------------------------------------------- a capture's window, swept
+
+CAPTURE = ROOT / "tests" / "fixtures" / "captures" / "bursts"
+
+
+def test_a_captures_model_is_mapped_to_the_simulators_or_refused_in_one_line(tmp_path):
+    from kvtrace.sweep.from_run import simulator_model
+
+    assert simulator_model("smollm2-135m") == ("smollm2-135m", None)
+    assert simulator_model("/models/SmolLM2-135M-Instruct")[0] == "smollm2-135m"
+    assert simulator_model("meta-llama/Llama-3.1-8B-Instruct") == (
+        "llama-3-8b", "served as 'meta-llama/Llama-3.1-8B-Instruct', the same shape")
+    assert simulator_model("mistralai/Mistral-7B-Instruct-v0.3")[0] == "mistral-7b"
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text("{}")
+    assert simulator_model(str(tmp_path / "mine")) == (str(tmp_path / "mine"), None)
+    with pytest.raises(KvtraceError, match="'openai/gpt-oss-20b' is no model the simulator knows: pass --model"):
+        simulator_model("openai/gpt-oss-20b")
+
+
+def test_the_vllm_flags_of_a_point():
+    from kvtrace.sweep.from_run import vllm_args
+
+    assert vllm_args({"max_num_seqs": "64", "num_gpu_blocks": "2048", "enable_prefix_caching": "false",
+                      "preemption_policy": "newest"}) == (
+        "--max-num-seqs 64 --num-gpu-blocks-override 2048 --no-enable-prefix-caching --scheduling-policy fcfs")
+    assert "vLLM V1 always recomputes" in vllm_args({"preemption_mode": "swap"})
+
+
+def test_a_sweep_of_a_captures_window_needs_no_option_copied_by_hand(tmp_path):
+    """The run of a capture names its model as served, its pool and limits: the sweep reads them, says
+    what it took, runs the simulator, and words its best point as vLLM flags; a model the simulator does
+    not know is one line."""
+    run = tmp_path / "window"
+    assert CliRunner().invoke(app, ["capture", "run", str(CAPTURE), "-o", str(run)]).exit_code == 0
+    out = tmp_path / "sweep"
+    args = ["sweep", "--from-run", str(run), "--set", "num_gpu_blocks=12,16,24,48", "--jobs", "2", "-o", str(out)]
+    result = subprocess.run([sys.executable, "-m", "kvtrace", *args], capture_output=True, text=True, cwd=tmp_path,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert ("sweep: from the run: --model smollm2-135m --block-size 32 --max-num-seqs 16 --max-num-batched-tokens 2048 "
+            "--max-model-len 271 --enable-prefix-caching --engine sim") in result.stderr
+    assert "the simulator models an h100-sxm" in result.stderr
+    shared = json.loads((out / "sweep.json").read_text())["shared_args"]
+    assert shared[shared.index("--model") + 1] == "smollm2-135m" and "--num-gpu-blocks" not in shared  # swept
+    shown = _show(out)
+    best = best_point(shown["points"], OBJECTIVES["goodput"])
+    lines = result.stdout.strip().splitlines()
+    if not lines[-1].startswith("No "):
+        assert lines[-2] == f"the best point as vLLM engine arguments: --num-gpu-blocks-override " \
+                            f"{best['settings']['num_gpu_blocks']}"
+        assert shown["best_as_vllm_args"] == lines[-2].split(": ", 1)[1]
+    meta = json.loads((run / "meta.json").read_text())
+    meta["engine_config"]["model"] = meta["model"]["name"] = "gpt-oss-20b"
+    (run / "meta.json").write_text(json.dumps(meta))
+    line = one_line_error(["sweep", "--from-run", str(run), "--set", "max_num_seqs=4,8", "-o", str(tmp_path / "x")])
+    assert "the run's model 'gpt-oss-20b' is no model the simulator knows: pass --model" in line
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,148 @@
+"""What a sweep of a run's traffic takes from the run itself, and how its answer reads as vLLM flags.
+
+`run_options` reads the run's meta.json: the model (a capture names it as served, `Llama-3.1-8B-Instruct`
+or a path: mapped to a simulator model, or refused in one line that says what to pass), the KV pool and
+the scheduler's limits, so that `kvtrace sweep --from-run RUN --set KNOB=...` needs no option copied by
+hand. An option given on the command line, or swept, wins; of the options that size the pool (blocks,
+bytes, a share of memory) none is taken from the run when any is given. A vLLM run (a capture, or
+`record --engine vllm`) is swept through the simulator; a run of kvtrace's engine with the engine it ran.
+
+`VLLM_FLAGS` maps each knob to the vLLM engine argument an operator changes (docs/sweep.md shows the
+table); `vllm_args` words a point's settings with them.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from engine.config import PRESETS
+from kvtrace.errors import KvtraceError
+
+# kvtrace record's knob -> (vLLM's engine argument, a note); None: vLLM V1 has no such setting
+VLLM_FLAGS: dict[str, tuple[str | None, str]] = {
+    "num_gpu_blocks": ("--num-gpu-blocks-override", "the KV pool in blocks"),
+    "kv_cache_memory": ("--kv-cache-memory-bytes", "the KV pool in bytes"),
+    "gpu_memory_utilization": ("--gpu-memory-utilization", "the share of GPU memory vLLM may take, KV pool included"),
+    "block_size": ("--block-size", "tokens per KV block"),
+    "max_num_seqs": ("--max-num-seqs", "sequences in a step"),
+    "max_num_batched_tokens": ("--max-num-batched-tokens", "tokens in a step"),
+    "max_model_len": ("--max-model-len", "the longest prompt + output"),
+    "enable_prefix_caching": ("--enable-prefix-caching", "--no-enable-prefix-caching turns it off"),
+    "enable_chunked_prefill": ("--enable-chunked-prefill", "--no-enable-chunked-prefill turns it off"),
+    "long_prefill_token_threshold": ("--long-prefill-token-threshold", "a long prompt's share of a step"),
+    "async_scheduling": ("--async-scheduling", "schedule a step before the last one's output is processed"),
+    "preemption_policy": ("--scheduling-policy", "priority, or fcfs (which preempts the newest)"),
+    "preemption_mode": (None, "vLLM V1 always recomputes a preempted request; its KV offloading is the modern swap"),
+    "swap_space": (None, "vLLM V1 does not swap (V0's --swap-space)"),
+    "num_cpu_blocks": (None, "vLLM V1 does not swap"),
+    "watermark": (None, "vLLM V1 keeps no free-block watermark"),
+}
+
+# the options that size the KV pool: one of them, or none, is taken from the run
+POOL = ("num_gpu_blocks", "kv_cache_memory", "gpu_memory_utilization")
+# what is taken from a run's engine_config, in this order (the pool's size from kv_pool)
+TAKEN = ("engine", "model", "hardware", "dtype", "device", "load_format", "block_size", "num_gpu_blocks",
+         "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+         "enable_prefix_caching", "enable_chunked_prefill", "long_prefill_token_threshold", "preemption_mode",
+         "preemption_policy", "async_scheduling", "n_mode", "num_cpu_blocks", "swap_space", "watermark")
+VLLM_ONLY_TAKEN = ("model", "block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                   "enable_prefix_caching", "async_scheduling")
+
+# a served model's name (lower case, its organisation and a chat/instruct suffix left out) -> the simulator's
+# model of the same shape, where the name alone is not one
+ALIASES = {"llama-3.1-8b": "llama-3-8b", "meta-llama-3-8b": "llama-3-8b", "meta-llama-3.1-8b": "llama-3-8b",
+           "mistral-7b-v0.1": "mistral-7b", "mistral-7b-v0.2": "mistral-7b", "mistral-7b-v0.3": "mistral-7b",
+           "qwen2.5-0.5b": "qwen2.5-0.5b", "smollm2-135m": "smollm2-135m", "llama-3.2-1b": "llama-3.2-1b"}
+
+
+def simulator_model(served: str | None) -> tuple[str, str | None]:
+    """(the model the simulator takes, a note on how it was found) for a run's model as it was served:
+    a built-in name, a local folder with config.json, or a known name of the same shape. KvtraceError
+    otherwise, saying what to pass."""
+    if not served:
+        raise KvtraceError("the run names no model: pass --model (a built-in: " + ", ".join(PRESETS) +
+                           "; or a folder with the model's config.json)")
+    if served in PRESETS:
+        return served, None
+    path = Path(served).expanduser()
+    if (path / "config.json").is_file():
+        return str(path), None
+    name = re.sub(r"-(instruct|chat|hf|it)(?=-|$)", "", path.name.lower())
+    name = ALIASES.get(name, name)
+    if name in PRESETS:
+        return name, f"served as {served!r}, the same shape"
+    raise KvtraceError(f"the run's model {served!r} is no model the simulator knows: pass --model with a built-in "
+                       f"of its shape ({', '.join(PRESETS)}) or a folder holding its config.json")
+
+
+def given_knobs(shared: list[str], grid: dict, knobs: dict) -> set[str]:
+    """The knobs the command line sets: swept, or shared (--flag, --flag=VALUE, --no-flag)."""
+    flags = {}
+    for knob in knobs.values():
+        flags[knob.flag] = knob.name
+        if knob.off_flag:
+            flags[knob.off_flag] = knob.name
+    return set(grid) | {flags[a.split("=", 1)[0]] for a in shared if a.split("=", 1)[0] in flags}
+
+
+def run_options(run: Path, shared: list[str], grid: dict, knobs: dict) -> tuple[list[str], list[str]]:
+    """(record options taken from the run and not given, the lines that say so)."""
+    try:
+        meta = json.loads((run / "meta.json").read_text())
+    except (OSError, ValueError):
+        return [], []   # workload_from_run has said what is wrong with the run
+    config = dict(meta.get("engine_config") or {})
+    pool = meta.get("kv_pool") or {}
+    vllm = config.get("engine") == "vllm" or bool(meta.get("vllm"))
+    given = given_knobs(shared, grid, knobs)
+    values: dict[str, object] = {}
+    notes = []
+    for name in (VLLM_ONLY_TAKEN if vllm else TAKEN):
+        values[name] = config.get(name)
+    if pool.get("num_gpu_blocks") is not None:   # what the pool was, however it was asked for
+        values.update(num_gpu_blocks=pool["num_gpu_blocks"], kv_cache_memory=None, gpu_memory_utilization=None)
+    if any(name in given for name in POOL):
+        for name in POOL:
+            values.pop(name, None)
+    if vllm:
+        values["engine"] = "sim"
+        if "hardware" not in given:
+            notes.append("the run does not say which GPU served it: the simulator models an h100-sxm "
+                         "(--hardware says otherwise)")
+    if "model" not in given:
+        values["model"], found = simulator_model(values.get("model") or (meta.get("model") or {}).get("source"))
+        if found:
+            notes.append(f"model {values['model']}: {found}")
+    args = []
+    for name, value in values.items():
+        if name in given or value is None or name not in knobs:
+            continue
+        knob = knobs[name]
+        if knob.is_flag:
+            if value:
+                args.append(knob.flag)
+            elif knob.off_flag:
+                args.append(knob.off_flag)
+        else:
+            args += [knob.flag, str(value)]
+    said = [f"from the run: {' '.join(args)}"] if args else []
+    return args, said + notes
+
+
+def vllm_args(settings: dict) -> str:
+    """A point's settings as vLLM engine arguments: `--max-num-seqs 64 --no-enable-prefix-caching`,
+    with what has no vLLM flag said in brackets."""
+    words = []
+    for name, value in settings.items():
+        flag, note = VLLM_FLAGS.get(name, (None, "no vLLM setting"))
+        if flag is None:
+            words.append(f"({name} {value}: {note})")
+        elif name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
+            on = str(value).lower() in ("true", "1", "yes", "on")
+            words.append(flag if on else flag.replace("--", "--no-", 1))
+        elif name == "preemption_policy":
+            words.append(f"{flag} {'priority' if value == 'priority' else 'fcfs'}")
+        else:
+            words.append(f"{flag} {value}")
+    return " ".join(words)
