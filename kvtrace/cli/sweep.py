@@ -128,6 +128,9 @@ def run(
         "--from-run", metavar="RUN",
         help=f"Instead of -w: the traffic of this run (kvtrace workload from-run), kept as {FROM_RUN_WORKLOAD} "
              "in the sweep folder.")] = None,
+    unfinished: Annotated[str, typer.Option(
+        help="With --from-run: the output length of a request that never finished in the run (typical, seen or "
+             "max-tokens; kvtrace workload from-run --help).")] = "typical",
 ) -> None:
     """Replay WORKLOAD at every point of a grid of `kvtrace record` settings (any record option may
     be swept with --set; other record options given here are shared by every point), then show the
@@ -157,7 +160,7 @@ def run(
     if from_run is None:
         sweep = Sweep.open(folder, make_spec(name, workload, shared, grid))
     else:
-        sweep = _open_from_run(folder, name, from_run, shared, grid, knobs)
+        sweep = _open_from_run(folder, name, from_run, shared, grid, knobs, unfinished)
     _validate_points(sweep, knobs)
     sweep.refresh()
     parallel = jobs or threads_per_point(1)
@@ -191,14 +194,15 @@ def run(
 
 
 def _open_from_run(folder: Path, name: str, run: Path, shared: list[str], grid: dict[str, list[str]],
-                   knobs: dict) -> Sweep:
+                   knobs: dict, unfinished: str = "typical") -> Sweep:
     """The sweep of a run's traffic, with the run's model, pool and limits where the command line does not
     give them (kvtrace/sweep/from_run.py): the workload is made first, beside the folder, and moved into it
     only once the folder is known to be this sweep's (new, or the same one resumed: the same bytes)."""
-    result = workload_from_run(run)
+    result = workload_from_run(run, unfinished)
     taken, said = run_options(run, shared, grid, knobs)
     shared = [*shared, *taken]
-    said = [f"sweep: {line}" for line in said]   # said once the sweep is open: a refused one says only why
+    # said once the sweep is open (a refused one says only why): what was taken, and how the edges were kept
+    said = [f"sweep: {line}" for line in (*said, *result.edges)]
     given = "follow_vllm" in grid or any(a == "--follow-vllm" or a.startswith("--follow-vllm=") for a in shared)
     if result.follow_vllm and not given:   # the run's vLLM, a setting every point shares (sweep.json shows it)
         shared = [*shared, "--follow-vllm", result.follow_vllm]

@@ -124,11 +124,17 @@ def import_(
 def from_run(
     run: Annotated[Path, typer.Argument(help="A run folder: kvtrace's engine, the simulator or a vLLM capture.")],
     out: OutOption = None,
+    unfinished: Annotated[str, typer.Option(
+        help="The output length of a request that never finished (in flight at a window's end): typical (the "
+             "median of the finished, or what it had produced if more), seen (what it had produced) or "
+             "max-tokens.")] = "typical",
 ) -> None:
     """A run's traffic as a workload: arrivals, prompt lengths, where each request stopped, priority, n,
-    sampling, and the prompts' shared blocks as hash_ids at the run's block size; no token content."""
-    result = workload_from_run(run)
-    _write(result.requests, out, [shlex.join(["kvtrace", "workload", "from-run", str(run)]), *result.comments(run)])
+    sampling, and the prompts' shared blocks as hash_ids at the run's block size; no token content. A
+    window of live traffic keeps the requests in flight at its edges; the header says how (docs/sweep.md)."""
+    result = workload_from_run(run, unfinished)
+    command = ["kvtrace", "workload", "from-run", str(run), *(["--unfinished", unfinished] if unfinished != "typical" else [])]
+    _write(result.requests, out, [shlex.join(command), *result.comments(run)])
     typer.echo(result.summary(run, str(out or "stdout")), err=True)
 
 

@@ -30,6 +30,19 @@ What is read, and from where (a run from kvtrace's engine, the simulator or a vL
   which `kvtrace record` follows unless told otherwise; a version kvtrace cannot follow gets a note
   instead, and the replay follows the default.
 
+Window edges (a run of a window of live traffic, `kvtrace capture run`, says which requests were in flight
+at its start and end in `capture_requests`; any run may hold requests that never finished):
+- a request that arrived before the window keeps its arrival, so the replay starts it then and the
+  workload begins before the window: the replay's first `window_start_s` seconds (the header says how
+  many) are warm-up, and run into an empty pool and an empty prefix cache, where the server's held the
+  blocks of requests that finished before the window;
+- a request that finished keeps its real output length;
+- a request that never finished (in flight at the window's end, or aborted) gets its output length by
+  a rule, `unfinished`: `typical` (the default) the median output of the run's finished requests, or
+  what it had produced if more, capped at its max_tokens; `seen` what it had produced (an answer biased
+  low: it ends too soon); `max-tokens` its cap (biased high: live traffic's caps are far above its
+  lengths). The rule and its figures are written into the workload's header and said by `kvtrace sweep`.
+
 Order: requests are written by arrival; ties (a backlog) keep the replayed workload's order, else the
 order of first admission in kv_events, so that a backlog replays in the run's queue order.
 """
@@ -47,6 +60,7 @@ from kvtrace.workload.format import WorkloadRequest, load_workload, resolve_prom
 from kvtrace.workload.header import FOLLOW_NOTE, follow_vllm_line, followable
 
 FINISHED = ("stop", "length")      # finish reasons whose output_tokens is where the sample really stopped
+UNFINISHED_RULES = ("typical", "seen", "max-tokens")
 HASH_COLUMNS = ("block_hashes", "hash_ids")
 
 
@@ -59,19 +73,21 @@ class FromRunResult:
     notes: list[str] = field(default_factory=list)
     follow_vllm: str | None = None        # the vLLM version a replay should follow (one kvtrace can follow)
     followed: str | None = None           # why: what the run followed, for the header line
+    edges: list[str] = field(default_factory=list)   # the window's edges and the unfinished rule, in words
+    warmup_s: float | None = None         # a window's: the replay's seconds before the window's start
 
     def comments(self, run: Path) -> list[str]:
         follow = [follow_vllm_line(self.follow_vllm, self.followed)] if self.follow_vllm else []
         return [f"from run {run}: prefix structure from {self.prefix_source}, "
-                f"hash_ids at block size {self.block_size}", *follow, *self.notes]
+                f"hash_ids at block size {self.block_size}", *follow, *self.notes, *self.edges]
 
     def summary(self, run: Path, out: str) -> str:
         num_blocks = len({h for r in self.requests for h in r.hash_ids or ()})
         shared = sum(len(r.hash_ids or ()) for r in self.requests) - num_blocks
         text = (f"wrote {len(self.requests)} requests from {run} to {out}: prefix structure from "
                 f"{self.prefix_source}, {num_blocks} distinct blocks of {self.block_size} tokens, {shared} shared")
-        if self.num_unfinished:
-            text += f"; {self.num_unfinished} never finished (no output_tokens: they run to max_tokens)"
+        for edge in self.edges:
+            text += f"; {edge}"
         if self.follow_vllm:
             text += f"; a replay follows vLLM {self.follow_vllm} ({self.followed})"
         for note in self.notes:
@@ -94,8 +110,11 @@ def _meta_int(meta: dict, *paths: tuple[str, ...]) -> int | None:
     return None
 
 
-def workload_from_run(run: Path) -> FromRunResult:
-    """The run's requests as a workload; raise KvtraceError (one line) on a run that cannot be one."""
+def workload_from_run(run: Path, unfinished: str = "typical") -> FromRunResult:
+    """The run's requests as a workload; raise KvtraceError (one line) on a run that cannot be one.
+    `unfinished`: the rule for the output length of a request that never finished (UNFINISHED_RULES)."""
+    if unfinished not in UNFINISHED_RULES:
+        raise KvtraceError(f"--unfinished {unfinished!r}: one of {', '.join(UNFINISHED_RULES)}")
     run = Path(run)
     if not run.is_dir():
         raise KvtraceError(f"run folder not found: {run}")
@@ -128,6 +147,8 @@ def workload_from_run(run: Path) -> FromRunResult:
     source, hashes = _prefix_structure(con, columns, meta, workload, prompt_tokens, block_size)
     renumbered = _renumber([hashes.get(rid, []) for rid in ids])
     origin = min(s[4] for s in rows)
+    finished = sorted(s[7] for s in rows if s[8] in FINISHED and s[7])
+    typical = finished[len(finished) // 2] if finished else None
     requests, num_unfinished = [], 0
     for rid, hash_ids in zip(ids, renumbered):
         samples = by_id[rid]
@@ -135,7 +156,8 @@ def workload_from_run(run: Path) -> FromRunResult:
         max_tokens = max(s[6] for s in samples)
         stopped = [s[7] for s in samples if s[8] in FINISHED and s[7]]
         num_unfinished += not stopped
-        output_tokens = min(max(stopped), max_tokens) if stopped else None
+        output_tokens = min(max(stopped), max_tokens) if stopped else _unfinished_length(
+            unfinished, max((s[7] or 0) for s in samples), typical, max_tokens)
         if output_tokens == max_tokens and any(s[8] == "length" for s in samples):
             output_tokens = None   # it ran to its cap: replayed the same, with reason `length`
         given = workload.get(rid) if workload else None
@@ -153,7 +175,44 @@ def workload_from_run(run: Path) -> FromRunResult:
     follow_vllm, followed, note = run_follow_vllm(meta)
     if note:
         notes.append(note)
-    return FromRunResult(requests, block_size, source, num_unfinished, notes, follow_vllm, followed)
+    edges, warmup_s = _edges(con, meta, origin, num_unfinished, unfinished, typical, len(finished))
+    return FromRunResult(requests, block_size, source, num_unfinished, notes, follow_vllm, followed, edges, warmup_s)
+
+
+def _unfinished_length(rule: str, seen: int, typical: int | None, max_tokens: int) -> int | None:
+    """The output length a request that never finished is replayed with (None: to its max_tokens)."""
+    if rule == "max-tokens" or (rule == "typical" and typical is None):
+        return None
+    length = max(seen, 1) if rule == "seen" else max(seen, typical)
+    return None if length >= max_tokens else length
+
+
+def _edges(con, meta: dict, origin: float, num_unfinished: int, rule: str, typical: int | None,
+           num_finished: int) -> tuple[list[str], float | None]:
+    """The window's edges and the unfinished rule in words (the header's lines), and a window's warm-up."""
+    edges = []
+    if num_unfinished:
+        how = {"seen": "what each had produced (biased low: they end too soon)",
+               "max-tokens": "each one's max_tokens (biased high: caps are far above real lengths)",
+               "typical": (f"the median output of the {num_finished} finished requests, {typical} tokens, or what "
+                           f"each had produced if more, capped at its max_tokens" if typical is not None else
+                           "each one's max_tokens (no request finished, so there is no typical length)")}[rule]
+        edges.append(f"unfinished: {num_unfinished} request(s) never finished in the run; their output length "
+                     f"by rule {rule}: {how}")
+    window = (meta.get("capture") or {}).get("window") if isinstance(meta.get("capture"), dict) else None
+    if not isinstance(window, dict) or window.get("start_s") is None:
+        return edges, None
+    try:
+        at_start, at_end = con.execute("SELECT count(*) FILTER (in_flight_at_start), count(*) FILTER (in_flight_at_end) "
+                                       "FROM capture_requests").fetchone()
+    except Exception:  # noqa: BLE001 (a run of a capture without the table: its edges are not known)
+        return edges, None
+    warmup_s = max(0.0, float(window["start_s"]) - origin)
+    edges.append(f"window: {at_start} request(s) were in flight at its start, {at_end} at its end; those "
+                 f"before it are replayed from their arrivals, so a replay's first {warmup_s:.1f} s are warm-up, "
+                 f"into an empty pool and an empty prefix cache (the server's held the blocks of requests "
+                 f"finished before the window)")
+    return edges, warmup_s
 
 
 def run_follow_vllm(meta: dict) -> tuple[str | None, str | None, str | None]:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from kvtrace.trace import db
 from kvtrace.trace.db import connect
 from kvtrace.vllm.importer import convert
 from kvtrace.workload import load_workload
@@ -118,7 +120,7 @@ def test_a_simulated_run_round_trips_too_and_the_workload_carries_no_tokens(tmp_
         assert (r.n, r.temperature, r.seed) == (given[r.id]["n"], given[r.id]["temperature"], given[r.id]["seed"])
 
 
-def test_arrivals_are_relative_and_a_request_that_never_finished_keeps_only_its_cap(tmp_path):
+def test_arrivals_are_relative_and_a_request_that_never_finished_gets_the_rules_length(tmp_path):
     rows = [{"id": "a", "arrival_s": 2.0, "prompt_tokens": 9, "max_tokens": 6, "output_tokens": 3},
             {"id": "b", "arrival_s": 2.5, "prompt_tokens": 9, "max_tokens": 5, "priority": 2}]
     run = record(tmp_path, write_workload(tmp_path / "w.jsonl", rows), "run", "--engine", "sim", *POOL)
@@ -126,9 +128,13 @@ def test_arrivals_are_relative_and_a_request_that_never_finished_keeps_only_its_
     assert (requests["a"].arrival_s, requests["a"].output_tokens, requests["a"].max_tokens) == (0.0, 3, 6)
     # b ran to its cap: no output_tokens, so a replay stops it there with reason `length` again
     assert (requests["b"].arrival_s, requests["b"].output_tokens, requests["b"].priority) == (0.5, None, 2)
-    # a request cut off by an interrupted run: its cap only
+    # a request cut off by an interrupted run (3 tokens produced): the median of the finished (b's 5), or
+    # its cap, or what it had produced
     _set_column(run, "requests", "finish_reason", lambda rid, value: "aborted" if rid == "a" else value)
-    assert _from_run_requests(run, tmp_path)[0].output_tokens is None
+    assert _from_run_requests(run, tmp_path)[0].output_tokens == 5
+    from kvtrace.workload.from_run import workload_from_run
+    assert workload_from_run(run, "max-tokens").requests[0].output_tokens is None
+    assert workload_from_run(run, "seen").requests[0].output_tokens == 3
 
 
 def _from_run_requests(run, tmp_path):
@@ -227,3 +233,44 @@ def test_a_run_that_cannot_be_a_workload_is_refused_in_one_line(tmp_path):
         pq.write_table(pq.read_table(path).slice(0, 0), path)
     assert one_line_error(["workload", "from-run", str(run)]) == (
         f"kvtrace: error: {run}: cannot be turned into a workload: its requests table is empty")
+
+
+def test_a_windows_edges_are_kept_and_said(tmp_path):
+    """A 40 s window of the capture fixture, mid-traffic: requests in flight at its start keep their
+    arrivals (the replay's warm-up is the time before the window's start), finished ones their real
+    lengths, unfinished ones the length of the rule, and the header says both."""
+    import statistics
+
+    from kvtrace.workload.from_run import workload_from_run
+
+    capture = Path(__file__).resolve().parents[1] / "fixtures" / "captures" / "bursts"
+    run = tmp_path / "window"
+    result = CliRunner().invoke(app, ["capture", "run", str(capture), "-o", str(run),
+                                      "--since", "2026-11-18T12:00:30Z", "--until", "2026-11-18T12:01:10Z"])
+    assert result.exit_code == 0, result.output
+    con = db.connect([run])
+    rows = {r[0]: r[1:] for r in con.execute(
+        "SELECT req_id, output_tokens, finish_reason, max_tokens, arrival_s FROM requests").fetchall()}
+    done = [o for o, f, _, _ in rows.values() if f in ("stop", "length")]
+    typical = sorted(done)[len(done) // 2]
+    assert done and any(f == "in-flight" for _, f, _, _ in rows.values())
+    window = json.loads((run / "meta.json").read_text())["capture"]["window"]
+    for rule in ("typical", "seen", "max-tokens"):
+        made = workload_from_run(run, rule)
+        by_id = {r.id: r for r in made.requests}
+        for rid, (out, finish, cap, _) in rows.items():
+            got = by_id[rid].output_tokens
+            if finish in ("stop", "length"):
+                assert got == (None if out == cap and finish == "length" else out), rid
+            else:
+                expected = {"typical": max(out, typical), "seen": max(out, 1), "max-tokens": cap}[rule]
+                assert (got or cap) == min(expected, cap), (rule, rid)
+        assert made.warmup_s == pytest.approx(window["start_s"] - min(a for *_, a in rows.values()))
+        (unfinished,) = [e for e in made.edges if e.startswith("unfinished:")]
+        assert f"by rule {rule}" in unfinished and (rule != "typical" or f"{typical} tokens" in unfinished)
+        assert any(e.startswith("window: ") and f"first {made.warmup_s:.1f} s are warm-up" in e for e in made.edges)
+    assert statistics.median_low(done) == typical
+    out = tmp_path / "w.jsonl"
+    assert CliRunner().invoke(app, ["workload", "from-run", str(run), "-o", str(out)]).exit_code == 0
+    header = [line for line in out.read_text().splitlines() if line.startswith("#")]
+    assert any(line.startswith("# unfinished:") for line in header) and any(line.startswith("# window:") for line in header)

@@ -11,10 +11,14 @@ from typer.testing import CliRunner
 import kvtrace.cli.commands  # noqa: F401  (registers the commands)
 from engine.config import VLLM_VERSION
 from kvtrace.cli.app import app
-from kvtrace.cli.sweep import _open_from_run
+from kvtrace.cli.sweep import _open_from_run, _record_command
+from kvtrace.sweep.from_run import run_options
+from kvtrace.sweep.grid import record_knobs
 from kvtrace.workload.from_run import run_follow_vllm
 from kvtrace.workload.header import header_follow_vllm, resolve_follow_vllm
 from tests.helpers.cli import record, write_workload
+
+KNOBS = record_knobs(_record_command())
 
 POOL = ["--engine", "sim", "--dtype", "float32", "--block-size", "4", "--num-gpu-blocks", "24", "--watermark", "0"]
 ROWS = [{"id": "a", "arrival_s": 0, "prompt_tokens": 9, "max_tokens": 3},
@@ -130,8 +134,9 @@ def test_a_sweep_of_a_033_capture_shares_its_version_unless_the_user_sets_one(tm
                                                                              expected):
     run = a_run_of(tmp_path, "capture", "0.33.0")
     capsys.readouterr()
-    sweep = _open_from_run(tmp_path / "sweep", "sweep", run, shared, grid)
-    assert sweep.spec.shared_args == expected
+    taken, _ = run_options(run, shared, grid, KNOBS)   # the run's model and pool (tests/cli/test_sweep.py)
+    sweep = _open_from_run(tmp_path / "sweep", "sweep", run, shared, grid, KNOBS)
+    assert sweep.spec.shared_args == [*shared, *taken, *expected[len(shared):]]
     said = capsys.readouterr().err
     assert ("sweep: every point follows vLLM 0.33.0 (the run is vLLM 0.33.0's)" in said) == (not shared and
                                                                                           "follow_vllm" not in grid)
@@ -141,6 +146,7 @@ def test_a_sweep_of_a_033_capture_shares_its_version_unless_the_user_sets_one(tm
 def test_a_sweep_of_a_run_kvtrace_cannot_follow_says_so_and_shares_nothing(tmp_path, capsys):
     run = a_run_of(tmp_path, "capture", "0.35.0")
     capsys.readouterr()
-    sweep = _open_from_run(tmp_path / "sweep", "sweep", run, [], {"max_num_seqs": ["2", "8"]})
-    assert sweep.spec.shared_args == []
+    taken, _ = run_options(run, [], {"max_num_seqs": ["2", "8"]}, KNOBS)
+    sweep = _open_from_run(tmp_path / "sweep", "sweep", run, [], {"max_num_seqs": ["2", "8"]}, KNOBS)
+    assert sweep.spec.shared_args == taken and "--follow-vllm" not in taken
     assert "sweep: vLLM version: the run is vLLM 0.35.0's, which kvtrace cannot follow" in capsys.readouterr().err
