@@ -12,7 +12,8 @@ vLLM's AsyncScheduler and a step is the engine core's batch-queue step: schedule
 process the previous step's output. Prints one JSON line: per-step seconds of each, wall and CPU
 (this thread's: what other processes of a shared machine take is not in it), the cyclic GC's time
 inside each one's timed steps, the capture's hook time and the bytes its chunks took over the timed
-steps.
+steps, the chunks written and dropped. "flush_s" sets how often the capture hands a chunk over;
+"slow_write_s" makes every chunk's write take that long (a slow volume; the writer thread's wait).
 """
 from __future__ import annotations
 
@@ -55,6 +56,16 @@ def main() -> int:
     folder = tempfile.mkdtemp(prefix="kvtrace-capture-cost-")
     os.environ["KVTRACE_CAPTURE_DIR"] = folder
     os.environ.pop("KVTRACE_CAPTURE_SELF_CHECK", None)
+    if opts.get("flush_s"):
+        os.environ["KVTRACE_CAPTURE_FLUSH_EVERY"] = str(opts["flush_s"])
+    if opts.get("slow_write_s"):   # a slow volume: every chunk's write takes this long (the writer thread's)
+        from kvtrace.vllm.capture.sink import Sink
+        write = Sink._write_file
+
+        def slow(sink, path, data):
+            time.sleep(opts["slow_write_s"])
+            return write(sink, path, data)
+        Sink._write_file = slow
     schedulers = {}
     for name in ("plain", "captured"):
         vllm_driver.CAPTURE = name == "captured"
@@ -100,7 +111,9 @@ def main() -> int:
     for i in range(warmup + steps):
         if i == warmup:
             cap.sink.flush()   # the sink's count of bytes written (retention, 4 GiB, is far off here)
+            cap.sink.drain()
             bytes_before, hook_before = cap.sink.num_bytes, cap.hook_s
+            chunks_before, dropped_before = cap.sink.num_written, cap.sink.num_dropped
         order = ("plain", "captured") if i % 2 == 0 else ("captured", "plain")
         for name in order:
             timing[0] = name if i >= warmup else None
@@ -110,11 +123,14 @@ def main() -> int:
                 times[name].append(t)
                 cpu_times[name].append(cpu)
     gc.callbacks.remove(on_gc)
+    dropped = cap.sink.num_dropped - dropped_before   # chunks handed over in the timed steps and dropped
     cap.sink.flush()
+    cap.sink.drain()
     running = {name: len(s.running) for name, s in schedulers.items()}
     out.write(json.dumps({"running": running, "times": times, "cpu_times": cpu_times, "gc_s": gc_s,
                           "hook_s": cap.hook_s - hook_before,
                           "bytes": cap.sink.num_bytes - bytes_before,
+                          "chunks": cap.sink.num_written - chunks_before, "dropped": dropped,
                           "vllm_version": __import__("vllm").__version__}) + "\n")
     for sched in schedulers.values():
         sched.shutdown()

@@ -21,7 +21,8 @@ from kvtrace.errors import KvtraceError
 
 # kvtrace record's knob -> (vLLM's engine argument, a note); None: vLLM V1 has no such setting
 VLLM_FLAGS: dict[str, tuple[str | None, str]] = {
-    "num_gpu_blocks": ("--num-gpu-blocks-override", "the KV pool in blocks"),
+    "num_gpu_blocks": ("--num-gpu-blocks-override", "the KV pool in blocks: kvtrace's usable blocks + 1, vLLM's "
+                                                   "null block"),
     "kv_cache_memory": ("--kv-cache-memory-bytes", "the KV pool in bytes"),
     "gpu_memory_utilization": ("--gpu-memory-utilization", "the share of GPU memory vLLM may take, KV pool included"),
     "block_size": ("--block-size", "tokens per KV block"),
@@ -141,6 +142,8 @@ def vllm_args(settings: dict) -> str:
         elif name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
             on = str(value).lower() in ("true", "1", "yes", "on")
             words.append(flag if on else flag.replace("--", "--no-", 1))
+        elif name == "num_gpu_blocks":   # kvtrace counts usable blocks; vLLM's count holds its null block too
+            words.append(f"{flag} {int(float(value)) + 1}")
         elif name == "preemption_policy":
             words.append(f"{flag} {'priority' if value == 'priority' else 'fcfs'}")
         else:

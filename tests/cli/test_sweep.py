@@ -387,7 +387,7 @@ def test_the_vllm_flags_of_a_point():
 
     assert vllm_args({"max_num_seqs": "64", "num_gpu_blocks": "2048", "enable_prefix_caching": "false",
                       "preemption_policy": "newest"}) == (
-        "--max-num-seqs 64 --num-gpu-blocks-override 2048 --no-enable-prefix-caching --scheduling-policy fcfs")
+        "--max-num-seqs 64 --num-gpu-blocks-override 2049 --no-enable-prefix-caching --scheduling-policy fcfs")
     assert "vLLM V1 always recomputes" in vllm_args({"preemption_mode": "swap"})
 
 
@@ -412,7 +412,7 @@ def test_a_sweep_of_a_captures_window_needs_no_option_copied_by_hand(tmp_path):
     lines = result.stdout.strip().splitlines()
     if not lines[-1].startswith("No "):
         assert lines[-2] == f"the best point as vLLM engine arguments: --num-gpu-blocks-override " \
-                            f"{best['settings']['num_gpu_blocks']}"
+                            f"{int(best['settings']['num_gpu_blocks']) + 1}"   # vLLM's null block
         assert shown["best_as_vllm_args"] == lines[-2].split(": ", 1)[1]
     meta = json.loads((run / "meta.json").read_text())
     meta["engine_config"]["model"] = meta["model"]["name"] = "gpt-oss-20b"
