@@ -76,7 +76,7 @@ def host_memory_bytes() -> int:
 def calibrate(runs: list[str | Path], name: str) -> tuple[HardwareProfile, dict]:
     """A profile fitted to the runs' steps, and its fit error."""
     con = db.connect(runs)
-    info = con.sql("SELECT count(DISTINCT model), any_value(model), count(DISTINCT dtype), any_value(dtype), "
+    info = con.sql("SELECT count(DISTINCT model), any_value(model), count(DISTINCT coalesce(dtype, '')), any_value(dtype), "
                    "any_value(device), any_value(device_type), list(run_id ORDER BY ordinal) FROM runs").fetchall()[0]
     num_models, model, num_dtypes, dtype, device, device_type, run_ids = info
     if num_models != 1 or num_dtypes != 1:

@@ -5,11 +5,11 @@
 Serves SmolLM2-135M with vLLM's CPU build (`vllm serve`, kvtrace's capture on, as docs/vllm.md says,
 token ids not kept), under the name an operator would give it, on a tight KV pool; drives it with the
 `openai` client, each request with its own `X-Request-Id`: a calm minute, a bad minute (a burst the pool
-cannot hold: preemptions), calm again. Then it runs, as an operator would, the commands of `STEPS`
+cannot hold: preemptions), calm again. Then it runs, as an operator would, the commands of `steps`
 (capture ls, capture run of the bad minute in wall-clock time, analyze, explain of the request a user
-named by its X-Request-Id, explain --at the worst moment, a sweep of the window's traffic with
-everything read from the run) and writes their real output into the page. tests/cli/test_incident.py
-runs the same `STEPS` on the capture fixture.
+named by its X-Request-Id, explain --at the worst moment, calibrate on the window, a sweep of the
+window's traffic with everything else read from the run) and writes their real output into the page.
+tests/cli/test_incident.py runs the same `steps` on the capture fixture.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ SERVE = ["--dtype", "float32", "--block-size", "32", "--num-gpu-blocks-override"
          "--max-num-seqs", "8", "--gpu-memory-utilization", "0.3", "--enforce-eager",
          "--served-model-name", SERVED_AS]
 COMPLAINT = "checkout-7f3a"          # the X-Request-Id a user quotes
+SWEPT = "num_gpu_blocks=11,16,24,32,48,64,96"   # the pool, from the server's 11 usable blocks up
 
 
 def iso(t: float) -> str:
@@ -40,13 +41,16 @@ def iso(t: float) -> str:
 def steps(capture: Path, work: Path, since: str, until: str, request: str, at: str, sweep: str) -> list[list[str]]:
     """The operator's commands, in order (kvtrace's arguments)."""
     run = str(work / "runs" / "incident")
+    profile = str(work / "server.json")
     return [
         ["capture", "ls", str(capture)],
         ["capture", "run", str(capture), "-o", run, "--since", since, "--until", until],
         ["analyze", run],
         ["explain", run, request],
         ["explain", run, "--at", at],
-        ["sweep", "--from-run", run, "--set", sweep, "-o", str(work / "sweeps" / "incident"), "--jobs", "2"],
+        ["calibrate", run, "-o", profile],
+        ["sweep", "--from-run", run, "--hardware", profile, "--objective", "ttft_p99", "--set", sweep,
+         "-o", str(work / "sweeps" / "incident"), "--jobs", "2"],
     ]
 
 
@@ -189,25 +193,41 @@ $ {cmd4}
 {out4}
 ```
 
-## 6. What would have helped: a what-if on the window's own traffic
+## 6. The server's speed, from the capture itself
 
-`sweep --from-run` reads the model (the capture names it as served: mapped to the simulator's model
-of the same shape, or refused in one line that says what to pass), the KV pool and the scheduler's
-limits from the run; only the knob to try is given. The requests in flight at the window's edges are
-kept and the rule for them is said (docs/sweep.md, *A window's edges*).
+A what-if must run at the speed of the server that served the traffic, or a burst that overwhelmed it
+does not overwhelm the model of it. The capture does not say which GPU served it, so the operator fits
+the simulator's step cost to the window's own steps (docs/simulation.md):
 
 ```
 $ {cmd5}
 {out5}
 ```
 
-## 7. The answer, as the engine argument to change
+## 7. What would have helped: a what-if on the window's own traffic
+
+`sweep --from-run` reads the model (the capture names it as served: mapped to the simulator's model
+of the same shape, or refused in one line that says what to pass), the KV pool and the scheduler's
+limits from the run; only the knob to try, the profile and what "better" means are given (here the
+TTFT p99, what the user felt). The requests in flight at the window's edges are kept and the rule
+for them is said (docs/sweep.md, *A window's edges*).
+
+```
+$ {cmd6}
+{out6}
+```
+
+The first row is the incident replayed: its preemptions and its TTFT p99 are the capture's own, within
+the fit's error (section 3).
+
+## 8. The answer, as the engine argument to change
 
 The line before the recommendation is the best point as vLLM engine arguments (docs/sweep.md maps
-every knob to its flag): the KV pool's size in blocks is vLLM's `--num-gpu-blocks-override`; on a GPU
-server the same pool comes from `--gpu-memory-utilization` or `--kv-cache-memory-bytes`. The
-simulator models an H100 here (the capture does not say which GPU served it); pass `--hardware`, or a
-profile fitted to your server by `kvtrace calibrate`, to sweep on yours.
+every knob to its flag; kvtrace counts usable blocks, vLLM's number holds its null block too). On a
+GPU server the same pool comes from `--gpu-memory-utilization` or `--kv-cache-memory-bytes` (the
+blocks times the bytes of one block, which `kvtrace analyze` shows a run's pool in). Read it with the
+table: where the server's compute is the limit, as on this CPU, more KV ends the preemptions and the
+recomputation and shortens the queue, and the steps of a fuller batch get slower (ITL p50).
 """
 
 
@@ -226,10 +246,10 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     told = serve_and_drive(args.vllm_python, work, capture)
     since, until = iso(told["bad_start"] - 5), iso(told["bad_end"] + 5)
-    commands = steps(capture, work, since, until, COMPLAINT, "HH:MM:SS", "num_gpu_blocks=11,16,24,32,48")
+    commands = steps(capture, work, since, until, COMPLAINT, "HH:MM:SS", SWEPT)
     outputs = [run_step(commands[0], work), run_step(commands[1], work)]
     at = worst_moment(work / "runs" / "incident")
-    commands = steps(capture, work, since, until, COMPLAINT, at, "num_gpu_blocks=11,16,24,32,48")
+    commands = steps(capture, work, since, until, COMPLAINT, at, SWEPT)
     outputs += [run_step(c, work) for c in commands[2:]]
     shown = [shlex.join(["kvtrace", *c]).replace(str(work) + "/", "").replace(str(work), ".") for c in commands]
     text = PAGE.format(date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), vllm=told["vllm"], served=SERVED_AS,

@@ -29,7 +29,7 @@ import kvtrace
 from kvtrace.atomic import write_json_atomic
 from kvtrace.errors import KvtraceError
 from kvtrace.trace.schema import OPTIONAL_TABLES, SCHEMA_VERSION, write_parquet
-from kvtrace.vllm.importer import Chunk, list_chunks, read_chunks, read_json, rebase, write_tables
+from kvtrace.vllm.importer import Chunk, foreign_files, list_chunks, read_chunks, read_json, rebase, write_tables
 
 # how far before and after a window the chunks are read for the requests in flight across its edges
 LOOK_AROUND_S = 3600.0
@@ -142,7 +142,9 @@ def describe(server: Server) -> dict:
             "first": server.first, "last": server.last, "num_requests": server.num_requests,
             "num_chunks": len(server.chunks), "bytes": server.size, "gaps": server.gaps(),
             "token_ids": i.get("token_ids"), "salt_id": i.get("salt_id"),
-            "writer_error": (server.done or {}).get("writer_error")}
+            "writer_error": (server.done or {}).get("writer_error"),
+            "dropped_chunks": (server.dropped or {}).get("dropped_chunks", 0),
+            "kvtrace_version": i.get("kvtrace_version"), "chunk_format": i.get("chunk_format")}
 
 
 def ls_lines(capture: Path) -> list[str]:
@@ -161,6 +163,11 @@ def ls_lines(capture: Path) -> list[str]:
             lines.append(f"  gap: {gap}")
         if d["writer_error"]:
             lines.append(f"  capture stopped: {d['writer_error']}")
+    foreign = foreign_files(capture) if (capture / "chunks").is_dir() else []
+    if foreign:   # not read by capture run, watch or metrics either
+        path, why = foreign[0]
+        lines.append(f"not read: {len(foreign)} file{'s' if len(foreign) != 1 else ''} of chunks/ that no kvtrace "
+                     f"reads (first: {path.name}: {why})")
     return lines
 
 

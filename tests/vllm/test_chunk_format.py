@@ -165,6 +165,9 @@ def test_capture_run_runs_nothing_says_each_skipped_file_and_keeps_the_rest(plan
     assert _skipped(result.stderr) == bad and len(result.stderr.splitlines()) == len(bad) + 1   # + "wrote ..."
     clean = CliRunner().invoke(app, ["capture", "run", str(FIXTURE), "-o", str(tmp_path / "clean")])
     assert clean.exit_code == 0 and not _skipped(clean.stderr)
+    listed = CliRunner().invoke(app, ["capture", "ls", str(capture)]).stdout
+    assert "not read: 1 file of chunks/ that no kvtrace reads (first: 24953-000099.pkl" in listed   # by its name
+    assert not marker.exists()
     rows = json.loads((tmp_path / "run" / "meta.json").read_text())["summary"]["rows"]
     assert rows == json.loads((tmp_path / "clean" / "meta.json").read_text())["summary"]["rows"]
 

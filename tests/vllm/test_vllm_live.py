@@ -194,6 +194,10 @@ def test_a_window_of_the_second_burst_holds_exactly_its_requests(production, tmp
         db.run_analysis(con, info.name)
     kvtrace("analyze", run)
     kvtrace("export", "perfetto", run, "-o", tmp_path / "second.pftrace")
+    # the request sent with X-Request-Id second-2, found by that id (vLLM named it cmpl-second-2-0-<suffix>)
+    (named,) = [i for i in ids if i.startswith(("second-2", "cmpl-second-2-"))]
+    story = json.loads(kvtrace("explain", run, "second-2", "--json").stdout)
+    assert story["req_id"] == named and story["clock"] == "wall (UTC)"
 
 
 def test_no_token_id_in_a_default_capture(production):
