@@ -139,6 +139,17 @@ def test_a_slow_disk_never_holds_a_step_and_loses_whole_chunks_counted(tmp_path,
     (folder / "servers" / f"{SERVER}.json").write_text(json.dumps({"server_id": SERVER, "pid": 77}))
     out = CliRunner().invoke(app, ["capture", "ls", str(folder)]).stdout
     assert "dropped" in out and "the disk was slower than the capture" in out and "missing" not in out
+    from kvtrace.vllm.metrics import Exporter
+    following = tmp_path / "following"   # the exporter of that folder (its test chunks' rows are no trace's)
+    shutil.copytree(folder / "servers", following / "servers")
+    exporter = Exporter(following, window_s=60.0)
+    try:
+        exporter.poll()
+        (family,) = [m for m in exporter.collect() if m.name == "kvtrace_capture_dropped_chunks"]
+        assert [(s.labels, s.value) for s in family.samples if s.name.endswith("_total")] == [
+            ({"server": SERVER}, sink.num_dropped)]
+    finally:
+        exporter.close()
 
 
 def test_the_capture_files_are_for_owner_and_group_whatever_the_umask(tmp_path, monkeypatch):
@@ -169,3 +180,18 @@ def test_the_capture_files_are_for_owner_and_group_whatever_the_umask(tmp_path, 
             assert str(exc).startswith(f"KVTRACE_CAPTURE_MODE='{bad}'")
         else:
             raise AssertionError(bad)
+
+
+def test_at_interpreter_shutdown_the_last_chunk_is_written_without_a_thread(tmp_path, monkeypatch):
+    """Python 3.12 refuses to start a thread in an atexit handler, where the capture's close may run:
+    the chunk is then written on the closing thread."""
+    import threading
+
+    def refused(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    sink = Sink(tmp_path / "capture", SERVER)
+    _step(sink, 0.0)
+    sink.close()
+    assert _parts(tmp_path / "capture") == [0] and sink.error is None

@@ -155,8 +155,13 @@ class Sink:
         offset = self.wall_minus_monotonic
         name = f"{part:06d}_{first + offset:.3f}_{last + offset:.3f}_{len(chunk.get('arrivals', {}).get('req_id', ()))}"
         if self.writer is None:
-            self.writer = threading.Thread(target=self._write_chunks, name="kvtrace-capture-writer", daemon=True)
-            self.writer.start()
+            writer = threading.Thread(target=self._write_chunks, name="kvtrace-capture-writer", daemon=True)
+            try:
+                writer.start()
+            except RuntimeError:   # the interpreter is shutting down (atexit, Python 3.12+): no new thread;
+                self._write_chunk(f"{self.server_id}_{name}{chunk_format.SUFFIX}", part, chunk)   # nothing to stall
+                return
+            self.writer = writer
         try:
             self.queue.put((f"{self.server_id}_{name}{chunk_format.SUFFIX}", part, chunk), timeout=wait_s or None,
                            block=wait_s > 0)
