@@ -2,6 +2,8 @@
 -- between tokens, or the most preemptions?
 -- param: by = 'e2e'  ttft | e2e | itl | preemptions
 -- param: limit = 10  rows per run
+-- param: at_s = -1  a time on the run's clock (s): only the sequences in flight then (arrived by it and not
+--                   finished before it); < 0 = every sequence
 --
 -- Columns, one row per sequence, the `limit` worst of each run by `by` (ties: longer e2e first):
 --   run_id, req_id, sample
@@ -36,6 +38,7 @@ ranked AS (
     FROM measured
     WHERE CASE WHEN $by IN ('ttft', 'e2e', 'itl', 'preemptions') THEN true
                ELSE error('worst_requests: by must be ttft, e2e, itl or preemptions, got ' || $by) END
+      AND ($at_s < 0 OR (arrival_s <= $at_s AND (finish_s IS NULL OR finish_s >= $at_s)))
 )
 SELECT run_id, req_id, sample, rank, ttft_ms, e2el_ms, max_itl_ms, queueing_ms, preemptions, recomputed_tokens,
        output_tokens, finish_reason, arrival_s, finish_s

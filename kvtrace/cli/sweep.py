@@ -18,10 +18,30 @@ from typer.core import TyperGroup
 
 from kvtrace.cli.app import app, parse_params, user_errors
 from kvtrace.errors import KvtraceError
-from kvtrace.sweep.grid import MAX_POINTS_WITHOUT_YES, grid_size, parse_grid, record_knobs
-from kvtrace.sweep.runner import LocalRunner, RayRunner, Sweep, make_spec, point_command, threads_per_point
 from kvtrace.sweep.from_run import run_options, vllm_args
-from kvtrace.sweep.view import best_point, objective, points_of, recommend, summary_rows, table, varying_knobs
+from kvtrace.sweep.grid import (
+    MAX_POINTS_WITHOUT_YES,
+    flag_names,
+    grid_size,
+    parse_grid,
+    record_knobs,
+)
+from kvtrace.sweep.runner import (
+    LocalRunner,
+    RayRunner,
+    Sweep,
+    make_spec,
+    point_command,
+    threads_per_point,
+)
+from kvtrace.sweep.view import (
+    objective,
+    points_of,
+    recommendation,
+    summary_rows,
+    table,
+    varying_knobs,
+)
 from kvtrace.workload.format import save_workload
 from kvtrace.workload.from_run import workload_from_run
 from kvtrace.workload.header import FOLLOW_NOTE
@@ -56,11 +76,7 @@ def _record_command():
 
 def _check_shared(shared: list[str], grid: dict[str, list[str]], knobs: dict) -> None:
     """Shared options must be record options that no --set also sets."""
-    flags = {}
-    for knob in knobs.values():
-        flags[knob.flag] = knob.name
-        if knob.off_flag:
-            flags[knob.off_flag] = knob.name
+    flags = flag_names(knobs)
     for arg in shared:
         if not arg.startswith("--"):
             continue
@@ -230,10 +246,8 @@ def _open_from_run(folder: Path, name: str, run: Path, shared: list[str], grid: 
 def _show(folder: Path, obj, params: dict[str, str], as_json: bool) -> None:
     sweep, rows = summary_rows(folder, params)
     points = points_of(rows, list(sweep.spec.grid))
-    sentence = recommend(points, obj) if points else "No point has completed yet."
-    best = best_point(points, obj) if points else None
-    chosen = best is not None and not sentence.startswith("No ")   # a point recommended, not "no knee"
-    flags = vllm_args({k: v for k, v in best["settings"].items() if k in varying_knobs(points)}) if chosen else ""
+    sentence, chosen = recommendation(points, obj) if points else ("No point has completed yet.", None)
+    flags = vllm_args({k: v for k, v in chosen["settings"].items() if k in varying_knobs(points)}) if chosen else ""
     if as_json:
         print(json.dumps({"sweep": sweep.spec.name, "folder": str(folder), "grid": sweep.spec.grid,
                           "objective": obj.column, "points": [{**p} for p in points],

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from engine.config import PRESETS
 from kvtrace.errors import KvtraceError
+from kvtrace.sweep.grid import flag_names
 
 # kvtrace record's knob -> (vLLM's engine argument, a note); None: vLLM V1 has no such setting
 VLLM_FLAGS: dict[str, tuple[str | None, str]] = {
@@ -79,11 +80,7 @@ def simulator_model(served: str | None) -> tuple[str, str | None]:
 
 def given_knobs(shared: list[str], grid: dict, knobs: dict) -> set[str]:
     """The knobs the command line sets: swept, or shared (--flag, --flag=VALUE, --no-flag)."""
-    flags = {}
-    for knob in knobs.values():
-        flags[knob.flag] = knob.name
-        if knob.off_flag:
-            flags[knob.off_flag] = knob.name
+    flags = flag_names(knobs)
     return set(grid) | {flags[a.split("=", 1)[0]] for a in shared if a.split("=", 1)[0] in flags}
 
 

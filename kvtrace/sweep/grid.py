@@ -65,6 +65,16 @@ def record_knobs(record_command) -> dict[str, Knob]:
     return knobs
 
 
+def flag_names(knobs: dict[str, Knob]) -> dict[str, str]:
+    """Each knob's flags (`--max-num-seqs`, `--no-enable-prefix-caching`) -> its name."""
+    flags = {}
+    for knob in knobs.values():
+        flags[knob.flag] = knob.name
+        if knob.off_flag:
+            flags[knob.off_flag] = knob.name
+    return flags
+
+
 def _number(text: str) -> int | float:
     value = float(text)
     return int(value) if value.is_integer() and "." not in text and "e" not in text.lower() else value

@@ -113,16 +113,22 @@ def _worse_by(obj: Objective, best: float, other: float) -> float:
 
 def recommend(points: list[dict], obj: Objective) -> str:
     """One sentence: the best point, and the knee above it or why there is none."""
+    return recommendation(points, obj)[0]
+
+
+def recommendation(points: list[dict], obj: Objective) -> tuple[str, dict | None]:
+    """recommend's sentence, and the point it recommends (None where it finds nothing to choose: no
+    figure, no knee, or the best at the grid's edge)."""
     best = best_point(points, obj)
     if best is None:
-        return f"No completed point has a {obj.label} figure; nothing to recommend."
+        return f"No completed point has a {obj.label} figure; nothing to recommend.", None
     axis = axis_knob(points)
     where = ", ".join(f"{k} {v}" for k, v in best["settings"].items() if k in varying_knobs(points)) \
         or "every point"
     head = f"{where} gives the {'highest' if obj.better == 'max' else 'lowest'} {obj.label} " \
            f"({_value(obj, best[obj.column])})"
     if axis is None:
-        return head + "; no swept knob is numeric, so there is no knee to find."
+        return head + "; no swept knob is numeric, so there is no knee to find.", best
     others = {k: v for k, v in best["settings"].items() if k != axis}
     line = sorted((p for p in points if all(p["settings"].get(k) == v for k, v in others.items())
                    and p[obj.column] is not None), key=lambda p: _numeric(p["settings"][axis]))
@@ -133,20 +139,20 @@ def recommend(points: list[dict], obj: Objective) -> str:
     low, high = line[0]["settings"][axis], line[-1]["settings"][axis]
     if obj.better == "max" and best[obj.column] <= 0:
         return (f"No point has any {obj.label}: it is 0 at every point{context}, so there is nothing to choose; "
-                f"loosen the SLOs (--param ttft_ms=..., tpot_ms=...) or choose another --objective.")
+                f"loosen the SLOs (--param ttft_ms=..., tpot_ms=...) or choose another --objective."), None
     if spread < FLAT_SPREAD:
         return (f"No knee: {obj.label} stays within {FLAT_SPREAD:.0%} of its best ({_value(obj, min(values))}–"
                 f"{_value(obj, max(values))}) across {axis} {low}..{high}{context}; this knob does not matter "
-                f"for this workload.")
+                f"for this workload."), None
     above = line[line.index(best) + 1:]
     if not above:
         return (f"No knee within the grid: {obj.label} keeps improving up to {axis} {high}, the largest value "
-                f"swept{context} ({_value(obj, best[obj.column])}); sweep higher values to find where it turns.")
+                f"swept{context} ({_value(obj, best[obj.column])}); sweep higher values to find where it turns."), None
     last = above[-1]
     drop = _worse_by(obj, best[obj.column], last[obj.column])
     if drop < KNEE_DROP:
         return (head + f"; above it {obj.label} changes by less than {KNEE_DROP:.0%} up to {axis} {high}{context}: "
-                       f"no knee, the plateau starts at {best['settings'][axis]}.")
+                       f"no knee, the plateau starts at {best['settings'][axis]}."), best
     before, after = best["preemptions"] or 0, last["preemptions"] or 0
     if after > before:
         rise = f"preemptions rise {after / before:.0f}x" if before else f"preemptions rise from 0 to {after:,}"
@@ -154,7 +160,7 @@ def recommend(points: list[dict], obj: Objective) -> str:
     else:
         rise = ""
     verb = "falls" if obj.better == "max" else "rises"
-    return head + f"; above it {rise}{obj.label} {verb} {drop:.0%} by {axis} {high}{context}."
+    return head + f"; above it {rise}{obj.label} {verb} {drop:.0%} by {axis} {high}{context}.", best
 
 
 # --------------------------------------------------------------------------- table and charts

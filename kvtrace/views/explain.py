@@ -8,11 +8,9 @@ in docs/explain.md); `render_story()` and `render_worst()` lay them out for the 
 from __future__ import annotations
 
 import functools
-import json
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Group, RenderableType
@@ -23,6 +21,7 @@ from rich.text import Text
 from kvtrace.errors import KvtraceError
 from kvtrace.trace import db
 from kvtrace.views.dashboard import fmt_ms
+from kvtrace.vllm.live import parse_time, utc_text
 
 if TYPE_CHECKING:   # duckdb is imported where a connection is made: not by every command's start-up
     import duckdb
@@ -99,7 +98,7 @@ class Explainer:
         if len(run_ids) != 1:
             raise KvtraceError(f"{run}: explain takes one run, this holds {len(run_ids)} "
                                f"({', '.join(run_ids[:5])}{', …' if len(run_ids) > 5 else ''}); name one")
-        window = (_meta(Path(run)).get("capture") or {}).get("window") or {}
+        window = (db.read_meta(db.find_runs([run])[0]).get("capture") or {}).get("window") or {}
         wall = ((float(window["since_unix"]), float(window["start_s"]))
                 if window.get("since_unix") is not None and window.get("start_s") is not None else None)
         return cls(con, run_ids[0], wall, window.get("until_unix"))
@@ -128,14 +127,11 @@ class Explainer:
             candidates = [midnight.timestamp() + d * 86400 + h * 3600 + mi * 60 + sec for d in (0, 1)]
             unix = min(candidates, key=lambda c: 0 if c >= since else since - c)
         else:
-            from kvtrace.vllm.live import parse_time
             unix = parse_time(text, "--at")
-        t = self.wall[1] + (unix - since)
         if self.until is not None and not since - self.wall[1] <= unix <= self.until:
-            fmt = lambda u: datetime.fromtimestamp(u, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")  # noqa: E731
-            raise KvtraceError(f"--at {text!r} ({fmt(unix)}) is outside the run, which covers "
-                               f"{fmt(since - self.wall[1])} to {fmt(self.until)}")
-        return t
+            raise KvtraceError(f"--at {text!r} ({utc_text(unix)}) is outside the run, which covers "
+                               f"{utc_text(since - self.wall[1])} to {utc_text(self.until)}")
+        return self.wall[1] + (unix - since)
 
     def rows(self, analysis: str, **params: object) -> list[dict]:
         return [r for r in db.records(db.run_analysis(self.con, analysis, **params)) if r["run_id"] == self.run_id]
@@ -155,22 +151,17 @@ class Explainer:
             "SELECT DISTINCT req_id FROM requests WHERE run_id = ?", [self.run_id]).fetchall()}
 
 
-def _meta(run: Path) -> dict:
-    try:
-        return json.loads((run / "meta.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def in_flight(ex: Explainer, at_s: float) -> dict:
     """The sequences in flight at `at_s` (run clock): arrived by then and not finished before, each with
     its figures (worst_requests') and its story's verdict, the slowest end to end first."""
-    rows = [r for r in ex.rows("worst_requests", by="e2e", limit=2**31 - 1)
-            if r["arrival_s"] is not None and r["arrival_s"] <= at_s
-            and (r["finish_s"] is None or r["finish_s"] >= at_s)]
-    told = [{**_drop_ids(r, keep=("req_id", "sample")), "verdict": story(ex, r["req_id"], r["sample"], request=r)["verdict"]}
+    rows = ex.rows("worst_requests", by="e2e", limit=2**31 - 1, at_s=at_s)
+    return {"run_id": ex.run_id, "at_s": at_s, "at": _clock(ex, at_s), "requests": _told(ex, rows)}
+
+
+def _told(ex: Explainer, rows: list[dict]) -> list[dict]:
+    """worst_requests' rows, each with its story's verdict."""
+    return [{**_drop_ids(r, keep=("req_id", "sample")), "verdict": story(ex, r["req_id"], r["sample"], request=r)["verdict"]}
             for r in rows]
-    return {"run_id": ex.run_id, "at_s": at_s, "at": _clock(ex, at_s), "requests": told}
 
 
 def _clock(ex: Explainer, t: float | None) -> str | None:
@@ -225,11 +216,7 @@ def worst(ex: Explainer, n: int, by: str = "e2e") -> dict:
         raise KvtraceError(f"--by must be one of {', '.join(WORST_BY)}, got {by!r}")
     if n < 1:
         raise KvtraceError(f"--worst must be >= 1, got {n}")
-    rows = []
-    for row in ex.rows("worst_requests", by=by, limit=n):
-        told = story(ex, row["req_id"], row["sample"], request=row)
-        rows.append({**_drop_ids(row, keep=("req_id", "sample")), "verdict": told["verdict"]})
-    return {"run_id": ex.run_id, "by": by, "requests": rows}
+    return {"run_id": ex.run_id, "by": by, "requests": _told(ex, ex.rows("worst_requests", by=by, limit=n))}
 
 
 def _drop_ids(row: dict, keep: tuple[str, ...] = ()) -> dict:
@@ -374,28 +361,23 @@ def render_story(data: dict) -> RenderableType:
 
 def render_worst(data: dict) -> RenderableType:
     """One line of figures per request, its verdict below it (readable at 80 columns)."""
-    lines: list[RenderableType] = [
-        Text(f"The {len(data['requests'])} worst requests of run {data['run_id']} by {data['by']}", style="bold")]
-    for r in data["requests"]:
-        name = r["req_id"] if not r["sample"] else f"{r['req_id']}:{r['sample']}"
-        preempted = f"{r['preemptions']} preemption{'s' if r['preemptions'] != 1 else ''}"
-        lines.append(Text.assemble(
-            (f"{r['rank']:>2}. ", "bold"), (name, "bold"),
-            f"  e2e {fmt_ms(r['e2el_ms'])} · ttft {fmt_ms(r['ttft_ms'])} · max itl {fmt_ms(r['max_itl_ms'])}"
-            f" · {preempted}"))
-        lines.append(Padding(Text(r["verdict"]), (0, 0, 0, 4)))
-    return Group(*lines)
+    return _render_requests(f"The {len(data['requests'])} worst requests of run {data['run_id']} by {data['by']}",
+                            data["requests"], ranked=True)
 
 
 def render_in_flight(data: dict) -> RenderableType:
     """The requests in flight at a time, as render_worst lays them out."""
-    lines: list[RenderableType] = [
-        Text(f"{len(data['requests'])} requests in flight at {data['at']} in run {data['run_id']}", style="bold")]
-    for r in data["requests"]:
+    return _render_requests(f"{len(data['requests'])} requests in flight at {data['at']} in run {data['run_id']}",
+                            data["requests"], ranked=False)
+
+
+def _render_requests(title: str, requests: list[dict], ranked: bool) -> RenderableType:
+    lines: list[RenderableType] = [Text(title, style="bold")]
+    for r in requests:
         name = r["req_id"] if not r["sample"] else f"{r['req_id']}:{r['sample']}"
         preempted = f"{r['preemptions']} preemption{'s' if r['preemptions'] != 1 else ''}"
         lines.append(Text.assemble(
-            ("  ", ""), (name, "bold"),
+            (f"{r['rank']:>2}. " if ranked else "  ", "bold"), (name, "bold"),
             f"  e2e {fmt_ms(r['e2el_ms'])} · ttft {fmt_ms(r['ttft_ms'])} · max itl {fmt_ms(r['max_itl_ms'])}"
             f" · {preempted}"))
         lines.append(Padding(Text(r["verdict"]), (0, 0, 0, 4)))

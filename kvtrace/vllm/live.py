@@ -83,7 +83,7 @@ class Server:
         for span in said.get("spans", ()):
             a, b = span["parts"]
             dropped.update(range(a, b + 1))
-            gaps.append(f"chunks {a}–{b} dropped ({_time(span.get('first'))} – {_time(span.get('last'))}): "
+            gaps.append(f"chunks {a}–{b} dropped ({utc_text(span.get('first'))} – {utc_text(span.get('last'))}): "
                         f"{said.get('reason', 'the disk was slower than the capture')}")
         if said.get("dropped_chunks", 0) > len(dropped):
             gaps.append(f"{said['dropped_chunks']} chunks dropped in all ({said.get('dropped_rows', 0)} rows)")
@@ -91,7 +91,7 @@ class Server:
             return [*gaps, "no chunk kept (none written yet, or every one removed by retention)"]
         if parts[0] > 0 and not set(range(parts[0])) <= dropped:
             first = self.chunks[0].first
-            span = f" (from the start {_time(self.started)} to {_time(first)})" if first and self.started else ""
+            span = f" (from the start {utc_text(self.started)} to {utc_text(first)})" if first and self.started else ""
             gaps.append(f"chunks 0–{parts[0] - 1} removed by retention{span}")
         for before, after in zip(parts, parts[1:]):
             if after > before + 1 and not set(range(before + 1, after)) <= dropped:
@@ -122,7 +122,8 @@ def servers(capture: Path) -> list[Server]:
     return sorted(found.values(), key=lambda s: (s.started or 0.0, s.server_id))
 
 
-def _time(t: float | None) -> str:
+def utc_text(t: float | None) -> str:
+    """Unix seconds as `2026-12-01 02:14:03Z` (— for none)."""
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ") if t is not None else "—"
 
 
@@ -153,9 +154,9 @@ def ls_lines(capture: Path) -> list[str]:
              f"{_size(sum(s.size for s in found))} in {sum(len(s.chunks) for s in found)} chunks"]
     for s in found:
         d = describe(s)
-        lines.append(f"server {s.server_id}  started {_time(s.started)}  pid {d['pid']}  vLLM {d['vllm_version']}  "
+        lines.append(f"server {s.server_id}  started {utc_text(s.started)}  pid {d['pid']}  vLLM {d['vllm_version']}  "
                      f"{d['model']}  {d['scheduling']} scheduling")
-        span = (f"{_time(s.first)} – {_time(s.last)} ({s.last - s.first:.0f} s)" if s.first is not None
+        span = (f"{utc_text(s.first)} – {utc_text(s.last)} ({s.last - s.first:.0f} s)" if s.first is not None
                 else "nothing kept")
         lines.append(f"  covers {span} · {d['num_requests']} requests · {_size(d['bytes'])} in "
                      f"{d['num_chunks']} chunks · token ids {'kept' if d['token_ids'] else 'not kept'}")
@@ -221,7 +222,7 @@ def window(server: Server, since: float | None, until: float | None, last: float
     hi = until if until is not None else server.last
     lo = hi - last if last is not None else (since if since is not None else server.first)
     if hi < lo:
-        raise KvtraceError(f"the window ends ({_time(hi)}) before it starts ({_time(lo)})")
+        raise KvtraceError(f"the window ends ({utc_text(hi)}) before it starts ({utc_text(lo)})")
     return lo, hi
 
 

@@ -202,11 +202,8 @@ def _edges(con, meta: dict, origin: float, num_unfinished: int, rule: str, typic
     window = (meta.get("capture") or {}).get("window") if isinstance(meta.get("capture"), dict) else None
     if not isinstance(window, dict) or window.get("start_s") is None:
         return edges, None
-    try:
-        at_start, at_end = con.execute("SELECT count(*) FILTER (in_flight_at_start), count(*) FILTER (in_flight_at_end) "
-                                       "FROM capture_requests").fetchone()
-    except Exception:  # noqa: BLE001 (a run of a capture without the table: its edges are not known)
-        return edges, None
+    at_start, at_end = con.execute("SELECT count(*) FILTER (in_flight_at_start), count(*) FILTER (in_flight_at_end) "
+                                   "FROM capture_requests").fetchone()
     warmup_s = max(0.0, float(window["start_s"]) - origin)
     edges.append(f"window: {at_start} request(s) were in flight at its start, {at_end} at its end; those "
                  f"before it are replayed from their arrivals, so a replay's first {warmup_s:.1f} s are warm-up, "

@@ -10,21 +10,15 @@ the trace, the analyses and compare.
 """
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from tests.helpers.scripts import load_script
 
 pytestmark = pytest.mark.long  # replays the README's story on the tiny model (minutes)
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def load_postmortem():
-    spec = importlib.util.spec_from_file_location("postmortem", ROOT / "scripts" / "postmortem.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("postmortem")
 
 
 def test_the_example_thrashes_and_the_fix_removes_it(tmp_path):

@@ -3,23 +3,17 @@ capture, here on the capture fixture: each succeeds, the request is found by the
 times are the wall clock's, and the sweep needs no option copied from the run."""
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
+
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "captures" / "bursts"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("incident", ROOT / "scripts" / "incident.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_incident_pages_commands_on_a_fixture_capture(tmp_path):
-    incident = _script()
+    incident = load_script("incident")
     capture = tmp_path / "capture"
     shutil.copytree(FIXTURE, capture)
     since, until = "2026-11-18T12:00:30Z", "2026-11-18T12:01:10Z"

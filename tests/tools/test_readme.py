@@ -5,10 +5,8 @@ tour is one the CLI has, its picture was drawn from its main command by scripts/
 and it stays short."""
 from __future__ import annotations
 
-import importlib.util
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,20 +14,14 @@ import typer
 
 import kvtrace.cli.commands  # noqa: F401  (registers every command)
 from kvtrace.cli.app import app
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 CLI = typer.main.get_command(app)
 
 
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-picture = load("readme_picture")
+picture = load_script("readme_picture")
 
 
 def code_blocks(text: str) -> list[str]:
@@ -67,7 +59,7 @@ def test_the_main_command_runs_what_exists_and_parses():
 def test_the_main_command_is_the_story_that_postmortem_tells():
     """scripts/postmortem.py writes docs/postmortem.md and tests/analysis/test_story.py replays it: both
     must be of the README's main command."""
-    postmortem = load("postmortem")
+    postmortem = load_script("postmortem")
     record, _ = picture.main_command(README.read_text())
     params = CLI.commands["record"].make_context("record", record[2:]).params
     story = CLI.commands["record"].make_context("record", ["-w", postmortem.WORKLOAD, *postmortem.THRASH_SETTINGS]).params

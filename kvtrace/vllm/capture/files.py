@@ -9,6 +9,7 @@ Every file is written to a hidden name and renamed into place, so a reader never
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -67,3 +68,10 @@ def write_file(path: Path, data: bytes, file_mode: int = FILE_MODE) -> int:
             pass
         raise
     return len(data)
+
+
+def write_json(folder: Path, name: str, data: dict, file_mode: int = FILE_MODE) -> None:
+    """`data` as `folder/name` (its folders made as make_folder makes them)."""
+    path = Path(folder) / name
+    make_folder(path.parent, file_mode)
+    write_file(path, (json.dumps(data, indent=2) + "\n").encode(), file_mode)

@@ -24,11 +24,16 @@ import kvtrace
 from kvtrace.vllm.capture import guard
 from kvtrace.vllm.capture.accounting import StepAccounting
 from kvtrace.vllm.capture.columns import Columns
-from kvtrace.vllm.capture.files import make_folder
+from kvtrace.vllm.capture.files import make_folder, write_json
 from kvtrace.vllm.capture.pending import PendingSteps
 from kvtrace.vllm.capture.rows import ScheduledStep
 from kvtrace.vllm.capture.self_check import SelfCheck
-from kvtrace.vllm.capture.settings import Server, Settings, capture_folder, write_identity, write_json
+from kvtrace.vllm.capture.settings import (
+    Server,
+    Settings,
+    capture_folder,
+    write_identity,
+)
 from kvtrace.vllm.capture.sink import Sink
 from kvtrace.vllm.capture.wraps import PoolWraps
 

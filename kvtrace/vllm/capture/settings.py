@@ -17,7 +17,6 @@ Each is written to a hidden name and renamed into place, so a reader never sees 
 """
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import time
@@ -30,7 +29,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 
 import kvtrace
 from kvtrace.vllm.capture import chunk_format
-from kvtrace.vllm.capture.files import FILE_MODE, make_folder, parse_mode, write_file
+from kvtrace.vllm.capture.files import FILE_MODE, parse_mode, write_json
 from kvtrace.vllm.capture.sink import parse_age, parse_bytes
 
 
@@ -85,12 +84,6 @@ class Server:
         return cls(server_id=f"{started:%Y%m%dT%H%M%S}Z-{os.getpid()}", started=started,
                    salt=secrets.token_bytes(16), salt_id=secrets.token_hex(4),
                    wall_minus_monotonic=time.time() - time.monotonic())
-
-
-def write_json(folder: Path, name: str, data: dict, file_mode: int = FILE_MODE) -> None:
-    path = folder / name
-    make_folder(path.parent, file_mode)
-    write_file(path, (json.dumps(data, indent=2) + "\n").encode(), file_mode)
 
 
 def write_identity(settings: Settings, server: Server, scheduler, version: str, capture_module: str) -> None:

@@ -34,7 +34,6 @@ capture, with one line in vLLM's log; from then on the rows are dropped, and the
 from __future__ import annotations
 
 import logging
-import json
 import queue
 import re
 import threading
@@ -43,7 +42,7 @@ from collections import deque
 from pathlib import Path
 
 from kvtrace.vllm.capture import chunk_format
-from kvtrace.vllm.capture.files import FILE_MODE, make_folder, write_file
+from kvtrace.vllm.capture.files import FILE_MODE, make_folder, write_file, write_json
 
 COLUMNS = {
     "requests": ("req_id", "sample", "n", "priority", "arrival_s", "prompt_tokens", "max_tokens",
@@ -153,18 +152,18 @@ class Sink:
         now = time.monotonic()
         first, last = (min(steps["start_s"]), max(steps["end_s"])) if steps else (now, now)
         offset = self.wall_minus_monotonic
-        name = f"{part:06d}_{first + offset:.3f}_{last + offset:.3f}_{len(chunk.get('arrivals', {}).get('req_id', ()))}"
+        arrivals = len(chunk.get("arrivals", {}).get("req_id", ()))
+        name = f"{self.server_id}_{part:06d}_{first + offset:.3f}_{last + offset:.3f}_{arrivals}{chunk_format.SUFFIX}"
         if self.writer is None:
             writer = threading.Thread(target=self._write_chunks, name="kvtrace-capture-writer", daemon=True)
             try:
                 writer.start()
             except RuntimeError:   # the interpreter is shutting down (atexit, Python 3.12+): no new thread;
-                self._write_chunk(f"{self.server_id}_{name}{chunk_format.SUFFIX}", part, chunk)   # nothing to stall
+                self._write_chunk(name, part, chunk)   # written here, where there is nothing left to stall
                 return
             self.writer = writer
         try:
-            self.queue.put((f"{self.server_id}_{name}{chunk_format.SUFFIX}", part, chunk), timeout=wait_s or None,
-                           block=wait_s > 0)
+            self.queue.put((name, part, chunk), timeout=wait_s or None, block=wait_s > 0)
         except queue.Full:
             self._drop(part, first + offset, last + offset, sum(len(next(iter(c.values()))) for c in chunk.values()))
 
@@ -248,9 +247,7 @@ class Sink:
                           f"{self.queue.maxsize} chunks was full)",
                 "spans": [{"parts": [a, b], "first": f, "last": t} for a, b, f, t in list(self.dropped)]}
         try:
-            make_folder(self.capture / "servers", self.file_mode)
-            write_file(self.capture / "servers" / f"{self.server_id}.dropped.json",
-                       (json.dumps(said, indent=2) + "\n").encode(), self.file_mode)
+            write_json(self.capture, f"servers/{self.server_id}.dropped.json", said, self.file_mode)
         except OSError:
             pass   # the disk that is behind; the log said so
 
