@@ -26,6 +26,7 @@ tests/vllm_sched/record.py's: kvtrace's side writes the same.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -254,6 +255,21 @@ def _unhide(undo: list) -> None:
             setattr(cls, attr, original)
 
 
+def remove_folder(path):
+    """As `rm -rf` would, while the capture's writer thread renames and writes files in it: a file gone
+    between the listing and its unlink is not an error, and one written meanwhile is removed too."""
+    def written_meanwhile(function, name, exc_info):
+        error = exc_info[1]
+        if not (isinstance(error, FileNotFoundError) or getattr(error, "errno", None) == errno.ENOTEMPTY):
+            raise error
+
+    for _ in range(100):
+        if not os.path.lexists(path):
+            return
+        shutil.rmtree(path, onerror=written_meanwhile)
+    raise RuntimeError(f"{path} kept being written to")
+
+
 def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -346,7 +362,7 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         rec.preempted, rec.finished, rec.uncached = [], [], []
         rec.num_hashed.clear()
         if len(steps) == workload.get("remove_capture_at"):   # an operator removes the capture's folder
-            shutil.rmtree(workload["capture_dir"])
+            remove_folder(workload["capture_dir"])
         if len(steps) in aborts:   # clients gone before this step: the frontend aborts their requests
             sched.finish_requests(aborts[len(steps)], RequestStatus.FINISHED_ABORTED)
         if len(steps) == stop_at:   # the server shuts down with requests in flight, aborted first
@@ -427,7 +443,7 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             answer["capture_held"] = {"states": len(cap.steps.states), "watched": len(cap.steps.watched),
                                       "emitted": len(cap.columns.emitted), "pending": len(cap.pending)}
         if workload.get("remove_capture_before_shutdown"):   # after the last chunk: no write fails
-            shutil.rmtree(workload["capture_dir"])
+            remove_folder(workload["capture_dir"])
         if workload.get("remake_capture_before_shutdown"):   # and makes it again, empty
             os.makedirs(workload["capture_dir"], exist_ok=True)
         shut = answer.setdefault("vllm_shutdown", [])   # vLLM's own shutdown ran (its KV-event publisher's)
