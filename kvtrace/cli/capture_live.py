@@ -3,7 +3,8 @@
 `register(group)` adds both commands to a Typer group (the `capture` group). Both follow the folder
 with kvtrace/vllm/follow.py; watch lays out the dashboard of `kvtrace analyze` (kvtrace/views/dashboard.py)
 on the run of the last minutes, metrics serves kvtrace/vllm/metrics.py's figures in prometheus_client's
-exposition format.
+exposition format. `register` adds `capture dashboard` too, which prints the Grafana dashboard of those
+figures (kvtrace/vllm/dashboards/kvtrace-capture.json, shipped in the wheel).
 """
 from __future__ import annotations
 
@@ -63,9 +64,18 @@ def watch_view(trace: LiveTrace, capture: Path, window_s: float, params: dict[st
 
 
 def register(group: typer.Typer) -> None:
-    """Add `watch` and `metrics` to `group`."""
+    """Add `watch`, `metrics` and `dashboard` to `group`."""
     group.command()(watch)
     group.command()(metrics)
+    group.command()(dashboard)
+
+
+def dashboard_json() -> str:
+    """The Grafana dashboard of `capture metrics`, as the wheel ships it (kvtrace/vllm/dashboards/)."""
+    import importlib.resources
+
+    path = importlib.resources.files("kvtrace.vllm") / "dashboards" / "kvtrace-capture.json"
+    return path.read_text(encoding="utf-8")
 
 
 @user_errors
@@ -164,3 +174,25 @@ def metrics(
         server.shutdown()
         thread.join(timeout=5)
         exporter.close()
+
+
+@user_errors
+def dashboard(
+    out: Annotated[Path | None, typer.Option("--output", "-o", help="Write it to this file instead of stdout.",
+                                             show_default=False)] = None,
+) -> None:
+    """The Grafana dashboard of `capture metrics` (JSON): the thrash verdict, preemptions by reason,
+    recomputed tokens, the KV pool, ITL by cause and the capture's health. Import it in Grafana
+    (Dashboards > New > Import) and pick the Prometheus that scrapes the exporter.
+
+    Example: kvtrace capture dashboard -o kvtrace-capture.json
+    """
+    text = dashboard_json()
+    if out is None:
+        sys.stdout.write(text)
+        return
+    try:
+        out.write_text(text)
+    except OSError as exc:
+        raise KvtraceError(f"{out}: cannot write ({exc.strerror or exc})") from exc
+    print(f"wrote {out}: import it in Grafana (Dashboards > New > Import)", file=sys.stderr)
