@@ -40,7 +40,8 @@ def expected_files() -> set[str]:
         return [p for p in ROOT.glob(pattern) if "__pycache__" not in p.parts]
     paths = {p.relative_to(ROOT).as_posix() for pattern in ("kvtrace/**/*.py", "engine/**/*.py",
                                                             "engine/kernels/csrc/*.c",
-                                                            "engine/sim/profiles/*.json")
+                                                            "engine/sim/profiles/*.json",
+                                                            "kvtrace/vllm/dashboards/*.json")
              for p in files(pattern)}
     paths |= {f"kvtrace/analyses/{p.name}" for pattern in ("analyses/*.sql", "analyses/*.py") for p in files(pattern)}
     return paths
@@ -157,6 +158,11 @@ def test_the_main_job_runs_from_the_wheel(installed):
     installed.kvtrace("report", "runs/tiny", "-o", "x.html")
     html = (installed.work / "x.html").read_text()
     assert "vega" in html and len(html) > 10_000
+
+
+def test_the_installed_kvtrace_prints_the_grafana_dashboard(installed):
+    printed = installed.kvtrace("capture", "dashboard").stdout
+    assert printed == (ROOT / "kvtrace" / "vllm" / "dashboards" / "kvtrace-capture.json").read_text()
 
 
 def test_the_capture_imports_with_the_standard_library_only(installed):
