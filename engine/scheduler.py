@@ -84,8 +84,8 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.swap_groups = swap_groups          # --n-mode cow: a request's samples swap together
         self.max_model_len = max_model_len      # a sequence stops at this many tokens (0: no limit)
-        # vLLM 0.33: under the priority policy, the running pass goes on after a sequence that preempted
-        # itself (those after it are more urgent and may fit in what it freed); 0.32 ends the pass there
+        # vLLM 0.33 and later: under the priority policy, the running pass goes on after a sequence that
+        # preempted itself (those after it are more urgent and may fit in what it freed); 0.32 ends it there
         self.priority_pass_goes_on = False
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # in admission order, oldest first
@@ -93,11 +93,11 @@ class Scheduler:
         self._admit_counter = 0
 
     def follow(self, vllm_version: str) -> None:
-        """Make the decisions of this vLLM where versions differ (0.32.0, the default, or 0.33.0;
+        """Make the decisions of this vLLM where versions differ (0.32.0, the default, 0.33.0 or 0.34.0;
         docs/scheduling.md lists what differs)."""
         if vllm_version not in VLLM_VERSIONS:
             raise ValueError(f"kvtrace's scheduler follows vLLM {' or '.join(VLLM_VERSIONS)}, not {vllm_version!r}")
-        self.priority_pass_goes_on = vllm_version == "0.33.0"
+        self.priority_pass_goes_on = vllm_version != "0.32.0"
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

@@ -38,12 +38,19 @@ else
     export KVTRACE_VLLM_UNAVAILABLE="the vLLM environment could not be built: $(tail -n 1 /tmp/kvtrace-vllm-env.log)"
     echo "warning: $KVTRACE_VLLM_UNAVAILABLE" >&2
 fi
-# the scheduler-level differential also runs vLLM 0.33's scheduler (a scheduler-only venv); where it
-# cannot be built, that version's cases are left out and the reason said
-if [ -n "${KVTRACE_VLLM_PYTHON:-}" ] && SCHED_PY=$(bash scripts/vllm_sched_env.sh 0.33.0 2>/tmp/kvtrace-vllm-sched-env.log | tail -n 1) \
-        && [ -n "$SCHED_PY" ]; then
-    export KVTRACE_VLLM_SCHED_PYTHONS="$SCHED_PY"
-else
-    echo "warning: no vLLM 0.33 scheduler venv: $(tail -n 1 /tmp/kvtrace-vllm-sched-env.log 2>/dev/null)" >&2
+# the scheduler-level differential and the capture's tests also run the schedulers of the other vLLM
+# releases the capture supports (scheduler-only venvs, scripts/vllm_sched_env.sh; docs/vllm.md's support
+# table); a release whose venv cannot be built is left out and the reason said
+SCHED_PYS=""
+if [ -n "${KVTRACE_VLLM_PYTHON:-}" ]; then
+    for version in ${KVTRACE_VLLM_SCHED_VERSIONS:-0.33.0 0.34.0}; do
+        if SCHED_PY=$(bash scripts/vllm_sched_env.sh "$version" 2>"/tmp/kvtrace-vllm-sched-env-$version.log" | tail -n 1) \
+                && [ -n "$SCHED_PY" ]; then
+            SCHED_PYS="${SCHED_PYS:+$SCHED_PYS:}$SCHED_PY"
+        else
+            echo "warning: no vLLM $version scheduler venv: $(tail -n 1 "/tmp/kvtrace-vllm-sched-env-$version.log" 2>/dev/null)" >&2
+        fi
+    done
 fi
+export KVTRACE_VLLM_SCHED_PYTHONS="$SCHED_PYS"
 exec "$PY" -m pytest -q -p no:cacheprovider -m vllm tests

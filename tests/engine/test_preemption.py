@@ -255,7 +255,7 @@ def test_a_request_id_used_twice_is_refused(make_engine):
         engine.add_request("r", [8, 9])
 
 
-@pytest.mark.parametrize("version, scheduled", [("0.32.0", []), ("0.33.0", ["B"])])
+@pytest.mark.parametrize("version, scheduled", [("0.32.0", []), ("0.33.0", ["B"]), ("0.34.0", ["B"])])
 def test_priority_pass_after_a_self_preemption_follows_the_vllm_version(version, scheduled):
     """A (least urgent) preempts itself for a block; vLLM 0.32 ends the running pass there, 0.33 goes
     on to B, whose decode needs no new block."""

@@ -40,6 +40,21 @@ FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCh
                                                    HealthCheck.filter_too_much])
 
 
+# a release kvtrace does not follow yet (scripts/vllm_release_check.sh): compared with the decisions kvtrace
+# makes following this one, to find the first step where the new release decides otherwise
+FOLLOW_INSTEAD = os.environ.get("KVTRACE_SCHED_FOLLOW")
+
+
+def followed(vllm) -> str:
+    """The vLLM version kvtrace's side follows against this vLLM (its own, or FOLLOW_INSTEAD's)."""
+    if vllm.version in VLLM_VERSIONS:
+        return vllm.version
+    if FOLLOW_INSTEAD in VLLM_VERSIONS:
+        return FOLLOW_INSTEAD
+    pytest.skip(f"kvtrace's scheduler follows vLLM {', '.join(VLLM_VERSIONS)}, not {vllm.version} "
+                f"(KVTRACE_SCHED_FOLLOW=VERSION compares it with one of those)")
+
+
 def venv_name(python: str) -> str:
     return Path(python).parent.parent.name   # .../vllm-venv-0.32.0/bin/python: vllm-venv-0.32.0
 
@@ -55,14 +70,13 @@ def vllm(request):
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
 def test_schedules_as_vllm(vllm, asynchronous):
-    if vllm.version not in VLLM_VERSIONS:
-        pytest.skip(f"kvtrace's scheduler follows vLLM {', '.join(VLLM_VERSIONS)}, not {vllm.version}")
+    follows = followed(vllm)
     totals: Counter = Counter()
 
     plant = os.environ.get("KVTRACE_SCHED_PLANT") or None   # see a failure's report: a planted wrong scheduler
 
     def kvtrace_run(workload):
-        return kvtrace_side.run(workload, plant, vllm_version=vllm.version)
+        return kvtrace_side.run(workload, plant, vllm_version=follows)
 
     shrinking: dict = {}   # once a batch differs, each workload's pair is kept while Hypothesis shrinks it
 
@@ -74,7 +88,8 @@ def test_schedules_as_vllm(vllm, asynchronous):
         for workload, (mine, theirs) in zip(batch, pairs):
             difference = first_difference(mine, theirs)
             if difference:
-                differing.append(f"vLLM {vllm.version}, workload:\n{json.dumps(workload)}\n{difference}")
+                differing.append(f"vLLM {vllm.version} (kvtrace following {follows}), "
+                                 f"workload:\n{json.dumps(workload)}\n{difference}")
             totals.update(tally(theirs))
         # Hypothesis shrinks the batch: the first differing workload, shrunk, and its first differing step
         if differing:
@@ -110,11 +125,10 @@ def test_reused_vllm_configs_schedule_as_fresh_ones(vllm):
 
 @pytest.mark.parametrize("bug", kvtrace_side.PLANTS)
 def test_a_planted_wrong_scheduler_is_caught(vllm, bug):
-    if vllm.version not in VLLM_VERSIONS:
-        pytest.skip(f"kvtrace's scheduler follows vLLM {', '.join(VLLM_VERSIONS)}, not {vllm.version}")
+    follows = followed(vllm)
 
     def caught(workload) -> bool:   # planted in the scheduler that follows this vLLM: no difference but the bug's
-        return first_difference(kvtrace_side.run(workload, bug, vllm_version=vllm.version),
+        return first_difference(kvtrace_side.run(workload, bug, vllm_version=follows),
                                 vllm.run(workload)) is not None
 
     try:

@@ -40,6 +40,7 @@ CAPTURE = False  # --capture: kvtrace's capture scheduler class instead of vLLM'
 CAPTURE_CLASS = None   # --serve: the capture class of the session's package (loaded from its folder)
 
 
+MODEL_RUNNER_OUTPUT_FIELDS: set = set()   # this vLLM's (main reads them)
 CONFIGS: dict = {}   # the VllmConfig built once, and the config values each workload sets
 
 
@@ -200,8 +201,10 @@ def output_for(sched, so, index: int = 0):
         drafts = len(spec.get(rid, ()))
         sampled.append([] if request is None or request.is_prefill_chunk
                        else [TOKEN] * (1 + accepted(rid, index, drafts)))
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=sampled)
+    if "req_id_to_index" in MODEL_RUNNER_OUTPUT_FIELDS:   # vLLM before 0.34: the scheduler reads it
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled)
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)   # 0.34: indices follow req_ids
 
 
 def corrupt(cap, how: str) -> None:
@@ -576,7 +579,17 @@ def main() -> int:
     out = os.fdopen(os.dup(1), "w", buffering=1)   # stdout carries only the answers
     os.dup2(2, 1)
     import vllm
+    # vLLM 0.34's CPU platform refuses to build a config on x86 without Triton's CPU backend, which its
+    # kernels need; the scheduler runs none, so the driver says Triton is there (0.32's CPU build has no
+    # such check). check_and_update_config reads the flag when it is called.
+    import vllm.triton_utils
+    vllm.triton_utils.HAS_TRITON = True
+    import dataclasses
+
     from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.outputs import ModelRunnerOutput
+    global MODEL_RUNNER_OUTPUT_FIELDS
+    MODEL_RUNNER_OUTPUT_FIELDS = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
     global HASH_FN
     from vllm.utils.hashing import sha256
     HASH_FN = sha256   # what vLLM's prefix cache hashes with by default (bytes: the pool appends a group id)
