@@ -200,7 +200,7 @@ PREEMPTION_MODES = tuple(m.value for m in PreemptionMode)
 PREEMPTION_POLICIES = tuple(p.value for p in PreemptionPolicy)
 N_MODES = tuple(m.value for m in NMode)
 VLLM_VERSION = "0.32.0"   # the vLLM whose V1 scheduler and block pool the engine follows by default
-VLLM_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")   # those whose decisions it can make where they differ (docs/scheduling.md)
+VLLM_VERSIONS = ("0.31.0", "0.32.0", "0.33.0", "0.34.0")   # those whose decisions it can make where they differ (docs/scheduling.md)
 DTYPES = ("float32", "bfloat16", "float16")
 SWAP_SPACE_DEFAULT = 4 << 30   # vLLM V0's --swap-space default: the host pool in swap mode on CUDA
 # the most of a CUDA device's memory the real engine may plan for: the activation reserve is an estimate

@@ -85,7 +85,8 @@ class Scheduler:
         self.swap_groups = swap_groups          # --n-mode cow: a request's samples swap together
         self.max_model_len = max_model_len      # a sequence stops at this many tokens (0: no limit)
         # vLLM 0.33 and later: under the priority policy, the running pass goes on after a sequence that
-        # preempted itself (those after it are more urgent and may fit in what it freed); 0.32 ends it there
+        # preempted itself (those after it are more urgent and may fit in what it freed); 0.31 and 0.32
+        # end it there
         self.priority_pass_goes_on = False
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # in admission order, oldest first
@@ -93,11 +94,13 @@ class Scheduler:
         self._admit_counter = 0
 
     def follow(self, vllm_version: str) -> None:
-        """Make the decisions of this vLLM where versions differ (0.32.0, the default, 0.33.0 or 0.34.0;
+        """Make the decisions of this vLLM where versions differ (0.31.0, 0.32.0 (the default),
+        0.33.0 or 0.34.0;
         docs/scheduling.md lists what differs)."""
         if vllm_version not in VLLM_VERSIONS:
             raise ValueError(f"kvtrace's scheduler follows vLLM {' or '.join(VLLM_VERSIONS)}, not {vllm_version!r}")
-        self.priority_pass_goes_on = vllm_version != "0.32.0"
+        major, minor = (int(part) for part in vllm_version.split(".")[:2])
+        self.priority_pass_goes_on = (major, minor) >= (0, 33)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

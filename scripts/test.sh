@@ -43,7 +43,7 @@ fi
 # table); a release whose venv cannot be built is left out and the reason said
 SCHED_PYS=""
 if [ -n "${KVTRACE_VLLM_PYTHON:-}" ]; then
-    for version in ${KVTRACE_VLLM_SCHED_VERSIONS:-0.33.0 0.34.0}; do
+    for version in ${KVTRACE_VLLM_SCHED_VERSIONS:-0.31.0 0.33.0 0.34.0}; do
         if SCHED_PY=$(bash scripts/vllm_sched_env.sh "$version" 2>"/tmp/kvtrace-vllm-sched-env-$version.log" | tail -n 1) \
                 && [ -n "$SCHED_PY" ]; then
             SCHED_PYS="${SCHED_PYS:+$SCHED_PYS:}$SCHED_PY"

@@ -94,7 +94,7 @@ def record(
                                                      "faster where steps only decode (docs/simulation.md); off: the "
                                                      "general pass decides every step (the same trace, slower).")] = True,
     follow_vllm: Annotated[str | None, typer.Option(rich_help_panel="Scheduling", help="The vLLM whose scheduling decisions to make "
-                                                "where versions differ: 0.32.0 or 0.33.0 (docs/scheduling.md); default: the "
+                                                "where versions differ: 0.31.0, 0.32.0, 0.33.0 or 0.34.0 (docs/scheduling.md); default: the "
                                                 "one a `workload from-run` header names, else 0.32.0.")] = None,
     seed: Annotated[int, typer.Option(rich_help_panel="Workload and run", help="Seed for synthesised prompts, sampling and dummy weights.")] = 0,
     max_requests: Annotated[int | None, typer.Option(rich_help_panel="Workload and run", help="Replay only the first N requests.")] = None,

@@ -255,7 +255,7 @@ def test_a_request_id_used_twice_is_refused(make_engine):
         engine.add_request("r", [8, 9])
 
 
-@pytest.mark.parametrize("version, scheduled", [("0.32.0", []), ("0.33.0", ["B"]), ("0.34.0", ["B"])])
+@pytest.mark.parametrize("version, scheduled", [("0.31.0", []), ("0.32.0", []), ("0.33.0", ["B"]), ("0.34.0", ["B"])])
 def test_priority_pass_after_a_self_preemption_follows_the_vllm_version(version, scheduled):
     """A (least urgent) preempts itself for a block; vLLM 0.32 ends the running pass there, 0.33 goes
     on to B, whose decode needs no new block."""
@@ -273,9 +273,9 @@ def test_priority_pass_after_a_self_preemption_follows_the_vllm_version(version,
     assert [s.req_id for s in out.seqs] == scheduled
     assert scheduling_description(engine.config)["follows"] == f"vLLM {version} V1 scheduler and block pool"
     with pytest.raises(ValueError):
-        engine.scheduler.follow("0.31.0")
-    with pytest.raises(ValueError, match="--follow-vllm must be one of 0.32.0, 0.33.0, got '0.31.0'"):
-        EngineConfig(model="tiny", engine="sim", follow_vllm="0.31.0")
+        engine.scheduler.follow("0.30.0")
+    with pytest.raises(ValueError, match="--follow-vllm must be one of 0.31.0, 0.32.0, 0.33.0, 0.34.0, got '0.30.0'"):
+        EngineConfig(model="tiny", engine="sim", follow_vllm="0.30.0")
 
 
 @pytest.mark.parametrize("policy", ["newest", "fewest-computed"])

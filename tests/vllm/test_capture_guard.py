@@ -1,7 +1,7 @@
 """The capture's start-up guard (kvtrace/vllm/capture/guard.py) without vLLM: stand-in classes with
 everything it checks pass; take one name away and the refusal names exactly that one. (With vLLM:
 tests/vllm/test_vllm_capture.py removes a real method; tests/vllm/test_capture_on_vllm.py runs
-the guard on 0.32.0's and 0.33.0's own classes.)"""
+the guard on the own classes of every vLLM the tests have, 0.31.0 to 0.34.0 in CI.)"""
 from __future__ import annotations
 
 import pytest
@@ -64,10 +64,11 @@ def test_a_renamed_parameter_is_named():
 
 
 def test_versions_outside_the_tested_ones_are_refused():
-    guard.check_version("0.32.0")
-    guard.check_version("0.33.1")
-    with pytest.raises(guard.VllmChanged, match="vLLM 0.34.0 is outside the versions this capture supports"):
-        guard.check_version("0.34.0")
+    for version in ("0.31.0", "0.32.0", "0.33.1", "0.34.0"):
+        guard.check_version(version)
+    for version in ("0.30.0", "0.35.0", "1.0.0"):
+        with pytest.raises(guard.VllmChanged, match=f"vLLM {version} is outside the versions this capture supports"):
+            guard.check_version(version)
 
 
 def test_a_local_the_capture_reads_is_checked():

@@ -41,8 +41,8 @@ def test_the_version_a_run_followed(meta, expected):
 def test_a_version_kvtrace_cannot_follow_is_a_note_not_a_version():
     version, followed, note = run_follow_vllm({"vllm": {"version": "0.34.1"}})
     assert (version, followed) == (None, None)
-    assert note == ("vLLM version: the run is vLLM 0.34.1's, which kvtrace cannot follow (it follows 0.32.0, 0.33.0): "
-                    "a replay follows the default 0.32.0 unless --follow-vllm says otherwise")
+    assert note == ("vLLM version: the run is vLLM 0.34.1's, which kvtrace cannot follow (it follows "
+                    "0.31.0, 0.32.0, 0.33.0, 0.34.0): a replay follows the default 0.32.0 unless --follow-vllm says otherwise")
 
 
 def test_the_header_is_followed_unless_the_user_says_otherwise(tmp_path):
@@ -60,10 +60,10 @@ def test_the_header_is_followed_unless_the_user_says_otherwise(tmp_path):
     late.write_text(plain.read_text() + "# follow_vllm: 0.33.0\n")
     assert header_follow_vllm(late) is None
     odd = tmp_path / "odd.jsonl"
-    odd.write_text("# follow_vllm: 0.31.0\n" + plain.read_text())
+    odd.write_text("# follow_vllm: 0.30.0\n" + plain.read_text())
     assert resolve_follow_vllm(None, odd) == (
-        VLLM_VERSION, ("the workload's header names vLLM 0.31.0, which kvtrace cannot follow (it follows "
-                       "0.32.0, 0.33.0): following the default 0.32.0"))
+        VLLM_VERSION, ("the workload's header names vLLM 0.30.0, which kvtrace cannot follow (it follows "
+                       "0.31.0, 0.32.0, 0.33.0, 0.34.0): following the default 0.32.0"))
 
 
 def a_run_of(tmp_path, name: str, vllm_version: str | None, *args: str):

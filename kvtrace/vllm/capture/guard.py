@@ -11,8 +11,8 @@ import dataclasses
 import inspect
 
 # vLLM minor versions the capture is tested on, exactly: tests/vllm/test_capture_on_vllm.py runs it
-# on 0.32.0, 0.33.0 and 0.34.0's own Scheduler and AsyncScheduler (docs/vllm.md)
-SUPPORTED = ((0, 32), (0, 33), (0, 34))
+# on 0.31.0, 0.32.0, 0.33.0 and 0.34.0's own Scheduler and AsyncScheduler (docs/vllm.md's support table)
+SUPPORTED = ((0, 31), (0, 32), (0, 33), (0, 34))
 
 # (method, parameters the capture relies on)
 SCHEDULER_METHODS = {

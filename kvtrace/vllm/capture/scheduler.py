@@ -121,7 +121,7 @@ class KvtraceCaptureScheduler:
     vLLM resolves `scheduler_cls` and calls it once, in EngineCore, as `cls(vllm_config=..., ...)`,
     after its platform hook has had the last word on `scheduler_config.async_scheduling`; without a
     `scheduler_cls` it would have used AsyncScheduler when that is on, Scheduler otherwise
-    (SchedulerConfig.get_scheduler_cls, the same in 0.32 and 0.33). `__new__` makes that same choice
+    (SchedulerConfig.get_scheduler_cls, the same in 0.31 to 0.34). `__new__` makes that same choice
     and returns the instance it builds (not an instance of this class, so Python does not call
     `__init__` again)."""
 
