@@ -76,3 +76,26 @@ def test_a_local_the_capture_reads_is_checked():
     `requester`): a schedule without that local is refused, by name."""
     with pytest.raises(guard.VllmChanged, match=r"^vLLM changed: Scheduler\.schedule has no local 'request'"):
         guard.check_classes(*classes(("Scheduler.schedule", "request")))
+
+
+def test_kvtrace_vllm_versions_narrows_the_versions_the_capture_starts_on(monkeypatch):
+    """An operator who has validated fewer releases than kvtrace supports lists them: the others are refused
+    (reason vllm_version, as a release kvtrace does not support); a listed version kvtrace does not support
+    is a bad setting, never a widening."""
+    first, other = (f"{a}.{b}" for a, b in guard.SUPPORTED[:2])
+    monkeypatch.setenv("KVTRACE_VLLM_VERSIONS", f" {other} ")
+    assert guard.accepted_versions() == (guard.version_tuple(other),)
+    guard.check_version(f"{other}.1")
+    with pytest.raises(guard.VllmChanged, match=rf"vLLM {first}.0 is outside the versions KVTRACE_VLLM_VERSIONS "
+                                                rf"lets the capture start on \({other};") as refused:
+        guard.check_version(f"{first}.0")
+    assert refused.value.reason == "vllm_version"
+    for text in ("0.1", f"{other},9.9", "latest"):
+        monkeypatch.setenv("KVTRACE_VLLM_VERSIONS", text)
+        with pytest.raises(ValueError, match="KVTRACE_VLLM_VERSIONS=.*expected some of the versions"):
+            guard.accepted_versions()
+    monkeypatch.delenv("KVTRACE_VLLM_VERSIONS")
+    assert guard.accepted_versions() == guard.SUPPORTED
+    with pytest.raises(guard.VllmChanged, match="outside the versions this capture supports") as refused:
+        guard.check_version("0.1.0")
+    assert refused.value.reason == "vllm_version"

@@ -874,12 +874,48 @@ WORKLOAD = {"config": {"block_size": 4, "num_blocks": 8, "max_num_seqs": 2, "max
             "requests": [{"id": "r00", "prompt": [1, 2, 3], "max_tokens": 4, "arrival_step": 0}]}
 
 
+STRICT = {"KVTRACE_CAPTURE_STRICT": "1"}
+
+
+def stepped_aside(answer: dict, capture: Path, reason: str) -> dict:
+    """A capture that did not start, by default: vLLM's scheduler ran the workload unrecorded, the
+    folder says why (servers/<id>.error.json and error.json, the same), and nothing in it looks like a
+    capture of that server. Returns what error.json says."""
+    assert "error" not in answer, answer.get("traceback")
+    assert answer["capture_started"] is False and answer["steps"]
+    error = json.loads((capture / "error.json").read_text())
+    assert (error["status"], error["reason"], error["strict"]) == ("stepped_aside", reason, False), error
+    assert error["server_id"] and error["pid"] > 0 and error["vllm_version"] and error["at"], error
+    assert json.loads((capture / "servers" / f"{error['server_id']}.error.json").read_text()) == error
+    assert not (capture / "capture.json").exists() and not (capture / "servers" / f"{error['server_id']}.json").exists()
+    assert not list(capture.rglob("*.kvtc")) and not (capture / "done.json").exists()
+    return error
+
+
+def refused(vllm, workload: dict, capture: Path, reason: str, match: str) -> dict:
+    """The same with KVTRACE_CAPTURE_STRICT=1: the scheduler is not built, and error.json says why."""
+    with pytest.raises(RuntimeError, match=match):
+        vllm.answer({**workload, "capture_dir": str(capture), "env": {**workload.get("env", {}), **STRICT}})
+    error = json.loads((capture / "error.json").read_text())
+    assert (error["status"], error["reason"], error["strict"]) == ("refused", reason, True), error
+    return error
+
+
 @starts_vllm(unless=bool(DRIVERS))
-def test_the_capture_refuses_to_start_without_its_folder(vllm):
-    """No KVTRACE_CAPTURE_DIR: the scheduler is not built (an error that names the variable), rather
-    than a server recording nowhere."""
+def test_without_its_folder_the_capture_steps_aside_and_strict_mode_refuses(vllm):
+    """No KVTRACE_CAPTURE_DIR: by default the scheduler runs unrecorded (there is no folder to say why
+    in: vLLM's log line says it); in strict mode it is not built, with an error that names the variable."""
+    answer = vllm.answer({**WORKLOAD, "capture_dir": None})
+    assert "error" not in answer and answer["capture_started"] is False and answer["steps"], answer.get("traceback")
     with pytest.raises(RuntimeError, match="set KVTRACE_CAPTURE_DIR to the capture folder"):
-        vllm.answer({**WORKLOAD, "capture_dir": None})
+        vllm.answer({**WORKLOAD, "capture_dir": None, "env": STRICT})
+
+
+@starts_vllm(unless=bool(DRIVERS))
+def test_an_option_the_capture_cannot_parse_makes_it_step_aside_and_says_which(vllm, tmp_path):
+    error = stepped_aside(vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture"),
+                                       "env": {"KVTRACE_CAPTURE_MAX_BYTES": "lots"}}), tmp_path / "capture", "settings")
+    assert "KVTRACE_CAPTURE_MAX_BYTES='lots'" in error["error"], error
 
 
 @starts_vllm(unless=bool(DRIVERS))
@@ -894,13 +930,33 @@ def test_the_capture_takes_its_options_and_names_the_served_model(vllm, tmp_path
 
 
 @starts_vllm(unless=bool(DRIVERS))
-def test_a_vllm_version_the_capture_was_not_tested_on_stops_it_and_says_so(vllm, tmp_path):
-    """A vLLM the capture was not tested on: the scheduler is not built, and error.json in the capture
-    folder says why (vLLM's EngineCore keeps the exception in its own log)."""
-    with pytest.raises(RuntimeError, match="VllmChanged"):
-        vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture"), "vllm_version": "0.31.0"})
-    error = json.loads((tmp_path / "capture" / "error.json").read_text())
-    assert error["vllm_version"] == "0.31.0" and "0.31" in error["error"], error
+def test_a_vllm_version_the_capture_was_not_tested_on_makes_it_step_aside_or_refuse(vllm, tmp_path):
+    """A vLLM the capture was not tested on: vLLM serves unrecorded and error.json in the capture folder
+    says why (vLLM's EngineCore keeps the exception in its own log); strict mode refuses it."""
+    # the version check on, whatever the environment says (scripts/vllm_release_check.sh sets it aside)
+    from kvtrace.vllm.capture import guard
+
+    major, minor = min(guard.SUPPORTED)
+    older = f"{major}.{minor - 1}.0"   # the release before the oldest supported
+    workload = {**WORKLOAD, "vllm_version": older, "env": {"KVTRACE_VLLM_ANY_VERSION": "0"}}
+    error = stepped_aside(vllm.answer({**workload, "capture_dir": str(tmp_path / "capture")}), tmp_path / "capture",
+                          "vllm_version")
+    assert error["vllm_version"] == older and f"vLLM {older} is outside" in error["error"], error
+    error = refused(vllm, workload, tmp_path / "strict", "vllm_version", "VllmChanged")
+    assert error["vllm_version"] == older and f"vLLM {older} is outside" in error["error"], error
+
+
+@starts_vllm(unless=bool(DRIVERS))
+def test_a_vllm_version_left_out_of_kvtrace_vllm_versions_is_refused(vllm, tmp_path):
+    """KVTRACE_VLLM_VERSIONS narrows the versions the capture starts on to those an operator has
+    validated: the vLLM this test runs, left out, steps the capture aside."""
+    from kvtrace.vllm.capture import guard
+
+    other = next(f"{a}.{b}" for a, b in guard.SUPPORTED if (a, b) != guard.version_tuple(vllm.version))
+    error = stepped_aside(vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture"),
+                                       "env": {"KVTRACE_VLLM_VERSIONS": other, "KVTRACE_VLLM_ANY_VERSION": "0"}}),
+                          tmp_path / "capture", "vllm_version")
+    assert f"outside the versions KVTRACE_VLLM_VERSIONS lets the capture start on ({other};" in error["error"], error
 
 
 @starts_vllm(unless=bool(DRIVERS))
@@ -909,13 +965,15 @@ def test_a_vllm_version_the_capture_was_not_tested_on_stops_it_and_says_so(vllm,
     ("vllm.v1.core.block_pool:BlockPool.touch", "BlockPool.touch is gone"),
     ("vllm.v1.core.sched.request_queue:FCFSRequestQueue.peek_request", "has no peek_request"),
 ], ids=["a-class-method", "a-pool-method", "an-instances-method"])
-def test_a_vllm_without_a_name_the_capture_uses_stops_it_and_says_which(vllm, tmp_path, hidden, named):
-    """A vLLM whose classes or scheduler lack a method the capture wraps or reads: the scheduler is
-    not built, and error.json names what is missing (rather than a capture that breaks mid-serve)."""
-    with pytest.raises(RuntimeError, match="VllmChanged"):
-        vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "capture"), "hide": [hidden]})
-    error = json.loads((tmp_path / "capture" / "error.json").read_text())
+def test_a_vllm_without_a_name_the_capture_uses_makes_it_step_aside_or_refuse(vllm, tmp_path, hidden, named):
+    """A vLLM whose classes or scheduler lack a method the capture wraps or reads: the capture steps
+    aside, or in strict mode the scheduler is not built, and error.json names what is missing (rather
+    than a capture that breaks mid-serve)."""
+    workload = {**WORKLOAD, "hide": [hidden]}
+    error = stepped_aside(vllm.answer({**workload, "capture_dir": str(tmp_path / "capture")}), tmp_path / "capture",
+                          "vllm_changed")
     assert named in error["error"], error
+    assert named in refused(vllm, workload, tmp_path / "strict", "vllm_changed", "VllmChanged")["error"]
     vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "again")})   # put back: the next one starts
 
 
@@ -923,18 +981,92 @@ def test_a_vllm_without_a_name_the_capture_uses_stops_it_and_says_which(vllm, tm
 @pytest.mark.parametrize("groups, named", [
     (["sliding"], "1 group(s) (SlidingWindowManager)"),
     (["full", "sliding"], "2 group(s) (FullAttentionManager, SlidingWindowManager)")], ids=["window", "hybrid"])
-def test_a_model_whose_kv_cache_is_not_one_full_attention_group_is_refused_at_start_up(vllm, tmp_path, groups,
-                                                                                        named):
+def test_a_model_whose_kv_cache_is_not_one_full_attention_group_makes_it_step_aside_or_refuse(vllm, tmp_path,
+                                                                                              groups, named):
     """A sliding-window or hybrid model (Gemma 3's layers, say): vLLM keeps a block table per group
     and drops blocks out of a window mid-request, which the capture's one table per request cannot
-    follow. The scheduler is not built, and error.json says why; a dense model's next one starts."""
-    with pytest.raises(RuntimeError, match="VllmChanged"):
-        vllm.answer({**WORKLOAD, "config": {**WORKLOAD["config"], "kv_cache_groups": groups},
-                     "capture_dir": str(tmp_path / "capture")})
-    error = json.loads((tmp_path / "capture" / "error.json").read_text())
+    follow. The capture steps aside (strict mode: the scheduler is not built), and error.json says why;
+    a dense model's next one starts."""
+    workload = {**WORKLOAD, "config": {**WORKLOAD["config"], "kv_cache_groups": groups}}
+    error = stepped_aside(vllm.answer({**workload, "capture_dir": str(tmp_path / "capture")}), tmp_path / "capture",
+                          "model")
     assert named in error["error"] and "full attention only" in error["error"], error
-    assert not (tmp_path / "capture" / "capture.json").exists()   # nothing that looks like a capture
+    error = refused(vllm, workload, tmp_path / "strict", "model", "VllmChanged")
+    assert named in error["error"] and "full attention only" in error["error"], error
+    assert not (tmp_path / "strict" / "capture.json").exists()   # nothing that looks like a capture
     vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "again")})
+
+
+# errors planted in a copy of the capture package, each where the KVTRACE_PLANTED_FAULT its scheduler was
+# built with names: in a hook of the recorder's own (after vLLM's schedule) and in a wrapper that vLLM's
+# schedule calls (mid-admission, its block-pool call made)
+PLANTS = {
+    "recorder.py": ("        end = time.monotonic()\n",
+                    "        end = time.monotonic()\n"
+                    "        if self.planted == 'hook' and self.steps.step == 3:\n"
+                    "            raise RuntimeError('planted in after_schedule')\n"),
+    "wraps.py": ("                request = self.current or self.allocating()\n                if request is None:\n",
+                 "                if self.planted == 'wrap' and self.steps.step >= 3:\n"
+                 "                    raise RuntimeError('planted in get_new_blocks')\n"
+                 "                request = self.current or self.allocating()\n                if request is None:\n"),
+}
+PLANTED_AT_BUILD = {"recorder.py": "        folder = settings.folder\n", "wraps.py": "        kvm = scheduler.kv_cache_manager\n"}
+
+
+def _planted_package(root: Path) -> Path:
+    """kvtrace's package root with the capture package only, copied with PLANTS; its capture folder."""
+    import kvtrace
+
+    source = Path(kvtrace.__file__).resolve().parent
+    capture = root / "kvtrace" / "vllm" / "capture"
+    capture.mkdir(parents=True)
+    shutil.copy2(source / "__init__.py", root / "kvtrace" / "__init__.py")
+    shutil.copy2(source / "vllm" / "__init__.py", root / "kvtrace" / "vllm" / "__init__.py")
+    for path in (source / "vllm" / "capture").glob("*.py"):
+        text = path.read_text()
+        if path.name in PLANTS:
+            at, planted = PLANTS[path.name]
+            build = PLANTED_AT_BUILD[path.name]
+            assert text.count(at) == 1 and text.count(build) == 1, path.name   # the plant still fits the code
+            text = text.replace(at, planted).replace(
+                build, build + "        self.planted = __import__('os').environ.get('KVTRACE_PLANTED_FAULT')\n")
+        (capture / path.name).write_text(text)
+    return capture
+
+
+@starts_vllm()
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_an_error_of_the_capture_at_runtime_stops_it_and_vllm_decides_on(vllm, asynchronous, tmp_path, monkeypatch):
+    """An error of the capture's own, in a hook after vLLM's schedule or in a wrapper inside it: the
+    capture stops (its wraps off), vLLM's scheduler makes every decision it makes with the capture
+    working (the same steps, victims and allocate_slots calls) and finishes every request, and
+    error.json says the capture stopped and where."""
+    if DRIVERS:
+        pytest.skip("a session of a driver someone else started loads this checkout's capture, not a planted copy")
+    from kvtrace.vllm.record import model_folder
+    from tests.vllm_sched import differential
+
+    workload = {"config": {**WORKLOAD["config"], "async": asynchronous, "num_blocks": 4},
+                "requests": [{"id": f"r{i:02d}", "prompt": list(range(10 * i + 1, 10 * i + 6)), "max_tokens": 6,
+                              "arrival_step": 0} for i in range(4)]}
+    working = vllm.answer({**workload, "capture_dir": str(tmp_path / "working")})
+    assert working["capture_started"] and any(step["preempted"] for step in working["steps"])
+    package = _planted_package(tmp_path / "planted")
+    monkeypatch.setattr(differential, "capture_package", lambda: package)
+    planted = VllmScheduler(vllm.python, str(model_folder("smollm2-135m")), capture=True)
+    try:
+        for fault, where in (("hook", "planted in after_schedule"), ("wrap", "planted in get_new_blocks")):
+            capture = tmp_path / fault
+            answer = planted.answer({**workload, "capture_dir": str(capture), "env": {"KVTRACE_PLANTED_FAULT": fault}})
+            assert "error" not in answer, answer.get("traceback")
+            assert answer["capture_started"] is False   # stopped: the scheduler's _kvtrace is None at the end
+            assert answer["steps"] == working["steps"] and answer["allocate_calls"] == working["allocate_calls"]
+            error = json.loads((capture / "error.json").read_text())
+            assert (error["status"], error["reason"], error["error"]) == ("stopped", "error", where), error
+            assert where in error["traceback"] and (capture / "servers" / f"{error['server_id']}.json").exists()
+            assert not (capture / "done.json").exists()   # a stopped capture writes no summary at shutdown
+    finally:
+        planted.close()
 
 
 @starts_vllm(unless=bool(DRIVERS))

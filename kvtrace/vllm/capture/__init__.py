@@ -6,7 +6,9 @@ the standard library and vLLM itself (no pyarrow, nothing else of kvtrace). Its 
   scheduler's own methods and call the recorder;
 - `recorder.py`: one per scheduler, the parts below put together, and what each step hook does;
 - `settings.py`: the options (environment variables) and the files that say who writes (servers/,
-  capture.json, error.json, done.json);
+  capture.json, done.json);
+- `aside.py`: a capture that cannot start steps aside (vLLM serves unrecorded) or, in strict mode,
+  refuses; one that fails at runtime stops: what each says, in vLLM's log and error.json;
 - `wraps.py`: the wraps of the KV cache manager's, block pool's and waiting queues' methods on the
   scheduler's instances, and the vLLM frames they read;
 - `accounting.py`: what each step did (its row, the requests watched through their prefill);

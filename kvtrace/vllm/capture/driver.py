@@ -12,7 +12,8 @@ its random suffix, and `<k>_` for the k-th sample of n > 1.
 Results (JSON): start-up and replay seconds, the replay's origin on the monotonic clock, every
 request's token ids per sample and its `num_preemptions` from vLLM's own metrics, and vLLM's
 engine-wide preemption counter. A start-up failure (the capture's version guard included) is written
-there as `error` and the exit code is 3.
+there as `error` and the exit code is 3: the capture runs in strict mode (KVTRACE_CAPTURE_STRICT=1), so
+a capture that cannot start stops vLLM's start rather than step aside (capture/aside.py).
 """
 from __future__ import annotations
 
@@ -90,6 +91,8 @@ def main() -> int:
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")   # its AOT cache fails to reload in 0.32
     if config.get("capture", True):
         os.environ["KVTRACE_CAPTURE_DIR"] = config["capture_dir"]
+        # a replay whose capture cannot start records nothing: refuse, rather than step aside (aside.py)
+        os.environ["KVTRACE_CAPTURE_STRICT"] = "1"
         if config.get("self_check"):
             os.environ["KVTRACE_CAPTURE_SELF_CHECK"] = "1"
         if config.get("token_ids", True):   # a replay of a workload is not users' content

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 
 # vLLM minor versions the capture is tested on, exactly: tests/vllm/test_capture_on_vllm.py runs it
 # on 0.31.0, 0.32.0, 0.33.0 and 0.34.0's own Scheduler and AsyncScheduler (docs/vllm.md's support table)
@@ -53,7 +54,13 @@ SCHEDULER_FIELDS = ("running", "waiting", "requests", "kv_cache_manager", "block
 
 
 class VllmChanged(RuntimeError):
-    """vLLM lacks something the capture needs; the message names it."""
+    """vLLM lacks something the capture needs; the message names it. `reason` says which kind of thing, in a
+    word (error.json's and the exporter's `kvtrace_capture_up`): `vllm_version` (a release the capture does
+    not accept), `model` (a KV cache it cannot follow), `vllm_changed` (a name it uses is gone)."""
+
+    def __init__(self, message: str, reason: str = "vllm_changed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def check_kv_cache(scheduler: object) -> None:
@@ -73,7 +80,7 @@ def check_kv_cache(scheduler: object) -> None:
         raise VllmChanged(f"kvtrace capture: this model's KV cache is {len(managers)} group(s) "
                           f"({', '.join(type(m).__name__ for m in managers)}); the capture follows one "
                           f"group of full attention only (dense models): serve this model without "
-                          f"kvtrace's scheduler_cls")
+                          f"kvtrace's scheduler_cls", reason="model")
 
 
 def version_tuple(version: str) -> tuple[int, int]:
@@ -84,11 +91,33 @@ def version_tuple(version: str) -> tuple[int, int]:
         return (0, 0)
 
 
-def check_version(version: str) -> None:
-    if version_tuple(version) not in SUPPORTED:
+def accepted_versions() -> tuple[tuple[int, int], ...]:
+    """The versions the capture starts on: SUPPORTED, or those of them `KVTRACE_VLLM_VERSIONS` lists
+    (`0.33`, `0.32,0.33`), for an operator who has validated fewer releases than kvtrace supports (and for
+    the tests, which refuse the vLLM they serve this way). It only narrows: ValueError names an entry
+    outside SUPPORTED."""
+    text = os.environ.get("KVTRACE_VLLM_VERSIONS", "").strip()
+    if not text:
+        return SUPPORTED
+    listed = [version_tuple(v) for v in text.split(",")]
+    if not all(v in SUPPORTED for v in listed):
         supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED)
+        raise ValueError(f"KVTRACE_VLLM_VERSIONS={text!r}: expected some of the versions the capture supports "
+                         f"({supported}), separated by commas")
+    return tuple(v for v in SUPPORTED if v in listed)
+
+
+def check_version(version: str) -> None:
+    accepted = accepted_versions()
+    if version_tuple(version) not in accepted:
+        supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED)
+        if accepted != SUPPORTED:
+            raise VllmChanged(f"vLLM {version} is outside the versions KVTRACE_VLLM_VERSIONS lets the capture "
+                              f"start on ({', '.join(f'{a}.{b}' for a, b in accepted)}; it supports {supported})",
+                              reason="vllm_version")
         raise VllmChanged(f"vLLM {version} is outside the versions this capture supports ({supported}); "
-                          f"set KVTRACE_VLLM_ANY_VERSION=1 to try it (the name check still runs)")
+                          f"set KVTRACE_VLLM_ANY_VERSION=1 to try it (the name check still runs)",
+                          reason="vllm_version")
 
 
 def _check_methods(owner: object, what: str, methods: dict[str, tuple[str, ...]]) -> None:

@@ -1,28 +1,30 @@
 """The recorder: one per scheduler, the capture's parts put together, and what each of the scheduler's
 hooks (scheduler.py) does with them.
 
-At start-up it reads the options, checks that vLLM still has every name the capture uses (guard.py;
-error.json says why it refuses), puts the wraps on (wraps.py) and writes the server's identity
-(settings.py). Each step: `before_schedule` numbers it; `after_schedule` takes its row from the
+`start_capture` makes it: it reads the options, checks that vLLM still has every name the capture uses and
+that this model's KV cache is one it can follow (guard.py), puts the wraps on (wraps.py) and writes
+the server's identity (settings.py); where any of that fails the capture steps aside, or refuses in
+strict mode (aside.py says why, in vLLM's log and error.json). Each step: `before_schedule` numbers it; `after_schedule` takes its row from the
 accounting (accounting.py) and keeps it waiting for its output (pending.py); `after_update` writes
 that step's tokens, finished requests, row and KV events into the sink's columns (columns.py),
 self-checks where asked (self_check.py), and lets the sink write a chunk when one is due (sink.py).
 The time spent in those two hooks is `hook_s` (done.json; the vllm-capture-cost benchmark).
+An error of the capture's own in a hook reaches `fail` (scheduler.py and wraps.py catch it): the capture
+stops and vLLM serves on.
 """
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import time
-from pathlib import Path
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 import kvtrace
-from kvtrace.vllm.capture import guard
+from kvtrace.vllm.capture import aside, guard
 from kvtrace.vllm.capture.accounting import StepAccounting
+from kvtrace.vllm.capture.aside import logger
 from kvtrace.vllm.capture.columns import Columns
 from kvtrace.vllm.capture.files import make_folder, write_json
 from kvtrace.vllm.capture.pending import PendingSteps
@@ -37,24 +39,39 @@ from kvtrace.vllm.capture.settings import (
 from kvtrace.vllm.capture.sink import Sink
 from kvtrace.vllm.capture.wraps import PoolWraps
 
-# vLLM's handlers are on its "vllm" logger: a child of it writes where vLLM's own lines go
-logger = logging.getLogger("vllm.kvtrace.capture")
+
+def start_capture(scheduler: Scheduler, vllm_schedule, capture_module: str) -> Recorder | None:
+    """The scheduler's recorder, or None where the capture cannot start: it steps aside and vLLM serves
+    unrecorded, or, with KVTRACE_CAPTURE_STRICT=1, this raises and vLLM does not start (aside.py: the
+    log line and error.json either way). The arguments are Recorder's."""
+    import vllm
+    version = getattr(vllm, "__version__", "unknown")
+    server = Server.starting()
+    settings, reason = None, "settings"
+    try:
+        settings = Settings.from_environment(capture_folder())
+        guard.accepted_versions()   # KVTRACE_VLLM_VERSIONS, parsed with the other options
+        reason = None               # from here, the exception's kind says (aside.py)
+        return Recorder(scheduler, vllm_schedule, capture_module, settings, server, version)
+    except Exception as exc:  # noqa: BLE001 (nothing of the capture's start may stop vLLM's, unless strict)
+        aside.not_started(exc, reason, settings, server, scheduler, version)
+        if aside.strict():
+            raise
+        return None
 
 
 class Recorder:
-    """The capture of one scheduler. OSError where its folder cannot be made or written (the scheduler
-    then runs unrecorded); RuntimeError, ValueError or guard.VllmChanged where it must not start."""
+    """The capture of one scheduler. Made by `start_capture`; any exception from here means it did not start.
+    `fail` stops it at runtime: it takes its wraps off and sets the scheduler's `_kvtrace` to None."""
 
-    def __init__(self, scheduler: Scheduler, vllm_schedule, capture_module: str) -> None:
+    def __init__(self, scheduler: Scheduler, vllm_schedule, capture_module: str, settings: Settings,
+                 server: Server, version: str) -> None:
         """`vllm_schedule`: vLLM's own schedule method (wraps.py reads its frame); `capture_module`: the
         file of the scheduler class vLLM was told to load (capture.json names it)."""
-        folder = capture_folder()
-        import vllm
-        version = getattr(vllm, "__version__", "unknown")
-        self.settings = settings = Settings.from_environment(folder)
+        folder = settings.folder
+        self.settings, self.server, self.version = settings, server, version
         make_folder(folder, settings.file_mode)
-        self.server = Server.starting()
-        self._check_vllm(scheduler, version, folder, settings.file_mode)
+        self._check_vllm(scheduler, version)
         self.folder = folder
         self.sink = Sink(folder, self.server.server_id, max_bytes=settings.max_bytes, max_age_s=settings.max_age_s,
                          log=logger, wall_minus_monotonic=self.server.wall_minus_monotonic,
@@ -69,35 +86,48 @@ class Recorder:
         self.self_check = SelfCheck(scheduler.kv_cache_manager, self.steps.null_id, self.steps.total_blocks)
         self.last_end: float | None = None   # when the last processed step's output was (its row's end_s)
         self.closed = False
+        self.failed = False                  # stopped by an error of its own (fail)
         self.hook_s = 0.0                    # time in the step hooks (after_schedule, after_update)
-        self.wraps = PoolWraps(scheduler, vllm_schedule, self.steps)
-        write_identity(settings, self.server, scheduler, version, capture_module)
+        self.wraps = PoolWraps(scheduler, vllm_schedule, self.steps, self.fail)
+        try:
+            write_identity(settings, self.server, scheduler, version, capture_module)
+        except BaseException:
+            self.wraps.remove()
+            raise
         logger.info("kvtrace capture %s: %s (retention %d bytes, %d s; token ids %s)", self.server.server_id,
                     folder, settings.max_bytes, settings.max_age_s, "kept" if settings.token_ids else "not kept")
         atexit.register(self.close)
 
     @staticmethod
-    def _check_vllm(scheduler: Scheduler, version: str, folder: Path, file_mode: int) -> None:
-        """guard.py's checks of this vLLM; error.json says what failed (EngineCore's exception stays in
-        its log: it is said where kvtrace reads)."""
+    def _check_vllm(scheduler: Scheduler, version: str) -> None:
+        """guard.py's checks of this vLLM and this model (guard.VllmChanged names what failed)."""
+        if os.environ.get("KVTRACE_VLLM_ANY_VERSION") != "1":
+            guard.check_version(version)
+        guard.check_instance(scheduler)
+        guard.check_kv_cache(scheduler)
+        kvm = scheduler.kv_cache_manager
+        pool = kvm.block_pool
         try:
-            if os.environ.get("KVTRACE_VLLM_ANY_VERSION") != "1":
-                guard.check_version(version)
-            guard.check_instance(scheduler)
-            guard.check_kv_cache(scheduler)
-            kvm = scheduler.kv_cache_manager
-            pool = kvm.block_pool
-            try:
-                from vllm.v1.core.sched.output import SchedulerOutput
-                from vllm.v1.engine import EngineCoreOutput
-            except ImportError as exc:
-                raise guard.VllmChanged(f"vLLM changed: {exc} (the capture reads SchedulerOutput and "
-                                        f"EngineCoreOutput)") from exc
-            guard.check_classes(type(scheduler), type(kvm), type(pool), type(pool.null_block), Request, RequestStatus,
-                                SchedulerOutput, EngineCoreOutput)
-        except guard.VllmChanged as exc:
-            write_json(folder, "error.json", {"error": str(exc), "vllm_version": version}, file_mode)
-            raise
+            from vllm.v1.core.sched.output import SchedulerOutput
+            from vllm.v1.engine import EngineCoreOutput
+        except ImportError as exc:
+            raise guard.VllmChanged(f"vLLM changed: {exc} (the capture reads SchedulerOutput and "
+                                    f"EngineCoreOutput)") from exc
+        guard.check_classes(type(scheduler), type(kvm), type(pool), type(pool.null_block), Request, RequestStatus,
+                            SchedulerOutput, EngineCoreOutput)
+
+    def fail(self, exc: BaseException) -> None:
+        """An error of the capture's own, at runtime: the capture stops and vLLM serves on. The wraps come
+        off and the scheduler runs as vLLM's own from here (`_kvtrace` None); the chunks already handed to
+        the writer are written, the rows buffered since are not (the error may have left half a row);
+        one line in vLLM's log and error.json say why (aside.py)."""
+        if self.failed:
+            return
+        self.failed = self.closed = True   # closed: nothing more is written at shutdown
+        self.scheduler._kvtrace = None      # first: from here vLLM decides alone, whatever follows
+        self.wraps.remove()
+        self.sink.abandon()
+        aside.stopped(exc, self.settings, self.server, self.scheduler, self.version)
 
     # ---- the scheduler's hooks ------------------------------------------------------------------------------
     def arrived(self, request: Request) -> None:

@@ -10,7 +10,8 @@ from the environment (`kvtrace vllm-env` prints them; docs/vllm.md): `KVTRACE_CA
 `KVTRACE_CAPTURE_FLUSH_EVERY` how often a busy server writes a chunk (default 2s: what a crash can lose),
 `KVTRACE_CAPTURE_TOKEN_IDS=1` keeps token ids (by default none are written: live traffic's token ids
 are its users' text), `KVTRACE_CAPTURE_SELF_CHECK=1` compares, every step, the pool state replayed
-from the captured events with the pool's own (settings.py, self_check.py).
+from the captured events with the pool's own (settings.py, self_check.py), `KVTRACE_CAPTURE_STRICT=1`
+refuses to start vLLM where the capture cannot start, instead of stepping aside (aside.py).
 
 What is wrapped here: the scheduler's own `add_request`, `schedule`, `update_from_output`,
 `_preempt_request`, `_free_request`, `reset_prefix_cache` and `shutdown`, each calling vLLM's and
@@ -26,53 +27,71 @@ import time
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvtrace.vllm.capture.recorder import Recorder, logger
+from kvtrace.vllm.capture.recorder import Recorder, start_capture
 
 
 class _CaptureMixin:
-    """Wraps the scheduler's steps; every decision stays vLLM's own. A capture that cannot start
-    (its folder cannot be made or written) says so in one line of vLLM's log and the scheduler runs
-    as vLLM's own, unrecorded (`_kvtrace` is None)."""
+    """Wraps the scheduler's steps; every decision stays vLLM's own. A capture that cannot start steps
+    aside (aside.py: one line in vLLM's log, error.json) and the scheduler runs as vLLM's own, unrecorded
+    (`_kvtrace` is None); KVTRACE_CAPTURE_STRICT=1 raises instead. Each hook calls vLLM's method as it
+    is, and the recorder's in a `try` (free until it raises): an error of the capture's own stops the
+    capture (`Recorder.fail`, which sets `_kvtrace` to None), never vLLM's step."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        try:
-            # vLLM's own schedule: a preemption's requester is read from its frame (wraps.py)
-            self._kvtrace: Recorder | None = Recorder(self, super().schedule, __file__)
-        except OSError as exc:
-            logger.warning("kvtrace capture not started (vLLM serves on): %s", exc)
-            self._kvtrace = None
+        # vLLM's own schedule: a preemption's requester is read from its frame (wraps.py)
+        self._kvtrace: Recorder | None = start_capture(self, super().schedule, __file__)
 
     def add_request(self, request, *args, **kwargs):
         new = request.request_id not in self.requests   # a streaming session's next chunk is not a new request
         super().add_request(request, *args, **kwargs)
-        if new and self._kvtrace is not None:
-            self._kvtrace.arrived(request)
+        cap = self._kvtrace
+        if new and cap is not None:
+            try:
+                cap.arrived(request)
+            except Exception as exc:  # noqa: BLE001 (the capture's own error: it stops, vLLM serves on)
+                cap.fail(exc)
 
     def schedule(self, *args, **kwargs):
         cap = self._kvtrace
         if cap is None:
             return super().schedule(*args, **kwargs)
-        start = cap.before_schedule()
+        try:
+            start = cap.before_schedule()
+        except Exception as exc:  # noqa: BLE001 (as above)
+            cap.fail(exc)
+            return super().schedule(*args, **kwargs)
         try:
             out = super().schedule(*args, **kwargs)
         finally:
             cap.wraps.end_admitting()
-        cap.after_schedule(out, start)
+        if self._kvtrace is cap:   # not stopped by a wrapper while vLLM scheduled
+            try:
+                cap.after_schedule(out, start)
+            except Exception as exc:  # noqa: BLE001 (as above)
+                cap.fail(exc)
         return out
 
     def update_from_output(self, scheduler_output, model_runner_output):
         start = time.monotonic()
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        if self._kvtrace is not None:
-            self._kvtrace.after_update(scheduler_output, outputs, start)
+        cap = self._kvtrace
+        if cap is not None:
+            try:
+                cap.after_update(scheduler_output, outputs, start)
+            except Exception as exc:  # noqa: BLE001 (as above)
+                cap.fail(exc)
         return outputs
 
     def _preempt_request(self, request, *args, **kwargs):
         cap = self._kvtrace
         if cap is None:
             return super()._preempt_request(request, *args, **kwargs)
-        cap.preempting(request, sys._getframe(1))
+        try:
+            cap.preempting(request, sys._getframe(1))
+        except Exception as exc:  # noqa: BLE001 (as above)
+            cap.fail(exc)
+            return super()._preempt_request(request, *args, **kwargs)
         wraps = cap.wraps
         wraps.free_reason = "preempt"
         try:
@@ -84,7 +103,11 @@ class _CaptureMixin:
         cap = self._kvtrace
         if cap is None:
             return super()._free_request(request, *args, **kwargs)
-        cap.steps.freeing(request)
+        try:
+            cap.steps.freeing(request)
+        except Exception as exc:  # noqa: BLE001 (as above)
+            cap.fail(exc)
+            return super()._free_request(request, *args, **kwargs)
         wraps = cap.wraps
         wraps.free_reason = "finish"
         try:
@@ -102,8 +125,12 @@ class _CaptureMixin:
         try:
             super().shutdown()
         finally:
-            if self._kvtrace is not None:
-                self._kvtrace.close()
+            cap = self._kvtrace
+            if cap is not None:
+                try:
+                    cap.close()
+                except Exception as exc:  # noqa: BLE001 (as above)
+                    cap.fail(exc)
 
 
 class KvtraceScheduler(_CaptureMixin, Scheduler):

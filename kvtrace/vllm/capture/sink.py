@@ -199,6 +199,17 @@ class Sink:
             self.writer = None
         self._say_dropped()
 
+    def abandon(self) -> None:
+        """Stop without writing what is buffered (a capture stopped by an error of its own, which may have
+        left half a row): the chunks already handed over are still written, then the writer ends. Never
+        waits."""
+        self.columns = self._empty()
+        if self.writer is not None:
+            try:
+                self.queue.put_nowait(None)
+            except queue.Full:
+                pass   # a full queue: the writer writes it and then waits for nothing more (a daemon thread)
+
     def drain(self) -> None:
         """Wait until every chunk handed over has been written (or dropped by a stopped capture)."""
         if self.writer is not None:

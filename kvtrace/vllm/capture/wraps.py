@@ -8,6 +8,9 @@ the step (admissions); the `peek_request` of its waiting queues, which marks whe
 
 Each wrapper calls the method it replaced and writes what it saw as KV events into the step's
 accounting (accounting.py), and keeps the count of free blocks that still hold a prefix-cache hash.
+What a wrapper does of its own is in a `try` (free until it raises, CPython 3.11+): an error there goes
+to `on_error` (the recorder stops the capture and takes the wrappers off, `remove`), and vLLM's call,
+already made or still to make, stands, so that a half-done schedule never reaches vLLM.
 
 The running loop's `allocate_slots`, called for every running request every step, is vLLM's own,
 unwrapped: when it does call the block pool (a request's new block, every block-size tokens), the
@@ -31,12 +34,13 @@ ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 class PoolWraps:
     """The wrappers on one scheduler's KV cache manager, block pool and waiting queues, and their state."""
 
-    def __init__(self, scheduler: Scheduler, vllm_schedule, steps: StepAccounting) -> None:
+    def __init__(self, scheduler: Scheduler, vllm_schedule, steps: StepAccounting, on_error) -> None:
         """Put the wrappers on. `vllm_schedule`: vLLM's own schedule method, whose frame a preemption's
-        requester is read from."""
+        requester is read from; `on_error(exc)`: what an error of a wrapper's own is handed to."""
         kvm = scheduler.kv_cache_manager
         pool = kvm.block_pool
-        self.kvm, self.steps = kvm, steps
+        self.kvm, self.steps, self.on_error = kvm, steps, on_error
+        self.put: list[tuple[object, str, object, object]] = []   # (owner, name, wrapper, what it replaced)
         self.current: Request | None = None                # the request a block-pool call is for
         self.free_reason = "other"                         # what the blocks freed now are freed for
         self.cached_free = 0                               # free blocks that still hold a prefix-cache hash
@@ -49,55 +53,90 @@ class PoolWraps:
         self._get_new_blocks, self._free_blocks = pool.get_new_blocks, pool.free_blocks
         self._touch, self._maybe_evict = pool.touch, pool._maybe_evict_cached_block
         self._free = kvm.free
-        pool.get_new_blocks = self.get_new_blocks
-        pool.free_blocks = self.free_blocks
-        pool.touch = self.touch
-        pool._maybe_evict_cached_block = self.maybe_evict_cached_block
-        kvm.free = self.free
-        for name in ("waiting", "kv_holding_waiting"):
-            if hasattr(scheduler, name):
-                self._wrap_peek(getattr(scheduler, name))
+        try:
+            self._put(pool, "get_new_blocks", self.get_new_blocks)
+            self._put(pool, "free_blocks", self.free_blocks)
+            self._put(pool, "touch", self.touch)
+            self._put(pool, "_maybe_evict_cached_block", self.maybe_evict_cached_block)
+            self._put(kvm, "free", self.free)
+            for name in ("waiting", "kv_holding_waiting"):
+                if hasattr(scheduler, name):
+                    self._wrap_peek(getattr(scheduler, name))
+        except BaseException:
+            self.remove()
+            raise
+
+    def _put(self, owner, name: str, wrapper) -> None:
+        self.put.append((owner, name, wrapper, owner.__dict__.get(name)))
+        setattr(owner, name, wrapper)
+
+    def remove(self) -> None:
+        """Take the wrappers off: each instance has what it had before them again (its class's method).
+        One that something else has wrapped since stays under that, and its accounting fails into
+        `on_error` from then on (once stopped, a no-op), its events no longer kept."""
+        self.end_admitting()
+        for owner, name, wrapper, before in reversed(self.put):
+            if owner.__dict__.get(name) is not wrapper:
+                continue
+            if before is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+        self.put = []
+        self.steps = None
 
     # ---- the block pool ----------------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks):
         blocks = self._get_new_blocks(num_blocks)
         if blocks:
-            # why, from the request's state inside allocate_slots (which changes none of it): only a
-            # step that allocates works it out, so a decode step's allocate_slots stays cheap
-            request = self.current or self.allocating()
-            if request is None:
-                rid, alloc_reason = "", "other"
-            else:
-                rid = request.request_id
-                placeholders = request.num_output_placeholders   # async: sampled, not yet delivered
-                alloc_reason = ("prefill" if request.status in ADMITTING
-                                or request.num_computed_tokens < request.num_tokens + placeholders - 1
-                                or not request.num_output_tokens + placeholders else "decode")
-            self.steps.events.append(KvEvent("alloc", rid, [b.block_id for b in blocks], 0, alloc_reason))
+            try:
+                # why, from the request's state inside allocate_slots (which changes none of it): only a
+                # step that allocates works it out, so a decode step's allocate_slots stays cheap
+                request = self.current or self.allocating()
+                if request is None:
+                    rid, alloc_reason = "", "other"
+                else:
+                    rid = request.request_id
+                    placeholders = request.num_output_placeholders   # async: sampled, not yet delivered
+                    alloc_reason = ("prefill" if request.status in ADMITTING
+                                    or request.num_computed_tokens < request.num_tokens + placeholders - 1
+                                    or not request.num_output_tokens + placeholders else "decode")
+                self.steps.events.append(KvEvent("alloc", rid, [b.block_id for b in blocks], 0, alloc_reason))
+            except Exception as exc:  # noqa: BLE001 (the capture's own error: it stops, vLLM's call stands)
+                self.on_error(exc)
         return blocks
 
     def free_blocks(self, ordered_blocks):
         blocks = list(ordered_blocks)
         self._free_blocks(blocks)
-        freed = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
-        if freed:
-            self.cached_free += sum(1 for b in freed if b.block_hash is not None)
-            request = self.current or self.allocating()
-            self.steps.events.append(KvEvent("free", request.request_id if request is not None else "",
-                                             [b.block_id for b in freed], 0, self.free_reason))
+        try:
+            freed = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
+            if freed:
+                self.cached_free += sum(1 for b in freed if b.block_hash is not None)
+                request = self.current or self.allocating()
+                self.steps.events.append(KvEvent("free", request.request_id if request is not None else "",
+                                                 [b.block_id for b in freed], 0, self.free_reason))
+        except Exception as exc:  # noqa: BLE001 (as above)
+            self.on_error(exc)
 
     def touch(self, blocks):
-        for b in blocks:
-            if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None:
-                self.cached_free -= 1
+        try:
+            for b in blocks:
+                if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None:
+                    self.cached_free -= 1
+        except Exception as exc:  # noqa: BLE001 (as above)
+            self.on_error(exc)
         return self._touch(blocks)
 
     def maybe_evict_cached_block(self, block):
         evicted = self._maybe_evict(block)
         if evicted:
-            if block.ref_cnt == 0:
-                self.cached_free -= 1
-            self.steps.events.append(KvEvent("evict", "", [block.block_id], 0, None))
+            try:
+                if block.ref_cnt == 0:
+                    self.cached_free -= 1
+                self.steps.events.append(KvEvent("evict", "", [block.block_id], 0, None))
+            except Exception as exc:  # noqa: BLE001 (as above)
+                self.on_error(exc)
         return evicted
 
     # ---- the KV cache manager ------------------------------------------------------------------------------
@@ -123,16 +162,19 @@ class PoolWraps:
                                          *args, **kwargs)
         finally:
             self.current = None
-        if result is None:   # vLLM stops admitting
-            self.steps.admit_failed = True
-        else:
-            self.steps.admitted(request, status, num_new_computed_tokens, new_computed_blocks, mark)
+        try:
+            if result is None:   # vLLM stops admitting
+                self.steps.admit_failed = True
+            else:
+                self.steps.admitted(request, status, num_new_computed_tokens, new_computed_blocks, mark)
+        except Exception as exc:  # noqa: BLE001 (as above)
+            self.on_error(exc)
         return result
 
     # ---- the waiting queues: where admissions begin -----------------------------------------------------
     def _wrap_peek(self, queue) -> None:
-        peek = queue.peek_request
         kvm = self.kvm
+        peek = queue.peek_request
 
         def peek_request():
             if not self.admitting:   # the waiting loop has begun: admissions are watched from here on
@@ -142,7 +184,7 @@ class PoolWraps:
                 self.allocate_slots = kvm.allocate_slots
                 kvm.allocate_slots = self.admit_slots
             return peek()
-        queue.peek_request = peek_request
+        self._put(queue, "peek_request", peek_request)
 
     def end_admitting(self) -> None:
         """The step's scheduling is over: the running loop of the next calls vLLM's own allocate_slots."""
