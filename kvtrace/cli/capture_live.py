@@ -51,8 +51,12 @@ def _capture_folder(capture: Path) -> Path:
 def watch_view(trace: LiveTrace, capture: Path, window_s: float, params: dict[str, str], width: int) -> RenderableType:
     """The dashboard of the last `window_s` seconds of the server that wrote last."""
     from kvtrace.views import dashboard
-    from kvtrace.vllm.follow import server_info
+    from kvtrace.vllm.follow import capture_status, server_info
 
+    status = capture_status(capture)
+    if status is not None and status.status in ("stepped_aside", "refused"):   # its newest server recorded nothing
+        return Text(f"the capture of server {status.server_id} {status.status.replace('_', ' ')}: {status.error} "
+                    f"[{status.reason}] (docs/vllm.md)")
     server = trace.newest_server()
     if server is None:
         return Text(f"waiting for the first steps in {capture} …")

@@ -194,6 +194,10 @@ def vllm_env(
     file_mode: Annotated[str, typer.Option(
         help="The mode of the capture's files, in octal (0640: owner and group; folders get 0750); whatever "
              "the umask.")] = "0640",
+    strict: Annotated[bool, typer.Option(
+        help="Refuse to start vLLM where the capture cannot start (a vLLM or model it cannot follow, a folder it "
+             "cannot write); by default the capture steps aside and vLLM serves unrecorded, saying why in its "
+             "log and the folder's error.json.")] = False,
 ) -> None:
     """Shell lines that make `vllm serve` capture a kvtrace trace: eval "$(kvtrace vllm-env --capture-dir DIR)".
 
@@ -223,6 +227,8 @@ def vllm_env(
     print(f'export KVTRACE_CAPTURE_MAX_AGE="{max_age}"')
     print(f'export KVTRACE_CAPTURE_TOKEN_IDS="{1 if token_ids else 0}"')
     print(f'export KVTRACE_CAPTURE_MODE="{mode:04o}"')
+    print("# 1: a capture that cannot start stops vLLM's start-up; 0: it steps aside, vLLM serves unrecorded")
+    print(f'export KVTRACE_CAPTURE_STRICT="{1 if strict else 0}"')
     print(f'export KVTRACE_SCHEDULER_CLS="kvtrace.vllm.capture.scheduler.{cls}"')
     print('# now: vllm serve MODEL --scheduler-cls "$KVTRACE_SCHEDULER_CLS" ...')
 

@@ -158,7 +158,14 @@ def write_client_tokens(run_dir: Path, run_id: str, replay: ClientReplay, items,
 
 def record_endpoint(recording, endpoint_url: str, capture_dir: Path, *, timeout: float, stop=None) -> str:
     """Replay `recording`'s items (a prepared VllmRecording) against the server; write its run folder."""
+    from kvtrace.vllm.follow import capture_status
+
     capture = Path(capture_dir)
+    status = capture_status(capture)
+    if status is not None and not status.capturing:
+        raise KvtraceError(f"--capture-dir {capture}: the capture of its newest server ({status.server_id}) "
+                           f"{status.status.replace('_', ' ')}: {status.error} [{status.reason}]; the replay would not "
+                           f"be recorded")
     captured = read_json(capture / "capture.json")
     if captured is None:
         raise KvtraceError(f"--capture-dir {capture}: no capture.json — start the server with "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 from kvtrace.trace.schema import SCHEMA_VERSION, token_predecessors
 from kvtrace.vllm.capture.chunk_format import ChunkError
@@ -204,6 +205,40 @@ def _keep(cols: dict[str, list], mask: list[bool]) -> None:
         return
     for name, values in cols.items():
         cols[name] = [v for v, m in zip(values, mask) if m]
+
+
+class CaptureStatus(NamedTuple):
+    """Whether a folder's newest server is capturing, or why not."""
+
+    server_id: str
+    capturing: bool
+    status: str   # "capturing", or its error.json's: stepped_aside, refused, stopped (capture/aside.py)
+    reason: str   # "" while capturing, else error.json's word: vllm_version, model, settings, folder, ...
+    error: str    # error.json's message ("" while capturing)
+
+
+def capture_status(capture: Path) -> CaptureStatus | None:
+    """The newest server of the folder (by its start: servers/<id>.json, or its <id>.error.json where its
+    capture did not start) and whether its capture records; None before any server wrote there."""
+    found: dict[str, tuple[str, dict | None]] = {}   # server id -> (its start, what its error.json says)
+    for path in (Path(capture) / "servers").glob("*.json"):
+        name = path.name
+        if name.endswith((".done.json", ".dropped.json")):
+            continue
+        said = read_json(path)
+        if not said:
+            continue
+        if name.endswith(".error.json"):   # a capture stopped at runtime has both files: this one wins
+            found[name.removesuffix(".error.json")] = (said.get("started_at") or "", said)
+        else:
+            found.setdefault(path.stem, (said.get("started_at") or "", None))
+    if not found:
+        return None
+    server_id, (_, said) = max(found.items(), key=lambda kv: (kv[1][0], kv[0]))
+    if said is None:
+        return CaptureStatus(server_id, True, "capturing", "", "")
+    return CaptureStatus(server_id, False, said.get("status") or "stepped_aside", said.get("reason") or "error",
+                         said.get("error") or "")
 
 
 def server_info(capture: Path, server: str) -> dict:

@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from engine.events import PreemptReason
 from kvtrace.trace import db
-from kvtrace.vllm.follow import ChunkReader, LiveTrace, server_info
+from kvtrace.vllm.follow import CaptureStatus, ChunkReader, LiveTrace, capture_status, server_info
 from kvtrace.vllm.importer import read_json
 
 if TYPE_CHECKING:   # duckdb is imported where a connection is made: not by every command's start-up
@@ -65,6 +65,7 @@ class Exporter:
         self.con: duckdb.DuckDBPyConnection | None = None
         self.signature: list | None = None
         self.dropped: dict[str, int] = {}   # per server: chunks its sink dropped (a disk slower than the capture)
+        self.status: CaptureStatus | None = None   # whether the newest server captures, or why not
 
     def poll(self) -> int:
         """Read the chunks written since the last poll and update the figures; the chunks read.
@@ -81,8 +82,10 @@ class Exporter:
             said = read_json(path) or {}
             if isinstance(said.get("dropped_chunks"), int):
                 dropped[path.name.removesuffix(".dropped.json")] = said["dropped_chunks"]
+        status = capture_status(self.capture)
         with self.lock:
             self.dropped = dropped
+            self.status = status
         return num_read
 
     def _update(self, chunks: list[tuple[str, dict]]) -> None:
@@ -171,6 +174,14 @@ class Exporter:
             yield CounterMetricFamily("kvtrace_capture_chunks_skipped", "Files of the capture folder's chunks/ "
                                       "skipped as no chunk kvtrace reads (a pickle, a truncated or foreign file).",
                                       value=self.reader.num_unreadable)
+            if self.status is not None:
+                up = GaugeMetricFamily("kvtrace_capture_up", "1 while the newest server of the folder is "
+                                       "capturing; 0 when its capture stepped aside (vLLM served unrecorded), "
+                                       "refused to start (strict mode) or stopped on an error of its own, "
+                                       "`reason` saying why in a word (its error.json).",
+                                       labels=["server", "reason"])
+                up.add_metric([self.status.server_id, self.status.reason], float(self.status.capturing))
+                yield up
             dropped = CounterMetricFamily("kvtrace_capture_dropped_chunks", "Chunks the capture dropped because "
                                           "the disk was slower than it (the sink's queue was full), by server.",
                                           labels=["server"])

@@ -33,3 +33,11 @@ def test_the_path_is_in_the_cache_folder_and_links_to_this_kvtrace_only(tmp_path
 
 def test_a_bad_file_mode_is_one_line():
     assert "--file-mode='rw'" in one_line_error(["vllm-env", "--capture-dir", "/tmp/x", "--file-mode", "rw"])
+
+
+def test_strict_mode_is_off_unless_asked(tmp_path):
+    """By default a capture that cannot start steps aside (vLLM serves); --strict makes it refuse."""
+    for args, value in (([], "0"), (["--strict"], "1"), (["--no-strict"], "0")):
+        result = CliRunner().invoke(app, ["vllm-env", "--capture-dir", str(tmp_path / "capture"), *args])
+        assert result.exit_code == 0, result.output
+        assert re.findall(r'^export KVTRACE_CAPTURE_STRICT="(\d)"$', result.stdout, re.MULTILINE) == [value]

@@ -9,8 +9,8 @@ A capture folder can hold several servers (restarts, replicas): each writes unde
 default; `KVTRACE_CAPTURE_MODE`). The files beside the chunks:
 - `servers/<server id>.json`, and `capture.json` (the newest server's, for `kvtrace record --endpoint`):
   the server's identity (vLLM version, model, scheduler, KV pool geometry, options, clock offset);
-- `error.json`: why the capture refused to start (vLLM changed), where kvtrace looks for it, since
-  EngineCore keeps the exception in its own log;
+- `servers/<server id>.error.json` and `error.json` (the newest's): why a server's capture stepped aside,
+  refused to start or stopped (aside.py);
 - `done.json`: the summary written at close;
 - `servers/<server id>.dropped.json`: the chunks a slow disk made the sink drop (sink.py).
 Each is written to a hidden name and renamed into place, so a reader never sees half of one.
