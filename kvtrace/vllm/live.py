@@ -44,6 +44,7 @@ class Server:
     chunks: list[Chunk] = field(default_factory=list)
     done: dict | None = None
     dropped: dict | None = None   # servers/<id>.dropped.json: what a slow disk made the capture drop
+    error: dict | None = None     # servers/<id>.error.json: why its capture stepped aside, refused or stopped
 
     @property
     def first(self) -> float | None:
@@ -105,12 +106,18 @@ def servers(capture: Path) -> list[Server]:
         raise KvtraceError(f"{capture}: no such folder")
     found: dict[str, Server] = {}
     for path in sorted((capture / "servers").glob("*.json")):
-        if path.name.endswith((".done.json", ".dropped.json")):
+        if path.name.endswith((".done.json", ".dropped.json", ".error.json")):
             continue
         identity = read_json(path)
         if identity:
             found[path.stem] = Server(path.stem, identity, done=read_json(path.with_suffix(".done.json")),
                                       dropped=read_json(path.with_suffix(".dropped.json")))
+    for path in sorted((capture / "servers").glob("*.error.json")):   # a capture that did not record (aside.py)
+        said = read_json(path)
+        if said:
+            server_id = path.name.removesuffix(".error.json")
+            server = found.setdefault(server_id, Server(server_id, said))   # its identity: what it says
+            server.error = said
     for chunk in list_chunks(capture):
         server = found.get(chunk.server_id)
         if server is None:   # an older capture: one server, its identity in capture.json
@@ -145,7 +152,10 @@ def describe(server: Server) -> dict:
             "token_ids": i.get("token_ids"), "salt_id": i.get("salt_id"),
             "writer_error": (server.done or {}).get("writer_error"),
             "dropped_chunks": (server.dropped or {}).get("dropped_chunks", 0),
-            "kvtrace_version": i.get("kvtrace_version"), "chunk_format": i.get("chunk_format")}
+            "kvtrace_version": i.get("kvtrace_version"), "chunk_format": i.get("chunk_format"),
+            # "recorded", or why not: stepped_aside (vLLM served unrecorded), refused (strict), stopped
+            "capture": (server.error or {}).get("status", "recorded"),
+            "capture_reason": (server.error or {}).get("reason"), "capture_error": (server.error or {}).get("error")}
 
 
 def ls_lines(capture: Path) -> list[str]:
@@ -156,6 +166,13 @@ def ls_lines(capture: Path) -> list[str]:
         d = describe(s)
         lines.append(f"server {s.server_id}  started {utc_text(s.started)}  pid {d['pid']}  vLLM {d['vllm_version']}  "
                      f"{d['model']}  {d['scheduling']} scheduling")
+        said = {"stepped_aside": "stepped aside (vLLM served unrecorded)", "refused": "refused to start (strict mode: "
+                "vLLM did not start)", "stopped": "stopped by an error of its own (vLLM served on)"}.get(d["capture"])
+        if said:
+            said = f"  capture {said} at {s.error.get('at')}: {d['capture_error']} [{d['capture_reason']}]"
+            if d["capture"] != "stopped":   # it recorded nothing
+                lines.append(said)
+                continue
         span = (f"{utc_text(s.first)} – {utc_text(s.last)} ({s.last - s.first:.0f} s)" if s.first is not None
                 else "nothing kept")
         lines.append(f"  covers {span} · {d['num_requests']} requests · {_size(d['bytes'])} in "
@@ -164,6 +181,8 @@ def ls_lines(capture: Path) -> list[str]:
             lines.append(f"  gap: {gap}")
         if d["writer_error"]:
             lines.append(f"  capture stopped: {d['writer_error']}")
+        if said:
+            lines.append(said)
     foreign = foreign_files(capture) if (capture / "chunks").is_dir() else []
     if foreign:   # not read by capture run, watch or metrics either
         path, why = foreign[0]
