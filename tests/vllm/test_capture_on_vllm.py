@@ -755,6 +755,24 @@ def test_a_capture_folder_removed_mid_run_stops_the_capture_and_vllm_serves_on(v
 
 
 @starts_vllm(unless=bool(DRIVERS))
+def test_a_chunk_that_cannot_be_written_stops_the_capture_and_error_json_says_so(vllm, tmp_path):
+    """The capture's chunks/ goes mid-run (a write fails as on a full disk; the folder stays): the
+    capture stops, vLLM schedules on, and error.json says `stopped`, reason `disk`, with the disk's
+    error, which `capture ls` and the exporter's kvtrace_capture_up read."""
+    folder = tmp_path / "capture"
+    workload = {**WORKLOAD, "requests": [{"id": f"r{i:02d}", "prompt": [1, 2, 3], "max_tokens": 4,
+                                          "arrival_step": 6 * i} for i in range(3)],
+                "capture_dir": str(folder), "remove_chunks_at": 7, "env": {"KVTRACE_CAPTURE_FLUSH_EVERY": "0"}}
+    answer = vllm.answer(workload)
+    assert "error" not in answer, answer.get("traceback")
+    assert sum(len(step["finished"]) for step in answer["steps"]) == 3
+    error = json.loads((folder / "error.json").read_text())
+    assert (error["status"], error["reason"], error["exception"]) == ("stopped", "disk", "FileNotFoundError"), error
+    assert json.loads((folder / "servers" / f"{error['server_id']}.error.json").read_text()) == error
+    assert "FileNotFoundError" in json.loads((folder / "done.json").read_text())["writer_error"]
+
+
+@starts_vllm(unless=bool(DRIVERS))
 def test_one_token_prefill_chunks_on_the_async_scheduler_are_prefill(vllm, tmp_path):
     """long_prefill_token_threshold 1: every prompt is computed a token a step, and the chunk before
     the last (position num_tokens - 2) samples nothing, so nothing is in flight: the capture counts

@@ -66,7 +66,8 @@ def test_the_oldest_whole_chunks_go_first_and_ls_says_so(tmp_path):
 
 
 def test_a_full_disk_stops_the_capture_with_one_warning(tmp_path, monkeypatch, caplog):
-    sink = Sink(tmp_path / "capture", SERVER)
+    told: list[BaseException] = []   # the recorder's on_stop writes error.json (reason disk) from it
+    sink = Sink(tmp_path / "capture", SERVER, on_stop=told.append)
     _step(sink, 0.0)
     sink.flush()
     sink.drain()
@@ -86,6 +87,7 @@ def test_a_full_disk_stops_the_capture_with_one_warning(tmp_path, monkeypatch, c
         f"kvtrace capture stopped (vLLM serves on): cannot write into {sink.folder}: "
         "[Errno 28] No space left on device"]
     assert _parts(tmp_path / "capture") == [0] and isinstance(sink.error, OSError)
+    assert told == [sink.error]                                      # said once, with the disk's error
     assert not list((tmp_path / "capture").rglob("*.tmp"))          # no half-written chunk left
     assert not sink.columns["steps"]["step"]                         # rows are dropped, not kept in memory
 

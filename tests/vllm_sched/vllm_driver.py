@@ -366,6 +366,8 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         rec.num_hashed.clear()
         if len(steps) == workload.get("remove_capture_at"):   # an operator removes the capture's folder
             remove_folder(workload["capture_dir"])
+        if len(steps) == workload.get("remove_chunks_at"):    # or its chunks/ (a write fails, the folder stays)
+            remove_folder(os.path.join(workload["capture_dir"], "chunks"))
         if len(steps) in aborts:   # clients gone before this step: the frontend aborts their requests
             sched.finish_requests(aborts[len(steps)], RequestStatus.FINISHED_ABORTED)
         if len(steps) == stop_at:   # the server shuts down with requests in flight, aborted first

@@ -14,7 +14,8 @@ it), which `kvtrace capture ls` and the exporter's `kvtrace_capture_up` read:
 - `status`: `stepped_aside`, `refused` or `stopped`;
 - `reason`, one word: `vllm_version`, `vllm_changed`, `model` (guard.VllmChanged's), `settings` (an
   option: KVTRACE_CAPTURE_DIR unset, a value that does not parse), `folder` (the folder cannot be made
-  or written), `error` (the capture's own error; `traceback` says where);
+  or written), `error` (the capture's own error; `traceback` says where), `disk` (a running capture's
+  chunks could not be written: a full disk, a permission taken away; the capture stopped);
 - `error` (the message), `exception` (its class), `at` (UTC, ISO 8601), `strict`, and what is known of
   the server: `server_id`, `started_at`, `pid` (EngineCore's), `vllm_version`, `model`, `scheduler`,
   `async_scheduling`.
@@ -75,6 +76,14 @@ def stopped(exc: BaseException, settings, server, scheduler, version: str) -> No
                    at, said["error"], where)
 
 
+def writer_stopped(exc: BaseException, settings, server, scheduler, version: str) -> None:
+    """Write down that the sink could not write (a full disk, no permission): the capture has stopped,
+    reason `disk`, as the sink's own log line said. A folder that is gone (removed by an operator) is
+    not made again for it."""
+    _write(settings.folder, settings.file_mode, _said(STOPPED, "disk", exc, server, scheduler, version),
+           forget=False)
+
+
 def _said(status: str, reason: str, exc: BaseException, server, scheduler, version: str) -> dict:
     model = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
     name = getattr(model, "served_model_name", None) or getattr(model, "model", None)
@@ -96,6 +105,8 @@ def _write(folder: str | Path | None, file_mode: int, said: dict, forget: bool) 
         return "no error.json: KVTRACE_CAPTURE_DIR is not set"
     folder = Path(folder)
     server_id = said["server_id"]
+    if not forget and not folder.is_dir():   # a running capture's folder removed: not made again
+        return "no error.json: the capture folder is gone"
     try:
         if forget:
             (folder / "servers" / f"{server_id}.json").unlink(missing_ok=True)

@@ -76,7 +76,7 @@ class Recorder:
         self.sink = Sink(folder, self.server.server_id, max_bytes=settings.max_bytes, max_age_s=settings.max_age_s,
                          log=logger, wall_minus_monotonic=self.server.wall_minus_monotonic,
                          flush_seconds=settings.flush_s, file_mode=settings.file_mode,
-                         meta={"kvtrace_version": kvtrace.__version__})
+                         meta={"kvtrace_version": kvtrace.__version__}, on_stop=self._writer_stopped)
         self.scheduler = scheduler
         self.steps = StepAccounting(scheduler)
         self.columns = Columns(self.sink, token_ids=settings.token_ids, salt=self.server.salt,
@@ -128,6 +128,11 @@ class Recorder:
         self.wraps.remove()
         self.sink.abandon()
         aside.stopped(exc, self.settings, self.server, self.scheduler, self.version)
+
+    def _writer_stopped(self, exc: BaseException) -> None:
+        """The sink could not write a chunk (its writer thread calls this once): the capture records no
+        more, error.json says so (reason `disk`) for `capture ls` and the exporter's kvtrace_capture_up."""
+        aside.writer_stopped(exc, self.settings, self.server, self.scheduler, self.version)
 
     # ---- the scheduler's hooks ------------------------------------------------------------------------------
     def arrived(self, request: Request) -> None:

@@ -39,6 +39,7 @@ import re
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from kvtrace.vllm.capture import chunk_format
@@ -87,8 +88,12 @@ class Sink:
     def __init__(self, folder: Path, server_id: str, *, max_bytes: int = 4 * 1024**3, max_age_s: float = 7 * 86400,
                  log: logging.Logger | None = None, wall_minus_monotonic: float | None = None,
                  max_rows: int = 100_000, flush_seconds: float = 2.0, queue_chunks: int = 16,
-                 file_mode: int = FILE_MODE, close_timeout_s: float = 30.0, meta: dict | None = None) -> None:
+                 file_mode: int = FILE_MODE, close_timeout_s: float = 30.0, meta: dict | None = None,
+                 on_stop: Callable[[BaseException], None] | None = None) -> None:
+        """`on_stop(exc)`: called once, on the writer's thread, when the sink stops (it says so in the
+        folder: recorder.py writes error.json)."""
         self.capture = Path(folder)
+        self.on_stop = on_stop
         self.folder = self.capture / "chunks"
         self.file_mode = file_mode
         make_folder(self.folder, file_mode)
@@ -277,6 +282,12 @@ class Sink:
             self.num_removed += 1
 
     def stop(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.log.warning("kvtrace capture stopped (vLLM serves on): cannot write into %s: %s", self.folder, exc)
+        if self.error is not None:
+            return
+        self.log.warning("kvtrace capture stopped (vLLM serves on): cannot write into %s: %s", self.folder, exc)
         self.error = exc
+        if self.on_stop is not None:
+            try:
+                self.on_stop(exc)
+            except Exception:  # noqa: BLE001 (the disk that stopped the sink may refuse this too)
+                pass
