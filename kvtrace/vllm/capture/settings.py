@@ -4,11 +4,12 @@ The options are environment variables because vLLM builds the scheduler itself, 
 class name: `kvtrace vllm-env` prints them (docs/vllm.md). `KVTRACE_CAPTURE_DIR` is required; the
 retention and flush interval are parsed as sink.py parses them.
 
-A capture folder can hold several servers (restarts, replicas): each writes under its own id,
-`<UTC start>Z-<pid>`. Files and folders are made with files.py's modes (owner and group only by
-default; `KVTRACE_CAPTURE_MODE`). The files beside the chunks:
+A capture folder can hold several servers (restarts, replicas, the data-parallel ranks of one `vllm
+serve`: an engine core and a scheduler each): each writes under its own id, `<UTC start>Z-<pid>`. Files
+and folders are made with files.py's modes (owner and group only by default; `KVTRACE_CAPTURE_MODE`). The files beside the chunks:
 - `servers/<server id>.json`, and `capture.json` (the newest server's, for `kvtrace record --endpoint`):
-  the server's identity (vLLM version, model, scheduler, KV pool geometry, options, clock offset);
+  the server's identity (vLLM version, model, scheduler, KV pool geometry, options, clock offset, and
+  its place in the deployment: host, vLLM instance, data-parallel rank and size, `deployment()`);
 - `servers/<server id>.error.json` and `error.json` (the newest's): why a server's capture stepped aside,
   refused to start or stopped (aside.py);
 - `done.json`: the summary written at close;
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -112,5 +114,27 @@ def write_identity(settings: Settings, server: Server, scheduler, version: str, 
     }
     if isinstance(identity["model"], list):   # served under several names: the first
         identity["model"] = identity["model"][0]
+    identity.update(deployment(getattr(scheduler, "vllm_config", None)))
     write_json(settings.folder, f"servers/{server.server_id}.json", identity, settings.file_mode)
     write_json(settings.folder, "capture.json", identity, settings.file_mode)
+
+
+def deployment(vllm_config) -> dict:
+    """Where this scheduler stands in its deployment: the host, vLLM's instance id (one per `vllm serve`:
+    its ranks share it) and the data-parallel rank and size, as vLLM's configuration says them; a field
+    this vLLM lacks is null (the capture runs on).
+
+    vLLM runs one engine core, and so one scheduler, per data-parallel rank. For a mixture-of-experts
+    model the ranks step together and its config keeps `data_parallel_rank` and `data_parallel_size`; a
+    dense model's ranks are independent engines, whose config vLLM rewrites to a deployment of one
+    (size 1, rank 0: ParallelConfig.reconfigure_for_independent_dp_rank), keeping the rank in
+    `data_parallel_index`, which is therefore read first. The size is written where it is above 1 (null
+    for a server without data parallelism, and for a dense model's ranks, whose size vLLM does not keep)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    index = getattr(parallel, "data_parallel_index", None)
+    rank = index if isinstance(index, int) else getattr(parallel, "data_parallel_rank", None)
+    size = getattr(parallel, "data_parallel_size", None)
+    return {"host": socket.gethostname(),
+            "vllm_instance_id": getattr(vllm_config, "instance_id", None) or None,
+            "data_parallel_rank": rank if isinstance(rank, int) else None,
+            "data_parallel_size": size if isinstance(size, int) and size > 1 else None}
