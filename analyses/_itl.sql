@@ -14,9 +14,10 @@
 --   start_s     when the earlier token became available (s)
 --   end_s       when the later token became available (s)
 --   gap_ms      end_s - start_s (ms)
+--   server      the sequence's server ('' but in a run of several servers: its steps are that server's)
 CREATE OR REPLACE VIEW _itl AS
 WITH pairs AS (
-    SELECT run_id, req_id, sample, idx, step, prev_step, prev_ts_s AS start_s, ts_s AS end_s
+    SELECT run_id, req_id, sample, idx, step, prev_step, prev_ts_s AS start_s, ts_s AS end_s, server
     FROM tokens
     WHERE prev_ts_s IS NOT NULL
     UNION ALL
@@ -24,11 +25,11 @@ WITH pairs AS (
         SELECT run_id, req_id, sample, idx, step,
                lag(step) OVER seq AS prev_step,
                lag(ts_s) OVER seq AS start_s,
-               ts_s AS end_s
+               ts_s AS end_s, server
         FROM tokens
         WHERE run_id IN (SELECT run_id FROM runs WHERE NOT token_gaps_recorded)
         WINDOW seq AS (PARTITION BY run_id, req_id, sample ORDER BY idx))
     WHERE start_s IS NOT NULL
 )
-SELECT run_id, req_id, sample, idx, step, prev_step, start_s, end_s, (end_s - start_s) * 1000 AS gap_ms
+SELECT run_id, req_id, sample, idx, step, prev_step, start_s, end_s, (end_s - start_s) * 1000 AS gap_ms, server
 FROM pairs;

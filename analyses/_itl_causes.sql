@@ -35,4 +35,4 @@ SELECT g.run_id, g.req_id, g.sample, g.idx, g.step, g.prev_step, g.start_s, g.en
        _itl_cause(st.swapped_ms, st.preempted_ms, st.reprefill_ms, step.prefill_tokens) AS cause
 FROM _itl g
 LEFT JOIN stalls st USING (run_id, req_id, sample, idx)
-LEFT JOIN steps step ON step.run_id = g.run_id AND step.step = g.step;
+LEFT JOIN steps step ON step.run_id = g.run_id AND step.server = g.server AND step.step = g.step;

@@ -47,7 +47,7 @@ attributed AS (
            step.device_ms AS step_device_ms
     FROM cliffs c
     LEFT JOIN stalls st USING (run_id, req_id, sample, idx)
-    LEFT JOIN steps step ON step.run_id = c.run_id AND step.step = c.step
+    LEFT JOIN steps step ON step.run_id = c.run_id AND step.server = c.server AND step.step = c.step
 )
 SELECT t.run_id, a.req_id, a.sample, a.idx, a.gap_ms, t.threshold_ms, a.cause, a.start_s, a.end_s,
        a.prev_step, a.step, a.preempted_ms, a.swapped_ms, a.reprefill_ms, a.step_prefill_tokens,

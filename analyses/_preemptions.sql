@@ -22,19 +22,19 @@
 --   wait_ms            resumed_s - the preemption's decision time (ms; the same rule)
 --   cached_tokens      of its history, positions served from the prefix cache on resume
 --   recomputed_tokens  positions computed again on resume (the re-prefill, done or cut short)
---   recompute_ms_est   recomputed_tokens x its run's device time per recomputed position
---                      (_recompute: a step's device time shared among its tokens; ms, estimate)
+--   recompute_ms_est   recomputed_tokens x its server's device time per recomputed position
+--                      (_recompute_servers: a step's device time shared among its tokens; ms, estimate)
 --   swap_ms            measured copy time of its swap-out and swap-in (ms; 0 by recompute)
 CREATE OR REPLACE VIEW _preemptions AS
 WITH events AS (
-    SELECT e.run_id, e.req_id, e.sample, e.seq, e.step, e.ts_s, e.kind, e.reason, e.num_tokens,
+    SELECT e.run_id, e.server, e.req_id, e.sample, e.seq, e.step, e.ts_s, e.kind, e.reason, e.num_tokens,
            e.num_cached_tokens, e.num_recomputed_tokens, e.duration_ms, e.requester_req_id,
            e.requester_sample, e.victim_reason,
            CASE WHEN e.ts_s >= st.end_s THEN st.start_s ELSE e.ts_s END AS decided_s,
            sum(CASE WHEN e.kind = 'preempt' THEN 1 ELSE 0 END)
                OVER (PARTITION BY e.run_id, e.req_id, e.sample ORDER BY e.seq) AS preemption_no
     FROM kv_events e
-    LEFT JOIN steps st USING (run_id, step)
+    LEFT JOIN steps st USING (run_id, server, step)
     WHERE e.kind IN ('preempt', 'admit', 'reprefill', 'swap_out', 'swap_in') AND e.req_id <> ''
 ),
 aftermath AS (
@@ -57,5 +57,5 @@ SELECT e.run_id, e.req_id, e.sample, e.preemption_no::BIGINT AS preemption_no, e
        a.swap_ms
 FROM events e
 JOIN aftermath a USING (run_id, req_id, sample, preemption_no)
-LEFT JOIN _recompute rc USING (run_id)
+LEFT JOIN _recompute_servers rc USING (run_id, server)
 WHERE e.kind = 'preempt';

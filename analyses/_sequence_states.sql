@@ -19,10 +19,11 @@
 -- arrival, first token, then events by seq; intervals of zero length are dropped. A reprefill
 -- cut short (reason interrupted) is not a mark: the preempt that cut it is.
 --
--- _sequence_spans: run_id, req_id, sample, state, start_s, end_s (s), start_seq; one row per mark,
---                  so two neighbours can be in the same state (sums over a state need no merging).
+-- _sequence_spans: run_id, req_id, sample, state, start_s, end_s (s), start_seq, server; one row per
+--                  mark, so two neighbours can be in the same state (sums over a state need no merging).
 --                  start_seq is kv_events.seq of the event whose mark began the interval (the
 --                  preempt, the admit, the reprefill), null when it began at arrival or first token.
+--                  server: the sequence's (its step's; '' but in a run of several servers).
 -- _stall_spans:    the rows of _sequence_spans in state preempted, swapped or reprefill (what the
 --                  cliffs and the most preempted read), computed without the window over every
 --                  mark: a stall starts at an event (a preempt, an admit resume-recompute) and
@@ -33,13 +34,13 @@
 --                  the first merged interval's
 CREATE OR REPLACE VIEW _sequence_spans AS
 WITH marks AS (
-    SELECT run_id, req_id, sample, arrival_s AS ts_s, 0 AS tie, -1::BIGINT AS seq, 'waiting' AS state
+    SELECT run_id, req_id, sample, arrival_s AS ts_s, 0 AS tie, -1::BIGINT AS seq, 'waiting' AS state, server
     FROM requests
     UNION ALL
-    SELECT run_id, req_id, sample, first_token_s, 1, -1, 'decode'
+    SELECT run_id, req_id, sample, first_token_s, 1, -1, 'decode', server
     FROM requests WHERE first_token_s IS NOT NULL
     UNION ALL
-    SELECT run_id, req_id, sample, finish_s, 3, -1, 'finished'
+    SELECT run_id, req_id, sample, finish_s, 3, -1, 'finished', server
     FROM requests WHERE finish_s IS NOT NULL
     UNION ALL
     -- the events, read in one pass: a re-prefill is done when the step it completed in ends (its
@@ -51,31 +52,32 @@ WITH marks AS (
                WHEN kind IN ('admit', 'reprefill') THEN 'decode'
                WHEN reason = 'swap' THEN 'swapped'
                ELSE 'preempted'
-           END
-    FROM (SELECT e.run_id, e.req_id, e.sample, e.seq, e.kind, e.reason, r.first_token_s,
+           END,
+           server
+    FROM (SELECT e.run_id, e.req_id, e.sample, e.seq, e.kind, e.reason, e.server, r.first_token_s,
                  CASE WHEN e.kind = 'reprefill' THEN coalesce(st.end_s, e.ts_s)
                       WHEN e.ts_s >= st.end_s THEN st.start_s   -- stamped at its step's end: decided at its start
                       ELSE e.ts_s END AS ts_s
           FROM kv_events e
           LEFT JOIN requests r USING (run_id, req_id, sample)
-          LEFT JOIN steps st USING (run_id, step)
+          LEFT JOIN steps st ON st.run_id = e.run_id AND st.server = e.server AND st.step = e.step
           WHERE e.kind IN ('admit', 'preempt')
              OR (e.kind = 'reprefill' AND e.reason IS DISTINCT FROM 'interrupted'))
 ),
 spans AS (
     SELECT run_id, req_id, sample, state, ts_s AS start_s,
            lead(ts_s) OVER seq AS end_s,
-           CASE WHEN seq >= 0 THEN seq END AS start_seq
+           CASE WHEN seq >= 0 THEN seq END AS start_seq, server
     FROM marks
     WINDOW seq AS (PARTITION BY run_id, req_id, sample ORDER BY ts_s, tie, seq)
 )
-SELECT run_id, req_id, sample, state, start_s, end_s, start_seq
+SELECT run_id, req_id, sample, state, start_s, end_s, start_seq, server
 FROM spans
 WHERE state <> 'finished' AND end_s > start_s;
 
 CREATE OR REPLACE VIEW _stall_spans AS
 WITH events AS (
-    SELECT e.run_id, e.req_id, e.sample, e.seq,
+    SELECT e.run_id, e.req_id, e.sample, e.seq, e.server,
            CASE WHEN e.kind = 'reprefill' THEN coalesce(st.end_s, e.ts_s)
                 WHEN e.ts_s >= st.end_s THEN st.start_s
                 ELSE e.ts_s END AS ts_s,
@@ -83,13 +85,13 @@ WITH events AS (
                 WHEN e.kind = 'preempt' AND e.reason = 'swap' THEN 'swapped'
                 WHEN e.kind = 'preempt' THEN 'preempted' END AS state
     FROM kv_events e
-    LEFT JOIN steps st USING (run_id, step)
+    LEFT JOIN steps st USING (run_id, server, step)
     WHERE e.kind IN ('admit', 'preempt')
        OR (e.kind = 'reprefill' AND e.reason IS DISTINCT FROM 'interrupted')
 ),
 starts AS (
     -- marks at the same time are ordered by seq among the events, as in _sequence_spans
-    SELECT run_id, req_id, sample, seq, ts_s, state,
+    SELECT run_id, req_id, sample, seq, ts_s, state, server,
            lead(ts_s) OVER (PARTITION BY run_id, req_id, sample ORDER BY ts_s, seq) AS next_event_s
     FROM events
     QUALIFY state IS NOT NULL
@@ -102,11 +104,11 @@ spans AS (
                  CASE WHEN r.arrival_s > s.ts_s THEN r.arrival_s END,
                  CASE WHEN r.first_token_s > s.ts_s THEN r.first_token_s END,
                  CASE WHEN r.finish_s >= s.ts_s THEN r.finish_s END) AS end_s,
-           s.seq AS start_seq
+           s.seq AS start_seq, s.server
     FROM starts s
     LEFT JOIN requests r USING (run_id, req_id, sample)
 )
-SELECT run_id, req_id, sample, state, start_s, end_s, start_seq
+SELECT run_id, req_id, sample, state, start_s, end_s, start_seq, server
 FROM spans
 WHERE end_s > start_s;
 
@@ -122,6 +124,6 @@ islands AS (
     FROM flagged
 )
 SELECT run_id, req_id, sample, state, min(start_s) AS start_s, max(end_s) AS end_s,
-       first(start_seq ORDER BY start_s) AS start_seq
+       first(start_seq ORDER BY start_s) AS start_seq, server
 FROM islands
-GROUP BY run_id, req_id, sample, island, state;
+GROUP BY run_id, server, req_id, sample, island, state;

@@ -1,6 +1,8 @@
 -- Helper: a run laid out as timeline tracks, the rows `kvtrace export perfetto` turns into packets
 -- (kvtrace/export/perfetto.py). Times are integer nanoseconds on the run's clock, round(s * 1e9).
--- Every view has run_id; the exporter selects one run at a time and orders the rows.
+-- Every view has run_id; the exporter selects one run at a time and orders the rows. A run joined from
+-- several servers' captures (schema 4's `server`) is not laid out: one engine track per run (the
+-- exporter refuses it, db.one_server_each).
 --
 -- _ns(s): seconds as integer nanoseconds.
 --

@@ -16,18 +16,21 @@
 --   unknown      the trace predates schema 3 (no admission_stop)
 --   idle         no step ran (a gap between steps longer than the steps say)
 --
+-- A wait is put down to its own server's steps (a run of several servers: the `server` column).
+--
 -- _waits: one row per wait.
---   run_id, req_id, sample, state (waiting | preempted | swapped), start_s, end_s, wait_ms
+--   run_id, req_id, sample, state (waiting | preempted | swapped), start_s, end_s, wait_ms, server
 -- _wait_causes: one row per wait and cause.
 --   run_id, req_id, sample, state, start_s (the wait's), cause, cause_ms, share (of the wait)
 CREATE OR REPLACE VIEW _waits AS
-SELECT run_id, req_id, sample, state, start_s, end_s, (end_s - start_s) * 1000 AS wait_ms
+SELECT run_id, req_id, sample, state, start_s, end_s, (end_s - start_s) * 1000 AS wait_ms, server
 FROM _sequence_states
 WHERE state IN ('waiting', 'preempted', 'swapped');
 
 CREATE OR REPLACE VIEW _wait_causes AS
 WITH spans AS (
-    SELECT run_id, start_s, coalesce(lead(start_s) OVER (PARTITION BY run_id ORDER BY step), end_s) AS end_s,
+    SELECT run_id, server, start_s,
+           coalesce(lead(start_s) OVER (PARTITION BY run_id, server ORDER BY step), end_s) AS end_s,
            coalesce(admission_stop, 'unknown') AS cause
     FROM steps
 ),
@@ -35,7 +38,7 @@ covered AS (
     SELECT w.run_id, w.req_id, w.sample, w.state, w.start_s, s.cause,
            sum(least(s.end_s, w.end_s) - greatest(s.start_s, w.start_s)) * 1000 AS cause_ms
     FROM _waits w
-    JOIN spans s ON s.run_id = w.run_id AND s.start_s < w.end_s AND s.end_s > w.start_s
+    JOIN spans s ON s.run_id = w.run_id AND s.server = w.server AND s.start_s < w.end_s AND s.end_s > w.start_s
     GROUP BY ALL
 ),
 idle AS (

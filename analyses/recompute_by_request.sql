@@ -10,17 +10,17 @@
 --   prompt_tokens, output_tokens   from `requests` (null if the sequence has no row yet)
 --   recompute_ratio          recomputed_tokens / (prompt_tokens + output_tokens): the sequence's
 --                            own length computed again, e.g. 1.0 = once more in full
---   recompute_device_ms_est  recomputed_tokens times the run's device time per recomputed
+--   recompute_device_ms_est  recomputed_tokens times its server's device time per recomputed
 --                            position (see recompute.sql; ms, estimate)
 WITH per_sequence AS (
-    SELECT run_id, req_id, sample,
+    SELECT run_id, server, req_id, sample,
            count(*) FILTER (WHERE kind = 'preempt') AS recompute_preemptions,
            count(*) FILTER (WHERE kind = 'reprefill') AS reprefills,
            coalesce(sum(num_recomputed_tokens) FILTER (WHERE kind = 'reprefill'), 0)::BIGINT AS recomputed_tokens,
            coalesce(sum(num_cached_tokens) FILTER (WHERE kind = 'reprefill'), 0)::BIGINT AS reprefill_cached_tokens
     FROM kv_events
     WHERE kind = 'reprefill' OR (kind = 'preempt' AND reason <> 'swap')
-    GROUP BY run_id, req_id, sample
+    GROUP BY run_id, server, req_id, sample
 )
 SELECT p.run_id, p.req_id, p.sample, p.recompute_preemptions, p.reprefills,
        p.recomputed_tokens, p.reprefill_cached_tokens,
@@ -29,5 +29,5 @@ SELECT p.run_id, p.req_id, p.sample, p.recompute_preemptions, p.reprefills,
        p.recomputed_tokens * rc.recompute_device_ms / nullif(rc.recomputed_tokens, 0) AS recompute_device_ms_est
 FROM per_sequence p
 LEFT JOIN requests r USING (run_id, req_id, sample)
-LEFT JOIN _recompute rc USING (run_id)
+LEFT JOIN _recompute_servers rc ON rc.run_id = p.run_id AND rc.server = p.server
 ORDER BY p.run_id, p.recomputed_tokens DESC, p.req_id, p.sample;

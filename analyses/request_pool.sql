@@ -1,6 +1,7 @@
 -- What was the KV pool doing while one request lived? The sequence's life, from its arrival to its
 -- finish (or the run's end), cut into `buckets` equal intervals: the state it was in and how full
--- the pool was in each, the data of a timeline of one request against the pool's occupancy.
+-- the pool was in each, the data of a timeline of one request against the pool's occupancy. The
+-- pool and the preemptions are those of the request's server (a run of several servers).
 -- param: req_id = ''  the request
 -- param: sample = -1  its sample (0..n-1); < 0 = every sample, each on its own life
 -- param: buckets = 120  intervals of its life
@@ -18,16 +19,16 @@
 --   state           waiting | prefill | decode | preempted | swapped | reprefill | finished
 --   used_frac       the pool's occupancy over the interval (null only where no step ran after it)
 --   steps           steps that ended in the interval
---   preemptions     preempt events of the whole run in it (any sequence)
+--   preemptions     preempt events of the whole run in it (any sequence of its server)
 --   own_preemptions of those, the sequence's own
 WITH life AS (
-    SELECT r.run_id, r.req_id, r.sample, r.arrival_s AS start_s,
+    SELECT r.run_id, r.req_id, r.sample, r.server, r.arrival_s AS start_s,
            greatest(coalesce(r.finish_s, span.end_s), r.arrival_s) AS end_s
     FROM requests r JOIN _run_span span USING (run_id)
     WHERE r.req_id = $req_id AND ($sample < 0 OR r.sample = $sample)
 ),
 intervals AS (
-    SELECT life.run_id, life.req_id, life.sample, b.bucket,
+    SELECT life.run_id, life.req_id, life.sample, life.server, b.bucket,
            life.start_s + b.bucket * (life.end_s - life.start_s) / $buckets AS start_s,
            life.start_s + (b.bucket + 1) * (life.end_s - life.start_s) / $buckets AS end_s,
            life.start_s + (b.bucket + 0.5) * (life.end_s - life.start_s) / $buckets AS mid_s
@@ -37,19 +38,19 @@ ended AS (
     SELECT i.run_id, i.sample, i.bucket, count(st.step) AS steps,
            avg(st.used_blocks / nullif(st.total_blocks, 0)) AS mean_used_frac
     FROM intervals i
-    LEFT JOIN steps st ON st.run_id = i.run_id AND st.end_s >= i.start_s
+    LEFT JOIN steps st ON st.run_id = i.run_id AND st.server = i.server AND st.end_s >= i.start_s
         AND (st.end_s < i.end_s OR (i.bucket = $buckets - 1 AND st.end_s = i.end_s))
     GROUP BY i.run_id, i.sample, i.bucket
 ),
 running AS (
     SELECT i.run_id, i.sample, i.bucket, st.used_blocks / nullif(st.total_blocks, 0) AS used_frac
-    FROM intervals i ASOF LEFT JOIN steps st ON st.run_id = i.run_id AND st.end_s >= i.mid_s
+    FROM intervals i ASOF LEFT JOIN steps st ON st.run_id = i.run_id AND st.server = i.server AND st.end_s >= i.mid_s
 ),
 preempts AS (
     SELECT i.run_id, i.sample, i.bucket, count(e.seq) AS preemptions,
            count(e.seq) FILTER (WHERE e.req_id = i.req_id AND e.sample = i.sample) AS own_preemptions
     FROM intervals i
-    LEFT JOIN kv_events e ON e.run_id = i.run_id AND e.kind = 'preempt' AND e.ts_s >= i.start_s
+    LEFT JOIN kv_events e ON e.run_id = i.run_id AND e.server = i.server AND e.kind = 'preempt' AND e.ts_s >= i.start_s
         AND (e.ts_s < i.end_s OR (i.bucket = $buckets - 1 AND e.ts_s = i.end_s))
     GROUP BY i.run_id, i.sample, i.bucket
 ),

@@ -16,16 +16,16 @@
 --   phase_no       1, 2, ... within the sequence
 --   phase          as above
 --   start_s, end_s (s), duration_ms (ms)
---   first_step     the first step starting within the phase (null if none)
---   num_steps      steps starting within the phase
+--   first_step     the first step of its server starting within the phase (null if none)
+--   num_steps      steps of its server starting within the phase
 --   preemption_no  preempted and swapped phases: the preemption that began it (preemptions.sql)
 --   finish_reason  the finished phase: stop | length | rejected | capacity | aborted
 WITH phases AS (
-    SELECT run_id, req_id, sample, state AS phase, start_s, end_s, start_seq, NULL::VARCHAR AS finish_reason
+    SELECT run_id, req_id, sample, state AS phase, start_s, end_s, start_seq, NULL::VARCHAR AS finish_reason, server
     FROM _sequence_states
     WHERE ($req_id = '' OR req_id = $req_id) AND ($sample < 0 OR sample = $sample)
     UNION ALL
-    SELECT run_id, req_id, sample, 'finished', finish_s, finish_s, NULL, finish_reason
+    SELECT run_id, req_id, sample, 'finished', finish_s, finish_s, NULL, finish_reason, server
     FROM requests
     WHERE finish_s IS NOT NULL AND ($req_id = '' OR req_id = $req_id) AND ($sample < 0 OR sample = $sample)
 ),
@@ -33,7 +33,8 @@ stepped AS (
     SELECT p.run_id, p.req_id, p.sample, p.phase, p.start_s, p.start_seq,
            min(st.step) AS first_step, count(st.step) AS num_steps
     FROM phases p
-    LEFT JOIN steps st ON st.run_id = p.run_id AND st.start_s >= p.start_s AND st.start_s < p.end_s
+    LEFT JOIN steps st ON st.run_id = p.run_id AND st.server = p.server AND st.start_s >= p.start_s
+                          AND st.start_s < p.end_s
     GROUP BY ALL
 )
 SELECT p.run_id, p.req_id, p.sample,

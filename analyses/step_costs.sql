@@ -11,17 +11,20 @@
 --   period_ms       from this step's start to the next one's: the step's whole cost to the engine loop,
 --                   host work between steps included; null for the last step and for a step after
 --                   which the engine had nothing running, waiting or swapped (it went idle)
+--   server          the server whose step it is ('' but in a run of several servers: each has its steps)
 WITH swaps AS (
-    SELECT run_id, step, sum(bytes)::BIGINT AS swap_bytes, sum(duration_ms) AS swap_ms
+    SELECT run_id, server, step, sum(bytes)::BIGINT AS swap_bytes, sum(duration_ms) AS swap_ms
     FROM kv_events
     WHERE kind IN ('swap_out', 'swap_in')
-    GROUP BY run_id, step
+    GROUP BY run_id, server, step
 )
 SELECT s.run_id, s.step, s.prefill_tokens, s.decode_tokens, s.kv_tokens,
        coalesce(w.swap_bytes, 0) AS swap_bytes, w.swap_ms,
        (s.end_s - s.start_s) * 1000 AS duration_ms,
        CASE WHEN s.running + s.waiting + s.swapped > 0
-            THEN (lead(s.start_s) OVER (PARTITION BY s.run_id ORDER BY s.step) - s.start_s) * 1000 END AS period_ms
+            THEN (lead(s.start_s) OVER (PARTITION BY s.run_id, s.server ORDER BY s.step) - s.start_s) * 1000
+       END AS period_ms,
+       s.server
 FROM steps s
-LEFT JOIN swaps w USING (run_id, step)
-ORDER BY s.run_id, s.step;
+LEFT JOIN swaps w USING (run_id, server, step)
+ORDER BY s.run_id, s.server, s.step;

@@ -21,6 +21,9 @@
 --   preemptions, recomputed_tokens, recompute_share (of positions computed), recompute_device_ms
 --   swap_out_bytes, swap_in_bytes, swap_gb_s (both directions)
 --   thrash_verdict, peak_preempt_per_s, useful_tok_s
+--   servers          the servers whose steps the run holds (1 but in a run joined from several servers'
+--                    captures; its figures are then the fleet's: counts added up, the thrash verdict
+--                    the worst server's, see thrash_servers.sql for each)
 SELECT runs.run_id, runs.model, runs.device, runs.preemption_mode, runs.preemption_policy,
        runs.block_size, runs.num_gpu_blocks,
        t.duration_s, t.completed_requests, t.output_tokens, t.output_tok_s, t.request_throughput,
@@ -32,7 +35,8 @@ SELECT runs.run_id, runs.model, runs.device, runs.preemption_mode, runs.preempti
        coalesce(s.swap_out_bytes, 0) AS swap_out_bytes,
        coalesce(s.swap_in_bytes, 0) AS swap_in_bytes,
        s.swap_gb_s,
-       th.verdict AS thrash_verdict, th.peak_preempt_per_s, th.useful_tok_s
+       th.verdict AS thrash_verdict, th.peak_preempt_per_s, th.useful_tok_s,
+       (SELECT count(*) FROM _servers sv WHERE sv.run_id = runs.run_id) AS servers
 FROM runs
 LEFT JOIN _throughput t USING (run_id)
 LEFT JOIN _goodput($ttft_ms, $tpot_ms, $e2el_ms) g USING (run_id)

@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvtrace.errors import KvtraceError
-from kvtrace.trace.schema import OPTIONAL_TABLES, TABLES
+from kvtrace.trace.schema import OPTIONAL_TABLES, SERVER_FIELD, SERVER_TABLES, TABLES
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -263,6 +263,17 @@ def connect(runs: list[str | Path]) -> duckdb.DuckDBPyConnection:
     return con
 
 
+def one_server_each(con: duckdb.DuckDBPyConnection, what: str) -> None:
+    """KvtraceError if a run of the connection was joined from several servers' captures (schema 4's
+    `server`): `what` (a timeline, the explorer) lays out one engine's steps and pool."""
+    joined = con.execute("SELECT run_id, string_agg(server, ', ' ORDER BY server) FROM _servers "
+                         "GROUP BY run_id HAVING count(*) > 1 ORDER BY run_id").fetchall()
+    if joined:
+        run_id, servers = joined[0]
+        raise KvtraceError(f"run {run_id} joins several servers ({servers}): {what} shows one server's steps; "
+                           "cut one server's run with kvtrace capture run --server or --rank")
+
+
 def duckdb_config() -> dict[str, str]:
     """The settings every connection gets: a memory limit, a folder to spill to, threads."""
     limit = os.environ.get("KVTRACE_MEMORY_LIMIT") or MEMORY_LIMIT
@@ -288,10 +299,13 @@ def _sql_string(text: str) -> str:
 
 def _table_view_sql(con: duckdb.DuckDBPyConnection, table: str, schema: pa.Schema, globs: list[str]) -> str:
     """A view with the contract's columns in the contract's order: columns a trace lacks are typed
-    NULLs, columns it has beyond the contract come last. No chunk at all: an empty typed view."""
+    NULLs, columns it has beyond the contract come last. No chunk at all: an empty typed view. A table
+    of SERVER_TABLES gets `server` after the contract's columns, '' where a run has none (schema.py)."""
+    server = table in SERVER_TABLES
     if not globs:
-        columns = ", ".join(f"NULL::{_DUCKDB_TYPES[f.type]} AS {f.name}" for f in schema)
-        return f"CREATE OR REPLACE VIEW {table} AS SELECT {columns} WHERE false"
+        columns = [f"NULL::{_DUCKDB_TYPES[f.type]} AS {f.name}" for f in schema]
+        columns += ["''::VARCHAR AS server"] * server
+        return f"CREATE OR REPLACE VIEW {table} AS SELECT {', '.join(columns)} WHERE false"
     import duckdb
 
     source = f"read_parquet([{', '.join(map(_sql_string, globs))}], union_by_name = true, hive_partitioning = false)"
@@ -299,8 +313,10 @@ def _table_view_sql(con: duckdb.DuckDBPyConnection, table: str, schema: pa.Schem
         present = [row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()]
     except duckdb.Error as exc:
         raise KvtraceError(f"{globs[0]}: cannot read the {table} chunks ({str(exc).splitlines()[0]})") from exc
-    known = set(schema.names)
+    known = set(schema.names) | ({SERVER_FIELD.name} if server else set())
     columns = [f.name if f.name in present else f"NULL::{_DUCKDB_TYPES[f.type]} AS {f.name}" for f in schema]
+    if server:
+        columns.append("coalesce(server, '') AS server" if "server" in present else "''::VARCHAR AS server")
     columns += [f'"{name}"' for name in present if name not in known]
     return f"CREATE OR REPLACE VIEW {table} AS SELECT {', '.join(columns)} FROM {source}"
 

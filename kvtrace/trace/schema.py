@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3                 # 2: tokens.prev_step and tokens.prev_ts_s; 3: the causes (steps.admission_stop,
-                                   # kv_events.requester_req_id, requester_sample, victim_reason); see docs/trace-format.md
+SCHEMA_VERSION = 4                 # 2: tokens.prev_step and tokens.prev_ts_s; 3: the causes (steps.admission_stop,
+                                   # kv_events.requester_req_id, requester_sample, victim_reason); 4: the server
+                                   # column (SERVER_FIELD); see docs/trace-format.md
 
 # One row per sequence (a request with n samples has n rows), written when it finishes.
 REQUESTS_SCHEMA = pa.schema([
@@ -97,6 +98,15 @@ TOKENS_SCHEMA = pa.schema([
     ("prev_ts_s", pa.float64()),
 ])
 
+
+# The server a row is of (schema 4), in the tables of SERVER_TABLES: in a run joined from several servers'
+# captures (`kvtrace capture run` of several servers, data-parallel ranks or hosts), a short label of each
+# (meta.json's capture.servers says which server it is); in a run of one server, '' (every run of kvtrace's
+# engine, and a capture's run of one server). A writer of one server leaves the column out; the views
+# (kvtrace/trace/db.py) read it as '' wherever a run lacks it, so that `USING (run_id, server, step)` joins
+# every run alike. In a joined run a step is (server, step) and its request ids are `<label>/<vLLM's id>`.
+SERVER_FIELD = pa.field("server", pa.string())
+SERVER_TABLES = ("requests", "steps", "kv_events", "tokens")
 
 
 def write_parquet(table: pa.Table, path) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from kvtrace.errors import KvtraceError
-from kvtrace.trace.schema import TABLES, token_predecessors, write_parquet
+from kvtrace.trace.schema import SERVER_FIELD, TABLES, token_predecessors, write_parquet
 from kvtrace.vllm.capture import chunk_format
 from kvtrace.vllm.capture.sink import CHUNK_COLUMNS, COLUMNS
 
@@ -200,7 +200,7 @@ def rebase(columns: dict[str, dict[str, list]], origin: float) -> None:
 def write_tables(columns: dict[str, dict[str, list]], run_dir: Path, run_id: str, *,
                  predecessors: bool = True) -> dict[str, int]:
     """The trace's tables of a run from the capture's columns (on the run's clock); the rows per table.
-    With `predecessors` False the tokens' prev_step / prev_ts_s are the caller's (a window that keeps
+    Columns that hold `server` write it (a run joined from several servers). With `predecessors` False the tokens' prev_step / prev_ts_s are the caller's (a window that keeps
     each sequence's token before it, kvtrace/vllm/follow.py)."""
     t = columns["tokens"]   # each token's predecessor in its sequence (schema 2), on the run's clock
     if predecessors:
@@ -210,6 +210,8 @@ def write_tables(columns: dict[str, dict[str, list]], run_dir: Path, run_id: str
     for table in COLUMNS:
         cols = columns[table]
         schema = TABLES[table]
+        if SERVER_FIELD.name in cols:   # a run of several servers (kvtrace/vllm/fleet.py)
+            schema = schema.append(SERVER_FIELD)
         num = len(next(iter(cols.values())))
         arrays = [pa.array([run_id] * num, pa.string()) if f.name == "run_id" else pa.array(cols[f.name], f.type)
                   for f in schema]

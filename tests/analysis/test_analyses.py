@@ -260,7 +260,7 @@ def test_thrash_one_second_windows(con):
     assert got["swp"]["verdict"] == "occasional"     # swap: no recompute, pool full in 1 step of 6
     assert rows(con, "thrash_windows", window_s=1) == [approx({
         "run_id": "rec", "start_s": 0.0, "end_s": 1.5, "duration_s": 1.5, "thrashing_steps": 3,
-        "peak_preempt_per_s": 1.0, "peak_recompute_share": 4 / 13, "peak_full_pool_share": 0.5})]
+        "peak_preempt_per_s": 1.0, "peak_recompute_share": 4 / 13, "peak_full_pool_share": 0.5, "server": ""})]
     # a higher bar on the rate: nothing thrashes
     assert rows(con, "thrash_windows", window_s=1, min_preempt_per_s=2) == []
 
@@ -491,7 +491,7 @@ def test_summary(con):
         "itl_p50_ms": 250.0, "itl_p99_ms": 730.0, "e2el_p50_ms": 1156.25, "e2el_p99_ms": 1309.375,
         "preemptions": 1, "recomputed_tokens": 4, "recompute_share": 4 / 19, "recompute_device_ms": 120.0,
         "swap_out_bytes": 0, "swap_in_bytes": 0, "swap_gb_s": None,
-        "thrash_verdict": "occasional", "peak_preempt_per_s": 0.2, "useful_tok_s": 10.0})
+        "thrash_verdict": "occasional", "peak_preempt_per_s": 0.2, "useful_tok_s": 10.0, "servers": 1})
     swp = got["swp"]
     assert (swp["swap_out_bytes"], swp["swap_in_bytes"], swp["swap_gb_s"]) == (2_000_000, 2_000_000, approx(4 / 6))
     assert by(rows(con, "summary", tpot_ms=300, window_s=1), "run_id")["rec"]["thrash_verdict"] == "sustained"
