@@ -21,6 +21,8 @@ def explore(runs: Annotated[list[str], typer.Argument(help=RUNS_HELP, show_defau
     Example: kvtrace explore traces/runs/latest
     """
     # Textual is imported here, not at the top: no other command pays for its import
+    from kvtrace.trace import db
     from kvtrace.views.explore import Explorer
 
+    db.one_server_each(db.connect(runs), "kvtrace explore")   # one engine's steps per run
     Explorer(runs).run()

@@ -120,6 +120,7 @@ def default_output(runs: list[str | Path]) -> Path:
 def export_perfetto(runs: list[str | Path], output: Path) -> ExportSummary:
     """Write the runs to `output` (atomically: a temporary file renamed at the end)."""
     con = db.connect(runs)
+    db.one_server_each(con, "the Perfetto timeline")
     if output.is_dir():
         raise KvtraceError(f"{output}: is a folder; give the trace file to write")
     temp = output.with_name(f".{output.name}.{os.getpid()}.tmp")

@@ -2,8 +2,10 @@
 
 `collect(con)` runs the SQL library's analyses and gathers their rows per run: the figures. The
 renderers only lay those figures out; every number on the screen is a value of some analysis
-(`summary`, `thrash`, `thrash_windows`, `latency`, `itl_cliff_summary`, `most_preempted`,
-`pool_timeline`) or of the `runs` table. `--json` prints the figures themselves.
+(`summary`, `thrash`, `thrash_servers`, `thrash_windows`, `latency`, `itl_cliff_summary`,
+`most_preempted`, `pool_timeline`) or of the `runs` table. `--json` prints the figures themselves.
+A run joined from several servers' captures (data-parallel ranks, a fleet's hosts) shows, under the
+run's verdict, each server's, and a pool strip per server (each has its own pool).
 
     ┌ header: run, model, device, KV pool, preemption, workload, status
     ├ key figures                        ┐ two columns from 120 terminal columns on;
@@ -37,8 +39,8 @@ LEVELS = " ▁▂▃▄▅▆▇█"             # 1/8 steps of a character cell
 
 # the analyses the dashboard shows; --param values go to those that declare them, except the
 # params that the dashboard's own options set
-ANALYSES = ("summary", "thrash", "thrash_windows", "latency", "itl_cliff_summary", "most_preempted",
-            "noisy_neighbours", "pool_timeline")
+ANALYSES = ("summary", "thrash", "thrash_servers", "thrash_windows", "latency", "itl_cliff_summary",
+            "most_preempted", "noisy_neighbours", "pool_timeline")
 OPTION_PARAMS = {"buckets", "limit", "req_id", "top"}  # set by the commands themselves
 RUN_COLUMNS = """run_id, status, error, model, dtype, device, device_type, preemption_mode, preemption_policy,
     enable_prefix_caching, block_size, num_gpu_blocks, num_cpu_blocks, bytes_per_block,
@@ -71,7 +73,8 @@ def collect(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = N
     # sequence) feed both the histograms and the goodput, so they are kept first
     db.keep(con, "_sequence_latency", "_latency_hist", "_recompute", "_stall_spans")
     # summary, thrash and thrash_windows each judge every step; with the same params, once
-    db.keep_calls(con, "_thrash_steps", "_thrash_windows", "_thrash", **db.analysis_params("thrash", **per["thrash"]))
+    db.keep_calls(con, "_thrash_steps", "_thrash_windows", "_thrash_servers", "_thrash",
+                  **db.analysis_params("thrash", **per["thrash"]))
     results = {name: db.records(db.run_analysis(con, name, **per[name])) for name in ANALYSES}
     runs = db.records(con.sql(f"SELECT {RUN_COLUMNS} FROM runs ORDER BY ordinal").to_arrow_table())
 
@@ -85,6 +88,7 @@ def collect(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = N
             "run": run,
             "summary": (of("summary", rid) or [{}])[0],
             "thrash": (of("thrash", rid) or [{}])[0],
+            "servers": of("thrash_servers", rid),   # one row per server, its verdict ('' for a run of one)
             "thrash_windows": of("thrash_windows", rid),
             "latency": {row.pop("metric"): row for row in of("latency", rid)},
             "itl_tail": of("itl_cliff_summary", rid),
@@ -161,9 +165,9 @@ VERDICT_STYLE = {"none": "bold green", "occasional": "bold yellow", "sustained":
 
 # --------------------------------------------------------------------------- one run
 
-def header(run: dict, summary: dict) -> Text:
+def header(run: dict, summary: dict, servers: list[dict] | None = None) -> Text:
     """Two lines: the run, its status, length and replay, model and device; then the KV pool, the
-    preemption mode and policy, and the workload."""
+    preemption mode and policy, and the workload; and the servers of a run joined from several."""
     status_style = {"completed": "green", "running": "cyan"}.get(run["status"], "red")
     text = Text()
     text.append(f" {run['run_id']} ", "bold reverse")
@@ -180,7 +184,11 @@ def header(run: dict, summary: dict) -> Text:
         pool += f", host {run['num_cpu_blocks']}"
     if not run.get("enable_prefix_caching"):
         pool += ", no prefix cache"
+    if len(servers or ()) > 1:
+        pool += " each"
     text.append(f"\n{pool} · {run['preemption_mode']}/{run['preemption_policy']} · {_workload(run)}", "dim")
+    if len(servers or ()) > 1:
+        text.append(f"\n{len(servers)} servers: {', '.join(s['server'] for s in servers)}", "dim")
     return text
 
 
@@ -235,11 +243,12 @@ def _latency_pair(s: dict, metric: str) -> tuple[str, str]:
     return name, f"p50 {fmt_ms(s.get(f'{metric}_p50_ms')):>8}  p99 {fmt_ms(s.get(f'{metric}_p99_ms')):>8}"
 
 
-def thrash_verdict(t: dict) -> Text:
+def thrash_verdict(t: dict, server: str = "") -> Text:
     """thrash.sql's verdict and its evidence on one line (the preempted sequences are with the key
-    figures, the share of steps with a full pool is on the pool strip)."""
+    figures, the share of steps with a full pool is on the pool strip); a server's (thrash_servers.sql)
+    indented under its label."""
     verdict = t.get("verdict") or "none"
-    text = Text("thrash ", "bold")
+    text = Text(f"  {server} thrash " if server else "thrash ", "bold")
     text.append(verdict.upper(), VERDICT_STYLE.get(verdict, "bold"))
     if verdict == "none":
         return text.append(" · no preemption")
@@ -250,6 +259,14 @@ def thrash_verdict(t: dict) -> Text:
     if t.get("recompute_share"):
         evidence.append(f"{fmt_share(t['recompute_share'])} recomputed")
     return text.append(" · " + " · ".join(evidence))
+
+
+def server_strips(timeline: list[dict], servers: list[dict]) -> list[RenderableType]:
+    """pool_timeline.sql's rows of a run of several servers: each server's label and its strip."""
+    strips: list[RenderableType] = []
+    for s in servers:
+        strips += [Text(s["server"], "bold"), pool_strip([r for r in timeline if r["server"] == s["server"]])]
+    return strips
 
 
 def pool_strip(timeline: list[dict], label_width: int = 5) -> Group:
@@ -441,7 +458,10 @@ def render_run(fig: dict, width: int, params: dict) -> RenderableType:
             if len(title + legend) <= right - 4:
                 title += legend
                 break
-    pool = Group(_title(title), pool_strip(fig["pool_timeline"]))
+    servers = fig.get("servers") or []
+    several = len(servers) > 1
+    pool = Group(_title(title), *(server_strips(fig["pool_timeline"], servers) if several
+                                  else [pool_strip(fig["pool_timeline"])]))
     itl = fig["latency"].get("itl")
     itl_title = f"ITL: {fmt_num(itl['num_values'])} gaps (log scale)" if itl else "ITL"
     half = (right - 2) // 2
@@ -454,18 +474,19 @@ def render_run(fig: dict, width: int, params: dict) -> RenderableType:
     else:
         latency = Group(_title(itl_title), itl_ladder(itl, min(right - 20, 24)),
                         _title(tail_title(fig["itl_tail"], right)), tail_causes(fig["itl_tail"], min(right, 48)))
-    figures = Group(key_figures(fig["summary"], fig["thrash"], left), thrash_verdict(fig["thrash"]))
+    figures = Group(key_figures(fig["summary"], fig["thrash"], left), thrash_verdict(fig["thrash"]),
+                    *(thrash_verdict(s, s["server"]) for s in servers if several))
     noisy = fig.get("noisy_neighbours") or []
     if width < TWO_COLUMNS_WIDTH:
         title = noisy_title(noisy) if noisy else "most preempted"
         preempted = Group(_title(title if len(title) <= width - 4 else "most preempted"),
                           most_preempted(fig["most_preempted"]))
-        return Group(header(fig["run"], fig["summary"]), figures, pool, latency, preempted)
+        return Group(header(fig["run"], fig["summary"], servers), figures, pool, latency, preempted)
     preempted = Group(_title("most preempted"), most_preempted(fig["most_preempted"]))
     if noisy:   # beside the victims, their requesters (schema 3 records them)
         preempted = Group(preempted, _title("noisy neighbours: whose growth preempted others"),
                           noisy_neighbours(noisy))
-    head = header(fig["run"], fig["summary"])
+    head = header(fig["run"], fig["summary"], servers)
     grid = Table.grid(padding=(0, 1))
     grid.add_column(width=left)
     grid.add_column(width=right)
@@ -510,6 +531,8 @@ def compare_table(figs: list[dict]) -> Table:
     row("swap rate", lambda f: fmt_num(f["summary"].get("swap_gb_s"), "GB/s"))
     row("thrash", lambda f: Text((f["thrash"].get("verdict") or "?"),
                                  VERDICT_STYLE.get(f["thrash"].get("verdict"), "")))
+    if any(len(f.get("servers") or ()) > 1 for f in figs):   # runs joined from several servers
+        row("servers", lambda f: " ".join(f"{s['server'] or '1'} {s['verdict']}" for s in f.get("servers") or ()))
     row("peak preempt/s", lambda f: fmt_num(f["thrash"].get("peak_preempt_per_s")))
     row("useful tok/s", lambda f: fmt_num(f["thrash"].get("useful_tok_s")))
     row("ITL tail cause", lambda f: _top_cause(f["itl_tail"]))
@@ -536,7 +559,13 @@ def render_compare(figs: list[dict], width: int) -> RenderableType:
     """Several runs: their figures side by side (runs as columns), then each run's pool strip."""
     strips: list[RenderableType] = [_title("KV pool used (each run on its own clock) · ▲ preemption, ▼ by swap")]
     for fig in figs:
-        strips += [Text(fig["run"]["run_id"], "bold"), pool_strip(fig["pool_timeline"])]
+        servers = fig.get("servers") or []
+        if len(servers) > 1:
+            for s in servers:
+                strips += [Text(f"{fig['run']['run_id']} · {s['server']}", "bold"),
+                           pool_strip([r for r in fig["pool_timeline"] if r["server"] == s["server"]])]
+        else:
+            strips += [Text(fig["run"]["run_id"], "bold"), pool_strip(fig["pool_timeline"])]
     table = Group(_title(f"{len(figs)} runs"), compare_table(figs))
     if width < TWO_COLUMNS_WIDTH:
         return Group(table, *strips)

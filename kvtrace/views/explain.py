@@ -59,8 +59,9 @@ def parse_request(text: str, known: set[str]) -> tuple[str, int]:
     """The request `text` names, as (req_id, sample): REQ_ID or REQ_ID:SAMPLE (an id that itself holds a
     colon is taken whole when the run has it); else, in a capture of live traffic, the client's
     X-Request-Id (vLLM's OpenAI server names the request `cmpl-<X-Request-Id>-<prompt>-<suffix>`, or
-    `chatcmpl-<X-Request-Id>-<suffix>`); else a unique prefix of an id. KvtraceError when nothing or
-    more than one request matches, naming them."""
+    `chatcmpl-<X-Request-Id>-<suffix>`; in a run of several servers after its server's `<label>/`, and
+    `dp1/abc` names the one of server dp1); else a unique prefix of an id. KvtraceError when nothing or
+    more than one request matches (the same X-Request-Id sent to two servers), naming them."""
     if text in known:
         return text, 0
     base, sep, sample = text.rpartition(":")
@@ -68,8 +69,11 @@ def parse_request(text: str, known: set[str]) -> tuple[str, int]:
         base, sample = text, "0"
     if base in known:
         return base, int(sample)
-    given = re.compile(rf"^(?:(?:chat)?cmpl-)?{re.escape(base)}(?:-\d+)?(?:-[0-9A-Za-z]+)?$")
-    matches = sorted(k for k in known if given.match(k)) or sorted(k for k in known if k.startswith(base))
+    server, slash, rest = base.rpartition("/")
+    forms = [(r"(?:[^/]+/)?", base)] + [(rf"{re.escape(server)}/", rest)] * bool(slash and server)
+    given = [re.compile(rf"^{label}(?:(?:chat)?cmpl-)?{re.escape(xid)}(?:-\d+)?(?:-[0-9A-Za-z]+)?$") for label, xid in forms]
+    matches = (sorted(k for k in known if any(g.match(k) for g in given))
+               or sorted(k for k in known if k.startswith(base)))
     if len(matches) == 1:
         return matches[0], int(sample)
     if matches:
@@ -150,6 +154,12 @@ class Explainer:
         return {row[0] for row in self.con.execute(
             "SELECT DISTINCT req_id FROM requests WHERE run_id = ?", [self.run_id]).fetchall()}
 
+    def server_of(self, req_id: str, sample: int) -> str:
+        """The server a sequence ran on: its label in a run of several servers, else ''."""
+        rows = self.con.execute("SELECT server FROM requests WHERE run_id = ? AND req_id = ? AND sample = ?",
+                                [self.run_id, req_id, sample]).fetchall()
+        return rows[0][0] if rows else ""
+
 
 def in_flight(ex: Explainer, at_s: float) -> dict:
     """The sequences in flight at `at_s` (run clock): arrived by then and not finished before, each with
@@ -200,7 +210,8 @@ def story(ex: Explainer, req_id: str, sample: int = 0, *, request: dict | None =
     for row in (*phases, *waits):   # on the clock the reader knows: the wall clock for a capture
         row["start"] = _clock(ex, row["start_s"])
     data = {
-        "run_id": ex.run_id, "req_id": req_id, "sample": sample, "causes_recorded": causes_recorded,
+        "run_id": ex.run_id, "req_id": req_id, "sample": sample, "server": ex.server_of(req_id, sample),
+        "causes_recorded": causes_recorded,
         "clock": "wall (UTC)" if ex.wall is not None else "run seconds",
         "request": request, "phases": phases, "waits": waits, "preemptions": preemptions,
         "itl_p99_ms": ex.itl_p99_ms, "gaps": gaps,
@@ -310,7 +321,8 @@ def render_story(data: dict) -> RenderableType:
     r = data["request"]
     name = data["req_id"] if not data["sample"] else f"{data['req_id']}:{data['sample']}"
     head = Text.assemble(
-        (name, "bold"), f" in run {data['run_id']}: {r.get('finish_reason') or 'unfinished'}, ",
+        (name, "bold"), f" in run {data['run_id']}" + (f" on server {data['server']}" if data.get("server") else "")
+        + f": {r.get('finish_reason') or 'unfinished'}, ",
         f"{fmt_ms(r.get('e2el_ms'))} end to end, first token after {fmt_ms(r.get('ttft_ms'))}, "
         f"{r.get('output_tokens')} tokens")
     parts: list[RenderableType] = [head, Text.assemble(("verdict: ", "bold"), data["verdict"]), Text("")]

@@ -241,6 +241,17 @@ ANALYSES = ("pool_timeline", "thrash_windows", "request_timeline", "latency_cdf"
             "itl_cliff_summary", "summary")
 
 
+def per_server(rows: list[dict], run_ids: list[str]) -> tuple[list[dict], list[str]]:
+    """Rows of a server's pool (pool_timeline's, thrash_windows') as the charts' series: in a run joined from
+    several servers, `<run> <server>` in place of the run id; and the series in the runs' order."""
+    servers: dict[str, list[str]] = {run: [] for run in run_ids}
+    for r in rows:
+        if r.get("server") and r["server"] not in servers[r["run_id"]]:
+            servers[r["run_id"]].append(r["server"])
+    relabelled = [{**r, "run_id": f"{r['run_id']} {r['server']}"} if r.get("server") else r for r in rows]
+    return relabelled, [name for run in run_ids for name in ([f"{run} {s}" for s in servers[run]] or [run])]
+
+
 def build(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = None,
           buckets: int = TIMELINE_BUCKETS, requests: int = GANTT_REQUESTS) -> list[ReportChart]:
     """Every chart of the report, from the analyses run on `con`'s runs (`params`: --param values,
@@ -252,9 +263,10 @@ def build(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = Non
 
     run_ids = [row[0] for row in con.sql("SELECT run_id FROM runs ORDER BY ordinal").fetchall()]
     db.keep(con, "_latency_hist", "_recompute", "_sequence_spans", "_stall_spans")   # several of the analyses below read each
-    timeline = rows("pool_timeline", buckets=buckets)
-    rates = rows("pool_timeline", buckets=max(buckets // RATE_BUCKETS_DIVISOR, 1))
-    windows = rows("thrash_windows")
+    # a run joined from several servers has a pool per server: each is a series of the pool charts
+    timeline, series = per_server(rows("pool_timeline", buckets=buckets), run_ids)
+    rates, _ = per_server(rows("pool_timeline", buckets=max(buckets // RATE_BUCKETS_DIVISOR, 1)), run_ids)
+    windows, _ = per_server(rows("thrash_windows"), run_ids)
     states = rows("request_timeline", top=requests)  # each run's own most preempted, ranked in that run
     arrows, requesters = gantt_arrows(con, states, requests)     # and the requests that preempted them
     states += requesters
@@ -267,7 +279,7 @@ def build(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = Non
                     f"Mean share of the device KV pool in use in each of {buckets} intervals per run (faint: the "
                     "interval's fullest step); marks above: intervals with preemptions or swap copies; shaded: "
                     "thrash windows. From pool_timeline.sql and thrash_windows.sql.",
-                    pool_occupancy(timeline, windows, run_ids)),
+                    pool_occupancy(timeline, windows, series)),
         ReportChart("request_gantt", "Most preempted requests",
                     f"What the {requests} most preempted requests of each run went through, state by state. "
                     "Black lines: a preemption, from the request whose growth needed the blocks to its victim (dot). "
@@ -284,7 +296,7 @@ def build(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = Non
                     "Token positions computed a second time after recompute preemption, and KV bytes swapped "
                     f"out and in, per second, over {max(buckets // RATE_BUCKETS_DIVISOR, 1)} intervals per run. "
                     "From pool_timeline.sql.",
-                    recompute_swap(rates, run_ids)),
+                    recompute_swap(rates, series)),
     ]
 
 

@@ -125,6 +125,8 @@ def workload_from_run(run: Path, unfinished: str = "typical") -> FromRunResult:
     if block_size is None:
         raise _refuse(run, "meta.json gives no block size (kv_pool.block_size)")
     con = db.connect([run])
+    # a fleet's traffic is no one engine's workload, and each server salts its prefix hashes its own way
+    db.one_server_each(con, "a workload")
     columns = {row[0] for row in con.execute("DESCRIBE SELECT * FROM requests").fetchall()}
     rows = con.execute("""
         SELECT req_id, sample, n, priority, arrival_s, prompt_tokens, max_tokens, output_tokens, finish_reason
