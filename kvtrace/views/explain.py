@@ -71,7 +71,8 @@ def parse_request(text: str, known: set[str]) -> tuple[str, int]:
         return base, int(sample)
     server, slash, rest = base.rpartition("/")
     forms = [(r"(?:[^/]+/)?", base)] + [(rf"{re.escape(server)}/", rest)] * bool(slash and server)
-    given = [re.compile(rf"^{label}(?:(?:chat)?cmpl-)?{re.escape(xid)}(?:-\d+)?(?:-[0-9A-Za-z]+)?$") for label, xid in forms]
+    given = [re.compile(rf"^{label}(?:(?:chat)?cmpl-)?{re.escape(xid)}(?:-\d+)?(?:-[0-9A-Za-z]+)?$")
+             for label, xid in forms]
     matches = (sorted(k for k in known if any(g.match(k) for g in given))
                or sorted(k for k in known if k.startswith(base)))
     if len(matches) == 1:

@@ -46,6 +46,7 @@ from kvtrace.vllm.live import (
 # the identity's fields that the servers of one run must share: one model, one block size
 SHARED = ("model", "block_size")
 NAME_PRECISION_S = 0.001   # a chunk's name gives the span of its steps to the millisecond
+NOTHING_CAPTURED = "no server captured anything in that window (kvtrace capture ls shows what the folder holds)"
 
 
 def select(found: list[Server], server_ids: list[str], ranks: list[int]) -> list[Server]:
@@ -78,11 +79,14 @@ def window(servers: list[Server], since: float | None, until: float | None, last
         raise KvtraceError("give --since or --last, not both")
     kept = [s for s in servers if s.first is not None]
     if not kept:
-        raise KvtraceError("no server captured anything in that window (kvtrace capture ls shows what the folder holds)")
+        raise KvtraceError(NOTHING_CAPTURED)
     # a chunk's name gives its span to the millisecond (sink.py): the newest or oldest step may lie half of
     # one outside it
     hi = until if until is not None else max(s.last for s in kept) + NAME_PRECISION_S
-    lo = hi - last if last is not None else (since if since is not None else min(s.first for s in kept) - NAME_PRECISION_S)
+    if last is not None:
+        lo = hi - last
+    else:
+        lo = since if since is not None else min(s.first for s in kept) - NAME_PRECISION_S
     if hi < lo:
         raise KvtraceError(f"the window ends ({utc_text(hi)}) before it starts ({utc_text(lo)})")
     return lo, hi
@@ -110,12 +114,12 @@ def capture_run(captures: list[Path], run_dir: Path, *, since: float | None, unt
     lo, hi = window(candidates, since, until, last)
     chosen = [s for s in candidates if s.first is not None and s.last >= lo and s.first <= hi]
     if not chosen:
-        raise KvtraceError("no server captured anything in that window (kvtrace capture ls shows what the folder holds)")
+        raise KvtraceError(NOTHING_CAPTURED)
     for name in SHARED:
         values = {s.identity.get(name) for s in chosen}
         if len(values) > 1:
-            raise KvtraceError(f"the servers chosen differ in {name} ({', '.join(sorted(map(str, values)))}): a run joins "
-                               "servers of one deployment; choose them with --server or --rank")
+            raise KvtraceError(f"the servers chosen differ in {name} ({', '.join(sorted(map(str, values)))}): "
+                               "a run joins servers of one deployment; choose them with --server or --rank")
     names = labels(chosen)
     clock = chosen[0].offset   # every server's rows on the first one's monotonic clock
     mono_lo, mono_hi = lo - clock, hi - clock

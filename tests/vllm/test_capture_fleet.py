@@ -72,7 +72,8 @@ def _rows(lo: int, hi: int, thrash: bool, shift: float) -> dict[str, list[dict]]
                 rows["tokens"].append({"req_id": rid, "sample": 0, "idx": t - arrival, "token_id": None,
                                        "step": step, "ts_s": m + 0.5})
             if finish == t:
-                rows["requests"].append({"req_id": rid, "sample": 0, "n": 1, "priority": 0, "arrival_s": arrival + shift,
+                rows["requests"].append({"req_id": rid, "sample": 0, "n": 1, "priority": 0,
+                                         "arrival_s": arrival + shift,
                                          "prompt_tokens": 40, "max_tokens": 16, "output_tokens": finish - arrival,
                                          "first_scheduled_s": arrival + shift, "first_token_s": arrival + shift + 0.5,
                                          "finish_s": finish + shift, "finish_reason": "length",
@@ -150,7 +151,8 @@ def test_the_joined_run_carries_each_rows_server(runs):
     assert con.execute("SELECT count(*), count(DISTINCT (server, step)) FROM steps").fetchall() == [(40, 40)]
     assert con.execute("SELECT count(*) FROM kv_events WHERE split_part(req_id, '/', 1) <> server "
                    "AND req_id <> ''").fetchall() == [(0,)]
-    assert con.sql("SELECT requester_req_id FROM kv_events WHERE kind = 'preempt' GROUP BY 1").fetchall() == [("dp0/b",)]
+    requesters = con.sql("SELECT requester_req_id FROM kv_events WHERE kind = 'preempt' GROUP BY 1").fetchall()
+    assert requesters == [("dp0/b",)]
     seqs = [r[0] for r in con.sql("SELECT seq FROM kv_events ORDER BY seq").fetchall()]
     assert seqs == list(range(len(seqs)))   # one order of events in the run
     # on one clock: rank 1's steps a quarter of a second after rank 0's, though its own clock is 5,000 s off
