@@ -45,6 +45,7 @@ def main() -> int:
     from vllm.utils.hashing import sha256
     from vllm.v1.request import Request
 
+    vllm_driver.adapt_to_this_vllm()
     init_none_hash(sha256)
     n, prompt, steps, warmup, bs = opts["running"], opts["prompt"], opts["steps"], opts["warmup"], opts["block_size"]
     max_tokens = warmup + steps + 16

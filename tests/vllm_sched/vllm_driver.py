@@ -570,6 +570,20 @@ def serve(model: str, socket_path: str, ready) -> None:
         conn.close()
 
 
+def adapt_to_this_vllm() -> None:
+    """What differs between the vLLM releases the driver builds schedulers of (before `build`)."""
+    # vLLM 0.34's CPU platform refuses to build a config on x86 without Triton's CPU backend, which its
+    # kernels need; the scheduler runs none, so the driver says Triton is there (0.32's CPU build has no
+    # such check). check_and_update_config reads the flag when it is called.
+    import dataclasses
+
+    import vllm.triton_utils
+    from vllm.v1.outputs import ModelRunnerOutput
+    vllm.triton_utils.HAS_TRITON = True
+    global MODEL_RUNNER_OUTPUT_FIELDS
+    MODEL_RUNNER_OUTPUT_FIELDS = {f.name for f in dataclasses.fields(ModelRunnerOutput)}   # output_for's
+
+
 def main() -> int:
     model = sys.argv[1]
     global CAPTURE
@@ -581,17 +595,8 @@ def main() -> int:
     out = os.fdopen(os.dup(1), "w", buffering=1)   # stdout carries only the answers
     os.dup2(2, 1)
     import vllm
-    # vLLM 0.34's CPU platform refuses to build a config on x86 without Triton's CPU backend, which its
-    # kernels need; the scheduler runs none, so the driver says Triton is there (0.32's CPU build has no
-    # such check). check_and_update_config reads the flag when it is called.
-    import vllm.triton_utils
-    vllm.triton_utils.HAS_TRITON = True
-    import dataclasses
-
+    adapt_to_this_vllm()
     from vllm.v1.core.kv_cache_utils import init_none_hash
-    from vllm.v1.outputs import ModelRunnerOutput
-    global MODEL_RUNNER_OUTPUT_FIELDS
-    MODEL_RUNNER_OUTPUT_FIELDS = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
     global HASH_FN
     from vllm.utils.hashing import sha256
     HASH_FN = sha256   # what vLLM's prefix cache hashes with by default (bytes: the pool appends a group id)
