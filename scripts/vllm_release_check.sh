@@ -2,7 +2,8 @@
 # Follow a vLLM release: build its scheduler-only venv, then check, on its own Scheduler and
 # AsyncScheduler, (1) the capture's guard (everything the capture wraps or reads is there), (2) the
 # scheduler-level differential (kvtrace's scheduler decides as that vLLM, step for step, on generated
-# workloads) and (3) the capture-on-vLLM tests (every captured event against vLLM's own decisions).
+# workloads) and (3) the capture-on-vLLM tests (every captured event against vLLM's own decisions;
+# two data-parallel ranks into one folder).
 # Prints what changed: the guard's first refusal, the first differing step, the capture tests that
 # failed. Exit 0 when all hold, 1 when something changed, 2 on bad input.
 #
@@ -88,8 +89,8 @@ if ! run_tests differential "$LOGS/differential.log" tests/vllm_sched/test_sched
     grep -E "^(FAILED|SKIPPED|ERROR)" "$LOGS/differential.log" | head -n 10 | sed 's/^/   /'
 fi
 
-echo "== the capture on vLLM's schedulers (tests/vllm/test_capture_on_vllm.py)"
-if ! run_tests capture "$LOGS/capture.log" tests/vllm/test_capture_on_vllm.py -rfE; then
+echo "== the capture on vLLM's schedulers (tests/vllm/test_capture_on_vllm.py, test_capture_ranks_on_vllm.py)"
+if ! run_tests capture "$LOGS/capture.log" tests/vllm/test_capture_on_vllm.py tests/vllm/test_capture_ranks_on_vllm.py -rfE; then
     grep -E "^(FAILED|ERROR)" "$LOGS/capture.log" | head -n 20 | sed 's/^/   /'
 fi
 
