@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.text import Text
 
@@ -25,6 +25,7 @@ from kvtrace.errors import KvtraceError
 
 if TYPE_CHECKING:
     from kvtrace.vllm.follow import LiveTrace
+    from kvtrace.vllm.live import Server
 
 # duckdb, pyarrow, the dashboard and the folder's follower are imported by the commands themselves: every
 # kvtrace command registers these two, and `record --engine sim` should not pay for them at start-up
@@ -48,23 +49,54 @@ def _capture_folder(capture: Path) -> Path:
     return capture
 
 
-def watch_view(trace: LiveTrace, capture: Path, window_s: float, params: dict[str, str], width: int) -> RenderableType:
-    """The dashboard of the last `window_s` seconds of the server that wrote last."""
+def watch_view(trace: LiveTrace, capture: Path, window_s: float, params: dict[str, str], width: int,
+               found: list[Server] | None = None, chosen: list[Server] | None = None) -> RenderableType:
+    """The dashboard of the last `window_s` seconds of one server: of the servers `chosen` among those
+    `found` in the folder (by default all of them), the one that wrote last (by the wall clock: its newest
+    chunk's last step)."""
     from kvtrace.views import dashboard
+    from kvtrace.vllm.fleet import labels
     from kvtrace.vllm.follow import capture_status, server_info
 
+    if found is None or chosen is None:
+        found, chosen = watched(capture, [], [])
     status = capture_status(capture)
-    if status is not None and status.status in ("stepped_aside", "refused"):   # its newest server recorded nothing
+    if (status is not None and status.status in ("stepped_aside", "refused")   # it recorded nothing
+            and status.server_id in {s.server_id for s in chosen}):
         return Text(f"the capture of server {status.server_id} {status.status.replace('_', ' ')}: {status.error} "
                     f"[{status.reason}] (docs/vllm.md)")
-    server = trace.newest_server()
-    if server is None:
+    shown = [s for s in chosen if s.server_id in trace.servers and trace.end_s(s.server_id) is not None]
+    if not shown:
         return Text(f"waiting for the first steps in {capture} …")
+    server = max(shown, key=lambda s: s.last or 0.0)
+    kept = [s for s in found if s.chunks]
+    names = dict(zip((s.server_id for s in kept), labels(kept))) if kept else {}
+    label = names.get(server.server_id) or ""
+    name = f"{label} ({server.server_id})" if label else server.server_id
     with tempfile.TemporaryDirectory(prefix="kvtrace-watch-") as tmp:
         run = Path(tmp) / f"last-{window_s:g}s"
-        trace.write_run(server, run, f"server {server}, last {window_s:g} s", window_s=window_s,
-                        info=server_info(capture, server), command=f"kvtrace capture watch {capture}")
-        return dashboard.view([str(run)], params, width)
+        trace.write_run(server.server_id, run, f"server {name}, last {window_s:g} s", window_s=window_s,
+                        info=server_info(capture, server.server_id), command=f"kvtrace capture watch {capture}")
+        board = dashboard.view([str(run)], params, width)
+    if len(kept) < 2:
+        return board
+    picked = chosen != found   # by --server or --rank
+    line = f"the folder holds {len(kept)} servers ({', '.join(names.values())}): showing {label}"
+    if len(shown) > 1:
+        line += f", the one that wrote last{' of those chosen' if picked else ''}"
+    if not picked:
+        line += " (--server or --rank picks one; kvtrace capture ls lists them)"
+    return Group(Text(line), board)
+
+
+def watched(capture: Path, server_ids: list[str], ranks: list[int]) -> tuple[list[Server], list[Server]]:
+    """The servers of the folder (none before one wrote there) and those --server and --rank choose
+    (kvtrace capture run's choice; by default all)."""
+    from kvtrace.vllm.fleet import select
+    from kvtrace.vllm.live import servers
+
+    found = servers(capture) if (capture / "servers").is_dir() or (capture / "chunks").is_dir() else []
+    return found, select(found, server_ids, ranks)
 
 
 def register(group: typer.Typer) -> None:
@@ -90,11 +122,18 @@ def watch(
     once: Annotated[bool, typer.Option("--once", help="Draw once and exit (for scripts and tests).")] = False,
     param: Annotated[list[str] | None, typer.Option(
         "--param", "-p", help="A parameter of the analyses shown (SLOs, thrash thresholds), NAME=VALUE.")] = None,
+    server: Annotated[list[str] | None, typer.Option(
+        help="A server to show (an id of `capture ls`, or a unique start of one); given several, the one of them "
+             "that wrote last. Default: the folder's server that wrote last.", show_default=False)] = None,
+    rank: Annotated[list[int] | None, typer.Option(
+        help="Show the servers of this data-parallel rank (the one that wrote last).", show_default=False)] = None,
 ) -> None:
     """The dashboard of `kvtrace analyze` on the last minutes of a running server, redrawn as its
     capture writes chunks (Ctrl-C stops).
 
-    It shows the server that wrote last, over the --window that ends with its last step."""
+    It shows one server over the --window that ends with its last step: the server that wrote last,
+    or of those --server and --rank choose (as for `capture run`), the one that wrote last. Where the
+    folder holds several (the ranks of a data-parallel server, a restart), its first line says which."""
     from kvtrace.vllm.follow import ChunkReader, LiveTrace
 
     window_s, refresh_s = parse_duration(window, "--window"), parse_duration(refresh, "--refresh")
@@ -104,20 +143,26 @@ def watch(
     console = Console(soft_wrap=False)
 
     def update() -> RenderableType:
-        for server, chunk in reader.new_chunks():
-            trace.add(server, chunk)
-        view = watch_view(trace, capture, window_s, params, console.width)
+        chunks = reader.new_chunks()
+        found, chosen = watched(capture, server or [], rank or [])
+        ids = {s.server_id for s in chosen}
+        for server_id, chunk in chunks:
+            if server_id in ids:
+                trace.add(server_id, chunk)
+        view = watch_view(trace, capture, window_s, params, console.width, found, chosen)
         trace.prune()
         return view
 
+    view = update()   # a bad --server or --rank: one line, before anything is drawn
     if once:
-        console.print(update())
+        console.print(view)
         return
     with Live(console=console, auto_refresh=False) as live:
         try:
             while True:
-                live.update(update(), refresh=True)
+                live.update(view, refresh=True)
                 time.sleep(refresh_s)
+                view = update()
         except KeyboardInterrupt:
             return
 

@@ -37,6 +37,7 @@ class ChunkReader:
         self.foreign: set[str] = set()
         self.num_read = 0
         self.num_unreadable = 0
+        self.server_ids: set[str] = set()   # the servers the folder kept chunks of at the last listing
 
     def new_chunks(self, limit: int | None = None) -> list[tuple[str, dict]]:
         """(server, chunk) of the chunk files not read before (the first `limit` of them), in each
@@ -49,6 +50,7 @@ class ChunkReader:
                 self.num_unreadable += 1
                 self.warn(skipped_line(path, reason))
         chunks = list_chunks(self.capture)
+        self.server_ids = {c.server_id for c in chunks}
         self.seen &= {c.path.name for c in chunks}   # forget what retention removed: the set stays small
         found = []
         for c in chunks:
@@ -99,9 +101,12 @@ class LiveTrace:
         ends = self.servers[server]["steps"]["end_s"]
         return max(ends) if ends else None
 
-    def newest_server(self) -> str | None:
-        ends = {s: e for s in self.servers if (e := self.end_s(s)) is not None}
-        return max(ends, key=ends.get) if ends else None
+    def forget(self, server: str) -> None:
+        """Drop every row kept of `server` (one whose chunks the folder no longer keeps)."""
+        self.servers.pop(server, None)
+        self.last_token.pop(server, None)
+        self.new_tokens.pop(server, None)
+        self.pruned_at.pop(server, None)
 
     def prune(self, every_s: float = 0.0) -> None:
         """Drop what no later figure needs: finished sequences and steps older than `keep_s`
@@ -136,10 +141,7 @@ class LiveTrace:
             _keep(t, [ts is not None and ts >= oldest and (ts >= horizon or (i in tail and key not in done))
                       for i, (key, ts) in enumerate(zip(zip(t["req_id"], t["sample"]), t["ts_s"]))])
             if not any(next(iter(cols.values())) for cols in columns.values()):
-                del self.servers[server]
-                self.last_token.pop(server, None)
-                self.new_tokens.pop(server, None)
-                self.pruned_at.pop(server, None)
+                self.forget(server)
 
     def write_run(self, server: str, run_dir: Path, run_id: str, *, window_s: float | None,
                   info: dict, command: str, tokens: str = "all") -> dict[str, int]:
@@ -242,7 +244,11 @@ def capture_status(capture: Path) -> CaptureStatus | None:
 
 
 def server_info(capture: Path, server: str) -> dict:
-    """What capture.json says of the server, where it is the one that wrote it last."""
+    """What the server says of itself: its identity (servers/<id>.json), else what capture.json says of it,
+    where it is the one that wrote it last (a capture from before servers/)."""
+    identity = read_json(Path(capture) / "servers" / f"{server}.json")
+    if identity:
+        return identity
     info = read_json(Path(capture) / "capture.json") or {}
     return info if server in (info.get("server_id"), str(info.get("pid"))) else {}
 

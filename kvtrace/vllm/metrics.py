@@ -6,6 +6,14 @@ identity) to counters that never go backwards, whatever the retention removes; t
 of the last step; the thrash verdict is thrash.sql's on the run of the last `window_s` seconds. Its
 `collect` is a prometheus_client collector.
 
+Each server of the folder (a data-parallel rank, a restarted server) has figures of its own, from its own
+rows: its counters, its pool after its own last step, its verdict on its own last `window_s` seconds.
+They carry the label `server`, the one `kvtrace capture run` of the folder gives it (fleet.labels over
+the servers the folder keeps chunks of: `dp0`, `dp1`, else the server id); the figures of a folder of
+one server have no such label, as before. The gauges and the verdict are those of the servers still
+serving: a server that a later start of the same rank on the same host replaced (a restart) keeps its
+counters, not its gauges.
+
 A poll costs what is new, not the window: the tokens, nearly all of a busy server's rows, go into
 the SQL once, in the poll that read them (each with its predecessor and the events and steps kept
 around it, which is what its gap's cause needs); the window's run, read by the gauges and the
@@ -18,6 +26,7 @@ import shutil
 import tempfile
 import threading
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,8 +34,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from engine.events import PreemptReason
 from kvtrace.trace import db
+from kvtrace.vllm import fleet
 from kvtrace.vllm.follow import CaptureStatus, ChunkReader, LiveTrace, capture_status, server_info
 from kvtrace.vllm.importer import read_json
+from kvtrace.vllm.live import Server
 
 if TYPE_CHECKING:   # duckdb is imported where a connection is made: not by every command's start-up
     import duckdb
@@ -41,6 +52,18 @@ POOL_GAUGES = {"used": "referenced by some sequence", "cached": "free, holding r
 BATCH_CHUNKS = 64    # chunk files added to the figures at a time (a 2 s chunk each while the server is busy)
 
 
+@dataclass
+class Counts:
+    """One server's counters and ITL histogram: what its rows added up (they never go backwards)."""
+
+    totals: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float, {
+        **{("preemptions", reason.value): 0.0 for reason in PreemptReason},
+        **{(metric, ""): 0.0 for metric in ("recomputed_tokens", "reprefill_cached_tokens", "steps")}}))
+    # per cause: the gaps per bucket (not cumulative), and their sum
+    itl: dict[str, list[int]] = field(default_factory=lambda: {cause: [0] * len(ITL_BUCKETS) for cause in ITL_CAUSES})
+    itl_sum: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ITL_CAUSES, 0.0))
+
+
 class Exporter:
     """Counters, gauges and the ITL histogram of a capture folder, for prometheus_client."""
 
@@ -50,16 +73,13 @@ class Exporter:
         self.trace = LiveTrace(window_s)
         self.window_s = window_s
         self.thrash_params = thrash_params or {}
-        self.counts: dict[tuple[str, str], float] = defaultdict(float)   # (metric, label) -> total
-        for reason in PreemptReason:
-            self.counts["preemptions", reason.value] = 0.0
-        for metric in ("recomputed_tokens", "reprefill_cached_tokens", "steps"):
-            self.counts[metric, ""] = 0.0
-        self.itl = {cause: [0] * len(ITL_BUCKETS) for cause in ITL_CAUSES}   # per bucket, not cumulative
-        self.itl_sum = dict.fromkeys(ITL_CAUSES, 0.0)
+        self.counts: dict[str, Counts] = {}   # per server id
         self.seen: set[tuple[str, str, str]] = set()    # (run_id, metric, key) already counted
-        self.pool: dict | None = None
-        self.verdict: str | None = None
+        self.identities: dict[str, Server] = {}   # each server read so far, as its identity says
+        self.labels: dict[str, str] = {}     # server id -> label, of each server the folder keeps chunks of
+        self.serving: set[str] = set()       # of those, the servers no later start replaced: their gauges
+        self.pools: dict[str, dict] = {}     # server id -> its pool after its last step
+        self.verdicts: dict[str, str] = {}   # server id -> thrash.sql's verdict on its last window_s
         self.lock = threading.Lock()                     # poll() and a scrape's collect()
         self.folder = tempfile.TemporaryDirectory(prefix="kvtrace-live-")   # the live runs, rewritten each poll
         self.con: duckdb.DuckDBPyConnection | None = None
@@ -77,6 +97,7 @@ class Exporter:
             num_read += len(chunks)
             if len(chunks) < BATCH_CHUNKS:
                 break
+        self._follow()   # retention may have taken a server's last chunk since
         dropped = {}
         for path in (self.capture / "servers").glob("*.dropped.json"):
             said = read_json(path) or {}
@@ -88,47 +109,65 @@ class Exporter:
             self.status = status
         return num_read
 
+    def _follow(self) -> None:
+        """The servers the folder keeps chunks of (the reader's last listing): each one's label and whether
+        it still serves (no later start of its rank on its host); the trace forgets the others."""
+        for server_id in self.reader.server_ids:
+            if not (server_id in self.identities and self.identities[server_id].identity):   # read until it says
+                self.identities[server_id] = Server(server_id, server_info(self.capture, server_id))
+        kept = sorted((self.identities[s] for s in self.reader.server_ids), key=lambda s: (s.started or 0.0,
+                                                                                          s.server_id))
+        latest = {(s.host, s.rank): s.server_id for s in kept}   # oldest first: the latest start of each
+        for gone in set(self.trace.servers) - self.reader.server_ids:
+            self.trace.forget(gone)
+        with self.lock:
+            self.labels = dict(zip((s.server_id for s in kept), fleet.labels(kept))) if kept else {}
+            self.serving = set(latest.values())
+
     def _update(self, chunks: list[tuple[str, dict]]) -> None:
         for server, chunk in chunks:
             self.trace.add(server, chunk)
-        newest = self.trace.newest_server()
+        self._follow()
         folder = Path(self.folder.name)
         runs: dict[Path, tuple] = {}   # run folder -> what its views depend on
         for server in self.trace.servers:
             run = folder / f"live-{server}"
             rows = self.trace.write_run(server, run, run.name, window_s=None, info={}, command="", tokens="new")
             runs[run] = tuple(t for t, n in rows.items() if n)
-        if newest is not None:
-            run = folder / "window"
-            rows = self.trace.write_run(newest, run, "window", window_s=self.window_s,
-                                        info=server_info(self.capture, newest), command="", tokens="none")
-            runs[run] = tuple(t for t, n in rows.items() if n)
+            if server in self.serving:   # its gauges and verdict: its last window_s, on its own clock
+                run = folder / f"window-{server}"
+                rows = self.trace.write_run(server, run, run.name, window_s=self.window_s,
+                                            info=server_info(self.capture, server), command="", tokens="none")
+                runs[run] = tuple(t for t, n in rows.items() if n)
         for gone in set(folder.iterdir()) - set(runs):
             shutil.rmtree(gone)
         con = self._connect(runs)
         counts = con.execute("SELECT run_id, metric, label, key, value FROM _exporter_counts "
-                             "WHERE run_id <> 'window'").fetchall()
-        cursor = con.execute("SELECT * FROM _exporter_pool WHERE run_id = 'window'")
-        pool = [dict(zip([d[0] for d in cursor.description], row)) for row in cursor.fetchall()]
-        verdict = None
-        if newest is not None:
+                             "WHERE starts_with(run_id, 'live-')").fetchall()
+        cursor = con.execute("SELECT * FROM _exporter_pool WHERE starts_with(run_id, 'window-')")
+        names = [d[0] for d in cursor.description]
+        pools = {row[0].removeprefix("window-"): dict(zip(names, row)) for row in cursor.fetchall()}
+        verdicts = {}
+        if any(run.name.startswith("window-") for run in runs):
             thrash = db.records(db.run_analysis(con, "thrash", **self.thrash_params))
-            verdict = next((r["verdict"] for r in thrash if r["run_id"] == "window"), None)
+            verdicts = {r["run_id"].removeprefix("window-"): r["verdict"] for r in thrash
+                        if r["run_id"].startswith("window-") and r["verdict"]}
         with self.lock:
             seen = set()
             for run_id, metric, label, key, value in counts:
                 seen.add((run_id, metric, key))
                 if (run_id, metric, key) in self.seen:
                     continue
+                server = self.counts.setdefault(run_id.removeprefix("live-"), Counts())
                 if metric == "itl":
                     bucket = next(i for i, bound in enumerate(ITL_BUCKETS) if value <= bound)
-                    self.itl.setdefault(label, [0] * len(ITL_BUCKETS))[bucket] += 1
-                    self.itl_sum[label] = self.itl_sum.get(label, 0.0) + value
+                    server.itl.setdefault(label, [0] * len(ITL_BUCKETS))[bucket] += 1
+                    server.itl_sum[label] = server.itl_sum.get(label, 0.0) + value
                 else:
-                    self.counts[metric, label] += value
+                    server.totals[metric, label] += value
             self.seen = seen   # what left the window is never seen again
-            self.pool = pool[0] if pool else self.pool
-            self.verdict = verdict or self.verdict
+            self.pools.update(pools)
+            self.verdicts.update(verdicts)
         self.trace.prune(every_s=self.window_s / 10)
 
     def _connect(self, runs: dict[Path, tuple]) -> duckdb.DuckDBPyConnection:
@@ -151,61 +190,80 @@ class Exporter:
     def collect(self):
         """The metric families (prometheus_client's Collector protocol)."""
         with self.lock:
-            preemptions = CounterMetricFamily("kvtrace_preemptions", "Preemptions decided by the scheduler, "
-                                              "by how the victim gives up its KV (recompute, swap).", labels=["reason"])
-            for (metric, label), value in sorted(self.counts.items()):
-                if metric == "preemptions":
-                    preemptions.add_metric([label], value)
+            servers = [(label, self.counts.get(s) or Counts()) for s, label in self.labels.items()]
+            serving = [(label, s) for s, label in self.labels.items() if s in self.serving]
+            by = ["server"] if len(servers) > 1 else []   # one server: no label, as before servers had one
+
+            def family(kind, name: str, text: str, *names: str):
+                return kind(name, text + (", per server." if by else "."), labels=[*by, *names])
+
+            def at(label: str, *values: str) -> list[str]:
+                return [label, *values] if by else list(values)
+
+            preemptions = family(CounterMetricFamily, "kvtrace_preemptions", "Preemptions decided by the scheduler, "
+                                 "by how the victim gives up its KV (recompute, swap)", "reason")
+            finished = family(CounterMetricFamily, "kvtrace_requests_finished", "Sequences finished, by finish "
+                              "reason", "finish_reason")
+            scalars = {metric: family(CounterMetricFamily, f"kvtrace_{metric}", text) for metric, text in (
+                ("recomputed_tokens", "KV positions computed again after a recompute preemption (re-prefills)"),
+                ("reprefill_cached_tokens", "Positions of re-prefills served by the prefix cache instead of "
+                                            "computed again, when a preempted sequence resumed"),
+                ("steps", "Engine steps"))}
+            itl = family(HistogramMetricFamily, "kvtrace_itl_seconds", "Inter-token latency: the gap between "
+                         "consecutive tokens of a sequence, by cause (itl_cliffs.sql's rules)", "cause")
+            for label, counts in servers:
+                for (metric, name), value in sorted(counts.totals.items()):
+                    if metric in scalars:
+                        scalars[metric].add_metric(at(label), value)
+                    elif metric in ("preemptions", "requests_finished"):
+                        (preemptions if metric == "preemptions" else finished).add_metric(at(label, name), value)
+                for cause, per_bucket in counts.itl.items():
+                    cumulative, buckets = 0, []
+                    for bound, count in zip(ITL_BUCKETS, per_bucket):
+                        cumulative += count
+                        buckets.append(("+Inf" if math.isinf(bound) else repr(bound), cumulative))
+                    itl.add_metric(at(label, cause), buckets, counts.itl_sum[cause])
             yield preemptions
-            yield CounterMetricFamily("kvtrace_recomputed_tokens", "KV positions computed again after a "
-                                      "recompute preemption (re-prefills).", value=self.counts["recomputed_tokens", ""])
-            yield CounterMetricFamily("kvtrace_reprefill_cached_tokens", "Positions of re-prefills served by the "
-                                      "prefix cache instead of computed again, when a preempted sequence resumed.",
-                                      value=self.counts["reprefill_cached_tokens", ""])
-            finished = CounterMetricFamily("kvtrace_requests_finished", "Sequences finished, by finish reason.",
-                                           labels=["finish_reason"])
-            for (metric, label), value in sorted(self.counts.items()):
-                if metric == "requests_finished":
-                    finished.add_metric([label], value)
+            yield scalars["recomputed_tokens"]
+            yield scalars["reprefill_cached_tokens"]
             yield finished
-            yield CounterMetricFamily("kvtrace_steps", "Engine steps.", value=self.counts["steps", ""])
+            yield scalars["steps"]
             yield CounterMetricFamily("kvtrace_capture_chunks_read", "Capture chunk files read.",
                                       value=self.reader.num_read)
             yield CounterMetricFamily("kvtrace_capture_chunks_skipped", "Files of the capture folder's chunks/ "
                                       "skipped as no chunk kvtrace reads (a pickle, a truncated or foreign file).",
                                       value=self.reader.num_unreadable)
+            # the capture's health names a server by its id (capture ls's, its files' in servers/): the server
+            # whose capture stepped aside recorded nothing, and so has no label of a run
             if self.status is not None:
                 up = GaugeMetricFamily("kvtrace_capture_up", "1 while the newest server of the folder is "
                                        "capturing; 0 when its capture stepped aside (vLLM served unrecorded), "
                                        "refused to start (strict mode) or stopped on an error of its own, "
-                                       "`reason` saying why in a word (its error.json).",
+                                       "`reason` saying why in a word (its error.json); `server` its id.",
                                        labels=["server", "reason"])
                 up.add_metric([self.status.server_id, self.status.reason], float(self.status.capturing))
                 yield up
             dropped = CounterMetricFamily("kvtrace_capture_dropped_chunks", "Chunks the capture dropped because "
-                                          "the disk was slower than it (the sink's queue was full), by server.",
+                                          "the disk was slower than it (the sink's queue was full), by server id.",
                                           labels=["server"])
             for server, count in sorted(self.dropped.items()):
                 dropped.add_metric([server], count)
             yield dropped
-            itl = HistogramMetricFamily("kvtrace_itl_seconds", "Inter-token latency: the gap between consecutive "
-                                        "tokens of a sequence, by cause (itl_cliffs.sql's rules).", labels=["cause"])
-            for cause, counts in self.itl.items():
-                cumulative, buckets = 0, []
-                for bound, count in zip(ITL_BUCKETS, counts):
-                    cumulative += count
-                    buckets.append(("+Inf" if math.isinf(bound) else repr(bound), cumulative))
-                itl.add_metric([cause], buckets, self.itl_sum[cause])
             yield itl
-            if self.pool is not None:
-                for name, text in POOL_GAUGES.items():
-                    value = self.pool[f"{name}_blocks"]
+            for name, text in POOL_GAUGES.items():
+                gauge = family(GaugeMetricFamily, f"kvtrace_kv_{name}_blocks", f"KV blocks {text}, after the last "
+                               "step's scheduling")
+                for label, server in serving:
+                    value = (self.pools.get(server) or {}).get(f"{name}_blocks")
                     if value is not None:
-                        yield GaugeMetricFamily(f"kvtrace_kv_{name}_blocks", f"KV blocks {text}, after the last "
-                                                "step's scheduling.", value=value)
-            if self.verdict is not None:
-                verdict = GaugeMetricFamily("kvtrace_thrash_verdict", f"thrash.sql's verdict on the last "
-                                            f"{self.window_s:g} s: 1 for the verdict that holds.", labels=["verdict"])
-                for name in VERDICTS:
-                    verdict.add_metric([name], float(name == self.verdict))
+                        gauge.add_metric(at(label), value)
+                if gauge.samples:
+                    yield gauge
+            verdict = family(GaugeMetricFamily, "kvtrace_thrash_verdict", f"thrash.sql's verdict on the last "
+                             f"{self.window_s:g} s: 1 for the verdict that holds", "verdict")
+            for label, server in serving:
+                if server in self.verdicts:
+                    for name in VERDICTS:
+                        verdict.add_metric(at(label, name), float(name == self.verdicts[server]))
+            if verdict.samples:
                 yield verdict

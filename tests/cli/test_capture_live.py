@@ -121,7 +121,9 @@ def test_the_exporters_runs_of_new_tokens_carry_each_tokens_predecessor_as_a_who
 def test_the_verdict_is_thrash_sqls_on_the_last_window(tmp_path):
     exporter = Exporter(FIXTURE, window_s=60.0)
     exporter.poll()
-    assert exporter.verdict == sql_verdict(FIXTURE, tmp_path, 60.0) == "occasional"   # 3 preemptions in it
+    server = "20261119T000008Z-24953"   # the fixture's one server
+    assert exporter.verdicts == {server: sql_verdict(FIXTURE, tmp_path, 60.0)}
+    assert exporter.verdicts[server] == "occasional"   # 3 preemptions in it
     exporter.close()
 
 

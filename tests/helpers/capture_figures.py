@@ -17,6 +17,9 @@ from kvtrace.vllm.importer import convert, read_chunks
 from kvtrace.vllm.metrics import ITL_CAUSES, Exporter
 
 Figures = dict[tuple[str, frozenset], float]   # (sample name, its labels) -> value
+# the folder's figures, not a server's
+HEALTH = ("kvtrace_capture_up", "kvtrace_capture_chunks_read_total", "kvtrace_capture_chunks_skipped_total",
+          "kvtrace_capture_dropped_chunks_total")
 COUNTERS = ("kvtrace_preemptions_total", "kvtrace_recomputed_tokens_total", "kvtrace_reprefill_cached_tokens_total",
             "kvtrace_requests_finished_total", "kvtrace_steps_total", "kvtrace_itl_seconds_count",
             "kvtrace_itl_seconds_sum", "kvtrace_itl_seconds_bucket")
@@ -87,3 +90,24 @@ def scraped(exporter: Exporter) -> Figures:
 def assert_figures(got: Figures, expected: Figures) -> None:
     for key, value in expected.items():
         assert got.get(key) == pytest.approx(value, rel=1e-9, abs=1e-9), key
+
+
+def per_server(figures: Figures) -> dict[str, Figures]:
+    """A scrape's figures of each server, its `server` label taken off ('' where they carry none: a folder of
+    one server)."""
+    found: dict[str, Figures] = {}
+    for (name, labels), value in figures.items():
+        if name not in HEALTH:
+            server = dict(labels).get("server", "")
+            found.setdefault(server, {})[name, frozenset((k, v) for k, v in labels if k != "server")] = value
+    return found
+
+
+def one_server_folder(capture: Path, server_id: str, folder: Path) -> Path:
+    """`folder`: the server's identity and chunks of the capture folder, as if it had written there alone."""
+    (folder / "servers").mkdir(parents=True)
+    (folder / "chunks").mkdir()
+    (folder / "servers" / f"{server_id}.json").write_bytes((capture / "servers" / f"{server_id}.json").read_bytes())
+    for path in (capture / "chunks").glob(f"{server_id}_*"):
+        (folder / "chunks" / path.name).write_bytes(path.read_bytes())
+    return folder

@@ -6,8 +6,9 @@ vLLM config each; the second's says data-parallel rank 1, the way vLLM's own con
 deployment (VLLM_DP_RANK, ParallelConfig's fallback). Both step a tight pool at once into one capture folder,
 with the same request ids. Checked: `capture ls` lists two servers, ranks 0 and 1; `capture run` joins them,
 each step and preemption of its rank, each rank's steps and victims those vLLM decided, each rank's requests
-those of its run alone. test_vllm_data_parallel.py runs a real `vllm serve --data-parallel-size 2` (and
-compares every figure of each rank with its run alone, which the driver's made-up arrival times do not allow).
+those of its run alone; the exporter (`capture metrics`) serves each rank's steps and preemptions, vLLM's,
+and each rank's figures as on a folder of that rank alone. test_vllm_data_parallel.py runs a real `vllm serve
+--data-parallel-size 2` (and compares every figure of each rank with its run alone, which the driver's made-up arrival times do not allow).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import json
 import pytest
 
 from kvtrace.trace import db
+from kvtrace.vllm.metrics import Exporter
+from tests.helpers.capture_figures import one_server_folder, per_server, scraped
 from tests.helpers.vllm_runs import VLLM_MARKS, kvtrace
 from tests.vllm_sched.differential import VllmScheduler
 from tests.vllm_sched.test_sched_differential import PYTHONS, venv_name
@@ -87,3 +90,23 @@ def test_two_ranks_captures_in_one_folder_are_one_run(python, tmp_path):
         own = db.connect([alone]).execute("SELECT 'dp' || ? || '/' || req_id, output_tokens, preemptions FROM requests "
                                           "ORDER BY 1", [str(rank)]).fetchall()
         assert ids == own and len(ids) >= len(WORKLOADS[rank]["requests"]) - 1
+    # the exporter tells the ranks apart: each rank's steps and preemptions vLLM's, and its figures those of the
+    # exporter on a folder of that rank alone
+    server_ids = {s["data_parallel_rank"]: s["server_id"] for s in listed}
+    exporters = {"both": Exporter(capture)} | {f"dp{rank}": Exporter(one_server_folder(
+        capture, server_ids[rank], tmp_path / f"alone{rank}")) for rank in (0, 1)}
+    figures = {}
+    try:
+        for name, exporter in exporters.items():
+            exporter.poll()
+            figures[name] = per_server(scraped(exporter))
+    finally:
+        for exporter in exporters.values():
+            exporter.close()
+    both = figures["both"]
+    assert {server: f["kvtrace_steps_total", frozenset()] for server, f in both.items()} == {
+        f"dp{rank}": len(a["steps"]) for rank, a in enumerate(answers)}
+    assert {server: sum(v for (name, _), v in f.items() if name == "kvtrace_preemptions_total")
+            for server, f in both.items()} == decided
+    for rank in (0, 1):
+        assert both[f"dp{rank}"] == pytest.approx(figures[f"dp{rank}"][""], rel=1e-12), rank

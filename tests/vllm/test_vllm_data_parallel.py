@@ -7,7 +7,8 @@ on two busy cores), then a burst of streaming completions that vLLM spreads over
 `capture ls` lists two servers, ranks 0 and 1 of one vLLM instance on this host; `capture run` joins them
 into one run whose requests, steps and events carry their rank; each rank's preemptions are vLLM's own
 counter of that engine; each rank's figures in the joined run are its run alone (tests/helpers/servers.py);
-and `kvtrace analyze` shows each rank.
+`kvtrace analyze` shows each rank; and the exporter (`capture metrics`) serves each rank's preemptions, vLLM's
+counter of that engine, and each rank's figures as on a folder of that rank alone.
 """
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ import threading
 import time
 import urllib.request
 
+import pytest
+
 from kvtrace.trace import db
 from kvtrace.vllm.importer import read_chunks
+from kvtrace.vllm.metrics import Exporter
 from kvtrace.vllm.record import capture_path, model_folder
+from tests.helpers.capture_figures import one_server_folder, per_server, scraped
 from tests.helpers.servers import assert_each_server_alone
 from tests.helpers.vllm_runs import VLLM_MARKS, VLLM_PYTHON, kvtrace, start_vllm_server
 
@@ -113,3 +118,21 @@ def test_a_data_parallel_servers_ranks_are_the_servers_of_one_run(tmp_path):
     out = kvtrace("analyze", joined).stdout
     assert "2 servers: dp0, dp1" in out and re.search(r"dp0 thrash \w+", out) and re.search(r"dp1 thrash \w+", out)
 
+    # the exporter tells the ranks apart: each rank's preemptions vLLM's own count of that engine, and its
+    # figures those of the exporter on a folder of that rank alone
+    server_ids = {s["data_parallel_rank"]: s["server_id"] for s in listed}
+    exporters = {"both": Exporter(capture)} | {f"dp{rank}": Exporter(one_server_folder(
+        capture, server_ids[rank], tmp_path / f"alone{rank}")) for rank in (0, 1)}
+    figures = {}
+    try:
+        for name, exporter in exporters.items():
+            exporter.poll()
+            figures[name] = per_server(scraped(exporter))
+    finally:
+        for exporter in exporters.values():
+            exporter.close()
+    both = figures["both"]
+    assert {server: sum(v for (name, _), v in f.items() if name == "kvtrace_preemptions_total")
+            for server, f in both.items()} == {f"dp{engine}": count for engine, count in vllm_counts.items()}
+    for rank in (0, 1):
+        assert both[f"dp{rank}"] == pytest.approx(figures[f"dp{rank}"][""], rel=1e-12), rank
