@@ -1,11 +1,13 @@
 """The Grafana dashboard of `kvtrace capture metrics` (kvtrace/vllm/dashboards/kvtrace-capture.json).
 
 Every query of every panel is held against a real exporter following a capture of vLLM (the fixture
-tests/fixtures/captures/bursts, with a `dropped.json` and a foreign file added so that the capture's
-health has figures too) and a real Prometheus server scraping it: each metric a query names is one
+tests/fixtures/captures/bursts, one server), and one of two data-parallel ranks (tests/helpers/ranks.py),
+each with a `dropped.json` and a foreign file added so that the capture's health has figures too, and
+a real Prometheus server scraping it: each metric a query names is one
 the exporter serves, each query evaluates through Prometheus's HTTP API with Grafana's variables
-filled in as Grafana fills them, and returns series; and each metric the exporter serves is on some
-panel. `kvtrace capture dashboard` prints (or writes) that file.
+filled in as Grafana fills them, and returns series; each metric the exporter serves is on some
+panel; and the `server` variable picks a server's figures (a pool and a verdict per server, never
+one server's shown for another's). `kvtrace capture dashboard` prints (or writes) that file.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from typer.testing import CliRunner
 import kvtrace.cli.commands  # noqa: F401  (registers every command)
 from kvtrace.cli.app import app
 from tests.helpers.cli import interruptible, one_line_error
+from tests.helpers.ranks import RANK0, SERVERS, write_server
 from tests.helpers.vllm_runs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +45,7 @@ PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", 
                 "quantile", "count_values", "group"}
 # what Grafana puts in place of its variables here: a concrete selection, as an operator's would be
 RATE_INTERVAL, RANGE = "1m", "1h"
-# figures the fixture determines (by panel title and legend): the exporter's own tests check the rest
+# figures every folder below determines (by panel title and legend)
 EXACT = {("Thrash verdict", "A"): 1.0,                 # occasional (test_capture_live.py)
          ("KV pool in use", "A"): 0.0,                 # the last step freed every block
          ("Chunks dropped", "A"): 2.0,                 # the dropped.json written below
@@ -154,13 +157,50 @@ def _wait(what: str, check, procs: tuple, timeout_s: float = 90.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _one_server(capture: Path) -> str:
+    """The fixture's capture of vLLM: one server; its id."""
+    shutil.copytree(FIXTURE, capture)
+    return SERVER
+
+
+def _two_ranks(capture: Path) -> str:
+    """Two data-parallel ranks of one server, built by hand (tests/helpers/ranks.py); rank 0's id."""
+    for server_id, s in SERVERS.items():
+        write_server(capture, server_id, s["rank"], s["mono"], s["late"], s["thrash"])
+    return RANK0
+
+
+# per folder: what it holds, the labels of its servers, and the figures it determines by panel title and legend
+# (per server where the panel shows each; the exporter's own tests check the rest)
+FOLDERS = {
+    "one server": (_one_server, [], {**EXACT}),
+    "two ranks": (_two_ranks, ["dp0", "dp1"], {
+        **EXACT, ("Thrash verdict", "A"): {"dp0": 2.0, "dp1": 0.0},   # rank 0 sustained, rank 1 none
+        ("KV pool in use", "A"): {"dp0": 1.0, "dp1": 6 / 16}, ("KV blocks", "D"): {"dp0": 16.0, "dp1": 16.0}}),
+}
+
+
+def _figures(result: list[dict], expected: float | dict[str, float]) -> list[float] | dict[str, float]:
+    """A query's values: a list, or by server where `expected` is."""
+    if isinstance(expected, dict):
+        return {r["metric"].get("server", ""): float(r["value"][1]) for r in result}
+    return [float(r["value"][1]) for r in result]
+
+
+def _selectors(expr: str) -> list[tuple[str, str]]:
+    """(metric, label matchers) of each selector of `expr` that has matchers."""
+    return re.findall(r"([A-Za-z_:][\w:]*)\{([^}]*)\}", expr)
+
+
 @pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (Debian's prometheus package; "
                                                "scripts/test.sh installs it)")
-def test_every_panel_queries_what_a_real_exporter_serves(tmp_path):
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_every_panel_queries_what_a_real_exporter_serves(tmp_path, folder):
+    build, servers, exact = FOLDERS[folder]
     capture = tmp_path / "capture"
-    shutil.copytree(FIXTURE, capture)
-    (capture / "servers" / f"{SERVER}.dropped.json").write_text(json.dumps(   # as the capture's sink writes it
-        {"server_id": SERVER, "dropped_chunks": 2, "dropped_rows": 80, "reason": "the disk was slower than the "
+    server = build(capture)
+    (capture / "servers" / f"{server}.dropped.json").write_text(json.dumps(   # as the capture's sink writes it
+        {"server_id": server, "dropped_chunks": 2, "dropped_rows": 80, "reason": "the disk was slower than the "
          "capture (its queue of 8 chunks was full)", "spans": []}))
     (capture / "chunks" / "notes.txt").write_text("not a chunk\n")
     exporter_port, prometheus_port = free_port(), free_port()
@@ -185,7 +225,7 @@ def test_every_panel_queries_what_a_real_exporter_serves(tmp_path):
 
     board = dashboard()
     instance = f"127.0.0.1:{exporter_port}"
-    values = {"job": "kvtrace", "instance": re.escape(instance).replace("\\", "\\\\"),
+    values = {"job": "kvtrace", "instance": re.escape(instance).replace("\\", "\\\\"), "server": ".*",   # All
               "__rate_interval": RATE_INTERVAL, "__interval": "15s", "__range": RANGE}
     try:
         exposition = _wait("the exporter", lambda: _get(f"http://127.0.0.1:{instance.split(':')[1]}/metrics"),
@@ -193,6 +233,8 @@ def test_every_panel_queries_what_a_real_exporter_serves(tmp_path):
         families = list(text_string_to_metric_families(exposition))
         assert all(f.samples for f in families), [f.name for f in families if not f.samples]
         served = {s.name for f in families for s in f.samples}
+        # the metrics of each server, labelled as capture run labels it (the health ones name a server by its id)
+        per_server = {s.name for f in families for s in f.samples if s.labels.get("server") in servers}
         scraped = f"{api}/query?query=" + urllib.parse.quote('count_over_time(kvtrace_steps_total{job="kvtrace"}[1m]) >= 3')
         _wait("three scrapes", lambda: (body := _get(scraped)) and json.loads(body)["data"]["result"] or None,
               (prometheus,))
@@ -203,20 +245,30 @@ def test_every_panel_queries_what_a_real_exporter_serves(tmp_path):
             assert names <= served | SCRAPE_SERIES, f"{title} ({ref}) queries {sorted(names - served)}, which " \
                                                     f"`kvtrace capture metrics` does not serve"
             named |= names
+            for name, matchers in _selectors(expr):   # the server variable picks every figure of a server
+                assert name not in per_server or 'server=~"$server"' in matchers, (title, ref, name)
             got = answer("query", query=grafana_expr(expr, values))
             assert got["status"] == "success", f"{title} ({ref}): {got.get('error')}\n{expr}"
             assert got["data"]["result"], f"{title} ({ref}) has no series on a capture that has data:\n{expr}"
             results[title, ref] = got["data"]["result"]
         missing = sorted(f.name for f in families if not {s.name for s in f.samples} & named)
         assert missing == [], f"served but on no panel of {DASHBOARD.name}: {missing}"
-        for (title, ref), value in EXACT.items():
-            assert [float(r["value"][1]) for r in results[title, ref]] == [value], (title, results[title, ref])
-        assert {r["metric"]["server"] for r in results["Chunks dropped", "A"]} == {SERVER}
+        for (title, ref), value in exact.items():
+            want = value if isinstance(value, dict) else [value]
+            assert _figures(results[title, ref], value) == pytest.approx(want), (title, results[title, ref])
+        assert {r["metric"]["server"] for r in results["Chunks dropped", "A"]} == {server}
+        for server_label in servers:   # one server chosen: its figures alone
+            for title, ref, expr in targets(board):
+                if (title, ref) in exact and isinstance(exact[title, ref], dict):
+                    got = answer("query", query=grafana_expr(expr, {**values, "server": server_label}))
+                    assert _figures(got["data"]["result"], exact[title, ref]) == pytest.approx(
+                        {server_label: exact[title, ref][server_label]}), (title, server_label)
+        expected = {"job": ["kvtrace"], "instance": [instance], "server": servers}
         for variable in board["templating"]["list"]:   # label_values(selector, label), as Grafana asks it
             if variable["type"] == "query":
                 m = re.fullmatch(r"label_values\((.+), (\w+)\)", variable["query"]["query"])
                 got = answer(f"label/{m[2]}/values", **{"match[]": grafana_expr(m[1], values)})
-                assert got["status"] == "success" and got["data"] == [{"job": "kvtrace", "instance": instance}[m[2]]]
+                assert got["status"] == "success" and got["data"] == expected[m[2]], (m[2], got)
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)
