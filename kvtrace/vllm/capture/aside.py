@@ -45,24 +45,24 @@ def strict() -> bool:
     return os.environ.get("KVTRACE_CAPTURE_STRICT") == "1"
 
 
-def not_started(exc: BaseException, reason: str | None, settings, server, scheduler, version: str) -> None:
-    """Say why the capture did not start: `reason`, or where None the exception's kind. `settings`: the
-    options, where they parsed. The caller raises in strict mode."""
-    if reason is None:
-        reason = (exc.reason if isinstance(exc, guard.VllmChanged) else "folder" if isinstance(exc, OSError)
-                  else "error")
+def not_started(exc: BaseException, kind: str | None, settings, server, scheduler, version: str) -> None:
+    """Say why the capture did not start: error.json's `reason` is `kind`, or where None the exception's.
+    `settings`: the options, where they parsed. The caller raises in strict mode. (`kind`, not `reason`,
+    here: the trace's reasons are another vocabulary, tests/vllm/test_trace_vocabulary.py.)"""
+    kind = kind or (exc.reason if isinstance(exc, guard.VllmChanged) else "folder" if isinstance(exc, OSError)
+                      else "error")
     refused = strict()
-    said = _said(REFUSED if refused else STEPPED_ASIDE, reason, exc, server, scheduler, version)
-    if reason == "error":
+    said = _said(REFUSED if refused else STEPPED_ASIDE, kind, exc, server, scheduler, version)
+    if kind == "error":
         said["traceback"] = "".join(traceback.format_exception(exc))
     folder = settings.folder if settings is not None else os.environ.get("KVTRACE_CAPTURE_DIR")
     where = _write(folder, settings.file_mode if settings is not None else FILE_MODE, said, forget=True)
     if refused:
         logger.error("kvtrace capture refused to start (KVTRACE_CAPTURE_STRICT=1: vLLM does not start): %s [%s]; %s",
-                     said["error"], reason, where)
+                     said["error"], kind, where)
     else:
         logger.warning("kvtrace capture stepped aside (vLLM serves, unrecorded): %s [%s]; %s",
-                       said["error"], reason, where)
+                       said["error"], kind, where)
 
 
 def stopped(exc: BaseException, settings, server, scheduler, version: str) -> None:

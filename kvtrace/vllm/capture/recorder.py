@@ -47,14 +47,14 @@ def start_capture(scheduler: Scheduler, vllm_schedule, capture_module: str) -> R
     import vllm
     version = getattr(vllm, "__version__", "unknown")
     server = Server.starting()
-    settings, reason = None, "settings"
+    settings, kind = None, "settings"
     try:
         settings = Settings.from_environment(capture_folder())
         guard.accepted_versions()   # KVTRACE_VLLM_VERSIONS, parsed with the other options
-        reason = None               # from here, the exception's kind says (aside.py)
+        kind = None                 # from here, the exception's kind says (aside.py)
         return Recorder(scheduler, vllm_schedule, capture_module, settings, server, version)
     except Exception as exc:  # noqa: BLE001 (nothing of the capture's start may stop vLLM's, unless strict)
-        aside.not_started(exc, reason, settings, server, scheduler, version)
+        aside.not_started(exc, kind, settings, server, scheduler, version)
         if aside.strict():
             raise
         return None
