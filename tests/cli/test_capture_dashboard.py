@@ -14,10 +14,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -29,14 +25,13 @@ from typer.testing import CliRunner
 
 import kvtrace.cli.commands  # noqa: F401  (registers every command)
 from kvtrace.cli.app import app
-from tests.helpers.cli import interruptible, one_line_error
+from tests.helpers.cli import one_line_error
+from tests.helpers.prometheus import PROMETHEUS, exporter_scraped, get, wait
 from tests.helpers.ranks import RANK0, SERVERS, write_server
-from tests.helpers.vllm_runs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "kvtrace" / "vllm" / "dashboards" / "kvtrace-capture.json"
 FIXTURE = ROOT / "tests" / "fixtures" / "captures" / "bursts"
-PROMETHEUS = shutil.which("prometheus")
 SERVER = "20261119T000008Z-24953"   # the fixture's one server
 SCRAPE_SERIES = {"up"}   # what Prometheus records itself for each target it scrapes
 # PromQL's keywords, aggregation operators and literals: identifiers that name no metric
@@ -138,25 +133,6 @@ def test_the_dashboard_imports_anywhere():
         assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"]), panel["title"]
 
 
-def _get(url: str) -> bytes | None:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.read()
-    except OSError:
-        return None
-
-
-def _wait(what: str, check, procs: tuple, timeout_s: float = 90.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (value := check()) is not None:
-            return value
-        for proc in procs:
-            assert proc.poll() is None, f"{proc.args[0]} exited with {proc.returncode} while waiting for {what}"
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _one_server(capture: Path) -> str:
     """The fixture's capture of vLLM: one server; its id."""
     shutil.copytree(FIXTURE, capture)
@@ -203,41 +179,30 @@ def test_every_panel_queries_what_a_real_exporter_serves(tmp_path, folder):
         {"server_id": server, "dropped_chunks": 2, "dropped_rows": 80, "reason": "the disk was slower than the "
          "capture (its queue of 8 chunks was full)", "spans": []}))
     (capture / "chunks" / "notes.txt").write_text("not a chunk\n")
-    exporter_port, prometheus_port = free_port(), free_port()
-    exporter = subprocess.Popen([sys.executable, "-m", "kvtrace", "capture", "metrics", str(capture),
-                                 "--port", str(exporter_port), "--refresh", "500ms", "--window", "10m"], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=interruptible)
-    config = tmp_path / "prometheus.yml"
-    config.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n"
-                      f"  - job_name: kvtrace\n    static_configs:\n      - targets: ['127.0.0.1:{exporter_port}']\n")
-    prometheus = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                                   f"--web.listen-address=127.0.0.1:{prometheus_port}"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    api = f"http://127.0.0.1:{prometheus_port}/api/v1"
+    with exporter_scraped(capture, tmp_path) as scrape:
+        def answer(path: str, **params: str) -> dict:
+            """Prometheus's answer, an error's included (it answers 400 or 422 with a JSON body)."""
+            try:
+                url = f"{scrape.api}/{path}?{urllib.parse.urlencode(params)}"
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as exc:
+                return json.loads(exc.read())
 
-    def answer(path: str, **params: str) -> dict:
-        """Prometheus's answer, an error's included (it answers 400 or 422 with a JSON body)."""
-        try:
-            with urllib.request.urlopen(f"{api}/{path}?{urllib.parse.urlencode(params)}", timeout=10) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            return json.loads(exc.read())
-
-    board = dashboard()
-    instance = f"127.0.0.1:{exporter_port}"
-    values = {"job": "kvtrace", "instance": re.escape(instance).replace("\\", "\\\\"), "server": ".*",   # All
-              "__rate_interval": RATE_INTERVAL, "__interval": "15s", "__range": RANGE}
-    try:
-        exposition = _wait("the exporter", lambda: _get(f"http://127.0.0.1:{instance.split(':')[1]}/metrics"),
-                           (exporter,)).decode()
+        board = dashboard()
+        instance = f"127.0.0.1:{scrape.exporter_port}"
+        values = {"job": "kvtrace", "instance": re.escape(instance).replace("\\", "\\\\"), "server": ".*",   # All
+                  "__rate_interval": RATE_INTERVAL, "__interval": "15s", "__range": RANGE}
+        exposition = wait("the exporter", lambda: get(f"http://{instance}/metrics"), (scrape.exporter,)).decode()
         families = list(text_string_to_metric_families(exposition))
         assert all(f.samples for f in families), [f.name for f in families if not f.samples]
         served = {s.name for f in families for s in f.samples}
         # the metrics of each server, labelled as capture run labels it (the health ones name a server by its id)
         per_server = {s.name for f in families for s in f.samples if s.labels.get("server") in servers}
-        scraped = f"{api}/query?query=" + urllib.parse.quote('count_over_time(kvtrace_steps_total{job="kvtrace"}[1m]) >= 3')
-        _wait("three scrapes", lambda: (body := _get(scraped)) and json.loads(body)["data"]["result"] or None,
-              (prometheus,))
+        scraped = f"{scrape.api}/query?query=" + urllib.parse.quote(
+            'count_over_time(kvtrace_steps_total{job="kvtrace"}[1m]) >= 3')
+        wait("three scrapes", lambda: (body := get(scraped)) and json.loads(body)["data"]["result"] or None,
+             (scrape.prometheus,))
         named, results = set(), {}
         for title, ref, expr in targets(board):
             names = metric_names(expr)
@@ -269,12 +234,7 @@ def test_every_panel_queries_what_a_real_exporter_serves(tmp_path, folder):
                 m = re.fullmatch(r"label_values\((.+), (\w+)\)", variable["query"]["query"])
                 got = answer(f"label/{m[2]}/values", **{"match[]": grafana_expr(m[1], values)})
                 assert got["status"] == "success" and got["data"] == expected[m[2]], (m[2], got)
-    finally:
-        prometheus.terminate()
-        prometheus.wait(timeout=30)
-        exporter.send_signal(signal.SIGINT)   # Ctrl-C
-        out, _ = exporter.communicate(timeout=30)
-    assert exporter.returncode == 0 and "Traceback" not in out, out
+    assert scrape.exporter.returncode == 0 and "Traceback" not in scrape.output, scrape.output
 
 
 def test_capture_dashboard_prints_the_packaged_file(tmp_path):

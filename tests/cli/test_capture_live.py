@@ -36,11 +36,10 @@ from tests.helpers.capture_figures import (
     sql_verdict,
 )
 from tests.helpers.cli import interruptible
-from tests.helpers.vllm_runs import free_port
+from tests.helpers.prometheus import PROMETHEUS, exporter_scraped, get, wait
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "captures" / "bursts"
-PROMETHEUS = shutil.which("prometheus")
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +84,9 @@ def test_the_exporters_runs_of_new_tokens_carry_each_tokens_predecessor_as_a_who
     while a 3 s window prunes what the figures no longer need."""
     import pyarrow.parquet as pq
 
-    from kvtrace.vllm.importer import read_chunk
-
     from kvtrace.trace.schema import token_predecessors
     from kvtrace.vllm.follow import LiveTrace
+    from kvtrace.vllm.importer import read_chunk
 
     chunks = sorted((FIXTURE / "chunks").glob("*.kvtc"))
     trace, written, every = LiveTrace(3.0), [], {c: [] for c in ("req_id", "sample", "idx", "step", "ts_s")}
@@ -144,48 +142,17 @@ def test_a_chunk_removed_between_listing_and_reading_is_skipped(tmp_path, monkey
     assert reader.new_chunks() == []   # each chunk once
 
 
-def _get(url: str) -> bytes | None:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.read()
-    except OSError:
-        return None
-
-
-def _wait(what: str, check, timeout_s: float = 90.0, procs: tuple = ()):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (value := check()) is not None:
-            return value
-        for proc in procs:
-            assert proc.poll() is None, f"{proc.args[0]} exited with {proc.returncode} while waiting for {what}"
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (Debian's prometheus package; "
                                                "scripts/test.sh installs it)")
 def test_prometheus_scrapes_the_sql_of_the_window(tmp_path, expected):
     """A real Prometheus server scrapes the exporter; its HTTP API answers the SQL's figures."""
-    exporter_port, prometheus_port = free_port(), free_port()
-    exporter = subprocess.Popen([sys.executable, "-m", "kvtrace", "capture", "metrics", str(FIXTURE),
-                                 "--port", str(exporter_port), "--refresh", "500ms", "--window", "10m"], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=interruptible)
-    config = tmp_path / "prometheus.yml"
-    config.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n"
-                      f"  - job_name: kvtrace\n    static_configs:\n      - targets: ['127.0.0.1:{exporter_port}']\n")
-    prometheus = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                                   f"--web.listen-address=127.0.0.1:{prometheus_port}"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    api = f"http://127.0.0.1:{prometheus_port}/api/v1/query?query="
+    with exporter_scraped(FIXTURE, tmp_path) as scrape:
+        def query(expr: str) -> list[dict] | None:
+            body = get(f"{scrape.api}/query?query=" + urllib.parse.quote(expr))
+            return json.loads(body)["data"]["result"] if body else None
 
-    def query(expr: str) -> list[dict] | None:
-        body = _get(api + urllib.parse.quote(expr))
-        return json.loads(body)["data"]["result"] if body else None
-
-    try:
-        _wait("the exporter", lambda: _get(f"http://127.0.0.1:{exporter_port}/metrics"), procs=(exporter,))
-        _wait("a scrape", lambda: query('kvtrace_steps_total{job="kvtrace"}') or None, procs=(prometheus,))
+        wait("the exporter", lambda: get(f"http://127.0.0.1:{scrape.exporter_port}/metrics"), (scrape.exporter,))
+        wait("a scrape", lambda: query('kvtrace_steps_total{job="kvtrace"}') or None, (scrape.prometheus,))
         got = {}
         for name in sorted({name for name, _ in expected}):
             for series in query(f'{name}{{job="kvtrace"}}'):
@@ -193,13 +160,8 @@ def test_prometheus_scrapes_the_sql_of_the_window(tmp_path, expected):
                 got[name, frozenset(labels.items())] = float(series["value"][1])
         assert_figures(got, expected)
         assert query('up{job="kvtrace"}')[0]["value"][1] == "1"
-    finally:
-        prometheus.terminate()
-        prometheus.wait(timeout=30)
-        exporter.send_signal(signal.SIGINT)   # Ctrl-C
-        out, _ = exporter.communicate(timeout=30)
-    assert exporter.returncode == 0, out
-    assert f"serving metrics of {FIXTURE}" in out and "Traceback" not in out
+    assert scrape.exporter.returncode == 0, scrape.output
+    assert f"serving metrics of {FIXTURE}" in scrape.output and "Traceback" not in scrape.output
 
 
 def test_watch_once_draws_the_dashboard_of_the_last_window():
