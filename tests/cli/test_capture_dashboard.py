@@ -27,7 +27,7 @@ import kvtrace.cli.commands  # noqa: F401  (registers every command)
 from kvtrace.cli.app import app
 from tests.helpers.cli import one_line_error
 from tests.helpers.prometheus import PROMETHEUS, exporter_scraped, get, wait
-from tests.helpers.ranks import RANK0, SERVERS, write_server
+from tests.helpers.ranks import RANK0, write_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "kvtrace" / "vllm" / "dashboards" / "kvtrace-capture.json"
@@ -141,8 +141,7 @@ def _one_server(capture: Path) -> str:
 
 def _two_ranks(capture: Path) -> str:
     """Two data-parallel ranks of one server, built by hand (tests/helpers/ranks.py); rank 0's id."""
-    for server_id, s in SERVERS.items():
-        write_server(capture, server_id, s["rank"], s["mono"], s["late"], s["thrash"])
+    write_ranks(capture)
     return RANK0
 
 

@@ -19,7 +19,7 @@ from kvtrace.cli.app import app
 from kvtrace.vllm.metrics import Exporter
 from tests.helpers.capture_figures import COUNTERS, per_server, scraped
 from tests.helpers.cli import one_line_error
-from tests.helpers.ranks import RANK0, RANK1, SERVERS, WALL, write_server
+from tests.helpers.ranks import RANK0, RANK1, SERVERS, WALL, write_ranks, write_server
 
 GAUGES = {"kvtrace_kv_used_blocks", "kvtrace_kv_cached_blocks", "kvtrace_kv_free_blocks", "kvtrace_kv_total_blocks",
           "kvtrace_thrash_verdict"}
@@ -113,8 +113,7 @@ def _watch(*args) -> str:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("watch") / "capture"
-    for server_id, s in SERVERS.items():
-        write_server(folder, server_id, s["rank"], s["mono"], s["late"], s["thrash"])
+    write_ranks(folder)
     return folder
 
 

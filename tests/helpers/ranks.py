@@ -91,3 +91,9 @@ def write_server(folder, server_id: str, rank: int | None, mono: float, late: fl
         first, last = WALL + late + 100 + 2 * part, WALL + late + 101.5 + 2 * part
         (folder / "chunks" / f"{server_id}_{part:06d}_{first:.3f}_{last:.3f}_{len(rows['arrivals'])}.kvtc"
          ).write_bytes(chunk_format.encode(cols))
+
+
+def write_ranks(folder) -> None:
+    """Both ranks of SERVERS in one capture folder, as a data-parallel `vllm serve` writes them."""
+    for server_id, s in SERVERS.items():
+        write_server(folder, server_id, s["rank"], s["mono"], s["late"], s["thrash"])

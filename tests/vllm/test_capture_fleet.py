@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from kvtrace.cli.app import app
 from kvtrace.trace import db
 from tests.helpers.cli import one_line_error
-from tests.helpers.ranks import RANK0, RANK1, SERVERS, WALL, write_server
+from tests.helpers.ranks import RANK0, RANK1, SERVERS, WALL, write_ranks, write_server
 from tests.helpers.servers import assert_each_server_alone, rows_of
 
 SINCE, UNTIL = WALL + 99, WALL + 125    # before every arrival (the runs' clocks start there) to after the end
@@ -34,8 +34,7 @@ def _cli(*args) -> str:
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ranks") / "capture"
-    for server_id, s in SERVERS.items():
-        write_server(folder, server_id, s["rank"], s["mono"], s["late"], s["thrash"])
+    write_ranks(folder)
     return folder
 
 
