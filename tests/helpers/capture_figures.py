@@ -111,3 +111,21 @@ def one_server_folder(capture: Path, server_id: str, folder: Path) -> Path:
     for path in (capture / "chunks").glob(f"{server_id}_*"):
         (folder / "chunks" / path.name).write_bytes(path.read_bytes())
     return folder
+
+
+def ranks_figures(capture: Path, server_ids: dict[int, str], scratch: Path) -> tuple[dict[str, Figures],
+                                                                                     dict[str, Figures]]:
+    """The exporter's figures of each data-parallel rank (`server_ids`: rank -> server id) on the folder of
+    them all, by server label, and the exporter's on a folder of each rank alone, by the same label."""
+    exporters = {"both": Exporter(capture)} | {f"dp{rank}": Exporter(one_server_folder(
+        capture, server_id, scratch / f"alone{rank}")) for rank, server_id in server_ids.items()}
+    figures = {}
+    try:
+        for name, exporter in exporters.items():
+            exporter.poll()
+            figures[name] = per_server(scraped(exporter))
+    finally:
+        for exporter in exporters.values():
+            exporter.close()
+    both = figures.pop("both")
+    return both, {label: alone[""] for label, alone in figures.items()}

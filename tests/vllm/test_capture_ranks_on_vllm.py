@@ -17,8 +17,7 @@ import json
 import pytest
 
 from kvtrace.trace import db
-from kvtrace.vllm.metrics import Exporter
-from tests.helpers.capture_figures import one_server_folder, per_server, scraped
+from tests.helpers.capture_figures import ranks_figures
 from tests.helpers.vllm_runs import VLLM_MARKS, kvtrace
 from tests.vllm_sched.differential import VllmScheduler
 from tests.vllm_sched.test_sched_differential import PYTHONS, venv_name
@@ -92,21 +91,10 @@ def test_two_ranks_captures_in_one_folder_are_one_run(python, tmp_path):
         assert ids == own and len(ids) >= len(WORKLOADS[rank]["requests"]) - 1
     # the exporter tells the ranks apart: each rank's steps and preemptions vLLM's, and its figures those of the
     # exporter on a folder of that rank alone
-    server_ids = {s["data_parallel_rank"]: s["server_id"] for s in listed}
-    exporters = {"both": Exporter(capture)} | {f"dp{rank}": Exporter(one_server_folder(
-        capture, server_ids[rank], tmp_path / f"alone{rank}")) for rank in (0, 1)}
-    figures = {}
-    try:
-        for name, exporter in exporters.items():
-            exporter.poll()
-            figures[name] = per_server(scraped(exporter))
-    finally:
-        for exporter in exporters.values():
-            exporter.close()
-    both = figures["both"]
+    both, alone = ranks_figures(capture, {s["data_parallel_rank"]: s["server_id"] for s in listed}, tmp_path)
     assert {server: f["kvtrace_steps_total", frozenset()] for server, f in both.items()} == {
         f"dp{rank}": len(a["steps"]) for rank, a in enumerate(answers)}
     assert {server: sum(v for (name, _), v in f.items() if name == "kvtrace_preemptions_total")
             for server, f in both.items()} == decided
     for rank in (0, 1):
-        assert both[f"dp{rank}"] == pytest.approx(figures[f"dp{rank}"][""], rel=1e-12), rank
+        assert both[f"dp{rank}"] == pytest.approx(alone[f"dp{rank}"], rel=1e-12), rank

@@ -25,9 +25,8 @@ import pytest
 
 from kvtrace.trace import db
 from kvtrace.vllm.importer import read_chunks
-from kvtrace.vllm.metrics import Exporter
 from kvtrace.vllm.record import capture_path, model_folder
-from tests.helpers.capture_figures import one_server_folder, per_server, scraped
+from tests.helpers.capture_figures import ranks_figures
 from tests.helpers.servers import assert_each_server_alone
 from tests.helpers.vllm_runs import VLLM_MARKS, VLLM_PYTHON, kvtrace, start_vllm_server
 
@@ -120,19 +119,8 @@ def test_a_data_parallel_servers_ranks_are_the_servers_of_one_run(tmp_path):
 
     # the exporter tells the ranks apart: each rank's preemptions vLLM's own count of that engine, and its
     # figures those of the exporter on a folder of that rank alone
-    server_ids = {s["data_parallel_rank"]: s["server_id"] for s in listed}
-    exporters = {"both": Exporter(capture)} | {f"dp{rank}": Exporter(one_server_folder(
-        capture, server_ids[rank], tmp_path / f"alone{rank}")) for rank in (0, 1)}
-    figures = {}
-    try:
-        for name, exporter in exporters.items():
-            exporter.poll()
-            figures[name] = per_server(scraped(exporter))
-    finally:
-        for exporter in exporters.values():
-            exporter.close()
-    both = figures["both"]
+    both, alone = ranks_figures(capture, {s["data_parallel_rank"]: s["server_id"] for s in listed}, tmp_path)
     assert {server: sum(v for (name, _), v in f.items() if name == "kvtrace_preemptions_total")
             for server, f in both.items()} == {f"dp{engine}": count for engine, count in vllm_counts.items()}
     for rank in (0, 1):
-        assert both[f"dp{rank}"] == pytest.approx(figures[f"dp{rank}"][""], rel=1e-12), rank
+        assert both[f"dp{rank}"] == pytest.approx(alone[f"dp{rank}"], rel=1e-12), rank
