@@ -36,14 +36,40 @@ class ModelConfig:
     # every id that ends a generation, as vLLM stops: the EOS id plus the generation config's EOS ids
     # (a Llama-3-Instruct ends a turn with <|eot_id|>, not <|end_of_text|>)
     stop_token_ids: tuple[int, ...] = ()
+    # Sliding-window attention: a windowed layer's query at position p attends the keys at positions
+    # (p - sliding_window, p], itself included: `sliding_window` keys at most. That is transformers'
+    # mask (masking_utils.sliding_window_overlay: kv_idx > q_idx - sliding_window) and vLLM's (its
+    # attention backends pass window_size=(sliding_window - 1, 0): sliding_window - 1 keys before p).
+    sliding_window: int | None = None
+    # per layer "sliding_attention" (windowed) or "full_attention"; empty: every layer is windowed when
+    # there is a window (Mistral), none when there is not (layer_windows reads it)
+    layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 (or None: no window), got {self.sliding_window}")
+        self.layer_types = tuple(self.layer_types)
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        unknown = set(self.layer_types) - {SLIDING_ATTENTION, FULL_ATTENTION}
+        if unknown:
+            raise ValueError(f"layer_types may hold {SLIDING_ATTENTION!r} and {FULL_ATTENTION!r} only, "
+                             f"got {sorted(unknown)}")
+        if self.sliding_window is None and SLIDING_ATTENTION in self.layer_types:
+            raise ValueError("layer_types has sliding_attention layers but there is no sliding_window")
         stops = [self.eos_token_id] if self.eos_token_id is not None else []
         self.stop_token_ids = tuple(dict.fromkeys([*stops, *self.stop_token_ids]))
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention)."""
+        if not self.layer_types:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if t == SLIDING_ATTENTION else None for t in self.layer_types)
 
     @property
     def kv_values_per_token(self) -> int:
@@ -63,6 +89,7 @@ class ModelConfig:
         """Build from a Hugging Face `config.json` dict (and its `generation_config.json`, if any)."""
         eos_ids = [i for d in (cfg, generation or {}) for i in _id_list(d.get("eos_token_id"))]
         eos = eos_ids[0] if eos_ids else None
+        sliding_window, layer_types = _hf_windows(cfg)
         return cls(
             name=name,
             vocab_size=cfg["vocab_size"],
@@ -81,14 +108,30 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
             stop_token_ids=tuple(eos_ids),
+            sliding_window=sliding_window,
+            layer_types=layer_types,
         )
 
     def to_hf_config(self) -> dict:
-        """A Hugging Face `config.json` dict that transformers and vLLM load as LlamaForCausalLM."""
+        """A Hugging Face `config.json` dict that transformers and vLLM load as LlamaForCausalLM (Qwen2ForCausalLM
+        with q/k/v biases; with sliding windows MistralForCausalLM, or MinistralForCausalLM where only some
+        layers have one), from which from_hf_config reads this config back."""
         qwen2 = self.attention_bias  # Llama has no q/k/v biases; Qwen2 has them (and no o_proj bias)
+        # a Llama shape with windows is a Mistral (every layer windowed) or a Ministral (some layers)
+        model_type = "qwen2" if qwen2 else "llama"
+        if not qwen2 and self.sliding_window is not None:
+            model_type = "mistral" if None not in self.layer_windows else "ministral"
+        windows = {}
+        if self.sliding_window is not None:
+            layer_types = [FULL_ATTENTION if w is None else SLIDING_ATTENTION for w in self.layer_windows]
+            windows = {"sliding_window": self.sliding_window, "layer_types": layer_types}
+            if qwen2:
+                windows["use_sliding_window"] = True
+            if model_type == "mistral":
+                del windows["layer_types"]   # transformers' Mistral windows every layer and warns about layer_types
         return {
-            "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-            "model_type": "qwen2" if qwen2 else "llama",
+            "architectures": [_HF_ARCHITECTURES[model_type]],
+            "model_type": model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -106,7 +149,49 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "torch_dtype": "float32",
+            **windows,
         }
+
+
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                     "ministral": "MinistralForCausalLM"}
+SLIDING_ATTENTION = "sliding_attention"
+FULL_ATTENTION = "full_attention"
+HF_DEFAULT_SLIDING_WINDOW = 4096   # MistralConfig's, MinistralConfig's and Qwen2Config's when the key is absent
+
+
+def _hf_windows(cfg: dict) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) of a Hugging Face config, as transformers (5.19: the model type's
+    configuration_*.py and modeling_*.py) decides which layers are windowed:
+    - llama: none, whatever the config holds (LlamaAttention has no window);
+    - mistral: `sliding_window` (4096 when absent, none when null) on every layer; a `layer_types` is
+      ignored (MistralConfig warns about it);
+    - ministral: `sliding_window` (4096 when absent) on the layers `layer_types` marks, all when it has none;
+    - qwen2: only with `use_sliding_window`: `sliding_window` (4096 when absent) on the layers `layer_types`
+      marks, else on the layers i >= `max_window_layers` (28 when absent), the last ones.
+    vLLM's Llama and Mistral (vllm/model_executor/models/llama.py) read `layer_types` where the config has
+    one, else the model's `sliding_window` on every layer; its Qwen2 refuses windowed layers beside full ones.
+    Another model type with a window is refused: which of its layers are windowed is not known here."""
+    model_type = cfg.get("model_type", "llama")
+    if model_type == "llama":
+        return None, ()
+    if model_type == "mistral":
+        return cfg.get("sliding_window", HF_DEFAULT_SLIDING_WINDOW), ()
+    if model_type == "ministral":
+        window = cfg.get("sliding_window", HF_DEFAULT_SLIDING_WINDOW)
+        return window, tuple(cfg.get("layer_types") or ()) if window is not None else ()
+    if model_type == "qwen2":
+        window = cfg.get("sliding_window", HF_DEFAULT_SLIDING_WINDOW) if cfg.get("use_sliding_window") else None
+        if window is None:
+            return None, ()
+        first_windowed = cfg.get("max_window_layers", 28)
+        derived = [SLIDING_ATTENTION if i >= first_windowed else FULL_ATTENTION
+                   for i in range(cfg["num_hidden_layers"])]
+        return window, tuple(cfg.get("layer_types") or derived)
+    if cfg.get("sliding_window") is not None:
+        raise ValueError(f"model type {model_type!r} has a sliding_window, and kvtrace does not know which of its "
+                         f"layers it applies to (it reads the windows of llama, mistral, ministral and qwen2)")
+    return None, ()
 
 
 def _id_list(value) -> list[int]:
