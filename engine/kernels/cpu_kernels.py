@@ -42,7 +42,7 @@ class CpuKernels:
         lib.kvt_pack_weight.argtypes = [_ptr, _ptr, _i64, _i64]
         lib.kvt_linear.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
         lib.kvt_paged_decode_attention.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64,
-                                                   _i64, _i64, _f32, _ptr]
+                                                   _i64, _i64, _i64, _f32, _ptr]
         lib.kvt_rms_norm.argtypes = [_ptr, _ptr, _ptr, _f32, _i64, _i64, _ptr]
         lib.kvt_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
         lib.kvt_rope_and_cache.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr]
@@ -111,9 +111,11 @@ class CpuKernels:
         return qk
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                               sliding_window: int | None = None) -> torch.Tensor:
         """q: [seqs, heads, head_dim] (rows may be strided); caches: [blocks, block_size, kv_heads, head_dim];
-        block_tables: [seqs, max_blocks] int64; context_lens: [seqs] int64 -> [seqs, heads * head_dim]"""
+        block_tables: [seqs, max_blocks] int64; context_lens: [seqs] int64 -> [seqs, heads * head_dim].
+        With a sliding window each query attends only the last `sliding_window` of its positions."""
         num_seqs, num_heads, head_dim = q.shape
         assert q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim, \
             "each query row must be [heads, head_dim], contiguous fp32"
@@ -127,7 +129,7 @@ class CpuKernels:
         check_attention(self.lib.kvt_paged_decode_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-            scale, out.data_ptr()))
+            sliding_window or 0, scale, out.data_ptr()))
         return out
 
 
@@ -243,12 +245,14 @@ def _self_check(kernels: CpuKernels) -> str | None:
     tables = torch.tensor([[5, 1, 3], [2, 0, 0]])
     lens = torch.tensor([10, 3])
     q = torch.randn(2, 4, head_dim, generator=gen)
-    got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.3)
-    for s in range(2):
-        slots = [int(tables[s, t // block_size]) * block_size + t % block_size for t in range(int(lens[s]))]
-        keys = k_cache.view(-1, num_kv_heads, head_dim)[slots].repeat_interleave(2, dim=1).transpose(0, 1)
-        values = v_cache.view(-1, num_kv_heads, head_dim)[slots].repeat_interleave(2, dim=1).transpose(0, 1)
-        want = F.scaled_dot_product_attention(q[s].unsqueeze(1), keys, values, scale=0.3).reshape(-1)
-        if not torch.allclose(got[s], want, atol=1e-5, rtol=1e-4):
-            return "paged decode attention disagrees with torch"
+    for window in (None, 5):   # a window that starts mid-block
+        got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.3, window)
+        for s in range(2):
+            first = max(0, int(lens[s]) - window) if window else 0
+            slots = [int(tables[s, t // block_size]) * block_size + t % block_size for t in range(first, int(lens[s]))]
+            keys = k_cache.view(-1, num_kv_heads, head_dim)[slots].repeat_interleave(2, dim=1).transpose(0, 1)
+            values = v_cache.view(-1, num_kv_heads, head_dim)[slots].repeat_interleave(2, dim=1).transpose(0, 1)
+            want = F.scaled_dot_product_attention(q[s].unsqueeze(1), keys, values, scale=0.3).reshape(-1)
+            if not torch.allclose(got[s], want, atol=1e-5, rtol=1e-4):
+                return f"paged decode attention (sliding window {window}) disagrees with torch"
     return None

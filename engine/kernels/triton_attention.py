@@ -12,6 +12,11 @@ so token position p of a sequence lives at slot table[p // block_size] * block_s
   its last query, causally masked. A chunk may start anywhere (chunked prefill, prefix-cache hits):
   its own K and V are already in the cache when it runs, so history and chunk are read alike.
 
+A layer with a sliding window W (the query at position p attends the keys at (p - W, p], as
+transformers and vLLM) reads only the positions some query of the program can see: a decode its last
+W, a prefill tile from its first query's window on; a layer without one runs the kernels as before
+(SLIDING is a compile-time switch).
+
 Any block size works (the table lookup is per position). Scores and the softmax run in fp32; fp32
 inputs use full-precision dots (not TF32) so results match torch's SDPA, the reference path.
 `KVTRACE_TRITON=0` turns the kernels off (torch's SDPA path runs instead). Set `TRITON_INTERPRET=1`
@@ -48,8 +53,10 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int | N
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int) -> None:
-    """out[i] = softmax(q[i] K_i^T * scale) V_i over the first context_lens[i] positions of sequence i.
+                     context_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
+                     sliding_window: int | None = None) -> None:
+    """out[i] = softmax(q[i] K_i^T * scale) V_i over the first context_lens[i] positions of sequence i
+    (the last `sliding_window` of them with a window).
 
     q: [num_seqs, nh, hd] (rows may be strided); k_cache, v_cache: [num_blocks, block_size, nkv, hd];
     block_tables: [num_seqs, >= max blocks] int; context_lens: [num_seqs] int (>= 1); out: [num_seqs, nh, hd].
@@ -71,8 +78,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     decode_kernel[(num_seqs, nkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, partial_acc, partial_m, partial_l,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), block_size,
+        sliding_window or 0,
         NUM_KV_HEADS=nkv, GROUP=group, GROUP_PAD=_pow2(group, 16), HEAD_DIM=hd, DIM_PAD=dim_pad,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q),
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, SLIDING=sliding_window is not None, PRECISION=_precision(q),
     )
     if num_splits > 1:
         merge_splits_kernel[(num_seqs, nh)](
@@ -82,8 +90,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      chunks: torch.Tensor, max_chunk_len: int, scale: float, out: torch.Tensor) -> None:
-    """Causal attention of prefill chunks over everything before them in the cache.
+                      chunks: torch.Tensor, max_chunk_len: int, scale: float, out: torch.Tensor,
+                      sliding_window: int | None = None) -> None:
+    """Causal attention of prefill chunks over everything before them in the cache (over the last
+    `sliding_window` positions up to each query with a window).
 
     q, out: [num_tokens, nh, hd] (the step's flat token rows); chunks: [3, num_chunks] int: each chunk's
     first row in q, its number of tokens, its first position; block_tables: [num_chunks, >= blocks
@@ -103,8 +113,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, chunks[0], chunks[1], chunks[2],
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), block_size,
+        sliding_window or 0,
         NUM_KV_HEADS=nkv, GROUP=nh // nkv, HEAD_DIM=hd, DIM_PAD=dim_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=_precision(q),
+        SLIDING=sliding_window is not None, PRECISION=_precision(q),
     )
 
 

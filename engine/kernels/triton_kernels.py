@@ -7,22 +7,27 @@ import triton.language as tl
 
 
 # table_stride is the step's widest block table: unspecialised, so that its value (1, a multiple of
-# 16 or neither) never makes another variant of the kernel
-@triton.jit(do_not_specialize=["table_stride"])
+# 16 or neither) never makes another variant of the kernel. sliding_window: the layer's window, read
+# only when SLIDING (a layer without one compiles to the kernel it was before windows)
+@triton.jit(do_not_specialize=["table_stride", "sliding_window"])
 def decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
                   partial_acc_ptr, partial_m_ptr, partial_l_ptr,
                   qk_scale, q_stride_seq, q_stride_head, out_stride_seq, out_stride_head, table_stride,
-                  block_size,
+                  block_size, sliding_window,
                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                  NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+    # the positions attended, [first, context_len): all, or the last sliding_window of them
+    first = 0
+    if SLIDING:
+        first = tl.maximum(context_len - sliding_window, 0)
     # this split's positions [start, end): whole tiles, the last split may be short or empty
-    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
+    tiles_per_split = tl.cdiv(tl.cdiv(context_len - first, BLOCK_N), NUM_SPLITS)
+    start = first + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
 
     g = tl.arange(0, GROUP_PAD)
@@ -80,14 +85,14 @@ def merge_splits_kernel(partial_acc_ptr, partial_m_ptr, partial_l_ptr, out_ptr, 
     tl.store(out_ptr + seq * out_stride_seq + head * out_stride_head + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
 
-@triton.jit(do_not_specialize=["table_stride"])   # as decode_kernel's
+@triton.jit(do_not_specialize=["table_stride", "sliding_window"])   # as decode_kernel's
 def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, chunk_rows_ptr,
                    chunk_lens_ptr, chunk_starts_ptr,
                    qk_scale, q_stride_tok, q_stride_head, out_stride_tok, out_stride_head, table_stride,
-                   block_size,
+                   block_size, sliding_window,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   SLIDING: tl.constexpr, PRECISION: tl.constexpr):
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     m_tile = tl.program_id(2)
@@ -105,11 +110,16 @@ def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, c
                 mask=io_ok, other=0.0)                       # [BLOCK_M, DIM_PAD]
     # keys up to this tile's last query (none when the tile is past the chunk's end)
     end = tl.where(m_tile * BLOCK_M < chunk_len, first_pos + tl.minimum((m_tile + 1) * BLOCK_M, chunk_len), 0)
+    # from the first key that the tile's first query sees: 0, or the start of its sliding window
+    first_key = 0
+    if SLIDING:
+        tl.static_assert(BLOCK_M <= BLOCK_N, "a row would see no key of the first tile (its max would be -inf)")
+        first_key = tl.maximum(first_pos + m_tile * BLOCK_M - sliding_window + 1, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     slot_stride = NUM_KV_HEADS * HEAD_DIM
-    for tile in range(0, end, BLOCK_N):
+    for tile in range(first_key, end, BLOCK_N):
         pos = tile + tl.arange(0, BLOCK_N)
         ok = pos < end
         block = tl.load(block_tables_ptr + chunk * table_stride + pos // block_size, mask=ok, other=0)
@@ -118,8 +128,12 @@ def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, c
         kv_ok = ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_offset, mask=kv_ok, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N]
-        # position 0 is in the first tile and visible to every row: m_i is finite after it
-        scores = tl.where(ok[None, :] & (pos[None, :] <= q_pos[:, None]), scores, float("-inf"))
+        visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
+        scores = tl.where(visible, scores, float("-inf"))
+        # every row sees a key of the first tile, so m_i is finite after it: without a window position 0;
+        # with one, row j of the tile sees position first_key + j (or 0), and j < BLOCK_M <= BLOCK_N
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)

@@ -65,11 +65,11 @@ def forward_on_cpu_kernels(model, input_ids: torch.Tensor, positions: torch.Tens
         rope_and_cache(qkv_p, num_tokens, positions_p, cos_p, sin_p, nh, nkv, hd, slots_p, k_p, v_p, qk_p)
         if nd:
             check_attention(decode_attention(qk_p, (nh + nkv) * hd, k_p, v_p, tables_p, max_blocks, lens_p, nd, nh,
-                                             nkv, hd, block_size, model.scale, attn_p))
+                                             nkv, hd, block_size, layer["sliding_window"] or 0, model.scale, attn_p))
         if meta.prefills:
             v = qkv[:, (nh + nkv) * hd:].view(num_tokens, nkv, hd)
             prefill_attention(qk[:, :nh], qk[:, nh:], v, kv_cache[0], kv_cache[1], meta.prefills, model.scale,
-                              attn.view(num_tokens, nh, hd))
+                              attn.view(num_tokens, nh, hd), layer["sliding_window"])
         linear(attn_p, num_tokens, nh * hd, o_l.weight_ptr, hidden, o_l.bias_ptr, o_p)
         rms_norm(x_p, o_p, layer["post_norm"].data_ptr(), eps, num_tokens, hidden, h_p)
         linear(h_p, num_tokens, hidden, gate_up_l.weight_ptr, 2 * inter, gate_up_l.bias_ptr, gate_up_p)

@@ -126,6 +126,7 @@ class LlamaModel:
                 "post_norm": w(p + "post_attention_layernorm.weight"),
                 "gate_up": linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
                 "down": linear(w(p + "mlp.down_proj.weight")),
+                "sliding_window": c.layer_windows[i],   # None: full attention
             })
         positions = torch.arange(c.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(positions, rope_inv_freq(c))
@@ -146,17 +147,22 @@ class LlamaModel:
             return forward_on_cpu_kernels(self, input_ids, positions, meta, kv_caches, logit_rows)
         x = self.embed[input_ids]                      # x: [num_tokens, hidden], the residual stream
         rope = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)  # [num_tokens, 1, hd]
-        decode_mask = None
+        decode_masks = {}   # per sliding window (None: full attention), when SDPA runs the decodes
         if meta.num_decodes and not self.use_triton:  # SDPA reads every decode's gathered blocks, masked
             max_len = meta.decode_block_tables.shape[1] * kv_caches[0].shape[2]
-            decode_mask = torch.arange(max_len, device=self.device) < meta.decode_context_lens[:, None]
-            decode_mask = decode_mask[:, None, None, :]  # [num_decodes, 1, 1, max_blocks * block_size]
+            key_pos = torch.arange(max_len, device=self.device)
+            lens = meta.decode_context_lens[:, None]
+            for window in {layer["sliding_window"] for layer in self.layers}:
+                # a decode's query is at position len - 1: it attends (len - 1 - window, len - 1]
+                mask = key_pos < lens if window is None else (key_pos < lens) & (key_pos >= lens - window)
+                decode_masks[window] = mask[:, None, None, :]  # [num_decodes, 1, 1, max_blocks * block_size]
         pending = None  # the last MLP's output, added to x by the next norm
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = self._add_norm(x, pending, layer["input_norm"])
             qkv = layer["qkv"](h)   # [num_tokens, (nh + 2 * nkv) * hd]
             q, k, v = self._rope_and_cache(qkv, rope, kv_cache, meta.slot_mapping)
-            attn = self._attention(q, k, v, kv_cache, meta, decode_mask)  # [num_tokens, nh * hd]
+            window = layer["sliding_window"]
+            attn = self._attention(q, k, v, kv_cache, meta, decode_masks.get(window), window)  # [num_tokens, nh * hd]
             h = self._add_norm(x, layer["o"](attn), layer["post_norm"])
             gate, up = layer["gate_up"](h).chunk(2, dim=-1)
             pending = layer["down"](F.silu(gate) * up)
@@ -185,7 +191,8 @@ class LlamaModel:
         return qk[:, :nh], k, v
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   meta: AttentionMetadata, decode_mask: torch.Tensor | None) -> torch.Tensor:
+                   meta: AttentionMetadata, decode_mask: torch.Tensor | None,
+                   sliding_window: int | None) -> torch.Tensor:
         # kv_cache: [2, num_blocks, block_size, nkv, hd]
         _, num_blocks, block_size, nkv, hd = kv_cache.shape
         k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -196,10 +203,11 @@ class LlamaModel:
             if nd:
                 triton_attention.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                                   meta.decode_context_lens, self.scale, out[:nd],
-                                                  meta.decode_num_splits)
+                                                  meta.decode_num_splits, sliding_window)
             if meta.prefills:
                 triton_attention.prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
-                                                   meta.prefill_chunks, meta.max_prefill_len, self.scale, out)
+                                                   meta.prefill_chunks, meta.max_prefill_len, self.scale, out,
+                                                   sliding_window)
             return out.view(num_tokens, nh * hd)
         if nd:
             flat_tables = meta.decode_block_tables.view(-1)  # [nd * max_blocks]
@@ -218,6 +226,6 @@ class LlamaModel:
             out[:nd].view(nd, nkv, nh // nkv, hd).copy_(o)
         else:
             out = torch.empty(num_tokens, nh, hd, dtype=q.dtype, device=q.device)
-        prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, self.scale, out)
+        prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, self.scale, out, sliding_window)
         return out.view(num_tokens, nh * hd)
 

@@ -175,13 +175,15 @@ static inline float exp_shifted(float *scores, int64_t len) {
  * k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
  * block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs] positions attended (this token's
  * own K/V already written);
+ * sliding_window: 0 for full attention; else the query (at position len - 1) attends only the last
+ *    sliding_window positions, (len - 1 - sliding_window, len - 1], and the blocks before them are not read;
  * out: [num_seqs, num_heads * head_dim]. Returns 0; 1 if a scratch buffer could not be had; 2 if a
  * sequence has no positions (the caller's mistake: a decode attends at least to itself).
  * One task per (sequence, KV head): its group of query heads reads each K and V row once. */
 int kvt_paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                                const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
                                int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t block_size, float scale, float *out) {
+                               int64_t block_size, int64_t sliding_window, float scale, float *out) {
     const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * row_stride;
     /* A task reads all KV heads of a position (one contiguous row, so the prefetcher streams whole
@@ -198,9 +200,12 @@ int kvt_paged_decode_attention(const float *q, int64_t q_stride, const float *k_
         #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < num_seqs * tasks_per_seq; task++) {
             const int64_t s = task / tasks_per_seq, first_kv_head = task % tasks_per_seq * heads_per_task;
-            const int64_t len = context_lens[s], *table = block_tables + s * max_blocks;
+            const int64_t context_len = context_lens[s], *table = block_tables + s * max_blocks;
             const float *qs = q + s * q_stride + first_kv_head * group * head_dim;   /* [rows, head_dim] */
-            if (len <= 0) { failed |= 2; continue; }
+            if (context_len <= 0) { failed |= 2; continue; }
+            /* the positions attended: [first, context_len), len of them */
+            const int64_t first = sliding_window > 0 && context_len > sliding_window ? context_len - sliding_window : 0;
+            const int64_t len = context_len - first;
             if (rows * len > capacity) {
                 free(scores);
                 capacity = rows * len;
@@ -209,9 +214,9 @@ int kvt_paged_decode_attention(const float *q, int64_t q_stride, const float *k_
             if (scores == NULL || acc == NULL || inv_total == NULL) { failed |= 1; capacity = 0; continue; }
             /* block by block: a position's row is table[b] * block_size + i, with no division per position */
             const float *k_rows = k_cache + first_kv_head * head_dim, *v_rows = v_cache + first_kv_head * head_dim;
-            for (int64_t b = 0, t = 0; t < len; b++) {
-                const float *kt = k_rows + table[b] * block_stride;
-                for (int64_t i = 0; i < block_size && t < len; i++, t++, kt += row_stride) {
+            for (int64_t b = first / block_size, i0 = first % block_size, t = 0; t < len; b++, i0 = 0) {
+                const float *kt = k_rows + table[b] * block_stride + i0 * row_stride;
+                for (int64_t i = i0; i < block_size && t < len; i++, t++, kt += row_stride) {
                     prefetch_row(kt + KVT_AHEAD * row_stride, heads_per_task * head_dim);
                     for (int64_t r = 0; r < rows; r++)
                         scores[r * len + t] = dot(qs + r * head_dim, kt + r / group * head_dim, head_dim) * scale;
@@ -219,9 +224,9 @@ int kvt_paged_decode_attention(const float *q, int64_t q_stride, const float *k_
             }
             for (int64_t r = 0; r < rows; r++) inv_total[r] = 1.0f / exp_shifted(scores + r * len, len);
             for (int64_t i = 0; i < rows * head_dim; i++) acc[i] = 0.0f;
-            for (int64_t b = 0, t = 0; t < len; b++) {
-                const float *vt = v_rows + table[b] * block_stride;
-                for (int64_t i = 0; i < block_size && t < len; i++, t++, vt += row_stride) {
+            for (int64_t b = first / block_size, i0 = first % block_size, t = 0; t < len; b++, i0 = 0) {
+                const float *vt = v_rows + table[b] * block_stride + i0 * row_stride;
+                for (int64_t i = i0; i < block_size && t < len; i++, t++, vt += row_stride) {
                     prefetch_row(vt + KVT_AHEAD * row_stride, heads_per_task * head_dim);
                     for (int64_t r = 0; r < rows; r++)
                         axpy(acc + r * head_dim, _mm512_set1_ps(scores[r * len + t]), vt + r / group * head_dim,
