@@ -54,8 +54,10 @@ def scattered_tables(lens: list[int], block_size: int, num_blocks: int, g: torch
     return torch.tensor(rows, dtype=torch.int64)
 
 
-def dense(q: torch.Tensor, k_cache, v_cache, table: list[int], num_keys: int, query_pos: list[int], scale: float):
-    """Reference: gather the sequence's keys, attend in float64 with a causal mask by position."""
+def dense(q: torch.Tensor, k_cache, v_cache, table: list[int], num_keys: int, query_pos: list[int], scale: float,
+          sliding_window: int | None = None):
+    """Reference: gather the sequence's keys, attend in float64 with a causal mask by position (and
+    the window (p - sliding_window, p] when given)."""
     bs = k_cache.shape[1]
     slots = [table[p // bs] * bs + p % bs for p in range(num_keys)]
     nkv, hd = k_cache.shape[2], k_cache.shape[3]
@@ -65,6 +67,8 @@ def dense(q: torch.Tensor, k_cache, v_cache, table: list[int], num_keys: int, qu
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double().cpu(), keys) * scale
     mask = torch.arange(num_keys)[None, :] <= torch.tensor(query_pos)[:, None]
+    if sliding_window is not None:
+        mask &= torch.arange(num_keys)[None, :] > torch.tensor(query_pos)[:, None] - sliding_window
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
@@ -137,6 +141,66 @@ def test_prefill_chunks_match_dense(hd, nh, nkv, block_size, chunks, dtype):
         assert err < TOLERANCE[dtype], (start, n, err)
 
 
+# head size, query heads, KV heads, block size, context lengths, sliding window
+WINDOWED_DECODE_CASES = [
+    (64, 8, 2, 16, [1, 17, 70, 200], 20),   # windows starting mid-block, contexts inside the window, splits
+    (128, 4, 4, 3, [5, 33, 64], 7),
+    (64, 6, 1, 1, [2, 9], 1),                # a window of one: the query's own key only
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hd,nh,nkv,block_size,lens,window", WINDOWED_DECODE_CASES)
+def test_windowed_decode_matches_dense(hd, nh, nkv, block_size, lens, window, dtype):
+    from engine.kernels import triton_attention
+
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    k_cache, v_cache, g = paged_cache(num_blocks, block_size, nkv, hd, dtype, seed=hd + nh + window)
+    tables = scattered_tables(lens, block_size, num_blocks, g)
+    q = torch.randn(len(lens), nh + nkv, hd, generator=g).to(dtype).to(DEVICE)[:, :nh]
+    scale = hd ** -0.5
+    for num_splits in sorted({1, 4, triton_attention.decode_num_splits(len(lens), nkv, max(lens))}):
+        out = torch.full((len(lens), nh, hd), float("nan"), dtype=dtype, device=DEVICE)
+        triton_attention.decode_attention(q, k_cache, v_cache, tables.to(DEVICE), torch.tensor(lens, device=DEVICE),
+                                          scale, out, num_splits, sliding_window=window)
+        for i, n in enumerate(lens):
+            ref = dense(q[i:i + 1], k_cache, v_cache, tables[i].tolist(), n, [n - 1], scale, window)
+            err = (out[i:i + 1].double().cpu() - ref).abs().max().item()
+            assert err < TOLERANCE[dtype], (num_splits, i, n, err)
+
+
+# head size, query heads, KV heads, block size, chunks (positions cached, chunk tokens), sliding window
+WINDOWED_PREFILL_CASES = [
+    (64, 8, 2, 16, [(0, 70), (32, 7), (5, 40)], 5),   # windows far shorter than a tile of queries (32)
+    (128, 4, 1, 3, [(0, 1), (12, 17), (40, 30)], 20),  # a window longer than a chunk, odd block sizes
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hd,nh,nkv,block_size,chunks,window", WINDOWED_PREFILL_CASES)
+def test_windowed_prefill_chunks_match_dense(hd, nh, nkv, block_size, chunks, window, dtype):
+    from engine.kernels import triton_attention
+
+    ends = [start + n for start, n in chunks]
+    num_blocks = sum(-(-e // block_size) for e in ends) + 2
+    k_cache, v_cache, g = paged_cache(num_blocks, block_size, nkv, hd, dtype, seed=3 * hd + window)
+    tables = scattered_tables(ends, block_size, num_blocks, g)
+    num_tokens = sum(n for _, n in chunks)
+    q = torch.randn(num_tokens, nh + nkv, hd, generator=g).to(dtype).to(DEVICE)[:, :nh]
+    rows = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
+    meta = torch.tensor([rows, [n for _, n in chunks], [s for s, _ in chunks]], device=DEVICE)
+    out = torch.full((num_tokens, nh, hd), float("nan"), dtype=dtype, device=DEVICE)
+    scale = hd ** -0.5
+    triton_attention.prefill_attention(q, k_cache, v_cache, tables.to(DEVICE), meta, max(n for _, n in chunks),
+                                       scale, out, sliding_window=window)
+    for (start, n), row, table in zip(chunks, rows, tables.tolist()):
+        ref = dense(q[row:row + n], k_cache, v_cache, table, start + n, list(range(start, start + n)), scale, window)
+        err = (out[row:row + n].double().cpu() - ref).abs().max().item()
+        assert err < TOLERANCE[dtype], (start, n, err)
+
+
 def test_split_count_fills_the_gpu_and_stays_a_power_of_two():
     from engine.kernels.triton_attention import decode_num_splits
 
@@ -175,3 +239,19 @@ def test_engine_on_paged_inputs_matches_dense_reference(make_engine, tiny_loaded
     worst = max((reference_forward(tiny_loaded.config, tiny_loaded.weights, tokens)[-1] - logits).abs().max().item()
                 for tokens, logits in seen)
     assert len(seen) == 4 * len(prompts) and worst < 1e-4, worst
+
+
+@pytest.mark.triton_interpreted
+@pytest.mark.parametrize("shape", ["all", "mixed"])
+def test_windowed_engine_on_paged_inputs_matches_dense_reference(make_engine, monkeypatch, shape):
+    """Sliding windows (every layer; beside full layers) through the Triton kernels on the runner's paged
+    inputs: chunked prefill, decodes, a prefix-cache hit past the window (tests/engine/test_sliding_window.py)."""
+    from tests.engine.test_sliding_window import WINDOWED, run_windowed, windowed
+    from tests.helpers.reference_model import reference_forward
+
+    monkeypatch.setenv("KVTRACE_CPU_KERNELS", "0")
+    loaded = windowed(*WINDOWED[shape])
+    seen = run_windowed(make_engine, loaded, paged_inputs=True)
+    worst = max((reference_forward(loaded.config, loaded.weights, tokens)[-1] - logits).abs().max().item()
+                for tokens, logits in seen)
+    assert worst < 1e-4, worst

@@ -1,6 +1,7 @@
 """Ground truth: a plain dense Llama forward (no paging, no KV cache) to test the paged engine against.
 
-Every step recomputes the whole sequence with full causal attention, in fp32, written to be read.
+Every step recomputes the whole sequence with causal attention (within its sliding window on a
+windowed layer: keys (p - window, p] for the query at p), in fp32, written to be read.
 """
 from __future__ import annotations
 
@@ -70,7 +71,9 @@ def reference_forward(config: ModelConfig, weights: dict[str, torch.Tensor], inp
         k = k.repeat_interleave(h // kv, dim=1)                     # [T, h, d]: query head j reads kv head j // (h/kv)
         v = v.repeat_interleave(h // kv, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)  # [h, T, T]
-        scores = scores.masked_fill(~causal, float("-inf"))
+        window = config.layer_windows[i]
+        visible = causal if window is None else causal.triu(-(window - 1))   # key > query - window
+        scores = scores.masked_fill(~visible, float("-inf"))
         attn = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).reshape(num_tokens, h * d)
         x = x + linear("self_attn.o_proj", attn)
 
