@@ -25,7 +25,7 @@ from engine import events as ev
 from engine.events import KVEvent, RequestStats, StepRecord
 from engine.sim.leap import DecodeLeap
 from kvtrace.record.arrays import as_arrow, from_numpy, lists_then_singles
-from kvtrace.trace.schema import TABLES
+from kvtrace.trace.schema import CAPTURE_ONLY, TABLES
 
 # each steps column: the StepRecord (and DecodeLeap.step_columns) field it is read from
 _STEP_FIELDS = {
@@ -36,7 +36,7 @@ _STEP_FIELDS = {
     "cached_blocks": "num_cached_blocks", "total_blocks": "num_total_blocks", "kv_tokens": "num_kv_tokens",
     "admission_stop": "admission_stop",
 }
-_REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id"]
+_REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id" and f not in CAPTURE_ONLY["requests"]]
 # The kv_events columns that only the rarer kinds set (preempt, swap_out, swap_in, reprefill, cow),
 # with the value every other event leaves (engine/events.py): they are read from the rarer events
 # alone, and the rest of the rows take the default.
@@ -45,7 +45,8 @@ _RARE_DEFAULTS = {"bytes": 0, "duration_ms": None, "num_cached_tokens": 0, "num_
                   "src_blocks": None, "requester_req_id": None, "requester_sample": None, "victim_reason": None}
 # the kv_events columns read from every KVEvent (kind aside, which `_kind` reads)
 _COMMON_EVENT_FIELDS = [f for f in TABLES["kv_events"].names
-                        if f not in ("run_id", "num_blocks", "kind") and f not in _RARE_DEFAULTS]
+                        if f not in ("run_id", "num_blocks", "kind") and f not in _RARE_DEFAULTS
+                        and f not in CAPTURE_ONLY["kv_events"]]
 # an evict row's values but its seq, step, ts_s and blocks (the rest null)
 _EVICT_VALUES = {"kind": ev.EVICT, "req_id": "", "sample": 0, "num_tokens": 0, "bytes": 0, "num_cached_tokens": 0,
                  "num_recomputed_tokens": 0}
@@ -182,10 +183,12 @@ def gpu_samples_table(columns: dict[str, list], run_id: str) -> pa.Table:
 
 
 def table(name: str, columns: dict[str, Column], run_id: str) -> pa.Table:
-    """Table `name` of `columns` (every column of its schema but run_id, as a builder made it) and
-    `run_id`."""
+    """Table `name` of `columns` (every column of its schema but run_id, as a builder made it; those only a
+    vLLM capture fills, schema.CAPTURE_ONLY, null) and `run_id`."""
     schema = TABLES[name]
     num_rows = len(next(iter(columns.values())))
-    arrays = {f.name: as_arrow(columns[f.name], f.type) for f in schema if f.name != "run_id"}
+    unfilled = CAPTURE_ONLY.get(name, ())
+    arrays = {f.name: pa.nulls(num_rows, f.type) if f.name in unfilled else as_arrow(columns[f.name], f.type)
+              for f in schema if f.name != "run_id"}
     arrays["run_id"] = pa.repeat(pa.scalar(run_id, pa.string()), num_rows)
     return pa.Table.from_arrays([arrays[f.name] for f in schema], schema=schema)

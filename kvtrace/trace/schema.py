@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 4                 # 2: tokens.prev_step and tokens.prev_ts_s; 3: the causes (steps.admission_stop,
+SCHEMA_VERSION = 5                 # 2: tokens.prev_step and tokens.prev_ts_s; 3: the causes (steps.admission_stop,
                                    # kv_events.requester_req_id, requester_sample, victim_reason); 4: the server
-                                   # column (SERVER_FIELD); see docs/trace-format.md
+                                   # column (SERVER_FIELD); 5: KV-cache groups (kv_events.kv_group, kv_group_blocks)
+                                   # and speculative decoding (draft_tokens, accepted_tokens, the spec_decode
+                                   # table); see docs/trace-format.md
 
 # One row per sequence (a request with n samples has n rows), written when it finishes.
 REQUESTS_SCHEMA = pa.schema([
@@ -30,6 +32,10 @@ REQUESTS_SCHEMA = pa.schema([
     ("swaps", pa.int32()),                 # of those, preemptions by swap
     ("recomputed_tokens", pa.int64()),     # positions computed again after recompute (cache hits excluded)
     ("prefix_hit_tokens", pa.int64()),     # positions served from the prefix cache
+    # speculative decoding (schema 5; null in a run without it): draft positions scheduled for it, and
+    # of them those its outputs accepted (the rest were rolled back)
+    ("draft_tokens", pa.int64()),
+    ("accepted_tokens", pa.int64()),
 ])
 
 # One row per engine step.
@@ -54,6 +60,10 @@ STEPS_SCHEMA = pa.schema([
     # why admission stopped in this step (schema 3; null in older traces): nothing-waiting | seats |
     # budget | blocks | watermark | preemption | other (engine/events.py AdmissionStop)
     ("admission_stop", pa.string()),
+    # speculative decoding (schema 5; null in a run without it): draft positions scheduled this step
+    # (of decode_tokens), and of them those the step's outputs accepted (null until processed)
+    ("draft_tokens", pa.int32()),
+    ("accepted_tokens", pa.int32()),
 ])
 
 # One row per KV-cache event; which columns matter depends on `kind` (see the doc's table).
@@ -81,6 +91,12 @@ KV_EVENTS_SCHEMA = pa.schema([
     ("requester_req_id", pa.string()),
     ("requester_sample", pa.int32()),
     ("victim_reason", pa.string()),
+    # KV-cache groups (schema 5; null in a run of one group, as every older run): a hybrid model keeps a
+    # block table per group over one pool (meta.json's kv_pool.kv_cache_groups, in this order). An
+    # alloc's, free's or evict's blocks are all of group `kv_group`; an event whose blocks are of
+    # every group (prefix_hit, preempt) lists them group by group, `kv_group_blocks` of them in each.
+    ("kv_group", pa.int32()),
+    ("kv_group_blocks", pa.list_(pa.int32())),
 ])
 
 # One row per emitted token.
@@ -106,7 +122,7 @@ TOKENS_SCHEMA = pa.schema([
 # (kvtrace/trace/db.py) read it as '' wherever a run lacks it, so that `USING (run_id, server, step)` joins
 # every run alike. In a joined run a step is (server, step) and its request ids are `<label>/<vLLM's id>`.
 SERVER_FIELD = pa.field("server", pa.string())
-SERVER_TABLES = ("requests", "steps", "kv_events", "tokens")
+SERVER_TABLES = ("requests", "steps", "kv_events", "tokens", "spec_decode")
 
 
 def write_parquet(table: pa.Table, path) -> None:
@@ -179,5 +195,23 @@ CAPTURE_REQUESTS_SCHEMA = pa.schema([
     ("block_hashes", pa.list_(pa.int64())),
 ])
 
+# One row per request and step that scheduled draft tokens for it (speculative decoding, schema 5).
+SPEC_DECODE_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("step", pa.int64()),
+    ("ts_s", pa.float64()),                # when the step's output was processed (its tokens' time)
+    ("req_id", pa.string()),
+    ("sample", pa.int32()),
+    ("draft_tokens", pa.int32()),          # draft positions scheduled for it in the step
+    ("accepted_tokens", pa.int32()),       # of them accepted; the rest rolled back (null: output never processed)
+    ("lookahead_slots", pa.int32()),       # KV slots reserved past its scheduled tokens for the next drafts
+])
+
 OPTIONAL_TABLES = {"client_tokens": CLIENT_TOKENS_SCHEMA,         # kvtrace record --endpoint (docs/vllm.md)
-                   "capture_requests": CAPTURE_REQUESTS_SCHEMA}   # kvtrace capture run
+                   "capture_requests": CAPTURE_REQUESTS_SCHEMA,   # kvtrace capture run
+                   "spec_decode": SPEC_DECODE_SCHEMA}             # a capture of a speculative-decoding server
+
+# Columns of schema 5 that only a vLLM capture fills so far (kvtrace's engine and simulator have one
+# group and draft nothing): their writers leave them null.
+CAPTURE_ONLY = {"kv_events": ("kv_group", "kv_group_blocks"), "steps": ("draft_tokens", "accepted_tokens"),
+                "requests": ("draft_tokens", "accepted_tokens")}

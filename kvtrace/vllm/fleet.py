@@ -31,9 +31,10 @@ from kvtrace.trace.schema import (
     OPTIONAL_TABLES,
     SCHEMA_VERSION,
     SERVER_FIELD,
+    SERVER_TABLES,
     write_parquet,
 )
-from kvtrace.vllm.importer import TIME_COLUMNS, read_chunks, rebase, write_tables
+from kvtrace.vllm.importer import TIME_COLUMNS, model_shape, read_chunks, rebase, write_tables
 from kvtrace.vllm.live import (
     LOOK_AROUND_S,
     Server,
@@ -155,7 +156,7 @@ def _shift(columns: dict[str, dict[str, list]], by: float) -> None:
 
 def _label(columns: dict[str, dict[str, list]], marks: list[tuple], label: str) -> None:
     """One server's rows in a joined run: its label in every row, before every request id."""
-    for table in ("requests", "steps", "kv_events", "tokens"):
+    for table in SERVER_TABLES:
         cols = columns[table]
         cols[SERVER_FIELD.name] = [label] * len(next(iter(cols.values())))
         if "req_id" in cols:   # an evict's is '' (no request): it stays so
@@ -170,7 +171,7 @@ def _join(parts: list[tuple[dict, list]]) -> tuple[dict, list]:
     and marks by arrival; the KV events merged by time, each server's in its own order, and numbered
     again from 0."""
     columns = {table: {name: [v for cols, _ in parts for v in cols[table][name]] for name in parts[0][0][table]}
-               for table in ("requests", "steps", "tokens")}
+               for table in ("requests", "steps", "tokens", "spec_decode")}
     events = [cols["kv_events"] for cols, _ in parts]
     streams = [[(ts, n, i) for i, ts in enumerate(k["ts_s"])] for n, k in enumerate(events)]
     order = [(n, i) for _, n, i in heapq.merge(*streams, key=lambda e: e[0])]
@@ -192,7 +193,7 @@ def _cut(columns: dict[str, dict[str, list]], lo: float, hi: float) -> list[tupl
     q, arrivals = columns["requests"], columns["arrivals"]
     finished = {rid: i for i, rid in enumerate(q["req_id"])}
     arrived = {rid: i for i, rid in enumerate(arrivals["req_id"])}
-    for table, name in (("steps", "start_s"), ("kv_events", "ts_s"), ("tokens", "ts_s")):
+    for table, name in (("steps", "start_s"), ("kv_events", "ts_s"), ("tokens", "ts_s"), ("spec_decode", "ts_s")):
         cols = columns[table]
         keep = [i for i, t in enumerate(cols[name]) if t is not None and lo <= t <= hi]
         for key, values in cols.items():
@@ -218,6 +219,12 @@ def _cut(columns: dict[str, dict[str, list]], lo: float, hi: float) -> list[tupl
                 c["recomputed"] += recomputed or 0
             elif kind == "prefix_hit":
                 c["prefix_hits"] += num_tokens or 0
+    d = columns["spec_decode"]   # a speculative server's drafts, in the window
+    for rid, drafts, accepted in zip(d["req_id"], d["draft_tokens"], d["accepted_tokens"]):
+        if rid in in_window:
+            c = events.setdefault(rid, Counter())
+            c["drafts"] += drafts or 0
+            c["accepted"] += accepted or 0
     out = {c: [] for c in q}
     marks = []
     for rid, w in sorted(in_window.items(), key=lambda kv: (kv[1]["arrival"], kv[0])):
@@ -231,7 +238,8 @@ def _cut(columns: dict[str, dict[str, list]], lo: float, hi: float) -> list[tupl
                            priority=arrivals["priority"][a])
             row.update(req_id=rid, sample=0, n=1, arrival_s=w["arrival"], output_tokens=seen.get(rid, 0),
                        finish_s=hi, finish_reason="in-flight", preemptions=c["preemptions"], swaps=0,
-                       recomputed_tokens=c["recomputed"], prefix_hit_tokens=c["prefix_hits"])
+                       recomputed_tokens=c["recomputed"], prefix_hit_tokens=c["prefix_hits"],
+                       draft_tokens=c["drafts"], accepted_tokens=c["accepted"])
             for name in ("first_scheduled_s", "first_token_s"):
                 if row[name] is not None and row[name] > hi:
                     row[name] = None
@@ -274,7 +282,7 @@ def _meta(servers: list[Server], names: list[str], run_dir: Path, lo: float, hi:
                           "block_size": i.get("block_size"), "num_gpu_blocks": num_blocks,
                           "max_num_seqs": i.get("max_num_seqs"), "max_num_batched_tokens": i.get("max_num_batched_tokens"),
                           "max_model_len": i.get("max_model_len"), "enable_prefix_caching": i.get("enable_prefix_caching"),
-                          "preemption_mode": "recompute", "preemption_policy": policy},
+                          "preemption_mode": "recompute", "preemption_policy": policy, **model_shape(i)[1]},
         "scheduling": {"follows": "vLLM itself (live traffic, recorded from inside)", "departures": []},
         "model": {"name": model, "source": i.get("model"), "dtype": None, "shape": None,
                   "max_model_len": i.get("max_model_len")},
@@ -283,7 +291,8 @@ def _meta(servers: list[Server], names: list[str], run_dir: Path, lo: float, hi:
         "simulated": None,
         "kv_pool": {"num_gpu_blocks": num_blocks, "block_size": i.get("block_size"), "bytes_per_block": None,
                     "num_cpu_blocks": 0, "total_bytes": None, "watermark_blocks": i.get("watermark_blocks"),
-                    "kv_reserve": "none", "derivation": "vLLM's pool less its null block (block 0)"},
+                    "kv_reserve": "none", "derivation": "vLLM's pool less its null block (block 0)",
+                    **model_shape(i)[0]},
         "workload": None,
         "replay": {"mode": "live", "time_scale": 1.0},
         "seed": None, "record_token_ids": bool(i.get("token_ids")),

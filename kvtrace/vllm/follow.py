@@ -20,8 +20,8 @@ from typing import NamedTuple
 from kvtrace.trace.schema import SCHEMA_VERSION, token_predecessors
 from kvtrace.vllm.capture.chunk_format import ChunkError
 from kvtrace.vllm.capture.sink import COLUMNS
-from kvtrace.vllm.importer import (TIME_COLUMNS, foreign_files, keep_window, list_chunks, read_chunk, read_json,
-                                  say, skipped_line, write_tables)
+from kvtrace.vllm.importer import (TIME_COLUMNS, foreign_files, keep_window, list_chunks, model_shape, read_chunk,
+                                  read_json, say, skipped_line, write_tables)
 
 MAX_AGE_S = 3600.0   # rows of a sequence that never finished (a lost request) are dropped after this
 
@@ -133,6 +133,8 @@ class LiveTrace:
             named = {st for st, kind in zip(k["step"], k["kind"]) if kind == "reprefill"}
             st = columns["steps"]
             _keep(st, [e >= horizon or step in named for step, e in zip(st["step"], st["end_s"])])
+            d = columns["spec_decode"]   # a speculative step's drafts: figures of recent steps only
+            _keep(d, [ts is not None and ts >= horizon for ts in d["ts_s"]])
             t = columns["tokens"]
             last: dict[tuple, int] = {}
             for i, key in enumerate(zip(t["req_id"], t["sample"])):
@@ -265,9 +267,10 @@ def run_meta(run_id: str, info: dict, command: str, rows: dict[str, int]) -> dic
         "engine_config": {"preemption_mode": "recompute", "preemption_policy": "vLLM's",
                           "enable_prefix_caching": info.get("enable_prefix_caching"),
                           "max_num_seqs": info.get("max_num_seqs"),
-                          "max_num_batched_tokens": info.get("max_num_batched_tokens")},
+                          "max_num_batched_tokens": info.get("max_num_batched_tokens"), **model_shape(info)[1]},
         # vLLM's null block is no block a request can hold
-        "kv_pool": {"block_size": info.get("block_size"), "num_gpu_blocks": blocks - 1 if blocks else None},
+        "kv_pool": {"block_size": info.get("block_size"), "num_gpu_blocks": blocks - 1 if blocks else None,
+                    **model_shape(info)[0]},
         "vllm": {"version": version, "scheduler": info.get("scheduler"),
                  "async_scheduling": info.get("async_scheduling")},
         "summary": {"rows": rows},

@@ -18,13 +18,13 @@ from pathlib import Path
 import pyarrow as pa
 
 from kvtrace.errors import KvtraceError
-from kvtrace.trace.schema import SERVER_FIELD, TABLES, token_predecessors, write_parquet
+from kvtrace.trace.schema import OPTIONAL_TABLES, SERVER_FIELD, TABLES, token_predecessors, write_parquet
 from kvtrace.vllm.capture import chunk_format
 from kvtrace.vllm.capture.sink import CHUNK_COLUMNS, COLUMNS
 
 _ID = re.compile(r"^(?:(?P<sample>\d+)_)?(?:cmpl-)?kvt(?P<index>\d+)(?:-(?P<prompt>\d+))?(?:-[0-9A-Za-z]+)?$")
 TIME_COLUMNS = {"requests": ("arrival_s", "first_scheduled_s", "first_token_s", "finish_s"),
-                "steps": ("start_s", "end_s"), "kv_events": ("ts_s",), "tokens": ("ts_s",)}
+                "steps": ("start_s", "end_s"), "kv_events": ("ts_s",), "tokens": ("ts_s",), "spec_decode": ("ts_s",)}
 
 
 @dataclass
@@ -150,7 +150,8 @@ def map_ids(raw_ids: Sequence[str], items: dict[int, Item]) -> dict[str, tuple[s
     return mapping
 
 
-WINDOW_COLUMNS = {"requests": "finish_s", "steps": "start_s", "kv_events": "ts_s", "tokens": "ts_s"}
+WINDOW_COLUMNS = {"requests": "finish_s", "steps": "start_s", "kv_events": "ts_s", "tokens": "ts_s",
+                  "spec_decode": "ts_s"}
 
 
 def keep_window(columns: dict[str, dict[str, list]], lo: float, hi: float) -> None:
@@ -174,7 +175,7 @@ def convert(capture: Path, run_dir: Path, run_id: str, items: list[Item], origin
     raw = [*columns["requests"]["req_id"], *columns["kv_events"]["req_id"], *columns["tokens"]["req_id"],
            *(r for r in columns["kv_events"]["requester_req_id"] if r)]
     ids = map_ids(raw, by_index)
-    for table in ("requests", "kv_events", "tokens"):
+    for table in ("requests", "kv_events", "tokens", "spec_decode"):
         cols = columns[table]
         mapped = [ids.get(r, (r, 0)) for r in cols["req_id"]]
         cols["req_id"] = [m[0] for m in mapped]
@@ -209,7 +210,7 @@ def write_tables(columns: dict[str, dict[str, list]], run_dir: Path, run_id: str
     rows = {}
     for table in COLUMNS:
         cols = columns[table]
-        schema = TABLES[table]
+        schema = TABLES[table] if table in TABLES else OPTIONAL_TABLES[table]   # spec_decode: optional
         if SERVER_FIELD.name in cols:   # a run of several servers (kvtrace/vllm/fleet.py)
             schema = schema.append(SERVER_FIELD)
         num = len(next(iter(cols.values())))
@@ -260,8 +261,17 @@ def _fill_requests(columns: dict[str, dict[str, list]], items: list[Item], inter
                    "output_tokens": count.get(key, 0), "first_scheduled_s": None,
                    "first_token_s": first_token.get(key), "finish_s": end, "finish_reason": "aborted",
                    "preemptions": 0, "swaps": 0, "recomputed_tokens": 0, "prefix_hit_tokens": 0}
-            for name, value in row.items():
-                q[name].append(value)
+            for name, values in q.items():   # what the capture never knew of it (its drafts) is null
+                values.append(row.get(name))
+
+
+def model_shape(identity: dict) -> tuple[dict, dict]:
+    """What a capture's identity (capture.json) says of its model's KV cache and drafting, for a run's
+    meta.json (schema 5): kv_pool's `kv_cache_groups` (null from a capture before them: one group of full
+    attention), and engine_config's speculative decoding settings (0: none)."""
+    return ({"kv_cache_groups": identity.get("kv_cache_groups")},
+            {"num_speculative_tokens": identity.get("num_spec_tokens", 0),
+             "num_lookahead_tokens": identity.get("num_lookahead_tokens", 0)})
 
 
 def read_json(path: Path) -> dict | None:

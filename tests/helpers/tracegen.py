@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvtrace.trace.schema import SCHEMA_VERSION, TABLES, token_predecessors
+from kvtrace.trace.schema import OPTIONAL_TABLES, SCHEMA_VERSION, TABLES, token_predecessors
 
 WORKLOAD_SHA = "a" * 64
 
@@ -77,7 +77,7 @@ def write_table(run: Path, table: str, rows: list[dict], chunk_rows: int | None 
     """Write `rows` as chunks of `table` (no chunk at all when there are no rows). Tokens get their
     predecessors filled in; `token_gaps=False` writes them without those columns, as a trace of
     schema 1 (before they existed) was written."""
-    schema = TABLES[table]
+    schema = TABLES[table] if table in TABLES else OPTIONAL_TABLES[table]
     if table == "tokens" and token_gaps:
         rows = with_token_gaps(rows)
     elif table == "tokens":

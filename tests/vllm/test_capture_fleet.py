@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from kvtrace.cli.app import app
 from kvtrace.trace import db
+from kvtrace.trace.schema import SCHEMA_VERSION
 from tests.helpers.cli import one_line_error
 from tests.helpers.ranks import RANK0, RANK1, SERVERS, WALL, write_ranks, write_server
 from tests.helpers.servers import assert_each_server_alone, rows_of
@@ -79,7 +80,7 @@ def test_the_joined_run_carries_each_rows_server(runs):
     meta = json.loads((runs / "joined" / "meta.json").read_text())
     assert [(s["label"], s["server_id"], s["data_parallel_rank"]) for s in meta["capture"]["servers"]] == [
         ("dp0", RANK0, 0), ("dp1", RANK1, 1)]
-    assert meta["schema_version"] == 4
+    assert meta["schema_version"] == SCHEMA_VERSION
     # a run of one server is written as before: no server column, its ids vLLM's own
     alone = db.connect([runs / "dp1"])
     assert alone.sql("SELECT DISTINCT server FROM steps").fetchall() == [("",)]

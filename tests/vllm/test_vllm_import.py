@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvtrace.trace import db
-from kvtrace.trace.schema import TABLES
+from kvtrace.trace.schema import OPTIONAL_TABLES, TABLES
 from kvtrace.vllm.capture.sink import COLUMNS
 from kvtrace.vllm.importer import convert, map_ids
 from tests.helpers.cli import one_line_error
@@ -15,9 +15,10 @@ def test_the_capture_writes_kvtraces_columns():
     """The capture (which cannot import pyarrow) keeps its own column lists: they must be the trace's,
     less run_id and the token predecessors, which the importer adds."""
     added = {"run_id", "prev_step", "prev_ts_s"}
+    schemas = {**TABLES, "spec_decode": OPTIONAL_TABLES["spec_decode"]}   # a speculative server's drafts
     for table, columns in COLUMNS.items():
-        assert list(columns) == [c for c in TABLES[table].names if c not in added], table
-    assert set(COLUMNS) == set(TABLES) - {"gpu_samples"}
+        assert list(columns) == [c for c in schemas[table].names if c not in added], table
+    assert set(COLUMNS) == set(schemas) - {"gpu_samples"}
 
 
 def test_vllm_request_ids_map_back_to_the_workloads():
