@@ -154,3 +154,32 @@ def test_bad_input_is_one_line(folder, tmp_path, args, message):
 def test_a_folder_that_is_no_capture_is_one_line(tmp_path):
     assert "not a kvtrace capture folder" in one_line_error(["capture", "ls", str(tmp_path)])
     assert "no such folder" in one_line_error(["capture", "ls", str(tmp_path / "missing")])
+
+
+def _write_many(path: str, rounds: int, start) -> None:
+    from pathlib import Path
+
+    from kvtrace.vllm.capture.files import write_file
+
+    start.wait()   # both at once
+    for i in range(rounds):
+        write_file(Path(path), json.dumps({"round": i, "pad": "x" * 4000}).encode())
+
+
+def test_two_processes_writing_one_file_at_once_both_succeed(tmp_path):
+    """A data-parallel server's ranks start together and each writes the folder's capture.json: each
+    through a temporary name of its own, so that neither renames the other's file away (which made a
+    rank's capture step aside)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(2)
+    workers = [context.Process(target=_write_many, args=(str(tmp_path / "capture.json"), 1000, start))
+               for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(120)
+    assert [w.exitcode for w in workers] == [0, 0]
+    assert json.loads((tmp_path / "capture.json").read_text())["round"] == 999
+    assert [p.name for p in tmp_path.iterdir()] == ["capture.json"]   # no temporary file left

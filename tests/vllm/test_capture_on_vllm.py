@@ -107,7 +107,27 @@ def capture_differences(workload: dict, records: list[dict], answer: dict) -> li
     k = columns["kv_events"]
     for i in sorted(range(len(k["seq"])), key=lambda i: k["seq"][i]):
         events[k["step"][i]].append((k["kind"][i], k["req_id"][i], k["blocks"][i] or [], k["num_tokens"][i],
-                                     k["reason"][i]))
+                                     k["reason"][i], k["kv_group"][i], k["kv_group_blocks"][i]))
+    groups = len(workload["config"].get("kv_cache_groups", ["full"]))
+    # async: a request scheduled again while its last tokens were in flight (speculative decoding) and then
+    # finished by that output: the blocks the next step's scheduling gave it are filed with its finish
+    theirs_grown = {n: list(rec["grown"]) for n, rec in enumerate(records)}
+    theirs_admitted = {n: [[a[0], a[1], a[2], list(a[3])] for a in rec["admitted"]] for n, rec in enumerate(records)}
+    late_growth: dict[int, set[str]] = defaultdict(set)
+    if asynchronous:
+        for n, rec in enumerate(records[1:], 1):
+            for entry in [g for g in theirs_grown[n] if g[0] in rec["finished"]]:
+                theirs_grown[n].remove(entry)
+                before = next((g for g in theirs_grown[n - 1] if g[0] == entry[0]), None)
+                admitted = next((a for a in theirs_admitted[n - 1] if a[0] == entry[0]), None)
+                if admitted is not None:   # admitted in that step: its blocks are the admission's
+                    admitted[3] += entry[1]
+                elif before is None:
+                    theirs_grown[n - 1].append(entry)
+                else:   # given blocks in both steps' scheduling
+                    before[1] = before[1] + entry[1]
+                if admitted is None:
+                    late_growth[n - 1].add(entry[0])
     held: dict[str, set[int]] = {}
     released: dict[str, set[int]] = {}   # a victim's blocks, from its preempt event
     ended: dict[str, set[int]] = {}      # a finished request's blocks
@@ -118,24 +138,50 @@ def capture_differences(workload: dict, records: list[dict], answer: dict) -> li
         if got != want:
             problems.append(f"step {n}: steps row {got}, vLLM {want}")
         step = events.get(n, [])
-        admitted, hits, blocks = [], {}, defaultdict(list)
-        for kind, rid, ids, num, reason in step:
+        # each request's blocks given this step, group by group as vLLM's tables hold them (a hybrid
+        # model's: a prefix hit's blocks are every group's, each alloc's one group's)
+        admitted, hits, given = [], {}, defaultdict(lambda: [[] for _ in range(groups)])
+        for kind, rid, ids, num, reason, group, group_blocks in step:
             if kind == "admit":
                 admitted.append(rid)
             elif kind == "prefix_hit":
                 hits[rid] = num
-                blocks[rid] += ids
+                at = 0
+                for g, count in enumerate(group_blocks or [len(ids)]):
+                    given[rid][g] += ids[at:at + count]
+                    at += count
             elif kind == "alloc":
-                blocks[rid] += ids
+                given[rid][group or 0] += ids
+        blocks = {rid: [b for ids in per_group for b in ids] for rid, per_group in given.items()}
         mine = [[rid, "resumed" if any(e[0] == "admit" and e[1] == rid and e[4] == "resume-recompute"
                                        for e in step) else "new", hits.get(rid, 0), blocks[rid]] for rid in admitted]
-        theirs = [[a[0], a[1], a[2], a[3]] for a in rec["admitted"]]
+        theirs = theirs_admitted[n]
         if mine != theirs:
             problems.append(f"step {n}: admissions {mine}, vLLM {theirs}")
         scheduled = {rid for rid, _ in rec["scheduled"]}   # a request can get blocks, then be preempted
-        grown = sorted([rid, ids] for rid, ids in blocks.items() if rid not in admitted and rid in scheduled and ids)
-        if grown != sorted(rec["grown"]):
-            problems.append(f"step {n}: new blocks {grown}, vLLM {sorted(rec['grown'])}")
+        grown = sorted([rid, ids] for rid, ids in blocks.items() if rid not in admitted and ids
+                       and (rid in scheduled or rid in late_growth.get(n, ())))
+        if grown != sorted(theirs_grown[n]):
+            problems.append(f"step {n}: new blocks {grown}, vLLM {sorted(theirs_grown[n])}")
+        if "given" in rec:   # several KV-cache groups: what each window dropped, and what each group gave
+            windows = sorted([rid, group or 0, sorted(ids)] for kind, rid, ids, _, reason, group, _ in step
+                             if kind == "free" and reason in ("window", "state"))
+            if windows != rec["dropped"]:
+                problems.append(f"step {n}: dropped out of windows {windows}, vLLM {rec['dropped']}")
+            kept = defaultdict(lambda: [[] for _ in range(groups)])   # vLLM's tables after the step hold
+            for kind, rid, ids, _, reason, group, group_blocks in step:   # what was given and not dropped since
+                if kind in ("prefix_hit", "alloc"):
+                    at = 0
+                    for g, count in ([(group or 0, len(ids))] if kind == "alloc"
+                                     else enumerate(group_blocks or [len(ids)])):
+                        kept[rid][g] += ids[at:at + count]
+                        at += count
+                elif kind == "free" and reason in ("window", "state"):
+                    kept[rid][group or 0] = [b for b in kept[rid][group or 0] if b not in ids]
+            mine_given = sorted([rid, per_group] for rid, per_group in kept.items() if rid in scheduled)
+            mine_given = [[rid, per_group] for rid, per_group in mine_given if any(per_group)]
+            if mine_given != rec["given"]:
+                problems.append(f"step {n}: blocks given per group {mine_given}, vLLM {rec['given']}")
         victims = [e[1] for e in step if e[0] == "preempt"]
         if victims != rec["preempted"]:
             problems.append(f"step {n}: victims {victims}, vLLM {rec['preempted']}")
@@ -144,7 +190,7 @@ def capture_differences(workload: dict, records: list[dict], answer: dict) -> li
         finished = [e[1] for e in step if e[0] == "finish"]
         if later < len(records) and finished != records[later]["finished"]:
             problems.append(f"step {n}: finished {finished}, vLLM {records[later]['finished']}")
-        for kind, rid, ids, _, reason in step:   # the balance
+        for kind, rid, ids, _, reason, group, _ in step:   # the balance
             if kind == "alloc":
                 taken = [b for b in ids if any(b in h for h in held.values())]
                 if taken:
@@ -152,6 +198,11 @@ def capture_differences(workload: dict, records: list[dict], answer: dict) -> li
                 held.setdefault(rid, set()).update(ids)
             elif kind == "prefix_hit":
                 held.setdefault(rid, set()).update(ids)
+            elif kind == "free" and reason in ("window", "state"):   # a hybrid model's, mid-request
+                stray = set(ids) - held.get(rid, set())
+                if stray:
+                    problems.append(f"step {n}: {rid} dropped {sorted(stray)} out of its window, not its own")
+                held.get(rid, set()).difference_update(ids)
             elif kind == "free" and reason in ("finish", "preempt"):
                 # a preemption's event comes before the frees it causes, a finish's after its frees
                 own = released.get(rid, set()) if reason == "preempt" else held.get(rid, set())
@@ -412,20 +463,42 @@ def table_differences(workload: dict, records: list[dict], answer: dict) -> list
     return problems
 
 
+def for_each_workload(check_one, strategy, *, examples=(), max_examples: int = NUM_WORKLOADS) -> int:
+    """`check_one(folder, n, *drawn)` on each of `max_examples` generated workloads (Hypothesis, the same
+    ones every run) and the `examples` first: `drawn` is what `strategy` (a tuple strategy) drew, `folder` a
+    capture folder of its own under a temporary root (every other one made already: the capture makes its
+    folder, parents too, or takes one that is there), `n` its number. Each folder is removed once
+    checked, the root at the end; returns how many were checked."""
+    root = Path(tempfile.mkdtemp(prefix="kvtrace-capture-on-vllm-"))
+    made = [0]
+
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck), phases=PHASES)
+    @given(strategy)
+    def check(drawn):
+        n = made[0]
+        made[0] += 1
+        folder = root / f"w{n}" / "capture"
+        if n % 2:
+            folder.mkdir(parents=True)
+        check_one(folder, n, *drawn)
+        shutil.rmtree(folder.parent, ignore_errors=True)
+
+    for drawn in examples:
+        check = example(drawn)(check)
+    try:
+        check()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return made[0]
+
+
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
 @starts_vllm(unless=bool(DRIVERS))
 def test_capture_records_what_vllm_decided(vllm, asynchronous):
-    root = Path(tempfile.mkdtemp(prefix="kvtrace-capture-on-vllm-"))
     counts = {"workloads": 0, "preempting": 0, "hitting": 0}
 
-    @settings(max_examples=NUM_WORKLOADS, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck), phases=PHASES)
-    @given(workloads(asynchronous))
-    def check(workload):
-        # the capture makes its folder, parents too, or takes one that is there already
-        folder = root / f"w{counts['workloads']}" / "capture"
-        if counts["workloads"] % 2:
-            folder.mkdir(parents=True)
+    def check(folder, n, workload):
         counts["workloads"] += 1
         workload = {**workload, "capture_dir": str(folder), "token_ids": counts["workloads"] % 3 == 0}
         answer = vllm.answer(workload)
@@ -437,12 +510,8 @@ def test_capture_records_what_vllm_decided(vllm, asynchronous):
         assert not problems, (f"vLLM {vllm.version}, workload:\n{json.dumps(workload)}\n" + "\n".join(problems[:10]))
         counts["preempting"] += any(r["preempted"] for r in records)
         counts["hitting"] += any(a[2] for r in records for a in r["admitted"])
-        shutil.rmtree(folder.parent, ignore_errors=True)
 
-    try:
-        check()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    for_each_workload(check, st.tuples(workloads(asynchronous)))
     print(f"vLLM {vllm.version} {'AsyncScheduler' if asynchronous else 'Scheduler'} captured: {counts}")
     if not DRIVERS:   # the mutation check's few workloads per mutant are chosen (and known) to be these
         assert counts["preempting"] and counts["hitting"], counts   # not vacuous
@@ -807,27 +876,79 @@ SPECULATIVE = {"config": {"block_size": 4, "num_blocks": 16, "max_num_seqs": 4, 
                             {"id": "r01", "prompt": [6, 7, 8, 9, 10, 11], "max_tokens": 6, "arrival_step": 3}]}
 
 
-@starts_vllm(unless=bool(DRIVERS))
-def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(vllm):
-    """Speculative decoding: after each step the driver proposes drafts for every running request
-    (vLLM's update_draft_token_ids), vLLM schedules them with the next token and allocates their slots,
-    and the placeholder model accepts some (0 to all, a fixed pattern), so one output carries several
-    tokens and vLLM rolls back the rejected drafts' positions. The capture follows vLLM's decisions
-    as everywhere (capture_differences: admissions, new blocks, victims, finishes, the balance, the
-    self-check), writes a tokens row for every token delivered, numbered in order, and counts no
-    rejected draft as recompute. kvtrace's own engine drafts nothing (docs/scheduling.md), so there
-    is no trace of its to compare."""
-    root = Path(tempfile.mkdtemp(prefix="kvtrace-capture-spec-"))
-    counts = {"workloads": 0, "several": 0, "preempting": 0}
+def spec_differences(answer: dict, columns: dict) -> list[str]:
+    """The capture's drafts (schema 5) against vLLM's (the driver's "drafts": per step, request, drafts
+    scheduled and accepted): a spec_decode row per request and step that scheduled drafts, each with
+    vLLM's lookahead slots; each steps row's totals; each request's."""
+    problems = []
+    records = answer["steps"]
+    d = columns["spec_decode"]
+    got = sorted([step, rid, n, a] for step, rid, n, a in zip(d["step"], d["req_id"], d["draft_tokens"],
+                                                               d["accepted_tokens"]))
+    asynchronous = bool(records) and "placeholders" in records[0]
+    # async: a request finished by the output before (freed as this step's output was processed) has a
+    # stale output, which vLLM ignores: no drafts accepted, or rejected
+    want = sorted([n, rid, k, None if asynchronous and rid in r["finished"] else a]
+                  for n, r in enumerate(records) for rid, k, a in r.get("drafts", ()))
+    if got != want:
+        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        problems.append(f"spec_decode rows (step, request, drafts, accepted) {got[at:at + 3]}, vLLM {want[at:at + 3]} "
+                        f"({len(got)} rows, vLLM {len(want)})")
+    if set(d["lookahead_slots"]) - {answer["lookahead"]}:
+        problems.append(f"lookahead slots {sorted(set(d['lookahead_slots']))}, vLLM's {answer['lookahead']}")
+    s = columns["steps"]
+    per_step = defaultdict(list)
+    for n, rid, k, a in want:
+        per_step[n].append((k, a))
+    for step, drafts, accepted in zip(s["step"], s["draft_tokens"], s["accepted_tokens"]):
+        rows = per_step[step]
+        if (drafts, accepted) != (sum(k for k, _ in rows), sum(a or 0 for _, a in rows)):
+            problems.append(f"step {step}: {drafts} drafts, {accepted} accepted; vLLM {rows}")
+    q = columns["requests"]
+    totals = defaultdict(lambda: [0, 0])
+    for _, rid, k, a in want:
+        if a is not None:   # (a request whose output came after it was freed: not its)
+            totals[rid][0] += k
+            totals[rid][1] += a
+    wrong = {rid: (n, a, totals[rid]) for rid, n, a in zip(q["req_id"], q["draft_tokens"], q["accepted_tokens"])
+             if [n, a] != totals[rid]}
+    if wrong:
+        problems.append(f"requests' drafts and accepted (capture, vLLM): {dict(list(wrong.items())[:4])}")
+    return problems
 
-    @settings(max_examples=max(6, NUM_WORKLOADS // 2), deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck), phases=PHASES)
-    @given(workloads(False), st.integers(1, 4))
-    @example(SPECULATIVE, 2)   # r01's first token comes in a step where r00's output carries two
-    def check(workload, drafts):
-        folder = root / f"w{counts['workloads']}" / "capture"
+
+@pytest.mark.parametrize("mode", ["Scheduler", "Scheduler-draft-model", "AsyncScheduler-draft-model"])
+@starts_vllm(unless=bool(DRIVERS))
+def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(vllm, mode):
+    """Speculative decoding: each step's drafts (the sync driver proposes them for every running request,
+    vLLM's update_draft_token_ids; the AsyncScheduler schedules its configured count as placeholders),
+    scheduled with the next token and given slots, and the placeholder model accepts some (0 to all, a
+    fixed pattern), so one output carries several tokens and vLLM rolls back the rejected drafts'
+    positions. With a draft model's config ("draft-model") vLLM also reserves lookahead slots past each
+    request's tokens. The capture follows vLLM's decisions as everywhere (capture_differences: admissions,
+    new blocks, victims, finishes, the balance, the self-check), writes a tokens row for every token
+    delivered, numbered in order, counts no rejected draft as recompute, and records the drafts
+    (spec_differences: per request and step the drafts, the accepted, the lookahead; per step and per
+    request the totals). kvtrace's own engine drafts nothing (docs/scheduling.md), so there is no trace of
+    its to compare."""
+    asynchronous, method = mode.startswith("Async"), "draft_model" if mode.endswith("draft-model") else None
+    counts = {"workloads": 0, "several": 0, "preempting": 0, "rejecting": 0}
+
+    def check(folder, n, workload, drafts):
         counts["workloads"] += 1
-        workload = {**workload, "capture_dir": str(folder), "spec_tokens": drafts,
+        if method:   # a request also needs its drafts' and lookahead's slots to run alone in the pool, and a
+            # step's token budget must hold its next token, drafts and lookahead (a scheduler built with
+            # less never schedules the request); a long-prefill threshold below that trips an assertion of
+            # vLLM's on a new decode padded to 1 + drafts rows (scheduler.py, `pad_spec_decode`): none
+            cfg = workload["config"]
+            threshold = cfg["long_prefill_token_threshold"]
+            workload = {**workload, "config": {**cfg, "num_blocks": cfg["num_blocks"]
+                                                + -(-(2 * drafts + 1) // cfg["block_size"]),
+                                                "max_num_batched_tokens": max(cfg["max_num_batched_tokens"],
+                                                                              2 * drafts + 1),
+                                                "long_prefill_token_threshold": 0 if threshold < 2 * drafts + 1
+                                                else threshold}}
+        workload = {**workload, "capture_dir": str(folder), "spec_tokens": drafts, "spec_method": method,
                     "token_ids": counts["workloads"] % 2 == 0}
         answer = vllm.answer(workload)
         problems = capture_differences(workload, answer["steps"], answer)
@@ -836,6 +957,9 @@ def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(v
         # preemption causes (kvtrace's meaning); a request never preempted recomputes nothing
         from kvtrace.vllm.importer import read_chunks
         columns = read_chunks(Path(answer["capture"]))
+        problems += spec_differences(answer, columns)
+        if (answer["lookahead"] > 0) != bool(method):
+            problems.append(f"vLLM reserved {answer['lookahead']} lookahead slots with spec_method {method}")
         q = columns["requests"]
         recomputed = {r: n for r, n, p in zip(q["req_id"], q["recomputed_tokens"], q["preemptions"]) if n and not p}
         if recomputed:
@@ -850,14 +974,14 @@ def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(v
         assert not problems, (f"vLLM {vllm.version}, workload:\n{json.dumps(workload)}\n" + "\n".join(problems[:10]))
         counts["several"] += any(k > 1 for _, _, k in answer["delivered"])
         counts["preempting"] += any(r["preempted"] for r in answer["steps"])
-        shutil.rmtree(folder.parent, ignore_errors=True)
+        counts["rejecting"] += any(a is not None and a < k for r in answer["steps"] for _, k, a in r.get("drafts", ()))
 
-    try:
-        check()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    print(f"vLLM {vllm.version} speculative steps captured: {counts}")
-    assert counts["several"], counts   # not vacuous: outputs of several tokens were written
+    # r01's first token comes in a step where r00's output carries two
+    for_each_workload(check, st.tuples(workloads(asynchronous), st.integers(1, 4)),
+                      examples=[({**SPECULATIVE, "config": {**SPECULATIVE["config"], "async": asynchronous}}, 2)],
+                      max_examples=max(6, NUM_WORKLOADS // 2))
+    print(f"vLLM {vllm.version} {mode} speculative steps captured: {counts}")
+    assert counts["several"] and counts["rejecting"], counts   # not vacuous: drafts accepted and rolled back
 
 
 @starts_vllm(unless=bool(DRIVERS))
@@ -997,22 +1121,90 @@ def test_a_vllm_without_a_name_the_capture_uses_makes_it_step_aside_or_refuse(vl
 
 @starts_vllm(unless=bool(DRIVERS))
 @pytest.mark.parametrize("groups, named", [
-    (["sliding"], "1 group(s) (SlidingWindowManager)"),
-    (["full", "sliding"], "2 group(s) (FullAttentionManager, SlidingWindowManager)")], ids=["window", "hybrid"])
-def test_a_model_whose_kv_cache_is_not_one_full_attention_group_makes_it_step_aside_or_refuse(vllm, tmp_path,
-                                                                                              groups, named):
-    """A sliding-window or hybrid model (Gemma 3's layers, say): vLLM keeps a block table per group
-    and drops blocks out of a window mid-request, which the capture's one table per request cannot
-    follow. The capture steps aside (strict mode: the scheduler is not built), and error.json says why;
-    a dense model's next one starts."""
+    (["rswa"], "1 group(s) (RSWAManager)"),
+    (["full", "rswa"], "2 group(s) (FullAttentionManager, RSWAManager)")], ids=["alone", "hybrid"])
+def test_a_model_whose_kv_cache_the_capture_does_not_follow_makes_it_step_aside_or_refuse(vllm, tmp_path,
+                                                                                            groups, named):
+    """A KV cache of a kind the capture does not follow: full attention's R-SWA variant, which frees a
+    gap in the middle of a request's blocks (so do circular buffers, sinks and sparse attention in their
+    own ways). The capture steps aside (strict mode: the scheduler is not built), and error.json names
+    the group it cannot follow; a dense model's next one starts."""
     workload = {**WORKLOAD, "config": {**WORKLOAD["config"], "kv_cache_groups": groups}}
     error = stepped_aside(vllm.answer({**workload, "capture_dir": str(tmp_path / "capture")}), tmp_path / "capture",
                           "model")
-    assert named in error["error"] and "full attention only" in error["error"], error
+    assert named in error["error"] and "not RSWAManager" in error["error"], error
     error = refused(vllm, workload, tmp_path / "strict", "model", "VllmChanged")
-    assert named in error["error"] and "full attention only" in error["error"], error
+    assert named in error["error"] and "not RSWAManager" in error["error"], error
     assert not (tmp_path / "strict" / "capture.json").exists()   # nothing that looks like a capture
     vllm.answer({**WORKLOAD, "capture_dir": str(tmp_path / "again")})
+
+
+@st.composite
+def hybrid_workloads(draw, asynchronous: bool, groups: list[str]) -> dict:
+    """A generated workload (tests.vllm_sched.workloads) on a model of these KV-cache groups, a window
+    (or chunk) of 1 to 4 blocks: the pool is the same blocks per group, so every request still fits
+    alone, and vLLM runs as it is (no victim's hashes taken out: there is no kvtrace trace to compare)."""
+    return hybrid(draw(workloads(asynchronous)), groups, draw(st.integers(1, 4)))
+
+
+def hybrid(workload: dict, groups: list[str], window_blocks: int) -> dict:
+    cfg = workload["config"]
+    return {**workload, "keep_victim_hashes": True,
+            "config": {**cfg, "num_blocks": cfg["num_blocks"] * len(groups), "kv_cache_groups": groups,
+                       "window_blocks": window_blocks}}
+
+
+# three requests whose windows drop blocks while they grow into a pool that holds two of them: preemptions
+CROWDED = {"config": {"block_size": 2, "num_blocks": 24, "max_num_seqs": 3, "max_num_batched_tokens": 32,
+                      "max_model_len": 40, "long_prefill_token_threshold": 0, "policy": "fcfs", "async": False,
+                      "enable_prefix_caching": True},
+           "requests": [{"id": f"r0{i}", "prompt": [i + 1] * 10 + [7, 8], "max_tokens": 20, "arrival_step": 0}
+                        for i in range(3)]}
+
+
+HYBRID_GROUPS = {"sliding": ["sliding"], "full+sliding": ["full", "sliding"], "full+chunked": ["full", "chunked"],
+                 "full+mamba": ["full", "mamba"], "sliding+full+sliding": ["sliding", "full", "sliding"]}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+@pytest.mark.parametrize("kinds", sorted(HYBRID_GROUPS))
+@starts_vllm(unless=bool(DRIVERS))
+def test_the_capture_follows_a_hybrid_models_kv_cache_groups(vllm, asynchronous, kinds):
+    """A hybrid model's KV cache on vLLM's own hybrid coordinator: full attention beside sliding-window
+    (Gemma 3, gpt-oss), chunked local (Llama 4) or Mamba layers (Granite 4, Nemotron-H), and a window on
+    every layer (Mistral). Per step, on generated workloads, sync and async, with the capture's self-check
+    (every request's blocks in every group replayed from the events against vLLM's tables): everything
+    capture_differences checks of a dense model, and per group the blocks each scheduled request was given
+    (an event's kv_group, a prefix hit's kv_group_blocks) and the blocks each window dropped mid-request
+    (`free` events, reason `window`, or `state` for Mamba) are vLLM's."""
+    groups = HYBRID_GROUPS[kinds]
+    counts = {"workloads": 0, "dropping": 0, "preempting": 0, "hitting": 0}
+
+    def check(folder, n, workload):
+        counts["workloads"] += 1
+        answer = vllm.answer({**workload, "capture_dir": str(folder)})
+        records = answer["steps"]
+        problems = capture_differences(workload, records, answer) + table_differences(workload, records, answer)
+        identity = json.loads((folder / "capture.json").read_text())
+        kinds_written = [g["kind"] for g in identity["kv_cache_groups"]]
+        want = [{"full": "full_attention", "sliding": "sliding_window", "chunked": "chunked_local",
+                 "mamba": "mamba"}[g] for g in groups]
+        if kinds_written != want:
+            problems.append(f"capture.json's kv_cache_groups {kinds_written}, the model's {want}")
+        assert not problems, (f"vLLM {vllm.version}, workload:\n{json.dumps(workload)}\n" + "\n".join(problems[:10]))
+        counts["dropping"] += any(r["dropped"] for r in records)
+        counts["preempting"] += any(r["preempted"] for r in records)
+        counts["hitting"] += any(a[2] for r in records for a in r["admitted"])
+
+    # (a window on every layer holds a few blocks a request: a pool of 8, or 6 with async scheduling's
+    # placeholders, is crowded)
+    crowded = hybrid({**CROWDED, "config": {**CROWDED["config"], "async": asynchronous,
+                                            "num_blocks": 24 if "full" in groups else 6 if asynchronous else 8}},
+                     groups, 2)
+    for_each_workload(check, st.tuples(hybrid_workloads(asynchronous, groups)), examples=[(crowded,)])
+    print(f"vLLM {vllm.version} {kinds} {'AsyncScheduler' if asynchronous else 'Scheduler'} captured: {counts}")
+    if not DRIVERS:
+        assert counts["dropping"] and counts["preempting"], counts   # not vacuous
 
 
 # errors planted in a copy of the capture package, each where the KVTRACE_PLANTED_FAULT its scheduler was

@@ -52,7 +52,15 @@ def build(model: str, cfg: dict):
     import torch
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        RSWASpec,
+        SlidingWindowSpec,
+    )
     from vllm.v1.structured_output import StructuredOutputManager
 
     block_size = cfg["block_size"]
@@ -73,11 +81,21 @@ def build(model: str, cfg: dict):
     object.__setattr__(cache_config, "block_size", block_size)
     object.__setattr__(cache_config, "enable_prefix_caching", cfg["enable_prefix_caching"])
     cache_config.num_gpu_blocks = num_blocks
-    # one full-attention group, as a dense model has; a workload's "kv_cache_groups" can name others
-    # ("sliding": a sliding window of 4 blocks), as a hybrid model such as Gemma 3 has
+    # one full-attention group, as a dense model has; a workload's "kv_cache_groups" can name others, as a
+    # hybrid model has: "sliding" (a sliding window of 4 blocks: Gemma 3, gpt-oss), "chunked" (chunked
+    # local attention in chunks of 4 blocks: Llama 4), "mamba" (a Mamba layer's state: Granite 4,
+    # Nemotron-H), each group's pages the size of a full-attention block as vLLM makes them
+    window = cfg.get("window_blocks", 4) * block_size
     specs = {"full": lambda: FullAttentionSpec(block_size, num_kv_heads=1, head_size=1, dtype=torch.float32),
              "sliding": lambda: SlidingWindowSpec(block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
-                                                  sliding_window=4 * block_size)}
+                                                  sliding_window=window),
+             "chunked": lambda: ChunkedLocalAttentionSpec(block_size, num_kv_heads=1, head_size=1,
+                                                          dtype=torch.float32, attention_chunk_size=window),
+             # (with prefix caching, a state kept at block boundaries: vLLM 0.33 on refuses any other mode)
+             "mamba": lambda: MambaSpec(block_size, shapes=((2,),), dtypes=(torch.float32,),
+                                        mamba_cache_mode="align" if cfg["enable_prefix_caching"] else "none"),
+             # one the capture does not follow: full attention whose generated tokens keep a window (R-SWA)
+             "rswa": lambda: RSWASpec(block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, rswa_window=window)}
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], specs[kind]())
@@ -90,6 +108,19 @@ def build(model: str, cfg: dict):
         cls = AsyncScheduler if cfg["async"] else Scheduler
     return cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=False,
                structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size)
+
+
+def speculative_config(model: str, num_tokens: int):
+    """vLLM's config of a server drafting `num_tokens` a step with a draft model (the same model here: the
+    scheduler reads only the counts): as many lookahead slots reserved past each request's tokens."""
+    from vllm.config import ParallelConfig, SpeculativeConfig
+
+    key = ("speculative_config", num_tokens)
+    if key not in CONFIGS:
+        CONFIGS[key] = SpeculativeConfig(method="draft_model", model=model, num_speculative_tokens=num_tokens,
+                                         target_model_config=CONFIGS["vllm_config"].model_config,
+                                         target_parallel_config=ParallelConfig())
+    return CONFIGS[key]
 
 
 def fresh_config(model: str, cfg: dict):
@@ -131,7 +162,8 @@ class Recorder:
         preempt, free = sched._preempt_request, sched._free_request
         kvm = sched.kv_cache_manager
         allocate_slots = kvm.allocate_slots
-        self.manager = manager = kvm.coordinator.single_type_managers[0]
+        self.managers = kvm.coordinator.single_type_managers   # one per KV-cache group
+        self.manager = manager = self.managers[0]
         pool = kvm.block_pool
 
         def _allocate_slots(request, *args, **kwargs):
@@ -172,9 +204,39 @@ class Recorder:
             free_request_blocks = sched._free_request_blocks
             sched._free_request_blocks = _free_request_blocks
         sched._free_request = _free_request
+        self.dropped: list[list] = []   # [request, group, blocks] a window dropped, in the order vLLM did
 
-    def table(self, rid: str) -> list[int]:
-        return [b.block_id for b in self.manager.req_to_blocks.get(rid, ())]
+        def dropping(manager):
+            remove = manager.remove_skipped_blocks
+
+            def remove_skipped_blocks(request_id, *args, **kwargs):
+                table = list(manager.req_to_blocks.get(request_id, ()))
+                done = remove(request_id, *args, **kwargs)
+                gone = [a.block_id for a, b in zip(table, manager.req_to_blocks.get(request_id, ()))
+                        if not a.is_null and b.is_null]
+                if gone:
+                    self.dropped.append([request_id, manager.kv_cache_group_id, sorted(gone)])
+                return done
+            manager.remove_skipped_blocks = remove_skipped_blocks
+
+        if len(self.managers) > 1 or type(manager).__name__ != "FullAttentionManager":
+            for m in self.managers:
+                dropping(m)
+
+    def table(self, rid: str, since: tuple[int, ...] | None = None) -> list[int]:
+        """A request's blocks, group by group (a hybrid model's), from each group's `since`-th on (its
+        whole table): the null block, where a window has dropped blocks, left out."""
+        since = since or (0,) * len(self.managers)
+        return [b.block_id for m, start in zip(self.managers, since) for b in m.req_to_blocks.get(rid, ())[start:]
+                if not b.is_null]
+
+    def group_tables(self, rid: str) -> list[list[int | None]]:
+        """A request's table in each group, None where the null block is (a window has dropped a block)."""
+        return [[None if b.is_null else b.block_id for b in m.req_to_blocks.get(rid, ())] for m in self.managers]
+
+    def lengths(self, rid: str) -> tuple[int, ...]:
+        """How many entries each group's table of a request has (its null blocks included)."""
+        return tuple(len(m.req_to_blocks.get(rid, ())) for m in self.managers)
 
     def pool(self) -> tuple[int, int, list[int]]:
         free = self.sched.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()
@@ -304,8 +366,12 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         return register(func, *args, **kwargs)
     atexit.register = _register
     try:
+        # a speculative-decoding server's config ("spec_method"), or none (drafts are still scheduled)
+        object.__setattr__(CONFIGS["vllm_config"], "speculative_config",
+                           speculative_config(model, workload["spec_tokens"]) if workload.get("spec_method") else None)
         sched = build(model, cfg)
     finally:   # what the scheduler was built with, for this workload only
+        object.__setattr__(CONFIGS["vllm_config"], "speculative_config", None)
         atexit.register = register
         _unhide(hidden)
         vllm.__version__ = version
@@ -317,8 +383,8 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
                 os.environ[k] = v
     rec = Recorder(sched, workload.get("keep_victim_hashes", False), not workload.get("bare"))
     drafts = workload.get("spec_tokens", 0)   # speculative decoding: draft tokens proposed each step
-    if drafts and cfg["async"]:
-        raise ValueError("spec_tokens: the driver drafts for the sync Scheduler only")
+    if drafts and cfg["async"] and not workload.get("spec_method"):
+        raise ValueError("spec_tokens: the AsyncScheduler drafts with a spec_method only")
     delivered = answer.setdefault("delivered", []) if CAPTURE else None
 
     def deliver(index: int, outputs) -> None:
@@ -360,9 +426,10 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             continue
         if step in workload.get("reset_prefix_cache_at", ()):   # as an operator's /reset_prefix_cache would
             answer.setdefault("resets", []).append([step, bool(sched.reset_prefix_cache())])
-        to_blocks = rec.manager.req_to_blocks
-        before = {r.request_id: len(to_blocks.get(r.request_id, ())) for r in sched.running}
-        rec.preempted, rec.finished, rec.uncached = [], [], []
+        before = {r.request_id: rec.lengths(r.request_id) for r in sched.running}
+        # several KV-cache groups, or a window: what each group gave and each window dropped is recorded
+        hybrid = len(rec.managers) > 1 or type(rec.manager).__name__ != "FullAttentionManager"
+        rec.preempted, rec.finished, rec.uncached, rec.dropped = [], [], [], []
         rec.num_hashed.clear()
         if len(steps) == workload.get("remove_capture_at"):   # an operator removes the capture's folder
             remove_folder(workload["capture_dir"])
@@ -394,16 +461,28 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         admitted, grown = [], []
         for rid, n in scheduled:
             if rid in before:
-                if len(to_blocks[rid]) > before[rid]:
-                    grown.append([rid, rec.table(rid)[before[rid]:]])
+                if rec.table(rid, before[rid]):
+                    grown.append([rid, rec.table(rid, before[rid])])
             else:   # admitted: it was waiting (its preemption count is from before the step)
                 request = sched.requests[rid]
                 kind = "resumed" if request.num_preemptions > 0 else "new"
                 admitted.append([rid, kind, request.num_computed_tokens - n, rec.table(rid)])
         preempted, uncached = list(rec.preempted), list(rec.uncached)
+        if hybrid:   # per group: the blocks each scheduled request was given, and those its window dropped
+            given, dropped = [], sorted(rec.dropped)
+            for rid, _ in scheduled:
+                now = rec.group_tables(rid)
+                since = before.get(rid, (0,) * len(now))
+                new = [[b for b in table[start:] if b is not None] for table, start in zip(now, since)]
+                if any(new):
+                    given.append([rid, new])
         index = len(steps)
         timing.append([scheduled_at])   # when schedule() returned, then when update_from_output was called
         executed = output_for(sched, so, index)   # what the model runner returns for this step, run now
+        # per request: drafts scheduled, and how many the output accepts (before vLLM cuts a stopped one short)
+        sampled = dict(zip(executed.req_ids, executed.sampled_token_ids))
+        drafted = sorted([rid, len(ids), len(sampled[rid]) - 1 if sampled.get(rid) else None]
+                         for rid, ids in so.scheduled_spec_decode_tokens.items() if ids)
         if dropped_from is not None and index >= dropped_from:
             pass   # a caller that stops processing outputs: vLLM then schedules nothing new, step after step
         elif cfg["async"]:   # the engine core's batch queue: this step's output is processed next step
@@ -416,7 +495,8 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             time.sleep(gaps.get(index, 0))   # the model runs longer
             timing[index].append(time.monotonic())
             deliver(index, sched.update_from_output(so, executed))
-        if drafts:   # the drafter's proposals for the next step: every decoding request gets `drafts`
+        if drafts and not cfg["async"]:   # the drafter's proposals for the next step: every decoding request
+            # gets `drafts` (the AsyncScheduler schedules its configured drafts itself, as placeholders)
             sched.update_draft_token_ids(DraftTokenIds(
                 [r.request_id for r in sched.running], [[TOKEN] * drafts for _ in sched.running]))
         if CAPTURE and workload.get("corrupt") and step == 1:
@@ -425,6 +505,10 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         record = {"step": step, "scheduled": scheduled, "preempted": preempted, "admitted": admitted,
                   "grown": grown, "uncached": uncached, "num_free": num_free, "num_cached": num_cached,
                   "finished": list(rec.finished), "free_queue": queue}
+        if hybrid:
+            record.update(given=sorted(given), dropped=sorted(dropped))
+        if drafted:
+            record["drafts"] = drafted
         if cfg["async"]:
             record["placeholders"] = sorted([rid, req.num_output_placeholders] for rid, req in sched.requests.items()
                                             if req.num_output_placeholders)
@@ -437,6 +521,7 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     if CAPTURE:
         answer["final_free"] = rec.pool()[0]
         answer["allocate_calls"] = rec.allocate_calls
+        answer["lookahead"] = sched.num_lookahead_tokens   # speculative decoding's reserved slots a request
         cap = sched._kvtrace   # None: the capture did not start (vLLM's scheduler as its own)
         answer["capture_started"] = cap is not None
         if cap is not None:   # what is on disk before shutdown, and what it still holds per request
@@ -531,6 +616,7 @@ def serve(model: str, socket_path: str, ready) -> None:
     The socket's folder is the caller's own: nothing else connects."""
     import signal
     import socket
+
     import vllm
 
     global CAPTURE, CAPTURE_CLASS

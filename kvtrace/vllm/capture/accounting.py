@@ -19,6 +19,7 @@ import operator
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 from vllm.v1.request import Request, RequestStatus
 
 from kvtrace.vllm.capture.rows import KvEvent, RequestState, ScheduledStep, StepRow
@@ -42,6 +43,11 @@ class StepAccounting:
         self.null_id = self.pool.null_block.block_id
         self.block_size = scheduler.block_size
         self.total_blocks = self.pool.num_gpu_blocks - 1   # block 0 is vLLM's null block
+        managers = self.kvm.coordinator.single_type_managers
+        self.hybrid = len(managers) > 1
+        # the groups whose blocks hold positions (attention's, not a Mamba state's): each has a request's
+        # unfilled tail block
+        self.position_groups = sum(1 for m in managers if not isinstance(m, MambaManager))
         self.is_async = isinstance(scheduler, AsyncScheduler)
         self.states: dict[str, RequestState] = {}
         # the requests whose steps need more than "a decode step": admitted and not yet past their
@@ -56,6 +62,8 @@ class StepAccounting:
         # vLLM's victim: the least urgent (priority policy), else the newest, running[-1]
         self.victim_reason = "lowest-priority" if scheduler.policy == SchedulingPolicy.PRIORITY else "newest"
         self.max_seats = getattr(scheduler, "max_num_active_reqs", scheduler.max_num_running_reqs)
+        # speculative decoding: the KV slots allocate_slots reserves past a request's scheduled tokens
+        self.lookahead = getattr(scheduler, "num_lookahead_tokens", 0) or 0
         self.max_step_tokens = getattr(scheduler, "max_num_scheduled_tokens",
                                        scheduler.scheduler_config.max_num_batched_tokens)
 
@@ -83,8 +91,8 @@ class StepAccounting:
             st.first_scheduled = self.step_start
         rows = [KvEvent("admit", rid, None, request.num_tokens - num_hit, reason)]
         if num_hit:
-            ids = [b for b in hit_blocks.get_block_ids()[0] if b != self.null_id] if hit_blocks is not None else []
-            rows.append(KvEvent("prefix_hit", rid, ids, num_hit, reason))
+            ids, per_group = self.block_ids(hit_blocks.get_block_ids()) if hit_blocks is not None else ([], None)
+            rows.append(KvEvent("prefix_hit", rid, ids, num_hit, reason, kv_group_blocks=per_group))
             st.prefix_hits += num_hit
         self.events[mark:mark] = rows     # before the blocks it was given, as kvtrace's engine orders them
         if resumed:
@@ -101,6 +109,7 @@ class StepAccounting:
         requests = sched.requests
         is_async = self.is_async
         watched = self.watched
+        spec = out.scheduled_spec_decode_tokens   # speculative decoding: each request's drafts
         for new in out.scheduled_new_reqs:   # one admitted other than from WAITING / PREEMPTED (a KV connector's)
             if new.req_id not in watched:
                 st = watched[new.req_id] = self.state(new.req_id)
@@ -117,8 +126,9 @@ class StepAccounting:
             req = requests[rid]
             stop = req.num_computed_tokens
             begin = stop - n
-            # async: tokens sampled but not delivered count as known, less the one this step will sample
-            extra = req.num_output_placeholders - (is_async and not req.is_prefill_chunk)
+            # async: tokens sampled but not delivered count as known, less those this step will sample (the
+            # next token, and its drafts under speculative decoding)
+            extra = req.num_output_placeholders - (is_async and not req.is_prefill_chunk) * (1 + len(spec.get(rid, ())))
             # a prompt's last token is prefill
             decoding = begin >= req.num_tokens + extra - 1 and req.num_output_tokens + extra
             if not decoding:
@@ -149,10 +159,10 @@ class StepAccounting:
         used = self.total_blocks - free
         bs = self.block_size
         # the unfilled tail of each running request's last block: bs - filled, 0 for a full one
-        gaps = sum([-computed % bs for computed in map(_num_computed_tokens, sched.running)])
+        gaps = sum([-computed % bs for computed in map(_num_computed_tokens, sched.running)]) * self.position_groups
         return StepRow(self.step, start, end, len(sched.running), len(sched.waiting), prefill, num_scheduled - prefill,
                        recompute, self.step_preemptions, free, used, cached_free, used * bs - gaps,
-                       self.admission_stop(num_scheduled))
+                       self.admission_stop(num_scheduled), sum(map(len, spec.values())) if spec else 0)
 
     def admission_stop(self, num_scheduled: int) -> str:
         """Why vLLM admitted no further waiting request this step, from what the step left behind
@@ -169,6 +179,26 @@ class StepAccounting:
         if self.admit_failed:
             return "blocks"                        # allocate_slots refused a waiting request
         return "other"
+
+    def accepted(self, spec: dict, model_output) -> dict[str, int]:
+        """Speculative decoding: of each request's drafts scheduled in a step (`spec`, its SchedulerOutput's
+        scheduled_spec_decode_tokens), how many its output (vLLM's ModelRunnerOutput) accepted: its sampled
+        tokens less the one sampled after them, as vLLM counts them before it rolls back the rest. A
+        request without tokens in the output (a prefill chunk), or already finished (async: scheduled
+        again while its last tokens were in flight, its output is stale), is left out."""
+        sampled = model_output.sampled_token_ids
+        index = getattr(model_output, "req_id_to_index", None) or {r: i for i, r in enumerate(model_output.req_ids)}
+        counts = {}
+        for rid, drafts in spec.items():
+            i = index.get(rid)
+            st = self.states.get(rid)
+            if drafts and st is not None and i is not None and i < len(sampled) and len(sampled[i]):
+                counts[rid] = len(sampled[i]) - 1
+                st.drafts += len(drafts)
+                st.accepted += counts[rid]
+                if rid in self.watched:   # the rejected drafts' positions are rolled back: never kept, so
+                    st.ever = max(0, st.ever - (len(drafts) - counts[rid]))   # computing them again is no recompute
+        return counts
 
     def take_step(self, row: StepRow, out) -> ScheduledStep:
         """The step just scheduled, with what its scheduling did; the next one starts empty."""
@@ -191,7 +221,7 @@ class StepAccounting:
         """vLLM is about to preempt `request` for `requester` (wraps.py finds it)."""
         rid = request.request_id
         st = self.state(rid)
-        blocks = [b for b in self.kvm.get_block_ids(rid)[0] if b != self.null_id]
+        blocks, per_group = self.block_ids(self.kvm.get_block_ids(rid))
         # watched again from its resume: what it recomputes is counted against the most it had
         st.ever = max(st.ever, request.num_computed_tokens)
         if st.reprefill_target:   # cut short while re-prefilling: what it did redo, before the preemption
@@ -201,9 +231,18 @@ class StepAccounting:
         # vLLM preempts inside the allocate_slots loop of the running request it could not serve
         # (that request itself when it is the newest); the victim is running[-1] or the least urgent
         self.events.append(KvEvent("preempt", rid, blocks, request.num_computed_tokens, "recompute", 0, 0,
-                                   requester, self.victim_reason))
+                                   requester, self.victim_reason, None, per_group))
         st.preemptions += 1
         self.step_preemptions += 1
+
+    def block_ids(self, groups: tuple[list[int], ...]) -> tuple[list[int], list[int] | None]:
+        """A request's blocks in every group (vLLM's block ids per group), the null block left out, and
+        how many each group has (None for a model of one group)."""
+        null = self.null_id
+        if not self.hybrid:
+            return [b for b in groups[0] if b != null], None
+        per_group = [[b for b in ids if b != null] for ids in groups]
+        return [b for ids in per_group for b in ids], [len(ids) for ids in per_group]
 
     def freeing(self, request: Request) -> None:
         """vLLM is about to free a finished request: its row is written with the step's output."""

@@ -82,8 +82,9 @@ class Columns:
         t["ts_s"].extend(repeat(now, m))
         return first
 
-    def step(self, row: StepRow, end: float, device_ms: float | None) -> None:
-        """A steps row: `end` when its output was processed (its scheduling's end if it never was)."""
+    def step(self, row: StepRow, end: float, device_ms: float | None, accepted: int | None) -> None:
+        """A steps row: `end` when its output was processed (its scheduling's end if it never was);
+        `accepted`: of its draft tokens, those its output accepted (None: never processed)."""
         s = self.sink.columns["steps"]
         for name, value in (("step", row.step), ("start_s", row.start_s), ("end_s", end),
                             ("device_ms", device_ms), ("running", row.running),
@@ -92,7 +93,8 @@ class Columns:
                             ("preemptions", row.preemptions), ("free_blocks", row.free_blocks),
                             ("used_blocks", row.used_blocks), ("cached_blocks", row.cached_blocks),
                             ("total_blocks", self.total_blocks), ("kv_tokens", row.kv_tokens),
-                            ("admission_stop", row.admission_stop)):
+                            ("admission_stop", row.admission_stop), ("draft_tokens", row.draft_tokens),
+                            ("accepted_tokens", accepted)):
             s[name].append(value)
 
     def request(self, request, st: RequestState, finish_reason: str, finish_s: float) -> None:
@@ -106,9 +108,25 @@ class Columns:
                             ("first_scheduled_s", st.first_scheduled), ("first_token_s", st.first_token),
                             ("finish_s", finish_s), ("finish_reason", finish_reason), ("preemptions", st.preemptions),
                             ("swaps", 0), ("recomputed_tokens", st.recomputed),
-                            ("prefix_hit_tokens", st.prefix_hits)):
+                            ("prefix_hit_tokens", st.prefix_hits), ("draft_tokens", st.drafts),
+                            ("accepted_tokens", st.accepted)):
             q[name].append(value)
         self.emitted.pop(rid, None)
+
+    def spec_decode(self, spec: dict, accepted: dict[str, int], step: int, now: float, lookahead: int) -> None:
+        """A speculative step's rows: per request with drafts scheduled (`spec`, the SchedulerOutput's
+        scheduled_spec_decode_tokens) how many, how many its output `accepted` (None where it has no
+        output) and the lookahead slots its allocation reserved."""
+        d = self.sink.columns["spec_decode"]
+        rids = [rid for rid, drafts in spec.items() if drafts]
+        m = len(rids)
+        d["step"].extend(repeat(step, m))
+        d["ts_s"].extend(repeat(now, m))
+        d["req_id"].extend(rids)
+        d["sample"].extend(repeat(0, m))
+        d["draft_tokens"].extend([len(spec[rid]) for rid in rids])
+        d["accepted_tokens"].extend(map(accepted.get, rids))
+        d["lookahead_slots"].extend(repeat(lookahead, m))
 
     def kv_events(self, events: list[KvEvent], step: int, now: float) -> None:
         """A step's events, numbered on from the last, stamped with its step and time."""
@@ -116,7 +134,7 @@ class Columns:
         m = len(events)
         # the events' fields as columns
         (kinds, req_ids, blocks, num_tokens, reasons, cached, recomputed, requesters,
-         victim_reasons) = zip(*events)
+         victim_reasons, groups, group_blocks) = zip(*events)
         k["seq"].extend(range(self.seq, self.seq + m))
         self.seq += m
         k["step"].extend(repeat(step, m))
@@ -141,3 +159,5 @@ class Columns:
             k["requester_req_id"].extend(repeat(None, m))
             k["requester_sample"].extend(repeat(None, m))
             k["victim_reason"].extend(repeat(None, m))
+        k["kv_group"].extend(groups)
+        k["kv_group_blocks"].extend(group_blocks)

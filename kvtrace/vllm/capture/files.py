@@ -50,7 +50,9 @@ def make_folder(path: Path, file_mode: int = FILE_MODE) -> None:
 def write_file(path: Path, data: bytes, file_mode: int = FILE_MODE) -> int:
     """`data` into `path` through a hidden temporary name and a rename; the bytes written. OSError as the
     disk gives it (the temporary file removed)."""
-    tmp = path.parent / f".{path.name}.tmp"
+    # this process's own temporary name: a data-parallel server's ranks start together and each writes
+    # the folder's capture.json (the same name would have one rename the other's file away from under it)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, file_mode)
         try:

@@ -47,8 +47,9 @@ REQUEST_FIELDS = ("request_id", "status", "num_computed_tokens", "num_tokens", "
 STATUSES = ("WAITING", "RUNNING", "PREEMPTED", "FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED",
             "FINISHED_IGNORED")
 # what the capture reads of a step's SchedulerOutput and of each request's EngineCoreOutput
-SCHEDULER_OUTPUT_FIELDS = ("num_scheduled_tokens", "scheduled_new_reqs")
+SCHEDULER_OUTPUT_FIELDS = ("num_scheduled_tokens", "scheduled_new_reqs", "scheduled_spec_decode_tokens")
 ENGINE_CORE_OUTPUT_FIELDS = ("request_id", "new_token_ids")
+MODEL_RUNNER_OUTPUT_FIELDS = ("req_ids", "sampled_token_ids")   # a speculative step's accepted drafts
 SCHEDULER_FIELDS = ("running", "waiting", "requests", "kv_cache_manager", "block_size", "policy",
                     "max_num_running_reqs")
 
@@ -63,24 +64,63 @@ class VllmChanged(RuntimeError):
         self.reason = reason
 
 
+# the managers vLLM chooses per KV-cache group that the capture follows (exactly these classes: a
+# subclass, such as full attention's R-SWA, circular-buffer, sink or sparse variants, frees or shares
+# blocks in ways the capture does not follow), by the kind of group written into meta.json
+FOLLOWED_MANAGERS = {"FullAttentionManager": "full_attention", "SlidingWindowManager": "sliding_window",
+                     "ChunkedLocalAttentionManager": "chunked_local", "MambaManager": "mamba"}
+# locals read in the managers' frames where a request's blocks leave its window mid-request (wraps.py)
+SKIPPING_LOCALS = {"SingleTypeKVCacheManager": ("_remove_blocks_in_range", ("self", "request_id")),
+                   "MambaManager": ("remove_skipped_blocks", ("self", "request_id"))}
+
+
 def check_kv_cache(scheduler: object) -> None:
-    """One KV-cache group of plain full attention (a dense model's, MLA's too): the capture keeps one
-    block table per request and reads vLLM's one pool through it. A hybrid model's groups
-    (sliding-window, chunked local or Mamba layers beside full attention) give a request a table per
-    group, with vLLM's null block where a window has dropped blocks, and full attention's variants
-    (R-SWA, circular buffers, sinks) free blocks mid-request: the capture refuses all of these at
-    start-up rather than write a trace that is wrong. The test is the manager vLLM chose for each
-    group (its spec_manager_map), exactly FullAttentionManager."""
-    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    """Each KV-cache group's manager (vLLM's spec_manager_map's choice) one the capture follows: plain full
+    attention (a dense model's, MLA's too), and beside it a hybrid model's sliding-window, chunked local
+    or Mamba groups (Gemma 3, gpt-oss, Llama 4, Qwen3-Next, Granite 4). Full attention's variants (R-SWA,
+    circular buffers, sinks, sparse attention) free or share blocks otherwise: the capture refuses them
+    at start-up rather than write a trace that is wrong. For several groups, what the capture reads to
+    tell them apart is checked too (each manager's group id, the frames of the mid-request frees,
+    vLLM's group id in a prefix-cache key)."""
+    from vllm.v1.core import single_type_kv_cache_manager as managers_module
 
     managers = getattr(getattr(scheduler.kv_cache_manager, "coordinator", None), "single_type_managers", None)
     if managers is None:
         raise VllmChanged("vLLM changed: KVCacheManager.coordinator.single_type_managers is gone")
-    if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
+    names = [type(m).__name__ for m in managers]
+    unfollowed = [n for m, n in zip(managers, names)
+                  if n not in FOLLOWED_MANAGERS or type(m) is not getattr(managers_module, n, None)]
+    if unfollowed:
+        kinds = ", ".join(f"'{k}'" for k in FOLLOWED_MANAGERS)
         raise VllmChanged(f"kvtrace capture: this model's KV cache is {len(managers)} group(s) "
-                          f"({', '.join(type(m).__name__ for m in managers)}); the capture follows one "
-                          f"group of full attention only (dense models): serve this model without "
-                          f"kvtrace's scheduler_cls", reason="model")
+                          f"({', '.join(names)}); the capture follows groups of {kinds} only, not "
+                          f"{unfollowed[0]}: serve this model without kvtrace's scheduler_cls", reason="model")
+    if len(managers) > 1:
+        for m in managers:
+            if not isinstance(getattr(m, "kv_cache_group_id", None), int):
+                raise VllmChanged(f"vLLM changed: {type(m).__name__}.kv_cache_group_id is gone")
+        for owner, (name, names_read) in SKIPPING_LOCALS.items():
+            _check_locals(getattr(managers_module, owner, object), owner, name, names_read)
+        from vllm.v1.core import kv_cache_utils
+        if not callable(getattr(kv_cache_utils, "get_group_id", None)):
+            raise VllmChanged("vLLM changed: kv_cache_utils.get_group_id is gone (the capture reads it)")
+
+
+def kv_cache_groups(scheduler: object) -> list[dict]:
+    """The KV-cache groups as meta.json describes them (docs/trace-format.md): per group, in vLLM's
+    order, its kind, block size, layers, and its window or chunk where it has one."""
+    groups = []
+    for m in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        spec = m.kv_cache_spec
+        group = {"kind": FOLLOWED_MANAGERS.get(type(m).__name__, type(m).__name__), "block_size": m.block_size}
+        for field in ("sliding_window", "attention_chunk_size"):
+            if getattr(spec, field, None):
+                group[field] = spec.__dict__.get(field, getattr(spec, field))
+        groups.append(group)
+    config = getattr(scheduler, "kv_cache_config", None)
+    for group, spec in zip(groups, getattr(config, "kv_cache_groups", ()) or ()):
+        group["layers"] = len(getattr(spec, "layer_names", ()) or ())
+    return groups
 
 
 def version_tuple(version: str) -> tuple[int, int]:
@@ -160,7 +200,7 @@ def _fields_of(cls: type) -> set[str]:
 
 def check_classes(scheduler_cls: type, kv_cache_manager_cls: type, block_pool_cls: type, block_cls: type,
                   request_cls: type, status_cls: type, scheduler_output_cls: type | None = None,
-                  engine_core_output_cls: type | None = None) -> None:
+                  engine_core_output_cls: type | None = None, model_runner_output_cls: type | None = None) -> None:
     """Raise VllmChanged naming the first missing method, parameter or field."""
     _check_methods(scheduler_cls, "Scheduler", SCHEDULER_METHODS)
     _check_methods(kv_cache_manager_cls, "KVCacheManager", KV_CACHE_MANAGER_METHODS)
@@ -184,7 +224,8 @@ def check_classes(scheduler_cls: type, kv_cache_manager_cls: type, block_pool_cl
         if not hasattr(status_cls, name):
             raise VllmChanged(f"vLLM changed: RequestStatus.{name} is gone")
     for cls, what, names in ((scheduler_output_cls, "SchedulerOutput", SCHEDULER_OUTPUT_FIELDS),
-                             (engine_core_output_cls, "EngineCoreOutput", ENGINE_CORE_OUTPUT_FIELDS)):
+                             (engine_core_output_cls, "EngineCoreOutput", ENGINE_CORE_OUTPUT_FIELDS),
+                             (model_runner_output_cls, "ModelRunnerOutput", MODEL_RUNNER_OUTPUT_FIELDS)):
         if cls is not None:
             fields = _fields_of(cls)
             for name in names:

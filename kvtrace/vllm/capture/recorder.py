@@ -88,6 +88,7 @@ class Recorder:
         self.closed = False
         self.failed = False                  # stopped by an error of its own (fail)
         self.hook_s = 0.0                    # time in the step hooks (after_schedule, after_update)
+        self.updating = None                 # the SchedulerOutput whose output vLLM is processing
         self.wraps = PoolWraps(scheduler, vllm_schedule, self.steps, self.fail)
         try:
             write_identity(settings, self.server, scheduler, version, capture_module)
@@ -110,11 +111,12 @@ class Recorder:
         try:
             from vllm.v1.core.sched.output import SchedulerOutput
             from vllm.v1.engine import EngineCoreOutput
+            from vllm.v1.outputs import ModelRunnerOutput
         except ImportError as exc:
-            raise guard.VllmChanged(f"vLLM changed: {exc} (the capture reads SchedulerOutput and "
-                                    f"EngineCoreOutput)") from exc
+            raise guard.VllmChanged(f"vLLM changed: {exc} (the capture reads SchedulerOutput, EngineCoreOutput "
+                                    f"and ModelRunnerOutput)") from exc
         guard.check_classes(type(scheduler), type(kvm), type(pool), type(pool.null_block), Request, RequestStatus,
-                            SchedulerOutput, EngineCoreOutput)
+                            SchedulerOutput, EngineCoreOutput, ModelRunnerOutput)
 
     def fail(self, exc: BaseException) -> None:
         """An error of the capture's own, at runtime: the capture stops and vLLM serves on. The wraps come
@@ -161,12 +163,38 @@ class Recorder:
         """vLLM's `_preempt_request` is called from `caller` (a frame)."""
         self.steps.preempting(request, self.wraps.requester(caller))
 
-    def after_update(self, out, outputs, start: float) -> None:
+    def freeing(self, request: Request) -> None:
+        """vLLM is about to free a finished request. Async: the next step's scheduling, which ran before this
+        output, may have given it blocks already (speculative decoding schedules a request whose last
+        tokens are in flight: its drafts might not all be accepted); those events are filed with its
+        finish, before its frees, so that no request is given blocks after its finish in the trace. (One
+        that the later step preempted keeps its events there: its preemption, after its finish, releases
+        what it held, as for a request preempted with its last token in flight.)"""
+        if len(self.pending) > 1 and self.updating is not None:
+            rid = request.request_id
+            for later in self.pending.after(self.updating):
+                mine = [e.kind for e in later.events if e.req_id == rid]
+                if mine and "preempt" not in mine:
+                    self.steps.events += [e for e in later.events if e.req_id == rid]
+                    later.events = [e for e in later.events if e.req_id != rid]
+        self.steps.freeing(request)
+
+    def before_update(self, out, model_output) -> dict[str, int]:
+        """Speculative decoding: how many of each request's drafts the output accepted, counted before vLLM's
+        update_from_output, which cuts a stopped request's tokens short in place (empty without drafts)."""
+        self.updating = out   # the step whose output vLLM processes now (`freeing` reads it)
+        spec = out.scheduled_spec_decode_tokens
+        return self.steps.accepted(spec, model_output) if spec else {}
+
+    def after_update(self, out, accepted_drafts: dict[str, int], outputs, start: float) -> None:
+        """vLLM's update_from_output(out, ...) returned `outputs`; it began at `start`; `accepted_drafts`:
+        before_update's."""
         t = time.monotonic()
-        self._after_update(out, outputs, start)
+        self.updating = None
+        self._after_update(out, accepted_drafts, outputs, start)
         self.hook_s += time.monotonic() - t
 
-    def _after_update(self, out, outputs, start: float) -> None:
+    def _after_update(self, out, accepted_drafts: dict[str, int], outputs, start: float) -> None:
         now = time.monotonic()
         # outputs are processed in the order they were scheduled (vLLM's batch queue): one scheduled
         # before this and still waiting never will be (a caller that skips empty steps); written now
@@ -181,13 +209,21 @@ class Recorder:
         for engine_outputs in outputs.values():
             if engine_outputs.outputs:
                 self._write_tokens(engine_outputs.outputs, step, now)
+        accepted = 0
+        if scheduled is not None and scheduled.row.draft_tokens:   # a speculative step: before its finished rows
+            spec = out.scheduled_spec_decode_tokens
+            self.columns.spec_decode(spec, accepted_drafts, step, now, self.steps.lookahead)
+            accepted = sum(accepted_drafts.values())
         self._write_finished(now)
         if scheduled is not None:
-            self.columns.step(scheduled.row, now, (start - scheduled.row.schedule_end_s) * 1e3)
+            self.columns.step(scheduled.row, now, (start - scheduled.row.schedule_end_s) * 1e3, accepted)
         self.last_end = now
         self._write_events(step, now)
         if self.settings.self_check:
+            had = self.self_check.num_check_errors
             self.self_check.check(step, self.pending, self.wraps.cached_free)
+            if not had and self.self_check.num_check_errors:   # the first: in the log (done.json has them all)
+                logger.warning("kvtrace capture self-check: %s", self.self_check.check_errors[0])
         if self.scheduler.has_unfinished_requests():
             self.sink.maybe_flush(now)
         else:   # idle until the next request: keep nothing back
@@ -235,7 +271,10 @@ class Recorder:
         steps.join(scheduled)
         end = scheduled.row.schedule_end_s
         self._write_finished(end)
-        self.columns.step(scheduled.row, end, None)
+        if scheduled.row.draft_tokens:   # drafts never checked: none accepted, none known to be rejected
+            self.columns.spec_decode(scheduled.output.scheduled_spec_decode_tokens, {}, scheduled.row.step, end,
+                                     self.steps.lookahead)
+        self.columns.step(scheduled.row, end, None, None if scheduled.row.draft_tokens else 0)
         self._write_events(scheduled.row.step, end)
         steps.events, steps.finishing = since
 

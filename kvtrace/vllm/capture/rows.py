@@ -17,7 +17,7 @@ class RequestState:
     """What the capture keeps of one request between steps."""
 
     __slots__ = ["ever", "recomputed", "prefix_hits", "preemptions", "first_scheduled", "first_token",
-                 "reprefill_target", "reprefill_cached", "reprefill_recomputed"]
+                 "reprefill_target", "reprefill_cached", "reprefill_recomputed", "drafts", "accepted"]
 
     def __init__(self) -> None:
         self.ever = 0                 # most KV positions it ever had computed (kept up to date while watched)
@@ -29,6 +29,8 @@ class RequestState:
         self.reprefill_target = 0     # while re-prefilling after a preemption: the positions to get back
         self.reprefill_cached = 0
         self.reprefill_recomputed = 0
+        self.drafts = 0               # speculative decoding: draft positions scheduled for it
+        self.accepted = 0             # and of them accepted
 
 
 class KvEvent(NamedTuple):
@@ -44,6 +46,11 @@ class KvEvent(NamedTuple):
     num_recomputed_tokens: int = 0      # and those computed again
     requester_req_id: str | None = None   # a preemption's cause: the request it served
     victim_reason: str | None = None      # and why vLLM chose this victim
+    # a model of several KV-cache groups (hybrid attention): the group of an alloc's, a free's or an
+    # evict's blocks, and for an event whose blocks are of every group (a prefix hit, a preemption)
+    # how many of them each group has, in group order; None for a model of one group
+    kv_group: int | None = None
+    kv_group_blocks: list[int] | None = None
 
 
 class StepRow(NamedTuple):
@@ -63,6 +70,7 @@ class StepRow(NamedTuple):
     cached_blocks: int
     kv_tokens: int
     admission_stop: str
+    draft_tokens: int                   # speculative decoding: draft positions scheduled (of decode_tokens)
 
 
 @dataclass(slots=True)

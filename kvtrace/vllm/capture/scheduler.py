@@ -74,11 +74,18 @@ class _CaptureMixin:
 
     def update_from_output(self, scheduler_output, model_runner_output):
         start = time.monotonic()
+        cap = self._kvtrace
+        accepted = {}
+        if cap is not None:
+            try:
+                accepted = cap.before_update(scheduler_output, model_runner_output)
+            except Exception as exc:  # noqa: BLE001 (as above)
+                cap.fail(exc)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         cap = self._kvtrace
         if cap is not None:
             try:
-                cap.after_update(scheduler_output, outputs, start)
+                cap.after_update(scheduler_output, accepted, outputs, start)
             except Exception as exc:  # noqa: BLE001 (as above)
                 cap.fail(exc)
         return outputs
@@ -104,7 +111,7 @@ class _CaptureMixin:
         if cap is None:
             return super()._free_request(request, *args, **kwargs)
         try:
-            cap.steps.freeing(request)
+            cap.freeing(request)
         except Exception as exc:  # noqa: BLE001 (as above)
             cap.fail(exc)
             return super()._free_request(request, *args, **kwargs)

@@ -2,7 +2,8 @@
 the pool's own, after every step whose output is processed.
 
 It replays the written KV events into the blocks each request holds (an alloc or prefix hit gives
-blocks, a preemption or finish takes all of them back) and compares, per request, those with vLLM's
+blocks, a window's free takes those it names, a preemption or finish takes all of them back; a hybrid
+model's groups together: a block is in one group's tables at a time) and compares, per request, those with vLLM's
 block table, the blocks in use with the pool's count, and the capture's count of cached free blocks
 with the pool's blocks. The tests run it on every step of every workload; done.json reports what it
 found (its count and first 20 examples). It walks the whole pool each step: for tests and
@@ -37,6 +38,8 @@ class SelfCheck:
                 held.setdefault(e.req_id, set()).update(e.blocks)
             elif e.kind in ("preempt", "finish"):
                 held.pop(e.req_id, None)
+            elif e.kind == "free" and e.reason in ("window", "state"):   # dropped mid-request
+                held.get(e.req_id, set()).difference_update(e.blocks)
 
     def check(self, step: int, waiting: Iterable[ScheduledStep], cached_free: int) -> None:
         """After `step`'s events were written; `waiting`: the steps scheduled since, whose events are
@@ -51,7 +54,7 @@ class SelfCheck:
             for scheduled in waiting:
                 self.replay(scheduled.events, held)
         for rid, blocks in held.items():
-            own = {b for b in self.kvm.get_block_ids(rid)[0] if b != self.null_id}
+            own = {b for ids in self.kvm.get_block_ids(rid) for b in ids if b != self.null_id}   # every group's
             if own != blocks:
                 problems.append(f"step {step}: {rid} holds {sorted(own)} but the events say {sorted(blocks)}")
             in_use |= blocks

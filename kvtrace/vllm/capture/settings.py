@@ -30,7 +30,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 
 import kvtrace
-from kvtrace.vllm.capture import chunk_format
+from kvtrace.vllm.capture import chunk_format, guard
 from kvtrace.vllm.capture.files import FILE_MODE, parse_mode, write_json
 from kvtrace.vllm.capture.sink import parse_age, parse_bytes
 
@@ -108,6 +108,10 @@ def write_identity(settings: Settings, server: Server, scheduler, version: str, 
         "max_num_batched_tokens": scheduler.scheduler_config.max_num_batched_tokens,
         "max_model_len": getattr(scheduler, "max_model_len", None),
         "watermark_blocks": getattr(kvm, "watermark_blocks", None),
+        "kv_cache_groups": guard.kv_cache_groups(scheduler),
+        # speculative decoding: draft tokens per step, and the slots reserved past a request's tokens for them
+        "num_spec_tokens": getattr(scheduler, "num_spec_tokens", 0) or 0,
+        "num_lookahead_tokens": getattr(scheduler, "num_lookahead_tokens", 0) or 0,
         "self_check": settings.self_check,
         "kvtrace_version": kvtrace.__version__, "chunk_format": chunk_format.FORMAT,
         "file_mode": oct(settings.file_mode),

@@ -48,14 +48,15 @@ from kvtrace.vllm.capture.files import FILE_MODE, make_folder, write_file, write
 COLUMNS = {
     "requests": ("req_id", "sample", "n", "priority", "arrival_s", "prompt_tokens", "max_tokens",
                  "output_tokens", "first_scheduled_s", "first_token_s", "finish_s", "finish_reason",
-                 "preemptions", "swaps", "recomputed_tokens", "prefix_hit_tokens"),
+                 "preemptions", "swaps", "recomputed_tokens", "prefix_hit_tokens", "draft_tokens", "accepted_tokens"),
     "steps": ("step", "start_s", "end_s", "device_ms", "running", "waiting", "swapped", "prefill_tokens",
               "decode_tokens", "recompute_tokens", "preemptions", "free_blocks", "used_blocks",
-              "cached_blocks", "total_blocks", "kv_tokens", "admission_stop"),
+              "cached_blocks", "total_blocks", "kv_tokens", "admission_stop", "draft_tokens", "accepted_tokens"),
     "kv_events": ("seq", "step", "ts_s", "kind", "req_id", "sample", "blocks", "num_blocks", "num_tokens",
                   "bytes", "duration_ms", "reason", "num_cached_tokens", "num_recomputed_tokens",
-                  "src_blocks", "requester_req_id", "requester_sample", "victim_reason"),
+                  "src_blocks", "requester_req_id", "requester_sample", "victim_reason", "kv_group", "kv_group_blocks"),
     "tokens": ("req_id", "sample", "idx", "token_id", "step", "ts_s"),
+    "spec_decode": ("step", "ts_s", "req_id", "sample", "draft_tokens", "accepted_tokens", "lookahead_slots"),
 }
 # the capture's own table (not the trace's): one row per request the scheduler takes
 ARRIVALS = ("req_id", "arrival_s", "prompt_tokens", "max_tokens", "priority", "block_hashes")

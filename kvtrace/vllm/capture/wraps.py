@@ -12,6 +12,14 @@ What a wrapper does of its own is in a `try` (free until it raises, CPython 3.11
 to `on_error` (the recorder stops the capture and takes the wrappers off, `remove`), and vLLM's call,
 already made or still to make, stands, so that a half-done schedule never reaches vLLM.
 
+A hybrid model's KV cache is several groups (full attention beside sliding-window, chunked local or
+Mamba layers), each with a manager of its own over the one pool: a block-pool call is made by one
+group's manager, whose `kv_cache_group_id` the event takes (read from the caller's frame, and only in a
+model of several groups); a free made by a manager's `_remove_blocks_in_range` or Mamba's
+`remove_skipped_blocks` is a request's blocks falling out of its window (or a Mamba state it no longer
+needs) mid-request, a `free` whose reason says so (`window`, `state`) and which lists every block the
+request dropped, those another request still holds included.
+
 The running loop's `allocate_slots`, called for every running request every step, is vLLM's own,
 unwrapped: when it does call the block pool (a request's new block, every block-size tokens), the
 wrapper finds the request in that allocate_slots call's frame (`allocating`), and a preemption finds
@@ -22,13 +30,17 @@ from __future__ import annotations
 
 import sys
 
+from vllm.v1.core.kv_cache_utils import get_group_id
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 from vllm.v1.request import Request, RequestStatus
 
 from kvtrace.vllm.capture.accounting import StepAccounting
 from kvtrace.vllm.capture.rows import KvEvent
 
 ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+# the managers' methods that free a running request's blocks out of its window (guard.py checks them)
+SKIPPING = frozenset(("_remove_blocks_in_range", "remove_skipped_blocks"))
 
 
 class PoolWraps:
@@ -43,6 +55,11 @@ class PoolWraps:
         self.put: list[tuple[object, str, object, object]] = []   # (owner, name, wrapper, what it replaced)
         self.current: Request | None = None                # the request a block-pool call is for
         self.free_reason = "other"                         # what the blocks freed now are freed for
+        managers = kvm.coordinator.single_type_managers
+        self.hybrid = len(managers) > 1                    # several KV-cache groups: each event says its group
+        # what a group's mid-request frees are: blocks out of an attention window, or Mamba states
+        self.skip_reasons = {m.kv_cache_group_id: "state" if isinstance(m, MambaManager) else "window"
+                             for m in managers}
         self.cached_free = 0                               # free blocks that still hold a prefix-cache hash
         self.allocate_slots_code = type(kvm).allocate_slots.__code__
         self.schedule_code = vllm_schedule.__func__.__code__
@@ -101,7 +118,9 @@ class PoolWraps:
                     alloc_reason = ("prefill" if request.status in ADMITTING
                                     or request.num_computed_tokens < request.num_tokens + placeholders - 1
                                     or not request.num_output_tokens + placeholders else "decode")
-                self.steps.events.append(KvEvent("alloc", rid, [b.block_id for b in blocks], 0, alloc_reason))
+                group = group_of(sys._getframe(1)) if self.hybrid else None
+                self.steps.events.append(KvEvent("alloc", rid, [b.block_id for b in blocks], 0, alloc_reason,
+                                                 kv_group=group))
             except Exception as exc:  # noqa: BLE001 (the capture's own error: it stops, vLLM's call stands)
                 self.on_error(exc)
         return blocks
@@ -111,11 +130,18 @@ class PoolWraps:
         self._free_blocks(blocks)
         try:
             freed = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
-            if freed:
-                self.cached_free += sum(1 for b in freed if b.block_hash is not None)
+            self.cached_free += sum(1 for b in freed if b.block_hash is not None)
+            caller = sys._getframe(1)
+            if caller.f_code.co_name in SKIPPING:   # out of a request's window, mid-request
+                owner = caller.f_locals
+                group = owner["self"].kv_cache_group_id
+                self.steps.events.append(KvEvent("free", owner["request_id"], [b.block_id for b in blocks], 0,
+                                                 self.skip_reasons[group], kv_group=group if self.hybrid else None))
+            elif freed:
                 request = self.current or self.allocating()
                 self.steps.events.append(KvEvent("free", request.request_id if request is not None else "",
-                                                 [b.block_id for b in freed], 0, self.free_reason))
+                                                 [b.block_id for b in freed], 0, self.free_reason,
+                                                 kv_group=group_of(caller) if self.hybrid else None))
         except Exception as exc:  # noqa: BLE001 (as above)
             self.on_error(exc)
 
@@ -129,12 +155,14 @@ class PoolWraps:
         return self._touch(blocks)
 
     def maybe_evict_cached_block(self, block):
+        key = block.block_hash   # a hybrid model's keys name the group (gone once evicted)
         evicted = self._maybe_evict(block)
         if evicted:
             try:
                 if block.ref_cnt == 0:
                     self.cached_free -= 1
-                self.steps.events.append(KvEvent("evict", "", [block.block_id], 0, None))
+                group = get_group_id(key) if self.hybrid and key is not None else None
+                self.steps.events.append(KvEvent("evict", "", [block.block_id], 0, None, kv_group=group))
             except Exception as exc:  # noqa: BLE001 (as above)
                 self.on_error(exc)
         return evicted
@@ -219,3 +247,9 @@ class PoolWraps:
                 return getattr(frame.f_locals.get("request"), "request_id", None)
             frame = frame.f_back
         return None
+
+
+def group_of(frame) -> int | None:
+    """The KV-cache group of the manager whose method `frame` is (None: a call from elsewhere, such as
+    the scheduler's deferred frees, whose blocks may be of several groups)."""
+    return getattr(frame.f_locals.get("self"), "kv_cache_group_id", None)
