@@ -25,6 +25,8 @@
 --   recompute_ms_est   summed over its preemptions (ms, estimate; 0 if none)
 --   gaps               its inter-token gaps above the run's p99 ITL
 --   longest_gap_ms, longest_gap_cause   the longest of them (null if none)
+--   draft_tokens, accepted_tokens   speculative decoding (requests, schema 5): its draft positions
+--                      scheduled and those accepted; null where the run records no drafts
 WITH seqs AS (
     SELECT l.run_id, l.req_id, l.sample, l.ttft_ms, l.e2el_ms
     FROM _sequence_latency l
@@ -99,8 +101,10 @@ SELECT s.run_id, s.req_id, s.sample, s.ttft_ms, s.e2el_ms,
        coalesce(p.cached_tokens, 0)::BIGINT AS cached_tokens,
        coalesce(p.recomputed_tokens, 0)::BIGINT AS recomputed_tokens,
        coalesce(p.recompute_ms_est, 0) AS recompute_ms_est,
-       coalesce(g.gaps, 0) AS gaps, g.longest_gap_ms, g.longest_gap_cause
+       coalesce(g.gaps, 0) AS gaps, g.longest_gap_ms, g.longest_gap_cause,
+       q.draft_tokens, q.accepted_tokens
 FROM seqs s
+LEFT JOIN requests q USING (run_id, req_id, sample)
 LEFT JOIN by_state b USING (run_id, req_id, sample)
 LEFT JOIN preempts p USING (run_id, req_id, sample)
 LEFT JOIN requesters r USING (run_id, req_id, sample)

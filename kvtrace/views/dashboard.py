@@ -40,7 +40,7 @@ LEVELS = " ▁▂▃▄▅▆▇█"             # 1/8 steps of a character cell
 # the analyses the dashboard shows; --param values go to those that declare them, except the
 # params that the dashboard's own options set
 ANALYSES = ("summary", "thrash", "thrash_servers", "thrash_windows", "latency", "itl_cliff_summary",
-            "most_preempted", "noisy_neighbours", "pool_timeline")
+            "most_preempted", "noisy_neighbours", "pool_timeline", "kv_groups", "spec_decode")
 OPTION_PARAMS = {"buckets", "limit", "req_id", "top"}  # set by the commands themselves
 RUN_COLUMNS = """run_id, status, error, model, dtype, device, device_type, preemption_mode, preemption_policy,
     enable_prefix_caching, block_size, num_gpu_blocks, num_cpu_blocks, bytes_per_block,
@@ -95,6 +95,8 @@ def collect(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = N
             "most_preempted": of("most_preempted", rid),
             "noisy_neighbours": of("noisy_neighbours", rid),
             "pool_timeline": of("pool_timeline", rid),
+            "kv_groups": of("kv_groups", rid),                  # one row a KV-cache group (one: a dense model)
+            "spec_decode": (of("spec_decode", rid) or [{}])[0],   # drafting: a capture of a server that drafts
         })
     used = {name: db.analysis_params(name, **per[name]) for name in ANALYSES}
     return {"runs": figures, "params": used}
@@ -165,9 +167,10 @@ VERDICT_STYLE = {"none": "bold green", "occasional": "bold yellow", "sustained":
 
 # --------------------------------------------------------------------------- one run
 
-def header(run: dict, summary: dict, servers: list[dict] | None = None) -> Text:
+def header(run: dict, summary: dict, servers: list[dict] | None = None, groups: list[dict] | None = None) -> Text:
     """Two lines: the run, its status, length and replay, model and device; then the KV pool, the
-    preemption mode and policy, and the workload; and the servers of a run joined from several."""
+    preemption mode and policy, and the workload; the KV-cache groups of a hybrid model (kv_groups.sql);
+    and the servers of a run joined from several."""
     status_style = {"completed": "green", "running": "cyan"}.get(run["status"], "red")
     text = Text()
     text.append(f" {run['run_id']} ", "bold reverse")
@@ -187,9 +190,26 @@ def header(run: dict, summary: dict, servers: list[dict] | None = None) -> Text:
     if len(servers or ()) > 1:
         pool += " each"
     text.append(f"\n{pool} · {run['preemption_mode']}/{run['preemption_policy']} · {_workload(run)}", "dim")
+    if len(groups or ()) > 1 or any(g["kind"] != "full_attention" for g in groups or ()):
+        text.append(f"\n{len(groups)} KV-cache groups: {', '.join(group_text(g) for g in groups)}", "dim")
     if len(servers or ()) > 1:
         text.append(f"\n{len(servers)} servers: {', '.join(s['server'] for s in servers)}", "dim")
     return text
+
+
+GROUP_KINDS = {"full_attention": "full attention", "sliding_window": "sliding window", "chunked_local": "local chunks",
+               "mamba": "Mamba state"}
+
+
+def group_text(g: dict) -> str:
+    """A KV-cache group in a few words: its kind, window, share of the blocks allocated, blocks dropped."""
+    text = GROUP_KINDS.get(g["kind"], g["kind"])
+    if g.get("window_tokens"):
+        text += f" {fmt_num(g['window_tokens'], 'tok')}"
+    text += f" ({fmt_share(g.get('alloc_share'))} of blocks"
+    if g.get("window_freed_blocks"):
+        text += f", {fmt_num(g['window_freed_blocks'])} dropped"
+    return text + ")"
 
 
 def _replay(run: dict) -> str:
@@ -205,9 +225,10 @@ def _workload(run: dict) -> str:
     return f"{(run.get('workload_path') or '?').rsplit('/', 1)[-1]}: {fmt_num(run['workload_requests'])} req"
 
 
-def key_figures(s: dict, t: dict, width: int) -> Table:
-    """The run's key figures from summary.sql (and thrash.sql's count of preempted sequences):
-    label-value pairs, two pairs a row where they fit `width` whole, else one a row."""
+def key_figures(s: dict, t: dict, width: int, spec: dict | None = None) -> Table:
+    """The run's key figures from summary.sql (and thrash.sql's count of preempted sequences, and
+    spec_decode.sql's drafts where the run has them): label-value pairs, two pairs a row where they fit
+    `width` whole, else one a row."""
     pairs = [
         ("throughput", f"{fmt_num(s.get('output_tok_s'), 'tok/s')} · {fmt_num(s.get('request_throughput'), 'req/s')}"),
         ("goodput", f"{fmt_num(s.get('goodput_req_s'), 'req/s')} ({fmt_share(s.get('good_share'))} in SLO)"),
@@ -225,6 +246,9 @@ def key_figures(s: dict, t: dict, width: int) -> Table:
         out_b, in_b = fmt_bytes(s.get("swap_out_bytes")), fmt_bytes(s.get("swap_in_bytes"))
         moved = f"{out_b} each way" if out_b == in_b else f"{out_b} out, {in_b} in"  # short: fits 80 columns
         pairs.append(("swapped", f"{moved} · {fmt_num(s.get('swap_gb_s'), 'GB/s')}"))
+    if spec and spec.get("draft_tokens"):   # speculative decoding: what it drafted and threw away
+        pairs.append(("drafts", f"{fmt_num(spec['draft_tokens'], 'tok')} ({fmt_share(spec.get('acceptance'))} "
+                                f"accepted, {fmt_num(spec.get('rolled_back_tokens'))} rolled back)"))
     # two pairs a row: the left pairs' widest label and value, the right pairs', and 3 spaces
     two = sum(max(len(pair[i]) for pair in pairs[side::2]) for side in (0, 1) for i in (0, 1)) + 3
     per_row = 2 if two <= width else 1
@@ -474,19 +498,21 @@ def render_run(fig: dict, width: int, params: dict) -> RenderableType:
     else:
         latency = Group(_title(itl_title), itl_ladder(itl, min(right - 20, 24)),
                         _title(tail_title(fig["itl_tail"], right)), tail_causes(fig["itl_tail"], min(right, 48)))
-    figures = Group(key_figures(fig["summary"], fig["thrash"], left), thrash_verdict(fig["thrash"]),
+    figures = Group(key_figures(fig["summary"], fig["thrash"], left, fig.get("spec_decode")),
+                    thrash_verdict(fig["thrash"]),
                     *(thrash_verdict(s, s["server"]) for s in servers if several))
     noisy = fig.get("noisy_neighbours") or []
     if width < TWO_COLUMNS_WIDTH:
         title = noisy_title(noisy) if noisy else "most preempted"
         preempted = Group(_title(title if len(title) <= width - 4 else "most preempted"),
                           most_preempted(fig["most_preempted"]))
-        return Group(header(fig["run"], fig["summary"], servers), figures, pool, latency, preempted)
+        return Group(header(fig["run"], fig["summary"], servers, fig.get("kv_groups")), figures, pool, latency,
+                     preempted)
     preempted = Group(_title("most preempted"), most_preempted(fig["most_preempted"]))
     if noisy:   # beside the victims, their requesters (schema 3 records them)
         preempted = Group(preempted, _title("noisy neighbours: whose growth preempted others"),
                           noisy_neighbours(noisy))
-    head = header(fig["run"], fig["summary"], servers)
+    head = header(fig["run"], fig["summary"], servers, fig.get("kv_groups"))
     grid = Table.grid(padding=(0, 1))
     grid.add_column(width=left)
     grid.add_column(width=right)

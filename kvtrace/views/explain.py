@@ -301,6 +301,10 @@ def verdict(data: dict) -> str:
         parts.append(f"{count} gap{'s' if count > 1 else ''} above the run's p99 ITL "
                      f"(longest {fmt_ms(figures['longest_gap_ms'])}, "
                      f"{figures['longest_gap_cause'].replace('_', ' ')})")
+    if figures.get("draft_tokens"):   # speculative decoding: what its drafts gave, and what was thrown away
+        drafts, accepted = figures["draft_tokens"], figures["accepted_tokens"] or 0
+        parts.append(f"{drafts} draft tokens, {accepted} accepted ({accepted / drafts:.0%}), "
+                     f"{drafts - accepted} positions rolled back")
     parts = [p for p in parts if p]
     if not parts:
         ttft = figures["ttft_ms"]
