@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow-write", type=float, default=None,
                         help="a slow volume: every chunk's write takes this many seconds (the writer thread waits; "
                              "a step never should)")
+    parser.add_argument("--kv-cache-groups", default="full",
+                        help="the model's KV-cache groups, comma-separated: full, sliding (a 4-block window), chunked, "
+                             "mamba; full,sliding is a hybrid model such as Gemma 3")
+    parser.add_argument("--spec-tokens", type=int, default=0,
+                        help="draft tokens a step (speculative decoding with a draft model's config: as many "
+                             "lookahead slots); 0: none")
     parser.add_argument("--no-write", action="store_true", help="print the report only (RESULTS.md untouched)")
 
 
@@ -59,7 +65,8 @@ def measure(python: str, running: int, args: argparse.Namespace, asynchronous: b
     env["PYTHONPATH"] = str(capture_path())
     opts = {"running": running, "steps": args.steps, "warmup": args.warmup, "prompt": args.prompt,
             "block_size": args.block_size, "async": asynchronous, "flush_s": args.flush_every,
-            "slow_write_s": slow_write}
+            "slow_write_s": slow_write, "kv_cache_groups": args.kv_cache_groups.split(","),
+            "spec_tokens": args.spec_tokens}
     proc = subprocess.run([python, str(DRIVER), str(model_folder("smollm2-135m")), json.dumps(opts)], env=env,
                           capture_output=True, text=True, timeout=3600)
     if proc.returncode or not proc.stdout.strip():
@@ -119,7 +126,10 @@ def run(args: argparse.Namespace) -> None:
     repeats = len(runs[cases[0]])
     section.add(f"vLLM {version}'s Scheduler (sync) and AsyncScheduler (async, batch-queue steps) without a model, "
                 f"decode steps of N running requests ({args.prompt}-token prompts, block size {args.block_size}, "
-                f"every request running), plain and captured alternating, {args.steps} timed steps each after "
+                f"every request running"
+                + (f"; KV-cache groups {args.kv_cache_groups}" if args.kv_cache_groups != "full" else "")
+                + (f"; {args.spec_tokens} draft tokens a step" if args.spec_tokens else "")
+                + f"), plain and captured alternating, {args.steps} timed steps each after "
                 f"{args.warmup}; medians of per-step time (CPU: the driver thread's; 'added, means': the "
                 "difference of the mean steps, which holds what a chunk write or a collection adds; GC: the "
                 "cyclic collector's time inside each one's timed steps, per step)"

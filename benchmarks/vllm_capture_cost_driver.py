@@ -13,7 +13,10 @@ process the previous step's output. Prints one JSON line: per-step seconds of ea
 (this thread's: what other processes of a shared machine take is not in it), the cyclic GC's time
 inside each one's timed steps, the capture's hook time and the bytes its chunks took over the timed
 steps, the chunks written and dropped. "flush_s" sets how often the capture hands a chunk over;
-"slow_write_s" makes every chunk's write take that long (a slow volume; the writer thread's wait).
+"slow_write_s" makes every chunk's write take that long (a slow volume; the writer thread's wait);
+"kv_cache_groups" makes the model hybrid (the driver's group kinds: ["full", "sliding"] is Gemma 3's
+shape, a 4-block window); "spec_tokens" makes the server draft that many tokens a step with a draft
+model's config (as many lookahead slots), the placeholder model accepting some of them.
 """
 from __future__ import annotations
 
@@ -42,18 +45,24 @@ def main() -> int:
     import vllm_driver
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import DraftTokenIds
     from vllm.utils.hashing import sha256
     from vllm.v1.request import Request
 
     vllm_driver.adapt_to_this_vllm()
     init_none_hash(sha256)
     n, prompt, steps, warmup, bs = opts["running"], opts["prompt"], opts["steps"], opts["warmup"], opts["block_size"]
-    max_tokens = warmup + steps + 16
-    per_request = -(-(prompt + max_tokens) // bs)
-    cfg = {"block_size": bs, "num_blocks": n * per_request + 16, "max_num_seqs": n,
-           "max_num_batched_tokens": max(n * prompt, 2048), "max_model_len": prompt + max_tokens + 1,
-           "long_prefill_token_threshold": 0, "policy": "fcfs", "async": bool(opts.get("async")),
-           "enable_prefix_caching": True}
+    groups, drafts = opts.get("kv_cache_groups") or ["full"], opts.get("spec_tokens") or 0
+    max_tokens = (warmup + steps + 16) * (1 + drafts)   # a speculative step delivers up to 1 + drafts tokens
+    per_request = -(-(prompt + max_tokens + 2 * drafts + 1) // bs)   # its drafts' and lookahead's slots too
+    cfg = {"block_size": bs, "num_blocks": (n * per_request + 16) * len(groups), "max_num_seqs": n,
+           "max_num_batched_tokens": max(n * prompt, n * (1 + drafts), 2048),
+           "max_model_len": prompt + max_tokens + 1, "long_prefill_token_threshold": 0, "policy": "fcfs",
+           "async": bool(opts.get("async")), "enable_prefix_caching": True, "kv_cache_groups": groups}
+    if drafts:   # a drafting server's config: the schedulers built below read it
+        vllm_driver.CONFIGS["vllm_config"] = vllm_driver.fresh_config(model, cfg)
+        object.__setattr__(vllm_driver.CONFIGS["vllm_config"], "speculative_config",
+                           vllm_driver.speculative_config(model, drafts))
     folder = tempfile.mkdtemp(prefix="kvtrace-capture-cost-")
     os.environ["KVTRACE_CAPTURE_DIR"] = folder
     os.environ.pop("KVTRACE_CAPTURE_SELF_CHECK", None)
@@ -96,12 +105,15 @@ def main() -> int:
         start, cpu_start = time.perf_counter(), time.thread_time()
         so = sched.schedule()
         executed = vllm_driver.output_for(sched, so)
-        if cfg["async"]:
+        if cfg["async"]:   # (the AsyncScheduler schedules its configured drafts itself)
             if previous[name] is not None:
                 sched.update_from_output(*previous[name])
             previous[name] = (so, executed)
         else:
             sched.update_from_output(so, executed)
+            if drafts:   # the drafter's proposals for the next step
+                sched.update_draft_token_ids(DraftTokenIds([r.request_id for r in sched.running],
+                                                           [[7] * drafts for _ in sched.running]))
         return time.perf_counter() - start, time.thread_time() - cpu_start
 
     for name, sched in schedulers.items():   # every request admitted and past its prefill
