@@ -186,18 +186,19 @@ class StepAccounting:
         tokens less the one sampled after them, as vLLM counts them before it rolls back the rest. A
         request without tokens in the output (a prefill chunk), or already finished (async: scheduled
         again while its last tokens were in flight, its output is stale), is left out."""
-        sampled = model_output.sampled_token_ids
-        index = getattr(model_output, "req_id_to_index", None) or {r: i for i, r in enumerate(model_output.req_ids)}
+        # each request's sampled tokens (the output's rows follow its req_ids)
+        sampled = dict(zip(model_output.req_ids, map(len, model_output.sampled_token_ids)))
+        states, watched = self.states, self.watched
         counts = {}
         for rid, drafts in spec.items():
-            i = index.get(rid)
-            st = self.states.get(rid)
-            if drafts and st is not None and i is not None and i < len(sampled) and len(sampled[i]):
-                counts[rid] = len(sampled[i]) - 1
+            k = sampled.get(rid)
+            st = states.get(rid)
+            if k and drafts and st is not None:
+                counts[rid] = accepted = k - 1
                 st.drafts += len(drafts)
-                st.accepted += counts[rid]
-                if rid in self.watched:   # the rejected drafts' positions are rolled back: never kept, so
-                    st.ever = max(0, st.ever - (len(drafts) - counts[rid]))   # computing them again is no recompute
+                st.accepted += accepted
+                if rid in watched:   # the rejected drafts' positions are rolled back: never kept, so
+                    st.ever = max(0, st.ever - (len(drafts) - accepted))   # computing them again is no recompute
         return counts
 
     def take_step(self, row: StepRow, out) -> ScheduledStep:

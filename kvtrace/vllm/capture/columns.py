@@ -12,6 +12,7 @@ import hashlib
 import time
 from collections import Counter
 from itertools import chain, repeat
+from operator import add
 
 from kvtrace.vllm.capture.rows import KvEvent, RequestState, StepRow
 from kvtrace.vllm.capture.sink import Sink
@@ -63,20 +64,16 @@ class Columns:
             t["req_id"].extend(req_ids)
             t["idx"].extend(idx)
             t["token_id"].extend(chain.from_iterable(new_token_ids) if self.token_ids else repeat(None, m))
-        else:
-            m = 0
-            first = []
-            for rid, ids in zip(req_ids, new_token_ids):
-                if not ids:
-                    continue
-                first.append(rid)
-                k = len(ids)
-                start = emitted.get(rid, 0)
-                emitted[rid] = start + k
-                t["req_id"].extend([rid] * k)
-                t["idx"].extend(range(start, start + k))
-                t["token_id"].extend(ids if self.token_ids else [None] * k)
-                m += k
+        else:   # several tokens an output (speculative decoding), or none (a prefill chunk): in bulk too
+            lens = list(map(len, new_token_ids))
+            starts = list(map(emitted.get, req_ids, repeat(0)))
+            m = sum(lens)
+            first = [rid for rid, start, k in zip(req_ids, starts, lens) if k and not start] if 0 in starts else []
+            each = list(chain.from_iterable(map(repeat, req_ids, lens)))   # a request's id once a token
+            emitted.update(each)   # counted in C
+            t["req_id"].extend(each)
+            t["idx"].extend(chain.from_iterable(map(range, starts, map(add, starts, lens))))
+            t["token_id"].extend(chain.from_iterable(new_token_ids) if self.token_ids else repeat(None, m))
         t["sample"].extend(repeat(0, m))
         t["step"].extend(repeat(step, m))
         t["ts_s"].extend(repeat(now, m))
