@@ -19,7 +19,6 @@ import operator
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 from vllm.v1.request import Request, RequestStatus
 
 from kvtrace.vllm.capture.rows import KvEvent, RequestState, ScheduledStep, StepRow
@@ -47,7 +46,7 @@ class StepAccounting:
         self.hybrid = len(managers) > 1
         # the groups whose blocks hold positions (attention's, not a Mamba state's): each has a request's
         # unfilled tail block
-        self.position_groups = sum(1 for m in managers if not isinstance(m, MambaManager))
+        self.position_groups = sum(1 for m in managers if type(m).__name__ != "MambaManager")
         self.is_async = isinstance(scheduler, AsyncScheduler)
         self.states: dict[str, RequestState] = {}
         # the requests whose steps need more than "a decode step": admitted and not yet past their

@@ -115,7 +115,7 @@ def kv_cache_groups(scheduler: object) -> list[dict]:
         group = {"kind": FOLLOWED_MANAGERS.get(type(m).__name__, type(m).__name__), "block_size": m.block_size}
         for field in ("sliding_window", "attention_chunk_size"):
             if getattr(spec, field, None):
-                group[field] = spec.__dict__.get(field, getattr(spec, field))
+                group[field] = getattr(spec, field)
         groups.append(group)
     config = getattr(scheduler, "kv_cache_config", None)
     for group, spec in zip(groups, getattr(config, "kv_cache_groups", ()) or ()):

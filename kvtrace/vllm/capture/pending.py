@@ -46,12 +46,6 @@ class PendingSteps:
             older.append(self._steps.pop(other))
         return older, self._steps.pop(key)
 
-    def after(self, output) -> list[ScheduledStep]:
-        """The steps scheduled after the one whose output `output` is (none if it does not wait here)."""
-        keys = list(self._steps)
-        key = id(output)
-        return [self._steps[k] for k in keys[keys.index(key) + 1:]] if key in self._steps else []
-
     def oldest(self) -> ScheduledStep:
         """The step whose output is processed next."""
         return next(iter(self._steps.values()))

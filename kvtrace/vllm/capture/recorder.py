@@ -88,7 +88,6 @@ class Recorder:
         self.closed = False
         self.failed = False                  # stopped by an error of its own (fail)
         self.hook_s = 0.0                    # time in the step hooks (after_schedule, after_update)
-        self.updating = None                 # the SchedulerOutput whose output vLLM is processing
         self.wraps = PoolWraps(scheduler, vllm_schedule, self.steps, self.fail)
         try:
             write_identity(settings, self.server, scheduler, version, capture_module)
@@ -163,26 +162,9 @@ class Recorder:
         """vLLM's `_preempt_request` is called from `caller` (a frame)."""
         self.steps.preempting(request, self.wraps.requester(caller))
 
-    def freeing(self, request: Request) -> None:
-        """vLLM is about to free a finished request. Async: the next step's scheduling, which ran before this
-        output, may have given it blocks already (speculative decoding schedules a request whose last
-        tokens are in flight: its drafts might not all be accepted); those events are filed with its
-        finish, before its frees, so that no request is given blocks after its finish in the trace. (One
-        that the later step preempted keeps its events there: its preemption, after its finish, releases
-        what it held, as for a request preempted with its last token in flight.)"""
-        if len(self.pending) > 1 and self.updating is not None:
-            rid = request.request_id
-            for later in self.pending.after(self.updating):
-                mine = [e.kind for e in later.events if e.req_id == rid]
-                if mine and "preempt" not in mine:
-                    self.steps.events += [e for e in later.events if e.req_id == rid]
-                    later.events = [e for e in later.events if e.req_id != rid]
-        self.steps.freeing(request)
-
     def before_update(self, out, model_output) -> dict[str, int]:
         """Speculative decoding: how many of each request's drafts the output accepted, counted before vLLM's
         update_from_output, which cuts a stopped request's tokens short in place (empty without drafts)."""
-        self.updating = out   # the step whose output vLLM processes now (`freeing` reads it)
         spec = out.scheduled_spec_decode_tokens
         return self.steps.accepted(spec, model_output) if spec else {}
 
@@ -190,7 +172,6 @@ class Recorder:
         """vLLM's update_from_output(out, ...) returned `outputs`; it began at `start`; `accepted_drafts`:
         before_update's."""
         t = time.monotonic()
-        self.updating = None
         self._after_update(out, accepted_drafts, outputs, start)
         self.hook_s += time.monotonic() - t
 
@@ -201,6 +182,8 @@ class Recorder:
         older, scheduled = self.pending.take(out)
         for unprocessed in older:
             self._write_unprocessed(unprocessed)
+        if self.pending and self.steps.finishing:   # async: steps scheduled since wait
+            self._file_with_finish()
         if scheduled is not None:
             self.steps.join(scheduled)
             step = scheduled.row.step
@@ -228,6 +211,23 @@ class Recorder:
             self.sink.maybe_flush(now)
         else:   # idle until the next request: keep nothing back
             self.sink.flush()
+
+    def _file_with_finish(self) -> None:
+        """Async: the next step's scheduling, which ran before this output, may have given blocks to a
+        request this output has just finished (speculative decoding schedules a request whose last
+        tokens are in flight: its drafts might not all be accepted). Those events are filed with its
+        finish, before its frees, so that no request is given blocks after its finish in the trace. (One
+        that the later step preempted keeps its events there: its preemption, after its finish, releases
+        what it held, as for a request preempted with its last token in flight.)"""
+        finished = {request.request_id for request, _ in self.steps.finishing}
+        moved = []
+        for later in self.pending:
+            preempted = {e.req_id for e in later.events if e.kind == "preempt"}
+            mine = finished - preempted
+            if any(e.req_id in mine for e in later.events):
+                moved += [e for e in later.events if e.req_id in mine]
+                later.events = [e for e in later.events if e.req_id not in mine]
+        self.steps.events[:0] = moved
 
     def file_between_steps(self) -> None:
         """What happened since the last schedule() (an abort's frees and finish, a prefix-cache reset's

@@ -111,7 +111,7 @@ class _CaptureMixin:
         if cap is None:
             return super()._free_request(request, *args, **kwargs)
         try:
-            cap.freeing(request)
+            cap.steps.freeing(request)
         except Exception as exc:  # noqa: BLE001 (as above)
             cap.fail(exc)
             return super()._free_request(request, *args, **kwargs)

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import sys
 
-from vllm.v1.core.kv_cache_utils import get_group_id
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 from vllm.v1.request import Request, RequestStatus
 
 from kvtrace.vllm.capture.accounting import StepAccounting
@@ -58,8 +56,13 @@ class PoolWraps:
         managers = kvm.coordinator.single_type_managers
         self.hybrid = len(managers) > 1                    # several KV-cache groups: each event says its group
         # what a group's mid-request frees are: blocks out of an attention window, or Mamba states
-        self.skip_reasons = {m.kv_cache_group_id: "state" if isinstance(m, MambaManager) else "window"
+        # (by the class's name, as guard.py checks it: a module-level import of a name a release lacks
+        # would keep the scheduler class from loading, and vLLM from starting)
+        self.skip_reasons = {m.kv_cache_group_id: "state" if type(m).__name__ == "MambaManager" else "window"
                              for m in managers}
+        if self.hybrid:   # an evicted block's group, from vLLM's prefix-cache key (guard.py checks it is there)
+            from vllm.v1.core.kv_cache_utils import get_group_id
+            self.group_of_key = get_group_id
         self.cached_free = 0                               # free blocks that still hold a prefix-cache hash
         self.allocate_slots_code = type(kvm).allocate_slots.__code__
         self.schedule_code = vllm_schedule.__func__.__code__
@@ -161,7 +164,7 @@ class PoolWraps:
             try:
                 if block.ref_cnt == 0:
                     self.cached_free -= 1
-                group = get_group_id(key) if self.hybrid and key is not None else None
+                group = self.group_of_key(key) if self.hybrid and key is not None else None
                 self.steps.events.append(KvEvent("evict", "", [block.block_id], 0, None, kv_group=group))
             except Exception as exc:  # noqa: BLE001 (as above)
                 self.on_error(exc)
