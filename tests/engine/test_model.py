@@ -9,7 +9,7 @@ import torch
 from engine.kernels import cpu_kernels
 from engine.model.linear import pick_kernel
 from engine.sequence import SamplingParams
-from tests.helpers.engine_runs import capture_logits
+from tests.helpers.engine_runs import capture_logits, run_with_a_late_arrival
 from tests.helpers.reference_model import reference_forward
 
 # each kernel path the engine can take on CPU, chosen through the switches users have
@@ -35,14 +35,7 @@ def test_paged_logits_equal_dense_reference(make_engine, tiny_loaded, kernel):
     shared = [rng.randrange(3, 512) for _ in range(9)]
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 4, 5, 17)]
     prompts += [shared + [7, 8], shared + [9]]
-    for i, p in enumerate(prompts[:-1]):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=6, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    # arrives after the first shared-prefix request is done: its 2 full prefix blocks are cached
-    engine.add_request("last", prompts[-1], SamplingParams(max_tokens=6, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
+    run_with_a_late_arrival(engine, prompts, max_tokens=6)   # the last: the shared prefix's 2 full blocks cached
     assert len(seen) == 6 * len(prompts)
     worst = 0.0
     for tokens, logits in seen:

@@ -23,7 +23,7 @@ from engine.model.linear import pick_kernel
 from engine.model.loader import LoadedModel, dummy_weights, weight_shapes
 from engine.sequence import SamplingParams
 from tests.engine.test_model import KERNEL_SWITCHES
-from tests.helpers.engine_runs import capture_logits
+from tests.helpers.engine_runs import capture_logits, run_with_a_late_arrival
 from tests.helpers.reference_model import reference_forward
 from tests.helpers.vllm_runs import VLLM_MARKS, VLLM_PYTHON
 
@@ -98,13 +98,7 @@ def run_windowed(make_engine, loaded: LoadedModel, paged_inputs: bool = False, *
     shared = [rng.randrange(3, 512) for _ in range(12)]
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 4, 9, 23)]
     prompts += [shared + [7, 8, 9], shared + [10, 11]]
-    for i, p in enumerate(prompts[:-1]):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    engine.add_request("last", prompts[-1], SamplingParams(max_tokens=8, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
+    run_with_a_late_arrival(engine, prompts, max_tokens=8)
     assert sum(s.num_prefix_hit_tokens for s in engine.outputs.values()) == 12
     assert len(seen) == 8 * len(prompts)
     return seen

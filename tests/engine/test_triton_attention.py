@@ -216,8 +216,7 @@ def test_engine_on_paged_inputs_matches_dense_reference(make_engine, tiny_loaded
     """The whole engine on the runner's one-copy inputs (as on CUDA), attending with the Triton kernels
     (chunk tables, splits) or with the SDPA fallback over the same inputs: chunked prefill mixed with
     decodes, prefix-cache hits, block size 3, against the dense forward."""
-    from engine.sequence import SamplingParams
-    from tests.helpers.engine_runs import capture_logits
+    from tests.helpers.engine_runs import capture_logits, run_with_a_late_arrival
     from tests.helpers.reference_model import reference_forward
 
     monkeypatch.setenv("KVTRACE_CPU_KERNELS", "0")
@@ -228,13 +227,7 @@ def test_engine_on_paged_inputs_matches_dense_reference(make_engine, tiny_loaded
     seen = capture_logits(engine)
     shared = list(range(20, 29))
     prompts = [[5, 6], list(range(30, 47)), shared + [7, 8], shared + [9]]
-    for i, p in enumerate(prompts[:-1]):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=4, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    engine.add_request("last", prompts[-1], SamplingParams(max_tokens=4, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
+    run_with_a_late_arrival(engine, prompts, max_tokens=4)
     assert sum(s.num_prefix_hit_tokens for s in engine.outputs.values()) == 9  # 3 full blocks shared
     worst = max((reference_forward(tiny_loaded.config, tiny_loaded.weights, tokens)[-1] - logits).abs().max().item()
                 for tokens, logits in seen)

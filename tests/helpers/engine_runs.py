@@ -127,6 +127,20 @@ def add_x_and_y(engine, policy: str) -> None:
         engine.add_request("Y", [21, 22, 23, 24, 25, 26, 27, 28], y_params, priority=0)
 
 
+def run_with_a_late_arrival(engine, prompts: list[list[int]], max_tokens: int) -> None:
+    """Run every prompt but the last to the end, then the last: it arrives once a request sharing its
+    prefix is done, so that its full prefix blocks are cached (a prefix-cache hit whose query starts
+    past position 0)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts[:-1]):
+        engine.add_request(str(i), p, params)
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("last", prompts[-1], params)
+    while engine.has_unfinished():
+        engine.step()
+
+
 def capture_logits(engine):
     """Wrap the runner so every sampled row is kept with the tokens it was computed over."""
     seen = []
