@@ -6,24 +6,9 @@ import random
 import pytest
 import torch
 
-from engine.kernels import cpu_kernels
-from engine.model.linear import pick_kernel
 from engine.sequence import SamplingParams
 from tests.helpers.engine_runs import capture_logits, run_with_a_late_arrival
 from tests.helpers.reference_model import reference_forward
-
-# each kernel path the engine can take on CPU, chosen through the switches users have
-KERNEL_SWITCHES = {"kvtrace": {}, "onednn": {"KVTRACE_CPU_KERNELS": "0"},
-                   "torch": {"KVTRACE_CPU_KERNELS": "0", "KVTRACE_ONEDNN": "0"}}
-
-
-@pytest.fixture(params=list(KERNEL_SWITCHES))
-def kernel(request, monkeypatch):
-    for name, value in KERNEL_SWITCHES[request.param].items():
-        monkeypatch.setenv(name, value)
-    if pick_kernel(torch.device("cpu"), torch.float32) != request.param:
-        pytest.skip(f"{request.param} kernels unavailable here ({cpu_kernels.unavailable_reason()})")
-    return request.param
 
 
 def test_paged_logits_equal_dense_reference(make_engine, tiny_loaded, kernel):

@@ -19,10 +19,8 @@ import torch
 from engine.build import build_engine
 from engine.config import EngineConfig, ModelConfig
 from engine.kernels import cpu_kernels
-from engine.model.linear import pick_kernel
 from engine.model.loader import LoadedModel, dummy_weights, weight_shapes
 from engine.sequence import SamplingParams
-from tests.engine.test_model import KERNEL_SWITCHES
 from tests.helpers.engine_runs import capture_logits, run_with_a_late_arrival
 from tests.helpers.reference_model import reference_forward
 from tests.helpers.vllm_runs import VLLM_MARKS, VLLM_PYTHON
@@ -102,15 +100,6 @@ def run_windowed(make_engine, loaded: LoadedModel, paged_inputs: bool = False, *
     assert sum(s.num_prefix_hit_tokens for s in engine.outputs.values()) == 12
     assert len(seen) == 8 * len(prompts)
     return seen
-
-
-@pytest.fixture(params=list(KERNEL_SWITCHES))
-def kernel(request, monkeypatch):
-    for name, value in KERNEL_SWITCHES[request.param].items():
-        monkeypatch.setenv(name, value)
-    if pick_kernel(torch.device("cpu"), torch.float32) != request.param:
-        pytest.skip(f"{request.param} kernels unavailable here ({cpu_kernels.unavailable_reason()})")
-    return request.param
 
 
 @pytest.mark.parametrize("shape", list(WINDOWED))
