@@ -6,13 +6,15 @@ batch size in CAPTURE_SIZES (largest first, sharing one memory pool); a decode-o
 its batch to the next captured size, copies its rows (engine/executor/batch.py) into the graph's
 static buffers and replays.
 
-Static inputs, each a view of a buffer allocated once:
-    vectors [4, max_batch]       rows: input_ids, positions, slots, context lengths
-    tables  [max_batch, max_blocks] block tables; a step fills its first `width` columns
+Static inputs, each a view of a buffer allocated once (G: the model's KV-cache groups, each with its
+own slots and block tables, every layer reading its group's, as in an eager step):
+    vectors [3 + G, max_batch]          rows: input_ids, positions, context lengths, each group's slots
+    tables  [G, max_batch, max_blocks]  block tables; a step fills each group's first `width` columns
 Padding rows write their K and V to a scratch block that the block manager never hands out (the KV
 cache has one block more than the pool) and attend to that one position. The Triton decode kernel's
-grid depends only on the batch size, so one graph serves every context length. Step timing still
-comes from CUDA events recorded around the replay.
+grid depends only on the batch size, so one graph serves every context length; it reads only each
+decode's window, never the null blocks a window dropped from a table. Step timing still comes from
+CUDA events recorded around the replay.
 """
 from __future__ import annotations
 
@@ -36,12 +38,13 @@ class DecodeGraphs:
         self.pad_slot = scratch_block * self.block_size
         self.step_inputs = step_inputs
         self.max_batch = CAPTURE_SIZES[-1]
+        self.num_groups = len(model.kv_cache_groups)
         device = model.device
-        self.vectors = torch.zeros(4, self.max_batch, dtype=torch.int64, device=device)
-        self.vectors[2].fill_(self.pad_slot)
-        self.vectors[3].fill_(1)
-        self.tables = torch.full((self.max_batch, max_blocks_per_seq), scratch_block, dtype=torch.int64,
-                                 device=device)
+        self.vectors = torch.zeros(3 + self.num_groups, self.max_batch, dtype=torch.int64, device=device)
+        self.vectors[2].fill_(1)
+        self.vectors[3:].fill_(self.pad_slot)
+        self.tables = torch.full((self.num_groups, self.max_batch, max_blocks_per_seq), scratch_block,
+                                 dtype=torch.int64, device=device)
         self.logit_rows = torch.arange(self.max_batch, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
@@ -49,11 +52,13 @@ class DecodeGraphs:
             self.graphs[size] = self._capture(size, pool)
 
     def _inputs(self, size: int) -> tuple:
-        meta = AttentionMetadata(
-            slot_mapping=self.vectors[2, :size], num_decodes=size, decode_block_tables=self.tables[:size],
-            decode_context_lens=self.vectors[3, :size], prefills=[],
-            decode_num_splits=triton_attention.decode_num_splits(size, self.model.config.num_kv_heads))
-        return self.vectors[0, :size], self.vectors[1, :size], meta, self.kv_caches, self.logit_rows[:size]
+        num_splits = triton_attention.decode_num_splits(size, self.model.config.num_kv_heads)
+        metas = [AttentionMetadata(
+            slot_mapping=self.vectors[3 + group, :size], num_decodes=size,
+            decode_block_tables=self.tables[group, :size], decode_context_lens=self.vectors[2, :size], prefills=[],
+            decode_num_splits=num_splits)
+            for group in range(self.num_groups)]
+        return self.vectors[0, :size], self.vectors[1, :size], metas, self.kv_caches, self.logit_rows[:size]
 
     def _capture(self, size: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         inputs = self._inputs(size)
@@ -75,24 +80,33 @@ class DecodeGraphs:
         if num_seqs > self.max_batch:
             return None
         size = next(s for s in CAPTURE_SIZES if s >= num_seqs)
-        width = max(len(s.block_table) for s in seqs)
+        tables = [batch.decode_tables(group) for group in range(self.num_groups)]
+        widths = [max(len(t) for t in group_tables) for group_tables in tables]
         pad = size - num_seqs
-        # [input_ids | positions | slots | context lengths], each `size` long, then tables size x width
-        buf = self.step_inputs.host(4 * size + size * width)
+        num_vectors = 3 + self.num_groups
+        # [input_ids | positions | context lengths | each group's slots], each `size` long, then each
+        # group's tables, size x its width
+        buf = self.step_inputs.host(num_vectors * size + size * sum(widths))
         positions = batch.positions
         buf[:size] = batch.input_ids + [0] * pad
         buf[size:2 * size] = positions + [0] * pad
-        buf[2 * size:3 * size] = batch.slots + [self.pad_slot] * pad
-        buf[3 * size:4 * size] = [p + 1 for p in positions] + [1] * pad
-        at = 4 * size
-        for s in seqs:
-            buf[at:at + len(s.block_table)] = s.block_table
-            buf[at + len(s.block_table):at + width] = 0
-            at += width
-        buf[at:] = self.scratch_block
+        buf[2 * size:3 * size] = [p + 1 for p in positions] + [1] * pad
+        for group, slots in enumerate(batch.slots):
+            buf[(3 + group) * size:(4 + group) * size] = slots + [self.pad_slot] * pad
+        at = num_vectors * size
+        for group_tables, width in zip(tables, widths):
+            for table in group_tables:
+                buf[at:at + len(table)] = table
+                buf[at + len(table):at + width] = 0
+                at += width
+            buf[at:at + pad * width] = self.scratch_block
+            at += pad * width
         dev = self.step_inputs.send(len(buf))
-        self.vectors[:, :size].copy_(dev[:4 * size].view(4, size))
-        self.tables[:size, :width].copy_(dev[4 * size:].view(size, width))
+        self.vectors[:, :size].copy_(dev[:num_vectors * size].view(num_vectors, size))
+        at = num_vectors * size
+        for group, width in enumerate(widths):
+            self.tables[group, :size, :width].copy_(dev[at:at + size * width].view(size, width))
+            at += size * width
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:num_seqs]

@@ -54,16 +54,17 @@ def tf32_matmuls(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The blocks `block_ids` of every layer, block-major like the host swap space, written into `out`
-    (the batched swap-out's device side; plain tensor indexing, so it is tested on CPU as well). One
-    layer at a time: beside `out` it holds one layer's blocks at most (stacking every layer and then
-    making a permuted copy of the stack held twice the swapped bytes).
+    """The blocks `block_ids` of every KV tensor (one per layer of a KV-cache group: a tensor shared by
+    several groups is copied once), block-major like the host swap space, written into `out` (the
+    batched swap-out's device side; plain tensor indexing, so it is tested on CPU as well). One tensor
+    at a time: beside `out` it holds one tensor's blocks at most (stacking every tensor and then making
+    a permuted copy of the stack held twice the swapped bytes).
 
-    kv_caches[layer]: [2, num_blocks, block_size, num_kv_heads, head_dim]
-    out:              [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]
+    kv_caches[i]: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    out:          [len(block_ids), len(kv_caches), 2, block_size, num_kv_heads, head_dim]
     """
-    for layer, kv in enumerate(kv_caches):
-        out[:, layer] = kv[:, block_ids].transpose(0, 1)   # kv[:, block_ids]: [2, n, bs, nkv, hd]
+    for i, kv in enumerate(kv_caches):
+        out[:, i] = kv[:, block_ids].transpose(0, 1)   # kv[:, block_ids]: [2, n, bs, nkv, hd]
     return out
 
 
@@ -74,18 +75,18 @@ def staging_blocks(block_bytes: int, num_cpu_blocks: int | None = None) -> int:
     return blocks if num_cpu_blocks is None else min(blocks, num_cpu_blocks)
 
 
-def swap_staging_reserve(block_bytes: int, num_layers: int) -> int:
+def swap_staging_reserve(block_bytes: int, num_kv_tensors: int) -> int:
     """Device memory a swap holds on CUDA (build.pool_geometry reserves it): the staging buffer
-    and one layer's blocks that gather_blocks holds beside it."""
+    and one KV tensor's blocks that gather_blocks holds beside it."""
     staged = staging_blocks(block_bytes) * block_bytes
-    return staged + -(-staged // num_layers)
+    return staged + -(-staged // num_kv_tensors)
 
 
 def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, staged: torch.Tensor) -> None:
-    """Write block-major `staged` ([n, layers, 2, bs, nkv, hd]) into blocks `block_ids` of every layer
-    (the batched swap-in's device side): staged[i] goes to block block_ids[i]."""
-    for layer, kv in enumerate(kv_caches):
-        kv[:, block_ids] = staged[:, layer].transpose(0, 1)
+    """Write block-major `staged` ([n, len(kv_caches), 2, bs, nkv, hd]) into blocks `block_ids` of every
+    KV tensor (the batched swap-in's device side): staged[i] goes to block block_ids[i]."""
+    for i, kv in enumerate(kv_caches):
+        kv[:, block_ids] = staged[:, i].transpose(0, 1)
 
 
 class ModelRunner:
@@ -120,17 +121,22 @@ class ModelRunner:
         # kernels keep their own path
         self.paged_inputs = self.is_cuda or model.use_triton
         self.step_inputs, self.swap_out_ids, self.swap_in_ids = (StepInputs(self.device) for _ in range(3))
-        # one preallocated KV tensor per layer, indexed by physical block; on CUDA one block more, the
-        # scratch block that padded rows of a CUDA graph write to (never in the block manager's pool)
+        self.num_groups = len(model.kv_cache_groups)
+        # preallocated KV tensors indexed by physical block, as vLLM lays out its KV-cache groups: one per
+        # layer of a group, the j-th layer of every group in tensor j (a block belongs to one group's
+        # table at a time), so a block holds KV for the largest group's layers (one group: a tensor per
+        # layer). On CUDA one block more, the scratch block that padded rows of a CUDA graph write to
+        # (never in the block manager's pool)
+        num_kv_tensors = model.num_kv_tensors
         layer_shape = (2, num_blocks + self.is_cuda, block_size, c.num_kv_heads, c.head_dim)
-        if self.device.type == "cpu":  # one buffer on huge pages (engine/kernels/host_memory.py), a view per layer
-            pool = host_memory.empty(c.num_layers * math.prod(layer_shape), dtype=self.dtype).zero_()
-            self.kv_caches = list(pool.view(c.num_layers, *layer_shape).unbind(0))
+        if self.device.type == "cpu":  # one buffer on huge pages (engine/kernels/host_memory.py), a view per tensor
+            pool = host_memory.empty(num_kv_tensors * math.prod(layer_shape), dtype=self.dtype).zero_()
+            self.kv_caches = list(pool.view(num_kv_tensors, *layer_shape).unbind(0))
         else:
             self.kv_caches = [torch.zeros(layer_shape, device=self.device, dtype=self.dtype)
-                              for _ in range(c.num_layers)]
+                              for _ in range(num_kv_tensors)]
         # host swap space, block-major so one block is one contiguous copy
-        host_shape = (num_cpu_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim)
+        host_shape = (num_cpu_blocks, num_kv_tensors, 2, block_size, c.num_kv_heads, c.head_dim)
         if self.is_cuda:  # exactly these bytes pinned (not rounded up to a power of two: host_memory.py)
             self.host_cache = host_memory.pinned_empty(math.prod(host_shape), self.dtype).view(host_shape)
         else:
@@ -169,12 +175,12 @@ class ModelRunner:
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> tuple | float:
         if not self.is_cuda:
-            # one copy per block and layer: on CPU this beats index_put on these strided views ~15x
+            # one copy per block and KV tensor: on CPU this beats index_put on these strided views ~15x
             t0 = time.perf_counter()
             for (d, h) in mapping:
-                host_block = self.host_cache[h]                      # [layers, 2, bs, nkv, hd]
-                for layer, kv in enumerate(self.kv_caches):
-                    host_block[layer].copy_(kv[:, d])
+                host_block = self.host_cache[h]                      # [kv tensors, 2, bs, nkv, hd]
+                for i, kv in enumerate(self.kv_caches):
+                    host_block[i].copy_(kv[:, d])
             return (time.perf_counter() - t0) * 1000
         dev_ids = self._device_ids(self.swap_out_ids, [d for d, _ in mapping])
         host_ids = [h for _, h in mapping]
@@ -197,8 +203,8 @@ class ModelRunner:
             t0 = time.perf_counter()
             for (h, d) in mapping:
                 host_block = self.host_cache[h]
-                for layer, kv in enumerate(self.kv_caches):
-                    kv[:, d].copy_(host_block[layer])
+                for i, kv in enumerate(self.kv_caches):
+                    kv[:, d].copy_(host_block[i])
             return (time.perf_counter() - t0) * 1000
         host_ids = [h for h, _ in mapping]
         dev_ids = self._device_ids(self.swap_in_ids, [d for _, d in mapping])
@@ -221,7 +227,7 @@ class ModelRunner:
         return [(first, min(cap, num_blocks - first)) for first in range(0, num_blocks, cap)]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate whole blocks on the device, in every layer."""
+        """Copy-on-write: duplicate whole blocks on the device, in every KV tensor."""
         for kv in self.kv_caches:
             for src, dst in copies:
                 kv[:, dst].copy_(kv[:, src])
@@ -237,15 +243,15 @@ class ModelRunner:
             self.copy_blocks(out.copies)
         if not out.seqs:
             return result
-        batch = flatten(out, self.block_size)
+        batch = flatten(out, self.block_size, self.num_groups)
         result.sample_seqs = batch.sample_seqs
         result.num_decode_tokens, result.num_prefill_tokens = batch.num_decodes, batch.num_prefill_tokens
         if self.is_cuda:
             return self._execute_on_cuda(batch, result)
         to_tensors = self._paged_tensors if self.paged_inputs else self._tensors
-        meta, input_ids, positions, logit_rows = to_tensors(batch)
+        metas, input_ids, positions, logit_rows = to_tensors(batch)
         t0 = time.perf_counter()
-        result.logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logit_rows)
+        result.logits = self.model.forward(input_ids, positions, metas, self.kv_caches, logit_rows)
         result.timing.forward = (time.perf_counter() - t0) * 1000
         return result
 
@@ -258,87 +264,99 @@ class ModelRunner:
             start.record(stream)
             result.logits = self.decode_graphs.run(batch)
         if result.logits is None:  # prefill chunks in the batch, or more decodes than any graph
-            meta, input_ids, positions, logit_rows = self._paged_tensors(batch)
+            metas, input_ids, positions, logit_rows = self._paged_tensors(batch)
             start.record(stream)
-            result.logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logit_rows)
+            result.logits = self.model.forward(input_ids, positions, metas, self.kv_caches, logit_rows)
         end.record(stream)
         result.timing.forward = (start, end)
         return result
 
-    def _tensors(self, batch: FlatBatch) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The batch's metadata, input ids, positions and logit rows, one tensor per list (the CPU
-        kernels' and torch's path on CPU)."""
+    def _tensors(self, batch: FlatBatch) -> tuple[list[AttentionMetadata], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch's metadata (one per KV-cache group), input ids, positions and logit rows, one tensor
+        per list (the CPU kernels' and torch's path on CPU)."""
         device = self.device
-        decodes = batch.decodes
-        decode_tables = decode_lens = None
-        if decodes:
-            max_blocks = max(len(s.block_table) for s in decodes)
-            decode_tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes],
-                                         device=device)
-            decode_lens = torch.tensor([p + 1 for p in batch.positions[:len(decodes)]], device=device)
-        prefills = [(row, n, start, torch.tensor(table, device=device) if start else None)
-                    for row, n, start, table in zip(batch.chunk_rows, batch.chunk_lens, batch.chunk_starts,
-                                                    batch.prefill_tables)]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(batch.slots, device=device),
-            num_decodes=len(decodes),
-            decode_block_tables=decode_tables,
-            decode_context_lens=decode_lens,
-            prefills=prefills,
-        )
-        return (meta, torch.tensor(batch.input_ids, device=device), torch.tensor(batch.positions, device=device),
+        nd = batch.num_decodes
+        decode_lens = torch.tensor([p + 1 for p in batch.positions[:nd]], device=device) if nd else None
+        metas = []
+        for group in range(self.num_groups):
+            decode_tables = None
+            if nd:
+                tables = batch.decode_tables(group)
+                max_blocks = max(len(t) for t in tables)
+                decode_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], device=device)
+            prefills = [(row, n, start, torch.tensor(table, device=device) if start else None)
+                        for row, n, start, table in zip(batch.chunk_rows, batch.chunk_lens, batch.chunk_starts,
+                                                        batch.prefill_tables[group])]
+            metas.append(AttentionMetadata(
+                slot_mapping=torch.tensor(batch.slots[group], device=device),
+                num_decodes=nd,
+                decode_block_tables=decode_tables,
+                decode_context_lens=decode_lens,
+                prefills=prefills,
+            ))
+        return (metas, torch.tensor(batch.input_ids, device=device), torch.tensor(batch.positions, device=device),
                 torch.tensor(batch.logit_rows, dtype=torch.long, device=device))
 
-    def _paged_tensors(self, batch: FlatBatch) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _paged_tensors(self, batch: FlatBatch) -> tuple[list[AttentionMetadata], torch.Tensor, torch.Tensor,
+                                                        torch.Tensor]:
         """`_tensors`'s result, every integer sent in one copy (step_inputs.py), plus the prefill chunks'
         block tables for the Triton kernel. Layout of the one int64 buffer, each part starting on a
-        16-byte boundary (`_aligned`):
-            [input_ids T | positions T | slots T | logit_rows R | decode lens D | chunks 3 x P' |
-             decode tables D x wd | prefill tables P x wp]          (P': P rounded up to even)
-        Triton specialises a pointer on its 16-byte alignment: parts that start wherever the previous
-        one ended would compile the kernels again for each new mix of offsets (1.4-3.6 s each, mid-run).
+        16-byte boundary (`_aligned`): the rows' parts, then each KV-cache group's own
+            [input_ids T | positions T | logit_rows R | decode lens D | chunks 3 x P' |
+             group 0: slots T | decode tables D x wd | prefill tables P x wp | group 1: ... ]
+        (P': P rounded up to even). Triton specialises a pointer on its 16-byte alignment: parts that
+        start wherever the previous one ended would compile the kernels again for each new mix of
+        offsets (1.4-3.6 s each, mid-run).
         """
-        decode_tables = [s.block_table for s in batch.decodes]
-        prefill_tables = batch.prefill_tables
         positions, chunk_lens = batch.positions, batch.chunk_lens
-        nt, nr, nd, npf = len(batch.input_ids), len(batch.logit_rows), len(decode_tables), len(prefill_tables)
-        wd = max((len(t) for t in decode_tables), default=0)
-        wp = max((len(t) for t in prefill_tables), default=0)
+        nt, nr, nd, npf = len(batch.input_ids), len(batch.logit_rows), batch.num_decodes, len(chunk_lens)
+        decode_tables = [batch.decode_tables(group) for group in range(self.num_groups)]
+        groups = [(batch.slots[group], tables, max((len(t) for t in tables), default=0), batch.prefill_tables[group],
+                   max((len(t) for t in batch.prefill_tables[group]), default=0))
+                  for group, tables in enumerate(decode_tables)]   # slots, decode tables, wd, prefill tables, wp
         chunk_width = _aligned(npf)   # each of the three chunk rows aligned too
-        lengths = [nt, nt, nt, nr, nd, 3 * chunk_width, nd * wd, npf * wp]
+        lengths = [nt, nt, nr, nd, 3 * chunk_width]
+        for _, _, wd, _, wp in groups:
+            lengths += [nt, nd * wd, npf * wp]
         starts = list(itertools.accumulate((_aligned(n) for n in lengths), initial=0))
         size = starts[-1]
         buf = self.step_inputs.host(size)
-        for at, values in zip(starts, (batch.input_ids, positions, batch.slots, batch.logit_rows,
-                                       [p + 1 for p in positions[:nd]])):
+        for at, values in zip(starts, (batch.input_ids, positions, batch.logit_rows, [p + 1 for p in positions[:nd]])):
             buf[at:at + len(values)] = values
         for i, values in enumerate((batch.chunk_rows, chunk_lens, batch.chunk_starts)):
-            at = starts[5] + i * chunk_width
+            at = starts[4] + i * chunk_width
             buf[at:at + npf] = values
-        for at, rows, width in ((starts[6], decode_tables, wd), (starts[7], prefill_tables, wp)):
-            for table in rows:
-                buf[at:at + len(table)] = table
-                buf[at + len(table):at + width] = 0
-                at += width
+        for group, (slots, dtables, wd, ptables, wp) in enumerate(groups):
+            first = 5 + 3 * group
+            buf[starts[first]:starts[first] + nt] = slots
+            for at, rows, width in ((starts[first + 1], dtables, wd), (starts[first + 2], ptables, wp)):
+                for table in rows:
+                    buf[at:at + len(table)] = table
+                    buf[at + len(table):at + width] = 0
+                    at += width
         dev = self.step_inputs.send(size)
         views = [dev[at:at + n] for at, n in zip(starts, lengths)]
-        input_t, positions_t, slots_t, rows_t, lens_t, chunks_t, dtables_t, ptables_t = views
+        input_t, positions_t, rows_t, lens_t, chunks_t = views[:5]
         chunks_t = chunks_t.view(3, chunk_width)[:, :npf]
-        ptables_t = ptables_t.view(npf, wp)
-        meta = AttentionMetadata(
-            slot_mapping=slots_t,
-            num_decodes=nd,
-            decode_block_tables=dtables_t.view(nd, wd) if nd else None,
-            decode_context_lens=lens_t if nd else None,
-            prefills=[(row, n, start, ptables_t[i, :len(prefill_tables[i])] if start else None)
-                      for i, (row, n, start) in enumerate(zip(batch.chunk_rows, chunk_lens, batch.chunk_starts))],
-            prefill_chunks=chunks_t if npf else None,
-            prefill_block_tables=ptables_t if npf else None,
-            max_prefill_len=max(chunk_lens, default=0),
-            decode_num_splits=triton_attention.decode_num_splits(nd, self.model.config.num_kv_heads,
-                                                                 max(positions[:nd]) + 1) if nd else 1,
-        )
-        return meta, input_t, positions_t, rows_t
+        decode_num_splits = triton_attention.decode_num_splits(nd, self.model.config.num_kv_heads,
+                                                               max(positions[:nd]) + 1) if nd else 1
+        metas = []
+        for group, (_, _, wd, ptables, wp) in enumerate(groups):
+            slots_t, dtables_t, ptables_t = views[5 + 3 * group:8 + 3 * group]
+            ptables_t = ptables_t.view(npf, wp)
+            metas.append(AttentionMetadata(
+                slot_mapping=slots_t,
+                num_decodes=nd,
+                decode_block_tables=dtables_t.view(nd, wd) if nd else None,
+                decode_context_lens=lens_t if nd else None,
+                prefills=[(row, n, start, ptables_t[i, :len(ptables[i])] if start else None)
+                          for i, (row, n, start) in enumerate(zip(batch.chunk_rows, chunk_lens, batch.chunk_starts))],
+                prefill_chunks=chunks_t if npf else None,
+                prefill_block_tables=ptables_t if npf else None,
+                max_prefill_len=max(chunk_lens, default=0),
+                decode_num_splits=decode_num_splits,
+            ))
+        return metas, input_t, positions_t, rows_t
 
     def sample(self, result: StepResult, seqs: list[Sequence], rows: list[int]) -> list[int]:
         """Tokens of `seqs` from their logit rows (the module's sample(), below)."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
+from engine.config import KVCacheGroup, ModelConfig
 from engine.kernels import cpu_kernels, host_memory, triton_attention
 from engine.kernels.cpu_kernels import packed_numel
 from engine.model.attention import prefill_attention
@@ -17,15 +17,21 @@ from engine.model.linear import Linear, pick_kernel
 
 @dataclass
 class AttentionMetadata:
-    """How this step's tokens map onto the paged KV cache; built once per step, used by every layer.
+    """How this step's tokens map onto the paged KV cache, for one KV-cache group: built once per step
+    and group, used by every layer of the group (one group: every layer). The groups' metadata differ
+    only in their slots and block tables.
 
     Tokens are laid out decodes first, then prefill chunks:
         [d0 d1 ... d(B-1) | p0 chunk tokens ... | p1 chunk tokens ... ]
+
+    In a windowed group's tables the null block 0 stands where the window dropped a block: attention
+    never reads those positions, and no path may read block 0 unmasked (it is never written; a
+    gather that reads whole tables swaps it for a live block first).
     """
 
     slot_mapping: torch.Tensor            # [num_tokens] flat KV slot (block * block_size + offset)
     num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64 (padded with 0)
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64 (padded with 0, the null block)
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64: positions each decode attends, itself included
     # per prefill chunk: (first token row, num tokens, first position, block ids covering 0..end)
     prefills: list[tuple[int, int, int, torch.Tensor]]
@@ -78,11 +84,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 class LlamaModel:
     """Norms and embeddings as plain tensors, projections as `Linear` (q/k/v and gate/up fused);
     forward over a flat batch of tokens. On a CPU with kvtrace's kernels the forward runs on them
-    (engine/model/cpu_forward.py); elsewhere on torch ops, below."""
+    (engine/model/cpu_forward.py); elsewhere on torch ops, below.
+
+    The KV cache is laid out as vLLM lays out its KV-cache groups (`kv_cache_groups`: the engine's,
+    EngineConfig.kv_cache_groups; by default the model's own): one tensor per layer of a group, the
+    j-th layer of every group writing tensor j (through its own group's block table, so the groups'
+    blocks never overlap); one group: a tensor per layer."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, kv_cache_groups: tuple[KVCacheGroup, ...] | None = None) -> None:
         self.config = config
+        self.kv_cache_groups = kv_cache_groups or config.kv_cache_groups
         self.device = device
         self.dtype = dtype
         c = config
@@ -110,6 +122,10 @@ class LlamaModel:
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         self.lm_head = linear(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
+        # layer -> (its KV-cache group, its KV tensor: its place within the group)
+        kv_places = {layer: (g, j) for g, group in enumerate(self.kv_cache_groups)
+                     for j, layer in enumerate(group.layers)}
+        self.num_kv_tensors = max(len(group.layers) for group in self.kv_cache_groups)
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -127,7 +143,12 @@ class LlamaModel:
                 "gate_up": linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
                 "down": linear(w(p + "mlp.down_proj.weight")),
                 "sliding_window": c.layer_windows[i],   # None: full attention
+                "group": kv_places[i][0],               # its metadata: metas[group]
+                "kv_tensor": kv_places[i][1],           # its KV tensor: kv_caches[kv_tensor]
             })
+        # the (group, window) pairs of the layers: the SDPA decodes' gathers and masks, one per pair (a
+        # group's layers share a window, unless the hybrid KV cache is off and one group holds them all)
+        self.decode_kinds = list(dict.fromkeys((layer["group"], layer["sliding_window"]) for layer in self.layers))
         positions = torch.arange(c.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(positions, rope_inv_freq(c))
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -140,34 +161,47 @@ class LlamaModel:
         assert arena is None or used == arena.numel(), "linear_shapes() and the layers built disagree"
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata],
                 kv_caches: list[torch.Tensor], logit_rows: torch.Tensor) -> torch.Tensor:
-        """Compute this step's tokens, write their KV, return logits of `logit_rows`: [rows, vocab]."""
+        """Compute this step's tokens, write their KV, return logits of `logit_rows`: [rows, vocab].
+        metas: one per KV-cache group; kv_caches: one per layer of a group (num_kv_tensors)."""
         if self.cpu_kernels is not None:
-            return forward_on_cpu_kernels(self, input_ids, positions, meta, kv_caches, logit_rows)
+            return forward_on_cpu_kernels(self, input_ids, positions, metas, kv_caches, logit_rows)
         x = self.embed[input_ids]                      # x: [num_tokens, hidden], the residual stream
         rope = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)  # [num_tokens, 1, hd]
-        decode_masks = {}   # per sliding window (None: full attention), when SDPA runs the decodes
-        if meta.num_decodes and not self.use_triton:  # SDPA reads every decode's gathered blocks, masked
-            max_len = meta.decode_block_tables.shape[1] * kv_caches[0].shape[2]
-            key_pos = torch.arange(max_len, device=self.device)
-            lens = meta.decode_context_lens[:, None]
-            for window in {layer["sliding_window"] for layer in self.layers}:
-                # a decode's query is at position len - 1: it attends (len - 1 - window, len - 1]
-                mask = key_pos < lens if window is None else (key_pos < lens) & (key_pos >= lens - window)
-                decode_masks[window] = mask[:, None, None, :]  # [num_decodes, 1, 1, max_blocks * block_size]
+        decode_gathers = {}  # per (group, window), when SDPA runs the decodes: what it gathers, its mask
+        if metas[0].num_decodes and not self.use_triton:
+            block_size = kv_caches[0].shape[2]
+            decode_gathers = {(group, window): self._decode_gather(metas[group], window, block_size)
+                              for group, window in self.decode_kinds}
         pending = None  # the last MLP's output, added to x by the next norm
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer in self.layers:
+            group = layer["group"]
+            meta, kv_cache = metas[group], kv_caches[layer["kv_tensor"]]
             h = self._add_norm(x, pending, layer["input_norm"])
             qkv = layer["qkv"](h)   # [num_tokens, (nh + 2 * nkv) * hd]
             q, k, v = self._rope_and_cache(qkv, rope, kv_cache, meta.slot_mapping)
             window = layer["sliding_window"]
-            attn = self._attention(q, k, v, kv_cache, meta, decode_masks.get(window), window)  # [num_tokens, nh * hd]
+            attn = self._attention(q, k, v, kv_cache, meta, decode_gathers.get((group, window)), window)
             h = self._add_norm(x, layer["o"](attn), layer["post_norm"])
             gate, up = layer["gate_up"](h).chunk(2, dim=-1)
             pending = layer["down"](F.silu(gate) * up)
         last = x[logit_rows]
         return self.lm_head(self._add_norm(last, pending[logit_rows], self.norm)).float()
+
+    def _decode_gather(self, meta: AttentionMetadata, window: int | None,
+                       block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What SDPA's decodes read, for one group's layers of `window`: every block of their tables,
+        flattened, and the mask of the positions each decode attends. Null entries (padding, and the
+        blocks a window dropped) become the row's own last block, which this step wrote: block 0 is never
+        written, and whatever it held would pass through the mask (NaN * 0 is NaN)."""
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens[:, None]   # [nd, max_blocks], [nd, 1]
+        own_block = tables.gather(1, (lens - 1) // block_size)                        # [nd, 1]
+        tables = torch.where(tables == 0, own_block, tables)
+        key_pos = torch.arange(tables.shape[1] * block_size, device=self.device)
+        # a decode's query is at position len - 1: it attends (len - 1 - window, len - 1]
+        mask = key_pos < lens if window is None else (key_pos < lens) & (key_pos >= lens - window)
+        return tables.view(-1), mask[:, None, None, :]   # [nd * max_blocks], [nd, 1, 1, max_blocks * block_size]
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         """x += residual (in place: x is the residual stream), then RMSNorm(x) * weight."""
@@ -191,7 +225,7 @@ class LlamaModel:
         return qk[:, :nh], k, v
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   meta: AttentionMetadata, decode_mask: torch.Tensor | None,
+                   meta: AttentionMetadata, decode_gather: tuple[torch.Tensor, torch.Tensor] | None,
                    sliding_window: int | None) -> torch.Tensor:
         # kv_cache: [2, num_blocks, block_size, nkv, hd]
         _, num_blocks, block_size, nkv, hd = kv_cache.shape
@@ -210,7 +244,7 @@ class LlamaModel:
                                                    sliding_window)
             return out.view(num_tokens, nh * hd)
         if nd:
-            flat_tables = meta.decode_block_tables.view(-1)  # [nd * max_blocks]
+            flat_tables, decode_mask = decode_gather  # [nd * max_blocks], no null block
             # index_select on whole blocks is the fast gather on CPU (advanced indexing is ~3x slower)
             keys = k_cache.index_select(0, flat_tables).view(nd, -1, nkv, hd).transpose(1, 2)  # [nd, nkv, L, hd]
             values = v_cache.index_select(0, flat_tables).view(nd, -1, nkv, hd).transpose(1, 2)

@@ -248,3 +248,13 @@ def test_windowed_engine_on_paged_inputs_matches_dense_reference(make_engine, mo
     worst = max((reference_forward(loaded.config, loaded.weights, tokens)[-1] - logits).abs().max().item()
                 for tokens, logits in seen)
     assert worst < 1e-4, worst
+
+
+@pytest.mark.triton_interpreted
+def test_per_group_tables_through_the_kernels(monkeypatch):
+    """Two KV-cache groups sharing one KV tensor, the windowed group's dropped blocks null (NaN in block 0),
+    through the Triton kernels on the runner's paged inputs (tests/engine/test_hybrid_forward.py)."""
+    from tests.engine.test_hybrid_forward import check_per_group_run
+
+    monkeypatch.setenv("KVTRACE_CPU_KERNELS", "0")
+    check_per_group_run(paged_inputs=True)
