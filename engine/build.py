@@ -73,7 +73,7 @@ def _real(config: EngineConfig, tracer: Tracer | None, loaded: LoadedModel | Non
     device_memory = torch.cuda.get_device_properties(device).total_memory if cuda else None
     device_name = torch.cuda.get_device_name(device) if cuda else ""
     config, max_model_len, geometry = _size(config, loaded.config, device.type, device_memory, device_name)
-    model = LlamaModel(loaded.config, loaded.weights, device, dtype)
+    model = LlamaModel(loaded.config, loaded.weights, device, dtype, config.kv_cache_groups(loaded.config))
     # block ids run 1..num_gpu_blocks: the KV tensor has a slot for the null block 0 too
     runner = ModelRunner(model, geometry.num_gpu_blocks + 1, geometry.block_size, geometry.num_cpu_blocks)
     return LLMEngine(config, loaded.config, geometry, runner, max_model_len=max_model_len, tracer=tracer,
@@ -119,7 +119,11 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
     cuda = config.engine == "real" and device_type == "cuda"
     dtype = device_defaults(config, device_type).dtype   # a config not resolved by LLMEngine: its auto
     element = ELEMENT_BYTES[dtype]
-    bytes_per_block = model_config.kv_values_per_token * config.block_size * element
+    # a block holds KV for the largest KV-cache group's layers (every layer with one group; with several,
+    # a block is in one group's table at a time: ModelRunner's tensors), as vLLM's pages
+    mc = model_config
+    layers_per_block = max(len(group.layers) for group in config.kv_cache_groups(mc))
+    bytes_per_block = layers_per_block * 2 * mc.num_kv_heads * mc.head_dim * config.block_size * element
     derivation = None
     if config.num_gpu_blocks is not None:
         num_gpu_blocks = config.num_gpu_blocks
@@ -132,7 +136,7 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
         if cuda and config.preemption_mode == PreemptionMode.SWAP:   # the swaps' staging buffer
             from engine.executor.model_runner import swap_staging_reserve
 
-            activations += swap_staging_reserve(bytes_per_block, model_config.num_layers)
+            activations += swap_staging_reserve(bytes_per_block, layers_per_block)
         memory = int(device_memory * util) - weights - activations - NON_TORCH_RESERVE
         num_gpu_blocks = max(max(memory, 0) // bytes_per_block - 1, 0)  # V1's null block is one of them
         derivation = {
