@@ -219,7 +219,10 @@ class VllmRecording:
                                "priority": r.priority, "output_tokens": r.output_tokens})
         self.import_items = [Item(i, r.id, r.n, r.priority, item["arrival_s"], len(p), r.max_tokens, r.output_tokens)
                              for i, (r, p, item) in enumerate(zip(requests, ids, self.items))]
-        bytes_per_block = mc.kv_values_per_token * DTYPE_BYTES.get(opts.dtype, 4) * opts.block_size
+        # a vLLM block holds KV for one KV-cache group's layers (every layer unless the model has sliding
+        # windows beside full attention: ModelConfig.kv_cache_groups follows vLLM's grouping)
+        bytes_per_block = (mc.layers_per_kv_cache_group * 2 * mc.num_kv_heads * mc.head_dim
+                           * DTYPE_BYTES.get(opts.dtype, 4) * opts.block_size)
         self.meta = {
             "run_id": run_dir.name, "schema_version": SCHEMA_VERSION, "kvtrace_version": kvtrace.__version__,
             "command": command,
