@@ -12,7 +12,9 @@ from __future__ import annotations
 from engine.config import (
     SWAP_SPACE_DEFAULT,
     EngineConfig,
+    KVReserve,
     ModelConfig,
+    NMode,
     PoolGeometry,
     PreemptionMode,
     device_defaults,
@@ -47,13 +49,30 @@ def _simulated(config: EngineConfig, tracer: Tracer | None, loaded: LoadedModel 
     profile = cost_model.profile
     device_memory = profile.memory_bytes or None
     device_type = "cpu" if not profile.memory_bytes or "cpu" in profile.name else "cuda"
+    check_kv_cache_groups(config, model_config)
     config, max_model_len, geometry = _size(config, model_config, device_type, device_memory, profile.name)
     engine = LLMEngine(config, model_config, geometry, SimExecutor(cost_model, geometry.bytes_per_block),
                        max_model_len=max_model_len, tracer=tracer, model_source=model_source)
-    # async scheduling keeps a token in flight, which no step of the fast path has (engine/sim/fast_path.py)
-    if config.sim_fast_path and not config.async_scheduling:
+    # async scheduling keeps a token in flight, which no step of the fast path has (engine/sim/fast_path.py);
+    # nor does it keep a table per KV-cache group or drop a window's blocks
+    if config.sim_fast_path and not config.async_scheduling and not engine.block_manager.hybrid:
         engine.fast_path = DecodeFastPath(engine)
     return engine
+
+
+def check_kv_cache_groups(config: EngineConfig, model_config: ModelConfig) -> None:
+    """ValueError for what kvtrace does not model with sliding-window layers (several KV-cache groups,
+    or a window on every layer): prefix caching, vLLM V0's swap and copy-on-write forks, --kv-reserve."""
+    if len(config.kv_cache_groups(model_config)) == 1 and config.kv_cache_groups(model_config)[0].window is None:
+        return
+    refused = [what for what, on in [("prefix caching (pass --no-enable-prefix-caching)", config.enable_prefix_caching),
+                                     ("--preemption-mode swap", config.preemption_mode == PreemptionMode.SWAP),
+                                     ("--n-mode cow", config.n_mode == NMode.COW),
+                                     (f"--kv-reserve {config.kv_reserve}", config.kv_reserve != KVReserve.NONE)] if on]
+    if refused:
+        raise ValueError(f"model {model_config.name} has sliding-window layers: kvtrace's engine keeps their KV as "
+                         f"vLLM's hybrid KV cache does, but not yet with {refused[0]}; or pass "
+                         f"--disable-hybrid-kv-cache-manager (every layer's KV kept as full attention's)")
 
 
 def _real(config: EngineConfig, tracer: Tracer | None, loaded: LoadedModel | None) -> LLMEngine:
@@ -72,6 +91,7 @@ def _real(config: EngineConfig, tracer: Tracer | None, loaded: LoadedModel | Non
         loaded = load_weights(config.model, config.load_format, dtype=dtype, seed=config.seed)
     device_memory = torch.cuda.get_device_properties(device).total_memory if cuda else None
     device_name = torch.cuda.get_device_name(device) if cuda else ""
+    check_kv_cache_groups(config, loaded.config)
     config, max_model_len, geometry = _size(config, loaded.config, device.type, device_memory, device_name)
     model = LlamaModel(loaded.config, loaded.weights, device, dtype, config.kv_cache_groups(loaded.config))
     # block ids run 1..num_gpu_blocks: the KV tensor has a slot for the null block 0 too

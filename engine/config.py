@@ -72,6 +72,32 @@ class ModelConfig:
         return tuple(self.sliding_window if t == SLIDING_ATTENTION else None for t in self.layer_types)
 
     @property
+    def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The layers grouped as vLLM groups them for its KV cache (v1/core/kv_cache_utils.py,
+        _get_kv_cache_groups_uniform_page_size): one group per kind of attention (full, each window), in
+        the order the kinds first appear among the layers; a kind with more layers than another's split
+        into several groups of as many layers (every i-th layer), so that every group has the same count
+        (a remainder is padded, as vLLM pads it) unless the largest kind has under 1.5x the smallest's.
+        Each group has its own block table per request over the one pool; a model with one kind of
+        attention has one group."""
+        kinds: dict[int | None, list[int]] = {}
+        for layer, window in enumerate(self.layer_windows):
+            kinds.setdefault(window, []).append(layer)
+        sizes = [len(layers) for layers in kinds.values()]
+        group_size = max(sizes) if max(sizes) < min(sizes) * 1.5 else min(sizes)
+        groups = []
+        for window, layers in kinds.items():
+            num_groups = -(-len(layers) // group_size)
+            groups += [KVCacheGroup(window, tuple(layers[i::num_groups])) for i in range(num_groups)]
+        return tuple(groups)
+
+    @property
+    def layers_per_kv_cache_group(self) -> int:
+        """Layers a block of the pool holds KV for: every layer with one group; with several, the
+        largest group's count (vLLM's pages are one per layer of a group, padded to the same count)."""
+        return max(len(g.layers) for g in self.kv_cache_groups)
+
+    @property
     def kv_values_per_token(self) -> int:
         """K and V values for one token position across all layers."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim
@@ -156,6 +182,19 @@ class ModelConfig:
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                      "ministral": "MinistralForCausalLM"}
 SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table per request: full attention (window None) or one sliding window
+    (blocks wholly before a request's window are dropped mid-request)."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+    @property
+    def kind(self) -> str:
+        return "full_attention" if self.window is None else "sliding_window"
 FULL_ATTENTION = "full_attention"
 HF_DEFAULT_SLIDING_WINDOW = 4096   # MistralConfig's, MinistralConfig's and Qwen2Config's when the key is absent
 
@@ -328,6 +367,9 @@ class EngineConfig:
     kv_reserve: str = "none"             # none: on-demand paging; else hold the whole context from admission
     gpu_memory_utilization: float | None = None  # size the pool as vLLM does, from the device's memory
     follow_vllm: str = VLLM_VERSION      # the vLLM whose decisions the scheduler makes where versions differ
+    # vLLM's --disable-hybrid-kv-cache-manager: a model with sliding-window layers keeps every layer's KV
+    # as full attention's (one block table, nothing dropped; the attention still windowed)
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -387,6 +429,13 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def kv_cache_groups(self, model_config: ModelConfig) -> tuple[KVCacheGroup, ...]:
+        """The KV-cache groups the engine keeps for the model: vLLM's (ModelConfig.kv_cache_groups), or
+        one group of full attention holding every layer with --disable-hybrid-kv-cache-manager."""
+        if self.disable_hybrid_kv_cache_manager:
+            return (KVCacheGroup(None, tuple(range(model_config.num_layers))),)
+        return model_config.kv_cache_groups
 
 GiB = 1 << 30
 

@@ -44,6 +44,8 @@ class AllocReason(StrEnum):
 class FreeReason(StrEnum):
     PREEMPT = "preempt"    # a victim gives up its device blocks (by recompute: its KV is gone; by swap: copied out)
     FINISH = "finish"      # a finished sequence releases its blocks
+    WINDOW = "window"      # mid-request: blocks wholly out of a sliding window (a chunked local attention's chunk)
+    STATE = "state"        # the vLLM capture only: a Mamba layer's state blocks it no longer needs
 
 
 class PreemptReason(StrEnum):
@@ -103,6 +105,10 @@ class KVEvent:
     # order they were evicted. Each is an `evict` of its own in the trace, right before this event
     # (`with_evictions`): one object here instead of one an evicted block keeps a long replay cheap.
     evicted: list[int] | None = None
+    # a model of several KV-cache groups: an alloc's or free's group; a preempt's blocks are every
+    # group's, group by group, kv_group_blocks of them in each (None in a run of one group)
+    kv_group: int | None = None
+    kv_group_blocks: list[int] | None = None
     step: int = 0
     ts_s: float = 0.0
     seq: int = 0                          # global order within the run, set when handed over

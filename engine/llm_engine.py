@@ -107,8 +107,13 @@ class LLMEngine:
         self.stop_token_ids = frozenset(model_config.stop_token_ids)
         g = geometry
         # V1 sizes the watermark on the whole pool, its null block included
+        # a model of several KV-cache groups: a table per group; a window drops blocks mid-request. The
+        # steps that may be in flight at once (vLLM's max_concurrent_batches) bound a window's admission
+        in_flight = config.max_num_batched_tokens * (2 if config.async_scheduling else 1)
         self.block_manager = BlockManager(g.num_gpu_blocks, g.block_size, g.num_cpu_blocks,
-                                          config.enable_prefix_caching, int(config.watermark * (g.num_gpu_blocks + 1)))
+                                          config.enable_prefix_caching, int(config.watermark * (g.num_gpu_blocks + 1)),
+                                          windows=tuple(group.window for group in config.kv_cache_groups(model_config)),
+                                          max_in_flight_tokens=in_flight, max_model_len=max_model_len)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.preemption_mode,
@@ -278,11 +283,17 @@ class LLMEngine:
         end_s = start_s
         if prev is not None:   # the previous step's output: deliver, check stops
             end_s = self.now()
+            if bm.hybrid:   # its positions are processed: a window may drop their blocks from now on
+                for seq in prev.out.seqs:
+                    seq.num_in_flight_tokens = 0
             self._deliver(prev.sampled, end_s)
             emitted = prev.sampled
             stopped = in_batch_order([seq for seq, _ in emitted if seq.finish_reason], prev.out.seqs)
         result = self.runner.execute(out)   # before the frees: a just-stopped sequence may still run
         num_recompute = self._account(out.seqs, out.num_new_tokens, start_s)
+        if bm.hybrid:
+            for seq, num_new in zip(out.seqs, out.num_new_tokens):
+                seq.num_in_flight_tokens = num_new
         events += bm.take_events()
         if prev is not None:
             sampling = {id(s) for s in result.sample_seqs}
@@ -550,7 +561,7 @@ class LLMEngine:
         """Assert the books balance: the block manager's, the queues', the fast path's if any."""
         self.block_manager.check_integrity(self.scheduler.all_seqs())
         for seq in self.scheduler.running:
-            assert len(seq.block_table) * self.block_manager.block_size >= seq.num_computed_tokens, \
+            assert all(len(table) * self.block_manager.block_size >= seq.num_computed_tokens for table in seq.tables()), \
                 f"{seq}: computed positions beyond its blocks"
         for seq in self.scheduler.waiting:
             assert not seq.block_table, f"waiting {seq} holds blocks"

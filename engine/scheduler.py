@@ -151,6 +151,8 @@ class Scheduler:
                 if num_new <= 0:
                     i += 1
                     continue
+            if bm.hybrid:   # a window's blocks behind the processed positions go first
+                bm.drop_out_of_window(seq, seq.num_computed_tokens - seq.num_in_flight_tokens)
             preempted_self = False
             while not bm.can_grow(seq, num_new):
                 victim, why = self._pick_victim(seq)
@@ -378,19 +380,19 @@ class Scheduler:
             self.running.remove(seq)
             out.num_preemptions += 1
             seq.num_preemptions += 1
-            held[id(seq)] = list(seq.block_table)
+            held[id(seq)] = self.bm.blocks_held(seq)
             if seq.reprefill_target:  # cut short while re-prefilling: record what it did redo
                 self.record_reprefill(seq, REPREFILL_INTERRUPTED)
         # A copy-on-write decided for a victim earlier in this step has not run yet: drop it.
         # Its new block holds nothing yet; a swap copies the shared source block instead.
-        tables = {b for seq in seqs for b in held[id(seq)]}
+        tables = {b for seq in seqs for b in held[id(seq)][0]}
         pending_cow = {dst: src for src, dst in out.copies if dst in tables}
         if pending_cow:
             out.copies = [(src, dst) for src, dst in out.copies if dst not in pending_cow]
         if self.preemption_mode == PreemptionMode.SWAP and self.bm.can_swap_out(seqs):
             for seq in seqs:
                 self.bm.events.append(KVEvent(
-                    ev.PREEMPT, seq.req_id, seq.sample, blocks=held[id(seq)], num_tokens=seq.num_computed_tokens,
+                    ev.PREEMPT, seq.req_id, seq.sample, blocks=held[id(seq)][0], num_tokens=seq.num_computed_tokens,
                     reason=PreemptReason.SWAP, requester_req_id=requester_req_id, requester_sample=requester_sample,
                     victim_reason=reasons.get(id(seq), VictimReason.SWAP_GROUP)))
             copies = self.bm.swap_out(seqs)
@@ -407,10 +409,11 @@ class Scheduler:
         reason = (PreemptReason.RECOMPUTE if self.preemption_mode == PreemptionMode.RECOMPUTE
                   else PreemptReason.SWAP_FULL_FALLBACK)
         for seq in seqs:
+            blocks, per_group = held[id(seq)]
             self.bm.events.append(KVEvent(
-                ev.PREEMPT, seq.req_id, seq.sample, blocks=held[id(seq)], num_tokens=seq.num_computed_tokens,
+                ev.PREEMPT, seq.req_id, seq.sample, blocks=blocks, num_tokens=seq.num_computed_tokens,
                 reason=reason, requester_req_id=requester_req_id, requester_sample=requester_sample,
-                victim_reason=reasons.get(id(seq), VictimReason.SWAP_GROUP)))
+                victim_reason=reasons.get(id(seq), VictimReason.SWAP_GROUP), kv_group_blocks=per_group))
             self.bm.free(seq, FreeReason.PREEMPT)
             seq.status = SequenceStatus.WAITING
             seq.protected = False

@@ -68,12 +68,18 @@ class Sequence:
         self.admitted_order = -1                # when last admitted (for the newest policy)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        # a model of several KV-cache groups (ModelConfig.kv_cache_groups): the tables of groups 1, 2, ...
+        # (block_table is group 0's). In a windowed group's table the null block (0) stands where the
+        # window dropped a block, as in vLLM's
+        self.group_tables: list[list[int]] = []
         self.host_block_table: list[int] = []   # while swapped
         self.block_hashes: list[int] = []       # chained hashes of the full blocks in block_table
         self.token_block_hashes: list[int] = []  # chained hashes of full blocks of token_ids (a memo)
         self.num_computed_tokens = 0            # positions whose KV is in the block table
         self.num_undelivered = 0                # --async-scheduling: sampled tokens (last of token_ids)
                                                 # whose output the engine has not processed yet
+        self.num_in_flight_tokens = 0           # --async-scheduling: positions computed in the step whose
+                                                # output is not processed yet (a window keeps their blocks)
         self.num_ever_computed = 0              # high-water mark of positions that had KV
         self.num_reserved_tokens = 0            # --kv-reserve: positions held from admission (0: on demand)
         self._generator: torch.Generator | None = None   # made on first use (see `generator`)
@@ -109,6 +115,14 @@ class Sequence:
             self._generator = torch.Generator()
             self._generator.manual_seed((self.params.seed if self.params.seed is not None else 0) + self.sample)
         return self._generator
+
+    def table(self, group: int) -> list[int]:
+        """The block table of KV-cache group `group` (0: block_table)."""
+        return self.group_tables[group - 1] if group else self.block_table
+
+    def tables(self) -> list[list[int]]:
+        """Every KV-cache group's block table, group 0 first."""
+        return [self.block_table, *self.group_tables]
 
     @property
     def num_tokens(self) -> int:
