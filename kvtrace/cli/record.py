@@ -90,6 +90,9 @@ def record(
                                                         "processed (vLLM V1's default on GPUs; finished requests free "
                                                         "their blocks a step later).")] = False,
     enable_prefix_caching: Annotated[bool, typer.Option(rich_help_panel="Switches", help="Share cached full blocks between requests.")] = True,
+    disable_hybrid_kv_cache_manager: Annotated[bool, typer.Option(rich_help_panel="Switches", help="vLLM's: a model with sliding-window "
+                                                                      "layers keeps every layer's KV as full attention's (one block "
+                                                                      "table, no block dropped mid-request).")] = False,
     sim_fast_path: Annotated[bool, typer.Option(rich_help_panel="Switches", help="--engine sim: make the general pass's decisions "
                                                      "faster where steps only decode (docs/simulation.md); off: the "
                                                      "general pass decides every step (the same trace, slower).")] = True,
@@ -151,6 +154,7 @@ def record(
         enable_prefix_caching=enable_prefix_caching, n_mode=n_mode,
         long_prefill_token_threshold=long_prefill_token_threshold, enable_chunked_prefill=enable_chunked_prefill,
         async_scheduling=async_scheduling, follow_vllm=follow_vllm, sim_fast_path=sim_fast_path,
+        disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
     )
     from kvtrace.record.run import Recording, default_run_dir, recording_console  # torch: imported only when recording
 
@@ -241,6 +245,9 @@ def _record_vllm(a: dict) -> None:
         raise KvtraceError("--hardware is for --engine sim")
     if not a["sim_fast_path"]:
         raise KvtraceError("--no-sim-fast-path is for --engine sim")
+    if a["disable_hybrid_kv_cache_manager"]:
+        raise KvtraceError("--disable-hybrid-kv-cache-manager: with --engine vllm, pass it to vLLM "
+                           "(--vllm-arg=--disable-hybrid-kv-cache-manager)")
     refuse_unsupported(preemption_mode=a["preemption_mode"], preemption_policy=a["preemption_policy"],
                        kv_reserve=a["kv_reserve"], num_cpu_blocks=a["num_cpu_blocks"], swap_space=a["swap_space"],
                        device=a["device"], load_format=a["load_format"],

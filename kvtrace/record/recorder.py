@@ -33,19 +33,22 @@ class TraceWriter:
     """A `Tracer` (engine/events.py) that writes the trace tables of one run folder."""
 
     def __init__(self, run_dir: Path, run_id: str, *, record_token_ids: bool = True,
-                 max_rows: int = 200_000, flush_seconds: float = 2.0, engine_makes_tables: bool = False) -> None:
+                 max_rows: int = 200_000, flush_seconds: float = 2.0, engine_makes_tables: bool = False,
+                 kv_cache_groups: bool = False) -> None:
         """Who makes a chunk's tables from its buffers (the writer thread always writes them):
         - the writer thread (`engine_makes_tables` false): a real engine's steps never wait for it;
         - the engine's thread, at the flush (true: for a simulated engine, whose time is virtual). The
           making is Python work, which in a second thread competes with the engine's for the
           interpreter; the writing (Parquet's encoding) holds no interpreter lock. The cost of either
-          way for the simulator is in benchmarks/log/2026-12.md (2026-12-05)."""
+          way for the simulator is in benchmarks/log/2026-12.md (2026-12-05).
+        `kv_cache_groups`: a model of several KV-cache groups (or a window), whose events carry their groups."""
         self.run_dir = Path(run_dir)
         self.run_id = run_id
         self.record_token_ids = record_token_ids
         self.max_rows = max_rows
         self.flush_seconds = flush_seconds
         self.engine_makes_tables = engine_makes_tables
+        self.kv_cache_groups = kv_cache_groups
         # The buffers of the chunk being filled (tables.py says what each holds). The engine's thread
         # fills them; gpu_samples come from the NVML thread, under `_lock`.
         self._steps: list[StepRecord | DecodeLeap] = []
@@ -184,7 +187,7 @@ class TraceWriter:
         if name == "tokens":
             return self._tokens_table.make(buffer)
         if name == "kv_events":
-            return tables.kv_events_table(buffer, self.run_id)
+            return tables.kv_events_table(buffer, self.run_id, kv_cache_groups=self.kv_cache_groups)
         if name == "steps":
             return tables.steps_table(buffer, self.run_id)
         if name == "requests":

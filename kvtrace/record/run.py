@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import kvtrace
 from engine.build import build_engine
-from engine.config import EngineConfig, scheduling_description
+from engine.config import EngineConfig, ModelConfig, scheduling_description
 from engine.llm_engine import LLMEngine
 from engine.model.tokenizer import load_tokenizer
 from kvtrace.atomic import write_json_atomic
@@ -167,7 +167,8 @@ class Recording:
                         "bytes_per_block": g.bytes_per_block, "num_cpu_blocks": g.num_cpu_blocks,
                         "total_bytes": g.num_gpu_blocks * g.bytes_per_block,
                         "watermark_blocks": engine.block_manager.watermark_blocks,
-                        "kv_reserve": config.kv_reserve, "derivation": g.derivation},
+                        "kv_reserve": config.kv_reserve, "derivation": g.derivation,
+                        "kv_cache_groups": kv_cache_groups(config, mc, g.block_size)},
             "workload": {"path": str(workload), "sha256": workload_sha256(workload),
                          "num_requests": len(items)},
             "replay": {"mode": "backlog" if backlog else ("time-scale" if time_scale else "wallclock"),
@@ -190,7 +191,8 @@ class Recording:
         self.meta["started_at"] = datetime.now(timezone.utc).isoformat()
         self.meta["status"] = "running"
         writer = TraceWriter(self.run_dir, self.meta["run_id"], record_token_ids=self.record_token_ids,
-                             engine_makes_tables=self.engine.simulated)
+                             engine_makes_tables=self.engine.simulated,
+                             kv_cache_groups=self.engine.block_manager.hybrid)
         sampler = NvmlSampler(None if self.engine.simulated else self.engine.device, writer, clock=self.engine.now)
         self.meta["nvml"] = {"enabled": sampler.enabled, "reason": sampler.reason, "fields": sampler.fields}
         write_json_atomic(meta_path, self.meta)
@@ -279,3 +281,13 @@ def print_recorded(console: Console, run_dir: Path, status: str, num_requests: i
         f"{s['output_tokens']} tokens in {s['duration_s']:.1f} s ({s['output_tok_s'] or 0:.1f} tok/s), "
         f"{s['preemptions']} preemptions")
     console.print(f"trace: {run_dir}   next: kvtrace analyze {run_dir}")
+
+
+def kv_cache_groups(config: EngineConfig, mc: ModelConfig, block_size: int) -> list[dict] | None:
+    """meta.json's kv_pool.kv_cache_groups (docs/trace-format.md), as the vLLM capture writes it: None for
+    a model of one group of full attention."""
+    groups = config.kv_cache_groups(mc)
+    if len(groups) == 1 and groups[0].window is None:
+        return None
+    return [{"kind": g.kind, "block_size": block_size, "layers": len(g.layers),
+             **({"sliding_window": g.window} if g.window is not None else {})} for g in groups]

@@ -43,10 +43,12 @@ _REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id" and f no
 _PLAIN_KINDS = frozenset([ev.ALLOC, ev.FREE, ev.FINISH, ev.ADMIT, ev.PREFIX_HIT])
 _RARE_DEFAULTS = {"bytes": 0, "duration_ms": None, "num_cached_tokens": 0, "num_recomputed_tokens": 0,
                   "src_blocks": None, "requester_req_id": None, "requester_sample": None, "victim_reason": None}
+# the KV-cache group columns, read only in a run of several groups
+KV_GROUP_FIELDS = ("kv_group", "kv_group_blocks")
 # the kv_events columns read from every KVEvent (kind aside, which `_kind` reads)
 _COMMON_EVENT_FIELDS = [f for f in TABLES["kv_events"].names
                         if f not in ("run_id", "num_blocks", "kind") and f not in _RARE_DEFAULTS
-                        and f not in CAPTURE_ONLY["kv_events"]]
+                        and f not in KV_GROUP_FIELDS]
 # an evict row's values but its seq, step, ts_s and blocks (the rest null)
 _EVICT_VALUES = {"kind": ev.EVICT, "req_id": "", "sample": 0, "num_tokens": 0, "bytes": 0, "num_cached_tokens": 0,
                  "num_recomputed_tokens": 0}
@@ -84,10 +86,11 @@ def steps_table(records: list[StepRecord | DecodeLeap], run_id: str) -> pa.Table
     return table("steps", columns, run_id)
 
 
-def kv_events_table(items: list[KVEvent | DecodeLeap], run_id: str) -> pa.Table:
+def kv_events_table(items: list[KVEvent | DecodeLeap], run_id: str, kv_cache_groups: bool = False) -> pa.Table:
     """The kv_events table of KVEvents and of leaps' allocs (DecodeLeap.alloc_columns), in
     seq order: an `evict` row for each block an alloc evicted, right before it, with the seq numbers
-    the engine left free for them (engine/events.py, `with_evictions`)."""
+    the engine left free for them (engine/events.py, `with_evictions`). `kv_cache_groups`: a run of
+    several KV-cache groups, whose events' groups are read (else null, as in every older trace)."""
     leaps = [item for item in items if type(item) is DecodeLeap]
     events = [item for item in items if type(item) is not DecodeLeap] if leaps else items
     columns: dict[str, Column] = {column: list(map(attrgetter(column), events)) for column in _COMMON_EVENT_FIELDS}
@@ -115,6 +118,14 @@ def kv_events_table(items: list[KVEvent | DecodeLeap], run_id: str) -> pa.Table:
         columns[column] = values
     blocks = columns["blocks"] = as_arrow(columns["blocks"], TABLES["kv_events"].field("blocks").type)
     columns["num_blocks"] = from_numpy(np.diff(blocks.offsets.to_numpy()), pa.int32())   # a null: 0
+    for column in KV_GROUP_FIELDS:
+        if kv_cache_groups:   # an evict row's or a leap's alloc's: null
+            values = [None] * num_rows
+            for i, event in enumerate(events):
+                values[rows[i]] = getattr(event, column)
+            columns[column] = values
+        else:
+            columns[column] = pa.nulls(num_rows, TABLES["kv_events"].field(column).type)
     return table("kv_events", columns, run_id)
 
 

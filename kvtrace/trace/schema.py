@@ -211,7 +211,7 @@ OPTIONAL_TABLES = {"client_tokens": CLIENT_TOKENS_SCHEMA,         # kvtrace reco
                    "capture_requests": CAPTURE_REQUESTS_SCHEMA,   # kvtrace capture run
                    "spec_decode": SPEC_DECODE_SCHEMA}             # a capture of a speculative-decoding server
 
-# Columns of schema 5 that only a vLLM capture fills so far (kvtrace's engine and simulator have one
-# group and draft nothing): their writers leave them null.
-CAPTURE_ONLY = {"kv_events": ("kv_group", "kv_group_blocks"), "steps": ("draft_tokens", "accepted_tokens"),
+# Columns of schema 5 that only a vLLM capture fills so far (kvtrace's engine and simulator draft
+# nothing): their writers leave them null.
+CAPTURE_ONLY = {"steps": ("draft_tokens", "accepted_tokens"),
                 "requests": ("draft_tokens", "accepted_tokens")}
