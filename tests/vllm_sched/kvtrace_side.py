@@ -15,20 +15,52 @@ A step's record, on both sides (keys as the driver writes them):
     finished      requests whose blocks were freed in the step, in the order they were freed
     free_queue    the free queue's block ids at the end of the step, next reused first
     placeholders  (async) [request:sample, tokens in flight] at the end of the step
+A hybrid model's (a workload whose config names "kv_cache_groups"), also:
+    given         [request:sample, [new block ids of each KV-cache group]] of each scheduled request
+    dropped       [request:sample, group, block ids] that a sliding window dropped in the step
+                  (admitted and grown then list every group's blocks, group by group, null blocks left out)
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
+from engine import events as ev
 from engine.build import build_engine
-from engine.config import VLLM_VERSION, EngineConfig, PreemptionPolicy
+from engine.config import (
+    FULL_ATTENTION,
+    PRESETS,
+    SLIDING_ATTENTION,
+    VLLM_VERSION,
+    EngineConfig,
+    PreemptionPolicy,
+)
 from engine.llm_engine import LLMEngine
+from engine.model.loader import LoadedModel
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, SequenceStatus
 
 PLANTS = ("wrong-victim", "head-first-free", "no-prefix-hits", "threshold-ignored")
+# a hybrid model's (a workload of several KV-cache groups): no window drops a block; a window drops the
+# blocks of positions still in flight (async); a whole request's admission counts a window's every block
+HYBRID_PLANTS = ("window-ignored", "in-flight-dropped", "admission-uncapped")
 
 
 def key(seq) -> str:
     return f"{seq.req_id}:{seq.sample}"
+
+
+def model(cfg: dict) -> LoadedModel | None:
+    """The simulated model: the tiny preset, or for a hybrid workload the tiny preset with one layer per
+    KV-cache group the workload names ("full", "sliding": a window of `window_blocks` blocks), whose
+    groups are vLLM's in the same order (the workloads name only orders vLLM's grouping makes)."""
+    kinds = cfg.get("kv_cache_groups")
+    if not kinds:
+        return None
+    layer_types = tuple(SLIDING_ATTENTION if k == "sliding" else FULL_ATTENTION for k in kinds)
+    config = replace(PRESETS["tiny"], num_layers=len(kinds), layer_types=layer_types,
+                     sliding_window=cfg.get("window_blocks", 4) * cfg["block_size"])
+    assert [g.window is not None for g in config.kv_cache_groups] == [k == "sliding" for k in kinds], kinds
+    return LoadedModel(config, {}, "a tiny hybrid model")
 
 
 def build(cfg: dict, vllm_version: str = VLLM_VERSION) -> LLMEngine:
@@ -39,7 +71,7 @@ def build(cfg: dict, vllm_version: str = VLLM_VERSION) -> LLMEngine:
                           long_prefill_token_threshold=cfg["long_prefill_token_threshold"],
                           preemption_policy=policy, async_scheduling=cfg["async"],
                           enable_prefix_caching=cfg["enable_prefix_caching"])
-    engine = build_engine(config)
+    engine = build_engine(config, loaded=model(cfg))
     engine.scheduler.follow(vllm_version)
     engine.keep_outputs = False
     return engine
@@ -61,8 +93,15 @@ def plant(engine: LLMEngine, bug: str) -> None:
         bm.match_prefix = lambda seq: []
     elif bug == "threshold-ignored":
         sched.long_prefill_token_threshold = 0
+    elif bug == "window-ignored":
+        bm.drop_out_of_window = lambda seq, num_processed: None
+    elif bug == "in-flight-dropped":
+        drop = bm.drop_out_of_window
+        bm.drop_out_of_window = lambda seq, num_processed: drop(seq, seq.num_computed_tokens)
+    elif bug == "admission-uncapped":
+        bm.admission_caps = (None,) * len(bm.admission_caps)
     else:
-        raise ValueError(f"no such plant {bug!r} (one of {', '.join(PLANTS)})")
+        raise ValueError(f"no such plant {bug!r} (one of {', '.join(PLANTS + HYBRID_PLANTS)})")
 
 
 def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION, tracer=None) -> list[dict]:
@@ -95,24 +134,32 @@ def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION
     bm.uncache_from = uncache_and_note
 
     def schedule_and_note():
-        before = {id(s): len(s.block_table) for s in sched.running}
+        before = {id(s): [len(t) for t in s.tables()] for s in sched.running}
         was_preempted = {id(s): s.num_preemptions > 0 for s in sched.waiting}
         num_events = len(bm.events)
         uncached.clear()
         out = Scheduler.schedule(sched)
-        scheduled, admitted, grown = [], [], []
+        scheduled, admitted, grown, given = [], [], [], []
         for seq, n in zip(out.seqs, out.num_new_tokens):
             scheduled.append([key(seq), n])
+            since = before.get(id(seq), [0] * len(seq.tables()))
+            new = [[b for b in table[start:] if b] for table, start in zip(seq.tables(), since)]
             if id(seq) in before:
-                new = seq.block_table[before[id(seq)]:]
-                if new:
-                    grown.append([key(seq), list(new)])
+                if any(new):
+                    grown.append([key(seq), [b for blocks in new for b in blocks]])
             else:
                 kind = "resumed" if was_preempted[id(seq)] else "new"
-                admitted.append([key(seq), kind, seq.num_computed_tokens, list(seq.block_table)])
-        preempted = [f"{e.req_id}:{e.sample}" for e in bm.events[num_events:] if e.kind == "preempt"]
+                admitted.append([key(seq), kind, seq.num_computed_tokens, [b for t in seq.tables() for b in t if b]])
+            if any(new):
+                given.append([key(seq), new])
+        events = bm.events[num_events:]
+        preempted = [f"{e.req_id}:{e.sample}" for e in events if e.kind == "preempt"]
         seen.update(scheduled=scheduled, preempted=preempted, admitted=admitted, grown=grown,
                     uncached=list(uncached), num_free=bm.num_free_blocks, num_cached=bm.num_cached_free_blocks)
+        if bm.hybrid:
+            seen.update(given=sorted(given), dropped=sorted(
+                [f"{e.req_id}:{e.sample}", e.kv_group, sorted(e.blocks)] for e in events
+                if e.kind == ev.FREE and e.reason == ev.FreeReason.WINDOW))
         return out
     sched.schedule = schedule_and_note
 
@@ -137,7 +184,10 @@ def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION
             continue
         finished.clear()
         engine.step()
-        record = {"step": step, **seen, "finished": list(finished), "free_queue": list(bm.free_queue)}
+        record = {"step": step, **{k: v for k, v in seen.items() if k not in ("given", "dropped")},
+                  "finished": list(finished), "free_queue": list(bm.free_queue)}
+        if bm.hybrid:   # in the driver's order of keys
+            record.update(given=seen["given"], dropped=seen["dropped"])
         if cfg["async"]:
             record["placeholders"] = sorted([key(s), s.num_undelivered] for s in sched.running + list(sched.waiting)
                                             if s.num_undelivered and s.status != SequenceStatus.FINISHED)

@@ -25,11 +25,32 @@ def positions(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
     return min(prompt_len + max_tokens - 1, max_model_len - 1)
 
 
+# a hybrid model's KV-cache groups, in orders vLLM's grouping makes (ModelConfig.kv_cache_groups): a window
+# on every layer (Mistral), full attention beside a window either way round, two windowed groups beside one
+# full (Gemma 3's pattern, shortened)
+HYBRID_GROUPS = [["sliding"], ["full", "sliding"], ["sliding", "full"], ["sliding", "sliding", "full"]]
+
+
+def blocks_needed(prompt_len: int, max_tokens: int, cfg: dict) -> int:
+    """Blocks a request holds at most, every KV-cache group's: a windowed group's no more than vLLM's
+    admission cap (a window less one position, the steps in flight, one block more)."""
+    bs, max_model_len = cfg["block_size"], cfg["max_model_len"]
+    need = -(-positions(prompt_len, max_tokens, max_model_len) // bs)
+    kinds = cfg.get("kv_cache_groups")
+    if not kinds:
+        return need
+    window = cfg["window_blocks"] * bs
+    in_flight = cfg["max_num_batched_tokens"] * (2 if cfg["async"] else 1)
+    cap = -(-min(window - 1 + in_flight, max_model_len) // bs) + 1
+    return sum(need if kind == "full" else min(need, cap) for kind in kinds)
+
+
 @st.composite
-def workloads(draw, asynchronous: bool) -> dict:
+def workloads(draw, asynchronous: bool, hybrid: bool = False) -> dict:
     """Hypothesis draws the structure (sizes, kinds, limits, arrivals) and a seed; the token ids come
     from the seed, which keeps generation cheap enough for thousands of workloads a run (shrinking
-    still shortens prompts and drops requests)."""
+    still shortens prompts and drops requests). `hybrid`: a model of sliding windows beside full
+    attention (HYBRID_GROUPS, windows of 1 to 4 blocks), without prefix caching."""
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
     vocab = draw(st.sampled_from([3, 50, 500]))   # a tiny vocabulary repeats blocks: accidental prefix hits
@@ -66,15 +87,17 @@ def workloads(draw, asynchronous: bool) -> dict:
     max_num_batched_tokens = max(max_num_seqs, draw(st.sampled_from([4, 8, 16, 32, 64, 256])))
     threshold = draw(st.sampled_from([0, 0, 1, 4, 16, 48]))
     threshold = min(threshold, max_model_len)
-    need = [-(-positions(len(r["prompt"]), r["max_tokens"], max_model_len) // block_size) for r in requests]
+    config = {"block_size": block_size, "max_num_seqs": max_num_seqs,
+              "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
+              "long_prefill_token_threshold": threshold, "policy": policy, "async": asynchronous,
+              "enable_prefix_caching": False if hybrid else draw(st.sampled_from([True, True, True, False]))}
+    if hybrid:
+        config.update(kv_cache_groups=draw(st.sampled_from(HYBRID_GROUPS)), window_blocks=draw(st.integers(1, 4)))
+    need = [blocks_needed(len(r["prompt"]), r["max_tokens"], config) for r in requests]
     total = sum(n * r["n"] for n, r in zip(need, requests))
     slack = max(total - max(need), 0)   # 0: just fits the longest request; slack: holds every request at once
     num_blocks = max(need) + draw(st.sampled_from([0, 0, 1, 2, slack // 4, slack // 2, slack + 4]))
-    return {"config": {"block_size": block_size, "num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
-                       "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
-                       "long_prefill_token_threshold": threshold, "policy": policy, "async": asynchronous,
-                       "enable_prefix_caching": draw(st.sampled_from([True, True, True, False]))},
-            "requests": requests}
+    return {"config": {"block_size": block_size, "num_blocks": num_blocks, **config}, "requests": requests}
 
 
 def tally(steps: list[dict]) -> dict[str, int]:
@@ -84,4 +107,5 @@ def tally(steps: list[dict]) -> dict[str, int]:
             "preempting": int(any(s["preempted"] for s in steps)),
             "hitting": int(any(a[2] > 0 for a in admitted)),
             "resuming": int(any(a[1] == "resumed" for a in admitted)),
-            "uncaching": int(any(s["uncached"] for s in steps))}
+            "uncaching": int(any(s["uncached"] for s in steps)),
+            "dropping": int(any(s.get("dropped") for s in steps))}
