@@ -51,7 +51,7 @@ def _simulated(config: EngineConfig, tracer: Tracer | None, loaded: LoadedModel 
     device_type = "cpu" if not profile.memory_bytes or "cpu" in profile.name else "cuda"
     check_kv_cache_groups(config, model_config)
     config, max_model_len, geometry = _size(config, model_config, device_type, device_memory, profile.name)
-    engine = LLMEngine(config, model_config, geometry, SimExecutor(cost_model, geometry.bytes_per_block),
+    engine = LLMEngine(config, model_config, geometry, SimExecutor(cost_model, geometry.bytes_per_block, model_config.layer_windows),
                        max_model_len=max_model_len, tracer=tracer, model_source=model_source)
     # async scheduling keeps a token in flight, which no step of the fast path has (engine/sim/fast_path.py);
     # nor does it keep a table per KV-cache group or drop a window's blocks

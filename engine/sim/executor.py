@@ -27,10 +27,17 @@ class SimExecutor:
     is_cuda = False
     emits_token_ids = False   # placeholders: the trace records them as null
 
-    def __init__(self, cost_model: CostModel, bytes_per_block: int) -> None:
+    def __init__(self, cost_model: CostModel, bytes_per_block: int,
+                 layer_windows: tuple[int | None, ...] = ()) -> None:
+        """`layer_windows`: each layer's sliding window (None: full attention), a windowed layer reading
+        no more than its window of keys per query; empty: every layer reads the whole context."""
         self.cost_model = cost_model
         self.bytes_per_block = bytes_per_block
         self.now_s = 0.0        # virtual time, seconds
+        windows = [w for w in layer_windows if w is not None]
+        # (window, share of the layers): a step's KV reads and attention pairs are the layers' mean
+        self.window_shares = [(None, 1 - len(windows) / len(layer_windows))] + [
+            (w, windows.count(w) / len(layer_windows)) for w in sorted(set(windows))] if windows else []
 
     def clock(self) -> float:
         return self.now_s
@@ -82,6 +89,8 @@ class SimExecutor:
                 num_pairs += num_new * (start + (num_new + 1) / 2)
                 if end == num_tokens:
                     prefill_samples.append(seq)
+            if self.window_shares:
+                num_kv, num_pairs = self._windowed_reads(out)
             result.sample_seqs = decodes + prefill_samples
             result.num_prefill_tokens = num_prefill
             result.num_decode_tokens = num_lazy + len(decodes)
@@ -89,6 +98,22 @@ class SimExecutor:
             total_ms += timing.forward
         self.now_s += total_ms / 1000
         return result
+
+    def _windowed_reads(self, out: SchedulerOutput) -> tuple[float, float]:
+        """The step's KV positions read and attention pairs, each layer's mean, a windowed layer's query
+        at position p reading min(p + 1, window) keys (`execute`'s num_kv and num_pairs for windows)."""
+        num_kv = num_pairs = 0.0
+        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            start = seq.num_computed_tokens
+            end = start + num_new
+            decode = len(seq.token_ids) - start <= 1 and len(seq.token_ids) != seq.num_prompt_tokens
+            for window, share in self.window_shares:
+                w = end if window is None or window > end else window
+                num_kv += share * w
+                if not decode:   # keys read by queries start+1..end (1-based), each min(q, w)
+                    below = max(0, min(end, w) - start)   # queries reading all their keys
+                    num_pairs += share * (below * (2 * start + below + 1) / 2 + (num_new - below) * w)
+        return num_kv, num_pairs
 
     def decode_clock(self, num_decodes: int, held: int, max_steps: int, until_s: float,
                      origin: float) -> tuple[list[float], list[float], list[float]]:

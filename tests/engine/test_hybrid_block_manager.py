@@ -126,3 +126,19 @@ def test_what_the_block_manager_does_not_model_with_windows_is_refused(option):
     # vLLM's --disable-hybrid-kv-cache-manager: one table of full attention's, which these all work with
     engine = build_engine(replace(config, disable_hybrid_kv_cache_manager=True), loaded=LoadedModel(model, {}, "test"))
     assert not engine.block_manager.hybrid
+
+
+def test_the_simulator_costs_a_windowed_layer_at_most_its_window_of_keys():
+    """The simulated step time of a windowed model: a window longer than every context costs as full
+    attention does; a short one makes long-context steps cheaper, by the windowed layers' share."""
+    def step_ms(layer_types, window):
+        tracer = ListTracer()
+        engine = hybrid_engine(layer_types, window, tracer=tracer, block_size=16, num_gpu_blocks=400)
+        engine.add_request("long", [3 + i % 500 for i in range(1500)], SamplingParams(max_tokens=40, ignore_eos=True))
+        run_checked(engine)
+        return [r.end_s - r.start_s for r in tracer.records]
+    dense = step_ms((F, F), None)
+    assert step_ms((S, S), 4096) == dense and step_ms((F, S), 4096) == dense
+    mistral, half = step_ms((S, S), 64), step_ms((F, S), 64)
+    assert len(mistral) == len(half) == len(dense)
+    assert all(m < h < d for m, h, d in zip(mistral, half, dense))
