@@ -85,9 +85,12 @@ WINDOWED = {"all": ((S, S), 5), "mixed": ((S, F, S), 6)}
 def run_windowed(make_engine, loaded: LoadedModel, paged_inputs: bool = False, **settings) -> list:
     """Chunked prefill mixed with decodes, then a prefix-cache hit of 3 blocks whose chunk starts past the
     window; prompts of 1 to 23 tokens, 8 generated. Returns each sampled row with its tokens.
-    `paged_inputs`: the runner's one-copy inputs, as on CUDA (the Triton kernels' under the interpreter)."""
+    `paged_inputs`: the runner's one-copy inputs, as on CUDA (the Triton kernels' under the interpreter).
+    Every layer's KV in one table of full attention's (the engine refuses prefix caching beside a table
+    per KV-cache group so far): the window is the attention's alone here; the tables per group and the
+    blocks windows drop are test_hybrid_forward.py's and the tests against transformers below."""
     engine = make_engine(loaded=loaded, block_size=4, max_num_batched_tokens=13, enable_prefix_caching=True,
-                         **settings)
+                         disable_hybrid_kv_cache_manager=True, **settings)
     if paged_inputs:
         assert engine.model.use_triton
         engine.runner.paged_inputs = True
@@ -177,25 +180,56 @@ def hf_folder(folder: Path, kind: str, seed: int) -> Path:
     return folder
 
 
-def kvtrace_greedy(folder: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    engine = build_engine(EngineConfig(model=str(folder), dtype="float32", block_size=8, num_gpu_blocks=128,
-                                       max_num_batched_tokens=48, enable_prefix_caching=True))
+def kvtrace_greedy(folder: Path, prompts: list[list[int]], max_tokens: int, tracer=None,
+                   **settings) -> list[list[int]]:
+    settings = {"block_size": 8, "num_gpu_blocks": 128, "max_num_batched_tokens": 48, "enable_prefix_caching": False,
+                **settings}
+    engine = build_engine(EngineConfig(model=str(folder), dtype="float32", **settings), tracer)
     return engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def transformers_greedy(folder: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    return json.loads(subprocess.run(
+        [VLLM_PYTHON, str(Path(__file__).parents[1] / "helpers" / "transformers_greedy.py")],
+        input=json.dumps([{"model": str(folder), "prompts": prompts, "max_tokens": max_tokens}]),
+        capture_output=True, text=True, check=True, timeout=600).stdout)[0]
 
 
 # transformers is in vLLM's environment, not kvtrace's: these run with the vLLM tests (marked vllm)
 @pytest.mark.parametrize("kind", [pytest.param(kind, marks=VLLM_MARKS) for kind in HF_CONFIGS])
 def test_greedy_tokens_equal_transformers(tmp_path, kind):
     """Prompts of 60 to 100 tokens, 24 generated, windows of 16 to 24: kvtrace's engine (prefills in
-    chunks of 48) and transformers, the same weights and config.json, give the same greedy tokens."""
+    chunks of 48, a table per KV-cache group, the windows dropping blocks) and transformers, the same
+    weights and config.json, give the same greedy tokens."""
     folder = hf_folder(tmp_path / kind, kind, seed=len(kind))
     assert ModelConfig.from_hf_config(kind, json.loads((folder / "config.json").read_text())).layer_windows \
         == HF_WINDOWS[kind]
     rng = random.Random(len(kind))
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (60, 77, 100)]
     ours = kvtrace_greedy(folder, prompts, 24)
-    theirs = json.loads(subprocess.run(
-        [VLLM_PYTHON, str(Path(__file__).parents[1] / "helpers" / "transformers_greedy.py")],
-        input=json.dumps([{"model": str(folder), "prompts": prompts, "max_tokens": 24}]), capture_output=True,
-        text=True, check=True, timeout=600).stdout)[0]
-    assert ours == theirs
+    assert ours == transformers_greedy(folder, prompts, 24)
+
+
+# pools of blocks of 8 that run short although the windows drop blocks, in steps of 16 tokens: the
+# Mistral-style model's one group (every layer windowed: nulls in block_table) and the Ministral-style
+# model's three (two windowed groups beside the full one, a table each)
+TIGHT_POOLS = {"mistral": 10, "ministral": 36}
+
+
+@pytest.mark.parametrize("kind", [pytest.param(kind, marks=VLLM_MARKS) for kind in TIGHT_POOLS])
+def test_greedy_tokens_equal_transformers_when_windows_drop_blocks_and_requests_are_preempted(tmp_path, kind):
+    """Six prompts of 45 to 100 tokens, 24 generated, on a pool so small that requests are preempted (by
+    recompute) and resumed while their windows drop blocks mid-request (freed and handed out again):
+    kvtrace's engine keeps a table per KV-cache group, and its greedy tokens are transformers'."""
+    from tests.helpers.engine_runs import ListTracer
+
+    folder = hf_folder(tmp_path / kind, kind, seed=len(kind))
+    rng = random.Random(len(kind))
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (60, 77, 100, 45, 90, 70)]
+    tracer = ListTracer()
+    ours = kvtrace_greedy(folder, prompts, 24, tracer, num_gpu_blocks=TIGHT_POOLS[kind], max_num_batched_tokens=16,
+                          enable_prefix_caching=False, max_model_len=128)
+    happened = {(e.kind, e.reason) for e in tracer.events}
+    assert {("free", "window"), ("preempt", "recompute"), ("admit", "resume-recompute")} <= happened, happened
+    assert ("finish", "rejected") not in happened
+    assert ours == transformers_greedy(folder, prompts, 24)
