@@ -66,20 +66,12 @@ class BlockManager:
     it when taken). So `free_uncached` is a stack whose end is the queue's front (a step's blocks are
     taken and given back by slices), and `free_cached` holds the rest in LRU order (a prefix hit takes
     one out of the middle). `free_queue` is the whole queue, front first.
-
-    KV-cache groups (`windows`: each group's sliding window, None for full attention; ModelConfig.
-    kv_cache_groups) as vLLM's hybrid coordinator keeps them (v1/core/kv_cache_coordinator.py,
-    single_type_kv_cache_manager.py): a sequence holds one table per group over the one pool, group 0's
-    in `block_table`, the others' in `group_tables`; each group is allocated for every position, group by
-    group; a windowed group's blocks wholly before the window of the next position to compute are freed
-    before the sequence grows (`drop_out_of_window`), the null block (0) standing where they were; a whole
-    request's admission counts a windowed group's blocks up to vLLM's cap (a window's worth plus what
-    the steps in flight may add). With one group of full attention (`hybrid` False) none of it runs.
     """
 
+    hybrid = False   # several KV-cache groups, or a window: HybridBlockManager
+
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int,
-                 enable_prefix_caching: bool, watermark_blocks: int, windows: tuple[int | None, ...] = (None,),
-                 max_in_flight_tokens: int = 0, max_model_len: int = 0) -> None:
+                 enable_prefix_caching: bool, watermark_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
@@ -97,15 +89,7 @@ class BlockManager:
         self.shared_fill: dict[int, int] = {}   # block id -> KV positions in it, while ref_count > 1
         self.events: list[KVEvent] = []
         self.evicted: list[int] = []   # blocks evicted since the last alloc event, which takes them
-        self.windows = tuple(windows)   # each KV-cache group's sliding window (None: full attention)
-        self.hybrid = self.windows != (None,)
-        # vLLM's cap on the blocks a windowed group counts for a whole request at admission
-        # (SlidingWindowSpec.max_admission_blocks_per_request): the window less one position, the tokens
-        # the steps in flight may add (max_in_flight_tokens), a block more for a window that starts mid-block
-        self.admission_caps = tuple(
-            None if w is None else
-            self.blocks_for(min(w - 1 + max_in_flight_tokens, max_model_len) if max_model_len else w - 1 + max_in_flight_tokens) + 1
-            for w in self.windows)
+        self.windows: tuple[int | None, ...] = (None,)   # one KV-cache group of full attention (HybridBlockManager)
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -131,16 +115,11 @@ class BlockManager:
 
     def can_ever_hold(self, num_tokens: int) -> bool:
         """Whether a sequence of this many KV positions fits an otherwise empty pool."""
-        if self.hybrid:
-            return self._blocks_to_admit(num_tokens) <= self.num_blocks
         return self.blocks_for(num_tokens) <= self.num_blocks
 
     def num_kv_positions(self, running: list[Sequence], held: int | None = None) -> int:
         """KV positions stored in device blocks, a shared position counted once. `held`: the running
         sequences' computed positions, when the caller has their sum already."""
-        if self.hybrid:   # every group's positions (a block holds one group's), less those windows dropped
-            bs = self.block_size
-            return sum(s.num_computed_tokens - table.count(0) * bs for s in running for table in s.tables())
         if held is None:
             held = sum(map(_computed, running))
         return held - sum((self.blocks[b].ref_count - 1) * fill for b, fill in self.shared_fill.items())
@@ -324,8 +303,6 @@ class BlockManager:
         prompt fits, though it allocates the first chunk only), above the watermark if `watermark`.
         A cached block that is free counts as taken: admission takes it off the free queue."""
         num_tokens = seq.num_tokens if seq.num_tokens > seq.num_reserved_tokens else seq.num_reserved_tokens
-        if self.hybrid:
-            return self._blocks_to_admit(num_tokens) + (self.watermark_blocks if watermark else 0) <= self.num_free_blocks
         num_evictable = sum(1 for b in cached_ids if self.blocks[b].ref_count == 0)
         num_needed = self.blocks_for(num_tokens) - len(cached_ids) + num_evictable
         return num_needed + (self.watermark_blocks if watermark else 0) <= self.num_free_blocks
@@ -334,9 +311,6 @@ class BlockManager:
         """Admit: map the cached prefix, allocate blocks for this step's `num_new_tokens` (or the whole
         reservation, --kv-reserve), cache the full blocks this step computes."""
         assert not seq.block_table, f"{seq} already holds blocks"
-        if self.hybrid:
-            self._allocate_groups(seq, num_new_tokens)
-            return
         self._touch(cached_ids)
         num_cached_tokens = len(cached_ids) * self.block_size
         if cached_ids:
@@ -361,8 +335,6 @@ class BlockManager:
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether free blocks can hold the sequence's next `num_new_tokens` positions."""
-        if self.hybrid:
-            return self._blocks_to_grow(seq, num_new_tokens) <= self.num_free_blocks
         num_needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
         if num_needed <= 0:
             return not self.shared_fill or not self._needs_cow(seq) or self.num_free_blocks >= 1
@@ -371,9 +343,6 @@ class BlockManager:
     def grow(self, seq: Sequence, num_new_tokens: int) -> tuple[int, int] | None:
         """Give the sequence blocks for its next `num_new_tokens` positions and cache the full blocks
         they complete; return a (src, dst) block copy if its next block was shared (copy-on-write)."""
-        if self.hybrid:
-            self._grow_groups(seq, num_new_tokens)
-            return None
         copy = None
         if self.shared_fill and self._needs_cow(seq):
             index = seq.num_computed_tokens // self.block_size
@@ -406,9 +375,6 @@ class BlockManager:
     def _release_table(self, seq: Sequence, reason: str) -> None:
         """Drop the sequence's device references, tail first (V1's order: a prefix's tail is evicted
         before its head)."""
-        if self.hybrid:
-            self._release_groups(seq, reason)
-            return
         freed = self._release_blocks(reversed(seq.block_table))
         if freed:
             self.events.append(KVEvent(ev.FREE, seq.req_id, seq.sample, blocks=freed, reason=reason))
@@ -523,79 +489,10 @@ class BlockManager:
             self.free_host(seq)
         return copies
 
-    # ---- KV-cache groups ------------------------------------------------------------------
-    def _blocks_to_admit(self, num_tokens: int) -> int:
-        """Blocks a whole request of `num_tokens` positions counts at admission, every group's: a
-        windowed group's no more than its cap (vLLM: get_num_blocks_to_allocate with the admission cap)."""
-        need = self.blocks_for(num_tokens)
-        return sum(need if cap is None or need < cap else cap for cap in self.admission_caps)
-
-    def _allocate_groups(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Admit (no prefix cache): blocks for the first `num_new_tokens` positions in every group."""
-        num_blocks = self.blocks_for(num_new_tokens)
-        tables = []
-        for group in range(len(self.windows)):
-            new_ids = self._allocate_blocks(num_blocks)
-            if new_ids:
-                self._alloc_event(seq, new_ids, AllocReason.PREFILL, group)
-            tables.append(list(new_ids))   # the table grows; the event's list stays as it was
-        seq.block_table, seq.group_tables = tables[0], tables[1:]
-        seq.block_hashes = []
-        seq.num_computed_tokens = 0
-
-    def drop_out_of_window(self, seq: Sequence, num_processed: int) -> None:
-        """Free, in each windowed group, the sequence's blocks wholly before the window of position
-        `num_processed` (the next to compute, less any still in flight), tail first, the null block
-        taking their place (vLLM: remove_skipped_blocks, at the start of every allocate_slots)."""
-        bs = self.block_size
-        for group, (table, window) in enumerate(zip(seq.tables(), self.windows)):
-            if window is None or num_processed < window:
-                continue
-            last = min((num_processed - window + 1) // bs, len(table))
-            dropped = []
-            for i in range(last - 1, -1, -1):
-                if not table[i]:
-                    break   # dropped by an earlier step, as every block before it
-                dropped.append(table[i])
-                table[i] = 0
-            if dropped:
-                freed = self._release_blocks(dropped)
-                if freed:
-                    self.events.append(KVEvent(ev.FREE, seq.req_id, seq.sample, blocks=freed,
-                                               reason=FreeReason.WINDOW, kv_group=group))
-
-    def _blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks every group takes for the sequence's next `num_new_tokens` positions (a dropped
-        block still counts as a table entry)."""
-        num_blocks = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
-        return sum(num_blocks - len(table) for table in seq.tables() if len(table) < num_blocks)
-
-    def _grow_groups(self, seq: Sequence, num_new_tokens: int) -> None:
-        num_blocks = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
-        reason = AllocReason.PREFILL if seq.is_prefilling else AllocReason.DECODE
-        for group, table in enumerate(seq.tables()):
-            if len(table) < num_blocks:
-                new_ids = self._allocate_blocks(num_blocks - len(table))
-                table += new_ids
-                self._alloc_event(seq, new_ids, reason, group)
-
-    def _release_groups(self, seq: Sequence, reason: str) -> None:
-        """Each group's blocks released tail first, group by group (vLLM's coordinator frees each
-        manager's in turn), those a window dropped aside."""
-        for group, table in enumerate(seq.tables()):
-            freed = self._release_blocks(reversed(table[table.count(0):]))
-            if freed:
-                self.events.append(KVEvent(ev.FREE, seq.req_id, seq.sample, blocks=freed, reason=reason, kv_group=group))
-        seq.block_table, seq.group_tables = [], []
-        seq.block_hashes = []
-
     def blocks_held(self, seq: Sequence) -> tuple[list[int], list[int] | None]:
         """The device blocks the sequence holds (a preempt event's), group by group, and how many each
         group has (None for a model of one group of full attention)."""
-        if not self.hybrid:
-            return list(seq.block_table), None
-        tables = [table[table.count(0):] for table in seq.tables()]
-        return [b for table in tables for b in table], [len(table) for table in tables]
+        return list(seq.block_table), None
 
     # ---- integrity ----------------------------------------------------------------------
     def check_integrity(self, seqs: list[Sequence]) -> None:
@@ -646,3 +543,110 @@ class BlockManager:
         assert len(host_free) == len(self.free_cpu_block_ids), "duplicate id in the host free list"
         assert not host_free & host_used, "host block both free and used"
         assert len(host_free) + len(host_used) == self.num_cpu_blocks, "host blocks lost"
+
+
+class HybridBlockManager(BlockManager):
+    """The pool of a model of several KV-cache groups, or of sliding windows (`windows`: each group's
+    window, None for full attention; EngineConfig.kv_cache_groups), as vLLM's hybrid coordinator keeps it
+    (v1/core/kv_cache_coordinator.py, single_type_kv_cache_manager.py; without prefix caching, swap or
+    forks, which engine/build.py refuses here). A sequence holds one table per group over the one pool,
+    group 0's in `block_table`, the others' in `group_tables`. Every group is given blocks for every
+    position, group by group. A windowed group's blocks wholly before the window of the next position
+    to compute are freed before the sequence grows (`drop_out_of_window`, which the scheduler calls),
+    the null block (0) standing where they were. A whole request's admission counts a windowed group's
+    blocks up to vLLM's cap: the window less one position, the tokens of the steps in flight, one block
+    more for a window that starts mid-block (SlidingWindowSpec.max_admission_blocks_per_request)."""
+
+    hybrid = True
+
+    def __init__(self, num_blocks: int, block_size: int, watermark_blocks: int, windows: tuple[int | None, ...],
+                 max_in_flight_tokens: int, max_model_len: int) -> None:
+        super().__init__(num_blocks, block_size, 0, False, watermark_blocks)
+        self.windows = tuple(windows)
+        limit = lambda n: min(n, max_model_len) if max_model_len else n   # noqa: E731
+        self.admission_caps = tuple(None if w is None else self.blocks_for(limit(w - 1 + max_in_flight_tokens)) + 1
+                                    for w in self.windows)
+
+    def _blocks_to_admit(self, num_tokens: int) -> int:
+        """Blocks a whole request of `num_tokens` positions counts at admission, every group's: a
+        windowed group's no more than its cap (vLLM: get_num_blocks_to_allocate with the admission cap)."""
+        need = self.blocks_for(num_tokens)
+        return sum(need if cap is None or need < cap else cap for cap in self.admission_caps)
+
+    def can_ever_hold(self, num_tokens: int) -> bool:
+        return self._blocks_to_admit(num_tokens) <= self.num_blocks
+
+    def num_kv_positions(self, running: list[Sequence], held: int | None = None) -> int:
+        """KV positions stored, every group's (a block holds one group's), less those windows dropped."""
+        bs = self.block_size
+        return sum(s.num_computed_tokens - table.count(0) * bs for s in running for table in s.tables())
+
+    def can_allocate(self, seq: Sequence, cached_ids: list[int], watermark: bool) -> bool:
+        """Whether the whole sequence fits the free blocks, a windowed group's counted up to its cap."""
+        num_tokens = seq.num_tokens if seq.num_tokens > seq.num_reserved_tokens else seq.num_reserved_tokens
+        return self._blocks_to_admit(num_tokens) + (self.watermark_blocks if watermark else 0) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, cached_ids: list[int], num_new_tokens: int, reason: str) -> None:
+        """Admit (no prefix cache): blocks for the first `num_new_tokens` positions in every group."""
+        assert not seq.block_table, f"{seq} already holds blocks"
+        num_blocks = self.blocks_for(num_new_tokens)
+        tables = []
+        for group in range(len(self.windows)):
+            new_ids = self._allocate_blocks(num_blocks)
+            if new_ids:
+                self._alloc_event(seq, new_ids, AllocReason.PREFILL, group)
+            tables.append(list(new_ids))   # the table grows; the event's list stays as it was
+        seq.block_table, seq.group_tables = tables[0], tables[1:]
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def drop_out_of_window(self, seq: Sequence, num_processed: int) -> None:
+        """Free, in each windowed group, the sequence's blocks wholly before the window of position
+        `num_processed` (the next to compute, less any still in flight), tail first, the null block
+        taking their place (vLLM: remove_skipped_blocks, at the start of every allocate_slots)."""
+        bs = self.block_size
+        for group, (table, window) in enumerate(zip(seq.tables(), self.windows)):
+            if window is None or num_processed < window:
+                continue
+            last = min((num_processed - window + 1) // bs, len(table))
+            dropped = []
+            for i in range(last - 1, -1, -1):
+                if not table[i]:
+                    break   # dropped by an earlier step, as every block before it
+                dropped.append(table[i])
+                table[i] = 0
+            if dropped:
+                freed = self._release_blocks(dropped)
+                if freed:
+                    self.events.append(KVEvent(ev.FREE, seq.req_id, seq.sample, blocks=freed,
+                                               reason=FreeReason.WINDOW, kv_group=group))
+
+    def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether free blocks hold every group's blocks for the sequence's next `num_new_tokens`
+        positions (a dropped block still counts as a table entry)."""
+        num_blocks = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
+        return sum(num_blocks - len(table) for table in seq.tables() if len(table) < num_blocks) <= self.num_free_blocks
+
+    def grow(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give every group's table blocks for the sequence's next `num_new_tokens` positions."""
+        num_blocks = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
+        reason = AllocReason.PREFILL if seq.is_prefilling else AllocReason.DECODE
+        for group, table in enumerate(seq.tables()):
+            if len(table) < num_blocks:
+                new_ids = self._allocate_blocks(num_blocks - len(table))
+                table += new_ids
+                self._alloc_event(seq, new_ids, reason, group)
+
+    def _release_table(self, seq: Sequence, reason: str) -> None:
+        """Each group's blocks released tail first, group by group (vLLM's coordinator frees each
+        manager's in turn), those a window dropped aside."""
+        for group, table in enumerate(seq.tables()):
+            freed = self._release_blocks(reversed(table[table.count(0):]))
+            if freed:
+                self.events.append(KVEvent(ev.FREE, seq.req_id, seq.sample, blocks=freed, reason=reason, kv_group=group))
+        seq.block_table, seq.group_tables = [], []
+        seq.block_hashes = []
+
+    def blocks_held(self, seq: Sequence) -> tuple[list[int], list[int] | None]:
+        tables = [table[table.count(0):] for table in seq.tables()]
+        return [b for table in tables for b in table], [len(table) for table in tables]

@@ -18,7 +18,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from engine import events as ev
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, HybridBlockManager
 from engine.config import EngineConfig, KVReserve, ModelConfig, NMode, PoolGeometry
 from engine.events import FinishReason, KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
 from engine.executor import Executor, StepResult
@@ -106,14 +106,16 @@ class LLMEngine:
         self.model = model            # the LlamaModel (None: simulated)
         self.stop_token_ids = frozenset(model_config.stop_token_ids)
         g = geometry
-        # V1 sizes the watermark on the whole pool, its null block included
-        # a model of several KV-cache groups: a table per group; a window drops blocks mid-request. The
-        # steps that may be in flight at once (vLLM's max_concurrent_batches) bound a window's admission
-        in_flight = config.max_num_batched_tokens * (2 if config.async_scheduling else 1)
-        self.block_manager = BlockManager(g.num_gpu_blocks, g.block_size, g.num_cpu_blocks,
-                                          config.enable_prefix_caching, int(config.watermark * (g.num_gpu_blocks + 1)),
-                                          windows=tuple(group.window for group in config.kv_cache_groups(model_config)),
-                                          max_in_flight_tokens=in_flight, max_model_len=max_model_len)
+        watermark = int(config.watermark * (g.num_gpu_blocks + 1))   # V1 sizes it on the whole pool, null block included
+        groups = config.kv_cache_groups(model_config)
+        if len(groups) == 1 and groups[0].window is None:
+            self.block_manager = BlockManager(g.num_gpu_blocks, g.block_size, g.num_cpu_blocks,
+                                              config.enable_prefix_caching, watermark)
+        else:   # a table per KV-cache group, windows dropping blocks mid-request; the steps that may be in
+            # flight at once (vLLM's max_concurrent_batches) bound a window's admission
+            in_flight = config.max_num_batched_tokens * (2 if config.async_scheduling else 1)
+            self.block_manager = HybridBlockManager(g.num_gpu_blocks, g.block_size, watermark,
+                                                    tuple(group.window for group in groups), in_flight, max_model_len)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.preemption_mode,

@@ -133,6 +133,7 @@ class Scheduler:
         scheduled: dict[int, tuple[int, int]] = {}  # id(seq) -> (tokens scheduled, cached blocks before)
         running = self.running
         max_model_len = self.max_model_len
+        hybrid = bm.hybrid
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -151,7 +152,7 @@ class Scheduler:
                 if num_new <= 0:
                     i += 1
                     continue
-            if bm.hybrid:   # a window's blocks behind the processed positions go first
+            if hybrid:   # a window's blocks behind the processed positions go first
                 bm.drop_out_of_window(seq, seq.num_computed_tokens - seq.num_in_flight_tokens)
             preempted_self = False
             while not bm.can_grow(seq, num_new):
