@@ -34,6 +34,8 @@ VLLM_FLAGS: dict[str, tuple[str | None, str]] = {
     "enable_chunked_prefill": ("--enable-chunked-prefill", "--no-enable-chunked-prefill turns it off"),
     "long_prefill_token_threshold": ("--long-prefill-token-threshold", "a long prompt's share of a step"),
     "async_scheduling": ("--async-scheduling", "schedule a step before the last one's output is processed"),
+    "disable_hybrid_kv_cache_manager": ("--disable-hybrid-kv-cache-manager", "a model with sliding windows keeps "
+                                        "every layer's KV as full attention's"),
     "preemption_policy": ("--scheduling-policy", "priority, or fcfs (which preempts the newest)"),
     "preemption_mode": (None, "vLLM V1 always recomputes a preempted request; its KV offloading is the modern swap"),
     "swap_space": (None, "vLLM V1 does not swap (V0's --swap-space)"),
@@ -47,7 +49,8 @@ POOL = ("num_gpu_blocks", "kv_cache_memory", "gpu_memory_utilization")
 TAKEN = ("engine", "model", "hardware", "dtype", "device", "load_format", "block_size", "num_gpu_blocks",
          "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
          "enable_prefix_caching", "enable_chunked_prefill", "long_prefill_token_threshold", "preemption_mode",
-         "preemption_policy", "async_scheduling", "n_mode", "num_cpu_blocks", "swap_space", "watermark")
+         "preemption_policy", "async_scheduling", "n_mode", "num_cpu_blocks", "swap_space", "watermark",
+         "disable_hybrid_kv_cache_manager")
 VLLM_ONLY_TAKEN = ("model", "block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                    "enable_prefix_caching", "async_scheduling")
 
@@ -139,6 +142,9 @@ def vllm_args(settings: dict) -> str:
         elif name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
             on = str(value).lower() in ("true", "1", "yes", "on")
             words.append(flag if on else flag.replace("--", "--no-", 1))
+        elif name == "disable_hybrid_kv_cache_manager":   # vLLM's is a switch that is only ever turned on
+            if str(value).lower() in ("true", "1", "yes", "on"):
+                words.append(flag)
         elif name == "num_gpu_blocks":   # kvtrace counts usable blocks; vLLM's count holds its null block too
             words.append(f"{flag} {int(float(value)) + 1}")
         elif name == "preemption_policy":
