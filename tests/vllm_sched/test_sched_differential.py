@@ -36,7 +36,7 @@ pytestmark = VLLM_MARKS
 
 PYTHONS = [p for p in [VLLM_PYTHON, *os.environ.get("KVTRACE_VLLM_SCHED_PYTHONS", "").split(os.pathsep)] if p]
 NUM_WORKLOADS = int(os.environ.get("KVTRACE_SCHED_WORKLOADS", "1000")) * max(1, settings.default.max_examples // 100)
-NUM_HYBRID_WORKLOADS = max(BATCH, NUM_WORKLOADS // 5)
+NUM_HYBRID_WORKLOADS = max(BATCH, NUM_WORKLOADS // 10)   # per class and version: 100 by default
 FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                    HealthCheck.filter_too_much])
 
