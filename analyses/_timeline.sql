@@ -56,6 +56,29 @@
 --   swap_out_bytes_total, swap_in_bytes_total (running sums of the swap events' bytes)
 -- _timeline_counters: _step_counters as one row per counter and change (a value equal to the
 -- counter's previous one is left out): counter (a column name of _step_counters), step, ts_ns, value
+--
+-- _timeline_kv_groups: the KV-cache groups of a run of several (a hybrid model's: meta.json's
+-- kv_pool.kv_cache_groups; a run of one group, every older trace, has no row), one row per group:
+--   kv_group          its index (kv_events.kv_group)
+--   name              full attention | sliding window <n> tok | chunked local <n> tok | mamba, and
+--                     " (group <kv_group>)" where two groups of the run would read the same
+--
+-- _timeline_kv_group_counters: the pool of a run of several groups, group by group, as one row per
+-- counter and change, like _timeline_counters: kv_group, step, ts_ns, value.
+--   kv_group          a group: its blocks held after the step's scheduling, at its start (the moment
+--                     of `steps.used_blocks`, which the groups' add up to): its `alloc` blocks less its
+--                     `free` blocks. A step's frees of finished sequences (reason finish, stamped after
+--                     its start: done after its forward) count from the next step, or under async
+--                     scheduling from the one after (done once the next step is scheduled). A free
+--                     without a group (a vLLM capture's deferred frees, several groups' blocks at once)
+--                     counts each block in the group of its last `alloc`. An eviction changes nothing
+--                     (the block was free already).
+--   null              the run's blocks dropped by windows, cumulative: `free` blocks of reason window
+--                     (or state: a Mamba layer's), mid-request, every group's
+-- Exact where no block is shared (kvtrace's engine and simulator refuse prefix caching beside groups).
+-- With a capture's prefix caching the trace does not say which blocks a prefix hit took back from the
+-- free ones, nor whether a window's dropped block is still another request's, and a run cut from live
+-- traffic starts from zero: there a group's counter is an estimate (`used_blocks` stays exact).
 CREATE OR REPLACE MACRO _ns(s) AS CAST(round(s * 1e9) AS BIGINT);
 
 CREATE OR REPLACE MACRO _sequence_name(req_id, sample, n) AS
@@ -186,3 +209,84 @@ WITH long AS (
 SELECT run_id, counter, step, ts_ns, value
 FROM long
 QUALIFY value IS DISTINCT FROM lag(value) OVER (PARTITION BY run_id, counter ORDER BY step);
+
+CREATE OR REPLACE VIEW _timeline_kv_groups AS
+WITH listed AS (
+    SELECT run_id, i::INTEGER AS kv_group, json_extract(groups, '$[' || i || ']') AS g
+    FROM (SELECT run_id, json_extract(meta_json, '$.kv_pool.kv_cache_groups') AS groups FROM runs),
+         range(coalesce(json_array_length(groups), 0)::BIGINT) t(i)
+    WHERE json_array_length(groups) > 1
+),
+named AS (
+    SELECT run_id, kv_group,
+           CASE coalesce(g ->> '$.kind', 'full_attention')
+               WHEN 'full_attention' THEN 'full attention'
+               WHEN 'sliding_window' THEN 'sliding window ' || (g ->> '$.sliding_window') || ' tok'
+               WHEN 'chunked_local' THEN 'chunked local ' || (g ->> '$.attention_chunk_size') || ' tok'
+               ELSE replace(g ->> '$.kind', '_', ' ') END AS name
+    FROM listed
+)
+SELECT run_id, kv_group,
+       name || CASE WHEN count(*) OVER (PARTITION BY run_id, name) > 1 THEN ' (group ' || kv_group || ')' ELSE '' END
+           AS name
+FROM named;
+
+CREATE OR REPLACE VIEW _timeline_kv_group_counters AS
+WITH hybrid AS (
+    -- the steps after which a step's frees of finished sequences are in `used_blocks`
+    SELECT run_id, 1 + coalesce(TRY_CAST(meta_json ->> '$.engine_config.async_scheduling' AS BOOLEAN),
+                                TRY_CAST(meta_json ->> '$.vllm.async_scheduling' AS BOOLEAN), false)::INTEGER
+                   AS finish_lag
+    FROM runs
+    WHERE run_id IN (SELECT run_id FROM _timeline_kv_groups)
+),
+grouped AS (
+    SELECT run_id, step, ts_s, kind, reason, kv_group, num_blocks
+    FROM kv_events
+    WHERE kind IN ('alloc', 'free') AND kv_group IS NOT NULL AND run_id IN (SELECT run_id FROM hybrid)
+),
+unlisted_blocks AS (
+    SELECT run_id, seq, step, ts_s, reason, unnest(blocks) AS block
+    FROM kv_events
+    WHERE kind = 'free' AND kv_group IS NULL AND run_id IN (SELECT run_id FROM hybrid)
+),
+their_allocs AS (
+    SELECT a.run_id, a.seq, a.kv_group, a.block
+    FROM (SELECT run_id, seq, kv_group, unnest(blocks) AS block FROM kv_events
+          WHERE kind = 'alloc' AND run_id IN (SELECT run_id FROM unlisted_blocks)) a
+    SEMI JOIN unlisted_blocks u USING (run_id, block)
+),
+unlisted AS (   -- a free without a group, in the groups of its blocks' last allocs
+    SELECT u.run_id, u.step, u.ts_s, 'free' AS kind, u.reason, a.kv_group, count(*)::INTEGER AS num_blocks
+    FROM unlisted_blocks u ASOF JOIN their_allocs a ON a.run_id = u.run_id AND a.block = u.block AND u.seq > a.seq
+    GROUP BY ALL
+),
+deltas AS (
+    SELECT e.run_id, e.kv_group,
+           e.step + CASE WHEN e.kind = 'free' AND e.reason = 'finish' AND e.ts_s > s.start_s THEN h.finish_lag
+                         ELSE 0 END AS step,
+           CASE WHEN e.kind = 'alloc' THEN e.num_blocks ELSE -e.num_blocks END AS held,
+           CASE WHEN e.kind = 'free' AND e.reason IN ('window', 'state') THEN e.num_blocks ELSE 0 END AS dropped
+    FROM (SELECT * FROM grouped UNION ALL SELECT * FROM unlisted) e
+    JOIN steps s USING (run_id, step)
+    JOIN hybrid h USING (run_id)
+),
+changes AS (
+    SELECT run_id, kv_group, step, held AS change FROM deltas
+    UNION ALL
+    SELECT run_id, NULL, step, dropped FROM deltas WHERE dropped > 0
+    UNION ALL   -- every counter from the run's first step
+    SELECT c.run_id, c.kv_group, f.step, 0
+    FROM (SELECT run_id, kv_group FROM _timeline_kv_groups UNION ALL SELECT run_id, NULL FROM hybrid) c
+    JOIN (SELECT run_id, min(step) AS step FROM steps WHERE run_id IN (SELECT run_id FROM hybrid) GROUP BY run_id) f
+      USING (run_id)
+),
+summed AS (
+    SELECT run_id, kv_group, step,
+           sum(sum(change)) OVER (PARTITION BY run_id, kv_group ORDER BY step ROWS UNBOUNDED PRECEDING) AS value
+    FROM changes
+    GROUP BY run_id, kv_group, step
+)
+SELECT m.run_id, m.kv_group, m.step, _ns(s.start_s) AS ts_ns, m.value::BIGINT AS value
+FROM summed m JOIN steps s USING (run_id, step)
+QUALIFY m.value IS DISTINCT FROM lag(m.value) OVER (PARTITION BY m.run_id, m.kv_group ORDER BY m.step);

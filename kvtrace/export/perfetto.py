@@ -7,7 +7,10 @@ Tracks of each run, under one top-level group per run (in the order the runs wer
                       preemptions, device_ms); instants for each preempt, swap_out and swap_in, and
                       one per step for its evictions, with their block ids and bytes
       <counters>      free / used / cached blocks, KV tokens held, running / waiting / swapped,
-                      cumulative preemptions, recomputed tokens and swap bytes (see COUNTERS)
+                      cumulative preemptions, recomputed tokens and swap bytes (see COUNTERS); in
+                      a run of several KV-cache groups (a hybrid model), after the pool's blocks,
+                      each group's used blocks ("used blocks: sliding window 64 tok", ...) and the
+                      blocks dropped by windows (cumulative)
       Requests        one track per sequence, ordered by arrival: the whole request as a slice
                       (args: prompt / output tokens, preemptions, recomputed tokens, finish
                       reason), its states nested inside it
@@ -76,6 +79,7 @@ COUNTERS: dict[str, tuple[str, str, str]] = {
     "swap_out_bytes_total": ("swap-out bytes (cumulative)", "bytes", "swap_bytes"),
     "swap_in_bytes_total": ("swap-in bytes (cumulative)", "bytes", "swap_bytes"),
 }
+WINDOW_DROPPED = "blocks dropped by windows (cumulative)"   # a run of several KV-cache groups (_timeline_kv_groups)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,15 @@ class RunTracks:
 
     def counter(self, index: int) -> int:
         return self.group + 16 + index
+
+    @property
+    def window_dropped(self) -> int:
+        return self.counter(len(COUNTERS))
+
+    def kv_group(self, kv_group: int) -> int:
+        """A KV-cache group's used blocks, after every counter of COUNTERS and window_dropped."""
+        assert 16 + len(COUNTERS) + 1 + kv_group < 1024, f"KV-cache group {kv_group}: its track is a sequence's"
+        return self.counter(len(COUNTERS) + 1 + kv_group)
 
     def sequence(self, rank: int) -> int:
         return self.group + 1024 + rank
@@ -181,14 +194,23 @@ def _write_run(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str,
     writer.track(tracks.group, f"run {run_id}", explicit_child_order=True, description=description)
     writer.track(tracks.engine, "engine", parent=tracks.group, rank=0,
                  description="one slice per step; preemptions, swaps and evictions as instants")
+    kv_groups = list(_rows(con, "SELECT kv_group, name FROM _timeline_kv_groups WHERE run_id = $run "
+                                "ORDER BY kv_group", run_id))
+    counters = []   # (uuid, name, unit, axis key), in the order shown
     for index, (column, (name, unit, axis)) in enumerate(COUNTERS.items()):
+        counters.append((tracks.counter(index), name, unit, axis))
+        if column == "free_blocks" and kv_groups:   # the pool's blocks, then a hybrid model's by group
+            counters += [(tracks.kv_group(kv_group), f"used blocks: {group_name}", "blocks", "blocks")
+                         for kv_group, group_name in kv_groups]
+            counters.append((tracks.window_dropped, WINDOW_DROPPED, "blocks", "window_dropped_blocks"))
+    for rank, (uuid, name, unit, axis) in enumerate(counters, 1):
         counter = pb.CounterDescriptor(y_axis_share_key=axis)
         if unit == "bytes":
             counter.unit = UNIT_BYTES
         else:
             counter.unit_name = unit
-        writer.track(tracks.counter(index), name, parent=tracks.group, rank=1 + index, counter=counter)
-    writer.track(tracks.requests, "Requests", parent=tracks.group, rank=1 + len(COUNTERS),
+        writer.track(uuid, name, parent=tracks.group, rank=rank, counter=counter)
+    writer.track(tracks.requests, "Requests", parent=tracks.group, rank=1 + len(counters),
                  explicit_child_order=True, description="one track per sequence, ordered by arrival")
     for rows in _chunks(con, "SELECT rank, name FROM _timeline_sequences WHERE run_id = $run ORDER BY rank",
                         run_id, None):
@@ -197,6 +219,8 @@ def _write_run(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str,
 
     _write_engine(con, writer, run_id, tracks.engine)
     _write_counters(con, writer, run_id, tracks)
+    if kv_groups:
+        _write_kv_group_counters(con, writer, run_id, tracks)
     _write_requests(con, writer, run_id, tracks)
 
 
@@ -269,6 +293,17 @@ def _write_counters(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id:
                              "WHERE run_id = $run ORDER BY counter, step", run_id, None):
         counters = rows["counter"].combine_chunks().dictionary_encode()
         track = np.array([uuids[name] for name in counters.dictionary.to_pylist()], np.int64)[_ints(counters.indices)]
+        writer.events(_events(rows.num_rows, pa.schema(EVENT_COLUMNS), type=TYPE_COUNTER, ts=rows["ts_ns"],
+                              track=track, counter=rows["value"]))
+
+
+def _write_kv_group_counters(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str,
+                             tracks: RunTracks) -> None:
+    """A run of several KV-cache groups: each group's used blocks, and the blocks dropped by windows."""
+    for rows in _chunks(con, "SELECT kv_group, ts_ns, value FROM _timeline_kv_group_counters "
+                             "WHERE run_id = $run ORDER BY kv_group NULLS FIRST, step", run_id, None):
+        kv_group = rows["kv_group"]
+        track = np.where(_valid(kv_group), tracks.kv_group(0) + _ints(kv_group), tracks.window_dropped)
         writer.events(_events(rows.num_rows, pa.schema(EVENT_COLUMNS), type=TYPE_COUNTER, ts=rows["ts_ns"],
                               track=track, counter=rows["value"]))
 

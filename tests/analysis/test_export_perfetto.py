@@ -257,6 +257,152 @@ def test_the_engine_track_read_in_ranges_of_steps_is_the_same_file(exported, tmp
     assert ranged.read_bytes() == path.read_bytes()
 
 
+# --------------------------------------------------------------------------- a hybrid model's KV-cache groups
+
+WORKLOAD = Path(__file__).parents[2] / "traces" / "examples" / "assistant.jsonl"
+S, F = "sliding_attention", "full_attention"
+MINISTRAL = {"model_type": "ministral", "architectures": ["MinistralForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+             "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 4096, "sliding_window": 64, "tie_word_embeddings": True, "eos_token_id": 2,
+             "bos_token_id": 1, "rms_norm_eps": 1e-5}
+# run -> (its layers, the simulator's options, its groups' track names)
+HYBRID_RUNS = {
+    "sync": ([S, F, S, F], [], ["sliding window 64 tok", "full attention"]),
+    "async": ([S, F, S, F], ["--async-scheduling"], ["sliding window 64 tok", "full attention"]),
+    "two-windows": ([S, S, S, S, F, F], [],        # vLLM's grouping: two windowed groups of two layers
+                    ["sliding window 64 tok (group 0)", "sliding window 64 tok (group 1)", "full attention"]),
+}
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs(tmp_path_factory) -> dict[str, Path]:
+    """The assistant example in kvtrace's simulator on Ministral-style dummy configs, in a pool so small
+    that requests are preempted, windows dropping blocks as they go."""
+    folder = tmp_path_factory.mktemp("hybrid")
+    runs = {}
+    for name, (layers, options, _) in HYBRID_RUNS.items():
+        model = folder / f"{name}-model"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({**MINISTRAL, "num_hidden_layers": len(layers),
+                                                       "layer_types": layers}))
+        runs[name] = folder / name
+        result = CliRunner().invoke(app, ["record", "--engine", "sim", "--model", str(model), "-w", str(WORKLOAD),
+                                          "--num-gpu-blocks", "120", "--no-enable-prefix-caching",
+                                          "-o", str(runs[name]), "-q", *options])
+        assert result.exit_code == 0, result.output
+    return runs
+
+
+def counter_at(trace: Decoded, track: int, ts: int) -> int:
+    return [v for t, v in trace.counters[track] if t <= ts][-1]
+
+
+def replay_blocks_held(run: Path) -> tuple[list[dict], list[dict[int, int]], list[int]]:
+    """The run's steps; each KV-cache group's blocks held at each step's scheduling (the moment of
+    `used_blocks`), and the blocks dropped by windows up to it: its alloc and free events replayed
+    block by block. kvtrace's engine stamps what a step's scheduling did with the step's start, what it
+    did after its forward with its end: done before the next step's scheduling, or, scheduling async,
+    after it."""
+    steps = pq.read_table(run / "steps").sort_by("step").to_pylist()
+    start = {r["step"]: r["start_s"] for r in steps}
+    lag = 1 + json.loads((run / "meta.json").read_text())["engine_config"]["async_scheduling"]
+    events = [e for e in pq.read_table(run / "kv_events").to_pylist() if e["kind"] in ("alloc", "free")]
+    events.sort(key=lambda e: (e["step"] + (0 if e["ts_s"] == start[e["step"]] else lag), e["seq"]))
+    num_groups = len(json.loads((run / "meta.json").read_text())["kv_pool"]["kv_cache_groups"])
+    held: list[set[int]] = [set() for _ in range(num_groups)]
+    dropped, i = 0, 0
+    by_step, dropped_by_step = [], []
+    for r in steps:
+        while i < len(events) and events[i]["step"] + (0 if events[i]["ts_s"] == start[events[i]["step"]] else lag) \
+                <= r["step"]:
+            e = events[i]
+            blocks = set(e["blocks"])
+            if e["kind"] == "alloc":
+                assert not blocks & set().union(*held), f"event {e['seq']}: a block allocated twice"
+                held[e["kv_group"]] |= blocks
+            else:
+                assert blocks <= held[e["kv_group"]], f"event {e['seq']}: frees blocks its group does not hold"
+                held[e["kv_group"]] -= blocks
+                dropped += len(blocks) if e["reason"] == "window" else 0
+            i += 1
+        by_step.append({g: len(blocks) for g, blocks in enumerate(held)})
+        dropped_by_step.append(dropped)
+    return steps, by_step, dropped_by_step
+
+
+@pytest.mark.parametrize("name", list(HYBRID_RUNS))
+def test_a_hybrid_run_has_each_kv_cache_groups_used_blocks(hybrid_runs, tmp_path, name):
+    """A track per group beside the pool's, on its blocks axis: at every step the group's blocks held,
+    as its events replayed block by block say, and together the pool's used blocks."""
+    run = hybrid_runs[name]
+    out = tmp_path / f"{name}.pftrace"
+    result = CliRunner().invoke(app, ["export", "perfetto", str(run), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    trace = decode(out)
+    group = trace.track_named(f"run {name}")
+    names = [f"used blocks: {n}" for n in HYBRID_RUNS[name][2]]
+    children = [t.name for t in trace.children(group)]
+    assert children[:len(COUNTER_NAMES[:3]) + 1] == ["engine", *COUNTER_NAMES[:3]]
+    assert children[4:] == [*names, perfetto.WINDOW_DROPPED, *COUNTER_NAMES[3:], "Requests"]
+    tracks = [trace.track_named(n, group) for n in names]
+    assert {trace.tracks[t].counter.y_axis_share_key for t in tracks} == {
+        trace.tracks[trace.track_named("used blocks", group)].counter.y_axis_share_key}
+    dropped_track = trace.track_named(perfetto.WINDOW_DROPPED, group)
+
+    steps, held, dropped = replay_blocks_held(run)
+    for r, expected, expected_dropped in zip(steps, held, dropped):
+        ts = round(r["start_s"] * 1e9)
+        got = [counter_at(trace, t, ts) for t in tracks]
+        assert got == [expected[g] for g in range(len(tracks))], (name, r["step"])
+        assert sum(got) == r["used_blocks"] == counter_at(trace, trace.track_named("used blocks", group), ts)
+        assert counter_at(trace, dropped_track, ts) == expected_dropped, (name, r["step"])
+    assert sum(r["preemptions"] for r in steps) > 0 and dropped[-1] > 0
+    assert all(min(v for _, v in trace.counters[t]) < max(v for _, v in trace.counters[t]) for t in tracks)
+
+
+def test_a_free_without_a_group_counts_in_its_blocks_groups(hybrid_runs, tmp_path):
+    """vLLM's deferred frees free several groups' blocks at once, with no group: the run's finish frees
+    merged that way (one event a request, kv_group null) give each group the same counter."""
+    run = tmp_path / "deferred"
+    shutil.copytree(hybrid_runs["sync"], run)
+    (part,) = (run / "kv_events").glob("*.parquet")
+    table = pq.read_table(part)
+    rows, merged = [], 0
+    for e in table.to_pylist():
+        last = rows[-1] if rows else None
+        if e["kind"] == "free" and e["reason"] == "finish":
+            if last and last["kind"] == "free" and last["reason"] == "finish" and last["req_id"] == e["req_id"] \
+                    and last["step"] == e["step"]:
+                last["blocks"] += e["blocks"]
+                last["num_blocks"] += e["num_blocks"]
+                merged += 1
+                continue
+            e = {**e, "kv_group": None}
+        rows.append(e)
+    assert merged >= 60
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), part)
+    traces = {}
+    for name, folder in (("as recorded", hybrid_runs["sync"]), ("deferred", run)):
+        perfetto.export_perfetto([folder], tmp_path / f"{name}.pftrace")
+        trace = decode(tmp_path / f"{name}.pftrace")
+        group = trace.track_named("run sync")   # the copy keeps its run_id (meta.json's)
+        traces[name] = {n: trace.counters[trace.track_named(f"used blocks: {n}", group)]
+                        for n in HYBRID_RUNS["sync"][2]}
+    assert traces["deferred"] == traces["as recorded"]
+
+
+def test_a_run_of_one_kv_cache_group_has_the_pool_tracks_only(exported):
+    """Every run before schema 5, and a dense model's: no group's track (the file is the same bytes
+    as before groups had tracks)."""
+    _, trace = exported
+    for run_id in ("tiny-recompute", "tiny-swap"):
+        children = [t.name for t in trace.children(trace.track_named(f"run {run_id}"))]
+        assert children == ["engine", *COUNTER_NAMES, "Requests"]
+
+
+COUNTER_NAMES = [name for name, _, _ in perfetto.COUNTERS.values()]
+
+
 # --------------------------------------------------------------------------- fresh runs and bad input
 
 def test_parallel_samples_get_their_own_tracks(tmp_path):
