@@ -90,9 +90,10 @@ def record(
                                                         "processed (vLLM V1's default on GPUs; finished requests free "
                                                         "their blocks a step later).")] = False,
     enable_prefix_caching: Annotated[bool, typer.Option(rich_help_panel="Switches", help="Share cached full blocks between requests.")] = True,
-    disable_hybrid_kv_cache_manager: Annotated[bool, typer.Option(rich_help_panel="Switches", help="vLLM's: a model with sliding-window "
-                                                                      "layers keeps every layer's KV as full attention's (one block "
-                                                                      "table, no block dropped mid-request).")] = False,
+    disable_hybrid_kv_cache_manager: Annotated[bool, typer.Option("--disable-hybrid-kv-cache-manager", rich_help_panel="Switches",
+                                                                  help="vLLM's: a model with sliding-window layers keeps every "
+                                                                       "layer's KV as full attention's (one block table, no block "
+                                                                       "dropped mid-request).")] = False,
     sim_fast_path: Annotated[bool, typer.Option(rich_help_panel="Switches", help="--engine sim: make the general pass's decisions "
                                                      "faster where steps only decode (docs/simulation.md); off: the "
                                                      "general pass decides every step (the same trace, slower).")] = True,
