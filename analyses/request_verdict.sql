@@ -27,6 +27,10 @@
 --   longest_gap_ms, longest_gap_cause   the longest of them (null if none)
 --   draft_tokens, accepted_tokens   speculative decoding (requests, schema 5): its draft positions
 --                      scheduled and those accepted; null where the run records no drafts
+--   lookahead_preemptions   its preemptions caused by speculative decoding (lookahead_preemptions.sql:
+--                      its requester's verified token fitted the requester's blocks, its drafts and
+--                      lookahead slots did not), in order: list of {step, requester_req_id,
+--                      requester_sample, draft_tokens (null: not recorded), lookahead_slots}; empty if none
 WITH seqs AS (
     SELECT l.run_id, l.req_id, l.sample, l.ttft_ms, l.e2el_ms
     FROM _sequence_latency l
@@ -83,6 +87,15 @@ requesters AS (
           GROUP BY ALL)
     GROUP BY ALL
 ),
+lookahead AS (
+    SELECT l.run_id, l.req_id, l.sample,
+           list({'step': l.step, 'requester_req_id': l.requester_req_id, 'requester_sample': l.requester_sample,
+                 'draft_tokens': l.draft_tokens, 'lookahead_slots': l.lookahead_slots} ORDER BY l.seq)
+               AS lookahead_preemptions
+    FROM _lookahead_preemptions l JOIN seqs USING (run_id, req_id, sample)
+    WHERE l.caused_by_lookahead
+    GROUP BY ALL
+),
 gaps AS (
     SELECT g.run_id, g.req_id, g.sample, count(*) AS gaps,
            max(g.gap_ms) AS longest_gap_ms, arg_max(g.cause, g.gap_ms) AS longest_gap_cause
@@ -102,11 +115,12 @@ SELECT s.run_id, s.req_id, s.sample, s.ttft_ms, s.e2el_ms,
        coalesce(p.recomputed_tokens, 0)::BIGINT AS recomputed_tokens,
        coalesce(p.recompute_ms_est, 0) AS recompute_ms_est,
        coalesce(g.gaps, 0) AS gaps, g.longest_gap_ms, g.longest_gap_cause,
-       q.draft_tokens, q.accepted_tokens
+       q.draft_tokens, q.accepted_tokens, coalesce(la.lookahead_preemptions, []) AS lookahead_preemptions
 FROM seqs s
 LEFT JOIN requests q USING (run_id, req_id, sample)
 LEFT JOIN by_state b USING (run_id, req_id, sample)
 LEFT JOIN preempts p USING (run_id, req_id, sample)
 LEFT JOIN requesters r USING (run_id, req_id, sample)
 LEFT JOIN gaps g USING (run_id, req_id, sample)
+LEFT JOIN lookahead la USING (run_id, req_id, sample)
 ORDER BY s.run_id, s.req_id, s.sample;

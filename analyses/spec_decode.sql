@@ -2,8 +2,9 @@
 -- those accepted and those rolled back, beside the positions recomputed after preemptions.
 --
 -- A step that drafts computes each request's draft positions with its next token; the outputs accept
--- some and the scheduler rolls back the rest (computed, never kept). Lookahead slots (reserved for the
--- drafter past a request's tokens) take blocks too, and so can cause preemptions of their own. Only a
+-- some and the scheduler rolls back the rest (computed, never kept). Draft positions and lookahead slots
+-- (reserved for the drafter past a request's tokens) take blocks too, and so cause preemptions of their
+-- own: those whose requester's verified token fitted its blocks (lookahead_preemptions.sql). Only a
 -- capture of a vLLM server records drafts (steps.draft_tokens; kvtrace's engine and simulator draft
 -- nothing): `drafting` says whether the run has them.
 --
@@ -19,6 +20,9 @@
 --   wasted_tokens         rolled_back_tokens + recomputed_tokens: positions computed and not kept
 --   mean_accepted         tokens accepted per request and step with drafts (spec_decode rows)
 --   lookahead_slots       KV slots reserved a request past its tokens (the server's setting)
+--   lookahead_preemptions preemptions caused by drafts and lookahead: the requester's verified token
+--                         fitted the blocks it held, its drafts and lookahead slots did not
+--                         (lookahead_preemptions.sql; those it cannot tell are not counted)
 WITH per_step AS (
     SELECT run_id,
            count(draft_tokens) > 0 AS drafting,
@@ -32,6 +36,10 @@ WITH per_step AS (
 per_request AS (
     SELECT run_id, avg(accepted_tokens) AS mean_accepted, max(lookahead_slots) AS lookahead_slots
     FROM spec_decode GROUP BY run_id
+),
+lookahead AS (
+    SELECT run_id, count(*) FILTER (WHERE caused_by_lookahead) AS lookahead_preemptions
+    FROM _lookahead_preemptions GROUP BY run_id
 )
 SELECT r.run_id,
        coalesce(s.drafting, false) AS drafting,
@@ -43,6 +51,8 @@ SELECT r.run_id,
        coalesce(s.recomputed_tokens, 0)::BIGINT AS recomputed_tokens,
        coalesce(s.checked_tokens - s.accepted_tokens + s.recomputed_tokens, 0)::BIGINT AS wasted_tokens,
        p.mean_accepted,
-       p.lookahead_slots
+       p.lookahead_slots,
+       coalesce(l.lookahead_preemptions, 0)::BIGINT AS lookahead_preemptions
 FROM runs r LEFT JOIN per_step s USING (run_id) LEFT JOIN per_request p USING (run_id)
+LEFT JOIN lookahead l USING (run_id)
 ORDER BY r.run_id;

@@ -1,6 +1,6 @@
 """`kvtrace explain`: why a request was slow, and the requests that fared worst (the figures:
-analyses/request_story.sql, wait_causes.sql, preemptions.sql, itl_cliffs.sql, worst_requests.sql;
-gathered by kvtrace/views/explain.py)."""
+analyses/request_story.sql, wait_causes.sql, preemptions.sql, itl_cliffs.sql, worst_requests.sql,
+lookahead_preemptions.sql; gathered by kvtrace/views/explain.py)."""
 from __future__ import annotations
 
 import json
@@ -42,7 +42,8 @@ def explain(
     """Why was this request slow? Its life as phases with times (queued, prefill, decode, preempted,
     waiting to resume, re-prefill, finished); each wait with its causes by share of time (no seat,
     token budget spent, no free blocks, a preemption in the step); each preemption with the request
-    that needed the blocks, why the policy chose this victim, the KV positions lost and what came back
+    that needed the blocks (and, under speculative decoding, whether only its drafts and lookahead slots
+    needed them), why the policy chose this victim, the KV positions lost and what came back
     from the prefix cache or was computed again; each inter-token gap above the run's p99; a verdict.
 
     With --worst N, the N worst requests of the run instead, each with its one-line verdict; with --at

@@ -1,9 +1,10 @@
 """Why was this request slow: a request's story (`kvtrace explain`), gathered from the SQL library.
 
 Every figure comes from an analysis (request_story, wait_causes, preemptions, itl_cliffs,
-worst_requests, request_verdict; see analyses/); this module selects the request's rows, groups them and words a
-verdict. `story()` and `worst()` return plain dicts, the `--json` output (its shape is documented
-in docs/explain.md); `render_story()` and `render_worst()` lay them out for the terminal.
+worst_requests, request_verdict, whose lookahead_preemptions are lookahead_preemptions.sql's; see
+analyses/); this module selects the request's rows, groups them and words a verdict. `story()` and
+`worst()` return plain dicts, the `--json` output (its shape is documented in docs/explain.md);
+`render_story()` and `render_worst()` lay them out for the terminal.
 """
 from __future__ import annotations
 
@@ -267,9 +268,38 @@ def _wait_part(figures: dict, state: str, prefix: str, e2e: float) -> str | None
     return text
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
+def _lookahead_part(figures: dict, data: dict) -> str | None:
+    """"preempted at step 40 by r7, whose 3 draft tokens and 3 lookahead slots needed a block its verified
+    token did not": the preemptions that speculative decoding caused (request_verdict's lookahead_preemptions,
+    from lookahead_preemptions.sql), the first MAX_NAMED named, the rest counted."""
+    caused = figures.get("lookahead_preemptions") or []
+    if not caused:
+        return None
+    named = []
+    for p in caused[:MAX_NAMED]:
+        drafts, slots = p["draft_tokens"], p["lookahead_slots"] or 0
+        what = [("drafts" if drafts is None else _count(drafts, "draft token")) if drafts != 0 else None,
+                _count(slots, "lookahead slot") if slots else None]
+        what = " and ".join(w for w in what if w)
+        if (p["requester_req_id"], p["requester_sample"]) == (data["req_id"], data["sample"]):
+            named.append(f"at step {p['step']} by itself: its {what} needed a block its verified token did not")
+        else:
+            who = p["requester_req_id"] + (f":{p['requester_sample']}" if p["requester_sample"] else "")
+            named.append(f"at step {p['step']} by {who}, whose {what} needed a block its verified token did not")
+    text = "preempted " + ", and ".join(named)
+    if len(caused) > MAX_NAMED:
+        text += f", and {_times(len(caused) - MAX_NAMED)} more for drafts and lookahead slots"
+    return text
+
+
 def verdict(data: dict) -> str:
     """The story in a sentence: the notable waits and their main cause, the preemptions by
-    requester, the recomputed work, the gaps above p99. The figures are request_verdict's
+    requester (those that a requester's drafts and lookahead slots caused, by step), the recomputed
+    work, the gaps above p99. The figures are request_verdict's
     (data["figures"]); this only words them."""
     figures = data["figures"]
     e2e = figures["e2el_ms"] or 0
@@ -288,6 +318,7 @@ def verdict(data: dict) -> str:
             text += f" (chosen as {' / '.join(figures['victim_reasons'])})"
         text += f", {figures['positions_lost']} KV positions lost"
         parts.append(text)
+        parts.append(_lookahead_part(figures, data))
         parts += [_wait_part(figures, state, prefix, e2e) for state, prefix in VERDICT_WAITS[1:]]
         recomputed, cached = figures["recomputed_tokens"], figures["cached_tokens"]
         if recomputed or cached:

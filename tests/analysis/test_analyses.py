@@ -120,7 +120,8 @@ def test_every_analysis_documents_itself_and_runs_on_an_empty_run(tmp_path):
     no_rows = {"client_latency", "itl_cliff_summary", "itl_cliffs", "latency", "latency_cdf", "most_preempted",
                "recompute_by_request", "request_pool", "request_summary",
                "request_timeline", "step_sequences", "swap", "thrash_windows",
-               "noisy_neighbours", "preemptions", "request_story", "request_verdict", "wait_causes", "worst_requests"}
+               "noisy_neighbours", "preemptions", "request_story", "request_verdict", "wait_causes", "worst_requests",
+               "lookahead_preemptions"}
     for info in infos:
         assert info.description.endswith(("?", ".")), info.name
         assert "Columns" in info.doc, info.name
