@@ -246,9 +246,12 @@ def key_figures(s: dict, t: dict, width: int, spec: dict | None = None) -> Table
         out_b, in_b = fmt_bytes(s.get("swap_out_bytes")), fmt_bytes(s.get("swap_in_bytes"))
         moved = f"{out_b} each way" if out_b == in_b else f"{out_b} out, {in_b} in"  # short: fits 80 columns
         pairs.append(("swapped", f"{moved} · {fmt_num(s.get('swap_gb_s'), 'GB/s')}"))
-    if spec and spec.get("draft_tokens"):   # speculative decoding: what it drafted and threw away
+    if spec and (spec.get("draft_tokens") or spec.get("lookahead_preemptions")):   # speculative decoding: what
+        # it drafted and threw away, and the preemptions its drafts and lookahead slots made
+        by_lookahead = spec.get("lookahead_preemptions")
         pairs.append(("drafts", f"{fmt_num(spec['draft_tokens'], 'tok')} ({fmt_share(spec.get('acceptance'))} "
-                                f"accepted, {fmt_num(spec.get('rolled_back_tokens'))} rolled back)"))
+                                f"accepted, {fmt_num(spec.get('rolled_back_tokens'))} rolled back"
+                                + (f", {by_lookahead} preempting)" if by_lookahead else ")")))
     # two pairs a row: the left pairs' widest label and value, the right pairs', and 3 spaces
     two = sum(max(len(pair[i]) for pair in pairs[side::2]) for side in (0, 1) for i in (0, 1)) + 3
     per_row = 2 if two <= width else 1

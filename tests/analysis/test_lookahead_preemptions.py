@@ -22,7 +22,12 @@ nothing has no row, counts none, and its verdicts say nothing of drafts.
 """
 from __future__ import annotations
 
+import io
+
+from rich.console import Console
+
 from kvtrace.trace import db
+from kvtrace.views import dashboard
 from kvtrace.views import explain as stories
 from tests.helpers.tracegen import write_run, write_table
 
@@ -144,3 +149,11 @@ def test_explain_says_whose_drafts_and_lookahead_needed_the_block(tmp_path):
     plain = stories.Explainer.open(str(tmp_path / "plain"))
     for verdict in (said["d"], stories.story(plain, "b")["verdict"]):   # a verified token's, no drafts at all
         assert "preempted once by" in verdict and "lookahead" not in verdict and "verified" not in verdict
+
+
+def test_the_dashboard_counts_them_beside_the_drafts(tmp_path):
+    con = _runs(tmp_path)
+    figures = {f["run"]["run_id"]: f for f in dashboard.collect(con)["runs"]}
+    out = io.StringIO()
+    Console(file=out, width=140, color_system=None).print(dashboard.render_run(figures["drafting"], 140, {}))
+    assert "rolled back, 4 preempting)" in out.getvalue()
