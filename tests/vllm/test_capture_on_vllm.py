@@ -984,6 +984,34 @@ def test_speculative_steps_deliver_several_tokens_and_the_capture_numbers_each(v
     assert counts["several"] and counts["rejecting"], counts   # not vacuous: drafts accepted and rolled back
 
 
+# Async speculative decoding: the step scheduled while r03:0's last tokens are in flight preempts r03:1,
+# whose freed block 14 it gives r03:0, which that output then finishes. The capture files r03:0's blocks of
+# the later step with its finish (recorder._file_with_finish), ahead of r03:1's preemption that freed
+# block 14 in that later step: the trace has 14 given to r03:0 while r03:1 still holds it. A known bug
+# (issue 58's notes); found when the generated workloads' draws changed.
+FINISHED_AFTER_A_PREEMPTION = {
+    "config": {'block_size': 2, 'num_blocks': 15, 'max_num_seqs': 2, 'max_num_batched_tokens': 8, 'max_model_len': 24, 'long_prefill_token_threshold': 0, 'policy': 'fcfs', 'async': True, 'enable_prefix_caching': True},
+    "requests": [
+        {'id': 'r00', 'prompt': [2, 1, 2, 3, 2, 2, 2, 2, 2, 3, 1, 3, 1, 2, 1, 1, 3, 2, 3, 3, 3], 'max_tokens': 3, 'n': 1, 'priority': 0, 'arrival_step': 0},
+        {'id': 'r01', 'prompt': [1], 'max_tokens': 1, 'n': 1, 'priority': 0, 'arrival_step': 0},
+        {'id': 'r02', 'prompt': [2], 'max_tokens': 1, 'n': 1, 'priority': 0, 'arrival_step': 0},
+        {'id': 'r03', 'prompt': [1], 'max_tokens': 17, 'n': 2, 'priority': 0, 'arrival_step': 0},
+        {'id': 'r04', 'prompt': [3], 'max_tokens': 1, 'n': 1, 'priority': 0, 'arrival_step': 0},
+        {'id': 'r05', 'prompt': [1], 'max_tokens': 1, 'n': 1, 'priority': 0, 'arrival_step': 0},
+        {'id': 'r06', 'prompt': [3], 'max_tokens': 1, 'n': 1, 'priority': 0, 'arrival_step': 0}],
+    "spec_tokens": 2, "spec_method": "draft_model", "token_ids": False}
+
+
+@pytest.mark.xfail(strict=True, reason="known capture bug: a finishing request's later blocks are filed ahead of "
+                                       "the preemption that freed them (recorder._file_with_finish)")
+@starts_vllm(unless=bool(DRIVERS))
+def test_a_finishing_requests_later_block_freed_by_that_steps_preemption(vllm, tmp_path):
+    workload = {**FINISHED_AFTER_A_PREEMPTION, "capture_dir": str(tmp_path / "capture")}
+    answer = vllm.answer(workload)
+    problems = capture_differences(workload, answer["steps"], answer)
+    assert not problems, problems
+
+
 @starts_vllm(unless=bool(DRIVERS))
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
 @pytest.mark.parametrize("corrupt, found", [
