@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from kvtrace.trace import db
@@ -190,7 +190,16 @@ COMPARED = ("step", "req_id", "requester_req_id", "requester_scheduled", "reques
             "draft_tokens", "lookahead_slots", "caused_by_lookahead")
 
 
-@pytest.mark.parametrize("mode", ["Scheduler-draft-model", "AsyncScheduler-draft-model", "Scheduler"])
+# async with a draft model: the capture files the blocks that the next step's scheduling gives a request this
+# output finishes with its finish (recorder._file_with_finish), a step early, so a requester near its end can be
+# counted holding them; a known capture bug (issue 58's notes; test_capture_on_vllm.py's strict xfail). Not strict:
+# whether the generated workloads reach it differs by release
+ASYNC_DRAFTS_KNOWN_BUG = pytest.mark.xfail(strict=False, reason="known capture bug: a finishing request's later "
+                                                                "blocks filed with its finish")
+
+
+@pytest.mark.parametrize("mode", ["Scheduler-draft-model", pytest.param("AsyncScheduler-draft-model",
+                                                                        marks=ASYNC_DRAFTS_KNOWN_BUG), "Scheduler"])
 def test_each_preemption_is_put_down_to_lookahead_as_vllm_needed_its_blocks(vllm, mode, tmp_path):
     """With a draft model's config ("draft-model") vLLM reserves as many lookahead slots as drafts, so a
     decoding request's next token always lies in the slots its last step reserved: every preemption a
@@ -201,7 +210,8 @@ def test_each_preemption_is_put_down_to_lookahead_as_vllm_needed_its_blocks(vllm
     counts = defaultdict(int)
 
     @settings(max_examples=NUM_WORKLOADS, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+              suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])   # no shrinking:
+    # the assertion prints the workload whole (and the known bug's mode would shrink for minutes)
     @given(st.tuples(workloads(asynchronous), st.integers(1, 4), st.integers(0, 2)))
     @example((TIGHT, 3, None))
     @example((TIGHT_PAIRS, 1, None))
