@@ -63,7 +63,7 @@ def _simulated(config: EngineConfig, tracer: Tracer | None, loaded: LoadedModel 
 def check_kv_cache_groups(config: EngineConfig, model_config: ModelConfig) -> None:
     """ValueError for what kvtrace does not model with sliding-window layers (several KV-cache groups,
     or a window on every layer): prefix caching, vLLM V0's swap and copy-on-write forks, --kv-reserve."""
-    if len(config.kv_cache_groups(model_config)) == 1 and config.kv_cache_groups(model_config)[0].window is None:
+    if not config.hybrid_kv_cache(model_config):
         return
     refused = [what for what, on in [("prefix caching (pass --no-enable-prefix-caching)", config.enable_prefix_caching),
                                      ("--preemption-mode swap", config.preemption_mode == PreemptionMode.SWAP),

@@ -430,6 +430,12 @@ class EngineConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def hybrid_kv_cache(self, model_config: ModelConfig) -> bool:
+        """Whether the engine keeps the model's KV in tables per group with windows (HybridBlockManager):
+        anything but one group of full attention."""
+        groups = self.kv_cache_groups(model_config)
+        return len(groups) > 1 or groups[0].window is not None
+
     def kv_cache_groups(self, model_config: ModelConfig) -> tuple[KVCacheGroup, ...]:
         """The KV-cache groups the engine keeps for the model: vLLM's (ModelConfig.kv_cache_groups), or
         one group of full attention holding every layer with --disable-hybrid-kv-cache-manager."""

@@ -107,15 +107,15 @@ class LLMEngine:
         self.stop_token_ids = frozenset(model_config.stop_token_ids)
         g = geometry
         watermark = int(config.watermark * (g.num_gpu_blocks + 1))   # V1 sizes it on the whole pool, null block included
-        groups = config.kv_cache_groups(model_config)
-        if len(groups) == 1 and groups[0].window is None:
+        if not config.hybrid_kv_cache(model_config):
             self.block_manager = BlockManager(g.num_gpu_blocks, g.block_size, g.num_cpu_blocks,
                                               config.enable_prefix_caching, watermark)
         else:   # a table per KV-cache group, windows dropping blocks mid-request; the steps that may be in
             # flight at once (vLLM's max_concurrent_batches) bound a window's admission
             in_flight = config.max_num_batched_tokens * (2 if config.async_scheduling else 1)
             self.block_manager = HybridBlockManager(g.num_gpu_blocks, g.block_size, watermark,
-                                                    tuple(group.window for group in groups), in_flight, max_model_len)
+                                                    tuple(group.window for group in config.kv_cache_groups(model_config)),
+                                                    in_flight, max_model_len)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.preemption_mode,

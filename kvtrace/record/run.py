@@ -286,8 +286,8 @@ def print_recorded(console: Console, run_dir: Path, status: str, num_requests: i
 def kv_cache_groups(config: EngineConfig, mc: ModelConfig, block_size: int) -> list[dict] | None:
     """meta.json's kv_pool.kv_cache_groups (docs/trace-format.md), as the vLLM capture writes it: None for
     a model of one group of full attention."""
-    groups = config.kv_cache_groups(mc)
-    if len(groups) == 1 and groups[0].window is None:
+    if not config.hybrid_kv_cache(mc):
         return None
+    groups = config.kv_cache_groups(mc)
     return [{"kind": g.kind, "block_size": block_size, "layers": len(g.layers),
              **({"sliding_window": g.window} if g.window is not None else {})} for g in groups]
