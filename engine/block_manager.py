@@ -298,25 +298,28 @@ class BlockManager:
         del seq.block_hashes[num_blocks:]
 
     # ---- admission ----------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, cached_ids: list[int], watermark: bool) -> bool:
+    def can_allocate(self, seq: Sequence, cached_ids: list[int], watermark: bool, num_slots: int = 0) -> bool:
         """Whether the whole sequence fits the free blocks (V1 admits a request only if its whole
-        prompt fits, though it allocates the first chunk only), above the watermark if `watermark`.
-        A cached block that is free counts as taken: admission takes it off the free queue."""
-        num_tokens = seq.num_tokens if seq.num_tokens > seq.num_reserved_tokens else seq.num_reserved_tokens
+        prompt fits, though it allocates the first chunk only), above the watermark if `watermark`;
+        and its first `num_slots` positions (speculative decoding: its first chunk and the lookahead
+        slots past it). A cached block that is free counts as taken: admission takes it off the free queue."""
+        num_tokens = max(seq.num_tokens, seq.num_reserved_tokens, num_slots)
         num_evictable = sum(1 for b in cached_ids if self.blocks[b].ref_count == 0)
         num_needed = self.blocks_for(num_tokens) - len(cached_ids) + num_evictable
         return num_needed + (self.watermark_blocks if watermark else 0) <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, cached_ids: list[int], num_new_tokens: int, reason: str) -> None:
-        """Admit: map the cached prefix, allocate blocks for this step's `num_new_tokens` (or the whole
-        reservation, --kv-reserve), cache the full blocks this step computes."""
+    def allocate(self, seq: Sequence, cached_ids: list[int], num_new_tokens: int, reason: str,
+                 num_lookahead: int = 0) -> None:
+        """Admit: map the cached prefix, allocate blocks for this step's `num_new_tokens` and
+        `num_lookahead` slots past them (speculative decoding) or the whole reservation (--kv-reserve),
+        cache the full blocks this step computes of the sequence's tokens (a draft is not cached)."""
         assert not seq.block_table, f"{seq} already holds blocks"
         self._touch(cached_ids)
         num_cached_tokens = len(cached_ids) * self.block_size
         if cached_ids:
             self.events.append(KVEvent(ev.PREFIX_HIT, seq.req_id, seq.sample, blocks=list(cached_ids),
                                        num_tokens=num_cached_tokens, reason=reason))
-        num_tokens = num_cached_tokens + num_new_tokens
+        num_tokens = num_cached_tokens + num_new_tokens + num_lookahead
         if seq.num_reserved_tokens > num_tokens:
             num_tokens = seq.num_reserved_tokens
         new_ids = self._allocate_blocks(self.blocks_for(num_tokens) - len(cached_ids))
@@ -325,7 +328,7 @@ class BlockManager:
         seq.block_table = list(cached_ids) + new_ids
         seq.block_hashes = [self.blocks[b].hash for b in cached_ids]
         seq.num_computed_tokens = num_cached_tokens
-        self.cache_full_blocks(seq, num_cached_tokens + num_new_tokens)
+        self.cache_full_blocks(seq, min(num_cached_tokens + num_new_tokens, seq.num_tokens))
 
     # ---- running sequences ----------------------------------------------------------------
     def _needs_cow(self, seq: Sequence) -> bool:
@@ -340,9 +343,10 @@ class BlockManager:
             return not self.shared_fill or not self._needs_cow(seq) or self.num_free_blocks >= 1
         return num_needed + (1 if self.shared_fill and self._needs_cow(seq) else 0) <= self.num_free_blocks
 
-    def grow(self, seq: Sequence, num_new_tokens: int) -> tuple[int, int] | None:
-        """Give the sequence blocks for its next `num_new_tokens` positions and cache the full blocks
-        they complete; return a (src, dst) block copy if its next block was shared (copy-on-write)."""
+    def grow(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> tuple[int, int] | None:
+        """Give the sequence blocks for its next `num_new_tokens` positions and `num_lookahead` slots
+        past them (speculative decoding) and cache the full blocks they complete; return a (src, dst)
+        block copy if its next block was shared (copy-on-write)."""
         copy = None
         if self.shared_fill and self._needs_cow(seq):
             index = seq.num_computed_tokens // self.block_size
@@ -356,7 +360,7 @@ class BlockManager:
                                        num_tokens=num_tokens))
             copy = (src, dst)
         num_tokens = seq.num_computed_tokens + num_new_tokens
-        num_needed = -(-num_tokens // self.block_size) - len(seq.block_table)   # blocks_for, inlined
+        num_needed = -(-(num_tokens + num_lookahead) // self.block_size) - len(seq.block_table)   # blocks_for
         if num_needed > 0:
             new_ids = self._allocate_blocks(num_needed)
             seq.block_table += new_ids
@@ -581,12 +585,14 @@ class HybridBlockManager(BlockManager):
         bs = self.block_size
         return sum(s.num_computed_tokens - table.count(0) * bs for s in running for table in s.tables())
 
-    def can_allocate(self, seq: Sequence, cached_ids: list[int], watermark: bool) -> bool:
-        """Whether the whole sequence fits the free blocks, a windowed group's counted up to its cap."""
+    def can_allocate(self, seq: Sequence, cached_ids: list[int], watermark: bool, num_slots: int = 0) -> bool:
+        """Whether the whole sequence fits the free blocks, a windowed group's counted up to its cap
+        (`num_slots`: speculative decoding's, which kvtrace does not model beside windows)."""
         num_tokens = seq.num_tokens if seq.num_tokens > seq.num_reserved_tokens else seq.num_reserved_tokens
         return self._blocks_to_admit(num_tokens) + (self.watermark_blocks if watermark else 0) <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, cached_ids: list[int], num_new_tokens: int, reason: str) -> None:
+    def allocate(self, seq: Sequence, cached_ids: list[int], num_new_tokens: int, reason: str,
+                 num_lookahead: int = 0) -> None:
         """Admit (no prefix cache): blocks for the first `num_new_tokens` positions in every group."""
         assert not seq.block_table, f"{seq} already holds blocks"
         num_blocks = self.blocks_for(num_new_tokens)
@@ -627,8 +633,9 @@ class HybridBlockManager(BlockManager):
         num_blocks = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
         return sum(num_blocks - len(table) for table in seq.tables() if len(table) < num_blocks) <= self.num_free_blocks
 
-    def grow(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Give every group's table blocks for the sequence's next `num_new_tokens` positions."""
+    def grow(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> None:
+        """Give every group's table blocks for the sequence's next `num_new_tokens` positions (no
+        lookahead beside windows: kvtrace does not model speculative decoding there)."""
         num_blocks = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
         reason = AllocReason.PREFILL if seq.is_prefilling else AllocReason.DECODE
         for group, table in enumerate(seq.tables()):

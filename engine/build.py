@@ -54,8 +54,9 @@ def _simulated(config: EngineConfig, tracer: Tracer | None, loaded: LoadedModel 
     engine = LLMEngine(config, model_config, geometry, SimExecutor(cost_model, geometry.bytes_per_block, model_config.layer_windows),
                        max_model_len=max_model_len, tracer=tracer, model_source=model_source)
     # async scheduling keeps a token in flight, which no step of the fast path has (engine/sim/fast_path.py);
-    # nor does it keep a table per KV-cache group or drop a window's blocks
-    if config.sim_fast_path and not config.async_scheduling and not engine.block_manager.hybrid:
+    # nor does it keep a table per KV-cache group, drop a window's blocks, or draft (speculative decoding)
+    if (config.sim_fast_path and not config.async_scheduling and not engine.block_manager.hybrid
+            and config.speculative_method is None):
         engine.fast_path = DecodeFastPath(engine)
     return engine
 
@@ -65,6 +66,10 @@ def check_kv_cache_groups(config: EngineConfig, model_config: ModelConfig) -> No
     or a window on every layer): prefix caching, vLLM V0's swap and copy-on-write forks, --kv-reserve."""
     if not config.hybrid_kv_cache(model_config):
         return
+    if config.speculative_method is not None:
+        raise ValueError(f"model {model_config.name} has sliding-window layers: kvtrace's engine does not model "
+                         f"speculative decoding beside them yet (pass --disable-hybrid-kv-cache-manager to keep "
+                         f"every layer's KV as full attention's)")
     refused = [what for what, on in [("prefix caching (pass --no-enable-prefix-caching)", config.enable_prefix_caching),
                                      ("--preemption-mode swap", config.preemption_mode == PreemptionMode.SWAP),
                                      ("--n-mode cow", config.n_mode == NMode.COW),

@@ -332,6 +332,12 @@ SWAP_SPACE_DEFAULT = 4 << 30   # vLLM V0's --swap-space default: the host pool i
 MAX_GPU_MEMORY_UTILIZATION = 0.95
 ENGINES = ("real", "sim")
 KV_RESERVE = tuple(r.value for r in KVReserve)
+# speculative decoding's methods as vLLM's scheduler sees them (config/speculative.py, vllm.py):
+# method -> (whether lookahead slots are reserved, k of them past a request's scheduled tokens for the
+# next drafts; the input slots a scheduled request costs beyond its tokens, max_num_new_slots_for_drafting)
+SPEC_METHODS = {"ngram": (False, 0), "suffix": (False, 0), "eagle": (True, 0), "eagle3": (True, 0),
+                "mtp": (True, 0), "draft_model": (True, 1)}
+SPEC_ACCEPTANCE_RATE = 0.7   # the default chance that a draft is accepted, given the ones before it were
 
 
 @dataclass
@@ -370,6 +376,12 @@ class EngineConfig:
     # vLLM's --disable-hybrid-kv-cache-manager: a model with sliding-window layers keeps every layer's KV
     # as full attention's (one block table, nothing dropped; the attention still windowed)
     disable_hybrid_kv_cache_manager: bool = False
+    # speculative decoding (--engine sim): vLLM's method (SPEC_METHODS) and its draft tokens a step; each
+    # draft accepted with chance `spec_acceptance_rate` if the ones before it were (kvtrace calibrate
+    # fits it from a capture)
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 0
+    spec_acceptance_rate: float = SPEC_ACCEPTANCE_RATE
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -422,10 +434,49 @@ class EngineConfig:
             raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization} is above "
                              f"{MAX_GPU_MEMORY_UTILIZATION}: the activation reserve is estimated from shapes, not "
                              f"measured, and the rest of the device is the margin for what it misses")
+        self._check_speculative()
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if isinstance(self.swap_space, str):
             self.swap_space = parse_bytes(self.swap_space)
+
+    def _check_speculative(self) -> None:
+        method, k = self.speculative_method, self.num_speculative_tokens
+        if method is None:
+            if k:
+                raise ValueError("--num-speculative-tokens needs --speculative-method (one of "
+                                 f"{', '.join(SPEC_METHODS)})")
+            return
+        if method not in SPEC_METHODS:
+            raise ValueError(f"--speculative-method must be one of {', '.join(SPEC_METHODS)}, got {method!r}")
+        if k < 1:
+            raise ValueError(f"--num-speculative-tokens must be at least 1 with --speculative-method, got {k}")
+        if not 0 <= self.spec_acceptance_rate <= 1:
+            raise ValueError(f"--spec-acceptance-rate must be in [0, 1], got {self.spec_acceptance_rate}")
+        if self.engine != "sim":
+            raise ValueError("--speculative-method is for --engine sim (the real engine does not draft)")
+        if self.async_scheduling:
+            raise ValueError("--speculative-method with --async-scheduling is not modelled yet "
+                             "(kvtrace's engine drafts with the synchronous scheduler)")
+        if self.n_mode == NMode.COW or self.preemption_mode == PreemptionMode.SWAP:
+            raise ValueError("--speculative-method is vLLM V1's and cannot be combined with "
+                             "--n-mode cow or --preemption-mode swap (vLLM V0's)")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= self.draft_slots:
+            raise ValueError(f"--max-num-batched-tokens {self.max_num_batched_tokens} leaves no token beside "
+                             f"{method}'s {self.draft_slots} drafting slot(s) a request")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots reserved past a request's scheduled tokens for its next drafts (vLLM's
+        VllmConfig.num_lookahead_tokens): k for EAGLE, MTP and a draft model, none for n-gram."""
+        method = self.speculative_method
+        return self.num_speculative_tokens if method is not None and SPEC_METHODS[method][0] else 0
+
+    @property
+    def draft_slots(self) -> int:
+        """The step's input slots a scheduled request costs beyond its tokens (vLLM's
+        max_num_new_slots_for_drafting: 1 for a draft model, which keeps one unsliced input token)."""
+        return SPEC_METHODS[self.speculative_method][1] if self.speculative_method is not None else 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -147,6 +147,8 @@ class RequestStats:
     swaps: int
     recomputed_tokens: int
     prefix_hit_tokens: int
+    draft_tokens: int | None = None      # speculative decoding: draft positions verified for it
+    accepted_tokens: int | None = None   # and of them those accepted
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +193,11 @@ class StepRecord:
     token_idx: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finished: list[RequestStats] = field(default_factory=list)
+    # speculative decoding (None: the run does not draft): draft positions verified, of them accepted,
+    # and per drafting sequence (request, sample, drafts, accepted, lookahead slots reserved)
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
+    drafts: list[tuple[str, int, int, int, int]] = field(default_factory=list)
 
 
 class Tracer(Protocol):

@@ -24,6 +24,7 @@ from engine.events import FinishReason, KVEvent, NullTracer, Occupancy, RequestS
 from engine.executor import Executor, StepResult
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
+from engine.spec_decode import Acceptance, GeometricAcceptance
 
 if TYPE_CHECKING:
     import torch
@@ -122,8 +123,13 @@ class LLMEngine:
                                    preemption_policy=config.preemption_policy,
                                    long_prefill_token_threshold=config.long_prefill_token_threshold,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
-                                   swap_groups=config.n_mode == NMode.COW, max_model_len=max_model_len)
+                                   swap_groups=config.n_mode == NMode.COW, max_model_len=max_model_len,
+                                   num_spec_tokens=config.num_speculative_tokens,
+                                   num_lookahead_tokens=config.num_lookahead_tokens, draft_slots=config.draft_slots)
         self.scheduler.follow(config.follow_vllm)
+        # speculative decoding (the simulator's): how many of a step's drafts are accepted
+        self.drafting = config.speculative_method is not None
+        self.acceptance: Acceptance = GeometricAcceptance(config.spec_acceptance_rate, config.seed)
         self.runner = executor
         self.fast_path: FastPath | None = None   # set by engine/build.py when the simulator's is on
         self.clock = self.runner.clock
@@ -248,14 +254,25 @@ class LLMEngine:
         result = self.runner.execute(out)
         num_recompute = self._account(out.seqs, out.num_new_tokens, start_s)
         sampled = self._sample(result)
+        drafts = None
+        if self.drafting:   # each sequence's accepted drafts are tokens too; the rejected roll back
+            sampled, drafts = self._verify_drafts(out, sampled)
         for seq, token in sampled:
             seq.token_ids.append(token)
         self._deliver(sampled, self.now())
-        finished = self._finish(out, in_batch_order([seq for seq, _ in sampled if seq.finish_reason], out.seqs))
+        if self.drafting and self.scheduler.caches_on_delivery:   # the accepted tokens' blocks (vLLM 0.33)
+            for seq in dict.fromkeys([seq for seq, _ in sampled]):
+                # (a stopped one's accepted positions may pass its tokens, cut at the stop: hashed blocks only)
+                self.block_manager.cache_full_blocks(seq, min(seq.num_computed_tokens, len(seq.token_ids)))
+        # (a drafting sequence's several tokens name it once each)
+        stopped = list(dict.fromkeys([seq for seq, _ in sampled if seq.finish_reason]))
+        finished = self._finish(out, in_batch_order(stopped, out.seqs))
+        if self.drafting:
+            self._propose_drafts(out)
         self._record(step=self.step_counter, start_s=start_s, end_s=self.now(), out=out, result=result,
                      kv_events=sched_events + self.block_manager.take_events(), num_sched_events=len(sched_events),
                      occupancy=occupancy, num_recompute=num_recompute, tokens=self._token_columns(sampled),
-                     finished=finished)
+                     finished=finished, drafts=drafts)
         self.step_counter += 1
         self._check_progress(bool(sampled or finished))
         return sampled
@@ -360,6 +377,42 @@ class LLMEngine:
                 seq.first_scheduled_s = start_s
         return num_recompute
 
+    def _verify_drafts(self, out: SchedulerOutput, sampled: list[tuple[Sequence, int]]
+                       ) -> tuple[list[tuple[Sequence, int]], list[tuple[str, int, int, int, int]]]:
+        """Speculative decoding: each sampling sequence's drafts verified (the acceptance model says
+        how many), the rejected positions rolled back (V1's update_from_output), the accepted ones
+        emitted after its sampled token, as many as its stop length leaves room for. Returns the
+        step's tokens, and (request, sample, drafts, accepted, lookahead slots) per drafting sequence."""
+        num_drafts = {id(seq): n for seq, n in zip(out.seqs, out.num_drafts) if n}
+        if not num_drafts:
+            return sampled, []
+        tokens, drafts = [], []
+        for seq, token in sampled:
+            n = num_drafts.get(id(seq))
+            if not n:
+                tokens.append((seq, token))
+                continue
+            accepted = self.acceptance(seq, self.step_counter, n)
+            drafts.append((seq.req_id, seq.sample, n, accepted, self.scheduler.lookahead(seq.num_computed_tokens, 0)))
+            seq.num_computed_tokens -= n - accepted
+            seq.num_ever_computed = seq.num_computed_tokens   # a rejected position never held KV to lose
+            seq.num_draft_tokens += n
+            seq.num_accepted_tokens += accepted
+            num_tokens = max(1, min(1 + accepted, seq.stop_num_tokens - len(seq.token_ids)))   # cut at the stop
+            if num_tokens < 1 + accepted:   # its computed positions cover its tokens but the last (vLLM 0.33)
+                seq.num_computed_tokens -= 1 + accepted - num_tokens
+            tokens += [(seq, token)] * num_tokens
+        return tokens, drafts
+
+    def _propose_drafts(self, out: SchedulerOutput) -> None:
+        """Speculative decoding: the drafter's proposals for the next step, k for each sequence of this
+        step still running, none for one whose step was a prefill chunk (V1's update_draft_token_ids);
+        a running sequence left out of the step keeps what it had."""
+        k = self.config.num_speculative_tokens
+        for seq in out.seqs:
+            if seq.status == SequenceStatus.RUNNING:
+                seq.num_drafts = 0 if seq.is_prefill_chunk else k
+
     def _sample(self, result: StepResult) -> list[tuple[Sequence, int]]:
         """A token for every sequence whose last token was computed; n > 1 samples forked (--n-mode
         cow) when their parent's prompt is done, each sampling from its parent's row."""
@@ -462,13 +515,20 @@ class LLMEngine:
     # ---- tracing ------------------------------------------------------------------------
     def _token_columns(self, emitted: list[tuple[Sequence, int]]) -> TokenColumns:
         seqs, ids = zip(*emitted) if emitted else ((), ())
-        return TokenColumns(list(map(_req_id, seqs)), list(map(_sample_index, seqs)),
-                            [len(s.token_ids) - s.num_prompt_tokens - 1 for s in seqs],   # num_output_tokens - 1
+        idx = [len(s.token_ids) - s.num_prompt_tokens - 1 for s in seqs]   # num_output_tokens - 1
+        if self.drafting:   # a sequence's several tokens, its last output's index the last
+            later: dict[int, int] = {}
+            for i in range(len(seqs) - 1, -1, -1):
+                n = later.get(id(seqs[i]), 0)
+                idx[i] -= n
+                later[id(seqs[i])] = n + 1
+        return TokenColumns(list(map(_req_id, seqs)), list(map(_sample_index, seqs)), idx,
                             list(ids) if self.runner.emits_token_ids else [None] * len(seqs))
 
     def _record(self, *, step: int, start_s: float, end_s: float, out: SchedulerOutput, result: StepResult,
                 kv_events: list[KVEvent], num_sched_events: int, occupancy: Occupancy, num_recompute: int,
-                tokens: TokenColumns, finished: list[Sequence]) -> None:
+                tokens: TokenColumns, finished: list[Sequence],
+                drafts: list[tuple[str, int, int, int, int]] | None = None) -> None:
         """Hand the step's record on (once its device timings resolve). The first `num_sched_events`
         events were decided while scheduling (stamped at the step's start), the rest after the forward."""
         for seq in finished:
@@ -492,6 +552,10 @@ class LLMEngine:
             token_req_ids=tokens.req_ids, token_samples=tokens.samples, token_idx=tokens.idx,
             token_ids=tokens.token_ids, finished=[self._stats(s, end_s) for s in finished],
         )
+        if drafts is not None:   # speculative decoding: the step's drafts and what was accepted
+            record.drafts = drafts
+            record.num_draft_tokens = sum(d[2] for d in drafts)
+            record.num_accepted_tokens = sum(d[3] for d in drafts)
         self._pending_records.append((record, result, out))
         self._flush_records(wait=False)
 
@@ -545,6 +609,8 @@ class LLMEngine:
             first_token_s=seq.first_token_s, finish_s=finish_s, finish_reason=seq.finish_reason or FinishReason.ABORTED,
             preemptions=seq.num_preemptions, swaps=seq.num_swaps, recomputed_tokens=seq.num_recomputed_tokens,
             prefix_hit_tokens=seq.num_prefix_hit_tokens,
+            draft_tokens=seq.num_draft_tokens if self.drafting else None,
+            accepted_tokens=seq.num_accepted_tokens if self.drafting else None,
         )
 
     def abort_all(self) -> list[RequestStats]:

@@ -29,8 +29,10 @@ class SchedulerOutput:
 
     # sequences that compute tokens this step, in batch order
     seqs: list[Sequence] = field(default_factory=list)
-    # tokens each of `seqs` computes (1 for decode, a chunk for prefill)
+    # tokens each of `seqs` computes (1 for decode, a chunk for prefill; a decode's drafts on top)
     num_new_tokens: list[int] = field(default_factory=list)
+    # speculative decoding: of each of `seqs`' tokens, the draft positions to verify (empty: no drafts)
+    num_drafts: list[int] = field(default_factory=list)
     # (device block, host block) copies to make before the forward (preemption by swap)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     # (host block, device block) copies to make before the forward (resume from swap)
@@ -43,6 +45,9 @@ class SchedulerOutput:
     # sequences that finished without running (rejected: can never fit)
     rejected: list[Sequence] = field(default_factory=list)
     num_preemptions: int = 0
+    # speculative decoding: whether the running pass scheduled a sequence that was mid-prompt (V1 pads
+    # no admitted decode to the step's uniform 1 + k positions then)
+    prefill_scheduled: bool = False
     # why admission stopped: what held back the front of the swapped and waiting queues (an
     # AdmissionStop; nothing-waiting when both are empty at the end of the step's scheduling)
     admission_stop: str = AdmissionStop.NOTHING_WAITING
@@ -74,7 +79,8 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  preemption_mode: str, preemption_policy: str, long_prefill_token_threshold: int = 0,
-                 enable_chunked_prefill: bool = True, swap_groups: bool = False, max_model_len: int = 0) -> None:
+                 enable_chunked_prefill: bool = True, swap_groups: bool = False, max_model_len: int = 0,
+                 num_spec_tokens: int = 0, num_lookahead_tokens: int = 0, draft_slots: int = 0) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -84,10 +90,19 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.swap_groups = swap_groups          # --n-mode cow: a request's samples swap together
         self.max_model_len = max_model_len      # a sequence stops at this many tokens (0: no limit)
+        # speculative decoding (EngineConfig.speculative_method): draft tokens proposed a step, KV slots
+        # reserved past a sequence's scheduled tokens for its next drafts, and the input slots each
+        # scheduled sequence costs beyond its tokens (the step's budget counts them)
+        self.num_spec_tokens = num_spec_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.draft_slots = draft_slots
         # vLLM 0.33 and later: under the priority policy, the running pass goes on after a sequence that
         # preempted itself (those after it are more urgent and may fit in what it freed); 0.31 and 0.32
         # end it there
         self.priority_pass_goes_on = False
+        # vLLM 0.33 and later, speculative decoding: a delivered output caches the full blocks its tokens
+        # complete (0.31 and 0.32 cache only what a step schedules, drafts left out)
+        self.caches_on_delivery = False
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # in admission order, oldest first
         self.swapped: deque[Sequence] = deque()
@@ -101,6 +116,7 @@ class Scheduler:
             raise ValueError(f"kvtrace's scheduler follows vLLM {' or '.join(VLLM_VERSIONS)}, not {vllm_version!r}")
         major, minor = (int(part) for part in vllm_version.split(".")[:2])
         self.priority_pass_goes_on = (major, minor) >= (0, 33)
+        self.caches_on_delivery = (major, minor) >= (0, 33)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -134,17 +150,20 @@ class Scheduler:
         running = self.running
         max_model_len = self.max_model_len
         hybrid = bm.hybrid
+        drafting = self.num_spec_tokens > 0
+        draft_slots = self.draft_slots
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > draft_slots:
             seq = running[i]
             if seq.num_undelivered and seq.num_output_tokens >= seq.stop_length:
                 i += 1  # async: its undelivered token is its last (V1 skips it rather than decode past it)
                 continue
-            num_new = len(seq.token_ids) - seq.num_computed_tokens   # seq.num_tokens, inlined
+            # its tokens without KV, and the drafts proposed for it (V1's num_tokens_with_spec)
+            num_new = len(seq.token_ids) + seq.num_drafts - seq.num_computed_tokens
             if 0 < threshold < num_new:
                 num_new = threshold
-            if num_new > budget:
-                num_new = budget
+            if num_new > budget - draft_slots:
+                num_new = budget - draft_slots
             if max_model_len and num_new > max_model_len - 1 - seq.num_computed_tokens:
                 # no input position at or past the max model length: async, a sequence whose
                 # in-flight token reaches it is not scheduled again (it finishes on delivery)
@@ -155,16 +174,20 @@ class Scheduler:
             if hybrid:   # a window's blocks behind the processed positions go first
                 bm.drop_out_of_window(seq, seq.num_computed_tokens - seq.num_in_flight_tokens)
             preempted_self = False
-            while not bm.can_grow(seq, num_new):
+            num_lookahead = self.lookahead(seq.num_computed_tokens, num_new) if drafting else 0
+            num_slots = num_new + num_lookahead
+            while not bm.can_grow(seq, num_slots):
                 victim, why = self._pick_victim(seq)
                 victims = self._swap_group(victim)
                 i -= sum(1 for v in victims if v is not seq and running.index(v) < i)
                 for taken in victims:
                     if id(taken) in scheduled:  # already in this step's batch: take it back out
                         num_victim, num_hashed = scheduled.pop(id(taken))
-                        budget += num_victim
+                        budget += num_victim + draft_slots
                         j = out.seqs.index(taken)
                         del out.seqs[j], out.num_new_tokens[j]
+                        if drafting:
+                            del out.num_drafts[j]
                         bm.uncache_from(taken, num_hashed)  # cached when scheduled, never computed
                 self._preempt(victims, out, seq, {id(victim): why})
                 if seq in victims:
@@ -176,15 +199,35 @@ class Scheduler:
                     break  # V1: the sequence that preempted itself ends the running pass
                 continue
             num_hashed = len(seq.block_hashes)
-            copy = bm.grow(seq, num_new)
+            copy = bm.grow(seq, num_new, num_lookahead) if num_lookahead else bm.grow(seq, num_new)
             if copy:
                 out.copies.append(copy)
             out.seqs.append(seq)
             out.num_new_tokens.append(num_new)
             scheduled[id(seq)] = (num_new, num_hashed)
-            budget -= num_new
+            budget -= num_new + draft_slots
+            if drafting:
+                out.prefill_scheduled |= seq.is_prefill_chunk   # as of its last step (V1's flag)
+                self._schedule_drafts(seq, num_new, out)
             i += 1
         return budget
+
+    def lookahead(self, start: int, num_new: int) -> int:
+        """Speculative decoding: the KV slots reserved past `num_new` positions scheduled from position
+        `start`, for the sequence's next drafts, never past the max model length (V1's allocate_slots)."""
+        if self.max_model_len and start + num_new + self.num_lookahead_tokens > self.max_model_len:
+            return max(0, self.max_model_len - start - num_new)
+        return self.num_lookahead_tokens
+
+    def _schedule_drafts(self, seq: Sequence, num_new: int, out: SchedulerOutput, padded: bool = False) -> None:
+        """Speculative decoding: of a scheduled sequence's `num_new` positions, those past its tokens
+        are drafts to verify (as many of its proposed ones as fit; `padded`: an admitted sequence's
+        decode padded to the step's uniform 1 + k positions, placeholder drafts). Its proposals are
+        used up: the next are made after the step (V1 clears spec_token_ids when scheduled)."""
+        num_drafts = seq.num_computed_tokens + num_new - len(seq.token_ids)
+        out.num_drafts.append(num_new - 1 if padded else max(0, min(seq.num_drafts, num_drafts)))
+        seq.num_drafts = 0
+        seq.is_prefill_chunk = seq.num_computed_tokens + num_new < len(seq.token_ids)
 
     def admit(self, out: SchedulerOutput, budget: int) -> None:
         """The queues' turn, after the running pass: swapped sequences come back (vLLM V0's swap mode),
@@ -260,7 +303,10 @@ class Scheduler:
         bm = self.bm
         running = self.running
         num_forks = sum([s.num_pending_forks for s in running]) if self.waiting else 0
-        while self.waiting and budget > 0:
+        drafting = self.num_spec_tokens > 0
+        draft_slots = self.draft_slots
+        ran = bool(out.seqs)   # the running pass scheduled someone
+        while self.waiting and budget > draft_slots:
             if len(running) + num_forks >= self.max_num_seqs:
                 out.admission_stop = AdmissionStop.SEATS
                 break
@@ -276,24 +322,35 @@ class Scheduler:
             cached_ids = bm.match_prefix(seq)
             num_cached = len(cached_ids) * bm.block_size
             num_new = seq.num_tokens - num_cached
+            padded = False
+            if drafting and num_new == 1 and not out.prefill_scheduled and (ran or num_cached):
+                # V1 pads an admitted decode to the step's uniform 1 + k positions (placeholder drafts),
+                # where the max model length leaves room; it rather waits than goes unpadded
+                k = self.num_spec_tokens
+                if not self.max_model_len or num_cached + 1 + k + 1 <= self.max_model_len:
+                    if 1 + k > budget - draft_slots:
+                        out.admission_stop = AdmissionStop.BUDGET
+                        break
+                    num_new, padded = 1 + k, True
             if 0 < threshold < num_new:
                 num_new = threshold
-            if num_new > budget:
+            if num_new > budget - draft_slots:
                 if not self.enable_chunked_prefill:
                     out.admission_stop = AdmissionStop.BUDGET
                     break
-                num_new = budget
+                num_new = budget - draft_slots
+            num_slots = num_cached + num_new + self.lookahead(num_cached, num_new) if drafting else 0
             # V1's watermark holds back admissions only while something else runs
-            if not bm.can_allocate(seq, cached_ids, watermark=bool(running)):
-                out.admission_stop = (AdmissionStop.WATERMARK if running and bm.can_allocate(seq, cached_ids, watermark=False)
-                                      else AdmissionStop.BLOCKS)
+            if not bm.can_allocate(seq, cached_ids, watermark=bool(running), num_slots=num_slots):
+                out.admission_stop = (AdmissionStop.WATERMARK if running and bm.can_allocate(
+                    seq, cached_ids, watermark=False, num_slots=num_slots) else AdmissionStop.BLOCKS)
                 break
             self.waiting.remove(seq)
             num_forks += seq.num_pending_forks
             resumed = seq.num_ever_computed > 0
             reason = AdmitReason.RESUME_RECOMPUTE if resumed else AdmitReason.NEW
             self._admit(seq, reason, seq.num_tokens - num_cached)
-            bm.allocate(seq, cached_ids, num_new, reason)
+            bm.allocate(seq, cached_ids, num_new, reason, num_slots - num_cached - num_new if drafting else 0)
             seq.num_prefix_hit_tokens += num_cached
             if resumed:
                 seq.reprefill_target = seq.num_tokens
@@ -301,8 +358,10 @@ class Scheduler:
                 seq.reprefill_recomputed = 0
             out.seqs.append(seq)
             out.num_new_tokens.append(num_new)
-            budget -= num_new
-        if self.waiting and budget <= 0:
+            budget -= num_new + draft_slots
+            if drafting:
+                self._schedule_drafts(seq, num_new, out, padded)
+        if self.waiting and budget <= draft_slots:
             out.admission_stop = AdmissionStop.BUDGET
 
     def adopt(self, seq: Sequence) -> None:
@@ -381,6 +440,7 @@ class Scheduler:
             self.running.remove(seq)
             out.num_preemptions += 1
             seq.num_preemptions += 1
+            seq.num_drafts = 0   # V1 drops a victim's proposals
             held[id(seq)] = self.bm.blocks_held(seq)
             if seq.reprefill_target:  # cut short while re-prefilling: record what it did redo
                 self.record_reprefill(seq, REPREFILL_INTERRUPTED)

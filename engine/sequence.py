@@ -82,6 +82,10 @@ class Sequence:
                                                 # output is not processed yet (a window keeps their blocks)
         self.num_ever_computed = 0              # high-water mark of positions that had KV
         self.num_reserved_tokens = 0            # --kv-reserve: positions held from admission (0: on demand)
+        # speculative decoding: drafts proposed for its next step (V1's spec_token_ids, their count); whether
+        # its last step was a prefill chunk that sampled nothing (V1's is_prefill_chunk: no drafts then)
+        self.num_drafts = 0
+        self.is_prefill_chunk = False
         self._generator: torch.Generator | None = None   # made on first use (see `generator`)
         # resume bookkeeping
         self.protected = False                  # resumed and not yet progressed: not a victim
@@ -96,6 +100,8 @@ class Sequence:
         self.num_swaps = 0
         self.num_recomputed_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.num_draft_tokens = 0               # speculative decoding: draft positions verified for it,
+        self.num_accepted_tokens = 0            # and of them those accepted
         self.finish_reason: str | None = None
         # no length rule stops it before it holds this many tokens (the engine lowers it to the max
         # model length): the stop checks look closer only from here on, or at a stop token

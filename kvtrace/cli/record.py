@@ -94,6 +94,16 @@ def record(
                                                                   help="vLLM's: a model with sliding-window layers keeps every "
                                                                        "layer's KV as full attention's (one block table, no block "
                                                                        "dropped mid-request).")] = False,
+    speculative_method: Annotated[str | None, typer.Option(rich_help_panel="Speculative decoding", help="--engine sim: draft as "
+                                                "vLLM's method does: ngram or suffix (no lookahead slots), eagle, eagle3 or mtp "
+                                                "(k lookahead slots), draft_model (k lookahead slots and a drafting slot "
+                                                "a request) (docs/scheduling.md).")] = None,
+    num_speculative_tokens: Annotated[int, typer.Option(rich_help_panel="Speculative decoding", help="--engine sim: draft tokens "
+                                                "proposed a step for each decoding request (vLLM's; with "
+                                                "--speculative-method).")] = 0,
+    spec_acceptance_rate: Annotated[float, typer.Option(rich_help_panel="Speculative decoding", help="--engine sim: the chance a "
+                                                "draft is accepted when the drafts before it were (kvtrace calibrate fits it "
+                                                "from a capture).")] = 0.7,
     sim_fast_path: Annotated[bool, typer.Option(rich_help_panel="Switches", help="--engine sim: make the general pass's decisions "
                                                      "faster where steps only decode (docs/simulation.md); off: the "
                                                      "general pass decides every step (the same trace, slower).")] = True,
@@ -156,6 +166,8 @@ def record(
         long_prefill_token_threshold=long_prefill_token_threshold, enable_chunked_prefill=enable_chunked_prefill,
         async_scheduling=async_scheduling, follow_vllm=follow_vllm, sim_fast_path=sim_fast_path,
         disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
+        speculative_method=speculative_method, num_speculative_tokens=num_speculative_tokens,
+        spec_acceptance_rate=spec_acceptance_rate,
     )
     from kvtrace.record.run import Recording, default_run_dir, recording_console  # torch: imported only when recording
 
@@ -249,6 +261,9 @@ def _record_vllm(a: dict) -> None:
     if a["disable_hybrid_kv_cache_manager"]:
         raise KvtraceError("--disable-hybrid-kv-cache-manager: with --engine vllm, pass it to vLLM "
                            "(--vllm-arg=--disable-hybrid-kv-cache-manager)")
+    if a["speculative_method"] is not None or a["num_speculative_tokens"]:
+        raise KvtraceError("--speculative-method and --num-speculative-tokens are for --engine sim: with --engine vllm, "
+                           "pass vLLM's --vllm-arg=speculative_config=JSON")
     refuse_unsupported(preemption_mode=a["preemption_mode"], preemption_policy=a["preemption_policy"],
                        kv_reserve=a["kv_reserve"], num_cpu_blocks=a["num_cpu_blocks"], swap_space=a["swap_space"],
                        device=a["device"], load_format=a["load_format"],

@@ -26,7 +26,7 @@ from kvtrace.trace.schema import TABLES, write_parquet
 
 # the order a chunk's tables are handed to the writer thread: the slowest to write first, so that
 # its writing overlaps the making of the others where the engine's thread makes them
-_WRITING_ORDER = ("tokens", "kv_events", "steps", "requests", "gpu_samples")
+_WRITING_ORDER = ("tokens", "kv_events", "steps", "requests", "spec_decode", "gpu_samples")
 
 
 class TraceWriter:
@@ -55,14 +55,16 @@ class TraceWriter:
         self._events: list[KVEvent | DecodeLeap] = []
         self._num_events = 0   # the rows of `_events` but evictions (a leap's allocs each one)
         self._requests: list[RequestStats] = []
+        self._drafting: list[StepRecord] = []   # speculative decoding: the steps that verified drafts
         self._tokens = TokenGrids()
         self._gpu_samples: dict[str, list] = {c: [] for c in TABLES["gpu_samples"].names if c != "run_id"}
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
         self._req_numbers = RequestNumbers()
         self._tokens_table = TokensTable(self._req_numbers, run_id)
-        self._part = {name: 0 for name in TABLES}   # each table's next part number
-        self.rows_written = {name: 0 for name in TABLES}   # the writer thread's; read once it has stopped
+        self._part = {name: 0 for name in (*TABLES, "spec_decode")}   # each table's next part number
+        # the writer thread's; read once it has stopped (spec_decode: a run that drafts, its folder made then)
+        self.rows_written = {name: 0 for name in (*TABLES, "spec_decode")}
         # (table name, part number, its buffer or its table made) for the writer thread; None: stop
         self._queue: queue.Queue[tuple[str, int, object] | None] = queue.Queue()
         self._error: BaseException | None = None   # the first failure, reported on the engine's thread
@@ -95,6 +97,8 @@ class TraceWriter:
         if r.finished:
             t.finished += [(stats.req_id, stats.sample) for stats in r.finished]
             self._requests += r.finished
+        if r.drafts:
+            self._drafting.append(r)
         self._flush_if_due()
 
     def on_decode_leap(self, w: DecodeLeap) -> None:
@@ -176,6 +180,8 @@ class TraceWriter:
             taken["steps"], self._steps = self._steps, []
         if self._requests:
             taken["requests"], self._requests = self._requests, []
+        if self._drafting:
+            taken["spec_decode"], self._drafting = self._drafting, []
         with self._lock:
             if self._gpu_samples["ts_s"]:
                 taken["gpu_samples"] = self._gpu_samples
@@ -192,6 +198,8 @@ class TraceWriter:
             return tables.steps_table(buffer, self.run_id)
         if name == "requests":
             return tables.requests_table(buffer, self.run_id)
+        if name == "spec_decode":
+            return tables.spec_decode_table(buffer, self.run_id)
         return tables.gpu_samples_table(buffer, self.run_id)
 
     def _write_loop(self) -> None:

@@ -25,7 +25,7 @@ from engine import events as ev
 from engine.events import KVEvent, RequestStats, StepRecord
 from engine.sim.leap import DecodeLeap
 from kvtrace.record.arrays import as_arrow, from_numpy, lists_then_singles
-from kvtrace.trace.schema import CAPTURE_ONLY, TABLES
+from kvtrace.trace.schema import DRAFT_ONLY, OPTIONAL_TABLES, TABLES
 
 # each steps column: the StepRecord (and DecodeLeap.step_columns) field it is read from
 _STEP_FIELDS = {
@@ -36,7 +36,10 @@ _STEP_FIELDS = {
     "cached_blocks": "num_cached_blocks", "total_blocks": "num_total_blocks", "kv_tokens": "num_kv_tokens",
     "admission_stop": "admission_stop",
 }
-_REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id" and f not in CAPTURE_ONLY["requests"]]
+_REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id" and f not in DRAFT_ONLY["requests"]]
+# speculative decoding's columns (a run that drafts; null in one that does not): steps' and requests'
+_STEP_DRAFT_FIELDS = {"draft_tokens": "num_draft_tokens", "accepted_tokens": "num_accepted_tokens"}
+_REQUEST_DRAFT_FIELDS = ("draft_tokens", "accepted_tokens")
 # The kv_events columns that only the rarer kinds set (preempt, swap_out, swap_in, reprefill, cow),
 # with the value every other event leaves (engine/events.py): they are read from the rarer events
 # alone, and the rest of the rows take the default.
@@ -70,7 +73,10 @@ def steps_table(records: list[StepRecord | DecodeLeap], run_id: str) -> pa.Table
         steps = [item for item in records if type(item) is not DecodeLeap] if leaps else records
         fields = {name: list(map(attrgetter(name), steps)) for name in _STEP_FIELDS.values()}
         if not leaps:
-            return table("steps", {column: fields[name] for column, name in _STEP_FIELDS.items()}, run_id)
+            columns = {column: fields[name] for column, name in _STEP_FIELDS.items()}
+            if steps[0].num_draft_tokens is not None:   # a run that drafts (the fast path's leaps never do)
+                columns.update({column: list(map(attrgetter(name), steps)) for column, name in _STEP_DRAFT_FIELDS.items()})
+            return table("steps", columns, run_id)
     leap_fields = DecodeLeap.step_columns(leaps)
     if len(leaps) == len(records):
         return table("steps", {column: leap_fields[name] for column, name in _STEP_FIELDS.items()}, run_id)
@@ -185,7 +191,17 @@ def _in_order(order: np.ndarray, parts: list[tuple[object, int]]) -> list:
 
 def requests_table(stats: list[RequestStats], run_id: str) -> pa.Table:
     """The requests table: one row per finished sequence."""
-    return table("requests", {column: list(map(attrgetter(column), stats)) for column in _REQUEST_FIELDS}, run_id)
+    fields = _REQUEST_FIELDS + list(_REQUEST_DRAFT_FIELDS) if stats[0].draft_tokens is not None else _REQUEST_FIELDS
+    return table("requests", {column: list(map(attrgetter(column), stats)) for column in fields}, run_id)
+
+
+def spec_decode_table(records: list[StepRecord], run_id: str) -> pa.Table:
+    """The spec_decode table of a run that drafts: a row per sequence and step that verified drafts."""
+    rows = [(r.step, r.end_s, *d) for r in records for d in r.drafts]
+    columns = dict(zip(("step", "ts_s", "req_id", "sample", "draft_tokens", "accepted_tokens", "lookahead_slots"),
+                       map(list, zip(*rows))))
+    schema = OPTIONAL_TABLES["spec_decode"]
+    return pa.Table.from_pydict({"run_id": [run_id] * len(rows), **columns}, schema=schema)
 
 
 def gpu_samples_table(columns: dict[str, list], run_id: str) -> pa.Table:
@@ -195,10 +211,10 @@ def gpu_samples_table(columns: dict[str, list], run_id: str) -> pa.Table:
 
 def table(name: str, columns: dict[str, Column], run_id: str) -> pa.Table:
     """Table `name` of `columns` (every column of its schema but run_id, as a builder made it; those only a
-    vLLM capture fills, schema.CAPTURE_ONLY, null) and `run_id`."""
+    run that drafts fills, schema.DRAFT_ONLY, null where `columns` lacks them) and `run_id`."""
     schema = TABLES[name]
     num_rows = len(next(iter(columns.values())))
-    unfilled = CAPTURE_ONLY.get(name, ())
+    unfilled = [c for c in DRAFT_ONLY.get(name, ()) if c not in columns]
     arrays = {f.name: pa.nulls(num_rows, f.type) if f.name in unfilled else as_arrow(columns[f.name], f.type)
               for f in schema if f.name != "run_id"}
     arrays["run_id"] = pa.repeat(pa.scalar(run_id, pa.string()), num_rows)

@@ -211,7 +211,7 @@ OPTIONAL_TABLES = {"client_tokens": CLIENT_TOKENS_SCHEMA,         # kvtrace reco
                    "capture_requests": CAPTURE_REQUESTS_SCHEMA,   # kvtrace capture run
                    "spec_decode": SPEC_DECODE_SCHEMA}             # a capture of a speculative-decoding server
 
-# Columns of schema 5 that only a vLLM capture fills so far (kvtrace's engine and simulator draft
-# nothing): their writers leave them null.
-CAPTURE_ONLY = {"steps": ("draft_tokens", "accepted_tokens"),
+# Columns of schema 5 that only a run that drafts fills (a capture of a speculative-decoding server, or
+# kvtrace's simulator with --speculative-method): every other writer leaves them null.
+DRAFT_ONLY = {"steps": ("draft_tokens", "accepted_tokens"),
                 "requests": ("draft_tokens", "accepted_tokens")}

@@ -19,6 +19,9 @@ A hybrid model's (a workload whose config names "kv_cache_groups"), also:
     given         [request:sample, [new block ids of each KV-cache group]] of each scheduled request
     dropped       [request:sample, group, block ids] that a sliding window dropped in the step
                   (admitted and grown then list every group's blocks, group by group, null blocks left out)
+A speculative-decoding workload's (its "spec_tokens" drafts proposed a step, "spec_method"
+"draft_model": vLLM's lookahead slots and drafting slot), in a step that verified drafts:
+    drafts        [request:sample, drafts scheduled, drafts accepted] (the driver's `accepted` pattern)
 """
 from __future__ import annotations
 
@@ -43,6 +46,9 @@ PLANTS = ("wrong-victim", "head-first-free", "no-prefix-hits", "threshold-ignore
 # a hybrid model's (a workload of several KV-cache groups): no window drops a block; a window drops the
 # blocks of positions still in flight (async); a whole request's admission counts a window's every block
 HYBRID_PLANTS = ("window-ignored", "in-flight-dropped", "admission-uncapped")
+# a drafting server's (speculative decoding): rejected drafts kept as computed; no lookahead slots reserved;
+# no drafting slot counted against the step's budget; an admitted decode left unpadded
+SPEC_PLANTS = ("rejected-kept", "no-lookahead", "no-drafting-slot", "unpadded")
 
 
 def key(seq) -> str:
@@ -63,14 +69,21 @@ def model(cfg: dict) -> LoadedModel | None:
     return LoadedModel(config, {}, "a tiny hybrid model")
 
 
-def build(cfg: dict, vllm_version: str = VLLM_VERSION) -> LLMEngine:
+def accepted(rid: str, index: int, drafts: int) -> int:
+    """How many of a request's drafts step `index` accepts: vllm_driver.py's placeholder model's pattern."""
+    return (sum(map(ord, rid)) + index) % (drafts + 1)
+
+
+def build(cfg: dict, vllm_version: str = VLLM_VERSION, spec: tuple[str, int] | None = None) -> LLMEngine:
+    """`spec`: (vLLM's speculative method, draft tokens a step) of a speculative-decoding workload."""
     policy = PreemptionPolicy.PRIORITY if cfg["policy"] == "priority" else PreemptionPolicy.NEWEST
     config = EngineConfig(model="tiny", engine="sim", block_size=cfg["block_size"], num_gpu_blocks=cfg["num_blocks"],
                           num_cpu_blocks=0, max_num_seqs=cfg["max_num_seqs"],
                           max_num_batched_tokens=cfg["max_num_batched_tokens"], max_model_len=cfg["max_model_len"],
                           long_prefill_token_threshold=cfg["long_prefill_token_threshold"],
                           preemption_policy=policy, async_scheduling=cfg["async"],
-                          enable_prefix_caching=cfg["enable_prefix_caching"])
+                          enable_prefix_caching=cfg["enable_prefix_caching"],
+                          speculative_method=spec[0] if spec else None, num_speculative_tokens=spec[1] if spec else 0)
     engine = build_engine(config, loaded=model(cfg))
     engine.scheduler.follow(vllm_version)
     engine.keep_outputs = False
@@ -100,17 +113,48 @@ def plant(engine: LLMEngine, bug: str) -> None:
         bm.drop_out_of_window = lambda seq, num_processed: drop(seq, seq.num_computed_tokens)
     elif bug == "admission-uncapped":
         bm.admission_caps = (None,) * len(bm.admission_caps)
+    elif bug == "rejected-kept":
+        acceptance = engine.acceptance
+
+        def keep_rejected(seq, index, num_drafts):
+            accepted = acceptance(seq, index, num_drafts)
+            seq.num_computed_tokens += num_drafts - accepted   # the engine then rolls back nothing
+            return accepted
+        engine.acceptance = keep_rejected
+    elif bug == "no-lookahead":
+        sched.num_lookahead_tokens = 0
+    elif bug == "no-drafting-slot":
+        sched.draft_slots = 0
+    elif bug == "unpadded":
+        spec_tokens = sched.num_spec_tokens
+        admit = sched._admit_waiting
+
+        def admit_unpadded(out, budget, threshold):
+            sched.num_spec_tokens = 0   # no padding (drafts of running sequences are scheduled before)
+            try:
+                admit(out, budget, threshold)
+            finally:
+                sched.num_spec_tokens = spec_tokens
+        sched._admit_waiting = admit_unpadded
     else:
-        raise ValueError(f"no such plant {bug!r} (one of {', '.join(PLANTS + HYBRID_PLANTS)})")
+        raise ValueError(f"no such plant {bug!r} (one of {', '.join(PLANTS + HYBRID_PLANTS + SPEC_PLANTS)})")
 
 
 def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION, tracer=None) -> list[dict]:
     """The workload's step records; `vllm_version`: the vLLM whose scheduling kvtrace follows;
     `tracer`: the engine's Tracer (its own trace of the run, every step handed over by the end)."""
     cfg = workload["config"]
-    engine = build(cfg, vllm_version)
+    spec = (workload["spec_method"], workload["spec_tokens"]) if workload.get("spec_tokens") else None
+    engine = build(cfg, vllm_version, spec)
     if tracer is not None:
         engine.tracer = tracer
+    drafted: list[list] = []   # the step's drafts: [request:sample, drafts, accepted]
+
+    def accept_and_note(seq, index: int, num_drafts: int) -> int:
+        n = accepted(key(seq), index, num_drafts)
+        drafted.append([key(seq), num_drafts, n])
+        return n
+    engine.acceptance = accept_and_note
     if bug:
         plant(engine, bug)
     sched, bm = engine.scheduler, engine.block_manager
@@ -183,11 +227,14 @@ def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION
         if not active():
             continue
         finished.clear()
+        drafted.clear()
         engine.step()
         record = {"step": step, **{k: v for k, v in seen.items() if k not in ("given", "dropped")},
                   "finished": list(finished), "free_queue": list(bm.free_queue)}
         if bm.hybrid:   # in the driver's order of keys
             record.update(given=seen["given"], dropped=seen["dropped"])
+        if drafted:
+            record["drafts"] = sorted(drafted)
         if cfg["async"]:
             record["placeholders"] = sorted([key(s), s.num_undelivered] for s in sched.running + list(sched.waiting)
                                             if s.num_undelivered and s.status != SequenceStatus.FINISHED)

@@ -37,6 +37,7 @@ pytestmark = VLLM_MARKS
 PYTHONS = [p for p in [VLLM_PYTHON, *os.environ.get("KVTRACE_VLLM_SCHED_PYTHONS", "").split(os.pathsep)] if p]
 NUM_WORKLOADS = int(os.environ.get("KVTRACE_SCHED_WORKLOADS", "1000")) * max(1, settings.default.max_examples // 100)
 NUM_HYBRID_WORKLOADS = max(BATCH, NUM_WORKLOADS // 10)   # per class and version: 100 by default
+NUM_SPEC_WORKLOADS = max(BATCH, NUM_WORKLOADS // 5)      # per version: 200 by default
 FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                    HealthCheck.filter_too_much])
 
@@ -146,6 +147,49 @@ def test_a_planted_wrong_hybrid_kv_cache_is_caught(vllm, bug):
              settings=settings(max_examples=300, phases=[Phase.generate], database=None, derandomize=True, **FAST))
     except NoSuchExample:
         pytest.fail(f"kvtrace's hybrid KV cache planted with {bug!r} agreed with vLLM {vllm.version} on 300 workloads")
+
+
+def test_schedules_speculative_decoding_as_vllm(vllm):
+    """A server drafting 1 to 4 tokens a step with a draft model: vLLM's Scheduler given the drafts and the
+    driver's accepted counts against kvtrace's simulator drafting as vLLM's method does, its acceptance the
+    driver's pattern: compared as above, and per step the drafts each request verified and accepted (the
+    lookahead slots show in the blocks each step gives, the drafting slot in the tokens scheduled)."""
+    follows = followed(vllm)
+    totals: Counter = Counter()
+    plant = os.environ.get("KVTRACE_SCHED_PLANT") or None
+
+    @settings(max_examples=max(1, NUM_SPEC_WORKLOADS // BATCH), **FAST)
+    @given(st.lists(workloads(asynchronous=False, spec=True), min_size=BATCH, max_size=BATCH))
+    def check(batch):
+        pairs = vllm.compare(batch, lambda w: kvtrace_side.run(w, plant, vllm_version=follows))
+        for workload, (mine, theirs) in zip(batch, pairs):
+            difference = first_difference(mine, theirs)
+            totals.update(tally(theirs))
+            assert not difference, (f"vLLM {vllm.version} (kvtrace following {follows}), workload:\n"
+                                    f"{json.dumps(workload)}\n{difference}")
+
+    check()
+    print(f"vLLM {vllm.version} Scheduler, drafting: {dict(totals)}")
+    assert min(totals["preempting"], totals["resuming"], totals["hitting"]) >= totals["workloads"] // 20, totals
+    assert totals["drafting"] >= totals["workloads"] // 2, totals
+
+
+@pytest.mark.parametrize("bug", kvtrace_side.SPEC_PLANTS)
+def test_a_planted_wrong_speculative_decoding_is_caught(vllm, bug):
+    follows = followed(vllm)
+
+    def caught(workload) -> bool:
+        try:
+            mine = kvtrace_side.run(workload, bug, vllm_version=follows)
+        except RuntimeError:   # no end
+            return True
+        return first_difference(mine, vllm.run(workload)) is not None
+
+    try:
+        find(workloads(asynchronous=False, spec=True), caught,
+             settings=settings(max_examples=300, phases=[Phase.generate], database=None, derandomize=True, **FAST))
+    except NoSuchExample:
+        pytest.fail(f"kvtrace's speculative decoding planted with {bug!r} agreed with vLLM {vllm.version} on 300 workloads")
 
 
 def test_reused_vllm_configs_schedule_as_fresh_ones(vllm):

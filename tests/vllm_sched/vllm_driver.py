@@ -381,6 +381,10 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    # the scheduler reads the speculative config while it schedules too (its drafting slots): the workload's
+    # for this run (the next workload's build sets its own)
+    object.__setattr__(CONFIGS["vllm_config"], "speculative_config",
+                       speculative_config(model, workload["spec_tokens"]) if workload.get("spec_method") else None)
     rec = Recorder(sched, workload.get("keep_victim_hashes", False), not workload.get("bare"))
     drafts = workload.get("spec_tokens", 0)   # speculative decoding: draft tokens proposed each step
     if drafts and cfg["async"] and not workload.get("spec_method"):

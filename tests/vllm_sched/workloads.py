@@ -31,11 +31,14 @@ def positions(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
 HYBRID_GROUPS = [["sliding"], ["full", "sliding"], ["sliding", "full"], ["sliding", "sliding", "full"]]
 
 
-def blocks_needed(prompt_len: int, max_tokens: int, cfg: dict) -> int:
+def blocks_needed(prompt_len: int, max_tokens: int, cfg: dict, spec_tokens: int = 0) -> int:
     """Blocks a request holds at most, every KV-cache group's: a windowed group's no more than vLLM's
-    admission cap (a window less one position, the steps in flight, one block more)."""
+    admission cap (a window less one position, the steps in flight, one block more). `spec_tokens`:
+    speculative decoding's drafts a step, whose positions and lookahead slots go past the last token."""
     bs, max_model_len = cfg["block_size"], cfg["max_model_len"]
     need = -(-positions(prompt_len, max_tokens, max_model_len) // bs)
+    if spec_tokens:
+        need = -(-min(prompt_len + max_tokens + 2 * spec_tokens, max_model_len) // bs)
     kinds = cfg.get("kv_cache_groups")
     if not kinds:
         return need
@@ -46,11 +49,12 @@ def blocks_needed(prompt_len: int, max_tokens: int, cfg: dict) -> int:
 
 
 @st.composite
-def workloads(draw, asynchronous: bool, hybrid: bool = False) -> dict:
+def workloads(draw, asynchronous: bool, hybrid: bool = False, spec: bool = False) -> dict:
     """Hypothesis draws the structure (sizes, kinds, limits, arrivals) and a seed; the token ids come
     from the seed, which keeps generation cheap enough for thousands of workloads a run (shrinking
     still shortens prompts and drops requests). `hybrid`: a model of sliding windows beside full
-    attention (HYBRID_GROUPS, windows of 1 to 4 blocks), without prefix caching."""
+    attention (HYBRID_GROUPS, windows of 1 to 4 blocks), without prefix caching. `spec`: a server
+    drafting 1 to 4 tokens a step with a draft model (lookahead slots and a drafting slot)."""
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
     vocab = draw(st.sampled_from([3, 50, 500]))   # a tiny vocabulary repeats blocks: accidental prefix hits
@@ -92,13 +96,24 @@ def workloads(draw, asynchronous: bool, hybrid: bool = False) -> dict:
               "long_prefill_token_threshold": threshold, "policy": policy, "async": asynchronous}
     if hybrid:
         config.update(kv_cache_groups=draw(st.sampled_from(HYBRID_GROUPS)), window_blocks=draw(st.integers(1, 4)))
-    need = [blocks_needed(len(r["prompt"]), r["max_tokens"], config) for r in requests]
+    spec_tokens = draw(st.integers(1, 4)) if spec else 0
+    if spec_tokens:
+        # a step's budget holds a padded decode (1 + k positions) and its drafting slot: with less, vLLM's
+        # scheduler never admits a request whose prefix hit leaves one token (it waits for room to pad; found
+        # by this generator, kvtrace's does the same), and no step-by-step comparison ends
+        config["max_num_batched_tokens"] = max(max_num_batched_tokens, spec_tokens + 2)
+    if spec_tokens and 0 < threshold <= spec_tokens:
+        config["long_prefill_token_threshold"] = 0   # vLLM fails padding a decode past the threshold
+    need = [blocks_needed(len(r["prompt"]), r["max_tokens"], config, spec_tokens) for r in requests]
     total = sum(n * r["n"] for n, r in zip(need, requests))
     slack = max(total - max(need), 0)   # 0: just fits the longest request; slack: holds every request at once
     num_blocks = max(need) + draw(st.sampled_from([0, 0, 1, 2, slack // 4, slack // 2, slack + 4]))
     # (drawn last, as before hybrid workloads: a dense workload of a given seed is the same as it was)
     config["enable_prefix_caching"] = False if hybrid else draw(st.sampled_from([True, True, True, False]))
-    return {"config": {"block_size": block_size, "num_blocks": num_blocks, **config}, "requests": requests}
+    workload = {"config": {"block_size": block_size, "num_blocks": num_blocks, **config}, "requests": requests}
+    if spec_tokens:
+        workload.update(spec_tokens=spec_tokens, spec_method="draft_model")
+    return workload
 
 
 def tally(steps: list[dict]) -> dict[str, int]:
@@ -109,4 +124,5 @@ def tally(steps: list[dict]) -> dict[str, int]:
             "hitting": int(any(a[2] > 0 for a in admitted)),
             "resuming": int(any(a[1] == "resumed" for a in admitted)),
             "uncaching": int(any(s["uncached"] for s in steps)),
-            "dropping": int(any(s.get("dropped") for s in steps))}
+            "dropping": int(any(s.get("dropped") for s in steps)),
+            "drafting": int(any(s.get("drafts") for s in steps))}
