@@ -11,6 +11,10 @@ every coefficient kept >= 0 (a negative cost would make a bigger step cheaper); 
 into the per-token terms (attention_pair_ms = 0), since a trace records neither separately. Swaps are
 fitted on their own, `swap_ms + bytes * swap_byte_ms`, from the steps that swapped.
 
+Runs that draft (speculative decoding: a capture of a server that drafts) also give the simulator's
+acceptance model its rate (`fit_acceptance_rate`, spec_decode.sql's acceptance_rate): the chance a
+draft is accepted when the drafts before it were, fitted by maximum likelihood on every verification.
+
 A step that took more than INTERFERENCE times what the fit predicts is left out and the fit redone
 (until none is): on a shared machine another process can stall a step tenfold, and a least-squares
 fit on relative error would spread those few stalls over every coefficient. No composition costs
@@ -73,6 +77,19 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def fit_acceptance_rate(runs: list[str | Path]) -> tuple[float, int] | None:
+    """(the acceptance rate, the verifications it is fitted on) of the runs' drafts, every run's together;
+    None if no run drafted (engine/spec_decode.py's model: a step accepts j of k drafts with chance
+    rate^j (1 - rate), all k with rate^k; the likelihood's maximum is accepted / (accepted + rejections))."""
+    con = db.connect(runs)
+    accepted, rejections, verifications = con.sql(
+        "SELECT sum(accepted_tokens), count(*) FILTER (WHERE accepted_tokens < draft_tokens), count(accepted_tokens) "
+        "FROM spec_decode").fetchall()[0]
+    if not verifications or not accepted and not rejections:
+        return None
+    return accepted / (accepted + rejections), verifications
+
+
 def calibrate(runs: list[str | Path], name: str) -> tuple[HardwareProfile, dict]:
     """A profile fitted to the runs' steps, and its fit error."""
     con = db.connect(runs)
@@ -123,4 +140,7 @@ def calibrate(runs: list[str | Path], name: str) -> tuple[HardwareProfile, dict]
         source=f"kvtrace calibrate on {len(run_ids)} run(s) of {model} ({dtype}) on {device}",
         fitted_on={"runs": run_ids, "model": model, "dtype": dtype, "device": device, "swap": swap_note,
                    "error": error})
+    drafting = fit_acceptance_rate(runs)
+    if drafting is not None:   # the traffic's, not the hardware's: reported beside the profile
+        error["spec_acceptance_rate"], error["spec_verifications"] = drafting
     return profile, error

@@ -43,3 +43,7 @@ def calibrate(
              for kind, k in error["by_kind"].items()]
     typer.echo("by kind of step: " + "; ".join(kinds))
     typer.echo(f"profile: {out}   use: kvtrace record --engine sim --hardware {out} ...")
+    if "spec_acceptance_rate" in error:   # the runs drafted (speculative decoding)
+        rate = error["spec_acceptance_rate"]
+        typer.echo(f"speculative decoding: a draft accepted with chance {rate:.3f} when the drafts before it were "
+                   f"(fitted on {error['spec_verifications']:,} verifications)   use: --spec-acceptance-rate {rate:.3f}")

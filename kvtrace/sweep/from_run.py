@@ -6,6 +6,9 @@ the scheduler's limits, so that `kvtrace sweep --from-run RUN --set KNOB=...` ne
 hand. An option given on the command line, or swept, wins; of the options that size the pool (blocks,
 bytes, a share of memory) none is taken from the run when any is given. A vLLM run (a capture, or
 `record --engine vllm`) is swept through the simulator; a run of kvtrace's engine with the engine it ran.
+A capture of a server that drafts (speculative decoding) is simulated drafting as it did: its method and
+draft tokens, and the acceptance rate fitted on its own verifications (spec_decode.sql), so that the
+what-if keeps the lookahead slots' pressure on the pool.
 
 `VLLM_FLAGS` maps each knob to the vLLM engine argument an operator changes (docs/sweep.md shows the
 table); `vllm_args` words a point's settings with them.
@@ -16,7 +19,7 @@ import json
 import re
 from pathlib import Path
 
-from engine.config import PRESETS
+from engine.config import PRESETS, SPEC_METHODS
 from kvtrace.errors import KvtraceError
 from kvtrace.sweep.grid import flag_names
 
@@ -37,6 +40,9 @@ VLLM_FLAGS: dict[str, tuple[str | None, str]] = {
     "disable_hybrid_kv_cache_manager": ("--disable-hybrid-kv-cache-manager", "a model with sliding windows keeps "
                                         "every layer's KV as full attention's"),
     "preemption_policy": ("--scheduling-policy", "priority, or fcfs (which preempts the newest)"),
+    "speculative_method": ("--speculative-config", "the drafting method, its JSON's \"method\""),
+    "num_speculative_tokens": ("--speculative-config", "draft tokens a step, its JSON's \"num_speculative_tokens\""),
+    "spec_acceptance_rate": (None, "the drafter's and the traffic's, not a setting"),
     "preemption_mode": (None, "vLLM V1 always recomputes a preempted request; its KV offloading is the modern swap"),
     "swap_space": (None, "vLLM V1 does not swap (V0's --swap-space)"),
     "num_cpu_blocks": (None, "vLLM V1 does not swap"),
@@ -50,7 +56,7 @@ TAKEN = ("engine", "model", "hardware", "dtype", "device", "load_format", "block
          "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
          "enable_prefix_caching", "enable_chunked_prefill", "long_prefill_token_threshold", "preemption_mode",
          "preemption_policy", "async_scheduling", "n_mode", "num_cpu_blocks", "swap_space", "watermark",
-         "disable_hybrid_kv_cache_manager")
+         "disable_hybrid_kv_cache_manager", "speculative_method", "num_speculative_tokens", "spec_acceptance_rate")
 VLLM_ONLY_TAKEN = ("model", "block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                    "enable_prefix_caching", "async_scheduling")
 
@@ -108,6 +114,8 @@ def run_options(run: Path, shared: list[str], grid: dict, knobs: dict) -> tuple[
             values.pop(name, None)
     if vllm:
         values["engine"] = "sim"
+        if (config.get("num_speculative_tokens") or 0) > 0:
+            notes += drafting(run, config, values, given)
         if "hardware" not in given:
             notes.append("the run does not say which GPU served it: the simulator models an h100-sxm "
                          "(--hardware says otherwise)")
@@ -129,6 +137,31 @@ def run_options(run: Path, shared: list[str], grid: dict, knobs: dict) -> tuple[
             args += [knob.flag, str(value)]
     said = [f"from the run: {' '.join(args)}"] if args else []
     return args, said + notes
+
+
+def drafting(run: Path, config: dict, values: dict, given: set[str]) -> list[str]:
+    """A capture of a server that drafts: its method (kvtrace's nearest where vLLM's is none of them) and
+    draft tokens, the acceptance rate fitted on its verifications, the synchronous scheduler (kvtrace's
+    engine drafts with it only). Sets them in `values`; returns the lines that say so."""
+    from kvtrace.calibrate import fit_acceptance_rate
+
+    notes = []
+    method, lookahead = config.get("speculative_method"), config.get("num_lookahead_tokens") or 0
+    if method not in SPEC_METHODS:
+        near = "eagle" if lookahead else "ngram"
+        notes.append(f"drafting with {method or 'an unnamed method'}: simulated as {near} (the same lookahead slots, "
+                     f"{lookahead} a request)")
+        method = near
+    values.update(speculative_method=method, num_speculative_tokens=config["num_speculative_tokens"])
+    if "spec_acceptance_rate" not in given:
+        fitted = fit_acceptance_rate([run])
+        if fitted is not None:
+            values["spec_acceptance_rate"] = round(fitted[0], 3)
+            notes.append(f"drafts accepted at rate {fitted[0]:.3f}, fitted on the run's {fitted[1]:,} verifications")
+    if values.get("async_scheduling") and "async_scheduling" not in given:
+        values["async_scheduling"] = False
+        notes.append("simulated with the synchronous scheduler: kvtrace's engine drafts with it only")
+    return notes
 
 
 def vllm_args(settings: dict) -> str:

@@ -271,7 +271,8 @@ def model_shape(identity: dict) -> tuple[dict, dict]:
     attention), and engine_config's speculative decoding settings (0: none)."""
     return ({"kv_cache_groups": identity.get("kv_cache_groups")},
             {"num_speculative_tokens": identity.get("num_spec_tokens", 0),
-             "num_lookahead_tokens": identity.get("num_lookahead_tokens", 0)})
+             "num_lookahead_tokens": identity.get("num_lookahead_tokens", 0),
+             "speculative_method": identity.get("spec_method") if identity.get("num_spec_tokens") else None})
 
 
 def read_json(path: Path) -> dict | None:

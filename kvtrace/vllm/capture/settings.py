@@ -112,6 +112,7 @@ def write_identity(settings: Settings, server: Server, scheduler, version: str, 
         # speculative decoding: draft tokens per step, and the slots reserved past a request's tokens for them
         "num_spec_tokens": getattr(scheduler, "num_spec_tokens", 0) or 0,
         "num_lookahead_tokens": getattr(scheduler, "num_lookahead_tokens", 0) or 0,
+        "spec_method": getattr(getattr(getattr(scheduler, "vllm_config", None), "speculative_config", None), "method", None),
         "self_check": settings.self_check,
         "kvtrace_version": kvtrace.__version__, "chunk_format": chunk_format.FORMAT,
         "file_mode": oct(settings.file_mode),
