@@ -67,7 +67,7 @@ full_groups AS (
                  coalesce(json_extract(s.groups, '$[' || i || ']') ->> '$.kind', 'full_attention') AS kind,
                  coalesce((json_extract(s.groups, '$[' || i || ']') ->> '$.block_size')::BIGINT,
                           s.block_size) AS block_size
-          FROM settings s, range(coalesce(json_array_length(s.groups), 1)::BIGINT) t(i))
+          FROM settings s, range(coalesce(nullif(json_array_length(s.groups), 0), 1)::BIGINT) t(i))
     WHERE kind = 'full_attention'
 ),
 preempts AS (

@@ -479,7 +479,12 @@ class EngineConfig:
         return SPEC_METHODS[self.speculative_method][1] if self.speculative_method is not None else 0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The settings (meta.json's engine_config), and with speculative decoding the lookahead slots a
+        request reserves, as a capture of vLLM writes them."""
+        settings = asdict(self)
+        if self.speculative_method is not None:
+            settings["num_lookahead_tokens"] = self.num_lookahead_tokens
+        return settings
 
     def hybrid_kv_cache(self, model_config: ModelConfig) -> bool:
         """Whether the engine keeps the model's KV in tables per group with windows (HybridBlockManager):

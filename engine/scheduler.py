@@ -379,7 +379,12 @@ class Scheduler:
         rejected instead."""
         last = (seq.num_output_tokens + 1 >= seq.stop_length
                 or 0 < self.max_model_len <= seq.num_tokens + 1)
-        return seq.num_tokens if last else seq.num_tokens + 1
+        if last:
+            return seq.num_tokens
+        if self.num_spec_tokens:   # speculative decoding: its next step's drafts and lookahead slots too
+            num_positions = seq.num_tokens + 1 + self.num_spec_tokens + self.num_lookahead_tokens
+            return min(num_positions, self.max_model_len) if self.max_model_len else num_positions
+        return seq.num_tokens + 1
 
     def _next_waiting(self) -> Sequence:
         if self.preemption_policy == PreemptionPolicy.PRIORITY:

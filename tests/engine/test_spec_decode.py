@@ -177,3 +177,39 @@ def test_drafting_beside_sliding_windows_is_refused():
 def test_the_fast_path_steps_aside_when_drafting():
     assert engine("eagle").fast_path is None and engine(None).fast_path is not None
     assert json.dumps(EngineConfig(engine="sim", speculative_method="mtp", num_speculative_tokens=1).to_dict())
+
+
+@pytest.mark.parametrize("method", ["eagle", "ngram"])
+def test_the_preemptions_lookahead_caused_are_named_from_the_trace(tmp_path, monkeypatch, method):
+    """lookahead_preemptions.sql on a drafting run of the simulator (a tight pool, 4 drafts a step) against
+    the engine's own state at each preemption: the requester's verified token fitted the blocks it held
+    (caused by lookahead) or did not. Every preemption whose requester was decoding is named, and named
+    right. With EAGLE's lookahead slots the verified token always fits (the last step reserved past it);
+    with n-gram's none, a step that accepted every draft leaves its next token a block to find."""
+    from engine.scheduler import Scheduler
+    from kvtrace.trace import db
+
+    truth: dict[tuple[str, int, int], bool] = {}   # (victim, sample, its k-th preemption) -> verified token fitted
+    preempt = Scheduler._preempt
+
+    def noted(self, seqs, out, requester=None, reasons=None):
+        for seq in seqs:
+            if requester is not None and requester.num_output_tokens and not requester.reprefill_target:
+                free = len(requester.block_table) * self.bm.block_size - requester.num_computed_tokens
+                truth[(seq.req_id, seq.sample, seq.num_preemptions + 1)] = free >= 1
+        return preempt(self, seqs, out, requester, reasons)
+    monkeypatch.setattr(Scheduler, "_preempt", noted)
+    workload = write_workload(tmp_path / "w.jsonl", [{"arrival_s": i * 0.002, "prompt_tokens": 20 + 7 * i,
+                                                     "max_tokens": 60} for i in range(12)])
+    result, out = record(tmp_path, workload, "tight", "--engine", "sim", "--num-gpu-blocks", "36", "--block-size", "4",
+                         "--speculative-method", method, "--num-speculative-tokens", "4")
+    assert result.exit_code == 0, result.output
+    rows = db.records(db.run_analysis(db.connect([out]), "lookahead_preemptions"))
+    named = {}
+    for row in sorted(rows, key=lambda r: r["seq"]):
+        k = sum(1 for key in named if key[:2] == (row["req_id"], row["sample"])) + 1
+        named[(row["req_id"], row["sample"], k)] = row["caused_by_lookahead"]
+    decoding = {key: fitted for key, fitted in truth.items() if key in named}
+    assert decoding and all(named[key] is not None for key in decoding), (named, truth)
+    assert {key: named[key] for key in decoding} == decoding
+    assert any(decoding.values()) and (method == "eagle" or not all(decoding.values())), decoding
