@@ -455,9 +455,6 @@ class EngineConfig:
             raise ValueError(f"--spec-acceptance-rate must be in [0, 1], got {self.spec_acceptance_rate}")
         if self.engine != "sim":
             raise ValueError("--speculative-method is for --engine sim (the real engine does not draft)")
-        if self.async_scheduling:
-            raise ValueError("--speculative-method with --async-scheduling is not modelled yet "
-                             "(kvtrace's engine drafts with the synchronous scheduler)")
         if self.n_mode == NMode.COW or self.preemption_mode == PreemptionMode.SWAP:
             raise ValueError("--speculative-method is vLLM V1's and cannot be combined with "
                              "--n-mode cow or --preemption-mode swap (vLLM V0's)")

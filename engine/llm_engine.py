@@ -89,6 +89,9 @@ class _InFlight:
     num_recompute: int
     sampled: list[tuple[Sequence, int]]
     finished: list[Sequence]   # rejected while it was scheduled
+    # speculative decoding: (sequence, drafts, accepted, lookahead slots) of each drafting sequence,
+    # accepted already decided (the model ran), applied when the output is processed
+    drafts: list[tuple[Sequence, int, int, int]] | None = None
 
 
 class LLMEngine:
@@ -130,6 +133,7 @@ class LLMEngine:
         # speculative decoding (the simulator's): how many of a step's drafts are accepted
         self.drafting = config.speculative_method is not None
         self.acceptance: Acceptance = GeometricAcceptance(config.spec_acceptance_rate, config.seed)
+        self.scheduler.drafts_at_schedule = self.drafting and config.async_scheduling
         self.runner = executor
         self.fast_path: FastPath | None = None   # set by engine/build.py when the simulator's is on
         self.clock = self.runner.clock
@@ -305,9 +309,11 @@ class LLMEngine:
             if bm.hybrid:   # its positions are processed: a window may drop their blocks from now on
                 for seq in prev.out.seqs:
                     seq.num_in_flight_tokens = 0
-            self._deliver(prev.sampled, end_s)
             emitted = prev.sampled
-            stopped = in_batch_order([seq for seq, _ in emitted if seq.finish_reason], prev.out.seqs)
+            if prev.drafts:   # the accepted drafts are tokens too, the rejected rolled back
+                emitted = self._resolve_drafts(prev.drafts, prev.sampled)
+            self._deliver(emitted, end_s)
+            stopped = in_batch_order(list(dict.fromkeys([seq for seq, _ in emitted if seq.finish_reason])), prev.out.seqs)
         result = self.runner.execute(out)   # before the frees: a just-stopped sequence may still run
         num_recompute = self._account(out.seqs, out.num_new_tokens, start_s)
         if bm.hybrid:
@@ -320,15 +326,23 @@ class LLMEngine:
             # running before the delivery: one that stops on it too (its last block), before it is freed
             for seq, _ in emitted:
                 if seq.status == SequenceStatus.RUNNING:
-                    bm.cache_full_blocks(seq, seq.num_computed_tokens - (id(seq) in sampling))
+                    bm.cache_full_blocks(seq, seq.num_computed_tokens - (id(seq) in sampling) - seq.num_draft_placeholders)
             for seq in stopped:
                 sched.finish(seq)
             self._record(step=prev.step, start_s=prev.start_s, end_s=end_s, out=prev.out, result=prev.result,
                          kv_events=prev.events + bm.take_events(), num_sched_events=prev.num_sched_events,
                          occupancy=prev.occupancy, num_recompute=prev.num_recompute,
-                         tokens=self._token_columns(emitted), finished=prev.finished + stopped)
+                         tokens=self._token_columns(emitted), finished=prev.finished + stopped,
+                         drafts=[(s.req_id, s.sample, n, a, la) for s, n, a, la in prev.drafts]
+                         if prev.drafts is not None else None)
             self.num_finished_seqs += len(stopped)
         sampled = [(seq, token) for seq, token in self._sample(result) if seq.status == SequenceStatus.RUNNING]
+        drafts = None
+        if self.drafting:   # the model has verified this step's drafts: how many it accepted is known
+            num_drafts = {id(seq): n for seq, n in zip(out.seqs, out.num_drafts) if n}
+            # (every sequence that ran them, one stopped on the output just processed too: it still ran)
+            drafts = [(seq, num_drafts[id(seq)], self.acceptance(seq, self.step_counter, num_drafts[id(seq)]),
+                       sched.lookahead(seq.num_computed_tokens, 0)) for seq in result.sample_seqs if id(seq) in num_drafts]
         for seq, token in sampled:   # in flight: the next step's input, delivered after it is scheduled
             seq.token_ids.append(token)
             seq.num_undelivered += 1
@@ -336,7 +350,8 @@ class LLMEngine:
         self.num_preemptions += out.num_preemptions
         self._in_flight = _InFlight(step=self.step_counter, start_s=start_s, out=out, result=result, events=events,
                                     num_sched_events=num_sched_events, occupancy=occupancy,
-                                    num_recompute=num_recompute, sampled=sampled, finished=finished_now)
+                                    num_recompute=num_recompute, sampled=sampled, finished=finished_now,
+                                    drafts=drafts)
         self.step_counter += 1
         self._check_progress(bool(emitted or stopped or finished_now))
         return emitted
@@ -403,6 +418,31 @@ class LLMEngine:
                 seq.num_computed_tokens -= 1 + accepted - num_tokens
             tokens += [(seq, token)] * num_tokens
         return tokens, drafts
+
+    def _resolve_drafts(self, drafts: list[tuple[Sequence, int, int, int]], sampled: list[tuple[Sequence, int]]
+                        ) -> list[tuple[Sequence, int]]:
+        """Async scheduling: a processed output's drafts (accepted when the model ran): the rejected
+        positions rolled back unless the sequence was preempted since (V1: computed and placeholders
+        zeroed then), the accepted ones appended after its sampled token, cut at its stop. Returns the
+        output's tokens."""
+        resolved = {id(seq): (n, accepted) for seq, n, accepted, _ in drafts}
+        tokens = []
+        for seq, token in sampled:
+            tokens.append((seq, token))
+            if id(seq) not in resolved:
+                continue
+            n, accepted = resolved[id(seq)]
+            seq.num_draft_tokens += n
+            seq.num_accepted_tokens += accepted
+            kept = min(accepted, seq.stop_num_tokens - len(seq.token_ids))
+            if seq.num_computed_tokens > 0:   # not preempted since it was scheduled
+                seq.num_computed_tokens -= n - accepted + accepted - max(kept, 0)   # rejected; cut at the stop
+                seq.num_draft_placeholders -= n
+                seq.num_ever_computed = min(seq.num_ever_computed, seq.num_computed_tokens)
+            for _ in range(max(kept, 0)):
+                seq.token_ids.append(token)
+                tokens.append((seq, token))
+        return tokens
 
     def _propose_drafts(self, out: SchedulerOutput) -> None:
         """Speculative decoding: the drafter's proposals for the next step, k for each sequence of this

@@ -96,6 +96,9 @@ class Scheduler:
         self.num_spec_tokens = num_spec_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
         self.draft_slots = draft_slots
+        # async scheduling: a scheduled sequence's next drafts are proposed when it is scheduled, as
+        # placeholders (V1's AsyncScheduler), not after its output
+        self.drafts_at_schedule = False
         # vLLM 0.33 and later: under the priority policy, the running pass goes on after a sequence that
         # preempted itself (those after it are more urgent and may fit in what it freed); 0.31 and 0.32
         # end it there
@@ -159,7 +162,7 @@ class Scheduler:
                 i += 1  # async: its undelivered token is its last (V1 skips it rather than decode past it)
                 continue
             # its tokens without KV, and the drafts proposed for it (V1's num_tokens_with_spec)
-            num_new = len(seq.token_ids) + seq.num_drafts - seq.num_computed_tokens
+            num_new = len(seq.token_ids) + seq.num_drafts + seq.num_draft_placeholders - seq.num_computed_tokens
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget - draft_slots:
@@ -224,10 +227,14 @@ class Scheduler:
         are drafts to verify (as many of its proposed ones as fit; `padded`: an admitted sequence's
         decode padded to the step's uniform 1 + k positions, placeholder drafts). Its proposals are
         used up: the next are made after the step (V1 clears spec_token_ids when scheduled)."""
-        num_drafts = seq.num_computed_tokens + num_new - len(seq.token_ids)
-        out.num_drafts.append(num_new - 1 if padded else max(0, min(seq.num_drafts, num_drafts)))
+        num_tokens = len(seq.token_ids) + seq.num_draft_placeholders   # async: the drafts in flight too
+        num_drafts = num_new - 1 if padded else max(0, min(seq.num_drafts, seq.num_computed_tokens + num_new - num_tokens))
+        out.num_drafts.append(num_drafts)
         seq.num_drafts = 0
-        seq.is_prefill_chunk = seq.num_computed_tokens + num_new < len(seq.token_ids)
+        seq.is_prefill_chunk = seq.num_computed_tokens + num_new < num_tokens
+        if self.drafts_at_schedule and not seq.is_prefill_chunk:   # async: placeholders for the next step
+            seq.num_draft_placeholders += num_drafts
+            seq.num_drafts = self.num_spec_tokens
 
     def admit(self, out: SchedulerOutput, budget: int) -> None:
         """The queues' turn, after the running pass: swapped sequences come back (vLLM V0's swap mode),
@@ -445,7 +452,7 @@ class Scheduler:
             self.running.remove(seq)
             out.num_preemptions += 1
             seq.num_preemptions += 1
-            seq.num_drafts = 0   # V1 drops a victim's proposals
+            seq.num_drafts = seq.num_draft_placeholders = 0   # V1 drops a victim's proposals and placeholders
             held[id(seq)] = self.bm.blocks_held(seq)
             if seq.reprefill_target:  # cut short while re-prefilling: record what it did redo
                 self.record_reprefill(seq, REPREFILL_INTERRUPTED)

@@ -86,6 +86,9 @@ class Sequence:
         # its last step was a prefill chunk that sampled nothing (V1's is_prefill_chunk: no drafts then)
         self.num_drafts = 0
         self.is_prefill_chunk = False
+        # --async-scheduling: the drafts of its step in flight, counted as computed until their output
+        # says how many were accepted (V1's output placeholders beyond the sampled token)
+        self.num_draft_placeholders = 0
         self._generator: torch.Generator | None = None   # made on first use (see `generator`)
         # resume bookkeeping
         self.protected = False                  # resumed and not yet progressed: not a victim

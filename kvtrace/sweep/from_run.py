@@ -141,8 +141,8 @@ def run_options(run: Path, shared: list[str], grid: dict, knobs: dict) -> tuple[
 
 def drafting(run: Path, config: dict, values: dict, given: set[str]) -> list[str]:
     """A capture of a server that drafts: its method (kvtrace's nearest where vLLM's is none of them) and
-    draft tokens, the acceptance rate fitted on its verifications, the synchronous scheduler (kvtrace's
-    engine drafts with it only). Sets them in `values`; returns the lines that say so."""
+    draft tokens, the acceptance rate fitted on its verifications. Sets them in `values`; returns the
+    lines that say so."""
     from kvtrace.calibrate import fit_acceptance_rate
 
     notes = []
@@ -158,9 +158,6 @@ def drafting(run: Path, config: dict, values: dict, given: set[str]) -> list[str
         if fitted is not None:
             values["spec_acceptance_rate"] = round(fitted[0], 3)
             notes.append(f"drafts accepted at rate {fitted[0]:.3f}, fitted on the run's {fitted[1]:,} verifications")
-    if values.get("async_scheduling") and "async_scheduling" not in given:
-        values["async_scheduling"] = False
-        notes.append("simulated with the synchronous scheduler: kvtrace's engine drafts with it only")
     return notes
 
 

@@ -236,8 +236,11 @@ def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION
         if drafted:
             record["drafts"] = sorted(drafted)
         if cfg["async"]:
-            record["placeholders"] = sorted([key(s), s.num_undelivered] for s in sched.running + list(sched.waiting)
-                                            if s.num_undelivered and s.status != SequenceStatus.FINISHED)
+            # (speculative decoding: the drafts in flight too)
+            record["placeholders"] = sorted([key(s), s.num_undelivered + s.num_draft_placeholders]
+                                            for s in sched.running + list(sched.waiting)
+                                            if (s.num_undelivered or s.num_draft_placeholders)
+                                            and s.status != SequenceStatus.FINISHED)
         steps.append(record)
         step += 1
         if len(steps) > max_steps:

@@ -149,17 +149,19 @@ def test_a_planted_wrong_hybrid_kv_cache_is_caught(vllm, bug):
         pytest.fail(f"kvtrace's hybrid KV cache planted with {bug!r} agreed with vLLM {vllm.version} on 300 workloads")
 
 
-def test_schedules_speculative_decoding_as_vllm(vllm):
-    """A server drafting 1 to 4 tokens a step with a draft model: vLLM's Scheduler given the drafts and the
-    driver's accepted counts against kvtrace's simulator drafting as vLLM's method does, its acceptance the
-    driver's pattern: compared as above, and per step the drafts each request verified and accepted (the
-    lookahead slots show in the blocks each step gives, the drafting slot in the tokens scheduled)."""
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_schedules_speculative_decoding_as_vllm(vllm, asynchronous):
+    """A server drafting 1 to 4 tokens a step with a draft model: vLLM's Scheduler given the drafts (the
+    AsyncScheduler schedules its own placeholders) and the driver's accepted counts against kvtrace's
+    simulator drafting as vLLM's method does, its acceptance the driver's pattern: compared as above, and
+    per step the drafts each request verified and accepted (the lookahead slots show in the blocks each
+    step gives, the drafting slot in the tokens scheduled, the drafts in flight in the placeholders)."""
     follows = followed(vllm)
     totals: Counter = Counter()
     plant = os.environ.get("KVTRACE_SCHED_PLANT") or None
 
     @settings(max_examples=max(1, NUM_SPEC_WORKLOADS // BATCH), **FAST)
-    @given(st.lists(workloads(asynchronous=False, spec=True), min_size=BATCH, max_size=BATCH))
+    @given(st.lists(workloads(asynchronous, spec=True), min_size=BATCH, max_size=BATCH))
     def check(batch):
         pairs = vllm.compare(batch, lambda w: kvtrace_side.run(w, plant, vllm_version=follows))
         for workload, (mine, theirs) in zip(batch, pairs):
@@ -169,7 +171,7 @@ def test_schedules_speculative_decoding_as_vllm(vllm):
                                     f"{json.dumps(workload)}\n{difference}")
 
     check()
-    print(f"vLLM {vllm.version} Scheduler, drafting: {dict(totals)}")
+    print(f"vLLM {vllm.version} {'AsyncScheduler' if asynchronous else 'Scheduler'}, drafting: {dict(totals)}")
     assert min(totals["preempting"], totals["resuming"], totals["hitting"]) >= totals["workloads"] // 20, totals
     assert totals["drafting"] >= totals["workloads"] // 2, totals
 
@@ -186,7 +188,7 @@ def test_a_planted_wrong_speculative_decoding_is_caught(vllm, bug):
         return first_difference(mine, vllm.run(workload)) is not None
 
     try:
-        find(workloads(asynchronous=False, spec=True), caught,
+        find(workloads(asynchronous=bug == "rejected-kept", spec=True), caught,
              settings=settings(max_examples=300, phases=[Phase.generate], database=None, derandomize=True, **FAST))
     except NoSuchExample:
         pytest.fail(f"kvtrace's speculative decoding planted with {bug!r} agreed with vLLM {vllm.version} on 300 workloads")
