@@ -197,7 +197,7 @@ class StepRecord:
     # and per drafting sequence (request, sample, drafts, accepted, lookahead slots reserved)
     num_draft_tokens: int | None = None
     num_accepted_tokens: int | None = None
-    drafts: list[tuple[str, int, int, int, int]] = field(default_factory=list)
+    drafts: list[tuple[str, int, int, int, int]] | None = None
 
 
 class Tracer(Protocol):

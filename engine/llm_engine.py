@@ -268,8 +268,9 @@ class LLMEngine:
             for seq in dict.fromkeys([seq for seq, _ in sampled]):
                 # (a stopped one's accepted positions may pass its tokens, cut at the stop: hashed blocks only)
                 self.block_manager.cache_full_blocks(seq, min(seq.num_computed_tokens, len(seq.token_ids)))
-        # (a drafting sequence's several tokens name it once each)
-        stopped = list(dict.fromkeys([seq for seq, _ in sampled if seq.finish_reason]))
+        stopped = [seq for seq, _ in sampled if seq.finish_reason]
+        if self.drafting:   # a sequence's several tokens name it once
+            stopped = list(dict.fromkeys(stopped))
         finished = self._finish(out, in_batch_order(stopped, out.seqs))
         if self.drafting:
             self._propose_drafts(out)

@@ -177,8 +177,7 @@ class Scheduler:
             if hybrid:   # a window's blocks behind the processed positions go first
                 bm.drop_out_of_window(seq, seq.num_computed_tokens - seq.num_in_flight_tokens)
             preempted_self = False
-            num_lookahead = self.lookahead(seq.num_computed_tokens, num_new) if drafting else 0
-            num_slots = num_new + num_lookahead
+            num_slots = num_new + self.lookahead(seq.num_computed_tokens, num_new) if drafting else num_new
             while not bm.can_grow(seq, num_slots):
                 victim, why = self._pick_victim(seq)
                 victims = self._swap_group(victim)
@@ -202,7 +201,7 @@ class Scheduler:
                     break  # V1: the sequence that preempted itself ends the running pass
                 continue
             num_hashed = len(seq.block_hashes)
-            copy = bm.grow(seq, num_new, num_lookahead) if num_lookahead else bm.grow(seq, num_new)
+            copy = bm.grow(seq, num_new, num_slots - num_new) if drafting else bm.grow(seq, num_new)
             if copy:
                 out.copies.append(copy)
             out.seqs.append(seq)

@@ -74,7 +74,6 @@ class SimExecutor:
             decodes: list[Sequence] = []
             prefill_samples: list[Sequence] = []
             num_prefill = 0
-            num_drafts = 0   # speculative decoding: a decode's draft positions, verified in its forward
             num_pairs = 0.0
             rest = zip(out.seqs[num_lazy:], out.num_new_tokens[num_lazy:]) if num_lazy else \
                 zip(out.seqs, out.num_new_tokens)
@@ -85,7 +84,6 @@ class SimExecutor:
                 num_tokens = len(seq.token_ids)
                 if num_tokens - start <= 1 and num_tokens != seq.num_prompt_tokens:   # not seq.is_prefilling
                     decodes.append(seq)
-                    num_drafts += num_new - 1
                     continue
                 num_prefill += num_new
                 num_pairs += num_new * (start + (num_new + 1) / 2)
@@ -95,7 +93,10 @@ class SimExecutor:
                 num_kv, num_pairs = self._windowed_reads(out)
             result.sample_seqs = decodes + prefill_samples
             result.num_prefill_tokens = num_prefill
-            result.num_decode_tokens = num_lazy + len(decodes) + num_drafts
+            result.num_decode_tokens = num_lazy + len(decodes)
+            if out.num_drafts:   # speculative decoding: a decode's drafts are verified in its forward
+                decoding = {id(seq) for seq in decodes}
+                result.num_decode_tokens += sum(n for seq, n in zip(out.seqs, out.num_drafts) if id(seq) in decoding)
             timing.forward = cost.forward_ms(num_prefill, result.num_decode_tokens, num_kv, num_pairs)
             total_ms += timing.forward
         self.now_s += total_ms / 1000

@@ -97,7 +97,7 @@ class TraceWriter:
         if r.finished:
             t.finished += [(stats.req_id, stats.sample) for stats in r.finished]
             self._requests += r.finished
-        if r.drafts:
+        if r.drafts:   # (None: a run that does not draft)
             self._drafting.append(r)
         self._flush_if_due()
 
