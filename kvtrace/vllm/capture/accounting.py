@@ -253,6 +253,10 @@ class StepAccounting:
         rid = request.request_id
         reason = FINISH_REASONS.get(request.status, str(request.status).lower())
         self.events.append(KvEvent("finish", rid, None, request.num_output_tokens, reason))
+        self.forget(rid)
+        return reason
+
+    def forget(self, rid: str) -> None:
+        """A freed request is not followed any more (its row keeps the state it has)."""
         self.states.pop(rid, None)
         self.watched.pop(rid, None)
-        return reason

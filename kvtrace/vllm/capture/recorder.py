@@ -182,8 +182,8 @@ class Recorder:
         older, scheduled = self.pending.take(out)
         for unprocessed in older:
             self._write_unprocessed(unprocessed)
-        if self.pending and self.steps.finishing:   # async: steps scheduled since wait
-            self._file_with_finish()
+        # async: the steps scheduled since ran before this output
+        filed_later = self._finish_after_later_steps() if self.pending and self.steps.finishing else ()
         if scheduled is not None:
             self.steps.join(scheduled)
             step = scheduled.row.step
@@ -198,6 +198,8 @@ class Recorder:
             self.columns.spec_decode(spec, accepted_drafts, step, now, self.steps.lookahead)
             accepted = sum(accepted_drafts.values())
         self._write_finished(now)
+        for rid in filed_later:   # followed no more: a later step's output for it is stale
+            self.steps.forget(rid)
         if scheduled is not None:
             self.columns.step(scheduled.row, now, (start - scheduled.row.schedule_end_s) * 1e3, accepted)
         self.last_end = now
@@ -212,22 +214,31 @@ class Recorder:
         else:   # idle until the next request: keep nothing back
             self.sink.flush()
 
-    def _file_with_finish(self) -> None:
-        """Async: the next step's scheduling, which ran before this output, may have given blocks to a
-        request this output has just finished (speculative decoding schedules a request whose last
-        tokens are in flight: its drafts might not all be accepted). Those events are filed with its
-        finish, before its frees, so that no request is given blocks after its finish in the trace. (One
-        that the later step preempted keeps its events there: its preemption, after its finish, releases
-        what it held, as for a request preempted with its last token in flight.)"""
-        finished = {request.request_id for request, _ in self.steps.finishing}
-        moved = []
-        for later in self.pending:
-            preempted = {e.req_id for e in later.events if e.kind == "preempt"}
-            mine = finished - preempted
-            if any(e.req_id in mine for e in later.events):
-                moved += [e for e in later.events if e.req_id in mine]
-                later.events = [e for e in later.events if e.req_id not in mine]
-        self.steps.events[:0] = moved
+    def _finish_after_later_steps(self) -> dict[str, ScheduledStep]:
+        """Async: the steps scheduled since this one ran before its output, and may have given blocks
+        to a request this output has just finished (speculative decoding schedules a request whose last
+        tokens are in flight: its drafts might not all be accepted). The pool saw that scheduling first,
+        then this output's frees: such a request's frees, finish event and row go with the latest such
+        step, after its events. Filed with this step, its later blocks would come after its finish, or,
+        moved ahead of it, before that step's preemption that freed them. (A request that a later step
+        only preempted, its last token in flight, keeps its finish here, ahead of the preemption, as
+        kvtrace's engine files it: its blocks are freed at its preempt event, so none is held twice.)
+        Returns those requests, each with its step."""
+        steps = self.steps
+        finished = {request.request_id for request, _ in steps.finishing}
+        later = {e.req_id: scheduled for scheduled in self.pending for e in scheduled.events
+                 if e.req_id in finished and "preempt" not in (e.kind, e.reason)}   # a preemption's: its frees too
+        if not later:
+            return later
+        for e in steps.events:   # this output's: the frees of the requests it finished
+            if e.req_id in later:
+                later[e.req_id].events.append(e)
+        steps.events = [e for e in steps.events if e.req_id not in later]
+        for request, st in steps.finishing:
+            if request.request_id in later:
+                later[request.request_id].finishing.append((request, st))
+        steps.finishing = [(request, st) for request, st in steps.finishing if request.request_id not in later]
+        return later
 
     def file_between_steps(self) -> None:
         """What happened since the last schedule() (an abort's frees and finish, a prefix-cache reset's

@@ -42,8 +42,8 @@ class SelfCheck:
                 held.get(e.req_id, set()).difference_update(e.blocks)
 
     def check(self, step: int, waiting: Iterable[ScheduledStep], cached_free: int) -> None:
-        """After `step`'s events were written; `waiting`: the steps scheduled since, whose events are
-        not written yet but are in the pool already (async)."""
+        """After `step`'s events were written; `waiting`: the steps scheduled since, whose events, and
+        the requests freed filed with them, are not written yet but are in the pool already (async)."""
         self.num_checked_steps += 1
         problems = []
         in_use: set[int] = set()
@@ -53,6 +53,8 @@ class SelfCheck:
             held = {rid: set(blocks) for rid, blocks in held.items()}
             for scheduled in waiting:
                 self.replay(scheduled.events, held)
+                for request, _ in scheduled.finishing:   # their finish events are made when written
+                    held.pop(request.request_id, None)
         for rid, blocks in held.items():
             own = {b for ids in self.kvm.get_block_ids(rid) for b in ids if b != self.null_id}   # every group's
             if own != blocks:
