@@ -376,9 +376,9 @@ class EngineConfig:
     # vLLM's --disable-hybrid-kv-cache-manager: a model with sliding-window layers keeps every layer's KV
     # as full attention's (one block table, nothing dropped; the attention still windowed)
     disable_hybrid_kv_cache_manager: bool = False
-    # speculative decoding (--engine sim): vLLM's method (SPEC_METHODS) and its draft tokens a step; each
+    # speculative decoding: vLLM's method (SPEC_METHODS) and its draft tokens a step; in the simulator each
     # draft accepted with chance `spec_acceptance_rate` if the ones before it were (kvtrace calibrate
-    # fits it from a capture)
+    # fits it from a capture); the real engine drafts by n-gram and verifies greedily
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
     spec_acceptance_rate: float = SPEC_ACCEPTANCE_RATE
@@ -453,8 +453,12 @@ class EngineConfig:
             raise ValueError(f"--num-speculative-tokens must be at least 1 with --speculative-method, got {k}")
         if not 0 <= self.spec_acceptance_rate <= 1:
             raise ValueError(f"--spec-acceptance-rate must be in [0, 1], got {self.spec_acceptance_rate}")
-        if self.engine != "sim":
-            raise ValueError("--speculative-method is for --engine sim (the real engine does not draft)")
+        if self.engine != "sim" and method != "ngram":
+            raise ValueError(f"--speculative-method {method} needs a drafter the real engine does not have: it drafts "
+                             f"with ngram (or simulate {method} with --engine sim)")
+        if self.engine != "sim" and self.async_scheduling:
+            raise ValueError("--speculative-method with --async-scheduling is for --engine sim (the real engine "
+                             "drafts with the synchronous scheduler)")
         if self.n_mode == NMode.COW or self.preemption_mode == PreemptionMode.SWAP:
             raise ValueError("--speculative-method is vLLM V1's and cannot be combined with "
                              "--n-mode cow or --preemption-mode swap (vLLM V0's)")

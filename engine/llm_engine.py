@@ -24,7 +24,7 @@ from engine.events import FinishReason, KVEvent, NullTracer, Occupancy, RequestS
 from engine.executor import Executor, StepResult
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
-from engine.spec_decode import Acceptance, GeometricAcceptance
+from engine.spec_decode import Acceptance, GeometricAcceptance, propose_ngram
 
 if TYPE_CHECKING:
     import torch
@@ -260,7 +260,7 @@ class LLMEngine:
         sampled = self._sample(result)
         drafts = None
         if self.drafting:   # each sequence's accepted drafts are tokens too; the rejected roll back
-            sampled, drafts = self._verify_drafts(out, sampled)
+            sampled, drafts = self._verify_drafts(out, sampled, result)
         for seq, token in sampled:
             seq.token_ids.append(token)
         self._deliver(sampled, self.now())
@@ -393,31 +393,48 @@ class LLMEngine:
                 seq.first_scheduled_s = start_s
         return num_recompute
 
-    def _verify_drafts(self, out: SchedulerOutput, sampled: list[tuple[Sequence, int]]
+    def _verify_drafts(self, out: SchedulerOutput, sampled: list[tuple[Sequence, int]], result: StepResult
                        ) -> tuple[list[tuple[Sequence, int]], list[tuple[str, int, int, int, int]]]:
-        """Speculative decoding: each sampling sequence's drafts verified (the acceptance model says
-        how many), the rejected positions rolled back (V1's update_from_output), the accepted ones
-        emitted after its sampled token, as many as its stop length leaves room for. Returns the
-        step's tokens, and (request, sample, drafts, accepted, lookahead slots) per drafting sequence."""
+        """Speculative decoding: each sampling sequence's drafts verified, the rejected positions rolled
+        back (V1's update_from_output), the accepted ones emitted with its sampled token, as many as
+        its stop leaves room for. The real engine accepts a draft while it is the model's own greedy
+        token (the tokens emitted are the model's); the simulator's acceptance model says how many.
+        Returns the step's tokens, and (request, sample, drafts, accepted, lookahead slots) per
+        drafting sequence."""
         num_drafts = {id(seq): n for seq, n in zip(out.seqs, out.num_drafts) if n}
         if not num_drafts:
             return sampled, []
+        predicted = self.runner.draft_predictions(result) if self.runner.emits_token_ids else None
         tokens, drafts = [], []
         for seq, token in sampled:
             n = num_drafts.get(id(seq))
             if not n:
                 tokens.append((seq, token))
                 continue
-            accepted = self.acceptance(seq, self.step_counter, n)
+            if predicted is None:
+                accepted = self.acceptance(seq, self.step_counter, n)
+                chain = [token] * (1 + accepted)
+            else:   # the model's token after its last token, then after each draft
+                chain = [token, *predicted[id(seq)]]
+                proposals = seq.draft_token_ids[:n]
+                accepted = 0
+                while accepted < len(proposals) and proposals[accepted] == chain[accepted]:
+                    accepted += 1
+                chain = chain[:accepted + 1]
+                if not seq.params.ignore_eos:   # cut after a stop token
+                    for i, t in enumerate(chain):
+                        if t in self.stop_token_ids:
+                            chain = chain[:i + 1]
+                            break
             drafts.append((seq.req_id, seq.sample, n, accepted, self.scheduler.lookahead(seq.num_computed_tokens, 0)))
             seq.num_computed_tokens -= n - accepted
             seq.num_ever_computed = seq.num_computed_tokens   # a rejected position never held KV to lose
             seq.num_draft_tokens += n
             seq.num_accepted_tokens += accepted
-            num_tokens = max(1, min(1 + accepted, seq.stop_num_tokens - len(seq.token_ids)))   # cut at the stop
+            num_tokens = max(1, min(len(chain), seq.stop_num_tokens - len(seq.token_ids)))   # cut at the stop
             if num_tokens < 1 + accepted:   # its computed positions cover its tokens but the last (vLLM 0.33)
                 seq.num_computed_tokens -= 1 + accepted - num_tokens
-            tokens += [(seq, token)] * num_tokens
+            tokens += [(seq, t) for t in chain[:num_tokens]]
         return tokens, drafts
 
     def _resolve_drafts(self, drafts: list[tuple[Sequence, int, int, int]], sampled: list[tuple[Sequence, int]]
@@ -450,9 +467,15 @@ class LLMEngine:
         step still running, none for one whose step was a prefill chunk (V1's update_draft_token_ids);
         a running sequence left out of the step keeps what it had."""
         k = self.config.num_speculative_tokens
+        real = self.runner.emits_token_ids   # the real engine proposes by n-gram, for greedy sequences
         for seq in out.seqs:
-            if seq.status == SequenceStatus.RUNNING:
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            if not real:
                 seq.num_drafts = 0 if seq.is_prefill_chunk else k
+                continue
+            seq.draft_token_ids = [] if seq.is_prefill_chunk or not seq.params.greedy else propose_ngram(seq.token_ids, k)
+            seq.num_drafts = len(seq.draft_token_ids)
 
     def _sample(self, result: StepResult) -> list[tuple[Sequence, int]]:
         """A token for every sequence whose last token was computed; n > 1 samples forked (--n-mode

@@ -85,6 +85,7 @@ class Sequence:
         # speculative decoding: drafts proposed for its next step (V1's spec_token_ids, their count); whether
         # its last step was a prefill chunk that sampled nothing (V1's is_prefill_chunk: no drafts then)
         self.num_drafts = 0
+        self.draft_token_ids: list[int] = []   # the real engine's: the proposals themselves (n-gram)
         self.is_prefill_chunk = False
         # --async-scheduling: the drafts of its step in flight, counted as computed until their output
         # says how many were accepted (V1's output placeholders beyond the sampled token)

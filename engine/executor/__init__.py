@@ -42,7 +42,10 @@ class StepResult:
     """What an executor returns for one step."""
 
     sample_seqs: list[Sequence] = field(default_factory=list)  # sequences whose last token got logits
-    logits: torch.Tensor | None = None                           # [len(sample_seqs), vocab]; None when simulated
+    # [len(sample_seqs) + drafts verified, vocab]; None when simulated
+    logits: torch.Tensor | None = None
+    # speculative decoding (the real engine): (sequence, the logits row of its first draft, its drafts)
+    verify: list = field(default_factory=list)
     timing: StepTiming = field(default_factory=StepTiming)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0

@@ -32,6 +32,10 @@ class FlatBatch:
     chunk_lens: list[int]            # [P] its number of tokens
     chunk_starts: list[int]          # [P] its first position (0: nothing before it in the cache)
     prefill_tables: list[list[list[int]]]  # [G][P] per group, the block ids that cover positions 0 .. the chunk's end
+    # speculative decoding: (sequence, index in logit_rows of its first draft's row, its drafts) of each
+    # sequence verifying drafts: its tokens and drafts laid out as a prefill chunk's rows, its drafts'
+    # logit rows after every sampling row
+    verify: list[tuple[Sequence, int, int]] = ()
 
     @property
     def num_decodes(self) -> int:
@@ -52,8 +56,9 @@ def flatten(out: SchedulerOutput, block_size: int, num_groups: int = 1) -> FlatB
     """The step's tokens as rows, decodes first, then prefill chunks; slots and prefill tables for
     each of the model's `num_groups` KV-cache groups."""
     bs = block_size
-    decodes = [s for s in out.seqs if not s.is_prefilling]
-    prefills = [(s, n) for s, n in zip(out.seqs, out.num_new_tokens) if s.is_prefilling]
+    drafting = {id(s): n for s, n in zip(out.seqs, out.num_drafts) if n} if out.num_drafts else {}
+    decodes = [s for s in out.seqs if not s.is_prefilling and id(s) not in drafting]
+    prefills = [(s, n) for s, n in zip(out.seqs, out.num_new_tokens) if s.is_prefilling or id(s) in drafting]
     positions = [s.num_computed_tokens for s in decodes]
     input_ids = [s.token_ids[p] for s, p in zip(decodes, positions)]
     slots = [[s.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, positions)]]
@@ -63,10 +68,20 @@ def flatten(out: SchedulerOutput, block_size: int, num_groups: int = 1) -> FlatB
     logit_rows = list(range(len(decodes)))
     chunk_rows, chunk_lens, chunk_starts = [], [], []
     prefill_tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
+    verify, verify_rows = [], []
     for seq, num_new in prefills:
         row, start = len(input_ids), seq.num_computed_tokens
         end = start + num_new
         input_ids.extend(seq.token_ids[start:end])
+        num_drafts = drafting.get(id(seq), 0)
+        if num_drafts:   # its drafts after its tokens (placeholders past its proposals: never accepted)
+            proposals = seq.draft_token_ids[:num_drafts]
+            input_ids.extend(proposals + [seq.token_ids[-1]] * (num_drafts - len(proposals)))
+            last = row + num_new - num_drafts - 1   # its last token's row: the sampled token's logits
+            sample_seqs.append(seq)
+            logit_rows.append(last)
+            verify.append((seq, len(verify_rows), num_drafts))
+            verify_rows.extend(range(last + 1, last + 1 + num_drafts))
         positions.extend(range(start, end))
         for g in range(num_groups):
             table = seq.table(g)
@@ -75,9 +90,12 @@ def flatten(out: SchedulerOutput, block_size: int, num_groups: int = 1) -> FlatB
         chunk_rows.append(row)
         chunk_lens.append(num_new)
         chunk_starts.append(start)
-        if end == seq.num_tokens:
+        if end == seq.num_tokens and not num_drafts:
             sample_seqs.append(seq)
             logit_rows.append(row + num_new - 1)
+    if verify:   # the drafts' rows after every sampling row (sampling reads the first len(sample_seqs))
+        verify = [(seq, len(logit_rows) + at, n) for seq, at, n in verify]
+        logit_rows.extend(verify_rows)
     return FlatBatch(decodes=decodes, input_ids=input_ids, positions=positions, slots=slots,
                      sample_seqs=sample_seqs, logit_rows=logit_rows, chunk_rows=chunk_rows, chunk_lens=chunk_lens,
-                     chunk_starts=chunk_starts, prefill_tables=prefill_tables)
+                     chunk_starts=chunk_starts, prefill_tables=prefill_tables, verify=verify)

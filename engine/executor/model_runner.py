@@ -245,6 +245,7 @@ class ModelRunner:
             return result
         batch = flatten(out, self.block_size, self.num_groups)
         result.sample_seqs = batch.sample_seqs
+        result.verify = batch.verify
         result.num_decode_tokens, result.num_prefill_tokens = batch.num_decodes, batch.num_prefill_tokens
         if self.is_cuda:
             return self._execute_on_cuda(batch, result)
@@ -360,8 +361,17 @@ class ModelRunner:
 
     def sample(self, result: StepResult, seqs: list[Sequence], rows: list[int]) -> list[int]:
         """Tokens of `seqs` from their logit rows (the module's sample(), below)."""
-        logits = result.logits if len(rows) == len(result.sample_seqs) else result.logits[rows]
+        logits = result.logits if len(rows) == len(result.logits) else result.logits[rows]
         return sample(logits, seqs)
+
+    def draft_predictions(self, result: StepResult) -> dict[int, list[int]]:
+        """Speculative decoding: each verifying sequence's greedy token at each of its drafts' rows (the
+        token after that draft), by id(sequence)."""
+        if not result.verify:
+            return {}
+        first = result.verify[0][1]
+        tokens = result.logits[first:].argmax(dim=-1).tolist()
+        return {id(seq): tokens[at - first:at - first + n] for seq, at, n in result.verify}
 
 
 def _aligned(n: int) -> int:

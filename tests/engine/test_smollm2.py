@@ -91,3 +91,27 @@ def test_prompt_text_never_reaches_the_trace(smollm2, tmp_path):
         elif f.is_file():
             text = f.read_text(errors="replace")
             assert "Quartz" not in text and "zebra" not in text
+
+
+def test_drafting_by_ngram_keeps_the_greedy_answers(smollm2):
+    """SmolLM2 drafting 4 tokens a step by n-gram (the real engine verifies them in the same forward):
+    the greedy answers, stopped at EOS, equal those without drafting, in a pool tight enough to preempt;
+    asked to repeat text, the model accepts many of its drafts."""
+    tokenizer = smollm2[1]
+    questions = ["Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat.",
+                 "Count from one to twenty in words, separated by commas.",
+                 "What is the capital of France?",
+                 "Write the alphabet, each letter followed by a comma."]
+
+    def answers(**drafting):
+        engine = engine_for(smollm2, num_gpu_blocks=10, max_num_seqs=4, **drafting)
+        for i, question in enumerate(questions):
+            engine.add_request(f"q{i}", chat_ids(tokenizer, question), SamplingParams(max_tokens=80))
+        run_checked(engine)
+        return engine, {key: seq.token_ids for key, seq in engine.outputs.items()}
+
+    _, expected = answers()
+    engine, drafted = answers(speculative_method="ngram", num_speculative_tokens=4)
+    assert drafted == expected
+    accepted = sum(s.num_accepted_tokens for s in engine.outputs.values())
+    assert accepted > sum(s.num_draft_tokens for s in engine.outputs.values()) / 4 and engine.num_preemptions > 0

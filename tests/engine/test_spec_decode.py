@@ -151,7 +151,9 @@ def test_a_drafting_run_writes_its_drafts_in_the_trace(tmp_path):
     (["--num-speculative-tokens", "3"], "--num-speculative-tokens needs --speculative-method"),
     (["--speculative-method", "eagle", "--num-speculative-tokens", "2", "--spec-acceptance-rate", "1.5"],
      "--spec-acceptance-rate must be in [0, 1]"),
-    (["--speculative-method", "eagle", "--num-speculative-tokens", "2", "--engine", "real"], "the real engine does not draft"),
+    (["--speculative-method", "eagle", "--num-speculative-tokens", "2", "--engine", "real"], "needs a drafter the real engine"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "2", "--engine", "real", "--async-scheduling"],
+     "is for --engine sim"),
 ])
 def test_bad_drafting_options_are_one_line_exit_2(tmp_path, args, message):
     workload = write_workload(tmp_path / "w.jsonl", [{"arrival_s": 0, "prompt_tokens": 12, "max_tokens": 4}])
@@ -216,3 +218,40 @@ def test_the_preemptions_lookahead_caused_are_named_from_the_trace(tmp_path, mon
     assert decoding and all(named[key] is not None for key in decoding), (named, truth)
     assert {key: named[key] for key in decoding} == decoding
     assert any(decoding.values()) and (method == "eagle" or not all(decoding.values())), decoding
+
+
+def test_propose_ngram_takes_what_followed_the_longest_recent_match():
+    from engine.spec_decode import propose_ngram
+
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]   # the latest "1 2 3" came before 7
+    assert propose_ngram([4, 5, 6, 4, 5], 3) == [6, 4, 5]
+    assert propose_ngram([1, 2, 3, 4], 3) == []   # no earlier occurrence of any suffix
+    assert propose_ngram([8, 8], 4) == [8]        # the 1-gram "8": what followed it
+
+
+@pytest.mark.parametrize("policy", ["newest", "priority"])
+def test_the_real_engine_drafts_by_ngram_and_its_greedy_tokens_are_unchanged(make_engine, policy):
+    """The real engine (the tiny model, dummy weights) drafting 3 tokens a step by n-gram, verified by the
+    model in the same forward: every greedy request's tokens equal those of a run without drafting, in a
+    pool tight enough to preempt; some drafts are accepted (a dummy model's greedy output repeats itself),
+    some rejected; the books balance after every step."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 60) for _ in range(rng.randrange(3, 30))] * 2 for _ in range(6)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    def run(**drafting):
+        e = make_engine(num_gpu_blocks=40, max_num_seqs=6, preemption_policy=policy, **drafting)
+        for i, prompt in enumerate(prompts):
+            e.add_request(f"r{i}", prompt, params, priority=i % 3)
+        while e.has_unfinished():
+            e.step()
+            e.check_integrity()
+        return e, {key: seq.token_ids for key, seq in e.outputs.items()}
+
+    plain, expected = run()
+    drafting, tokens = run(speculative_method="ngram", num_speculative_tokens=3)
+    assert tokens == expected
+    drafts = sum(s.num_draft_tokens for s in drafting.outputs.values())
+    accepted = sum(s.num_accepted_tokens for s in drafting.outputs.values())
+    assert 0 < accepted < drafts, (accepted, drafts)
+    assert drafting.num_preemptions > 0 and drafting.step_counter < plain.step_counter
