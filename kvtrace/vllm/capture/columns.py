@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections import Counter
-from itertools import chain, repeat
+from itertools import chain, compress, repeat
 from operator import add
 
 from kvtrace.vllm.capture.rows import KvEvent, RequestState, StepRow
@@ -34,7 +33,7 @@ class Columns:
         self.salt = salt
         self.wall_minus_monotonic = wall_minus_monotonic
         self.total_blocks = total_blocks
-        self.emitted: Counter[str] = Counter()             # tokens delivered per request so far (tokens.idx)
+        self.emitted: dict[str, int] = {}                  # tokens delivered per request so far (tokens.idx)
         self.seq = 0                                       # the next event's number
 
     def arrival(self, request) -> None:
@@ -55,25 +54,21 @@ class Columns:
         emitted = self.emitted
         req_ids = [o.request_id for o in outs]
         new_token_ids = [o.new_token_ids for o in outs]
+        starts = list(map(emitted.get, req_ids, repeat(0)))   # the index of each one's first token here
+        lens = list(map(len, new_token_ids))
         m = len(req_ids)
-        if list(map(len, new_token_ids)).count(1) == m:
-            # a decode step, one token each: in bulk, no Python per request but the two lists above
-            idx = list(map(emitted.get, req_ids, repeat(0)))
-            emitted.update(req_ids)   # a Counter: one more each, counted in C
-            first = [rid for rid, i in zip(req_ids, idx) if i == 0] if 0 in idx else []
+        if lens.count(1) == m:   # a decode step, one token each: a row per request
+            ends = map(add, starts, repeat(1))
             t["req_id"].extend(req_ids)
-            t["idx"].extend(idx)
-            t["token_id"].extend(chain.from_iterable(new_token_ids) if self.token_ids else repeat(None, m))
-        else:   # several tokens an output (speculative decoding), or none (a prefill chunk): in bulk too
-            lens = list(map(len, new_token_ids))
-            starts = list(map(emitted.get, req_ids, repeat(0)))
+            t["idx"].extend(starts)
+        else:   # several tokens an output (speculative decoding), or none (a prefill chunk)
+            ends = list(map(add, starts, lens))
             m = sum(lens)
-            first = [rid for rid, start, k in zip(req_ids, starts, lens) if k and not start] if 0 in starts else []
-            each = list(chain.from_iterable(map(repeat, req_ids, lens)))   # a request's id once a token
-            emitted.update(each)   # counted in C
-            t["req_id"].extend(each)
-            t["idx"].extend(chain.from_iterable(map(range, starts, map(add, starts, lens))))
-            t["token_id"].extend(chain.from_iterable(new_token_ids) if self.token_ids else repeat(None, m))
+            t["req_id"].extend(chain.from_iterable(map(repeat, req_ids, lens)))   # a request's id once a token
+            t["idx"].extend(chain.from_iterable(map(range, starts, ends)))
+        emitted.update(zip(req_ids, ends))   # in bulk: no Python per request but the lists above
+        t["token_id"].extend(chain.from_iterable(new_token_ids) if self.token_ids else repeat(None, m))
+        first = [rid for rid, start, k in zip(req_ids, starts, lens) if k and not start] if 0 in starts else []
         t["sample"].extend(repeat(0, m))
         t["step"].extend(repeat(step, m))
         t["ts_s"].extend(repeat(now, m))
@@ -115,13 +110,14 @@ class Columns:
         scheduled_spec_decode_tokens) how many, how many its output `accepted` (None where it has no
         output) and the lookahead slots its allocation reserved."""
         d = self.sink.columns["spec_decode"]
-        rids = [rid for rid, drafts in spec.items() if drafts]
+        num_drafts = list(map(len, spec.values()))
+        rids = list(compress(spec, num_drafts))   # those with drafts
         m = len(rids)
         d["step"].extend(repeat(step, m))
         d["ts_s"].extend(repeat(now, m))
         d["req_id"].extend(rids)
         d["sample"].extend(repeat(0, m))
-        d["draft_tokens"].extend([len(spec[rid]) for rid in rids])
+        d["draft_tokens"].extend(filter(None, num_drafts))
         d["accepted_tokens"].extend(map(accepted.get, rids))
         d["lookahead_slots"].extend(repeat(lookahead, m))
 

@@ -53,6 +53,16 @@ class KvEvent(NamedTuple):
     kv_group_blocks: list[int] | None = None
 
 
+_new_tuple = tuple.__new__
+
+
+def block_event(kind: str, req_id: str, blocks: list[int], reason: str | None, kv_group: int | None) -> KvEvent:
+    """An alloc's, a free's or an evict's KvEvent, made for every block-pool call (a step with draft tokens
+    makes many): built as the tuple it is, its fields in order, without the keyword arguments that
+    KvEvent's own constructor would take for its group."""
+    return _new_tuple(KvEvent, (kind, req_id, blocks, 0, reason, 0, 0, None, None, kv_group, None))
+
+
 class StepRow(NamedTuple):
     """A steps row as its scheduling leaves it; its end and device time come with its output."""
 

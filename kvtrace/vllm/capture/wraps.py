@@ -34,7 +34,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from kvtrace.vllm.capture.accounting import StepAccounting
-from kvtrace.vllm.capture.rows import KvEvent
+from kvtrace.vllm.capture.rows import block_event
 
 ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 # the managers' methods that free a running request's blocks out of its window (guard.py checks them)
@@ -65,6 +65,7 @@ class PoolWraps:
             self.group_of_key = get_group_id
         self.cached_free = 0                               # free blocks that still hold a prefix-cache hash
         self.allocate_slots_code = type(kvm).allocate_slots.__code__
+        self.allocate_slots_depth = 2                      # where `allocating` last found its frame
         self.schedule_code = vllm_schedule.__func__.__code__
         self.admitting = False                             # the admission wrapper is on allocate_slots
         self.allocate_slots = kvm.allocate_slots           # what the admission wrapper calls
@@ -122,8 +123,7 @@ class PoolWraps:
                                     or request.num_computed_tokens < request.num_tokens + placeholders - 1
                                     or not request.num_output_tokens + placeholders else "decode")
                 group = group_of(sys._getframe(1)) if self.hybrid else None
-                self.steps.events.append(KvEvent("alloc", rid, [b.block_id for b in blocks], 0, alloc_reason,
-                                                 kv_group=group))
+                self.steps.events.append(block_event("alloc", rid, [b.block_id for b in blocks], alloc_reason, group))
             except Exception as exc:  # noqa: BLE001 (the capture's own error: it stops, vLLM's call stands)
                 self.on_error(exc)
         return blocks
@@ -138,13 +138,13 @@ class PoolWraps:
             if caller.f_code.co_name in SKIPPING:   # out of a request's window, mid-request
                 owner = caller.f_locals
                 group = owner["self"].kv_cache_group_id
-                self.steps.events.append(KvEvent("free", owner["request_id"], [b.block_id for b in blocks], 0,
-                                                 self.skip_reasons[group], kv_group=group if self.hybrid else None))
+                self.steps.events.append(block_event("free", owner["request_id"], [b.block_id for b in blocks],
+                                                     self.skip_reasons[group], group if self.hybrid else None))
             elif freed:
                 request = self.current or self.allocating()
-                self.steps.events.append(KvEvent("free", request.request_id if request is not None else "",
-                                                 [b.block_id for b in freed], 0, self.free_reason,
-                                                 kv_group=group_of(caller) if self.hybrid else None))
+                self.steps.events.append(block_event("free", request.request_id if request is not None else "",
+                                                     [b.block_id for b in freed], self.free_reason,
+                                                     group_of(caller) if self.hybrid else None))
         except Exception as exc:  # noqa: BLE001 (as above)
             self.on_error(exc)
 
@@ -158,14 +158,14 @@ class PoolWraps:
         return self._touch(blocks)
 
     def maybe_evict_cached_block(self, block):
-        key = block.block_hash   # a hybrid model's keys name the group (gone once evicted)
+        key = block.block_hash if self.hybrid else None   # a hybrid model's keys name the group (gone once evicted)
         evicted = self._maybe_evict(block)
         if evicted:
             try:
                 if block.ref_cnt == 0:
                     self.cached_free -= 1
-                group = self.group_of_key(key) if self.hybrid and key is not None else None
-                self.steps.events.append(KvEvent("evict", "", [block.block_id], 0, None, kv_group=group))
+                group = self.group_of_key(key) if key is not None else None
+                self.steps.events.append(block_event("evict", "", [block.block_id], None, group))
             except Exception as exc:  # noqa: BLE001 (as above)
                 self.on_error(exc)
         return evicted
@@ -229,14 +229,25 @@ class PoolWraps:
     # ---- vLLM's frames ---------------------------------------------------------------------------------------
     def allocating(self) -> Request | None:
         """The request of the allocate_slots call that a block-pool call is made in (None outside one)."""
-        frame = sys._getframe(2)   # the caller of the block-pool wrapper
-        for _ in range(8):         # allocate_slots -> coordinator -> its manager -> the pool
-            if frame is None:
+        # allocate_slots -> coordinator -> its manager -> the pool: the same frames call after call, so its
+        # frame is looked for first where it was last found (a walk up to it makes an object of every frame
+        # on the way, and a step with draft tokens calls the pool for every few tokens a request takes)
+        try:
+            frame = sys._getframe(self.allocate_slots_depth)
+        except ValueError:   # a stack shallower than that: not inside allocate_slots
+            frame = None
+        if frame is None or frame.f_code is not self.allocate_slots_code:
+            frame = sys._getframe(2)        # the caller of the block-pool wrapper
+            for depth in range(2, 10):
+                if frame is None:
+                    return None
+                if frame.f_code is self.allocate_slots_code:
+                    self.allocate_slots_depth = depth
+                    break
+                frame = frame.f_back
+            else:
                 return None
-            if frame.f_code is self.allocate_slots_code:
-                return frame.f_locals.get("request")
-            frame = frame.f_back
-        return None
+        return frame.f_locals.get("request")
 
     def requester(self, frame) -> str | None:
         """The running request whose allocate_slots failed, when vLLM's schedule (`frame`, the caller of
