@@ -11,6 +11,7 @@ from engine import events as ev
 
 CAPTURE = Path(__file__).resolve().parents[2] / "kvtrace" / "vllm" / "capture"
 EVENT_FIELDS = ("kind", "req_id", "blocks", "num_tokens", "reason")   # rows.py's KvEvent, as far as read here
+BLOCK_EVENT_FIELDS = ("kind", "req_id", "blocks", "reason", "kv_group")   # rows.py's block_event (alloc, free, evict)
 CAPTURE_ONLY = {"other"}   # a block vLLM allocates or frees outside any step the capture can attribute
 
 
@@ -30,8 +31,9 @@ def _capture_vocabulary() -> dict[str, set[str]]:
                                   "free_reason": set(), "reason": set(), "finish": set(), "victim_reason": set(),
                                   "admission_stop": set()}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "KvEvent":
-            fields = {**dict(zip(EVENT_FIELDS, node.args)), **{k.arg: k.value for k in node.keywords}}
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("KvEvent", "block_event"):
+            names = EVENT_FIELDS if node.func.id == "KvEvent" else BLOCK_EVENT_FIELDS
+            fields = {**dict(zip(names, node.args)), **{k.arg: k.value for k in node.keywords}}
             found["kind"] |= _strings(fields.get("kind"))
             found["event reason"] |= _strings(fields.get("reason"))
         elif isinstance(node, ast.FunctionDef) and node.name == "admission_stop":
