@@ -106,17 +106,15 @@ def test_schedules_as_vllm(vllm, asynchronous):
     assert totals["uncaching"] > 0, totals
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
-def test_schedules_a_hybrid_model_as_vllm(vllm, asynchronous):
-    """A model of sliding windows beside full attention (workloads.HYBRID_GROUPS): vLLM's hybrid coordinator
-    keeps a table per KV-cache group and drops a window's blocks mid-request; kvtrace's block manager
-    too. Compared as above, and per step each group's new blocks and what each window dropped."""
+def compared_step_for_step(vllm, strategy, num_workloads: int) -> Counter:
+    """vLLM's scheduler against kvtrace's on `num_workloads` of `strategy`'s workloads, in batches; every
+    workload's steps must be equal. Returns the tally of what they exercised."""
     follows = followed(vllm)
     totals: Counter = Counter()
     plant = os.environ.get("KVTRACE_SCHED_PLANT") or None
 
-    @settings(max_examples=max(1, NUM_HYBRID_WORKLOADS // BATCH), **FAST)
-    @given(st.lists(workloads(asynchronous, hybrid=True), min_size=BATCH, max_size=BATCH))
+    @settings(max_examples=max(1, num_workloads // BATCH), **FAST)
+    @given(st.lists(strategy, min_size=BATCH, max_size=BATCH))
     def check(batch):
         pairs = vllm.compare(batch, lambda w: kvtrace_side.run(w, plant, vllm_version=follows))
         for workload, (mine, theirs) in zip(batch, pairs):
@@ -126,6 +124,15 @@ def test_schedules_a_hybrid_model_as_vllm(vllm, asynchronous):
                                     f"{json.dumps(workload)}\n{difference}")
 
     check()
+    return totals
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_schedules_a_hybrid_model_as_vllm(vllm, asynchronous):
+    """A model of sliding windows beside full attention (workloads.HYBRID_GROUPS): vLLM's hybrid coordinator
+    keeps a table per KV-cache group and drops a window's blocks mid-request; kvtrace's block manager
+    too. Compared as above, and per step each group's new blocks and what each window dropped."""
+    totals = compared_step_for_step(vllm, workloads(asynchronous, hybrid=True), NUM_HYBRID_WORKLOADS)
     print(f"vLLM {vllm.version} {'AsyncScheduler' if asynchronous else 'Scheduler'}, hybrid: {dict(totals)}")
     assert min(totals["preempting"], totals["resuming"]) >= totals["workloads"] // 20, totals
     assert totals["dropping"] >= totals["workloads"] // 4, totals
@@ -156,21 +163,7 @@ def test_schedules_speculative_decoding_as_vllm(vllm, asynchronous):
     simulator drafting as vLLM's method does, its acceptance the driver's pattern: compared as above, and
     per step the drafts each request verified and accepted (the lookahead slots show in the blocks each
     step gives, the drafting slot in the tokens scheduled, the drafts in flight in the placeholders)."""
-    follows = followed(vllm)
-    totals: Counter = Counter()
-    plant = os.environ.get("KVTRACE_SCHED_PLANT") or None
-
-    @settings(max_examples=max(1, NUM_SPEC_WORKLOADS // BATCH), **FAST)
-    @given(st.lists(workloads(asynchronous, spec=True), min_size=BATCH, max_size=BATCH))
-    def check(batch):
-        pairs = vllm.compare(batch, lambda w: kvtrace_side.run(w, plant, vllm_version=follows))
-        for workload, (mine, theirs) in zip(batch, pairs):
-            difference = first_difference(mine, theirs)
-            totals.update(tally(theirs))
-            assert not difference, (f"vLLM {vllm.version} (kvtrace following {follows}), workload:\n"
-                                    f"{json.dumps(workload)}\n{difference}")
-
-    check()
+    totals = compared_step_for_step(vllm, workloads(asynchronous, spec=True), NUM_SPEC_WORKLOADS)
     print(f"vLLM {vllm.version} {'AsyncScheduler' if asynchronous else 'Scheduler'}, drafting: {dict(totals)}")
     assert min(totals["preempting"], totals["resuming"], totals["hitting"]) >= totals["workloads"] // 20, totals
     assert totals["drafting"] >= totals["workloads"] // 2, totals
