@@ -24,6 +24,12 @@ PREFIX_HIT = "prefix_hit"  # blocks served from the prefix cache
 EVICT = "evict"            # a cached free block reclaimed for new use
 ADMIT = "admit"            # a sequence was scheduled from waiting (reason = new | resume-recompute | resume-swap)
 FINISH = "finish"          # a sequence finished (reason = stop | length | rejected | capacity | aborted)
+# KV tiers (schema 6): a tier (host memory, storage) behind the device pool; `tier` names it
+OFFLOAD = "offload"        # device blocks stored to a tier (blocks = device ids; reason = failed if the store failed)
+LOAD = "load"              # blocks loaded from a tier into the device for req_id (reason = failed: recomputed instead)
+TIER_EVICT = "tier_evict"  # blocks a tier dropped to make room (num_blocks of the tier's, no device block)
+LOOKUP = "lookup"          # a prefix looked up at admission: found on the device (num_cached_tokens), in the
+                           # tier (tier_tokens), the rest to compute; reason = new | resume-recompute
 
 
 # The reasons an event carries, by kind. The values are the trace's (analyses/ reads them); the
@@ -83,6 +89,11 @@ class FinishReason(StrEnum):   # also the requests table's finish_reason
 REPREFILL_INTERRUPTED = "interrupted"   # reprefill: preempted again before its history was computed
 
 
+class TransferReason(StrEnum):   # offload and load: null for a copy that succeeded
+    FAILED = "failed"    # the copy failed: a store leaves the tier without the blocks; a load's positions are
+                         # computed instead
+
+
 @dataclass(slots=True)
 class KVEvent:
     """One KV-cache event. Which fields matter depends on `kind`."""
@@ -109,6 +120,12 @@ class KVEvent:
     # group's, group by group, kv_group_blocks of them in each (None in a run of one group)
     kv_group: int | None = None
     kv_group_blocks: list[int] | None = None
+    # KV tiers: the tier an offload, load, tier_evict or lookup concerns; a lookup's positions found in
+    # it (beyond the device's hit); a tier_evict's count of tier blocks, which have no device id (the
+    # trace's num_blocks, len(blocks) for every other event)
+    tier: str | None = None
+    tier_tokens: int | None = None
+    num_tier_blocks: int | None = None
     step: int = 0
     ts_s: float = 0.0
     seq: int = 0                          # global order within the run, set when handed over
@@ -149,6 +166,7 @@ class RequestStats:
     prefix_hit_tokens: int
     draft_tokens: int | None = None      # speculative decoding: draft positions verified for it
     accepted_tokens: int | None = None   # and of them those accepted
+    tier_hit_tokens: int | None = None   # KV tiers: positions loaded from a tier instead of computed (None: no tier)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +216,11 @@ class StepRecord:
     num_draft_tokens: int | None = None
     num_accepted_tokens: int | None = None
     drafts: list[tuple[str, int, int, int, int]] | None = None
+    # KV tiers (None: the run has no tier): bytes stored to a tier and loaded from one this step (its
+    # offload and load events'), and the time those copies took where measured
+    offload_bytes: int | None = None
+    load_bytes: int | None = None
+    tier_transfer_ms: float | None = None
 
 
 class Tracer(Protocol):

@@ -25,7 +25,7 @@ from engine import events as ev
 from engine.events import KVEvent, RequestStats, StepRecord
 from engine.sim.leap import DecodeLeap
 from kvtrace.record.arrays import as_arrow, from_numpy, lists_then_singles
-from kvtrace.trace.schema import DRAFT_ONLY, OPTIONAL_TABLES, TABLES
+from kvtrace.trace.schema import DRAFT_ONLY, OPTIONAL_TABLES, TABLES, TIER_ONLY
 
 # each steps column: the StepRecord (and DecodeLeap.step_columns) field it is read from
 _STEP_FIELDS = {
@@ -36,16 +36,21 @@ _STEP_FIELDS = {
     "cached_blocks": "num_cached_blocks", "total_blocks": "num_total_blocks", "kv_tokens": "num_kv_tokens",
     "admission_stop": "admission_stop",
 }
-_REQUEST_FIELDS = [f for f in TABLES["requests"].names if f != "run_id" and f not in DRAFT_ONLY["requests"]]
+_REQUEST_FIELDS = [f for f in TABLES["requests"].names
+                   if f != "run_id" and f not in DRAFT_ONLY["requests"] and f not in TIER_ONLY["requests"]]
 # speculative decoding's columns (a run that drafts; null in one that does not): steps' and requests'
 _STEP_DRAFT_FIELDS = {"draft_tokens": "num_draft_tokens", "accepted_tokens": "num_accepted_tokens"}
 _REQUEST_DRAFT_FIELDS = ("draft_tokens", "accepted_tokens")
-# The kv_events columns that only the rarer kinds set (preempt, swap_out, swap_in, reprefill, cow),
-# with the value every other event leaves (engine/events.py): they are read from the rarer events
-# alone, and the rest of the rows take the default.
+# the KV tiers' columns (a run with a tier; null in one without), of the same names in the records
+_STEP_TIER_FIELDS = TIER_ONLY["steps"]
+_REQUEST_TIER_FIELDS = TIER_ONLY["requests"]
+# The kv_events columns that only the rarer kinds set (preempt, swap_out, swap_in, reprefill, cow, and
+# the KV tiers' offload, load, tier_evict, lookup), with the value every other event leaves
+# (engine/events.py): they are read from the rarer events alone, and the rest of the rows take the default.
 _PLAIN_KINDS = frozenset([ev.ALLOC, ev.FREE, ev.FINISH, ev.ADMIT, ev.PREFIX_HIT])
 _RARE_DEFAULTS = {"bytes": 0, "duration_ms": None, "num_cached_tokens": 0, "num_recomputed_tokens": 0,
-                  "src_blocks": None, "requester_req_id": None, "requester_sample": None, "victim_reason": None}
+                  "src_blocks": None, "requester_req_id": None, "requester_sample": None, "victim_reason": None,
+                  "tier": None, "tier_tokens": None}
 # the KV-cache group columns, read only in a run of several groups
 KV_GROUP_FIELDS = ("kv_group", "kv_group_blocks")
 # the kv_events columns read from every KVEvent (kind aside, which `_kind` reads)
@@ -76,6 +81,8 @@ def steps_table(records: list[StepRecord | DecodeLeap], run_id: str) -> pa.Table
             columns = {column: fields[name] for column, name in _STEP_FIELDS.items()}
             if steps[0].num_draft_tokens is not None:   # a run that drafts (the fast path's leaps never do)
                 columns.update({column: list(map(attrgetter(name), steps)) for column, name in _STEP_DRAFT_FIELDS.items()})
+            if steps[0].offload_bytes is not None:   # a run with a KV tier
+                columns.update({column: list(map(attrgetter(column), steps)) for column in _STEP_TIER_FIELDS})
             return table("steps", columns, run_id)
     leap_fields = DecodeLeap.step_columns(leaps)
     if len(leaps) == len(records):
@@ -89,6 +96,11 @@ def steps_table(records: list[StepRecord | DecodeLeap], run_id: str) -> pa.Table
             columns[column] = np.concatenate([ours, np.array(theirs, dtype=ours.dtype)])[order]
         else:   # nullable (device_ms) or strings
             columns[column] = _in_order(order, [(ours, len(ours)), (theirs, len(theirs))])
+    if steps[0].offload_bytes is not None:   # a run with a KV tier: a leap's steps say nothing of it (null)
+        num_leap_steps = len(leap_fields["step"])
+        for column in _STEP_TIER_FIELDS:
+            values = list(map(attrgetter(column), steps))
+            columns[column] = _in_order(order, [(None, num_leap_steps), (values, len(steps))])
     return table("steps", columns, run_id)
 
 
@@ -123,7 +135,11 @@ def kv_events_table(items: list[KVEvent | DecodeLeap], run_id: str, kv_cache_gro
             values[row] = value
         columns[column] = values
     blocks = columns["blocks"] = as_arrow(columns["blocks"], TABLES["kv_events"].field("blocks").type)
-    columns["num_blocks"] = from_numpy(np.diff(blocks.offsets.to_numpy()), pa.int32())   # a null: 0
+    num_blocks = np.diff(blocks.offsets.to_numpy())   # a null: 0
+    for i in rare:   # a tier_evict's blocks are the tier's, counted, with no device id
+        if (count := events[i].num_tier_blocks) is not None:
+            num_blocks[rows[i]] = count
+    columns["num_blocks"] = from_numpy(num_blocks, pa.int32())
     for column in KV_GROUP_FIELDS:
         if kv_cache_groups:   # an evict row's or a leap's alloc's: null
             values = [None] * num_rows
@@ -192,6 +208,8 @@ def _in_order(order: np.ndarray, parts: list[tuple[object, int]]) -> list:
 def requests_table(stats: list[RequestStats], run_id: str) -> pa.Table:
     """The requests table: one row per finished sequence."""
     fields = _REQUEST_FIELDS + list(_REQUEST_DRAFT_FIELDS) if stats[0].draft_tokens is not None else _REQUEST_FIELDS
+    if stats[0].tier_hit_tokens is not None:   # a run with a KV tier
+        fields = fields + list(_REQUEST_TIER_FIELDS)
     return table("requests", {column: list(map(attrgetter(column), stats)) for column in fields}, run_id)
 
 
@@ -211,10 +229,11 @@ def gpu_samples_table(columns: dict[str, list], run_id: str) -> pa.Table:
 
 def table(name: str, columns: dict[str, Column], run_id: str) -> pa.Table:
     """Table `name` of `columns` (every column of its schema but run_id, as a builder made it; those only a
-    run that drafts fills, schema.DRAFT_ONLY, null where `columns` lacks them) and `run_id`."""
+    run that drafts or has a KV tier fills, schema.DRAFT_ONLY and TIER_ONLY, null where `columns` lacks
+    them) and `run_id`."""
     schema = TABLES[name]
     num_rows = len(next(iter(columns.values())))
-    unfilled = [c for c in DRAFT_ONLY.get(name, ()) if c not in columns]
+    unfilled = [c for c in (*DRAFT_ONLY.get(name, ()), *TIER_ONLY.get(name, ())) if c not in columns]
     arrays = {f.name: pa.nulls(num_rows, f.type) if f.name in unfilled else as_arrow(columns[f.name], f.type)
               for f in schema if f.name != "run_id"}
     arrays["run_id"] = pa.repeat(pa.scalar(run_id, pa.string()), num_rows)

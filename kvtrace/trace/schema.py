@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 5                 # 2: tokens.prev_step and tokens.prev_ts_s; 3: the causes (steps.admission_stop,
+SCHEMA_VERSION = 6                 # 2: tokens.prev_step and tokens.prev_ts_s; 3: the causes (steps.admission_stop,
                                    # kv_events.requester_req_id, requester_sample, victim_reason); 4: the server
                                    # column (SERVER_FIELD); 5: KV-cache groups (kv_events.kv_group, kv_group_blocks)
                                    # and speculative decoding (draft_tokens, accepted_tokens, the spec_decode
-                                   # table); see docs/trace-format.md
+                                   # table); 6: KV tiers (kv_events kinds offload, load, tier_evict and lookup,
+                                   # kv_events.tier and tier_tokens, steps.offload_bytes, load_bytes and
+                                   # tier_transfer_ms, requests.tier_hit_tokens: TIER_ONLY); see docs/trace-format.md
 
 # One row per sequence (a request with n samples has n rows), written when it finishes.
 REQUESTS_SCHEMA = pa.schema([
@@ -36,6 +38,9 @@ REQUESTS_SCHEMA = pa.schema([
     # of them those its outputs accepted (the rest were rolled back)
     ("draft_tokens", pa.int64()),
     ("accepted_tokens", pa.int64()),
+    # KV tiers (schema 6; null in a run without one): positions loaded from a tier instead of computed
+    # (every tier's; the sum of its loads' num_tokens but failed ones)
+    ("tier_hit_tokens", pa.int64()),
 ])
 
 # One row per engine step.
@@ -64,6 +69,12 @@ STEPS_SCHEMA = pa.schema([
     # (of decode_tokens), and of them those the step's outputs accepted (null until processed)
     ("draft_tokens", pa.int32()),
     ("accepted_tokens", pa.int32()),
+    # KV tiers (schema 6; null in a run without one): bytes stored device -> tier and loaded tier ->
+    # device this step (its offload and load events' bytes), and the time its tier copies took where
+    # the source knows it (null where it does not)
+    ("offload_bytes", pa.int64()),
+    ("load_bytes", pa.int64()),
+    ("tier_transfer_ms", pa.float64()),
 ])
 
 # One row per KV-cache event; which columns matter depends on `kind` (see the doc's table).
@@ -73,16 +84,17 @@ KV_EVENTS_SCHEMA = pa.schema([
     ("step", pa.int64()),
     ("ts_s", pa.float64()),
     ("kind", pa.string()),                 # admit alloc free preempt swap_out swap_in reprefill
-                                           # prefix_hit evict cow finish
-    ("req_id", pa.string()),               # empty for evict
+                                           # prefix_hit evict cow finish; KV tiers (schema 6): offload
+                                           # load tier_evict lookup
+    ("req_id", pa.string()),               # empty for evict and tier_evict
     ("sample", pa.int32()),
     ("blocks", pa.list_(pa.int32())),      # physical device block ids concerned
     ("num_blocks", pa.int32()),            # len(blocks)
     ("num_tokens", pa.int32()),            # token positions concerned
-    ("bytes", pa.int64()),                 # bytes copied (swap, cow), else 0
-    ("duration_ms", pa.float64()),         # copy duration (swap_out / swap_in), else null
+    ("bytes", pa.int64()),                 # bytes copied (swap, cow, offload, load), else 0
+    ("duration_ms", pa.float64()),         # copy duration (swap_out, swap_in, offload, load), else null
     ("reason", pa.string()),
-    ("num_cached_tokens", pa.int32()),     # reprefill: positions served from the prefix cache
+    ("num_cached_tokens", pa.int32()),     # reprefill, lookup: positions served from the prefix cache
     ("num_recomputed_tokens", pa.int32()), # reprefill: positions computed again
     ("src_blocks", pa.list_(pa.int32())),  # swap: host block ids; cow: source device block
     # preempt (schema 3; null in older traces and for other kinds): the sequence whose allocation
@@ -97,6 +109,11 @@ KV_EVENTS_SCHEMA = pa.schema([
     # every group (prefix_hit, preempt) lists them group by group, `kv_group_blocks` of them in each.
     ("kv_group", pa.int32()),
     ("kv_group_blocks", pa.list_(pa.int32())),
+    # KV tiers (schema 6; null for every other kind, and in older runs): the tier an offload, load,
+    # tier_evict or lookup concerns (meta.json's kv_tiers names it), and a lookup's positions found in
+    # that tier beyond those found before it (docs/trace-format.md, "KV tiers")
+    ("tier", pa.string()),
+    ("tier_tokens", pa.int32()),
 ])
 
 # One row per emitted token.
@@ -215,3 +232,10 @@ OPTIONAL_TABLES = {"client_tokens": CLIENT_TOKENS_SCHEMA,         # kvtrace reco
 # kvtrace's simulator with --speculative-method): every other writer leaves them null.
 DRAFT_ONLY = {"steps": ("draft_tokens", "accepted_tokens"),
                 "requests": ("draft_tokens", "accepted_tokens")}
+
+# Columns of schema 6 that only a run with a KV tier fills (kvtrace's engine or simulator with a tier, a
+# capture of a server that offloads): every other writer leaves them null, and so do the kv_events
+# columns for every kind but the tiers' own.
+TIER_ONLY = {"steps": ("offload_bytes", "load_bytes", "tier_transfer_ms"),
+             "requests": ("tier_hit_tokens",),
+             "kv_events": ("tier", "tier_tokens")}

@@ -202,7 +202,8 @@ def write_tables(columns: dict[str, dict[str, list]], run_dir: Path, run_id: str
                  predecessors: bool = True) -> dict[str, int]:
     """The trace's tables of a run from the capture's columns (on the run's clock); the rows per table.
     Columns that hold `server` write it (a run joined from several servers). With `predecessors` False the tokens' prev_step / prev_ts_s are the caller's (a window that keeps
-    each sequence's token before it, kvtrace/vllm/follow.py)."""
+    each sequence's token before it, kvtrace/vllm/follow.py). A column of the schema the capture does not
+    write (schema 6's KV tiers', until it captures a connector's) is null."""
     t = columns["tokens"]   # each token's predecessor in its sequence (schema 2), on the run's clock
     if predecessors:
         t["prev_step"], t["prev_ts_s"] = token_predecessors(t["req_id"], t["sample"], t["idx"], t["step"],
@@ -214,7 +215,8 @@ def write_tables(columns: dict[str, dict[str, list]], run_dir: Path, run_id: str
         if SERVER_FIELD.name in cols:   # a run of several servers (kvtrace/vllm/fleet.py)
             schema = schema.append(SERVER_FIELD)
         num = len(next(iter(cols.values())))
-        arrays = [pa.array([run_id] * num, pa.string()) if f.name == "run_id" else pa.array(cols[f.name], f.type)
+        arrays = [pa.array([run_id] * num, pa.string()) if f.name == "run_id"
+                  else pa.array(cols[f.name], f.type) if f.name in cols else pa.nulls(num, f.type)
                   for f in schema]
         folder = run_dir / table
         folder.mkdir(parents=True, exist_ok=True)

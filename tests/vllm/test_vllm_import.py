@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvtrace.trace import db
-from kvtrace.trace.schema import OPTIONAL_TABLES, TABLES
+from kvtrace.trace.schema import OPTIONAL_TABLES, TABLES, TIER_ONLY
 from kvtrace.vllm.capture.sink import COLUMNS
 from kvtrace.vllm.importer import convert, map_ids
 from tests.helpers.cli import one_line_error
@@ -13,11 +13,14 @@ from tests.helpers.vllm_runs import ITEMS, chunk, write_capture
 
 def test_the_capture_writes_kvtraces_columns():
     """The capture (which cannot import pyarrow) keeps its own column lists: they must be the trace's,
-    less run_id and the token predecessors, which the importer adds."""
+    less run_id and the token predecessors, which the importer adds. The KV tiers' columns (schema 6) it
+    writes all of a table's or none (the importer writes those it lacks as null)."""
     added = {"run_id", "prev_step", "prev_ts_s"}
     schemas = {**TABLES, "spec_decode": OPTIONAL_TABLES["spec_decode"]}   # a speculative server's drafts
     for table, columns in COLUMNS.items():
-        assert list(columns) == [c for c in schemas[table].names if c not in added], table
+        tiers = set(TIER_ONLY.get(table, ()))
+        left_out = added | (tiers if not tiers & set(columns) else set())
+        assert list(columns) == [c for c in schemas[table].names if c not in left_out], table
     assert set(COLUMNS) == set(schemas) - {"gpu_samples"}
 
 
