@@ -121,7 +121,7 @@ def test_every_analysis_documents_itself_and_runs_on_an_empty_run(tmp_path):
                "recompute_by_request", "request_pool", "request_summary",
                "request_timeline", "step_sequences", "swap", "thrash_windows",
                "noisy_neighbours", "preemptions", "request_story", "request_verdict", "wait_causes", "worst_requests",
-               "lookahead_preemptions"}
+               "lookahead_preemptions", "tier_hits", "tier_transfers", "tier_recompute_avoided", "tier_steps"}
     for info in infos:
         assert info.description.endswith(("?", ".")), info.name
         assert "Columns" in info.doc, info.name
