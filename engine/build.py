@@ -66,6 +66,9 @@ def check_kv_cache_groups(config: EngineConfig, model_config: ModelConfig) -> No
     or a window on every layer): prefix caching, vLLM V0's swap and copy-on-write forks, --kv-reserve."""
     if not config.hybrid_kv_cache(model_config):
         return
+    if config.offloads:
+        raise ValueError(f"model {model_config.name} has sliding-window layers: kvtrace's host KV tier "
+                         f"(--offload-size) is not modelled beside them yet")
     if config.speculative_method is not None:
         raise ValueError(f"model {model_config.name} has sliding-window layers: kvtrace's engine does not model "
                          f"speculative decoding beside them yet (pass --disable-hybrid-kv-cache-manager to keep "
@@ -98,6 +101,11 @@ def _real(config: EngineConfig, tracer: Tracer | None, loaded: LoadedModel | Non
     device_name = torch.cuda.get_device_name(device) if cuda else ""
     check_kv_cache_groups(config, loaded.config)
     config, max_model_len, geometry = _size(config, loaded.config, device.type, device_memory, device_name)
+    if geometry.num_offload_blocks:
+        if cuda:
+            raise ValueError("--offload-size: the real engine's host KV tier copies on the CPU only so far "
+                             "(simulate a GPU's with --engine sim)")
+        check_host_memory(geometry.num_offload_blocks * geometry.bytes_per_block, "--offload-size's host KV tier")
     model = LlamaModel(loaded.config, loaded.weights, device, dtype, config.kv_cache_groups(loaded.config))
     # block ids run 1..num_gpu_blocks: the KV tensor has a slot for the null block 0 too
     runner = ModelRunner(model, geometry.num_gpu_blocks + 1, geometry.block_size, geometry.num_cpu_blocks)
@@ -191,5 +199,30 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
         # on CUDA not the device pool's size: that pinned ~108 GiB on a 128 GiB host beside the weights
         swap = config.preemption_mode == PreemptionMode.SWAP
         num_cpu_blocks = (SWAP_SPACE_DEFAULT // bytes_per_block if cuda else num_gpu_blocks) if swap else 0
-    return PoolGeometry(num_gpu_blocks, num_cpu_blocks, config.block_size, bytes_per_block, derivation)
+    return PoolGeometry(num_gpu_blocks, num_cpu_blocks, config.block_size, bytes_per_block, derivation,
+                        num_offload_blocks(config, bytes_per_block))
+
+
+HOST_PAGE_BYTES = 4096   # vLLM pads each offloaded chunk to whole host pages (mmap.PAGESIZE)
+
+
+def num_offload_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+    """The host KV tier's size in blocks (one block a chunk, vLLM's default blocks_per_chunk): the count
+    given, or --offload-size bytes over a block padded to whole 4 KiB pages, as vLLM's CPUOffloadingSpec
+    sizes its chunks (kv_offload/cpu/spec.py)."""
+    if config.num_offload_blocks is not None:
+        return config.num_offload_blocks
+    if not config.offload_size:
+        return 0
+    return config.offload_size // (-(-bytes_per_block // HOST_PAGE_BYTES) * HOST_PAGE_BYTES)
+
+
+def check_host_memory(num_bytes: int, what: str) -> None:
+    """ValueError when the real engine would hold more host memory than the machine has."""
+    import os
+
+    host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if num_bytes > host_bytes:
+        raise ValueError(f"{what} of {num_bytes / 2**30:.1f} GiB is larger than this host's memory "
+                         f"({host_bytes / 2**30:.1f} GiB)")
 

@@ -354,6 +354,11 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None  # bytes (or '2GiB') for the device KV pool
     num_cpu_blocks: int | None = None    # host swap blocks; else from swap_space
     swap_space: int | str | None = None  # bytes (or '4GiB') of host swap space
+    # a host KV tier (vLLM's native CPU offloading, engine/offload.py): bytes (or '8GiB') of host memory,
+    # as vLLM's --kv-offloading-size, each block padded to whole 4 KiB pages; or a count of blocks
+    # (num_offload_blocks, which wins). 0 / None: no tier
+    offload_size: int | str | None = None
+    num_offload_blocks: int | None = None
     max_num_seqs: int | None = None      # default: vLLM's for the device class (batch_defaults)
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None     # default: the model's max_position_embeddings
@@ -439,6 +444,34 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if isinstance(self.swap_space, str):
             self.swap_space = parse_bytes(self.swap_space)
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        if isinstance(self.offload_size, str):
+            self.offload_size = parse_bytes(self.offload_size)
+        if self.offload_size is not None and self.offload_size < 0:
+            raise ValueError(f"--offload-size must be >= 0, got {self.offload_size}")
+        if self.num_offload_blocks is not None and self.num_offload_blocks < 0:
+            raise ValueError(f"--num-offload-blocks must be >= 0, got {self.num_offload_blocks}")
+        if not self.offloads:
+            return
+        refused = [what for what, on in [("--preemption-mode swap (vLLM V0's; the tier is V1's)",
+                                          self.preemption_mode == PreemptionMode.SWAP),
+                                         ("--n-mode cow (vLLM V0's)", self.n_mode == NMode.COW),
+                                         ("--async-scheduling", self.async_scheduling),
+                                         ("--speculative-method", self.speculative_method is not None),
+                                         ("--kv-reserve", self.kv_reserve != KVReserve.NONE),
+                                         ("--no-enable-prefix-caching (its chunks are keyed by the prefix "
+                                          "cache's block hashes)", not self.enable_prefix_caching)] if on]
+        if refused:
+            raise ValueError(f"--offload-size: kvtrace's host KV tier is not modelled with {refused[0]} yet")
+
+    @property
+    def offloads(self) -> bool:
+        """Whether a host KV tier is configured (--offload-size or num_offload_blocks above 0)."""
+        if self.num_offload_blocks is not None:
+            return self.num_offload_blocks > 0
+        return bool(self.offload_size)
 
     def _check_speculative(self) -> None:
         method, k = self.speculative_method, self.num_speculative_tokens
@@ -512,6 +545,7 @@ class PoolGeometry:
     block_size: int          # tokens per block
     bytes_per_block: int     # one block's K and V across all layers, in the run's dtype
     derivation: dict | None = None   # how --gpu-memory-utilization sized the pool
+    num_offload_blocks: int = 0      # the host KV tier's blocks (0: no tier; engine/offload.py)
 
 
 def batch_defaults(device_type: str, device_memory: int | None, device_name: str = "") -> tuple[int, int]:

@@ -66,6 +66,7 @@ def record(
     kv_cache_memory: Annotated[str | None, typer.Option(rich_help_panel="KV cache", help="Device KV pool size, bytes or e.g. 2GiB.")] = None,
     num_cpu_blocks: Annotated[int | None, typer.Option(rich_help_panel="KV cache", help="Host swap blocks.")] = None,
     swap_space: Annotated[str | None, typer.Option(rich_help_panel="KV cache", help="Host swap space, bytes or e.g. 4GiB.")] = None,
+    offload_size: Annotated[str | None, typer.Option(rich_help_panel="KV cache", help="A host KV tier of this size, bytes or e.g. 8GiB (vLLM's native CPU offloading, --kv-offloading-size): prompt blocks stored as they are computed, loaded back instead of recomputed; 0: none. See docs/scheduling.md.")] = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(rich_help_panel="KV cache", help="Size the KV pool as vLLM does: this share of the device's memory, less weights and activations (CUDA or --engine sim).")] = None,
     kv_reserve: Annotated[str, typer.Option(rich_help_panel="KV cache", help="none (on-demand paging), max-model-len or max-tokens: a request holds the blocks of its whole context from admission, as pre-paging servers did.")] = "none",
     preemption_mode: Annotated[str, typer.Option(rich_help_panel="Scheduling", help="recompute (vLLM V1) or swap (vLLM V0's, falling back to "
@@ -159,7 +160,7 @@ def record(
         engine=engine, hardware=hardware, kv_reserve=kv_reserve, gpu_memory_utilization=gpu_memory_utilization,
         num_gpu_blocks=num_gpu_blocks,
         kv_cache_memory=kv_cache_memory,
-        num_cpu_blocks=num_cpu_blocks, swap_space=swap_space,
+        num_cpu_blocks=num_cpu_blocks, swap_space=swap_space, offload_size=offload_size,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         watermark=watermark, preemption_mode=preemption_mode, preemption_policy=preemption_policy,
         enable_prefix_caching=enable_prefix_caching, n_mode=n_mode,
@@ -256,6 +257,9 @@ def _record_vllm(a: dict) -> None:
 
     if a["hardware"] is not None:
         raise KvtraceError("--hardware is for --engine sim")
+    if a["offload_size"] is not None:
+        raise KvtraceError("--offload-size is for kvtrace's engine: with --engine vllm, pass vLLM's "
+                           "--vllm-arg=--kv-offloading-size=GIB")
     if not a["sim_fast_path"]:
         raise KvtraceError("--no-sim-fast-path is for --engine sim")
     if a["disable_hybrid_kv_cache_manager"]:

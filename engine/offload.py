@@ -1,0 +1,215 @@
+"""A host KV tier: blocks' KV kept in host memory after the device pool lets them go, so that a prefix
+the device no longer holds is copied back instead of computed again (the words: docs/glossary.md).
+
+It keeps the books of vLLM's native CPU offloading (v1/kv_offload/cpu/manager.py, CPUOffloadingManager,
+with its LRU policy, cpu/policies/lru.py, as of vLLM 0.33 and 0.34), one device block a chunk (vLLM's
+default blocks_per_chunk), a chunk keyed by the prefix cache's hash of its block. A chunk is
+
+    pending   stored, its copy not finished (ref_count -1): a lookup defers, nothing evicts it
+    ready     its copy finished (ref_count 0): a lookup hits it, prepare_store may evict it
+    pinned    being loaded into the device (ref_count > 0, one per load): not evicted
+
+Recency is a rank, the lowest evicted first. A request draws one rank the first time it stores or
+touches a chunk, and every chunk it stores or touches takes (its rank, -position): a request's chunks
+are evicted tail first, and a chunk keeps the highest rank any request gave it. When the request
+finishes, its chunks take fresh ranks, tail first, so its prefix's head is the last of them evicted.
+A lookup changes no rank.
+
+Which chunks exist and in which state is the scheduler's business (engine/scheduler.py); the copies
+are the executor's. This file decides only what is kept and what is dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import NamedTuple
+
+PENDING_STORE = -1   # a chunk's ref_count while its store is in flight
+
+
+class Lookup(Enum):
+    MISS = auto()      # not in the tier
+    PENDING = auto()   # being stored: the caller waits (defers) rather than recomputes
+    HIT = auto()       # ready to load
+
+
+@dataclass(slots=True)
+class Chunk:
+    slot: int                      # its place in the host buffer (the real engine's copies)
+    ref_count: int = PENDING_STORE  # -1 pending, 0 ready, > 0 pinned by that many loads
+
+
+class StorePlan(NamedTuple):
+    """What prepare_store decided: the offered keys the tier did not hold, now pending, each given a
+    host slot; and the ready chunks evicted to make room for them, least recent first."""
+
+    keys: list[int]
+    slots: list[int]
+    evicted: list[int]
+
+
+@dataclass(slots=True)
+class _Access:
+    """The chunks one request has stored or touched (vLLM's _RequestCacheAccess): its rank, drawn the
+    first time it needs one, and each key's position in its prefix."""
+
+    rank: int | None = None
+    positions: dict[int, int] = field(default_factory=dict)
+
+
+class OffloadTier:
+    """A host KV tier of `num_blocks` chunks of one device block each, evicting the least recent."""
+
+    name = "cpu"      # kv_events.tier, meta.json's kv_tiers
+    policy = "lru"
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.chunks: dict[int, Chunk] = {}             # key (a block hash) -> chunk
+        self.ranks: dict[int, tuple[int, int]] = {}    # key -> (rank, -position): the lowest is evicted first
+        self.num_allocated = 0                         # slots handed out at least once: 0..num_allocated-1
+        self.free_slots: list[int] = []                # slots given back, reused last given back first
+        self.num_ready = 0                             # chunks with ref_count 0 (evictable)
+        self.accesses: dict[object, _Access] = {}      # by request
+        self._next_rank = 0
+
+    # ---- counts -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_slots) + self.num_blocks - self.num_allocated
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.chunks)
+
+    # ---- the manager's calls ------------------------------------------------------------
+    def lookup(self, key: int) -> Lookup:
+        """Whether the tier holds the chunk, and whether it is ready; no rank changes."""
+        chunk = self.chunks.get(key)
+        if chunk is None:
+            return Lookup.MISS
+        return Lookup.PENDING if chunk.ref_count == PENDING_STORE else Lookup.HIT
+
+    def prepare_store(self, request: object, keys: list[int], first_position: int) -> StorePlan | None:
+        """Offer a request's chunks `keys` (at positions first_position, first_position + 1, ...): those
+        the tier lacks become pending, room made by evicting ready chunks, least recent first, none of
+        the offered ones. All or nothing: None (nothing stored, nothing evicted) when the ready chunks
+        that could go are too few; the caller offers them again later."""
+        new = [key for key in keys if key not in self.chunks]
+        ready = [key for key in keys if key in self.chunks and self.chunks[key].ref_count >= 0]
+        # vLLM records the access before it knows whether the store fits: a refused offer still ranks
+        # the ready chunks it named
+        self._touch(request, [k for k in keys if k in set(new) or k in set(ready)], keys, first_position)
+        if not new:
+            return StorePlan([], [], [])
+        num_to_evict = len(new) - self.num_free_blocks
+        evicted: list[int] = []
+        if num_to_evict > 0:
+            if num_to_evict > self.num_ready:
+                return None
+            protected = set(keys)
+            candidates = sorted((rank, key) for key, rank in self.ranks.items()
+                                if key not in protected and self.chunks[key].ref_count == 0)
+            if len(candidates) < num_to_evict:
+                return None
+            for _, key in candidates[:num_to_evict]:
+                chunk = self.chunks.pop(key)
+                del self.ranks[key]
+                self.num_ready -= 1
+                self.free_slots.append(chunk.slot)
+                evicted.append(key)
+        slots = self._allocate_slots(len(new))
+        access = self.accesses[request]
+        for key, slot in zip(new, slots):
+            self.chunks[key] = Chunk(slot)
+            self.ranks[key] = (self._rank_of(access), -access.positions[key])
+        return StorePlan(new, slots, evicted)
+
+    def complete_store(self, keys: list[int], success: bool = True) -> None:
+        """A store's copy finished: its chunks become ready; failed, they leave the tier."""
+        for key in keys:
+            chunk = self.chunks.get(key)
+            if chunk is None or chunk.ref_count != PENDING_STORE:
+                continue
+            if success:
+                chunk.ref_count = 0
+                self.num_ready += 1
+            else:
+                del self.chunks[key]
+                del self.ranks[key]
+                self.free_slots.append(chunk.slot)
+
+    def prepare_load(self, request: object, keys: list[int], first_position: int) -> list[int]:
+        """Pin ready chunks for a load into the device; returns their slots."""
+        slots = []
+        for key in keys:
+            chunk = self.chunks[key]
+            assert chunk.ref_count >= 0, f"chunk {key} loaded before its store finished"
+            if chunk.ref_count == 0:
+                self.num_ready -= 1
+            chunk.ref_count += 1
+            slots.append(chunk.slot)
+        self._touch(request, keys, keys, first_position)
+        return slots
+
+    def complete_load(self, keys: list[int]) -> None:
+        """A load's copy finished: its pins come off."""
+        for key in keys:
+            chunk = self.chunks[key]
+            assert chunk.ref_count > 0, f"chunk {key} unpinned twice"
+            chunk.ref_count -= 1
+            if chunk.ref_count == 0:
+                self.num_ready += 1
+
+    def on_request_finished(self, request: object) -> None:
+        """The request is done: every chunk it stored or touched that the tier still holds takes a fresh
+        rank, its prefix's tail first (the head the most recent)."""
+        access = self.accesses.pop(request, None)
+        if access is None:
+            return
+        for key in sorted(access.positions, key=access.positions.__getitem__, reverse=True):
+            if key in self.chunks:
+                self._next_rank += 1
+                self.ranks[key] = (self._next_rank, 0)
+
+    # ---- inside -------------------------------------------------------------------------
+    def _touch(self, request: object, touched: list[int], keys: list[int], first_position: int) -> None:
+        """Note the request's keys (their positions); a chunk it touches for the first time that the tier
+        holds is raised to (its rank, -position) if that is more recent (vLLM: on_request_access)."""
+        access = self.accesses.setdefault(request, _Access())
+        position = dict(zip(keys, range(first_position, first_position + len(keys))))
+        first_seen = [key for key in touched if key not in access.positions]
+        for key in first_seen:
+            access.positions[key] = position[key]
+        if not first_seen:
+            return
+        rank = self._rank_of(access)
+        for key in first_seen:
+            if key in self.ranks and self.ranks[key] < (rank, -access.positions[key]):
+                self.ranks[key] = (rank, -access.positions[key])
+
+    def _rank_of(self, access: _Access) -> int:
+        if access.rank is None:
+            self._next_rank += 1
+            access.rank = self._next_rank
+        return access.rank
+
+    def _allocate_slots(self, n: int) -> list[int]:
+        """Never-used slots first, then those given back, the last given back first (vLLM's chunk pool)."""
+        num_fresh = min(n, self.num_blocks - self.num_allocated)
+        slots = list(range(self.num_allocated, self.num_allocated + num_fresh))
+        self.num_allocated += num_fresh
+        slots += [self.free_slots.pop() for _ in range(n - num_fresh)]
+        return slots
+
+    # ---- integrity ----------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Assert the books balance: every slot free xor held by one chunk, the ready count right."""
+        held = [chunk.slot for chunk in self.chunks.values()]
+        assert len(set(held)) == len(held), "a host slot held by two chunks"
+        assert not set(held) & set(self.free_slots), "a host slot both free and held"
+        assert len(set(self.free_slots)) == len(self.free_slots), "a host slot twice on the free list"
+        assert len(held) + len(self.free_slots) == self.num_allocated <= self.num_blocks, "host slots lost"
+        assert set(self.ranks) == set(self.chunks), "a chunk without a rank, or a rank without a chunk"
+        assert self.num_ready == sum(1 for c in self.chunks.values() if c.ref_count == 0), "ready count wrong"
+        assert all(c.ref_count >= PENDING_STORE for c in self.chunks.values()), "a chunk unpinned below zero"

@@ -1,0 +1,108 @@
+"""The host KV tier's books (engine/offload.py), its size in the config, and --offload-size on the CLI."""
+from __future__ import annotations
+
+import pytest
+
+from engine.build import num_offload_blocks
+from engine.config import EngineConfig
+from engine.offload import Lookup, OffloadTier, StorePlan
+from tests.helpers.cli import one_line_error, write_workload
+
+
+def stored(tier: OffloadTier, request: object, keys: list[int], first: int = 0) -> StorePlan:
+    plan = tier.prepare_store(request, keys, first)
+    assert plan is not None
+    tier.complete_store(plan.keys)
+    tier.check_integrity()
+    return plan
+
+
+def test_a_finished_request_loses_its_tail_first():
+    """vLLM's run (the memo's §3): A's 4 chunks, A finished, then 4 new chunks into 6: A's tail goes."""
+    tier = OffloadTier(6)
+    stored(tier, "A", [1, 2, 3, 4])
+    tier.on_request_finished("A")
+    plan = stored(tier, "B", [11, 12, 13, 14])
+    assert plan.evicted == [4, 3]
+    assert plan.slots == [4, 5, 2, 3]   # two fresh slots, then the evicted ones (4 gave back 3, then 3 gave 2), the last first
+    assert sorted(tier.chunks) == [1, 2, 11, 12, 13, 14]
+
+
+def test_a_running_request_ranks_its_chunks_tail_first_and_above_older_requests():
+    tier = OffloadTier(4)
+    stored(tier, "A", [1, 2])
+    stored(tier, "B", [21, 22])
+    # A's two, then B's: each request's tail before its head, the older request first
+    plan = stored(tier, "C", [31, 32, 33])
+    assert plan.evicted == [2, 1, 22]
+
+
+def test_touching_a_chunk_lifts_it_to_the_request_rank_and_a_lookup_does_not():
+    tier = OffloadTier(3)
+    stored(tier, "A", [1])
+    stored(tier, "B", [2])
+    assert tier.lookup(1) is Lookup.HIT      # no rank change
+    plan = tier.prepare_store("C", [1, 3], 0)  # C names 1 again (ready, kept) and stores 3: room for it
+    assert plan == StorePlan([3], [2], [])
+    tier.complete_store([3])
+    plan = stored(tier, "D", [4])
+    assert plan.evicted == [2]                # B's chunk, not the one C touched
+
+
+def test_a_store_is_all_or_nothing_and_pending_or_pinned_chunks_stay():
+    tier = OffloadTier(3)
+    pending = tier.prepare_store("A", [1, 2], 0)        # never completed: pending
+    assert tier.lookup(1) is Lookup.PENDING
+    stored(tier, "B", [3])
+    tier.prepare_load("C", [3], 0)                      # pinned
+    before = (dict(tier.ranks), list(tier.free_slots))
+    assert tier.prepare_store("D", [4], 0) is None
+    assert (tier.ranks, tier.free_slots) == before and 4 not in tier.chunks
+    tier.complete_load([3])
+    assert tier.prepare_store("D", [4, 5], 0) is None   # two to evict, one ready
+    assert tier.prepare_store("D", [4], 0).evicted == [3]
+    tier.complete_store(pending.keys, success=False)    # a failed store leaves the tier
+    assert tier.lookup(1) is Lookup.MISS and tier.num_free_blocks == 2
+    tier.check_integrity()
+
+
+def test_offered_chunks_are_never_evicted_for_their_own_store():
+    tier = OffloadTier(2)
+    stored(tier, "A", [1, 2])
+    # 1 is ready and offered again beside a new one: only 2 may go
+    assert tier.prepare_store("B", [1, 3], 0).evicted == [2]
+    tier.complete_store([3])
+    assert tier.prepare_store("C", [1, 3, 4], 0) is None   # all three offered: nothing else to evict
+
+
+def test_sizes_and_bad_sizes():
+    bytes_per_block = 5000   # two 4 KiB pages each
+    assert num_offload_blocks(EngineConfig(offload_size="80KiB"), bytes_per_block) == 10
+    assert num_offload_blocks(EngineConfig(offload_size=0), bytes_per_block) == 0
+    assert num_offload_blocks(EngineConfig(num_offload_blocks=3, offload_size="1GiB"), bytes_per_block) == 3
+    assert not EngineConfig(offload_size="0").offloads
+    for bad, message in [({"offload_size": "-1"}, "cannot read"), ({"offload_size": -5}, ">= 0"),
+                         ({"offload_size": "lots"}, "cannot read"),
+                         ({"offload_size": "1GiB", "preemption_mode": "swap"}, "--preemption-mode swap")]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(**bad)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--offload-size", "-3GiB"], "cannot read"),
+    (["--offload-size", "many"], "cannot read"),
+    (["--offload-size", "1GiB", "--async-scheduling"], "--async-scheduling"),
+    (["--offload-size", "1GiB", "--engine", "vllm"], "--kv-offloading-size"),
+])
+def test_bad_offload_sizes_are_one_line_exit_2(tmp_path, args, message):
+    workload = write_workload(tmp_path / "w.jsonl", [{"arrival_s": 0, "prompt_tokens": 12, "max_tokens": 4}])
+    line = one_line_error(["record", "--model", "tiny", "-w", str(workload), "-o", str(tmp_path / "run"), "-q",
+                           *args])
+    assert message in line
+
+
+def test_the_real_engine_refuses_a_tier_larger_than_the_host(monkeypatch):
+    from engine import build
+
+    with pytest.raises(ValueError, match="larger than this host's memory"):
+        build.check_host_memory(1 << 60, "--offload-size's host KV tier")
