@@ -20,8 +20,8 @@ from typing import NamedTuple
 from kvtrace.trace.schema import SCHEMA_VERSION, token_predecessors
 from kvtrace.vllm.capture.chunk_format import ChunkError
 from kvtrace.vllm.capture.sink import COLUMNS
-from kvtrace.vllm.importer import (TIME_COLUMNS, foreign_files, keep_window, list_chunks, model_shape, read_chunk,
-                                  read_json, say, skipped_line, write_tables)
+from kvtrace.vllm.importer import (TIME_COLUMNS, DraftTotals, foreign_files, keep_window, list_chunks, model_shape,
+                                  read_chunk, read_json, say, skipped_line, write_tables)
 
 MAX_AGE_S = 3600.0   # rows of a sequence that never finished (a lost request) are dropped after this
 
@@ -84,9 +84,11 @@ class LiveTrace:
         # token's predecessor
         self.last_token: dict[str, dict[tuple, tuple]] = {}
         self.pruned_at: dict[str, float] = {}  # per server: its end when it was last pruned
+        self.draft_totals: dict[str, DraftTotals] = {}   # per server: its requests' drafts, for their rows
 
     def add(self, server: str, chunk: dict) -> None:
         columns = self.servers.setdefault(server, {t: {c: [] for c in cols} for t, cols in COLUMNS.items()})
+        self.draft_totals.setdefault(server, DraftTotals()).add(chunk)
         for table, cols in chunk.items():
             if table not in columns:
                 continue
@@ -107,6 +109,7 @@ class LiveTrace:
         self.last_token.pop(server, None)
         self.new_tokens.pop(server, None)
         self.pruned_at.pop(server, None)
+        self.draft_totals.pop(server, None)
 
     def prune(self, every_s: float = 0.0) -> None:
         """Drop what no later figure needs: finished sequences and steps older than `keep_s`

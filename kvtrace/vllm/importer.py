@@ -13,16 +13,19 @@ import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain, repeat
+from operator import add
 from pathlib import Path
 
 import pyarrow as pa
 
-from kvtrace.errors import KvtraceError
 from kvtrace.trace.schema import OPTIONAL_TABLES, SERVER_FIELD, TABLES, token_predecessors, write_parquet
 from kvtrace.vllm.capture import chunk_format
-from kvtrace.vllm.capture.sink import CHUNK_COLUMNS, COLUMNS
+from kvtrace.vllm.capture.sink import ARRIVALS, CHUNK_COLUMNS, COLUMNS
 
 _ID = re.compile(r"^(?:(?P<sample>\d+)_)?(?:cmpl-)?kvt(?P<index>\d+)(?:-(?P<prompt>\d+))?(?:-[0-9A-Za-z]+)?$")
+# the tables a chunk's reader hands on (read_chunk has expanded the tokens' runs)
+READ_COLUMNS = {**COLUMNS, "arrivals": ARRIVALS}
 TIME_COLUMNS = {"requests": ("arrival_s", "first_scheduled_s", "first_token_s", "finish_s"),
                 "steps": ("start_s", "end_s"), "kv_events": ("ts_s",), "tokens": ("ts_s",), "spec_decode": ("ts_s",)}
 
@@ -112,17 +115,37 @@ def read_chunk(path: Path) -> dict[str, dict[str, list]]:
             raise chunk_format.ChunkError(f"a table {table!r}, which no capture writes")
         if len({len(v) for v in cols.values()}) > 1:
             raise chunk_format.ChunkError(f"{table}: columns of different lengths")
+    if "tokens" in tables:
+        expand_token_runs(tables["tokens"])
     return tables
+
+
+def expand_token_runs(t: dict[str, list]) -> None:
+    """A chunk's tokens rows as one row per token: a row of format 2 stands for `num_tokens` of a
+    request's tokens from `idx` on (a speculative step's; sink.py's CHUNK_COLUMNS), a row of format 1
+    (no such column) or a null for one. The column goes: no reader past this one sees it."""
+    counts = t.pop("num_tokens", None)
+    if counts is None or all(c == 1 or c is None for c in counts):
+        return
+    if not all(c is None or (type(c) is int and c >= 1) for c in counts):
+        raise chunk_format.ChunkError("tokens: a num_tokens that is not a positive count")
+    counts = [1 if c is None else c for c in counts]
+    for name, values in t.items():
+        if name == "idx":
+            t[name] = list(chain.from_iterable(map(range, values, map(add, values, counts))))
+        else:
+            t[name] = list(chain.from_iterable(map(repeat, values, counts)))
 
 
 def read_chunks(capture: Path, chunks: list[Chunk] | None = None, warn=say) -> dict[str, dict[str, list]]:
     """The columns of `chunks` (default: every chunk of the folder), `arrivals` among them. A file that
     is no chunk kvtrace reads (a pickle, a truncated or foreign file, a newer format) is skipped, with
     one line each to `warn`; the others are read."""
-    columns = {table: {c: [] for c in cols} for table, cols in CHUNK_COLUMNS.items()}
+    columns = {table: {c: [] for c in cols} for table, cols in READ_COLUMNS.items()}
     if (capture / "chunks").is_dir():
         for path, reason in foreign_files(capture):
             warn(skipped_line(path, reason))
+    totals = DraftTotals()
     for c in (list_chunks(capture) if chunks is None else chunks):
         try:
             chunk = read_chunk(c.path)
@@ -131,11 +154,42 @@ def read_chunks(capture: Path, chunks: list[Chunk] | None = None, warn=say) -> d
         except (chunk_format.ChunkError, OSError) as exc:
             warn(skipped_line(c.path, str(exc)))
             continue
+        totals.add(chunk)
         for table, cols in chunk.items():
             num_rows = len(next(iter(cols.values()), []))
             for name, values in columns[table].items():
                 values.extend(cols.get(name, [None] * num_rows))
     return columns
+
+
+class DraftTotals:
+    """Each request's draft positions and accepted drafts over its life, for its requests row: the
+    capture writes that row without them (keeping them per request would cost the server a pass over
+    its requests' states every step) and a reader adds up the spec_decode rows, chunk by chunk in the
+    order they were written, into the rows of the requests that finish. A step's drafts whose output
+    was never processed (accepted null) count in no total, as in vLLM's own counts. A chunk of an older
+    capture has its totals already, or none at all (no such column): those stay as they are."""
+
+    def __init__(self) -> None:
+        self.drafts: dict[str, int] = {}     # per request still in flight: its totals so far
+        self.accepted: dict[str, int] = {}
+
+    def add(self, chunk: dict[str, dict[str, list]]) -> None:
+        """Take a chunk's spec_decode rows; fill in its finished requests' totals (a request's last spec
+        rows are written before, or with, its row)."""
+        d = chunk.get("spec_decode")
+        if d:
+            drafts, accepted = self.drafts, self.accepted
+            for rid, n, a in zip(d["req_id"], d["draft_tokens"], d["accepted_tokens"]):
+                if a is not None:
+                    drafts[rid] = drafts.get(rid, 0) + n
+                    accepted[rid] = accepted.get(rid, 0) + a
+        q = chunk.get("requests")
+        if q and "draft_tokens" in q and "accepted_tokens" in q:
+            for i, rid in enumerate(q["req_id"]):
+                if q["draft_tokens"][i] is None:
+                    q["draft_tokens"][i] = self.drafts.pop(rid, 0)
+                    q["accepted_tokens"][i] = self.accepted.pop(rid, 0)
 
 
 def map_ids(raw_ids: Sequence[str], items: dict[int, Item]) -> dict[str, tuple[str, int]]:

@@ -69,8 +69,8 @@ def test_every_truncation_and_a_newer_format_are_chunk_errors():
     for end in range(len(data)):
         with pytest.raises(ChunkError):
             decode(data[:end])
-    newer = data.replace(b"KVTRACE-CHUNK 1\n", b"KVTRACE-CHUNK 2\n", 1)
-    with pytest.raises(ChunkError, match="chunk format 2; this kvtrace reads format 1"):
+    newer = data.replace(b"KVTRACE-CHUNK 2\n", b"KVTRACE-CHUNK 3\n", 1)
+    with pytest.raises(ChunkError, match="chunk format 3; this kvtrace reads formats 1, 2"):
         decode(newer)
     with pytest.raises(ChunkError, match="not a kvtrace capture chunk"):
         decode(pickle.dumps(TABLES))
@@ -201,3 +201,24 @@ def test_read_chunks_of_a_planted_folder_keeps_every_good_chunk(planted):
     columns = read_chunks(capture, warn=lines.append)
     assert not marker.exists() and _skipped("\n".join(lines)) == bad
     assert columns["steps"]["step"] == read_chunks(FIXTURE, warn=lines.append)["steps"]["step"]
+
+
+def test_a_tokens_row_of_several_tokens_reads_as_a_row_each(tmp_path):
+    """Format 2: a speculative step's tokens are a row per request (num_tokens of them from idx on); the
+    reader gives every reader past it a row per token, and a format-1 chunk (no such column) reads as it
+    was written."""
+    from kvtrace.vllm.importer import read_chunk
+
+    tokens = {"req_id": ["a", "b", "c"], "sample": [0, 0, 0], "idx": [4, 0, 7], "token_id": [None, None, 9],
+              "step": [3, 3, 3], "ts_s": [1.5, 1.5, 1.5]}
+    path = tmp_path / "c.kvtc"
+    path.write_bytes(encode({"tokens": {**tokens, "num_tokens": [3, 1, None]}}))
+    t = read_chunk(path)["tokens"]
+    assert t == {"req_id": ["a", "a", "a", "b", "c"], "sample": [0] * 5, "idx": [4, 5, 6, 0, 7],
+                 "token_id": [None, None, None, None, 9], "step": [3] * 5, "ts_s": [1.5] * 5}
+    path.write_bytes(encode({"tokens": tokens}).replace(b"KVTRACE-CHUNK 2\n", b"KVTRACE-CHUNK 1\n", 1))
+    assert read_chunk(path)["tokens"] == tokens
+    for bad in (0, -2, 1.5):
+        path.write_bytes(encode({"tokens": {**tokens, "num_tokens": [3, bad, 1]}}))
+        with pytest.raises(ChunkError, match="num_tokens"):
+            read_chunk(path)

@@ -15,6 +15,8 @@ step they belong to (rows.py's ScheduledStep), which waits for its output (pendi
 from __future__ import annotations
 
 import operator
+from itertools import repeat
+from operator import sub
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
@@ -184,20 +186,20 @@ class StepAccounting:
         scheduled_spec_decode_tokens), how many its output (vLLM's ModelRunnerOutput) accepted: its sampled
         tokens less the one sampled after them, as vLLM counts them before it rolls back the rest. A
         request without tokens in the output (a prefill chunk), or already finished (async: scheduled
-        again while its last tokens were in flight, its output is stale), is left out."""
-        # each request's sampled tokens (the output's rows follow its req_ids)
+        again while its last tokens were in flight, its output is stale), is left out. Every request of
+        a step drafts, so this is C-level passes over them, no Python per request; a request's totals
+        are the reader's, from the spec_decode rows (importer.DraftTotals)."""
+        # each request's sampled tokens (the output's rows follow its req_ids), less one
         sampled = dict(zip(model_output.req_ids, map(len, model_output.sampled_token_ids)))
-        states, watched = self.states, self.watched
-        counts = {}
-        for rid, drafts in spec.items():
-            k = sampled.get(rid)
-            st = states.get(rid)
-            if k and drafts and st is not None:
-                counts[rid] = accepted = k - 1
-                st.drafts += len(drafts)
-                st.accepted += accepted
-                if rid in watched:   # the rejected drafts' positions are rolled back: never kept, so
-                    st.ever = max(0, st.ever - (len(drafts) - accepted))   # computing them again is no recompute
+        counts = dict(zip(spec, map(sub, map(sampled.get, spec, repeat(0)), repeat(1))))
+        states = self.states
+        if -1 in counts.values() or not all(map(states.__contains__, counts)):
+            counts = {rid: n for rid, n in counts.items() if n >= 0 and rid in states}
+        watched = self.watched
+        for rid in watched.keys() & counts.keys():
+            # the rejected drafts' positions are rolled back: never kept, so computing them again is no recompute
+            st = watched[rid]
+            st.ever = max(0, st.ever - (len(spec[rid]) - counts[rid]))
         return counts
 
     def take_step(self, row: StepRow, out) -> ScheduledStep:

@@ -18,7 +18,9 @@ more than the header announced: a truncated, damaged, planted or foreign file is
 never a crash or a half-read table.
 
 FORMAT changes when a reader of the older version could not read the new one; a reader refuses a
-version it does not know with one line (the chunk is skipped, the others read).
+version it does not know with one line (the chunk is skipped, the others read). Format 2: a tokens
+row may stand for several tokens (its `num_tokens`; sink.py's CHUNK_COLUMNS), which a reader of
+format 1 would take for one; this reader reads both (READS).
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ import zlib
 from array import array
 from itertools import accumulate, chain
 
-FORMAT = 1
+FORMAT = 2
+READS = (1, 2)               # the formats this reader reads
 MAGIC = b"KVTRACE-CHUNK "
 SUFFIX = ".kvtc"
 MAX_HEADER = 16 * 1024**2    # bytes: a header is a few KB; a larger one is no chunk of ours
@@ -112,9 +115,9 @@ def _frame(data: bytes) -> tuple[int, int, int]:
     version = data[len(MAGIC):end]
     if end < 0 or not version.isdigit():
         raise ChunkError("not a kvtrace capture chunk (its first line names no format)")
-    if int(version) != FORMAT:
-        raise ChunkError(f"chunk format {int(version)}; this kvtrace reads format {FORMAT} "
-                         f"(read it with the kvtrace that wrote it, or a newer one)")
+    if int(version) not in READS:
+        raise ChunkError(f"chunk format {int(version)}; this kvtrace reads formats "
+                         f"{', '.join(map(str, READS))} (read it with the kvtrace that wrote it, or a newer one)")
     start = end + 1 + 8
     if len(data) < start:
         raise ChunkError("truncated: it ends inside its header")

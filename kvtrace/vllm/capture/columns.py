@@ -1,8 +1,8 @@
 """The capture's rows written into the sink's columns (sink.py's COLUMNS and ARRIVALS).
 
 Once per step, not once per event or token: a step's KV events (rows.py's KvEvent) become the
-kv_events columns field by field, and a decode step's outputs the tokens columns in a few C-level
-passes (no Python per request but two list comprehensions). The columns a vLLM capture fills with
+kv_events columns field by field, and a step's outputs the tokens columns in a few C-level passes
+(no Python per request but two list comprehensions; a speculative step's tokens a row per request). The columns a vLLM capture fills with
 one value (a request's sample and n, an event's bytes and duration, swaps) are filled here.
 Times are raw monotonic seconds (the importer rebases them).
 """
@@ -49,7 +49,10 @@ class Columns:
 
     def tokens(self, outs: list, step: int, now: float) -> list[str]:
         """The tokens rows of one step's outputs (vLLM's EngineCoreOutput, one per request). Returns the
-        requests whose first token may be among them (their state's first_token is the caller's)."""
+        requests whose first token may be among them (their state's first_token is the caller's). A row
+        stands for `num_tokens` of a request's tokens from `idx` on: one in a decode step, and a
+        speculative step's several in one row unless their ids are kept (the reader expands the row,
+        importer.read_chunk), so that a step costs a pass over its requests, not its tokens."""
         t = self.sink.columns["tokens"]
         emitted = self.emitted
         req_ids = [o.request_id for o in outs]
@@ -61,13 +64,24 @@ class Columns:
             ends = map(add, starts, repeat(1))
             t["req_id"].extend(req_ids)
             t["idx"].extend(starts)
-        else:   # several tokens an output (speculative decoding), or none (a prefill chunk)
+            t["num_tokens"].extend(repeat(1, m))
+            t["token_id"].extend(chain.from_iterable(new_token_ids) if self.token_ids else repeat(None, m))
+        elif not self.token_ids:   # several tokens an output (speculative decoding), or none (a prefill chunk):
+            ends = list(map(add, starts, lens))   # a row per request with any, for its run of tokens
+            t["req_id"].extend(compress(req_ids, lens))
+            t["idx"].extend(compress(starts, lens))
+            counts = list(filter(None, lens))
+            t["num_tokens"].extend(counts)
+            m = len(counts)
+            t["token_id"].extend(repeat(None, m))
+        else:   # a token's id a row
             ends = list(map(add, starts, lens))
             m = sum(lens)
             t["req_id"].extend(chain.from_iterable(map(repeat, req_ids, lens)))   # a request's id once a token
             t["idx"].extend(chain.from_iterable(map(range, starts, ends)))
+            t["num_tokens"].extend(repeat(1, m))
+            t["token_id"].extend(chain.from_iterable(new_token_ids))
         emitted.update(zip(req_ids, ends))   # in bulk: no Python per request but the lists above
-        t["token_id"].extend(chain.from_iterable(new_token_ids) if self.token_ids else repeat(None, m))
         first = [rid for rid, start, k in zip(req_ids, starts, lens) if k and not start] if 0 in starts else []
         t["sample"].extend(repeat(0, m))
         t["step"].extend(repeat(step, m))
@@ -100,8 +114,9 @@ class Columns:
                             ("first_scheduled_s", st.first_scheduled), ("first_token_s", st.first_token),
                             ("finish_s", finish_s), ("finish_reason", finish_reason), ("preemptions", st.preemptions),
                             ("swaps", 0), ("recomputed_tokens", st.recomputed),
-                            ("prefix_hit_tokens", st.prefix_hits), ("draft_tokens", st.drafts),
-                            ("accepted_tokens", st.accepted)):
+                            ("prefix_hit_tokens", st.prefix_hits),
+                            # its drafts' totals are the reader's, from the spec_decode rows (importer.DraftTotals)
+                            ("draft_tokens", None), ("accepted_tokens", None)):
             q[name].append(value)
         self.emitted.pop(rid, None)
 
@@ -111,13 +126,17 @@ class Columns:
         output) and the lookahead slots its allocation reserved."""
         d = self.sink.columns["spec_decode"]
         num_drafts = list(map(len, spec.values()))
-        rids = list(compress(spec, num_drafts))   # those with drafts
+        if 0 in num_drafts:   # only those with drafts
+            rids = list(compress(spec, num_drafts))
+            num_drafts = list(filter(None, num_drafts))
+        else:
+            rids = list(spec)
         m = len(rids)
         d["step"].extend(repeat(step, m))
         d["ts_s"].extend(repeat(now, m))
         d["req_id"].extend(rids)
         d["sample"].extend(repeat(0, m))
-        d["draft_tokens"].extend(filter(None, num_drafts))
+        d["draft_tokens"].extend(num_drafts)
         d["accepted_tokens"].extend(map(accepted.get, rids))
         d["lookahead_slots"].extend(repeat(lookahead, m))
 

@@ -17,7 +17,7 @@ class RequestState:
     """What the capture keeps of one request between steps."""
 
     __slots__ = ["ever", "recomputed", "prefix_hits", "preemptions", "first_scheduled", "first_token",
-                 "reprefill_target", "reprefill_cached", "reprefill_recomputed", "drafts", "accepted"]
+                 "reprefill_target", "reprefill_cached", "reprefill_recomputed"]
 
     def __init__(self) -> None:
         self.ever = 0                 # most KV positions it ever had computed (kept up to date while watched)
@@ -29,8 +29,6 @@ class RequestState:
         self.reprefill_target = 0     # while re-prefilling after a preemption: the positions to get back
         self.reprefill_cached = 0
         self.reprefill_recomputed = 0
-        self.drafts = 0               # speculative decoding: draft positions scheduled for it
-        self.accepted = 0             # and of them accepted
 
 
 class KvEvent(NamedTuple):

@@ -60,7 +60,10 @@ COLUMNS = {
 }
 # the capture's own table (not the trace's): one row per request the scheduler takes
 ARRIVALS = ("req_id", "arrival_s", "prompt_tokens", "max_tokens", "priority", "block_hashes")
-CHUNK_COLUMNS = {**COLUMNS, "arrivals": ARRIVALS}
+# a chunk's tokens row may stand for a run of a request's tokens (chunk format 2): `num_tokens` of them
+# from `idx` on, their ids not kept (a speculative step delivers several); the reader expands it
+# (importer.read_chunk), so that no reader sees the column
+CHUNK_COLUMNS = {**COLUMNS, "tokens": (*COLUMNS["tokens"], "num_tokens"), "arrivals": ARRIVALS}
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
