@@ -250,6 +250,11 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def token_block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of the sequence's first `num_blocks` full blocks of tokens (at least; the
+        host KV tier's keys)."""
+        return self._token_block_hashes(seq, num_blocks)
+
     def _token_block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """Chained hashes of the sequence's first `num_blocks` full blocks of tokens. Tokens are only
         appended, so each is computed once per sequence, however often a waiting sequence is matched."""
@@ -309,10 +314,12 @@ class BlockManager:
         return num_needed + (self.watermark_blocks if watermark else 0) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, cached_ids: list[int], num_new_tokens: int, reason: str,
-                 num_lookahead: int = 0) -> None:
+                 num_lookahead: int = 0, delay_cache: bool = False) -> None:
         """Admit: map the cached prefix, allocate blocks for this step's `num_new_tokens` and
         `num_lookahead` slots past them (speculative decoding) or the whole reservation (--kv-reserve),
-        cache the full blocks this step computes of the sequence's tokens (a draft is not cached)."""
+        cache the full blocks this step computes of the sequence's tokens (a draft is not cached).
+        `delay_cache`: the new blocks are filled by a load from the host KV tier, cached once it is done
+        (vLLM's delay_cache_blocks)."""
         assert not seq.block_table, f"{seq} already holds blocks"
         self._touch(cached_ids)
         num_cached_tokens = len(cached_ids) * self.block_size
@@ -328,7 +335,8 @@ class BlockManager:
         seq.block_table = list(cached_ids) + new_ids
         seq.block_hashes = [self.blocks[b].hash for b in cached_ids]
         seq.num_computed_tokens = num_cached_tokens
-        self.cache_full_blocks(seq, min(num_cached_tokens + num_new_tokens, seq.num_tokens))
+        if not delay_cache:
+            self.cache_full_blocks(seq, min(num_cached_tokens + num_new_tokens, seq.num_tokens))
 
     # ---- running sequences ----------------------------------------------------------------
     def _needs_cow(self, seq: Sequence) -> bool:

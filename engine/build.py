@@ -55,8 +55,9 @@ def _simulated(config: EngineConfig, tracer: Tracer | None, loaded: LoadedModel 
                        max_model_len=max_model_len, tracer=tracer, model_source=model_source)
     # async scheduling keeps a token in flight, which no step of the fast path has (engine/sim/fast_path.py);
     # nor does it keep a table per KV-cache group, drop a window's blocks, or draft (speculative decoding)
+    # nor copy to and from a host KV tier
     if (config.sim_fast_path and not config.async_scheduling and not engine.block_manager.hybrid
-            and config.speculative_method is None):
+            and config.speculative_method is None and not geometry.num_offload_blocks):
         engine.fast_path = DecodeFastPath(engine)
     return engine
 
@@ -108,7 +109,8 @@ def _real(config: EngineConfig, tracer: Tracer | None, loaded: LoadedModel | Non
         check_host_memory(geometry.num_offload_blocks * geometry.bytes_per_block, "--offload-size's host KV tier")
     model = LlamaModel(loaded.config, loaded.weights, device, dtype, config.kv_cache_groups(loaded.config))
     # block ids run 1..num_gpu_blocks: the KV tensor has a slot for the null block 0 too
-    runner = ModelRunner(model, geometry.num_gpu_blocks + 1, geometry.block_size, geometry.num_cpu_blocks)
+    runner = ModelRunner(model, geometry.num_gpu_blocks + 1, geometry.block_size, geometry.num_cpu_blocks,
+                         geometry.num_offload_blocks)
     return LLMEngine(config, loaded.config, geometry, runner, max_model_len=max_model_len, tracer=tracer,
                      model_source=loaded.source, device=device, model=model)
 

@@ -22,6 +22,7 @@ from engine.block_manager import BlockManager, HybridBlockManager
 from engine.config import EngineConfig, KVReserve, ModelConfig, NMode, PoolGeometry
 from engine.events import FinishReason, KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
 from engine.executor import Executor, StepResult
+from engine.offload import OffloadTier
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
 from engine.spec_decode import Acceptance, GeometricAcceptance, propose_ngram
@@ -130,6 +131,10 @@ class LLMEngine:
                                    num_spec_tokens=config.num_speculative_tokens,
                                    num_lookahead_tokens=config.num_lookahead_tokens, draft_slots=config.draft_slots)
         self.scheduler.follow(config.follow_vllm)
+        if g.num_offload_blocks:   # a host KV tier (engine/offload.py)
+            self.scheduler.tier = OffloadTier(g.num_offload_blocks)
+        # the simulator's host link, one per direction (loads, stores): the clock time it is free from
+        self._link_free_s = {True: 0.0, False: 0.0}
         # speculative decoding (the simulator's): how many of a step's drafts are accepted
         self.drafting = config.speculative_method is not None
         self.acceptance: Acceptance = GeometricAcceptance(config.spec_acceptance_rate, config.seed)
@@ -257,6 +262,7 @@ class LLMEngine:
         occupancy = self._occupancy(out)
         result = self.runner.execute(out)
         num_recompute = self._account(out.seqs, out.num_new_tokens, start_s)
+        tier = self._finish_copies(out, start_s + self.time_origin) if self.scheduler.tier is not None else None
         sampled = self._sample(result)
         drafts = None
         if self.drafting:   # each sequence's accepted drafts are tokens too; the rejected roll back
@@ -277,7 +283,7 @@ class LLMEngine:
         self._record(step=self.step_counter, start_s=start_s, end_s=self.now(), out=out, result=result,
                      kv_events=sched_events + self.block_manager.take_events(), num_sched_events=len(sched_events),
                      occupancy=occupancy, num_recompute=num_recompute, tokens=self._token_columns(sampled),
-                     finished=finished, drafts=drafts)
+                     finished=finished, drafts=drafts, tier=tier)
         self.step_counter += 1
         self._check_progress(bool(sampled or finished))
         return sampled
@@ -358,13 +364,48 @@ class LLMEngine:
         return emitted
 
     # ---- the step's parts ---------------------------------------------------------------
+    def _finish_copies(self, out: SchedulerOutput, start_clock: float) -> tuple[int, int, float]:
+        """The host KV tier's copies: those issued this step timed, those finished by the end of it
+        completed, their events filed with this step. The real engine copied them in the step; in the
+        simulator a copy takes its bytes over the host link (the executor's estimate), one copy at a
+        time each way, loads from the step's start (before the forward), stores from its end. A step
+        that ran nothing waits for the next copy to finish. Returns the finished copies' bytes stored,
+        bytes loaded and milliseconds."""
+        sched, bm = self.scheduler, self.block_manager
+        now = self.clock()
+        for copy in out.tier_copies:
+            copy.event.bytes = len(copy.device_blocks) * self.geometry.bytes_per_block
+            if not self.simulated:
+                copy.done_s = now
+                continue
+            issued = start_clock if copy.is_load else now
+            link_free = self._link_free_s[copy.is_load]
+            copy.done_s = (issued if issued > link_free else link_free) + copy.event.duration_ms / 1000
+            self._link_free_s[copy.is_load] = copy.done_s
+        in_flight = sched.copies_in_flight
+        if not out.seqs and in_flight and not any(c.flushed or c.done_s <= now for c in in_flight):
+            self.runner.idle_until(min(c.done_s for c in in_flight))
+            now = self.clock()
+        stored = loaded = 0
+        total_ms = 0.0
+        for copy in [c for c in in_flight if c.flushed or c.done_s <= now]:
+            sched.complete_copy(copy)
+            bm.events.append(copy.event)
+            if copy.is_load:
+                loaded += copy.event.bytes
+            else:
+                stored += copy.event.bytes
+            total_ms += copy.event.duration_ms or 0.0
+        return stored, loaded, total_ms
+
     def _occupancy(self, out: SchedulerOutput, held: int | None = None) -> Occupancy:
         """The pool right after scheduling: queues, blocks, and the KV positions the used blocks hold
         once this step's tokens are written. `held`: the running sequences' computed positions, when
         the caller has their sum."""
         bm, sched = self.block_manager, self.scheduler
         return Occupancy(
-            num_running=len(sched.running), num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
+            num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.loading),
+            num_swapped=len(sched.swapped),
             num_free_blocks=bm.num_free_blocks, num_used_blocks=bm.num_used_blocks,
             num_cached_blocks=bm.num_cached_free_blocks,
             num_kv_tokens=bm.num_kv_positions(sched.running, held) + sum(out.num_new_tokens))
@@ -592,7 +633,8 @@ class LLMEngine:
     def _record(self, *, step: int, start_s: float, end_s: float, out: SchedulerOutput, result: StepResult,
                 kv_events: list[KVEvent], num_sched_events: int, occupancy: Occupancy, num_recompute: int,
                 tokens: TokenColumns, finished: list[Sequence],
-                drafts: list[tuple[str, int, int, int, int]] | None = None) -> None:
+                drafts: list[tuple[str, int, int, int, int]] | None = None,
+                tier: tuple[int, int, float] | None = None) -> None:
         """Hand the step's record on (once its device timings resolve). The first `num_sched_events`
         events were decided while scheduling (stamped at the step's start), the rest after the forward."""
         for seq in finished:
@@ -620,6 +662,8 @@ class LLMEngine:
             record.drafts = drafts
             record.num_draft_tokens = sum(d[2] for d in drafts)
             record.num_accepted_tokens = sum(d[3] for d in drafts)
+        if tier is not None:   # the host KV tier's copies that finished in this step
+            record.offload_bytes, record.load_bytes, record.tier_transfer_ms = tier
         self._pending_records.append((record, result, out))
         self._flush_records(wait=False)
 
@@ -675,6 +719,7 @@ class LLMEngine:
             prefix_hit_tokens=seq.num_prefix_hit_tokens,
             draft_tokens=seq.num_draft_tokens if self.drafting else None,
             accepted_tokens=seq.num_accepted_tokens if self.drafting else None,
+            tier_hit_tokens=seq.num_tier_hit_tokens if self.scheduler.tier is not None else None,
         )
 
     def abort_all(self) -> list[RequestStats]:
@@ -697,6 +742,8 @@ class LLMEngine:
                 f"{seq}: computed positions beyond its blocks"
         for seq in self.scheduler.waiting:
             assert not seq.block_table, f"waiting {seq} holds blocks"
+        if self.scheduler.tier is not None:
+            self.scheduler.check_tier_integrity()
         if self.fast_path is not None:
             self.fast_path.check_integrity()
 

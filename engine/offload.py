@@ -48,6 +48,23 @@ class StorePlan(NamedTuple):
     evicted: list[int]
 
 
+@dataclass(slots=True, eq=False)
+class TierCopy:
+    """A copy between the device pool and the tier that the scheduler decided: a store of a sequence's
+    freshly computed blocks (after the step's forward), or a load of the chunks it waits for (before).
+    In flight until it finishes (the executor's copy, or the simulator's link time); its event (offload
+    or load) is filed in the step it finishes in."""
+
+    seq: object                 # the Sequence whose blocks move
+    is_load: bool               # tier -> device; else device -> tier
+    keys: list[int]             # the chunks' keys
+    device_blocks: list[int]    # device block ids, one per key
+    slots: list[int]            # host slots, one per key
+    event: object               # its KVEvent (offload or load), bytes and duration filled when it finishes
+    done_s: float | None = None  # clock time it finishes (set when issued)
+    flushed: bool = False       # finish with this step whatever its time (its sequence was preempted)
+
+
 @dataclass(slots=True)
 class _Access:
     """The chunks one request has stored or touched (vLLM's _RequestCacheAccess): its rank, drawn the

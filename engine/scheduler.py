@@ -20,6 +20,7 @@ from engine.events import (
     PreemptReason,
     VictimReason,
 )
+from engine.offload import Lookup, OffloadTier, TierCopy
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -42,6 +43,8 @@ class SchedulerOutput:
     # the swap_out / swap_in events whose duration the executor measures
     swap_out_events: list[KVEvent] = field(default_factory=list)
     swap_in_events: list[KVEvent] = field(default_factory=list)
+    # the host KV tier: stores of the blocks this step computes, loads of admitted sequences' chunks
+    tier_copies: list[TierCopy] = field(default_factory=list)
     # sequences that finished without running (rejected: can never fit)
     rejected: list[Sequence] = field(default_factory=list)
     num_preemptions: int = 0
@@ -110,6 +113,14 @@ class Scheduler:
         self.running: list[Sequence] = []      # in admission order, oldest first
         self.swapped: deque[Sequence] = deque()
         self._admit_counter = 0
+        # the host KV tier (engine/offload.py; None: none), its copies in flight, the sequences whose blocks
+        # it loads (holding them, not scheduled: vLLM's WAITING_FOR_REMOTE_KVS), the chunks being loaded
+        # (key -> loads), and the sequences finished since the last step (the tier re-ranks theirs)
+        self.tier: OffloadTier | None = None
+        self.copies_in_flight: list[TierCopy] = []
+        self.loading: list[Sequence] = []
+        self.keys_being_loaded: dict[int, int] = {}
+        self._finished_for_tier: list[Sequence] = []
 
     def follow(self, vllm_version: str) -> None:
         """Make the decisions of this vLLM where versions differ (0.31.0, 0.32.0 (the default),
@@ -125,10 +136,10 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.loading)
 
     def all_seqs(self) -> list[Sequence]:
-        return [*self.running, *self.waiting, *self.swapped]
+        return [*self.running, *self.waiting, *self.swapped, *self.loading]
 
     # ---- the algorithm ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -136,6 +147,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         self.admit(out, budget)
+        if self.tier is not None:   # vLLM's connector, once the step is decided (build_connector_meta)
+            self._offer_stores(out)
+            for seq in self._finished_for_tier:
+                self.tier.on_request_finished(seq)
+            self._finished_for_tier = []
         return out
 
     def prefill_cap(self) -> int:
@@ -312,6 +328,11 @@ class Scheduler:
         drafting = self.num_spec_tokens > 0
         draft_slots = self.draft_slots
         ran = bool(out.seqs)   # the running pass scheduled someone
+        if self.loading:
+            budget = self._admit_loaded(out, budget, threshold)
+            if budget is None:
+                return
+        skipped: list[Sequence] = []   # their chunks still stored or loaded: passed over this step
         while self.waiting and budget > draft_slots:
             if len(running) + num_forks >= self.max_num_seqs:
                 out.admission_stop = AdmissionStop.SEATS
@@ -327,6 +348,21 @@ class Scheduler:
                 continue
             cached_ids = bm.match_prefix(seq)
             num_cached = len(cached_ids) * bm.block_size
+            num_tier = 0
+            if self.tier is not None:
+                num_tier = self._tier_hit(seq, num_cached)
+                if num_tier is None:   # vLLM defers it: its chunks are being stored, or loaded for another
+                    self.waiting.remove(seq)
+                    skipped.append(seq)
+                    continue
+                if num_tier:   # blocks for the device's and the tier's hits, a load, and no token this step
+                    if not bm.can_allocate(seq, cached_ids, watermark=bool(running)):
+                        out.admission_stop = (AdmissionStop.WATERMARK if running and bm.can_allocate(
+                            seq, cached_ids, watermark=False) else AdmissionStop.BLOCKS)
+                        break
+                    self.waiting.remove(seq)
+                    self._start_load(seq, cached_ids, num_tier, out)
+                    continue
             num_new = seq.num_tokens - num_cached
             padded = False
             if drafting and num_new == 1 and not out.prefill_scheduled and (ran or num_cached):
@@ -355,6 +391,9 @@ class Scheduler:
             num_forks += seq.num_pending_forks
             resumed = seq.num_ever_computed > 0
             reason = AdmitReason.RESUME_RECOMPUTE if resumed else AdmitReason.NEW
+            if self.tier is not None:
+                self._record_lookup(seq, num_cached, 0, reason)
+                seq.num_offered_blocks = 0   # vLLM 0.33+: offered again from the start (present ones skipped)
             self._admit(seq, reason, seq.num_tokens - num_cached)
             bm.allocate(seq, cached_ids, num_new, reason, num_slots - num_cached - num_new if drafting else 0)
             seq.num_prefix_hit_tokens += num_cached
@@ -369,6 +408,171 @@ class Scheduler:
                 self._schedule_drafts(seq, num_new, out, padded)
         if self.waiting and budget <= draft_slots:
             out.admission_stop = AdmissionStop.BUDGET
+        if skipped:
+            self.waiting.extendleft(reversed(skipped))
+
+    # ---- the host KV tier (vLLM's offloading connector, scheduler side) ---------------------
+    def _tier_hit(self, seq: Sequence, num_cached: int) -> int | None:
+        """Positions past the device's hit that the tier holds ready: the run of chunks from the first
+        block the device lacks up to the first the tier lacks (0 if none). None defers the sequence
+        (vLLM's get_num_new_matched_tokens): a copy of its own in flight, a chunk of the run still being
+        stored, or being loaded for another sequence."""
+        if seq.num_tier_copies:
+            return None
+        bs = self.bm.block_size
+        num_full = seq.num_tokens // bs
+        hashes = self.bm.token_block_hashes(seq, num_full)
+        num_hit = 0
+        for key in hashes[num_cached // bs:num_full]:
+            found = self.tier.lookup(key)
+            if found is Lookup.MISS:
+                break
+            if found is Lookup.PENDING or key in self.keys_being_loaded:
+                return None
+            num_hit += 1
+        return num_hit * bs
+
+    def _record_lookup(self, seq: Sequence, num_cached: int, num_tier: int, reason: str) -> None:
+        self.bm.events.append(KVEvent(ev.LOOKUP, seq.req_id, seq.sample, num_tokens=seq.num_tokens,
+                                      num_cached_tokens=num_cached, tier_tokens=num_tier, reason=reason,
+                                      tier=self.tier.name))
+
+    def _start_load(self, seq: Sequence, cached_ids: list[int], num_tier: int, out: SchedulerOutput) -> None:
+        """Admit a sequence whose prefix the tier holds past the device's hit: blocks for both hits (the
+        tier's not in the prefix cache until loaded: vLLM's delay_cache_blocks), its chunks pinned and a
+        load issued; it waits, holding them, until the load finishes (`_admit_loaded`). A hit of every
+        position gives the last back to compute (its logits give the next token): the load's credit."""
+        bm, tier = self.bm, self.tier
+        bs = bm.block_size
+        num_cached = len(cached_ids) * bs
+        reason = AdmitReason.RESUME_RECOMPUTE if seq.num_ever_computed > 0 else AdmitReason.NEW
+        num_credited = min(num_tier, seq.num_tokens - 1 - num_cached)
+        self._record_lookup(seq, num_cached, num_credited, reason)
+        bm.allocate(seq, cached_ids, num_tier, reason, delay_cache=True)
+        seq.num_prefix_hit_tokens += num_cached
+        seq.reprefill_cached = num_cached
+        first, last = num_cached // bs, (num_cached + num_tier) // bs
+        keys = bm.token_block_hashes(seq, last)[first:last]
+        blocks = seq.block_table[first:last]
+        slots = tier.prepare_load(seq, keys, first)
+        for key in keys:
+            self.keys_being_loaded[key] = self.keys_being_loaded.get(key, 0) + 1
+        event = KVEvent(ev.LOAD, seq.req_id, seq.sample, blocks=list(blocks), num_tokens=num_credited, tier=tier.name)
+        seq.load = TierCopy(seq, True, keys, list(blocks), slots, event)
+        self._issue(seq.load, out)
+        seq.num_computed_tokens = num_cached + num_tier
+        seq.num_offered_blocks = last   # what it loaded is not stored again
+        seq.status = SequenceStatus.LOADING
+        seq.load_done = False
+        self.loading.append(seq)
+
+    def _admit_loaded(self, out: SchedulerOutput, budget: int, threshold: int) -> int | None:
+        """Sequences whose loads finished are admitted first (vLLM 0.34's kv_holding queue), each with
+        blocks for the rest of its tokens. Returns the budget left, None where admission stopped."""
+        bm = self.bm
+        for seq in [s for s in self.loading if s.load_done]:
+            if budget <= self.draft_slots:
+                out.admission_stop = AdmissionStop.BUDGET
+                return None
+            if len(self.running) >= self.max_num_seqs:
+                out.admission_stop = AdmissionStop.SEATS
+                return None
+            if seq.num_computed_tokens >= seq.num_tokens:   # a hit of every position: the last computed again
+                seq.num_computed_tokens = seq.num_tokens - 1
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    out.admission_stop = AdmissionStop.BUDGET
+                    return None
+                num_new = budget
+            if not bm.can_grow(seq, num_new):
+                out.admission_stop = AdmissionStop.BLOCKS
+                return None
+            self.loading.remove(seq)
+            seq.load = None
+            resumed = seq.num_ever_computed > 0
+            self._admit(seq, AdmitReason.RESUME_RECOMPUTE if resumed else AdmitReason.NEW,
+                        seq.num_tokens - seq.num_computed_tokens)
+            bm.grow(seq, num_new)   # and caches the loaded blocks with those it computes
+            if resumed:
+                seq.reprefill_target = seq.num_tokens
+                seq.reprefill_recomputed = 0
+            out.seqs.append(seq)
+            out.num_new_tokens.append(num_new)
+            budget -= num_new
+        return budget
+
+    def _offer_stores(self, out: SchedulerOutput) -> None:
+        """Each scheduled sequence offers the tier its prompt's blocks that this step fills (vLLM's default
+        offload_prompt_only), one prepare_store a sequence a step; refused (no room), the same blocks are
+        offered again next step. A store copies the blocks the tier lacked, after the forward."""
+        bm, tier = self.bm, self.tier
+        bs = bm.block_size
+        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            end = min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens) // bs
+            start = seq.num_offered_blocks
+            if end <= start:
+                continue
+            keys = bm.token_block_hashes(seq, end)[start:end]
+            plan = tier.prepare_store(seq, keys, start)
+            if plan is None:
+                continue
+            seq.num_offered_blocks = end
+            if plan.evicted:
+                bm.events.append(KVEvent(ev.TIER_EVICT, "", num_tier_blocks=len(plan.evicted), tier=tier.name))
+            if plan.keys:
+                index = {key: start + i for i, key in enumerate(keys)}
+                blocks = [seq.block_table[index[key]] for key in plan.keys]
+                event = KVEvent(ev.OFFLOAD, seq.req_id, seq.sample, blocks=blocks, num_tokens=len(blocks) * bs,
+                                tier=tier.name)
+                self._issue(TierCopy(seq, False, plan.keys, blocks, plan.slots, event), out)
+
+    def _issue(self, copy: TierCopy, out: SchedulerOutput) -> None:
+        out.tier_copies.append(copy)
+        self.copies_in_flight.append(copy)
+        copy.seq.num_tier_copies += 1
+
+    def complete_copy(self, copy: TierCopy, success: bool = True) -> None:
+        """A tier copy finished (the engine says when): a store's chunks become ready, a load's unpinned
+        and its sequence admissible at the next step."""
+        self.copies_in_flight.remove(copy)
+        seq = copy.seq
+        seq.num_tier_copies -= 1
+        if copy.is_load:
+            self.tier.complete_load(copy.keys)
+            for key in copy.keys:
+                left = self.keys_being_loaded[key] - 1
+                if left:
+                    self.keys_being_loaded[key] = left
+                else:
+                    del self.keys_being_loaded[key]
+            seq.load_done = True
+            seq.num_tier_hit_tokens += copy.event.num_tokens
+        else:
+            self.tier.complete_store(copy.keys, success)
+
+    def check_tier_integrity(self) -> None:
+        """Assert the tier's books agree with the copies in flight: a chunk is pending exactly while a
+        store of it is, pinned once per load of it."""
+        tier = self.tier
+        tier.check_integrity()
+        pins: dict[int, int] = {}
+        pending = set()
+        for copy in self.copies_in_flight:
+            for key in copy.keys:
+                if copy.is_load:
+                    pins[key] = pins.get(key, 0) + 1
+                else:
+                    pending.add(key)
+        assert pins == self.keys_being_loaded, "the chunks being loaded are not the loads' in flight"
+        for key, chunk in tier.chunks.items():
+            assert chunk.ref_count == (-1 if key in pending else pins.get(key, 0)), \
+                f"chunk {key}: ref_count {chunk.ref_count}, {pins.get(key, 0)} loads, pending {key in pending}"
+        for seq in self.loading:
+            assert (seq.load is not None and seq.load in self.copies_in_flight) != seq.load_done, \
+                f"{seq}: its load neither in flight nor done"
 
     def adopt(self, seq: Sequence) -> None:
         """A sample forked from a running sequence joins the running batch."""
@@ -480,6 +684,9 @@ class Scheduler:
             return
         reason = (PreemptReason.RECOMPUTE if self.preemption_mode == PreemptionMode.RECOMPUTE
                   else PreemptReason.SWAP_FULL_FALLBACK)
+        for copy in self.copies_in_flight:   # vLLM flushes a preempted request's stores
+            if copy.seq in seqs:
+                copy.flushed = True
         for seq in seqs:
             blocks, per_group = held[id(seq)]
             self.bm.events.append(KVEvent(
@@ -507,3 +714,5 @@ class Scheduler:
             self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.bm.free(seq, FreeReason.FINISH)
+        if self.tier is not None:
+            self._finished_for_tier.append(seq)

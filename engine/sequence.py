@@ -13,6 +13,7 @@ class SequenceStatus(Enum):
     WAITING = auto()    # never admitted, or preempted by recompute (no KV)
     RUNNING = auto()
     SWAPPED = auto()    # preempted by swap: KV lives in host blocks
+    LOADING = auto()    # its blocks held, waiting for a load from the host KV tier (vLLM's WAITING_FOR_REMOTE_KVS)
     FINISHED = auto()
 
 
@@ -97,6 +98,12 @@ class Sequence:
         self.reprefill_cached = 0
         self.reprefill_recomputed = 0
         self.num_pending_forks = 0               # n > 1: samples to fork when the prompt is done
+        # the host KV tier (engine/offload.py): blocks offered to it so far (vLLM's next_stored_chunk_idx),
+        # the load it waits for (None: none; a TierCopy), and whether that load has finished
+        self.num_offered_blocks = 0
+        self.load = None
+        self.load_done = False
+        self.num_tier_copies = 0                # its stores and loads in flight (a lookup waits for none)
         # stats
         self.first_scheduled_s: float | None = None
         self.first_token_s: float | None = None
@@ -104,6 +111,7 @@ class Sequence:
         self.num_swaps = 0
         self.num_recomputed_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.num_tier_hit_tokens = 0            # positions loaded from the host KV tier instead of computed
         self.num_draft_tokens = 0               # speculative decoding: draft positions verified for it,
         self.num_accepted_tokens = 0            # and of them those accepted
         self.finish_reason: str | None = None

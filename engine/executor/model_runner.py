@@ -103,7 +103,8 @@ class ModelRunner:
     def sleep(seconds: float) -> None:
         time.sleep(seconds)
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_cpu_blocks: int) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_cpu_blocks: int,
+                 num_offload_blocks: int = 0) -> None:
         self.model = model
         self.device = model.device
         self.dtype = model.dtype
@@ -141,6 +142,9 @@ class ModelRunner:
             self.host_cache = host_memory.pinned_empty(math.prod(host_shape), self.dtype).view(host_shape)
         else:
             self.host_cache = torch.zeros(host_shape, dtype=self.dtype)
+        # the host KV tier's buffer (engine/offload.py), block-major as the swap space; CPU only so far
+        tier_shape = (num_offload_blocks, *host_shape[1:])
+        self.tier_cache = torch.zeros(tier_shape, dtype=self.dtype) if num_offload_blocks else None
         self.swap_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
         # swaps go through one preallocated device buffer, in parts when larger: its size is fixed and
         # reserved (build.pool_geometry), and the swap stream orders one part's reuse after the last
@@ -226,6 +230,18 @@ class ModelRunner:
         cap = self.staging.shape[0]
         return [(first, min(cap, num_blocks - first)) for first in range(0, num_blocks, cap)]
 
+    def tier_copy(self, copies: list) -> None:
+        """The host KV tier's copies (TierCopy), each timed: a store device -> host slot, a load back."""
+        for copy in copies:
+            t0 = time.perf_counter()
+            for i, kv in enumerate(self.kv_caches):
+                for block, slot in zip(copy.device_blocks, copy.slots):
+                    if copy.is_load:
+                        kv[:, block].copy_(self.tier_cache[slot, i])
+                    else:
+                        self.tier_cache[slot, i].copy_(kv[:, block])
+            copy.event.duration_ms = (time.perf_counter() - t0) * 1000
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks on the device, in every KV tensor."""
         for kv in self.kv_caches:
@@ -241,7 +257,12 @@ class ModelRunner:
             result.timing.swap_in = self.swap_in(out.swap_in)
         if out.copies:
             self.copy_blocks(out.copies)
+        loads = [copy for copy in out.tier_copies if copy.is_load]
+        if loads:   # into blocks nothing reads before this forward
+            self.tier_copy(loads)
         if not out.seqs:
+            if len(loads) < len(out.tier_copies):
+                self.tier_copy([copy for copy in out.tier_copies if not copy.is_load])
             return result
         batch = flatten(out, self.block_size, self.num_groups)
         result.sample_seqs = batch.sample_seqs
@@ -254,6 +275,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         result.logits = self.model.forward(input_ids, positions, metas, self.kv_caches, logit_rows)
         result.timing.forward = (time.perf_counter() - t0) * 1000
+        if len(loads) < len(out.tier_copies):   # stores: the blocks this forward wrote, before anyone reuses them
+            self.tier_copy([copy for copy in out.tier_copies if not copy.is_load])
         return result
 
     def _execute_on_cuda(self, batch: FlatBatch, result: StepResult) -> StepResult:

@@ -67,6 +67,8 @@ class SimExecutor:
             total_ms += timing.swap_in
         if out.copies:
             total_ms += cost.copy_ms(len(out.copies) * self.bytes_per_block)
+        for copy in out.tier_copies:   # over the host link beside the steps: the engine times them (no clock here)
+            copy.event.duration_ms = cost.swap_ms(len(copy.device_blocks) * self.bytes_per_block)
         if out.seqs:
             # the model runner's batch order: decodes first, then prefill chunks (sampling order follows it)
             num_lazy, num_kv = lazy or (0, 0)

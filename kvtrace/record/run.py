@@ -169,6 +169,7 @@ class Recording:
                         "watermark_blocks": engine.block_manager.watermark_blocks,
                         "kv_reserve": config.kv_reserve, "derivation": g.derivation,
                         "kv_cache_groups": kv_cache_groups(config, mc, g.block_size)},
+            "kv_tiers": kv_tiers(engine),
             "workload": {"path": str(workload), "sha256": workload_sha256(workload),
                          "num_requests": len(items)},
             "replay": {"mode": "backlog" if backlog else ("time-scale" if time_scale else "wallclock"),
@@ -281,6 +282,21 @@ def print_recorded(console: Console, run_dir: Path, status: str, num_requests: i
         f"{s['output_tokens']} tokens in {s['duration_s']:.1f} s ({s['output_tok_s'] or 0:.1f} tok/s), "
         f"{s['preemptions']} preemptions")
     console.print(f"trace: {run_dir}   next: kvtrace analyze {run_dir}")
+
+
+def kv_tiers(engine) -> list[dict]:
+    """meta.json's kv_tiers (docs/trace-format.md): the engine's host KV tier, if any, and the host link
+    bandwidth the simulator costs its copies with (GB/s, as the profile's swaps reach it; null for the
+    real engine, whose copies are measured)."""
+    tier = engine.scheduler.tier
+    if tier is None:
+        return []
+    g = engine.geometry
+    link_gb_s = None
+    if engine.simulated:
+        link_gb_s = 1e-6 / engine.runner.cost_model.coefficients["swap_byte_ms"]
+    return [{"name": tier.name, "num_blocks": tier.num_blocks, "bytes": tier.num_blocks * g.bytes_per_block,
+             "block_size": g.block_size, "policy": tier.policy, "link_gb_s": link_gb_s}]
 
 
 def kv_cache_groups(config: EngineConfig, mc: ModelConfig, block_size: int) -> list[dict] | None:

@@ -115,3 +115,29 @@ def test_drafting_by_ngram_keeps_the_greedy_answers(smollm2):
     assert drafted == expected
     accepted = sum(s.num_accepted_tokens for s in engine.outputs.values())
     assert accepted > sum(s.num_draft_tokens for s in engine.outputs.values()) / 4 and engine.num_preemptions > 0
+
+
+def test_a_host_kv_tier_loads_instead_of_recomputing_and_keeps_the_greedy_answers(smollm2):
+    """SmolLM2 with a host KV tier (--offload-size): in a pool tight enough to preempt, resumed requests
+    load the prompt blocks the device lost from the tier's host buffer (real copies) instead of computing
+    them again, and every greedy answer is the one without a tier."""
+    tokenizer = smollm2[1]
+    questions = ["Name three colours and say why you like each one.", "Write a haiku about the sea.",
+                 "What is 12 times 12? Explain step by step.", "Describe a cat in two sentences."]
+
+    def answers(**tier):
+        engine = engine_for(smollm2, block_size=8, num_gpu_blocks=24, max_num_seqs=4, **tier)
+        for i, question in enumerate(questions):
+            engine.add_request(f"q{i}", chat_ids(tokenizer, question), SamplingParams(max_tokens=48, ignore_eos=True))
+        run_checked(engine)
+        return engine, {key: seq.token_ids for key, seq in engine.outputs.items()}
+
+    plain, expected = answers()
+    tiered, answered = answers(offload_size="64MiB")
+    assert answered == expected
+    assert plain.num_preemptions > 0
+    seqs = tiered.outputs.values()
+    loaded = sum(s.num_tier_hit_tokens for s in seqs)
+    recomputed = {name: sum(s.num_recomputed_tokens for s in e.outputs.values())
+                  for name, e in (("plain", plain), ("tier", tiered))}
+    assert loaded > 0 and recomputed["tier"] < recomputed["plain"], (loaded, recomputed)
