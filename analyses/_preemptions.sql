@@ -1,7 +1,8 @@
 -- Helper: every preemption with its cause (schema 3) and what it cost the victim.
 --
 -- A preemption's aftermath is what its victim's events say until its next preemption: the admit
--- that resumed it, the re-prefill of its history (recompute) or the swap copies (swap).
+-- that resumed it, the re-prefill of its history (recompute) or the swap copies (swap), and with a KV
+-- tier (schema 6) the loads that brought its history back from the tier instead of recomputing it.
 --
 -- _preemptions: one row per preempt event.
 --   run_id, req_id, sample   the victim
@@ -25,24 +26,32 @@
 --   recompute_ms_est   recomputed_tokens x its server's device time per recomputed position
 --                      (_recompute_servers: a step's device time shared among its tokens; ms, estimate)
 --   swap_ms            measured copy time of its swap-out and swap-in (ms; 0 by recompute)
+--   tier_tokens        positions loaded back from a KV tier on resume (its `load` events that did not
+--                      fail; 0 without a tier)
+--   tier_load_ms       those loads' time (ms; their duration_ms, null where no load was timed)
+--   tier               the tier they came from (the first load's; null without a load)
 CREATE OR REPLACE VIEW _preemptions AS
 WITH events AS (
     SELECT e.run_id, e.server, e.req_id, e.sample, e.seq, e.step, e.ts_s, e.kind, e.reason, e.num_tokens,
            e.num_cached_tokens, e.num_recomputed_tokens, e.duration_ms, e.requester_req_id,
-           e.requester_sample, e.victim_reason,
+           e.requester_sample, e.victim_reason, e.tier,
            CASE WHEN e.ts_s >= st.end_s THEN st.start_s ELSE e.ts_s END AS decided_s,
            sum(CASE WHEN e.kind = 'preempt' THEN 1 ELSE 0 END)
                OVER (PARTITION BY e.run_id, e.req_id, e.sample ORDER BY e.seq) AS preemption_no
     FROM kv_events e
     LEFT JOIN steps st USING (run_id, server, step)
-    WHERE e.kind IN ('preempt', 'admit', 'reprefill', 'swap_out', 'swap_in') AND e.req_id <> ''
+    WHERE e.kind IN ('preempt', 'admit', 'reprefill', 'swap_out', 'swap_in', 'load') AND e.req_id <> ''
 ),
 aftermath AS (
     SELECT run_id, req_id, sample, preemption_no,
            min(decided_s) FILTER (WHERE kind = 'admit') AS resumed_s,
            coalesce(sum(num_cached_tokens) FILTER (WHERE kind = 'reprefill'), 0)::BIGINT AS cached_tokens,
            coalesce(sum(num_recomputed_tokens) FILTER (WHERE kind = 'reprefill'), 0)::BIGINT AS recomputed_tokens,
-           coalesce(sum(duration_ms) FILTER (WHERE kind IN ('swap_out', 'swap_in')), 0) AS swap_ms
+           coalesce(sum(duration_ms) FILTER (WHERE kind IN ('swap_out', 'swap_in')), 0) AS swap_ms,
+           coalesce(sum(num_tokens) FILTER (WHERE kind = 'load' AND reason IS DISTINCT FROM 'failed'), 0)::BIGINT
+               AS tier_tokens,
+           sum(duration_ms) FILTER (WHERE kind = 'load') AS tier_load_ms,
+           arg_min(tier, seq) FILTER (WHERE kind = 'load') AS tier
     FROM events
     WHERE preemption_no > 0
     GROUP BY run_id, req_id, sample, preemption_no
@@ -54,7 +63,7 @@ SELECT e.run_id, e.req_id, e.sample, e.preemption_no::BIGINT AS preemption_no, e
        a.resumed_s, (a.resumed_s - e.decided_s) * 1000 AS wait_ms,
        a.cached_tokens, a.recomputed_tokens,
        a.recomputed_tokens * rc.recompute_device_ms / nullif(rc.recomputed_tokens, 0) AS recompute_ms_est,
-       a.swap_ms
+       a.swap_ms, a.tier_tokens, a.tier_load_ms, a.tier
 FROM events e
 JOIN aftermath a USING (run_id, req_id, sample, preemption_no)
 LEFT JOIN _recompute_servers rc USING (run_id, server)

@@ -19,9 +19,12 @@
 --   recomputed_tokens  positions computed again
 --   recompute_ms_est   their device time (ms, estimate: the run's device time per recomputed position)
 --   swap_ms            its swap copies' measured time (ms)
+--   tier_tokens        positions loaded back from a KV tier instead (schema 6; 0 without a tier)
+--   tier_load_ms       those loads' time (ms; null where none was timed)
+--   tier               the tier they came from (null without a load)
 SELECT run_id, req_id, sample, preemption_no, step, ts_s, reason, requester_req_id, requester_sample,
        victim_reason, self_preempted, positions_lost, resumed_s, wait_ms, cached_tokens, recomputed_tokens,
-       recompute_ms_est, swap_ms
+       recompute_ms_est, swap_ms, tier_tokens, tier_load_ms, tier
 FROM _preemptions
 WHERE ($req_id = '' OR req_id = $req_id) AND ($sample < 0 OR sample = $sample)
 ORDER BY run_id, req_id, sample, preemption_no;

@@ -23,6 +23,9 @@
 --   victim_reasons     the policy's reasons it was chosen, distinct, sorted
 --   positions_lost, cached_tokens, recomputed_tokens   summed over its preemptions (preemptions.sql)
 --   recompute_ms_est   summed over its preemptions (ms, estimate; 0 if none)
+--   tier_tokens, tier_load_ms, tier   KV tiers (schema 6): positions its resumes loaded back from a tier
+--                      instead of recomputing them, the loads' time (ms; null where none was timed), and
+--                      the tier (the first's); 0, null, null without a tier (preemptions.sql)
 --   gaps               its inter-token gaps above the run's p99 ITL
 --   longest_gap_ms, longest_gap_cause   the longest of them (null if none)
 --   draft_tokens, accepted_tokens   speculative decoding (requests, schema 5): its draft positions
@@ -74,7 +77,9 @@ preempts AS (
            sum(coalesce(p.positions_lost, 0)) AS positions_lost,
            sum(p.cached_tokens) AS cached_tokens,
            sum(p.recomputed_tokens) AS recomputed_tokens,
-           sum(coalesce(p.recompute_ms_est, 0)) AS recompute_ms_est
+           sum(coalesce(p.recompute_ms_est, 0)) AS recompute_ms_est,
+           sum(p.tier_tokens) AS tier_tokens, sum(p.tier_load_ms) AS tier_load_ms,
+           arg_min(p.tier, p.preemption_no) AS tier
     FROM _preemptions p JOIN seqs USING (run_id, req_id, sample)
     GROUP BY ALL
 ),
@@ -114,6 +119,7 @@ SELECT s.run_id, s.req_id, s.sample, s.ttft_ms, s.e2el_ms,
        coalesce(p.cached_tokens, 0)::BIGINT AS cached_tokens,
        coalesce(p.recomputed_tokens, 0)::BIGINT AS recomputed_tokens,
        coalesce(p.recompute_ms_est, 0) AS recompute_ms_est,
+       coalesce(p.tier_tokens, 0)::BIGINT AS tier_tokens, p.tier_load_ms, p.tier,
        coalesce(g.gaps, 0) AS gaps, g.longest_gap_ms, g.longest_gap_cause,
        q.draft_tokens, q.accepted_tokens, coalesce(la.lookahead_preemptions, []) AS lookahead_preemptions
 FROM seqs s

@@ -296,6 +296,12 @@ def _lookahead_part(figures: dict, data: dict) -> str | None:
     return text
 
 
+def tier_words(tier: str | None) -> str:
+    """A KV tier's name as a sentence says it: `cpu` (vLLM's native offloading, kvtrace's host tier) is
+    host memory; any other (a connector's) by its name."""
+    return "host memory" if tier in (None, "cpu") else tier
+
+
 def verdict(data: dict) -> str:
     """The story in a sentence: the notable waits and their main cause, the preemptions by
     requester (those that a requester's drafts and lookahead slots caused, by step), the recomputed
@@ -321,7 +327,15 @@ def verdict(data: dict) -> str:
         parts.append(_lookahead_part(figures, data))
         parts += [_wait_part(figures, state, prefix, e2e) for state, prefix in VERDICT_WAITS[1:]]
         recomputed, cached = figures["recomputed_tokens"], figures["cached_tokens"]
-        if recomputed or cached:
+        loaded = figures.get("tier_tokens") or 0   # brought back from a KV tier instead (schema 6)
+        if loaded:
+            ms = figures["tier_load_ms"]
+            text = (f"{loaded} positions came back from {tier_words(figures['tier'])}"
+                    + (f" in {fmt_ms(ms)}" if ms is not None else "") + f", {recomputed} recomputed")
+            if cached:
+                text += f" ({cached} back from the prefix cache)"
+            parts.append(text)
+        elif recomputed or cached:
             ms = figures["recompute_ms_est"]
             text = f"{recomputed} tokens recomputed" + (f", ~{fmt_ms(ms)}" if ms else "")
             if cached:
@@ -384,8 +398,10 @@ def render_story(data: dict) -> RenderableType:
             parts += [Text("(this trace predates schema 3: the causes were not recorded)", style="dim"), Text("")]
 
     if data["preemptions"]:
+        tiered = any(p.get("tier_tokens") for p in data["preemptions"])   # a KV tier gave some back
         pre = _table(("#", "right"), ("step", "right"), ("by", "left"), ("chosen as", "left"), ("mode", "left"),
-                     ("lost", "right"), ("resumed after", "right"), ("cached", "right"), ("recomputed", "right"))
+                     ("lost", "right"), ("resumed after", "right"), ("cached", "right"),
+                     *((("from tier", "right"),) if tiered else ()), ("recomputed", "right"))
         for p in data["preemptions"]:
             by = p["requester_req_id"] if p["requester_req_id"] is not None else "–"
             if p["requester_sample"]:
@@ -394,10 +410,13 @@ def render_story(data: dict) -> RenderableType:
                 by += " (itself)"
             recomputed = f"{p['recomputed_tokens']}" + (f" (~{fmt_ms(p['recompute_ms_est'])})"
                                                         if p["recompute_ms_est"] else "")
+            loaded = ((f"{p['tier_tokens']}" + (f" ({fmt_ms(p['tier_load_ms'])})" if p["tier_load_ms"] is not None
+                                                 else ""),) if tiered else ())
             pre.add_row(str(p["preemption_no"]), str(p["step"]), by, p["victim_reason"] or "–", p["reason"],
-                        f"{p['positions_lost']}", fmt_ms(p["wait_ms"]), str(p["cached_tokens"]), recomputed)
-        parts += [Text("Preemptions (lost: KV positions; cached and recomputed: on resume)", style="bold"), pre,
-                  Text("")]
+                        f"{p['positions_lost']}", fmt_ms(p["wait_ms"]), str(p["cached_tokens"]), *loaded, recomputed)
+        title = ("Preemptions (lost: KV positions; cached, from tier and recomputed: on resume)" if tiered
+                 else "Preemptions (lost: KV positions; cached and recomputed: on resume)")
+        parts += [Text(title, style="bold"), pre, Text("")]
 
     if data["gaps"]:
         gaps = _table(("token", "right"), ("gap", "right"), ("cause", "left"), ("steps", "right"))

@@ -1,0 +1,100 @@
+"""`kvtrace explain` of a request preempted in a run with a KV tier (schema 6): how much of its history
+came back from the tier, in how long, and how much was recomputed, from the SQL (preemptions.sql,
+request_verdict.sql) and worded by explain.
+
+The run, written through the TraceWriter by hand (blocks of 4 positions, one step each 0.1 s):
+
+    step 0  r7 and v admitted (prompts 12 and 8); v's blocks 3, 4 offloaded to cpu
+    step 1  r7 grows into block 9: v is preempted for it (12 positions lost)
+    step 2  v looked up at its resume: 8 positions in cpu; loaded in 3.1 ms
+    step 3  v re-prefilled: the 8 loaded, 4 recomputed; v's last tokens; both finish
+"""
+from __future__ import annotations
+
+import json
+
+from engine import events as ev
+from engine.events import KVEvent, RequestStats, StepRecord
+from kvtrace.record.recorder import TraceWriter
+from kvtrace.views import explain
+
+
+def _step(step: int, events: list[KVEvent], tokens: list[tuple[str, int]] = (), finished=(),
+          preemptions: int = 0) -> StepRecord:
+    for i, e in enumerate(events):
+        e.step, e.ts_s, e.seq = step, step * 0.1 + 0.05, step * 10 + i
+    record = StepRecord(step=step, start_s=step * 0.1, end_s=step * 0.1 + 0.05, device_ms=10.0, num_running=2,
+                        num_waiting=0, num_swapped=0, num_prefill_tokens=4, num_decode_tokens=1,
+                        num_recompute_tokens=0, num_free_blocks=4, num_used_blocks=4, num_cached_blocks=0,
+                        num_total_blocks=8, num_kv_tokens=16, num_preemptions=preemptions, events=events,
+                        finished=list(finished), offload_bytes=0, load_bytes=0, tier_transfer_ms=None)
+    record.token_req_ids = [r for r, _ in tokens]
+    record.token_samples = [0] * len(tokens)
+    record.token_idx = [i for _, i in tokens]
+    record.token_ids = [5] * len(tokens)
+    return record
+
+
+def _finished(req_id: str, prompt: int, output: int, preemptions: int, recomputed: int, loaded: int) -> RequestStats:
+    return RequestStats(req_id=req_id, sample=0, n=1, priority=0, arrival_s=0.0, prompt_tokens=prompt,
+                        max_tokens=output, output_tokens=output, first_scheduled_s=0.0, first_token_s=0.05,
+                        finish_s=0.35, finish_reason="length", preemptions=preemptions, swaps=0,
+                        recomputed_tokens=recomputed, prefix_hit_tokens=0, tier_hit_tokens=loaded)
+
+
+def tiered_preemption(root):
+    run = root / "tiered-preemption"
+    writer = TraceWriter(run, run.name)
+    for record in (
+        _step(0, [KVEvent(ev.ADMIT, "r7", num_tokens=12, reason="new"), KVEvent(ev.ADMIT, "v", num_tokens=8, reason="new"),
+                  KVEvent(ev.ALLOC, "r7", blocks=[0, 1, 2], reason="prefill"),
+                  KVEvent(ev.ALLOC, "v", blocks=[3, 4], reason="prefill"),
+                  KVEvent(ev.OFFLOAD, "v", blocks=[3, 4], num_tokens=8, bytes=2000, duration_ms=0.5, tier="cpu")],
+              tokens=[("r7", 0), ("v", 0)]),
+        _step(1, [KVEvent(ev.PREEMPT, "v", blocks=[3, 4, 5], num_tokens=12, reason="recompute",
+                          requester_req_id="r7", requester_sample=0, victim_reason="newest"),
+                  KVEvent(ev.ALLOC, "r7", blocks=[9], reason="decode")], tokens=[("r7", 1)], preemptions=1),
+        _step(2, [KVEvent(ev.LOOKUP, "v", num_tokens=12, num_cached_tokens=0, tier_tokens=8, tier="cpu",
+                          reason="resume-recompute"),
+                  KVEvent(ev.ADMIT, "v", num_tokens=12, reason="resume-recompute"),
+                  KVEvent(ev.ALLOC, "v", blocks=[3, 4, 5], reason="prefill"),
+                  KVEvent(ev.LOAD, "v", blocks=[3, 4], num_tokens=8, bytes=2000, duration_ms=3.1, tier="cpu")],
+              tokens=[("r7", 2)]),
+        _step(3, [KVEvent(ev.REPREFILL, "v", num_tokens=12, num_cached_tokens=0, num_recomputed_tokens=4, tier_tokens=8),
+                  KVEvent(ev.FINISH, "r7", num_tokens=4, reason="length"), KVEvent(ev.FINISH, "v", num_tokens=4,
+                                                                                reason="length")],
+              tokens=[("r7", 3), ("v", 1), ("v", 2), ("v", 3)],
+              finished=[_finished("r7", 12, 4, 0, 0, 0), _finished("v", 8, 4, 1, 4, 8)]),
+    ):
+        writer.on_step(record)
+    writer.close()
+    (run / "meta.json").write_text(json.dumps({"run_id": run.name, "schema_version": 6}))
+    return run
+
+
+def test_a_preempted_requests_history_back_from_the_tier_is_told_beside_what_was_recomputed(tmp_path):
+    ex = explain.Explainer.open(str(tiered_preemption(tmp_path)))
+    (p,) = ex.rows("preemptions", req_id="v", sample=0)
+    assert (p["step"], p["requester_req_id"], p["positions_lost"]) == (1, "r7", 12)
+    assert (p["tier_tokens"], p["tier_load_ms"], p["tier"], p["recomputed_tokens"]) == (8, 3.1, "cpu", 4)
+    data = explain.story(ex, "v")
+    assert (data["figures"]["tier_tokens"], data["figures"]["tier_load_ms"], data["figures"]["tier"]) == (8, 3.1, "cpu")
+    assert "by r7" in data["verdict"], data["verdict"]
+    assert "8 positions came back from host memory in 3.10 ms, 4 recomputed" in data["verdict"], data["verdict"]
+    assert "tokens recomputed" not in data["verdict"]   # told once, as what the tier did not give back
+    text = _render(explain.render_story(data))
+    assert "from tier" in text and "8 (3.10 ms)" in text
+
+
+def test_a_request_never_preempted_has_nothing_from_a_tier(tmp_path):
+    ex = explain.Explainer.open(str(tiered_preemption(tmp_path)))
+    assert ex.rows("preemptions", req_id="r7", sample=0) == []
+    figures = explain.story(ex, "r7")["figures"]
+    assert (figures["tier_tokens"], figures["tier_load_ms"], figures["tier"]) == (0, None, None)
+
+
+def _render(renderable) -> str:
+    from rich.console import Console
+    console = Console(width=200, record=True, file=open("/dev/null", "w"))
+    console.print(renderable)
+    return console.export_text()
