@@ -75,7 +75,7 @@ class AdmissionStop(StrEnum):  # the steps row's admission_stop: why admission s
     BLOCKS = "blocks"                    # too few free blocks for the next one's whole prompt (or swap-in)
     WATERMARK = "watermark"              # it would fit, but not above the free-block watermark
     PREEMPTION = "preemption"            # a preemption earlier in the step: V1 admits nothing then
-    OTHER = "other"                      # the vLLM capture only: vLLM held it back for a reason of its own
+    OTHER = "other"                      # vLLM held it back for a reason of its own (captures); a KV tier's copies
 
 
 class FinishReason(StrEnum):   # also the requests table's finish_reason

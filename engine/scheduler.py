@@ -410,6 +410,8 @@ class Scheduler:
             out.admission_stop = AdmissionStop.BUDGET
         if skipped:
             self.waiting.extendleft(reversed(skipped))
+        if out.admission_stop == AdmissionStop.NOTHING_WAITING and (skipped or self.loading):
+            out.admission_stop = AdmissionStop.OTHER   # held back by the tier's copies (as a capture says it)
 
     # ---- the host KV tier (vLLM's offloading connector, scheduler side) ---------------------
     def _tier_hit(self, seq: Sequence, num_cached: int) -> int | None:

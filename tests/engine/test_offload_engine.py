@@ -52,6 +52,7 @@ def test_a_preempted_request_loads_what_the_device_lost_and_computes_the_rest():
     # computed the 5 positions neither held: 4 outputs computed before, and its newest token
     admits = [(e.step, e.req_id, e.num_tokens) for e in tracer.events if e.kind == ev.ADMIT]
     assert admits[-1] == (13, "B", 5)
+    assert [(r.admission_stop, r.num_waiting) for r in tracer.records[12:14]] == [("other", 1), ("nothing-waiting", 0)]
     b = engine.outputs[("B", 0)]
     assert (b.num_tier_hit_tokens, b.num_recomputed_tokens, b.num_prefix_hit_tokens) == (4, 4, 8)
     step_bytes = [(r.step, r.offload_bytes, r.load_bytes) for r in tracer.records if r.offload_bytes or r.load_bytes]
