@@ -20,6 +20,7 @@ are the executor's. This file decides only what is kept and what is dropped.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import NamedTuple
@@ -89,6 +90,9 @@ class OffloadTier:
         self.num_ready = 0                             # chunks with ref_count 0 (evictable)
         self.accesses: dict[object, _Access] = {}      # by request
         self._next_rank = 0
+        # (rank, key) of the ready chunks, least recent first: an entry whose chunk has since left, been
+        # pinned or re-ranked is stale and skipped when popped (vLLM's lazy heap)
+        self._evictable: list[tuple[tuple[int, int], int]] = []
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -112,11 +116,12 @@ class OffloadTier:
         the tier lacks become pending, room made by evicting ready chunks, least recent first, none of
         the offered ones. All or nothing: None (nothing stored, nothing evicted) when the ready chunks
         that could go are too few; the caller offers them again later."""
-        new = [key for key in keys if key not in self.chunks]
-        ready = [key for key in keys if key in self.chunks and self.chunks[key].ref_count >= 0]
+        chunks = self.chunks
+        new = [key for key in keys if key not in chunks]
         # vLLM records the access before it knows whether the store fits: a refused offer still ranks
-        # the ready chunks it named
-        self._touch(request, [k for k in keys if k in set(new) or k in set(ready)], keys, first_position)
+        # the ready chunks it named (a pending one it leaves alone)
+        self._touch(request, [key for key in keys if key not in chunks or chunks[key].ref_count >= 0],
+                    keys, first_position)
         if not new:
             return StorePlan([], [], [])
         num_to_evict = len(new) - self.num_free_blocks
@@ -124,17 +129,9 @@ class OffloadTier:
         if num_to_evict > 0:
             if num_to_evict > self.num_ready:
                 return None
-            protected = set(keys)
-            candidates = sorted((rank, key) for key, rank in self.ranks.items()
-                                if key not in protected and self.chunks[key].ref_count == 0)
-            if len(candidates) < num_to_evict:
+            evicted = self._evict(num_to_evict, set(keys))
+            if evicted is None:
                 return None
-            for _, key in candidates[:num_to_evict]:
-                chunk = self.chunks.pop(key)
-                del self.ranks[key]
-                self.num_ready -= 1
-                self.free_slots.append(chunk.slot)
-                evicted.append(key)
         slots = self._allocate_slots(len(new))
         access = self.accesses[request]
         for key, slot in zip(new, slots):
@@ -151,6 +148,7 @@ class OffloadTier:
             if success:
                 chunk.ref_count = 0
                 self.num_ready += 1
+                heapq.heappush(self._evictable, (self.ranks[key], key))
             else:
                 del self.chunks[key]
                 del self.ranks[key]
@@ -177,6 +175,7 @@ class OffloadTier:
             chunk.ref_count -= 1
             if chunk.ref_count == 0:
                 self.num_ready += 1
+                heapq.heappush(self._evictable, (self.ranks[key], key))
 
     def on_request_finished(self, request: object) -> None:
         """The request is done: every chunk it stored or touched that the tier still holds takes a fresh
@@ -187,7 +186,7 @@ class OffloadTier:
         for key in sorted(access.positions, key=access.positions.__getitem__, reverse=True):
             if key in self.chunks:
                 self._next_rank += 1
-                self.ranks[key] = (self._next_rank, 0)
+                self._rerank(key, (self._next_rank, 0))
 
     # ---- inside -------------------------------------------------------------------------
     def _touch(self, request: object, touched: list[int], keys: list[int], first_position: int) -> None:
@@ -203,7 +202,42 @@ class OffloadTier:
         rank = self._rank_of(access)
         for key in first_seen:
             if key in self.ranks and self.ranks[key] < (rank, -access.positions[key]):
-                self.ranks[key] = (rank, -access.positions[key])
+                self._rerank(key, (rank, -access.positions[key]))
+
+    def _rerank(self, key: int, rank: tuple[int, int]) -> None:
+        self.ranks[key] = rank
+        if self.chunks[key].ref_count == 0:
+            heapq.heappush(self._evictable, (rank, key))
+
+    def _evict(self, n: int, protected: set[int]) -> list[int] | None:
+        """Drop the n least recent ready chunks but the protected ones; None (nothing dropped) if fewer
+        are there."""
+        heap, chunks, ranks = self._evictable, self.chunks, self.ranks
+        chosen: list[tuple[tuple[int, int], int]] = []
+        kept: list[tuple[tuple[int, int], int]] = []
+        while heap and len(chosen) < n:
+            rank, key = entry = heapq.heappop(heap)
+            chunk = chunks.get(key)
+            if chunk is None or chunk.ref_count != 0 or ranks[key] != rank or entry in chosen:
+                continue   # stale
+            (kept if key in protected else chosen).append(entry)
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        if len(chosen) < n:
+            for entry in chosen:
+                heapq.heappush(heap, entry)
+            return None
+        evicted = []
+        for _, key in chosen:
+            chunk = chunks.pop(key)
+            del ranks[key]
+            self.num_ready -= 1
+            self.free_slots.append(chunk.slot)
+            evicted.append(key)
+        if len(heap) > 2 * max(64, self.num_ready):   # too many stale entries: rebuild
+            self._evictable = [(ranks[k], k) for k, c in chunks.items() if c.ref_count == 0]
+            heapq.heapify(self._evictable)
+        return evicted
 
     def _rank_of(self, access: _Access) -> int:
         if access.rank is None:
@@ -230,3 +264,7 @@ class OffloadTier:
         assert set(self.ranks) == set(self.chunks), "a chunk without a rank, or a rank without a chunk"
         assert self.num_ready == sum(1 for c in self.chunks.values() if c.ref_count == 0), "ready count wrong"
         assert all(c.ref_count >= PENDING_STORE for c in self.chunks.values()), "a chunk unpinned below zero"
+        current = {(rank, key) for rank, key in self._evictable
+                   if key in self.chunks and self.chunks[key].ref_count == 0 and self.ranks[key] == rank}
+        assert current == {(self.ranks[k], k) for k, c in self.chunks.items() if c.ref_count == 0}, \
+            "a ready chunk missing from the eviction heap"
