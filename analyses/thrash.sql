@@ -30,6 +30,9 @@
 --   useful_tokens          of those, computed for the first time (tokens)
 --   processed_tok_s        processed_tokens / duration_s (tokens/s)
 --   useful_tok_s           useful_tokens / duration_s: the effective throughput (tokens/s)
-SELECT *
-FROM _thrash($window_s, $full_pool_frac, $min_preempt_per_s, $min_recompute_share, $min_full_pool_share)
+--   reloaded_tokens        positions preempted sequences got back from a KV tier instead of recomputing
+--                          them (schema 6; 0 without a tier): the thrash a tier absorbed
+SELECT t.*, coalesce(r.reloaded_tokens, 0)::BIGINT AS reloaded_tokens
+FROM _thrash($window_s, $full_pool_frac, $min_preempt_per_s, $min_recompute_share, $min_full_pool_share) t
+LEFT JOIN (SELECT run_id, sum(tier_tokens) AS reloaded_tokens FROM _preemptions GROUP BY run_id) r USING (run_id)
 ORDER BY run_id;

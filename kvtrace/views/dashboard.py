@@ -40,7 +40,8 @@ LEVELS = " ▁▂▃▄▅▆▇█"             # 1/8 steps of a character cell
 # the analyses the dashboard shows; --param values go to those that declare them, except the
 # params that the dashboard's own options set
 ANALYSES = ("summary", "thrash", "thrash_servers", "thrash_windows", "latency", "itl_cliff_summary",
-            "most_preempted", "noisy_neighbours", "pool_timeline", "kv_groups", "spec_decode")
+            "most_preempted", "noisy_neighbours", "pool_timeline", "kv_groups", "spec_decode", "tier_hits",
+            "tier_transfers")
 OPTION_PARAMS = {"buckets", "limit", "req_id", "top"}  # set by the commands themselves
 RUN_COLUMNS = """run_id, status, error, model, dtype, device, device_type, preemption_mode, preemption_policy,
     enable_prefix_caching, block_size, num_gpu_blocks, num_cpu_blocks, bytes_per_block,
@@ -97,9 +98,21 @@ def collect(con: duckdb.DuckDBPyConnection, *, params: dict[str, str] | None = N
             "pool_timeline": of("pool_timeline", rid),
             "kv_groups": of("kv_groups", rid),                  # one row a KV-cache group (one: a dense model)
             "spec_decode": (of("spec_decode", rid) or [{}])[0],   # drafting: a capture of a server that drafts
+            "tiers": tier_rows(of("tier_hits", rid), of("tier_transfers", rid)),   # KV tiers (none: no tier)
         })
     used = {name: db.analysis_params(name, **per[name]) for name in ANALYSES}
     return {"runs": figures, "params": used}
+
+
+def tier_rows(hits: list[dict], transfers: list[dict]) -> list[dict]:
+    """A run's KV tiers, one dict each (tier_hits.sql's row with tier_transfers.sql's bytes and copies
+    each way as stored_* and loaded_*); empty for a run without a tier."""
+    tiers = {row["tier"]: dict(row) for row in hits}
+    for row in transfers:
+        side = "stored" if row["direction"] == "offload" else "loaded"
+        tier = tiers.setdefault(row["tier"], {"tier": row["tier"]})
+        tier.update({f"{side}_bytes": row["bytes"], f"{side}_copies": row["copies"], f"{side}_failed": row["failed"]})
+    return list(tiers.values())
 
 
 # --------------------------------------------------------------------------- formatting
@@ -225,10 +238,10 @@ def _workload(run: dict) -> str:
     return f"{(run.get('workload_path') or '?').rsplit('/', 1)[-1]}: {fmt_num(run['workload_requests'])} req"
 
 
-def key_figures(s: dict, t: dict, width: int, spec: dict | None = None) -> Table:
-    """The run's key figures from summary.sql (and thrash.sql's count of preempted sequences, and
-    spec_decode.sql's drafts where the run has them): label-value pairs, two pairs a row where they fit
-    `width` whole, else one a row."""
+def key_figures(s: dict, t: dict, width: int, spec: dict | None = None, tiers: list[dict] = ()) -> Table:
+    """The run's key figures from summary.sql (and thrash.sql's count of preempted sequences,
+    spec_decode.sql's drafts and the KV tiers' figures where the run has them): label-value pairs, two
+    pairs a row where they fit `width` whole, else one a row."""
     pairs = [
         ("throughput", f"{fmt_num(s.get('output_tok_s'), 'tok/s')} · {fmt_num(s.get('request_throughput'), 'req/s')}"),
         ("goodput", f"{fmt_num(s.get('goodput_req_s'), 'req/s')} ({fmt_share(s.get('good_share'))} in SLO)"),
@@ -252,6 +265,7 @@ def key_figures(s: dict, t: dict, width: int, spec: dict | None = None) -> Table
         pairs.append(("drafts", f"{fmt_num(spec['draft_tokens'], 'tok')} ({fmt_share(spec.get('acceptance'))} "
                                 f"accepted, {fmt_num(spec.get('rolled_back_tokens'))} rolled back"
                                 + (f", {by_lookahead} preempting)" if by_lookahead else ")")))
+    pairs += [(f"tier {tier['tier']}", tier_text(tier)) for tier in tiers]
     # two pairs a row: the left pairs' widest label and value, the right pairs', and 3 spaces
     two = sum(max(len(pair[i]) for pair in pairs[side::2]) for side in (0, 1) for i in (0, 1)) + 3
     per_row = 2 if two <= width else 1
@@ -263,6 +277,13 @@ def key_figures(s: dict, t: dict, width: int, spec: dict | None = None) -> Table
         cells = [cell for pair in pairs[i:i + per_row] for cell in pair]
         grid.add_row(*cells, *[""] * (2 * per_row - len(cells)))
     return grid
+
+
+def tier_text(tier: dict) -> str:
+    """A KV tier's figures in a line: its hit rate of what the device lacked, the positions it gave back,
+    the bytes stored and loaded."""
+    text = f"{fmt_share(tier.get('tier_hit_rate'))} hit · {fmt_num(tier.get('tier_hit_tokens'), 'tok')} back"
+    return text + f" · {fmt_bytes(tier.get('stored_bytes'))} stored, {fmt_bytes(tier.get('loaded_bytes'))} loaded"
 
 
 def _latency_pair(s: dict, metric: str) -> tuple[str, str]:
@@ -285,6 +306,8 @@ def thrash_verdict(t: dict, server: str = "") -> Text:
         evidence.append(f"{windows} window{'s' if windows > 1 else ''} ({fmt_seconds(t.get('thrash_s'))})")
     if t.get("recompute_share"):
         evidence.append(f"{fmt_share(t['recompute_share'])} recomputed")
+    if t.get("reloaded_tokens"):   # a KV tier gave preempted sequences their history back
+        evidence.append(f"{fmt_num(t['reloaded_tokens'], 'tok')} reloaded")
     return text.append(" · " + " · ".join(evidence))
 
 
@@ -501,7 +524,7 @@ def render_run(fig: dict, width: int, params: dict) -> RenderableType:
     else:
         latency = Group(_title(itl_title), itl_ladder(itl, min(right - 20, 24)),
                         _title(tail_title(fig["itl_tail"], right)), tail_causes(fig["itl_tail"], min(right, 48)))
-    figures = Group(key_figures(fig["summary"], fig["thrash"], left, fig.get("spec_decode")),
+    figures = Group(key_figures(fig["summary"], fig["thrash"], left, fig.get("spec_decode"), fig.get("tiers") or ()),
                     thrash_verdict(fig["thrash"]),
                     *(thrash_verdict(s, s["server"]) for s in servers if several))
     noisy = fig.get("noisy_neighbours") or []
@@ -558,6 +581,8 @@ def compare_table(figs: list[dict]) -> Table:
                                     f"{fmt_bytes(f['summary'].get('swap_in_bytes'))}"
         if f["summary"].get("swap_out_bytes") or f["summary"].get("swap_in_bytes") else "none")
     row("swap rate", lambda f: fmt_num(f["summary"].get("swap_gb_s"), "GB/s"))
+    if any(f.get("tiers") for f in figs):   # a run with a KV tier
+        row("KV tier", lambda f: " · ".join(f"{t['tier']} {tier_text(t)}" for t in f["tiers"]) or "none")
     row("thrash", lambda f: Text((f["thrash"].get("verdict") or "?"),
                                  VERDICT_STYLE.get(f["thrash"].get("verdict"), "")))
     if any(len(f.get("servers") or ()) > 1 for f in figs):   # runs joined from several servers

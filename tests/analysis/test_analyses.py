@@ -246,7 +246,7 @@ def test_thrash_default_thresholds(con):
         "thrash_windows": 0, "thrash_s": 0.0, "preempted_sequences": 1, "repreempted_sequences": 0,
         "full_pool_step_share": 2 / 6,              # steps 1 and 3 use all 3 blocks
         "recompute_share": 4 / 19, "processed_tokens": 19, "useful_tokens": 15,
-        "processed_tok_s": 19 / 1.5, "useful_tok_s": 10.0})
+        "processed_tok_s": 19 / 1.5, "useful_tok_s": 10.0, "reloaded_tokens": 0})
     assert got["swp"]["verdict"] == "occasional" and got["swp"]["full_pool_step_share"] == approx(1 / 6)
 
 

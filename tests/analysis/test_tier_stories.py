@@ -1,6 +1,7 @@
-"""`kvtrace explain` of a request preempted in a run with a KV tier (schema 6): how much of its history
-came back from the tier, in how long, and how much was recomputed, from the SQL (preemptions.sql,
-request_verdict.sql) and worded by explain.
+"""A run with a KV tier (schema 6) told: `kvtrace explain` of a preempted request (how much of its
+history came back from the tier, in how long, and how much was recomputed: preemptions.sql,
+request_verdict.sql), and the dashboard's tier figures, its comparison row and its thrash line's
+reloads (tier_hits.sql, tier_transfers.sql, thrash.sql).
 
 The run, written through the TraceWriter by hand (blocks of 4 positions, one step each 0.1 s):
 
@@ -16,7 +17,7 @@ import json
 from engine import events as ev
 from engine.events import KVEvent, RequestStats, StepRecord
 from kvtrace.record.recorder import TraceWriter
-from kvtrace.views import explain
+from kvtrace.views import dashboard, explain
 
 
 def _step(step: int, events: list[KVEvent], tokens: list[tuple[str, int]] = (), finished=(),
@@ -42,8 +43,8 @@ def _finished(req_id: str, prompt: int, output: int, preemptions: int, recompute
                         recomputed_tokens=recomputed, prefix_hit_tokens=0, tier_hit_tokens=loaded)
 
 
-def tiered_preemption(root):
-    run = root / "tiered-preemption"
+def tiered_preemption(root, name: str = "tiered-preemption"):
+    run = root / name
     writer = TraceWriter(run, run.name)
     for record in (
         _step(0, [KVEvent(ev.ADMIT, "r7", num_tokens=12, reason="new"), KVEvent(ev.ADMIT, "v", num_tokens=8, reason="new"),
@@ -93,8 +94,25 @@ def test_a_request_never_preempted_has_nothing_from_a_tier(tmp_path):
     assert (figures["tier_tokens"], figures["tier_load_ms"], figures["tier"]) == (0, None, None)
 
 
-def _render(renderable) -> str:
+def _render(renderable, width: int = 200) -> str:
+    import io
+
     from rich.console import Console
-    console = Console(width=200, record=True, file=open("/dev/null", "w"))
+    console = Console(width=width, record=True, file=io.StringIO())
     console.print(renderable)
     return console.export_text()
+
+
+def test_the_dashboard_shows_the_tier_and_the_thrash_it_absorbed(tmp_path):
+    run = str(tiered_preemption(tmp_path))
+    data = dashboard.collect(dashboard.db.connect([run]))
+    (fig,) = data["runs"]
+    (tier,) = fig["tiers"]
+    assert (tier["tier"], tier["tier_hit_tokens"], tier["stored_bytes"], tier["loaded_bytes"]) == ("cpu", 8, 2000, 2000)
+    assert fig["thrash"]["reloaded_tokens"] == 8
+    text = _render(dashboard.render(data, 120))
+    assert "tier cpu    67% hit · 8 tok back · 2 kB stored, 2 kB loaded" in text, text
+    assert dashboard.thrash_verdict(fig["thrash"]).plain.endswith("20% recomputed · 8 tok reloaded")
+    again = str(tiered_preemption(tmp_path, "again"))
+    compare = _render(dashboard.compare_table(dashboard.collect(dashboard.db.connect([run, again]))["runs"]), 300)
+    assert "KV tier" in compare and "cpu 67% hit" in compare, compare
