@@ -136,7 +136,9 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self.loading)
+        """Sequences left, or the host KV tier's copies in flight (the simulator's last stores: the run
+        ends once they are filed)."""
+        return bool(self.waiting or self.running or self.swapped or self.loading or self.copies_in_flight)
 
     def all_seqs(self) -> list[Sequence]:
         return [*self.running, *self.waiting, *self.swapped, *self.loading]

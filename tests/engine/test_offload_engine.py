@@ -195,3 +195,15 @@ def test_the_simulators_fast_path_steps_aside_for_a_tier():
     # its leaps copy nothing: every step with a tier is the general pass's
     assert sim(num_offload_blocks=4).fast_path is None
     assert sim().fast_path is not None
+
+
+def test_the_last_stores_are_filed_before_the_run_ends():
+    # one step computes the prompt and finishes it; its store is still on the link: the engine steps on
+    # (running nothing, its clock jumping to the copy's end) until it is filed
+    tracer = ListTracer()
+    engine = sim(tracer, num_offload_blocks=8)
+    engine.add_request("only", list(range(100, 112)), SamplingParams(max_tokens=1, ignore_eos=True))
+    run_checked(engine)
+    assert [(r.step, r.num_prefill_tokens, r.offload_bytes) for r in tracer.records] == \
+        [(0, 12, 0), (1, 0, 3 * engine.geometry.bytes_per_block)]
+    assert tracer.records[1].start_s < tracer.records[1].end_s
