@@ -40,6 +40,7 @@ from kvtrace.sweep.view import (
     recommendation,
     summary_rows,
     table,
+    tier_sizing,
     varying_knobs,
 )
 from kvtrace.workload.format import save_workload
@@ -253,7 +254,8 @@ def _show(folder: Path, obj, params: dict[str, str], as_json: bool) -> None:
                           "objective": obj.column, "points": [{**p} for p in points],
                           "not_completed": [{"point": p.index, "run_id": p.run_id, "status": p.status, "error": p.error}
                                             for p in sweep.points if p.status != "completed"],
-                          "recommendation": sentence, "best_as_vllm_args": flags or None}, indent=2, default=str))
+                          "recommendation": sentence, "best_as_vllm_args": flags or None,
+                          "tier_sizing": tier_sizing(points)}, indent=2, default=str))
         return
     console = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160)
     done = len(points)
@@ -262,6 +264,9 @@ def _show(folder: Path, obj, params: dict[str, str], as_json: bool) -> None:
     if flags:
         print(f"the best point as vLLM engine arguments: {flags}")
     print(sentence)  # one line, unwrapped: scripts read it
+    sizing = tier_sizing(points)
+    if sizing:   # a sweep of the host KV tier's size: the operator's question, answered
+        print(sizing)
 
 
 @sweep_app.command("show")

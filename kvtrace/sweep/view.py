@@ -163,6 +163,45 @@ def recommendation(points: list[dict], obj: Objective) -> tuple[str, dict | None
     return head + f"; above it {rise}{obj.label} {verb} {drop:.0%} by {axis} {high}{context}.", best
 
 
+TIER_KNOB = "offload_size"   # kvtrace record --offload-size: a host KV tier (vLLM's --kv-offloading-size)
+
+
+def tier_sizing(points: list[dict]) -> str | None:
+    """Where the sweep varies the host KV tier's size: the operator's answer, in a sentence. The
+    smallest size past the knee (the first that gets at least 90% of the cut in recomputed positions
+    that the largest swept size makes), what it saves against the smallest size swept (no tier, where
+    0 is swept): recomputed positions, TTFT p99 and ITL p99 (the other knobs as at that point). None
+    where the sweep does not vary the tier's size."""
+    if TIER_KNOB not in varying_knobs(points):
+        return None
+    line = sorted((p for p in points if p["recomputed_tokens"] is not None),
+                  key=lambda p: _numeric(p["settings"][TIER_KNOB]) or 0.0)
+    others = [k for k in varying_knobs(points) if k != TIER_KNOB]
+    if others:   # one line of the grid: the other knobs as at the best point by recompute
+        anchor = min(line, key=lambda p: p["recomputed_tokens"])
+        line = [p for p in line if all(p["settings"].get(k) == anchor["settings"].get(k) for k in others)]
+    if len(line) < 2:
+        return None
+    base, largest = line[0], line[-1]
+    before = base["recomputed_tokens"]
+    cut = before - min(p["recomputed_tokens"] for p in line)
+    size = lambda p: p["settings"][TIER_KNOB]   # noqa: E731
+    if cut <= 0:
+        return (f"No host tier size swept ({size(base)}..{size(largest)}) recomputes fewer positions than "
+                f"{size(base)} ({before:,}): the preemptions here lose nothing a tier keeps, or none happen.")
+    knee = next(p for p in line if before - p["recomputed_tokens"] >= 0.9 * cut)
+    saved = before - knee["recomputed_tokens"]
+
+    def change(column: str) -> str:
+        a, b = base[column], knee[column]
+        return f"{fmt_ms(a)} → {fmt_ms(b)}" if a is not None and b is not None else "–"
+    rest = (f"; the largest, {size(largest)}, saves {cut - saved:,} more" if knee is not largest and cut > saved
+            else "")
+    return (f"A host KV tier of {size(knee)} is the smallest past the knee: against {size(base)} it cuts recomputed "
+            f"positions from {before:,} to {knee['recomputed_tokens']:,} (−{saved / before:.0%}), TTFT p99 "
+            f"{change('ttft_p99_ms')}, ITL p99 {change('itl_p99_ms')}{rest}.")
+
+
 # --------------------------------------------------------------------------- table and charts
 
 def _plain_ms(value: float | None) -> str:
@@ -263,6 +302,9 @@ def write_report(folder: Path, output: Path, objective_name: str, params: dict[s
     points = points_of(rows, list(sweep.spec.grid))
     items = charts(points, obj)
     sentence = recommend(points, obj)
+    sizing = tier_sizing(points)
+    if sizing:
+        sentence += " " + sizing
     sections = "\n".join(
         f"<section id='{c.name}'><h2>{html.escape(c.title)}</h2><p class='note'>{html.escape(c.description)}</p>"
         f"<div class='chart' id='chart-{c.name}'></div></section>" for c in items)
