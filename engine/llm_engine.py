@@ -378,7 +378,7 @@ class LLMEngine:
             if not self.simulated:
                 copy.done_s = now
                 continue
-            issued = start_clock if copy.is_load else now
+            issued = start_clock if copy.is_load or copy.before_forward else now
             link_free = self._link_free_s[copy.is_load]
             copy.done_s = (issued if issued > link_free else link_free) + copy.event.duration_ms / 1000
             self._link_free_s[copy.is_load] = copy.done_s

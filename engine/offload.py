@@ -64,6 +64,7 @@ class TierCopy:
     event: object               # its KVEvent (offload or load), bytes and duration filled when it finishes
     done_s: float | None = None  # clock time it finishes (set when issued)
     flushed: bool = False       # finish with this step whatever its time (its sequence was preempted)
+    before_forward: bool = False  # a finished sequence's store, from blocks freed: copied before anything writes them
 
 
 @dataclass(slots=True)

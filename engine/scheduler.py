@@ -120,7 +120,8 @@ class Scheduler:
         self.copies_in_flight: list[TierCopy] = []
         self.loading: list[Sequence] = []
         self.keys_being_loaded: dict[int, int] = {}
-        self._finished_for_tier: list[Sequence] = []
+        # finished since the last step: (sequence, its device blocks, positions it had computed)
+        self._finished_for_tier: list[tuple[Sequence, list[int], int]] = []
 
     def follow(self, vllm_version: str) -> None:
         """Make the decisions of this vLLM where versions differ (0.31.0, 0.32.0 (the default),
@@ -151,7 +152,8 @@ class Scheduler:
         self.admit(out, budget)
         if self.tier is not None:   # vLLM's connector, once the step is decided (build_connector_meta)
             self._offer_stores(out)
-            for seq in self._finished_for_tier:
+            for seq, blocks, num_computed in self._finished_for_tier:
+                self._offer_finished(seq, blocks, num_computed, out)
                 self.tier.on_request_finished(seq)
             self._finished_for_tier = []
         return out
@@ -512,26 +514,38 @@ class Scheduler:
         """Each scheduled sequence offers the tier its prompt's blocks that this step fills (vLLM's default
         offload_prompt_only), one prepare_store a sequence a step; refused (no room), the same blocks are
         offered again next step. A store copies the blocks the tier lacked, after the forward."""
+        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+            self._offer(seq, seq.block_table, min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens), out)
+
+    def _offer_finished(self, seq: Sequence, blocks: list[int], num_computed: int, out: SchedulerOutput) -> None:
+        """A sequence finished in the last step offers, once more, the prompt blocks it had computed and
+        the tier refused (vLLM's connector builds store jobs for finished requests too, from the blocks
+        they held: freed, but written by nothing before this step's forward, so copied before it)."""
+        self._offer(seq, blocks, min(num_computed, seq.num_prompt_tokens), out, before_forward=True)
+
+    def _offer(self, seq: Sequence, blocks: list[int], num_positions: int, out: SchedulerOutput,
+               before_forward: bool = False) -> None:
+        """One prepare_store of the sequence's full blocks among its first `num_positions` not offered
+        yet; a store of those the tier lacked, from the device blocks `blocks` (its table)."""
         bm, tier = self.bm, self.tier
         bs = bm.block_size
-        for seq, num_new in zip(out.seqs, out.num_new_tokens):
-            end = min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens) // bs
-            start = seq.num_offered_blocks
-            if end <= start:
-                continue
-            keys = bm.token_block_hashes(seq, end)[start:end]
-            plan = tier.prepare_store(seq, keys, start)
-            if plan is None:
-                continue
-            seq.num_offered_blocks = end
-            if plan.evicted:
-                bm.events.append(KVEvent(ev.TIER_EVICT, "", num_tier_blocks=len(plan.evicted), tier=tier.name))
-            if plan.keys:
-                index = {key: start + i for i, key in enumerate(keys)}
-                blocks = [seq.block_table[index[key]] for key in plan.keys]
-                event = KVEvent(ev.OFFLOAD, seq.req_id, seq.sample, blocks=blocks, num_tokens=len(blocks) * bs,
-                                tier=tier.name)
-                self._issue(TierCopy(seq, False, plan.keys, blocks, plan.slots, event), out)
+        end = num_positions // bs
+        start = seq.num_offered_blocks
+        if end <= start:
+            return
+        keys = bm.token_block_hashes(seq, end)[start:end]
+        plan = tier.prepare_store(seq, keys, start)
+        if plan is None:
+            return
+        seq.num_offered_blocks = end
+        if plan.evicted:
+            bm.events.append(KVEvent(ev.TIER_EVICT, "", num_tier_blocks=len(plan.evicted), tier=tier.name))
+        if plan.keys:
+            index = {key: start + i for i, key in enumerate(keys)}
+            stored = [blocks[index[key]] for key in plan.keys]
+            event = KVEvent(ev.OFFLOAD, seq.req_id, seq.sample, blocks=stored, num_tokens=len(stored) * bs,
+                            tier=tier.name)
+            self._issue(TierCopy(seq, False, plan.keys, stored, plan.slots, event, before_forward=before_forward), out)
 
     def _issue(self, copy: TierCopy, out: SchedulerOutput) -> None:
         out.tier_copies.append(copy)
@@ -717,6 +731,6 @@ class Scheduler:
         else:
             self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.bm.free(seq, FreeReason.FINISH)
         if self.tier is not None:
-            self._finished_for_tier.append(seq)
+            self._finished_for_tier.append((seq, list(seq.block_table), seq.num_computed_tokens))
+        self.bm.free(seq, FreeReason.FINISH)

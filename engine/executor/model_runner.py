@@ -257,12 +257,16 @@ class ModelRunner:
             result.timing.swap_in = self.swap_in(out.swap_in)
         if out.copies:
             self.copy_blocks(out.copies)
+        early = [copy for copy in out.tier_copies if copy.before_forward]
+        if early:   # finished sequences' stores: their freed blocks, before a load or the forward reuses them
+            self.tier_copy(early)
         loads = [copy for copy in out.tier_copies if copy.is_load]
+        stores = [copy for copy in out.tier_copies if not copy.is_load and not copy.before_forward]
         if loads:   # into blocks nothing reads before this forward
             self.tier_copy(loads)
         if not out.seqs:
-            if len(loads) < len(out.tier_copies):
-                self.tier_copy([copy for copy in out.tier_copies if not copy.is_load])
+            if stores:
+                self.tier_copy(stores)
             return result
         batch = flatten(out, self.block_size, self.num_groups)
         result.sample_seqs = batch.sample_seqs
@@ -275,8 +279,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         result.logits = self.model.forward(input_ids, positions, metas, self.kv_caches, logit_rows)
         result.timing.forward = (time.perf_counter() - t0) * 1000
-        if len(loads) < len(out.tier_copies):   # stores: the blocks this forward wrote, before anyone reuses them
-            self.tier_copy([copy for copy in out.tier_copies if not copy.is_load])
+        if stores:   # the blocks this forward wrote, before anyone reuses them
+            self.tier_copy(stores)
         return result
 
     def _execute_on_cuda(self, batch: FlatBatch, result: StepResult) -> StepResult:

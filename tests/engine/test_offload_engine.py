@@ -207,3 +207,27 @@ def test_the_last_stores_are_filed_before_the_run_ends():
     assert [(r.step, r.num_prefill_tokens, r.offload_bytes) for r in tracer.records] == \
         [(0, 12, 0), (1, 0, 3 * engine.geometry.bytes_per_block)]
     assert tracer.records[1].start_s < tracer.records[1].end_s
+
+
+# the simulator's copy of r0's store is on the link until step 1 ends, the real engine's done in step 0:
+# r1 finishes at step 1 in the one, at step 0 in the other, with its offers refused until then
+@pytest.mark.parametrize("engine, r1_tokens", [("sim", 2), ("real", 1)])
+def test_a_finished_request_offers_its_refused_blocks_once_more(engine, r1_tokens):
+    """r0's store fills a tier of 3 and is pending while r1 offers its prompt (refused: nothing ready to
+    evict) and finishes; the step after, r1 offers its prompt once more, from the blocks it freed (the
+    real engine copies them before anything reuses them), and r0's, ready by then, make room (vLLM's
+    connector stores for finished requests too)."""
+    outputs = {}
+    for tier in (0, 3):
+        tracer = ListTracer()
+        e = sim(tracer, num_gpu_blocks=16, num_offload_blocks=tier, engine=engine)
+        r0 = e.add_request("r0", list(range(100, 112)), SamplingParams(max_tokens=4, ignore_eos=True))
+        r1 = e.add_request("r1", list(range(200, 212)), SamplingParams(max_tokens=r1_tokens, ignore_eos=True))
+        run_checked(e)
+        outputs[tier] = (r0.token_ids, r1.token_ids)
+    assert outputs[0] == outputs[3]
+    stores = [(e.req_id, e.blocks) for e in tracer.events if e.kind == ev.OFFLOAD]
+    assert stores == [("r0", [1, 2, 3]), ("r1", [4, 5, 6])]
+    evict = next(e for e in tracer.events if e.kind == ev.TIER_EVICT)
+    finish = next(e for e in tracer.events if e.kind == ev.FINISH and e.req_id == "r1")
+    assert evict.num_tier_blocks == 3 and evict.step == finish.step + 1
