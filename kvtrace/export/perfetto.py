@@ -11,6 +11,11 @@ Tracks of each run, under one top-level group per run (in the order the runs wer
                       a run of several KV-cache groups (a hybrid model), after the pool's blocks,
                       each group's used blocks ("used blocks: sliding window 64 tok", ...) and the
                       blocks dropped by windows (cumulative)
+      KV tier: <tier> a run with a KV tier (schema 6), each tier by name: a slice per offload and load
+                      copy (ts_s less duration_ms to ts_s; an untimed one an instant at ts_s), an
+                      instant per tier_evict; copies that overlap without nesting on tracks of the
+                      same name, which the UI shows as one (_tier_lanes); then its bytes stored and
+                      loaded (cumulative)
       Requests        one track per sequence, ordered by arrival: the whole request as a slice
                       (args: prompt / output tokens, preemptions, recomputed tokens, finish
                       reason), its states nested inside it
@@ -18,9 +23,12 @@ Tracks of each run, under one top-level group per run (in the order the runs wer
                       and from the step that resumed it to its reprefill (or, after a swap-in, the
                       decode or prefill that follows); and (schema 3) from the requester whose
                       growth needed the blocks, an instant "preempts <victim>" on its track, to
-                      the victim's preempted or swapped slice
+                      the victim's preempted or swapped slice; and (schema 6) between each tier copy
+                      and a state of its sequence: an offload's, the state it began in (the phase that
+                      computed the blocks), a load's, the phase it resumes or starts in (or was in),
+                      from whichever of the two began first (_timeline_tiers.sql)
 
-Every row comes from the SQL library's timeline views (analyses/_timeline.sql), which read a
+Every row comes from the SQL library's timeline views (analyses/_timeline.sql, _timeline_tiers.sql), which read a
 sequence's states from _sequence_states like the report's Gantt; this module only orders the rows
 and writes them as packets, streaming: query results are read in Arrow batches, a chunk of rows
 (whole steps, whole sequences) becomes a table of packets in file order (slice ends and requester
@@ -80,6 +88,9 @@ COUNTERS: dict[str, tuple[str, str, str]] = {
     "swap_in_bytes_total": ("swap-in bytes (cumulative)", "bytes", "swap_bytes"),
 }
 WINDOW_DROPPED = "blocks dropped by windows (cumulative)"   # a run of several KV-cache groups (_timeline_kv_groups)
+# a KV tier's counters, by direction (_timeline_tier_counters): the tier's name is put in
+TIER_COUNTERS = {"offload": "{tier}: bytes stored (cumulative)", "load": "{tier}: bytes loaded (cumulative)"}
+TIER_LANES = (1 << 20) - 2       # most tracks a tier's copies can need (copies overlapping without nesting)
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,15 @@ class RunTracks:
 
     def sequence(self, rank: int) -> int:
         return self.group + 1024 + rank
+
+    def tier(self, index: int, lane: int) -> int:
+        """A KV tier's track (its `lane`-th: see _tier_lanes), above every sequence's."""
+        assert lane < TIER_LANES, f"tier {index}: {lane + 1} lanes of copies overlapping"
+        return self.group + (1 << 39) + (index << 20) + lane
+
+    def tier_counter(self, index: int, direction: int) -> int:
+        """A KV tier's bytes copied each way (0 offload, 1 load), after its lanes."""
+        return self.tier(index, 0) + TIER_LANES + direction
 
 
 @dataclass
@@ -210,7 +230,18 @@ def _write_run(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str,
         else:
             counter.unit_name = unit
         writer.track(uuid, name, parent=tracks.group, rank=rank, counter=counter)
-    writer.track(tracks.requests, "Requests", parent=tracks.group, rank=1 + len(counters),
+    tiers = _tier_layout(con, run_id)
+    rank = 1 + len(counters)
+    for index, tier in enumerate(tiers):   # after the counters: each tier's lanes, then its counters
+        for lane in range(tier.num_lanes):
+            writer.track(tracks.tier(index, lane), f"KV tier: {tier.name}", parent=tracks.group, rank=rank,
+                         merge_by_name=True, description="copies to and from the tier, and its evictions")
+            rank += 1
+        for direction, name in enumerate(TIER_COUNTERS.values()):
+            writer.track(tracks.tier_counter(index, direction), name.format(tier=tier.name), parent=tracks.group,
+                         rank=rank, counter=pb.CounterDescriptor(y_axis_share_key="tier_bytes", unit=UNIT_BYTES))
+            rank += 1
+    writer.track(tracks.requests, "Requests", parent=tracks.group, rank=rank,
                  explicit_child_order=True, description="one track per sequence, ordered by arrival")
     for rows in _chunks(con, "SELECT rank, name FROM _timeline_sequences WHERE run_id = $run ORDER BY rank",
                         run_id, None):
@@ -221,7 +252,11 @@ def _write_run(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str,
     _write_counters(con, writer, run_id, tracks)
     if kv_groups:
         _write_kv_group_counters(con, writer, run_id, tracks)
-    _write_requests(con, writer, run_id, tracks)
+    for index, tier in enumerate(tiers):
+        writer.events(_tier_events(tier, index, tracks))
+    if tiers:
+        _write_tier_counters(con, writer, run_id, tracks, [tier.name for tier in tiers])
+    _write_requests(con, writer, run_id, tracks, tier_flows=bool(tiers))
 
 
 def _engine_step_ranges(con: duckdb.DuckDBPyConnection, run_id: str) -> Iterator[tuple[str, dict]]:
@@ -314,9 +349,19 @@ _REQUEST_ARGS = ("prompt_tokens", "output_tokens", "preemptions", "swaps", "reco
 _PREEMPTS_ARGS = ("victim", "victim_reason")
 
 
-def _write_requests(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str, tracks: RunTracks) -> None:
+def _write_requests(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str, tracks: RunTracks,
+                    tier_flows: bool = False) -> None:
     """Per sequence track: the request's slice, its states nested inside it, and inside those the
-    instants where its growth preempted another sequence (a flow to the victim's slice)."""
+    instants where its growth preempted another sequence (a flow to the victim's slice); with
+    `tier_flows`, each state's flows to and from the KV tier's copies (_timeline_tier_flows)."""
+    tier_ids = ("t.out_ids, t.in_ids" if tier_flows else "NULL::BIGINT[] AS out_ids, NULL::BIGINT[] AS in_ids")
+    tier_join = """
+            LEFT JOIN (SELECT run_id, req_id, sample, phase_start_s,
+                              list(flow_id ORDER BY flow_id) FILTER (WHERE phase_first) AS out_ids,
+                              list(flow_id ORDER BY flow_id) FILTER (WHERE NOT phase_first) AS in_ids
+                       FROM _timeline_tier_flows GROUP BY ALL) t
+                   ON t.run_id = p.run_id AND t.req_id = p.req_id AND t.sample = p.sample
+                  AND t.phase_start_s = p.start_s""" if tier_flows else ""
     preempts = con.sql("""
         SELECT s.rank, f.ts_ns, 'preempts ' || f.victim AS name, f.victim, f.victim_reason, f.flow_id
         FROM _timeline_requester_flows f JOIN _timeline_sequences s USING (run_id, req_id, sample)
@@ -324,9 +369,9 @@ def _write_requests(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id:
     preempts_rank = _ints(preempts["rank"])
     for rows in _chunks(con, f"""
             SELECT s.rank, s.name, s.arrival_ns, s.finish_ns, {', '.join(f's.{arg}' for arg in _REQUEST_ARGS)},
-                   p.state, p.start_ns, p.end_ns, p.flow_id, p.requester_flow_id
+                   p.state, p.start_ns, p.end_ns, p.flow_id, p.requester_flow_id, {tier_ids}
             FROM _timeline_sequences s
-            LEFT JOIN _timeline_phases p USING (run_id, req_id, sample)
+            LEFT JOIN _timeline_phases p USING (run_id, req_id, sample){tier_join}
             WHERE s.run_id = $run
             ORDER BY s.rank, p.start_s""", run_id, "rank"):
         rank = _ints(rows["rank"])
@@ -358,13 +403,16 @@ def _request_events(rows: pa.Table, preempts: pa.Table, tracks: RunTracks) -> pa
         pa.array(np.concatenate([[0], np.cumsum(_valid(flow_id).astype(np.int32) + _valid(requester))]), pa.int32()),
         pc.drop_null(pa.array(np.stack([_ints(flow_id), _ints(requester)], 1).reshape(-1), pa.int64(),
                               mask=~np.stack([_valid(flow_id), _valid(requester)], 1).reshape(-1))))
+    tier_in = rows["in_ids"].combine_chunks()
+    if tier_in.null_count < n:   # then the KV tier's copies that ended here (their flows began at the copy)
+        terminating = _concat_lists(terminating, tier_in)
     schema = _schema(rows, _REQUEST_ARGS + _PREEMPTS_ARGS, preempts)
     begun, stated, ended = rows.filter(first), rows.filter(has_state), rows.filter(last)
     parts = [
         _events(begun.num_rows, schema, type=TYPE_SLICE_BEGIN, ts=begun["arrival_ns"], track=track[first],
                 plain_name=begun["name"], **{arg: begun[arg] for arg in _REQUEST_ARGS}),
         _events(stated.num_rows, schema, type=TYPE_SLICE_BEGIN, ts=start[has_state], track=track[has_state],
-                name=stated["state"], terminating_flow_ids=terminating.filter(pa.array(has_state))),
+                name=stated["state"], flow_ids=stated["out_ids"], terminating_flow_ids=terminating.filter(pa.array(has_state))),
         _events(stated.num_rows, schema, type=TYPE_SLICE_END, ts=end[has_state], track=track[has_state]),
         _events(ended.num_rows, schema, type=TYPE_SLICE_END, ts=latest, track=track[last])]
     keys = [key[first], key[has_state] + 2, key[has_state] + 4, key[last] + 6]
@@ -376,6 +424,20 @@ def _request_events(rows: pa.Table, preempts: pa.Table, tracks: RunTracks) -> pa
                              **{arg: preempts[arg] for arg in _PREEMPTS_ARGS}))
         keys.append(_preempts_keys(rank, has_state, start, end, _ints(preempts["rank"]), _ints(preempts["ts_ns"])))
     return pa.concat_tables(parts).take(np.argsort(np.concatenate(keys), kind="stable"))
+
+
+def _concat_lists(first: pa.ListArray, second: pa.ListArray) -> pa.ListArray:
+    """Row by row, the values of `first` then those of `second` (a null list has none)."""
+    counts = [np.asarray(pc.fill_null(pc.list_value_length(lists), 0).to_numpy(zero_copy_only=False), np.int64)
+              for lists in (first, second)]
+    values = [np.asarray(lists.flatten().to_numpy(zero_copy_only=False), np.int64) for lists in (first, second)]
+    offsets = np.concatenate([[0], np.cumsum(counts[0] + counts[1])])
+    out = np.empty(int(offsets[-1]), np.int64)
+    for count, value, before in ((counts[0], values[0], 0), (counts[1], values[1], counts[0])):
+        row = np.repeat(np.arange(len(count)), count)
+        within = np.arange(len(value)) - np.repeat(np.cumsum(count) - count, count)
+        out[offsets[:-1][row] + np.broadcast_to(before, len(count))[row] + within] = value
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(out, pa.int64()))
 
 
 def _preempts_keys(rank: np.ndarray, has_state: np.ndarray, start: np.ndarray, end: np.ndarray,
@@ -398,6 +460,105 @@ def _preempts_keys(rank: np.ndarray, has_state: np.ndarray, start: np.ndarray, e
         keys[pending:done] = 10 * (hi - 1) + 5
         pending = done
     return keys
+
+
+# --------------------------------------------------------------------------- KV tiers (schema 6)
+
+@dataclass
+class TierTrack:
+    """A KV tier's events (_timeline_tier_events' rows, in order of start, longest first), with the lane
+    of each: its track among the tier's."""
+    name: str
+    rows: pa.Table
+    lanes: np.ndarray
+    num_lanes: int
+
+
+# the tier track's arguments
+_TIER_ARGS = ("step", "sequence", "blocks", "num_blocks", "num_tokens", "bytes", "duration_ms", "reason")
+
+
+def _tier_layout(con: duckdb.DuckDBPyConnection, run_id: str) -> list[TierTrack]:
+    """The run's tiers by name, each with its events read whole (a run's copies are a small share of its
+    events: one a sequence's chunk of blocks stored or loaded); none in a run without a tier."""
+    rows = con.sql(f"""
+        SELECT tier, start_ns, end_ns, name, flow_id, phase_first, {', '.join(_TIER_ARGS)}
+        FROM _timeline_tier_events WHERE run_id = $run
+        ORDER BY tier, start_ns, end_ns DESC, seq""", params={"run": run_id}).to_arrow_table()
+    tiers = []
+    for name in pc.unique(rows["tier"]).to_pylist():
+        part = rows.filter(pc.equal(rows["tier"], name))
+        lanes = _tier_lanes(_ints(part["start_ns"]), _ints(part["end_ns"]))
+        tiers.append(TierTrack(name, part, lanes, int(lanes.max(initial=0)) + 1))
+    return tiers
+
+
+def _tier_lanes(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """The lane of each event, in order of start (longest first): the first lane where it nests in the
+    slice open there, if any, once those ended by its start are closed. A track's slices must nest,
+    and copies need not: a step's copies end together (kvtrace's engine files them at its end, each with
+    its own duration: they nest), but a copy that waited for the link can begin before the last step's
+    copies ended. Instants (an untimed copy, an eviction) nest anywhere: lane 0."""
+    lanes = np.zeros(len(start), np.int64)
+    open_ends: list[list[int]] = [[]]            # per lane, the ends of its slices still open
+    for i in np.flatnonzero(end > start):
+        s, e = int(start[i]), int(end[i])
+        for lane, stack in enumerate(open_ends):
+            while stack and stack[-1] <= s:
+                stack.pop()
+            if not stack or e <= stack[-1]:
+                break
+        else:
+            open_ends.append([])
+            lane = len(open_ends) - 1
+        open_ends[lane].append(e)
+        lanes[i] = lane
+    return lanes
+
+
+def _tier_events(tier: TierTrack, index: int, tracks: RunTracks) -> pa.Table:
+    """The packets of a tier's tracks: a slice per timed copy, an instant per untimed copy and eviction,
+    each lane's in time order (at a time: slice ends, instants, then slice begins, outer first); a copy
+    begins its flow (flow_ids) or ends it (terminating_flow_ids, where its sequence's state began first)."""
+    rows = tier.rows
+    n = rows.num_rows
+    start, end = _ints(rows["start_ns"]), _ints(rows["end_ns"])
+    timed = end > start
+    track = tracks.tier(index, 0) + tier.lanes
+    flow_id = rows["flow_id"].combine_chunks()
+    has_flow = _valid(flow_id)
+    phase_first = np.asarray(pc.fill_null(rows["phase_first"], False).to_numpy(zero_copy_only=False), bool)
+    ids = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(has_flow)]), pa.int32()),
+                                   pc.drop_null(flow_id))
+    schema = _schema(rows, _TIER_ARGS)
+    opened = _events(n, schema, type=np.where(timed, TYPE_SLICE_BEGIN, TYPE_INSTANT), ts=start, track=track,
+                     plain_name=rows["name"],
+                     flow_ids=_masked_lists(ids, has_flow & ~phase_first),
+                     terminating_flow_ids=_masked_lists(ids, has_flow & phase_first),
+                     **{arg: rows[arg] for arg in _TIER_ARGS})
+    closed = _events(int(timed.sum()), schema, type=TYPE_SLICE_END, ts=end[timed], track=track[timed])
+    index_of = np.arange(n)
+    ts = np.concatenate([start, end[timed]])
+    order = np.concatenate([np.where(timed, 2, 1), np.zeros(int(timed.sum()), np.int64)])
+    lane = np.concatenate([tier.lanes, tier.lanes[timed]])
+    stable = np.concatenate([index_of, index_of[timed]])
+    return pa.concat_tables([opened, closed]).take(np.lexsort((stable, order, ts, lane)))
+
+
+def _masked_lists(lists: pa.ListArray, mask: np.ndarray) -> pa.Array:
+    """`lists` where `mask`, null elsewhere."""
+    return pc.if_else(pa.array(mask), lists, pa.nulls(len(lists), lists.type))
+
+
+def _write_tier_counters(con: duckdb.DuckDBPyConnection, writer: TraceWriter, run_id: str, tracks: RunTracks,
+                         tiers: list[str]) -> None:
+    rows = con.sql("SELECT tier, direction, ts_ns, value FROM _timeline_tier_counters WHERE run_id = $run "
+                   "ORDER BY tier, direction, ts_ns", params={"run": run_id}).to_arrow_table()
+    uuids = {(tier, direction): tracks.tier_counter(index, d)
+             for index, tier in enumerate(tiers) for d, direction in enumerate(TIER_COUNTERS)}
+    track = np.array([uuids[key] for key in zip(rows["tier"].to_pylist(), rows["direction"].to_pylist())], np.int64)
+    writer.events(_events(rows.num_rows, pa.schema(EVENT_COLUMNS), type=TYPE_COUNTER, ts=rows["ts_ns"],
+                          track=track, counter=rows["value"]))
 
 
 # --------------------------------------------------------------------------- tables of packets

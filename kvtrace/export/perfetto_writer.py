@@ -41,6 +41,7 @@ CLEARED = pb.TracePacket.SEQ_INCREMENTAL_STATE_CLEARED
 NEEDS_STATE = pb.TracePacket.SEQ_NEEDS_INCREMENTAL_STATE
 EXPLICIT_ORDER = pb.TrackDescriptor.EXPLICIT
 UNIT_BYTES = pb.CounterDescriptor.UNIT_SIZE_BYTES
+MERGE_BY_NAME = pb.TrackDescriptor.SIBLING_MERGE_BEHAVIOR_BY_TRACK_NAME
 
 # The columns of a table of track events (`TraceWriter.events`), one row per packet; every column
 # but type, ts and track may be left out (all null) and is left out of a packet where null. Any
@@ -236,9 +237,9 @@ class TraceWriter:
 
     def track(self, uuid: int, name: str, parent: int | None = None, rank: int | None = None,
               explicit_child_order: bool = False, description: str | None = None,
-              counter: pb.CounterDescriptor | None = None) -> None:
+              counter: pb.CounterDescriptor | None = None, merge_by_name: bool = False) -> None:
         """Describe a track; `rank` orders it among its parent's children when the parent asked for
-        explicit order."""
+        explicit order; `merge_by_name`: the UI shows it and its siblings of the same name as one."""
         assert self._sequence_id, "start_sequence() first"
         packet = pb.TracePacket()
         packet.trusted_packet_sequence_id = self._sequence_id
@@ -258,6 +259,8 @@ class TraceWriter:
             track.description = description
         if counter is not None:
             track.counter.CopyFrom(counter)
+        if merge_by_name:
+            track.sibling_merge_behavior = MERGE_BY_NAME
         self._write(packet.SerializeToString())
 
     def tracks(self, uuids: np.ndarray, names: pa.Array, parent: int, ranks: np.ndarray) -> None:
