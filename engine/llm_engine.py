@@ -144,6 +144,7 @@ class LLMEngine:
         self.clock = self.runner.clock
         self.tracer: Tracer = tracer or NullTracer()
         self.time_origin = self.clock()
+        self.next_arrival_s = math.inf   # during advance(): the replay's next arrival, on the engine's clock
         self.step_counter = 0
         self._event_seq = 0   # the seq number of the next event handed to the tracer
         self._num_requests = 0
@@ -247,7 +248,11 @@ class LLMEngine:
             ran = self.fast_path.advance(until_s)
             if ran is not None:
                 return ran
-        return 1, len(self.step())
+        self.next_arrival_s = until_s   # a step that only waits for a tier copy wakes for it too
+        try:
+            return 1, len(self.step())
+        finally:
+            self.next_arrival_s = math.inf
 
     def step(self) -> list[tuple[Sequence, int]]:
         """Run one step; return the (sequence, token id) pairs it emitted (with async scheduling, those
@@ -384,7 +389,11 @@ class LLMEngine:
             self._link_free_s[copy.is_load] = copy.done_s
         in_flight = sched.copies_in_flight
         if not out.seqs and in_flight and not any(c.flushed or c.done_s <= now for c in in_flight):
-            self.runner.idle_until(min(c.done_s for c in in_flight))
+            # nothing ran: wait for the first copy to finish, or for the next arrival if it comes first
+            # (the replay adds it and the next step may admit it while the copies go on)
+            wake = min(c.done_s for c in in_flight)
+            arrival = self.next_arrival_s + self.time_origin
+            self.runner.idle_until(arrival if now < arrival < wake else wake)
             now = self.clock()
         stored = loaded = 0
         total_ms = 0.0

@@ -231,3 +231,28 @@ def test_a_finished_request_offers_its_refused_blocks_once_more(engine, r1_token
     evict = next(e for e in tracer.events if e.kind == ev.TIER_EVICT)
     finish = next(e for e in tracer.events if e.kind == ev.FINISH and e.req_id == "r1")
     assert evict.num_tier_blocks == 3 and evict.step == finish.step + 1
+
+
+def test_a_step_waiting_only_for_a_load_wakes_for_the_next_arrival(tmp_path):
+    """Nothing runs while again's load crosses the slow link: the simulator's clock jumps, but to the
+    next arrival when it comes first, so that the new request is admitted while the load goes on."""
+    profile = {**PROFILES["h100-sxm"].to_dict(), "name": "slow-link", "host_bytes_s": 1e6}
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(profile))
+    tracer = ListTracer()
+    engine = sim(tracer, num_gpu_blocks=64, num_offload_blocks=16, hardware=str(path))
+    engine.add_request("first", list(range(100, 112)), SamplingParams(max_tokens=1, ignore_eos=True))
+    run_checked_until(engine, lambda: ("first", 0) in finished(tracer))
+    drop_cached_blocks(engine)
+    engine.add_request("again", list(range(100, 112)) + [7], SamplingParams(max_tokens=2, ignore_eos=True))
+    arrival = engine.now() + 0.001       # the load takes 7.5 ms over this link
+    engine.advance(arrival)             # looks again up, starts its load, runs nothing
+    engine.check_integrity()
+    assert not any(e.kind == ev.LOAD for e in tracer.events)   # the load still in flight
+    assert engine.now() == pytest.approx(arrival)
+    engine.add_request("late", list(range(300, 304)), SamplingParams(max_tokens=2, ignore_eos=True),
+                       arrival_s=arrival)
+    run_checked(engine)
+    admit_late = next(e for e in tracer.events if e.kind == ev.ADMIT and e.req_id == "late")
+    load = next(e for e in tracer.events if e.kind == ev.LOAD and e.req_id == "again")
+    assert admit_late.step <= load.step   # admitted while again's load was in flight
