@@ -514,8 +514,10 @@ class Scheduler:
         """Each scheduled sequence offers the tier its prompt's blocks that this step fills (vLLM's default
         offload_prompt_only), one prepare_store a sequence a step; refused (no room), the same blocks are
         offered again next step. A store copies the blocks the tier lacked, after the forward."""
+        bs = self.bm.block_size
         for seq, num_new in zip(out.seqs, out.num_new_tokens):
-            self._offer(seq, seq.block_table, min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens), out)
+            if seq.num_offered_blocks < seq.num_prompt_tokens // bs:   # else its prompt's full blocks all offered
+                self._offer(seq, seq.block_table, min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens), out)
 
     def _offer_finished(self, seq: Sequence, blocks: list[int], num_computed: int, out: SchedulerOutput) -> None:
         """A sequence finished in the last step offers, once more, the prompt blocks it had computed and
