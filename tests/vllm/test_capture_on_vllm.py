@@ -148,7 +148,7 @@ def capture_differences(workload: dict, records: list[dict], answer: dict) -> li
                 given[rid][group or 0] += ids
         blocks = {rid: [b for ids in per_group for b in ids] for rid, per_group in given.items()}
         mine = [[rid, "resumed" if any(e[0] == "admit" and e[1] == rid and e[4] == "resume-recompute"
-                                       for e in step) else "new", hits.get(rid, 0), blocks[rid]] for rid in admitted]
+                                       for e in step) else "new", hits.get(rid, 0), blocks.get(rid, [])] for rid in admitted]
         theirs = rec["admitted"]
         if mine != theirs:
             problems.append(f"step {n}: admissions {mine}, vLLM {theirs}")
@@ -189,7 +189,8 @@ def capture_differences(workload: dict, records: list[dict], answer: dict) -> li
                 held.setdefault(rid, set()).update(ids)
             elif kind == "prefix_hit":
                 held.setdefault(rid, set()).update(ids)
-            elif kind == "free" and reason in ("window", "state"):   # a hybrid model's, mid-request
+            elif kind == "free" and (reason in ("window", "state") or reason == "other" and rid):
+                # a hybrid model's, mid-request; or a request's given back otherwise (a failed load, vLLM 0.34)
                 stray = set(ids) - held.get(rid, set())
                 if stray:
                     problems.append(f"step {n}: {rid} dropped {sorted(stray)} out of its window, not its own")

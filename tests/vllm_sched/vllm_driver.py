@@ -26,6 +26,7 @@ tests/vllm_sched/record.py's: kvtrace's side writes the same.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -100,6 +101,10 @@ def build(model: str, cfg: dict):
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], specs[kind]())
                          for i, kind in enumerate(cfg.get("kv_cache_groups", ["full"]))])
+    # a host KV tier: vLLM's native CPU offloading (the OffloadingConnector's scheduler side; StandInWorker
+    # stands in for its worker), or none
+    object.__setattr__(vllm_config, "kv_transfer_config", offloading_config(cfg["offload"]) if cfg.get("offload")
+                       else None)
     if CAPTURE_CLASS is not None:
         cls = CAPTURE_CLASS
     elif CAPTURE:
@@ -108,6 +113,82 @@ def build(model: str, cfg: dict):
         cls = AsyncScheduler if cfg["async"] else Scheduler
     return cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=False,
                structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size)
+
+
+def offloading_config(offload: dict):
+    """vLLM's KV transfer config of `--kv-offloading-size` (native CPU offloading), sized in chunks: a chunk is
+    a block here (blocks_per_chunk 1), each padded to a 4 KiB page (CPUOffloadingSpec), and a failed load
+    is computed instead ("recompute")."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
+                            kv_connector_extra_config={"cpu_bytes_to_use": 4096 * offload["chunks"]})
+
+
+class StandInWorker:
+    """The offloading connector's worker side, stood in for (as vLLM's own tests mock it): each transfer job
+    the scheduler side issues (its SchedulerOutput's kv_connector_metadata) completes in the output of the
+    step `delay` steps later, a job it flushes in that step's own; on vLLM 0.34 every `fail_every`-th job
+    fails (its failed_jobs; a load's request in failed_recving too). Records what the connector decided,
+    independently of the capture: per step the jobs issued, those completed, and the tier's evictions."""
+
+    def __init__(self, sched, offload: dict) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+        self.sched = sched
+        self.delay, self.fail_every = offload.get("delay", 1), offload.get("fail_every", 0)
+        self.can_fail = "failed_jobs" in {f.name for f in dataclasses.fields(OffloadingWorkerMetadata)}
+        self.jobs: dict[int, list] = {}   # job id -> [due step, request, is a load]
+        self.evicted = 0                   # chunks the tier evicted since the last step
+        manager = sched.connector.connector_scheduler.manager
+        prepare_store = manager.prepare_store
+
+        def _prepare_store(*args, **kwargs):
+            out = prepare_store(*args, **kwargs)
+            if out is not None:
+                self.evicted += len(out.evicted_keys)
+            return out
+        manager.prepare_store = _prepare_store
+
+    def issued(self, so, index: int) -> dict:
+        """What the connector decided in step `index`'s scheduling."""
+        meta = so.kv_connector_metadata
+        record = {"loads": [], "stores": [], "flushed": sorted(meta.jobs_to_flush or ()), "evicted": self.evicted}
+        self.evicted = 0
+        for kind, jobs in (("loads", meta.load_jobs), ("stores", meta.store_jobs)):
+            for job_id, job in sorted(jobs.items()):
+                spec = job.dst_spec if kind == "loads" else job.src_spec
+                blocks = [int(b) for b in spec.block_ids]
+                record[kind].append([job_id, job.req_id, blocks])
+                self.jobs[job_id] = [index + self.delay, job.req_id, kind == "loads"]
+                if kind == "loads":   # the request waits for it: its device hit, the connector's, its table
+                    request = self.sched.requests[job.req_id]
+                    table = [b.block_id for b in self.sched.kv_cache_manager.get_blocks(job.req_id).blocks[0]]
+                    num_hit = self.sched.connector.connector_scheduler._req_status[job.req_id].num_locally_computed_tokens
+                    record[kind][-1] += [num_hit, request.num_computed_tokens - num_hit, request.num_tokens, table]
+        for job_id in meta.jobs_to_flush or ():
+            if job_id in self.jobs:
+                self.jobs[job_id][0] = index
+        return record
+
+    def output(self, index: int):
+        """The connector's part of step `index`'s model output, and the jobs it completes ([job, ok])."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+        from vllm.v1.outputs import KVConnectorOutput
+
+        done = sorted(j for j, (due, _, _) in self.jobs.items() if due <= index)
+        failed = {j for j in done if self.can_fail and self.fail_every and j % self.fail_every == self.fail_every - 1}
+        finished = {self.jobs[j][1] for j in done if self.jobs[j][2]}
+        failed_recving = {self.jobs[j][1] for j in failed if self.jobs[j][2]}
+        for j in done:
+            del self.jobs[j]
+        if not done:
+            return None, []
+        meta = OffloadingWorkerMetadata(completed_jobs={j: 1 for j in done},
+                                        **({"failed_jobs": failed} if self.can_fail else {}))
+        return (KVConnectorOutput(finished_recving=finished or None, kv_connector_worker_meta=meta,
+                                  failed_recving=failed_recving),
+                [[j, j not in failed] for j in done])
 
 
 def speculative_config(model: str, num_tokens: int):
@@ -386,6 +467,7 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     object.__setattr__(CONFIGS["vllm_config"], "speculative_config",
                        speculative_config(model, workload["spec_tokens"]) if workload.get("spec_method") else None)
     rec = Recorder(sched, workload.get("keep_victim_hashes", False), not workload.get("bare"))
+    worker = StandInWorker(sched, cfg["offload"]) if cfg.get("offload") else None
     drafts = workload.get("spec_tokens", 0)   # speculative decoding: draft tokens proposed each step
     if drafts and cfg["async"] and not workload.get("spec_method"):
         raise ValueError("spec_tokens: the AsyncScheduler drafts with a spec_method only")
@@ -483,6 +565,9 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         index = len(steps)
         timing.append([scheduled_at])   # when schedule() returned, then when update_from_output was called
         executed = output_for(sched, so, index)   # what the model runner returns for this step, run now
+        if worker is not None:   # and the connector's worker side, for this step's transfers
+            tier = worker.issued(so, index)
+            executed.kv_connector_output, tier["done"] = worker.output(index)
         # per request: drafts scheduled, and how many the output accepts (before vLLM cuts a stopped one short)
         sampled = dict(zip(executed.req_ids, executed.sampled_token_ids))
         drafted = sorted([rid, len(ids), len(sampled[rid]) - 1 if sampled.get(rid) else None]
@@ -494,7 +579,9 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
                 time.sleep(gaps.get(prev[2], 0))
                 timing[prev[2]].append(time.monotonic())
                 deliver(prev[2], sched.update_from_output(*prev[:2]))
-            prev = (so, executed, index) if so.total_num_scheduled_tokens else None
+            # (with a connector, a step that scheduled nothing still has an output while transfers finish in it)
+            transfers = worker is not None and (worker.jobs or executed.kv_connector_output is not None)
+            prev = (so, executed, index) if so.total_num_scheduled_tokens or transfers else None
         else:
             time.sleep(gaps.get(index, 0))   # the model runs longer
             timing[index].append(time.monotonic())
@@ -513,6 +600,8 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             record.update(given=sorted(given), dropped=sorted(dropped))
         if drafted:
             record["drafts"] = drafted
+        if worker is not None:
+            record["tier"] = tier
         if cfg["async"]:
             record["placeholders"] = sorted([rid, req.num_output_placeholders] for rid, req in sched.requests.items()
                                             if req.num_output_placeholders)

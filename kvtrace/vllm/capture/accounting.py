@@ -80,26 +80,33 @@ class StepAccounting:
         self.step_preemptions = 0
         self.admit_failed = False
 
-    def admitted(self, request: Request, status, num_hit: int, hit_blocks, mark: int) -> None:
+    def admitted(self, request: Request, status, num_hit: int, hit_blocks, mark: int, lookup: KvEvent | None = None,
+                 loading: bool = False) -> None:
         """A waiting or preempted request got its blocks (`mark`: where its allocations' events
-        begin): it is scheduled this step."""
+        begin): it is scheduled this step. With a KV connector (connector.py): its `lookup` event, and
+        `loading`: it waits for a load from the tier instead (WAITING_FOR_REMOTE_KVS), admitted once
+        that finishes, its loaded positions computed by then (vLLM's num_computed_tokens)."""
         rid = request.request_id
         st = self.state(rid)
         resumed = status == RequestStatus.PREEMPTED
         reason = "resume-recompute" if resumed else "new"
-        self.watched[rid] = st
-        if st.first_scheduled is None:
-            st.first_scheduled = self.step_start
-        rows = [KvEvent("admit", rid, None, request.num_tokens - num_hit, reason)]
+        rows = [] if lookup is None else [lookup._replace(reason=reason)]
+        if not loading:
+            self.watched[rid] = st
+            if st.first_scheduled is None:
+                st.first_scheduled = self.step_start
+            rows.append(KvEvent("admit", rid, None, request.num_tokens - num_hit - request.num_computed_tokens, reason))
         if num_hit:
             ids, per_group = self.block_ids(hit_blocks.get_block_ids()) if hit_blocks is not None else ([], None)
             rows.append(KvEvent("prefix_hit", rid, ids, num_hit, reason, kv_group_blocks=per_group))
             st.prefix_hits += num_hit
         self.events[mark:mark] = rows     # before the blocks it was given, as kvtrace's engine orders them
-        if resumed:
-            st.reprefill_target = request.num_tokens
-            st.reprefill_cached = num_hit
-            st.reprefill_recomputed = 0
+        if resumed or loading:
+            if not request.num_computed_tokens:   # after its load: the device's hit is the lookup's
+                st.reprefill_cached = num_hit
+            if not loading:
+                st.reprefill_target = request.num_tokens
+                st.reprefill_recomputed = 0
 
     def scheduled(self, out, start: float, end: float, cached_free: int) -> StepRow:
         """The row of the step vLLM's schedule() just returned (`out`, its SchedulerOutput)."""

@@ -27,8 +27,11 @@ class Columns:
     """Writes rows into the sink's columns; numbers the events and each request's tokens."""
 
     def __init__(self, sink: Sink, *, token_ids: bool, salt: bytes, wall_minus_monotonic: float,
-                 total_blocks: int) -> None:
+                 total_blocks: int, tiered: bool = False) -> None:
+        """`tiered`: a KV connector is configured (a tier behind the pool): the tier columns (schema 6) are
+        filled, else null."""
         self.sink = sink
+        self.tiered = tiered
         self.token_ids = token_ids
         self.salt = salt
         self.wall_minus_monotonic = wall_minus_monotonic
@@ -88,10 +91,23 @@ class Columns:
         t["ts_s"].extend(repeat(now, m))
         return first
 
-    def step(self, row: StepRow, end: float, device_ms: float | None, accepted: int | None) -> None:
+    def step(self, row: StepRow, end: float, device_ms: float | None, accepted: int | None,
+             events: list[KvEvent]) -> None:
         """A steps row: `end` when its output was processed (its scheduling's end if it never was);
-        `accepted`: of its draft tokens, those its output accepted (None: never processed)."""
+        `accepted`: of its draft tokens, those its output accepted (None: never processed); `events`: the
+        KV events filed with it (a tier's copies that finished in it: its bytes each way)."""
         s = self.sink.columns["steps"]
+        if self.tiered:
+            moved = {"offload": 0, "load": 0}
+            for e in events:
+                if e.bytes and e.kind in moved:
+                    moved[e.kind] += e.bytes
+            s["offload_bytes"].append(moved["offload"])
+            s["load_bytes"].append(moved["load"])
+        else:
+            s["offload_bytes"].append(None)
+            s["load_bytes"].append(None)
+        s["tier_transfer_ms"].append(None)   # the connector does not say how long a copy took
         for name, value in (("step", row.step), ("start_s", row.start_s), ("end_s", end),
                             ("device_ms", device_ms), ("running", row.running),
                             ("waiting", row.waiting), ("swapped", 0), ("prefill_tokens", row.prefill_tokens),
@@ -116,7 +132,8 @@ class Columns:
                             ("swaps", 0), ("recomputed_tokens", st.recomputed),
                             ("prefix_hit_tokens", st.prefix_hits),
                             # its drafts' totals are the reader's, from the spec_decode rows (importer.DraftTotals)
-                            ("draft_tokens", None), ("accepted_tokens", None)):
+                            ("draft_tokens", None), ("accepted_tokens", None),
+                            ("tier_hit_tokens", st.tier_hits if self.tiered else None)):
             q[name].append(value)
         self.emitted.pop(rid, None)
 
@@ -146,7 +163,7 @@ class Columns:
         m = len(events)
         # the events' fields as columns
         (kinds, req_ids, blocks, num_tokens, reasons, cached, recomputed, requesters,
-         victim_reasons, groups, group_blocks) = zip(*events)
+         victim_reasons, groups, group_blocks, tiers, tier_tokens, num_bytes, tier_blocks) = zip(*events)
         k["seq"].extend(range(self.seq, self.seq + m))
         self.seq += m
         k["step"].extend(repeat(step, m))
@@ -155,9 +172,9 @@ class Columns:
         k["req_id"].extend(req_ids)
         k["sample"].extend(repeat(0, m))
         k["blocks"].extend(blocks)
-        k["num_blocks"].extend([len(b) if b else 0 for b in blocks])
+        k["num_blocks"].extend([len(b) if b else n or 0 for b, n in zip(blocks, tier_blocks)])
         k["num_tokens"].extend(num_tokens)
-        k["bytes"].extend(repeat(0, m))
+        k["bytes"].extend(num_bytes)
         k["duration_ms"].extend(repeat(None, m))
         k["reason"].extend(reasons)
         k["num_cached_tokens"].extend(cached)
@@ -173,3 +190,5 @@ class Columns:
             k["victim_reason"].extend(repeat(None, m))
         k["kv_group"].extend(groups)
         k["kv_group_blocks"].extend(group_blocks)
+        k["tier"].extend(tiers)
+        k["tier_tokens"].extend(tier_tokens)

@@ -74,6 +74,55 @@ SKIPPING_LOCALS = {"SingleTypeKVCacheManager": ("_remove_blocks_in_range", ("sel
                    "MambaManager": ("remove_skipped_blocks", ("self", "request_id"))}
 
 
+# a KV connector's scheduler side (KVConnectorBase_V1; connector.py wraps the instance's methods), what
+# allocate_slots is told of its hit, and what a worker output says of its copies
+CONNECTOR_METHODS = {
+    "get_num_new_matched_tokens": ("request", "num_computed_tokens"),
+    "update_state_after_alloc": ("request", "blocks", "num_external_tokens"),
+    "build_connector_meta": ("scheduler_output",),
+    "update_connector_output": ("connector_output",),
+    "request_finished": ("request",),
+}
+CONNECTOR_ALLOCATE_SLOTS = ("num_external_computed_tokens", "delay_cache_blocks")
+CONNECTOR_OUTPUT_FIELDS = ("finished_recving", "failed_recving", "kv_connector_worker_meta")
+
+
+def check_connector(scheduler: object) -> None:
+    """Where a KV connector is configured (a KV tier: `scheduler.connector`), the names connector.py uses:
+    the connector's scheduler-side methods and their parameters, allocate_slots' parameters for the
+    connector's hit, KVConnectorOutput's fields, and for vLLM's OffloadingConnector its scheduler side's
+    jobs in flight, chunk size and manager's prepare_store (whose output names the chunks it evicted)."""
+    connector = getattr(scheduler, "connector", None)
+    if connector is None:
+        return
+    what = type(connector).__name__
+    _check_methods(type(connector), what, CONNECTOR_METHODS)
+    _check_methods(type(scheduler.kv_cache_manager), "KVCacheManager", {"allocate_slots": CONNECTOR_ALLOCATE_SLOTS})
+    try:
+        from vllm.v1.outputs import KVConnectorOutput
+    except ImportError as exc:
+        raise VllmChanged(f"vLLM changed: {exc} (the capture reads KVConnectorOutput)") from exc
+    fields = _fields_of(KVConnectorOutput)
+    for name in CONNECTOR_OUTPUT_FIELDS:
+        if name not in fields:
+            raise VllmChanged(f"vLLM changed: KVConnectorOutput.{name} is gone (the capture reads it)")
+    if what != "OffloadingConnector":
+        return
+    side = getattr(connector, "connector_scheduler", None)
+    if not isinstance(getattr(side, "_jobs", None), dict):
+        raise VllmChanged("vLLM changed: OffloadingConnector.connector_scheduler._jobs is gone (the capture reads it)")
+    if not isinstance(getattr(getattr(side, "config", None), "blocks_per_chunk", None), int):
+        raise VllmChanged("vLLM changed: the OffloadingConnector's config.blocks_per_chunk is gone (the capture reads it)")
+    if not callable(getattr(getattr(side, "manager", None), "prepare_store", None)):
+        raise VllmChanged("vLLM changed: the OffloadingConnector's manager.prepare_store is gone (the capture wraps it)")
+    try:
+        from vllm.v1.kv_offload.base import PrepareStoreOutput
+    except ImportError as exc:
+        raise VllmChanged(f"vLLM changed: {exc} (the capture reads PrepareStoreOutput)") from exc
+    if "evicted_keys" not in _fields_of(PrepareStoreOutput):
+        raise VllmChanged("vLLM changed: PrepareStoreOutput.evicted_keys is gone (the capture reads it)")
+
+
 def check_kv_cache(scheduler: object) -> None:
     """Each KV-cache group's manager (vLLM's spec_manager_map's choice) one the capture follows: plain full
     attention (a dense model's, MLA's too), and beside it a hybrid model's sliding-window, chunked local

@@ -81,7 +81,8 @@ class Recorder:
         self.steps = StepAccounting(scheduler)
         self.columns = Columns(self.sink, token_ids=settings.token_ids, salt=self.server.salt,
                                wall_minus_monotonic=self.server.wall_minus_monotonic,
-                               total_blocks=self.steps.total_blocks)
+                               total_blocks=self.steps.total_blocks,
+                               tiered=getattr(scheduler, "connector", None) is not None)
         self.pending = PendingSteps()
         self.self_check = SelfCheck(scheduler.kv_cache_manager, self.steps.null_id, self.steps.total_blocks)
         self.last_end: float | None = None   # when the last processed step's output was (its row's end_s)
@@ -105,6 +106,7 @@ class Recorder:
             guard.check_version(version)
         guard.check_instance(scheduler)
         guard.check_kv_cache(scheduler)
+        guard.check_connector(scheduler)
         kvm = scheduler.kv_cache_manager
         pool = kvm.block_pool
         try:
@@ -201,7 +203,8 @@ class Recorder:
         for rid in filed_later:   # followed no more: a later step's output for it is stale
             self.steps.forget(rid)
         if scheduled is not None:
-            self.columns.step(scheduled.row, now, (start - scheduled.row.schedule_end_s) * 1e3, accepted)
+            self.columns.step(scheduled.row, now, (start - scheduled.row.schedule_end_s) * 1e3, accepted,
+                              self.steps.events)
         self.last_end = now
         self._write_events(step, now)
         if self.settings.self_check:
@@ -285,7 +288,7 @@ class Recorder:
         if scheduled.row.draft_tokens:   # drafts never checked: none accepted, none known to be rejected
             self.columns.spec_decode(scheduled.output.scheduled_spec_decode_tokens, {}, scheduled.row.step, end,
                                      self.steps.lookahead)
-        self.columns.step(scheduled.row, end, None, None if scheduled.row.draft_tokens else 0)
+        self.columns.step(scheduled.row, end, None, None if scheduled.row.draft_tokens else 0, steps.events)
         self._write_events(scheduled.row.step, end)
         steps.events, steps.finishing = since
 

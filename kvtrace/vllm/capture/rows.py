@@ -17,7 +17,7 @@ class RequestState:
     """What the capture keeps of one request between steps."""
 
     __slots__ = ["ever", "recomputed", "prefix_hits", "preemptions", "first_scheduled", "first_token",
-                 "reprefill_target", "reprefill_cached", "reprefill_recomputed"]
+                 "reprefill_target", "reprefill_cached", "reprefill_recomputed", "tier_hits"]
 
     def __init__(self) -> None:
         self.ever = 0                 # most KV positions it ever had computed (kept up to date while watched)
@@ -29,6 +29,7 @@ class RequestState:
         self.reprefill_target = 0     # while re-prefilling after a preemption: the positions to get back
         self.reprefill_cached = 0
         self.reprefill_recomputed = 0
+        self.tier_hits = 0            # a KV connector's tier: positions loaded instead of computed
 
 
 class KvEvent(NamedTuple):
@@ -49,6 +50,12 @@ class KvEvent(NamedTuple):
     # how many of them each group has, in group order; None for a model of one group
     kv_group: int | None = None
     kv_group_blocks: list[int] | None = None
+    # a KV tier's event (schema 6: a KV connector's, connector.py): the tier, a lookup's positions the tier
+    # holds, the bytes a copy moved, and a tier_evict's count of the tier's blocks (it names no device block)
+    tier: str | None = None
+    tier_tokens: int | None = None
+    bytes: int = 0
+    num_tier_blocks: int | None = None
 
 
 _new_tuple = tuple.__new__
@@ -58,7 +65,7 @@ def block_event(kind: str, req_id: str, blocks: list[int], reason: str | None, k
     """An alloc's, a free's or an evict's KvEvent, made for every block-pool call (a step with draft tokens
     makes many): built as the tuple it is, its fields in order, without the keyword arguments that
     KvEvent's own constructor would take for its group."""
-    return _new_tuple(KvEvent, (kind, req_id, blocks, 0, reason, 0, 0, None, None, kv_group, None))
+    return _new_tuple(KvEvent, (kind, req_id, blocks, 0, reason, 0, 0, None, None, kv_group, None, None, None, 0, None))
 
 
 class StepRow(NamedTuple):

@@ -38,7 +38,8 @@ class SelfCheck:
                 held.setdefault(e.req_id, set()).update(e.blocks)
             elif e.kind in ("preempt", "finish"):
                 held.pop(e.req_id, None)
-            elif e.kind == "free" and e.reason in ("window", "state"):   # dropped mid-request
+            elif e.kind == "free" and (e.reason in ("window", "state") or e.reason == "other" and e.req_id):
+                # dropped mid-request; or given back otherwise (a KV connector's failed load, computed again)
                 held.get(e.req_id, set()).difference_update(e.blocks)
 
     def check(self, step: int, waiting: Iterable[ScheduledStep], cached_free: int) -> None:

@@ -34,6 +34,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from kvtrace.vllm.capture.accounting import StepAccounting
+from kvtrace.vllm.capture.connector import TierWraps
 from kvtrace.vllm.capture.rows import block_event
 
 ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -74,7 +75,10 @@ class PoolWraps:
         self._get_new_blocks, self._free_blocks = pool.get_new_blocks, pool.free_blocks
         self._touch, self._maybe_evict = pool.touch, pool._maybe_evict_cached_block
         self._free = kvm.free
+        self.tier: TierWraps | None = None                 # a KV connector's wraps (connector.py), if one is configured
         try:
+            if getattr(scheduler, "connector", None) is not None:
+                self.tier = TierWraps(scheduler, steps, on_error)
             self._put(pool, "get_new_blocks", self.get_new_blocks)
             self._put(pool, "free_blocks", self.free_blocks)
             self._put(pool, "touch", self.touch)
@@ -96,6 +100,8 @@ class PoolWraps:
         One that something else has wrapped since stays under that, and its accounting fails into
         `on_error` from then on (once stopped, a no-op), its events no longer kept."""
         self.end_admitting()
+        if self.tier is not None:
+            self.tier.remove()
         for owner, name, wrapper, before in reversed(self.put):
             if owner.__dict__.get(name) is not wrapper:
                 continue
@@ -196,6 +202,10 @@ class PoolWraps:
         try:
             if result is None:   # vLLM stops admitting
                 self.steps.admit_failed = True
+            elif self.tier is not None and not request.num_computed_tokens:   # the connector was asked too
+                lookup, loading = self.tier.lookup(request, num_new_computed_tokens, kwargs)
+                self.steps.admitted(request, status, num_new_computed_tokens, new_computed_blocks, mark, lookup,
+                                    loading)
             else:
                 self.steps.admitted(request, status, num_new_computed_tokens, new_computed_blocks, mark)
         except Exception as exc:  # noqa: BLE001 (as above)
