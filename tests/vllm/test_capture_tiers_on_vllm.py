@@ -226,3 +226,18 @@ def test_a_tier_hit_credited_to_the_device_is_caught(vllm, tmp_path, monkeypatch
         assert any(p.startswith("lookups of a load") for p in problems), problems
     finally:
         scheduler.close()
+
+
+@starts_vllm(unless=bool(DRIVERS))
+def test_a_connector_without_a_name_the_capture_uses_makes_it_step_aside_or_refuse(vllm, tmp_path):
+    """The capture relies on the connector's scheduler-side names (guard.check_connector): one gone, it steps
+    aside (vLLM serves, the connector working, unrecorded), or in strict mode vLLM does not start, and
+    error.json names it."""
+    named = "OffloadingConnector.request_finished is gone"
+    workload = {**LOADING, "hide": ["vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+                                    "OffloadingConnector.request_finished"]}
+    answer = vllm.answer({**workload, "capture_dir": str(tmp_path / "capture")})
+    error = on_vllm.stepped_aside(answer, tmp_path / "capture", "vllm_changed")
+    assert named in error["error"], error
+    assert any(r["tier"]["loads"] for r in answer["steps"])   # vLLM's connector loaded, unrecorded
+    assert named in on_vllm.refused(vllm, workload, tmp_path / "strict", "vllm_changed", "VllmChanged")["error"]
