@@ -103,6 +103,12 @@ def tier_differences(workload: dict, records: list[dict], answer: dict) -> list[
                 hits[rid] += num_tokens
         evicted[n] += tier["evicted"]
     problems = []
+    chunks = workload["config"]["offload"]["chunks"]
+    identity = json.loads((Path(answer["capture"]) / "capture.json").read_text())
+    tier = {"name": "cpu", "num_blocks": chunks, "bytes": 4096 * chunks, "block_size": bs, "policy": "lru",
+            "link_gb_s": None}
+    if identity["kv_tiers"] != [tier]:
+        problems.append(f"capture.json's kv_tiers {identity['kv_tiers']}, the tier {tier}")
     loading = {(n, rid) for n, rid, *_ in want_lookups}
     got_lookups = [(e["step"], e["req_id"], e["num_tokens"], e["num_cached_tokens"], e["tier_tokens"])
                    for e in events if e["kind"] == "lookup" and (e["step"], e["req_id"]) in loading]

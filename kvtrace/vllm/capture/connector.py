@@ -41,6 +41,26 @@ def bytes_per_block(scheduler) -> int:
         return 0
 
 
+def kv_tiers(scheduler) -> list[dict]:
+    """The tier behind the pool as meta.json's kv_tiers describes one (docs/trace-format.md), for the
+    server's identity: its name, size in device blocks and bytes (the native offloading's; null where the
+    connector does not say), the tokens a block holds, how it makes room; [] without a connector."""
+    connector = getattr(scheduler, "connector", None)
+    if connector is None:
+        return []
+    config = getattr(getattr(scheduler, "vllm_config", None), "kv_transfer_config", None)
+    extra = getattr(config, "kv_connector_extra_config", None) or {}
+    tier = {"name": tier_name(connector), "num_blocks": None, "bytes": None, "block_size": scheduler.block_size,
+            "policy": None, "link_gb_s": None}
+    if type(connector).__name__ == OFFLOADING:
+        side = getattr(connector, "connector_scheduler", None)
+        num_chunks = getattr(getattr(side, "manager", None), "_num_chunks", None)
+        chunk_blocks = getattr(getattr(side, "config", None), "blocks_per_chunk", 1)
+        tier.update(num_blocks=num_chunks * chunk_blocks if isinstance(num_chunks, int) else None,
+                    bytes=extra.get("cpu_bytes_to_use"), policy=extra.get("eviction_policy", "lru"))
+    return [tier]
+
+
 class TierWraps:
     """The wrappers on one scheduler's KV connector (and the OffloadingConnector's manager), and the copies
     in flight."""

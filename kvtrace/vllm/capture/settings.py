@@ -31,6 +31,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 
 import kvtrace
 from kvtrace.vllm.capture import chunk_format, guard
+from kvtrace.vllm.capture.connector import kv_tiers
 from kvtrace.vllm.capture.files import FILE_MODE, parse_mode, write_json
 from kvtrace.vllm.capture.sink import parse_age, parse_bytes
 
@@ -109,6 +110,7 @@ def write_identity(settings: Settings, server: Server, scheduler, version: str, 
         "max_model_len": getattr(scheduler, "max_model_len", None),
         "watermark_blocks": getattr(kvm, "watermark_blocks", None),
         "kv_cache_groups": guard.kv_cache_groups(scheduler),
+        "kv_tiers": kv_tiers(scheduler),   # a KV connector's tier (connector.py), [] without one
         # speculative decoding: draft tokens per step, and the slots reserved past a request's tokens for them
         "num_spec_tokens": getattr(scheduler, "num_spec_tokens", 0) or 0,
         "num_lookahead_tokens": getattr(scheduler, "num_lookahead_tokens", 0) or 0,
