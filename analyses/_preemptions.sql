@@ -30,6 +30,7 @@
 --                      fail; 0 without a tier)
 --   tier_load_ms       those loads' time (ms; their duration_ms, null where no load was timed)
 --   tier               the tier they came from (the first load's; null without a load)
+--   server             the victim's server ('' in a run of one)
 CREATE OR REPLACE VIEW _preemptions AS
 WITH events AS (
     SELECT e.run_id, e.server, e.req_id, e.sample, e.seq, e.step, e.ts_s, e.kind, e.reason, e.num_tokens,
@@ -63,7 +64,7 @@ SELECT e.run_id, e.req_id, e.sample, e.preemption_no::BIGINT AS preemption_no, e
        a.resumed_s, (a.resumed_s - e.decided_s) * 1000 AS wait_ms,
        a.cached_tokens, a.recomputed_tokens,
        a.recomputed_tokens * rc.recompute_device_ms / nullif(rc.recomputed_tokens, 0) AS recompute_ms_est,
-       a.swap_ms, a.tier_tokens, a.tier_load_ms, a.tier
+       a.swap_ms, a.tier_tokens, a.tier_load_ms, a.tier, e.server
 FROM events e
 JOIN aftermath a USING (run_id, req_id, sample, preemption_no)
 LEFT JOIN _recompute_servers rc USING (run_id, server)

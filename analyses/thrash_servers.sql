@@ -10,7 +10,10 @@
 --
 -- Columns, one row per run and server: run_id, server, then thrash.sql's (verdict, preemptions,
 -- peak_preempt_per_s, thrash_windows, thrash_s, preempted_sequences, repreempted_sequences,
--- full_pool_step_share, recompute_share, processed_tokens, useful_tokens, processed_tok_s, useful_tok_s)
-SELECT * EXCLUDE (steps, full_pool_steps)
-FROM _thrash_servers($window_s, $full_pool_frac, $min_preempt_per_s, $min_recompute_share, $min_full_pool_share)
+-- full_pool_step_share, recompute_share, processed_tokens, useful_tokens, processed_tok_s, useful_tok_s,
+-- reloaded_tokens)
+SELECT t.* EXCLUDE (steps, full_pool_steps), coalesce(r.reloaded_tokens, 0)::BIGINT AS reloaded_tokens
+FROM _thrash_servers($window_s, $full_pool_frac, $min_preempt_per_s, $min_recompute_share, $min_full_pool_share) t
+LEFT JOIN (SELECT run_id, server, sum(tier_tokens) AS reloaded_tokens FROM _preemptions GROUP BY run_id, server) r
+    USING (run_id, server)
 ORDER BY run_id, server;
