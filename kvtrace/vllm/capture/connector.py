@@ -22,6 +22,7 @@ attributes only, vLLM's call made as it is, the capture's own work in a `try` wh
 from __future__ import annotations
 
 from kvtrace.vllm.capture.accounting import StepAccounting
+from kvtrace.vllm.capture.instance_wraps import InstanceWraps
 from kvtrace.vllm.capture.rows import KvEvent
 
 OFFLOADING = "OffloadingConnector"   # vLLM's native offloading: its store jobs and evictions are followed too
@@ -71,7 +72,7 @@ class TierWraps:
         self.name = tier_name(connector)
         self.block_size = scheduler.block_size
         self.bytes_per_block = bytes_per_block(scheduler)
-        self.put: list[tuple[object, str, object, object]] = []   # (owner, name, wrapper, what it replaced)
+        self._put = InstanceWraps()                        # what this put on vLLM's instances
         # request -> (its load's device blocks, the positions credited to it): waiting for its load
         self.loading: dict[str, tuple[list[int], int]] = {}
         self.stores: dict[int, tuple[str, list[int]]] = {}   # store job -> (request, device blocks)
@@ -98,20 +99,9 @@ class TierWraps:
             self.remove()
             raise
 
-    def _put(self, owner, name: str, wrapper) -> None:
-        self.put.append((owner, name, wrapper, owner.__dict__.get(name)))
-        setattr(owner, name, wrapper)
-
     def remove(self) -> None:
         """Take the wrappers off (as wraps.py's `remove`)."""
-        for owner, name, wrapper, before in reversed(self.put):
-            if owner.__dict__.get(name) is not wrapper:
-                continue
-            if before is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, before)
-        self.put = []
+        self._put.remove()
         self.steps = None
 
     def event(self, kind: str, rid: str, blocks: list[int] | None, num_tokens: int, reason: str | None,

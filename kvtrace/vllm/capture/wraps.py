@@ -35,6 +35,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvtrace.vllm.capture.accounting import StepAccounting
 from kvtrace.vllm.capture.connector import TierWraps
+from kvtrace.vllm.capture.instance_wraps import InstanceWraps
 from kvtrace.vllm.capture.rows import block_event
 
 ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -51,7 +52,7 @@ class PoolWraps:
         kvm = scheduler.kv_cache_manager
         pool = kvm.block_pool
         self.kvm, self.steps, self.on_error = kvm, steps, on_error
-        self.put: list[tuple[object, str, object, object]] = []   # (owner, name, wrapper, what it replaced)
+        self._put = InstanceWraps()                        # what this put on vLLM's instances
         self.current: Request | None = None                # the request a block-pool call is for
         self.free_reason = "other"                         # what the blocks freed now are freed for
         managers = kvm.coordinator.single_type_managers
@@ -91,10 +92,6 @@ class PoolWraps:
             self.remove()
             raise
 
-    def _put(self, owner, name: str, wrapper) -> None:
-        self.put.append((owner, name, wrapper, owner.__dict__.get(name)))
-        setattr(owner, name, wrapper)
-
     def remove(self) -> None:
         """Take the wrappers off: each instance has what it had before them again (its class's method).
         One that something else has wrapped since stays under that, and its accounting fails into
@@ -102,14 +99,7 @@ class PoolWraps:
         self.end_admitting()
         if self.tier is not None:
             self.tier.remove()
-        for owner, name, wrapper, before in reversed(self.put):
-            if owner.__dict__.get(name) is not wrapper:
-                continue
-            if before is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, before)
-        self.put = []
+        self._put.remove()
         self.steps = None
 
     # ---- the block pool ----------------------------------------------------------------------------------
