@@ -34,7 +34,7 @@ from kvtrace.trace.schema import (
     SERVER_TABLES,
     write_parquet,
 )
-from kvtrace.vllm.importer import TIME_COLUMNS, model_shape, read_chunks, rebase, write_tables
+from kvtrace.vllm.importer import TIME_COLUMNS, kv_tiers, model_shape, read_chunks, rebase, write_tables
 from kvtrace.vllm.live import (
     LOOK_AROUND_S,
     Server,
@@ -293,6 +293,7 @@ def _meta(servers: list[Server], names: list[str], run_dir: Path, lo: float, hi:
                     "num_cpu_blocks": 0, "total_bytes": None, "watermark_blocks": i.get("watermark_blocks"),
                     "kv_reserve": "none", "derivation": "vLLM's pool less its null block (block 0)",
                     **model_shape(i)[0]},
+        "kv_tiers": kv_tiers(i),
         "workload": None,
         "replay": {"mode": "live", "time_scale": 1.0},
         "seed": None, "record_token_ids": bool(i.get("token_ids")),

@@ -20,8 +20,8 @@ from typing import NamedTuple
 from kvtrace.trace.schema import SCHEMA_VERSION, token_predecessors
 from kvtrace.vllm.capture.chunk_format import ChunkError
 from kvtrace.vllm.capture.sink import COLUMNS
-from kvtrace.vllm.importer import (TIME_COLUMNS, DraftTotals, foreign_files, keep_window, list_chunks, model_shape,
-                                  read_chunk, read_json, say, skipped_line, write_tables)
+from kvtrace.vllm.importer import (TIME_COLUMNS, DraftTotals, foreign_files, keep_window, kv_tiers, list_chunks,
+                                  model_shape, read_chunk, read_json, say, skipped_line, write_tables)
 
 MAX_AGE_S = 3600.0   # rows of a sequence that never finished (a lost request) are dropped after this
 
@@ -274,6 +274,7 @@ def run_meta(run_id: str, info: dict, command: str, rows: dict[str, int]) -> dic
         # vLLM's null block is no block a request can hold
         "kv_pool": {"block_size": info.get("block_size"), "num_gpu_blocks": blocks - 1 if blocks else None,
                     **model_shape(info)[0]},
+        "kv_tiers": kv_tiers(info),
         "vllm": {"version": version, "scheduler": info.get("scheduler"),
                  "async_scheduling": info.get("async_scheduling")},
         "summary": {"rows": rows},

@@ -331,6 +331,12 @@ def model_shape(identity: dict) -> tuple[dict, dict]:
              "speculative_method": identity.get("spec_method") if identity.get("num_spec_tokens") else None})
 
 
+def kv_tiers(identity: dict) -> list[dict]:
+    """meta.json's kv_tiers (schema 6) from a capture's identity (capture.json): the KV connector's tier as
+    the capture names it, [] without a connector (or from a capture before it said)."""
+    return identity.get("kv_tiers") or []
+
+
 def read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())

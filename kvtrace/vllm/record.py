@@ -28,7 +28,7 @@ from kvtrace.atomic import write_json_atomic
 from kvtrace.errors import KvtraceError
 from kvtrace.record.run import cpu_name
 from kvtrace.trace.schema import SCHEMA_VERSION
-from kvtrace.vllm.importer import Item, convert, model_shape, read_json
+from kvtrace.vllm.importer import Item, convert, kv_tiers, model_shape, read_json
 from kvtrace.workload import load_workload, resolve_prompt_ids, validate_lengths, workload_sha256
 
 NOT_IN_TRACE = [
@@ -321,6 +321,7 @@ class VllmRecording:
             groups, drafting = model_shape(captured)
             pool.update(groups)
             meta["engine_config"].update(drafting)
+            meta["kv_tiers"] = kv_tiers(captured)
             for key in ("max_num_seqs", "max_num_batched_tokens"):  # vLLM's defaults, where not given
                 if meta["engine_config"].get(key) is None:
                     meta["engine_config"][key] = captured.get(key)
