@@ -19,7 +19,7 @@ import json
 import re
 from pathlib import Path
 
-from engine.config import PRESETS, SPEC_METHODS
+from engine.config import PRESETS, SPEC_METHODS, parse_bytes
 from kvtrace.errors import KvtraceError
 from kvtrace.sweep.grid import flag_names
 
@@ -40,6 +40,7 @@ VLLM_FLAGS: dict[str, tuple[str | None, str]] = {
     "disable_hybrid_kv_cache_manager": ("--disable-hybrid-kv-cache-manager", "a model with sliding windows keeps "
                                         "every layer's KV as full attention's"),
     "preemption_policy": ("--scheduling-policy", "priority, or fcfs (which preempts the newest)"),
+    "offload_size": ("--kv-offloading-size", "the host KV tier (native CPU offloading), vLLM's in GiB; 0: none"),
     "speculative_method": ("--speculative-config", "the drafting method, its JSON's \"method\""),
     "num_speculative_tokens": ("--speculative-config", "draft tokens a step, its JSON's \"num_speculative_tokens\""),
     "spec_acceptance_rate": (None, "the drafter's and the traffic's, not a setting"),
@@ -56,9 +57,12 @@ TAKEN = ("engine", "model", "hardware", "dtype", "device", "load_format", "block
          "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
          "enable_prefix_caching", "enable_chunked_prefill", "long_prefill_token_threshold", "preemption_mode",
          "preemption_policy", "async_scheduling", "n_mode", "num_cpu_blocks", "swap_space", "watermark",
-         "disable_hybrid_kv_cache_manager", "speculative_method", "num_speculative_tokens", "spec_acceptance_rate")
-VLLM_ONLY_TAKEN = ("model", "block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                   "enable_prefix_caching", "async_scheduling")
+         "disable_hybrid_kv_cache_manager", "speculative_method", "num_speculative_tokens", "spec_acceptance_rate",
+         "offload_size")
+# a vLLM run's; its dtype where it says it (`record --engine vllm`: a live capture does not), as a block's bytes are
+# the dtype's: a tier or a pool given in bytes holds as many blocks as in the served model
+VLLM_ONLY_TAKEN = ("model", "dtype", "block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
+                   "max_model_len", "enable_prefix_caching", "async_scheduling")
 
 # a served model's name (lower case, its organisation and a chat/instruct suffix left out) -> the simulator's
 # model of the same shape, where the name alone is not one
@@ -119,6 +123,12 @@ def run_options(run: Path, shared: list[str], grid: dict, knobs: dict) -> tuple[
         if "hardware" not in given:
             notes.append("the run does not say which GPU served it: the simulator models an h100-sxm "
                          "(--hardware says otherwise)")
+        if "offload_size" not in given:
+            values["offload_size"], said = host_tier(meta)
+            notes += said
+        if not values.get("dtype") and "dtype" not in given and given & {"offload_size", "kv_cache_memory"}:
+            notes.append("the run does not say its KV cache's dtype: a size in bytes holds the blocks of the "
+                         "simulator's bfloat16 (--dtype says otherwise)")
     if "model" not in given:
         values["model"], found = simulator_model(values.get("model") or (meta.get("model") or {}).get("source"))
         if found:
@@ -137,6 +147,21 @@ def run_options(run: Path, shared: list[str], grid: dict, knobs: dict) -> tuple[
             args += [knob.flag, str(value)]
     said = [f"from the run: {' '.join(args)}"] if args else []
     return args, said + notes
+
+
+def host_tier(meta: dict) -> tuple[int | None, list[str]]:
+    """A vLLM run's host KV tier as --offload-size (its bytes, from meta.json's kv_tiers) and the lines
+    that say so; (None, []) without a tier. A connector's tier of unknown size (not vLLM's native
+    offloading) is left out, and said."""
+    tiers = meta.get("kv_tiers") or []
+    if not tiers:
+        return None, []
+    tier = tiers[0]
+    if tier.get("bytes") is None:
+        return None, [f"the run's KV tier {tier.get('name')!r} has no size the simulator can model: simulated "
+                      "without it (--offload-size gives one)"]
+    return int(tier["bytes"]), [f"the run's host KV tier {tier.get('name')!r} of {int(tier['bytes']):,} bytes "
+                                f"({tier.get('num_blocks')} blocks in vLLM) is simulated"]
 
 
 def drafting(run: Path, config: dict, values: dict, given: set[str]) -> list[str]:
@@ -177,6 +202,9 @@ def vllm_args(settings: dict) -> str:
                 words.append(flag)
         elif name == "num_gpu_blocks":   # kvtrace counts usable blocks; vLLM's count holds its null block too
             words.append(f"{flag} {int(float(value)) + 1}")
+        elif name == "offload_size":   # vLLM's size is in GiB; none is no tier
+            size = parse_bytes(value)
+            words.append(f"{flag} {size / 2**30:g}" if size else f"(no {flag})")
         elif name == "preemption_policy":
             words.append(f"{flag} {'priority' if value == 'priority' else 'fcfs'}")
         else:

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from engine.config import parse_bytes
 from kvtrace.errors import KvtraceError
+from kvtrace.sweep.from_run import vllm_args
 from kvtrace.sweep.runner import SWEEP_FILE, Sweep, load
 from kvtrace.trace import db
 from kvtrace.views.dashboard import VERDICT_STYLE, fmt_bytes, fmt_ms, fmt_num, fmt_share
@@ -169,9 +170,10 @@ TIER_KNOB = "offload_size"   # kvtrace record --offload-size: a host KV tier (vL
 def tier_sizing(points: list[dict]) -> str | None:
     """Where the sweep varies the host KV tier's size: the operator's answer, in a sentence. The
     smallest size past the knee (the first that gets at least 90% of the cut in recomputed positions
-    that the largest swept size makes), what it saves against the smallest size swept (no tier, where
-    0 is swept): recomputed positions, TTFT p99 and ITL p99 (the other knobs as at that point). None
-    where the sweep does not vary the tier's size."""
+    that the largest swept size makes) with vLLM's flag for it, what it saves against the smallest size
+    swept (no tier, where 0 is swept): recomputed positions, TTFT p99 and ITL p99, and the preemptions
+    where they change (a request that comes back sooner can preempt again; the other knobs as at that
+    point). None where the sweep does not vary the tier's size."""
     if TIER_KNOB not in varying_knobs(points):
         return None
     line = sorted((p for p in points if p["recomputed_tokens"] is not None),
@@ -195,11 +197,14 @@ def tier_sizing(points: list[dict]) -> str | None:
     def change(column: str) -> str:
         a, b = base[column], knee[column]
         return f"{fmt_ms(a)} → {fmt_ms(b)}" if a is not None and b is not None else "–"
+    was, now = base.get("preemptions"), knee.get("preemptions")
+    preempted = f", preemptions {was:,} → {now:,}" if was is not None and now is not None and was != now else ""
     rest = (f"; the largest, {size(largest)}, saves {cut - saved:,} more" if knee is not largest and cut > saved
             else "")
-    return (f"A host KV tier of {size(knee)} is the smallest past the knee: against {size(base)} it cuts recomputed "
-            f"positions from {before:,} to {knee['recomputed_tokens']:,} (−{saved / before:.0%}), TTFT p99 "
-            f"{change('ttft_p99_ms')}, ITL p99 {change('itl_p99_ms')}{rest}.")
+    return (f"A host KV tier of {size(knee)} (vLLM: {vllm_args({TIER_KNOB: size(knee)})}) is the smallest past the knee: "
+            f"against {size(base)} it cuts recomputed positions from {before:,} to {knee['recomputed_tokens']:,} "
+            f"(−{saved / before:.0%}), TTFT p99 {change('ttft_p99_ms')}, ITL p99 {change('itl_p99_ms')}"
+            f"{preempted}{rest}.")
 
 
 # --------------------------------------------------------------------------- table and charts
