@@ -201,8 +201,9 @@ def tier_sizing(points: list[dict]) -> str | None:
     preempted = f", preemptions {was:,} → {now:,}" if was is not None and now is not None and was != now else ""
     rest = (f"; the largest, {size(largest)}, saves {cut - saved:,} more" if knee is not largest and cut > saved
             else "")
-    return (f"A host KV tier of {size(knee)} (vLLM: {vllm_args({TIER_KNOB: size(knee)})}) is the smallest past the knee: "
-            f"against {size(base)} it cuts recomputed positions from {before:,} to {knee['recomputed_tokens']:,} "
+    return (f"A host KV tier of {size(knee)} (vLLM: {vllm_args({TIER_KNOB: size(knee)})}) is the smallest past the "
+            f"knee in recomputed positions: against {size(base)} it cuts them from {before:,} to "
+            f"{knee['recomputed_tokens']:,} "
             f"(−{saved / before:.0%}), TTFT p99 {change('ttft_p99_ms')}, ITL p99 {change('itl_p99_ms')}"
             f"{preempted}{rest}.")
 
