@@ -132,3 +132,12 @@ def test_a_sweep_of_tier_sizes_on_a_captures_traffic_answers_in_vllms_terms(tmp_
     assert data["tier_sizing"].startswith("A host KV tier of 8MiB (vLLM: --kv-offloading-size 0.0078125) is the "
                                           "smallest past the knee in recomputed positions: against 0"), \
         data["tier_sizing"]
+
+
+def test_a_sweep_of_a_kvtrace_runs_traffic_keeps_its_tier(tmp_path):
+    run = tmp_path / "run"
+    result = CliRunner().invoke(app, ["record", "-w", str(WORKLOAD), *SIM, "--offload-size", "64KiB", "-o", str(run),
+                                      "-q"])
+    assert result.exit_code == 0, result.output
+    args, _ = run_options(run, [], {"max_num_seqs": ["2", "4"]}, KNOBS)
+    assert args[args.index("--offload-size") + 1] == "65536"
