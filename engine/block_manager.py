@@ -313,6 +313,15 @@ class BlockManager:
         num_needed = self.blocks_for(num_tokens) - len(cached_ids) + num_evictable
         return num_needed + (self.watermark_blocks if watermark else 0) <= self.num_free_blocks
 
+    def can_load(self, seq: Sequence, cached_ids: list[int], num_tokens: int, watermark: bool,
+                 num_reserved: int) -> bool:
+        """Whether blocks for a load's first `num_tokens` positions (the device's hit and the tier's) fit
+        the free blocks less `num_reserved` (vLLM's second check for a load, after can_allocate's
+        check of the whole sequence against the free blocks alone)."""
+        num_evictable = sum(1 for b in cached_ids if self.blocks[b].ref_count == 0)
+        num_needed = self.blocks_for(num_tokens) - len(cached_ids) + num_evictable
+        return num_needed + (self.watermark_blocks if watermark else 0) <= self.num_free_blocks - num_reserved
+
     def allocate(self, seq: Sequence, cached_ids: list[int], num_new_tokens: int, reason: str,
                  num_lookahead: int = 0, delay_cache: bool = False) -> None:
         """Admit: map the cached prefix, allocate blocks for this step's `num_new_tokens` and

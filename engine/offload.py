@@ -2,18 +2,20 @@
 the device no longer holds is copied back instead of computed again (the words: docs/glossary.md).
 
 It keeps the books of vLLM's native CPU offloading (v1/kv_offload/cpu/manager.py, CPUOffloadingManager,
-with its LRU policy, cpu/policies/lru.py, as of vLLM 0.33 and 0.34), one device block a chunk (vLLM's
+with its LRU policy, cpu/policies/lru.py, of vLLM 0.31 to 0.34), one device block a chunk (vLLM's
 default blocks_per_chunk), a chunk keyed by the prefix cache's hash of its block. A chunk is
 
     pending   stored, its copy not finished (ref_count -1): a lookup defers, nothing evicts it
     ready     its copy finished (ref_count 0): a lookup hits it, prepare_store may evict it
     pinned    being loaded into the device (ref_count > 0, one per load): not evicted
 
-Recency is a rank, the lowest evicted first. A request draws one rank the first time it stores or
-touches a chunk, and every chunk it stores or touches takes (its rank, -position): a request's chunks
-are evicted tail first, and a chunk keeps the highest rank any request gave it. When the request
-finishes, its chunks take fresh ranks, tail first, so its prefix's head is the last of them evicted.
-A lookup changes no rank.
+Recency is a rank, the lowest evicted first. vLLM 0.33 on (`ranks_by_request`): a request draws one
+rank the first time it stores or touches a chunk, and every chunk it stores or touches takes (its rank,
+-position): a request's chunks are evicted tail first, and a chunk keeps the highest rank any request
+gave it. vLLM 0.31 and 0.32: a chunk takes a fresh rank when stored, in the order offered (its head
+first, so evicted head first), and touching it changes nothing. Either way, when the request finishes,
+its chunks take fresh ranks, tail first, so its prefix's head is the last of them evicted. A lookup
+changes no rank.
 
 Which chunks exist and in which state is the scheduler's business (engine/scheduler.py); the copies
 are the executor's. This file decides only what is kept and what is dropped.
@@ -82,8 +84,9 @@ class OffloadTier:
     name = "cpu"      # kv_events.tier, meta.json's kv_tiers
     policy = "lru"
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, ranks_by_request: bool = True) -> None:
         self.num_blocks = num_blocks
+        self.ranks_by_request = ranks_by_request      # vLLM 0.33's ranks; else 0.31's and 0.32's
         self.chunks: dict[int, Chunk] = {}             # key (a block hash) -> chunk
         self.ranks: dict[int, tuple[int, int]] = {}    # key -> (rank, -position): the lowest is evicted first
         self.num_allocated = 0                         # slots handed out at least once: 0..num_allocated-1
@@ -137,7 +140,11 @@ class OffloadTier:
         access = self.accesses[request]
         for key, slot in zip(new, slots):
             self.chunks[key] = Chunk(slot)
-            self.ranks[key] = (self._rank_of(access), -access.positions[key])
+            if self.ranks_by_request:
+                self.ranks[key] = (self._rank_of(access), -access.positions[key])
+            else:
+                self._next_rank += 1
+                self.ranks[key] = (self._next_rank, 0)
         return StorePlan(new, slots, evicted)
 
     def complete_store(self, keys: list[int], success: bool = True) -> None:
@@ -192,13 +199,13 @@ class OffloadTier:
     # ---- inside -------------------------------------------------------------------------
     def _touch(self, request: object, touched: list[int], keys: list[int], first_position: int) -> None:
         """Note the request's keys (their positions); a chunk it touches for the first time that the tier
-        holds is raised to (its rank, -position) if that is more recent (vLLM: on_request_access)."""
+        holds is raised to (its rank, -position) if that is more recent (vLLM 0.33: on_request_access)."""
         access = self.accesses.setdefault(request, _Access())
         position = dict(zip(keys, range(first_position, first_position + len(keys))))
         first_seen = [key for key in touched if key not in access.positions]
         for key in first_seen:
             access.positions[key] = position[key]
-        if not first_seen:
+        if not first_seen or not self.ranks_by_request:
             return
         rank = self._rank_of(access)
         for key in first_seen:

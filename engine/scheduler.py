@@ -122,6 +122,8 @@ class Scheduler:
         self.keys_being_loaded: dict[int, int] = {}
         # finished since the last step: (sequence, its device blocks, positions it had computed)
         self._finished_for_tier: list[tuple[Sequence, list[int], int]] = []
+        self._tier_allocated: set[int] = set()   # blocks put in a table this step (_flush_reused)
+        self.prefilling: set[Sequence] = set()   # running, short of their tokens when last scheduled
 
     def follow(self, vllm_version: str) -> None:
         """Make the decisions of this vLLM where versions differ (0.31.0, 0.32.0 (the default),
@@ -132,6 +134,12 @@ class Scheduler:
         major, minor = (int(part) for part in vllm_version.split(".")[:2])
         self.priority_pass_goes_on = (major, minor) >= (0, 33)
         self.caches_on_delivery = (major, minor) >= (0, 33)
+        # the host KV tier: vLLM 0.33 ranks a request's chunks by the request (engine/offload.py), and its
+        # connector offers an admitted request's blocks from the start again (the present ones skipped)
+        self.tier_offers_again = (major, minor) >= (0, 33)
+        self.tier_ranks_by_request = (major, minor) >= (0, 33)
+        if self.tier is not None:
+            self.tier.ranks_by_request = self.tier_ranks_by_request
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -156,11 +164,17 @@ class Scheduler:
                 self._offer_finished(seq, blocks, num_computed, out)
                 self.tier.on_request_finished(seq)
             self._finished_for_tier = []
+            self._flush_reused(out)
+            for seq, num_new in zip(out.seqs, out.num_new_tokens):   # (vLLM's in-flight prefills)
+                if seq.num_computed_tokens + num_new < seq.num_tokens:
+                    self.prefilling.add(seq)
+                else:
+                    self.prefilling.discard(seq)
         return out
 
     def prefill_cap(self) -> int:
         """The largest prefill chunk a step gives one sequence (--long-prefill-token-threshold; 0: none)."""
-        if len(self.running) + len(self.waiting) + len(self.swapped) <= 1:
+        if len(self.running) + len(self.waiting) + len(self.swapped) + len(self.loading) <= 1:
             return 0   # a lone request starves nobody: it may use the whole budget
         return self.long_prefill_token_threshold
 
@@ -328,6 +342,7 @@ class Scheduler:
         other samples (--n-mode cow): they count against max_num_seqs already."""
         bm = self.bm
         running = self.running
+        first_admitted = len(out.seqs)   # out.seqs[first_admitted:]: admitted in this pass
         num_forks = sum([s.num_pending_forks for s in running]) if self.waiting else 0
         drafting = self.num_spec_tokens > 0
         draft_slots = self.draft_slots
@@ -360,7 +375,9 @@ class Scheduler:
                     skipped.append(seq)
                     continue
                 if num_tier:   # blocks for the device's and the tier's hits, a load, and no token this step
-                    if not bm.can_allocate(seq, cached_ids, watermark=bool(running)):
+                    reserved = self._blocks_reserved(out, first_admitted)
+                    if not (bm.can_allocate(seq, cached_ids, watermark=bool(running)) and bm.can_load(
+                            seq, cached_ids, num_cached + num_tier, bool(running), reserved)):
                         out.admission_stop = (AdmissionStop.WATERMARK if running and bm.can_allocate(
                             seq, cached_ids, watermark=False) else AdmissionStop.BLOCKS)
                         break
@@ -397,7 +414,8 @@ class Scheduler:
             reason = AdmitReason.RESUME_RECOMPUTE if resumed else AdmitReason.NEW
             if self.tier is not None:
                 self._record_lookup(seq, num_cached, 0, reason)
-                seq.num_offered_blocks = 0   # vLLM 0.33+: offered again from the start (present ones skipped)
+                if self.tier_offers_again:
+                    seq.num_offered_blocks = 0
             self._admit(seq, reason, seq.num_tokens - num_cached)
             bm.allocate(seq, cached_ids, num_new, reason, num_slots - num_cached - num_new if drafting else 0)
             seq.num_prefix_hit_tokens += num_cached
@@ -443,6 +461,20 @@ class Scheduler:
                                       num_cached_tokens=num_cached, tier_tokens=num_tier, reason=reason,
                                       tier=self.tier.name))
 
+    def _blocks_reserved(self, out: SchedulerOutput, first_admitted: int) -> int:
+        """The blocks a load must leave free (vLLM's in-flight reservations: a load holds its blocks
+        through the copy without progress, so it is admitted only where it cannot starve): those the
+        sequences waiting for their loads still need to hold all their tokens, and those the sequences
+        still prefilling need (admitted in an earlier step and short of their tokens when last
+        scheduled, or admitted in this pass short of them)."""
+        def blocks_to_finish(seq: Sequence) -> int:
+            num_tokens = min(seq.num_tokens, self.max_model_len) if self.max_model_len else seq.num_tokens
+            return max(0, self.bm.blocks_for(num_tokens) - len(seq.block_table))
+        reserved = sum([blocks_to_finish(s) for s in self.loading])
+        reserved += sum([blocks_to_finish(s) for s in self.prefilling])
+        admitted = zip(out.seqs[first_admitted:], out.num_new_tokens[first_admitted:])
+        return reserved + sum([blocks_to_finish(s) for s, n in admitted if s.num_computed_tokens + n < s.num_tokens])
+
     def _start_load(self, seq: Sequence, cached_ids: list[int], num_tier: int, out: SchedulerOutput) -> None:
         """Admit a sequence whose prefix the tier holds past the device's hit: blocks for both hits (the
         tier's not in the prefix cache until loaded: vLLM's delay_cache_blocks), its chunks pinned and a
@@ -461,6 +493,7 @@ class Scheduler:
         keys = bm.token_block_hashes(seq, last)[first:last]
         blocks = seq.block_table[first:last]
         slots = tier.prepare_load(seq, keys, first)
+        self._tier_allocated.update(seq.block_table)   # every block of its table, prefix hits too
         for key in keys:
             self.keys_being_loaded[key] = self.keys_being_loaded.get(key, 0) + 1
         event = KVEvent(ev.LOAD, seq.req_id, seq.sample, blocks=list(blocks), num_tokens=num_credited, tier=tier.name)
@@ -473,7 +506,7 @@ class Scheduler:
         self.loading.append(seq)
 
     def _admit_loaded(self, out: SchedulerOutput, budget: int, threshold: int) -> int | None:
-        """Sequences whose loads finished are admitted first (vLLM 0.34's kv_holding queue), each with
+        """Sequences whose loads finished are admitted first (vLLM's kv_holding_waiting queue), each with
         blocks for the rest of its tokens. Returns the budget left, None where admission stopped."""
         bm = self.bm
         for seq in [s for s in self.loading if s.load_done]:
@@ -493,8 +526,10 @@ class Scheduler:
                     out.admission_stop = AdmissionStop.BUDGET
                     return None
                 num_new = budget
-            if not bm.can_grow(seq, num_new):
-                out.admission_stop = AdmissionStop.BLOCKS
+            # as any admission: the whole sequence must fit, above the watermark while others run
+            if not bm.can_allocate(seq, seq.block_table, watermark=bool(self.running)):
+                out.admission_stop = (AdmissionStop.WATERMARK if self.running and bm.can_allocate(
+                    seq, seq.block_table, watermark=False) else AdmissionStop.BLOCKS)
                 return None
             self.loading.remove(seq)
             seq.load = None
@@ -548,6 +583,24 @@ class Scheduler:
             event = KVEvent(ev.OFFLOAD, seq.req_id, seq.sample, blocks=stored, num_tokens=len(stored) * bs,
                             tier=tier.name)
             self._issue(TierCopy(seq, False, plan.keys, stored, plan.slots, event, before_forward=before_forward), out)
+
+    def _flush_reused(self, out: SchedulerOutput) -> None:
+        """A finished sequence's stores still in flight finish with this step where a block they copy
+        from is in a table again (vLLM's connector fences them: allocated anew, or a prefix hit, before
+        the forward writes into it). The connector sees every block in a table that it did not see there
+        before: a scheduled sequence's new blocks, an admitted one's whole table (a loading one's at its
+        load, and again once admitted)."""
+        allocated = self._tier_allocated
+        for seq in out.seqs:
+            table = seq.block_table
+            allocated.update(table[seq.num_connector_blocks:])
+            seq.num_connector_blocks = len(table)
+        if allocated:
+            for copy in self.copies_in_flight:
+                if (not copy.is_load and not copy.flushed and copy.seq.status == SequenceStatus.FINISHED
+                        and not allocated.isdisjoint(copy.device_blocks)):
+                    copy.flushed = True
+            self._tier_allocated = set()
 
     def _issue(self, copy: TierCopy, out: SchedulerOutput) -> None:
         out.tier_copies.append(copy)
@@ -707,6 +760,9 @@ class Scheduler:
         for copy in self.copies_in_flight:   # vLLM flushes a preempted request's stores
             if copy.seq in seqs:
                 copy.flushed = True
+        for seq in seqs:   # its table starts again: the connector sees every block of it once admitted
+            seq.num_connector_blocks = 0
+            self.prefilling.discard(seq)
         for seq in seqs:
             blocks, per_group = held[id(seq)]
             self.bm.events.append(KVEvent(
@@ -735,4 +791,5 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         if self.tier is not None:
             self._finished_for_tier.append((seq, list(seq.block_table), seq.num_computed_tokens))
+            self.prefilling.discard(seq)
         self.bm.free(seq, FreeReason.FINISH)

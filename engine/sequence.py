@@ -104,6 +104,7 @@ class Sequence:
         self.load = None
         self.load_done = False
         self.num_tier_copies = 0                # its stores and loads in flight (a lookup waits for none)
+        self.num_connector_blocks = 0           # blocks of its table the connector has seen (vLLM's block_ids)
         # stats
         self.first_scheduled_s: float | None = None
         self.first_token_s: float | None = None

@@ -34,23 +34,11 @@ from hypothesis import strategies as st
 from tests.vllm import test_capture_on_vllm as on_vllm
 from tests.vllm.test_capture_on_vllm import DRIVERS, capture_differences, for_each_workload, starts_vllm
 from tests.vllm_sched.differential import VllmScheduler
-from tests.vllm_sched.workloads import workloads
+from tests.vllm_sched.workloads import tier_workloads
 
 vllm = on_vllm.vllm   # the capture tests' fixture: a driver per vLLM venv
 NUM_WORKLOADS = int(os.environ.get("KVTRACE_CAPTURE_TIER_WORKLOADS", "12"))
 TIER_KINDS = ("lookup", "load", "offload", "tier_evict")
-
-
-@st.composite
-def tier_workloads(draw, asynchronous: bool) -> dict:
-    """A generated workload (tests.vllm_sched.workloads) with a CPU tier of 1 chunk to ample (a chunk is a
-    block), its copies taking 0 to 3 steps, every third failing in some (vLLM 0.34: the others cannot)."""
-    # (no prompt of one token: one that the tier holds whole is loaded, given back to compute (its last
-    # position) and so looked up again, forever: vLLM 0.31 to 0.34 never schedule it)
-    workload = draw(workloads(asynchronous).filter(lambda w: min(len(r["prompt"]) for r in w["requests"]) > 1))
-    workload["config"]["offload"] = {"chunks": draw(st.sampled_from([1, 2, 4, 8, 1000])),
-                                     "delay": draw(st.integers(0, 3)), "fail_every": draw(st.sampled_from([0, 0, 3]))}
-    return workload
 
 
 def as_captured(records: list[dict]) -> list[dict]:

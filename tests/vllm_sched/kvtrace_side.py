@@ -22,6 +22,12 @@ A hybrid model's (a workload whose config names "kv_cache_groups"), also:
 A speculative-decoding workload's (its "spec_tokens" drafts proposed a step, "spec_method"
 "draft_model": vLLM's lookahead slots and drafting slot), in a step that verified drafts:
     drafts        [request:sample, drafts scheduled, drafts accepted] (the driver's `accepted` pattern)
+A workload with a host KV tier's (its config's "offload": vLLM's OffloadingConnector with the driver's
+StandInWorker; on kvtrace's side engine/offload.py, its copies on the same step clock: StepCopies):
+    tier          {"loads": [job, request:sample, device blocks, device hit, tier hit, tokens, table],
+                   "stores": [job, request:sample, device blocks], "flushed": jobs, "evicted": chunks,
+                   "done": [job, ok]}: the copies issued in the step's scheduling, the jobs flushed,
+                   the chunks evicted from the tier, and the copies that finished in its output
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ from engine.config import (
 )
 from engine.llm_engine import LLMEngine
 from engine.model.loader import LoadedModel
+from engine.offload import Lookup
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, SequenceStatus
 
@@ -49,6 +56,10 @@ HYBRID_PLANTS = ("window-ignored", "in-flight-dropped", "admission-uncapped")
 # a drafting server's (speculative decoding): rejected drafts kept as computed; no lookahead slots reserved;
 # no drafting slot counted against the step's budget; an admitted decode left unpadded
 SPEC_PLANTS = ("rejected-kept", "no-lookahead", "no-drafting-slot", "unpadded")
+# a host KV tier's (vLLM's offloading connector): the tier never consulted; a load admitted without leaving
+# the blocks others still need; a finished request's stores not flushed when their blocks are reused; the
+# other vLLM releases' eviction ranks
+TIER_PLANTS = ("tier-unread", "load-unreserved", "stores-unfenced", "ranks-of-other-releases")
 
 
 def key(seq) -> str:
@@ -83,7 +94,8 @@ def build(cfg: dict, vllm_version: str = VLLM_VERSION, spec: tuple[str, int] | N
                           long_prefill_token_threshold=cfg["long_prefill_token_threshold"],
                           preemption_policy=policy, async_scheduling=cfg["async"],
                           enable_prefix_caching=cfg["enable_prefix_caching"],
-                          speculative_method=spec[0] if spec else None, num_speculative_tokens=spec[1] if spec else 0)
+                          speculative_method=spec[0] if spec else None, num_speculative_tokens=spec[1] if spec else 0,
+                          num_offload_blocks=cfg["offload"]["chunks"] if cfg.get("offload") else None)
     engine = build_engine(config, loaded=model(cfg))
     engine.scheduler.follow(vllm_version)
     engine.keep_outputs = False
@@ -136,8 +148,74 @@ def plant(engine: LLMEngine, bug: str) -> None:
             finally:
                 sched.num_spec_tokens = spec_tokens
         sched._admit_waiting = admit_unpadded
+    elif bug == "tier-unread":
+        sched.tier.lookup = lambda key: Lookup.MISS
+    elif bug == "load-unreserved":
+        sched._blocks_reserved = lambda out, first_admitted: 0
+    elif bug == "stores-unfenced":
+        sched._flush_reused = lambda out: None
+    elif bug == "ranks-of-other-releases":
+        sched.tier.ranks_by_request = not sched.tier.ranks_by_request
     else:
-        raise ValueError(f"no such plant {bug!r} (one of {', '.join(PLANTS + HYBRID_PLANTS + SPEC_PLANTS)})")
+        raise ValueError(f"no such plant {bug!r} (one of {', '.join(PLANTS + HYBRID_PLANTS + SPEC_PLANTS + TIER_PLANTS)})")
+
+
+class StepCopies:
+    """The host KV tier's copies on the driver's step clock instead of the simulator's host link, as
+    vllm_driver.py's StandInWorker finishes vLLM's transfer jobs: a copy issued in step i finishes in step
+    i + `delay` (a flushed one in its own step), numbered as vLLM's connector numbers its jobs (from 0,
+    in the order issued). Notes each step's part of the record's "tier": the loads and stores issued
+    (a load with its sequence's device hit, tier hit, tokens and table), the jobs flushed, the chunks
+    the tier evicted, and the jobs finished ([job, ok])."""
+
+    def __init__(self, engine: LLMEngine, offload: dict) -> None:
+        self.engine, self.delay = engine, offload.get("delay", 1)
+        self.index = 0                  # the step being run (the driver's record index)
+        self.jobs: dict[int, list] = {}  # id(copy) -> [job id, due step, the copy (kept: its id stays its own)]
+        self.tier: dict = {}
+        sched = engine.scheduler
+        issue = sched._issue
+        numbered = iter(range(1 << 62))
+
+        def issue_and_number(copy, out) -> None:
+            self.jobs[id(copy)] = [next(numbered), self.index + self.delay, copy]
+            issue(copy, out)
+        sched._issue = issue_and_number
+        engine._finish_copies = self.finish
+
+    def scheduled(self, out, events) -> None:
+        """What the tier's side decided in this step's scheduling."""
+        sched, bs = self.engine.scheduler, self.engine.block_manager.block_size
+        loads, stores = [], []
+        for copy in out.tier_copies:
+            seq, job = copy.seq, self.jobs[id(copy)][0]
+            if copy.is_load:
+                num_tier = len(copy.keys) * bs
+                loads.append([job, key(seq), list(copy.device_blocks), seq.num_computed_tokens - num_tier, num_tier,
+                              seq.num_tokens, list(seq.block_table)])
+            else:
+                stores.append([job, key(seq), list(copy.device_blocks)])
+        flushed = sorted(self.jobs[id(c)][0] for c in sched.copies_in_flight if c.flushed)
+        evicted = sum(e.num_tier_blocks for e in events if e.kind == ev.TIER_EVICT)
+        self.tier = {"loads": sorted(loads), "stores": sorted(stores), "flushed": flushed, "evicted": evicted}
+
+    def finish(self, out, start_clock: float) -> tuple[int, int, float]:
+        """LLMEngine._finish_copies on the step clock: the copies due by this step finish, in job order."""
+        engine, sched = self.engine, self.engine.scheduler
+        for copy in out.tier_copies:
+            copy.event.bytes = len(copy.device_blocks) * engine.geometry.bytes_per_block
+        done = sorted((c for c in sched.copies_in_flight if c.flushed or self.jobs[id(c)][1] <= self.index),
+                      key=lambda c: self.jobs[id(c)][0])
+        stored = loaded = 0
+        for copy in done:
+            sched.complete_copy(copy)
+            engine.block_manager.events.append(copy.event)
+            if copy.is_load:
+                loaded += copy.event.bytes
+            else:
+                stored += copy.event.bytes
+        self.tier["done"] = [[self.jobs[id(c)][0], True] for c in done]
+        return stored, loaded, 0.0
 
 
 def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION, tracer=None) -> list[dict]:
@@ -158,6 +236,7 @@ def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION
     if bug:
         plant(engine, bug)
     sched, bm = engine.scheduler, engine.block_manager
+    copies = StepCopies(engine, cfg["offload"]) if cfg.get("offload") else None
     finished: list[str] = []
     seen: dict = {}
     finish = sched.finish
@@ -179,7 +258,7 @@ def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION
 
     def schedule_and_note():
         before = {id(s): [len(t) for t in s.tables()] for s in sched.running}
-        was_preempted = {id(s): s.num_preemptions > 0 for s in sched.waiting}
+        was_preempted = {id(s): s.num_preemptions > 0 for s in [*sched.waiting, *sched.loading]}
         num_events = len(bm.events)
         uncached.clear()
         out = Scheduler.schedule(sched)
@@ -198,6 +277,8 @@ def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION
                 given.append([key(seq), new])
         events = bm.events[num_events:]
         preempted = [f"{e.req_id}:{e.sample}" for e in events if e.kind == "preempt"]
+        if copies is not None:
+            copies.scheduled(out, events)
         seen.update(scheduled=scheduled, preempted=preempted, admitted=admitted, grown=grown,
                     uncached=list(uncached), num_free=bm.num_free_blocks, num_cached=bm.num_cached_free_blocks)
         if bm.hybrid:
@@ -214,6 +295,8 @@ def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION
 
     def active() -> bool:   # requests to serve, or (async) a step in flight whose output is to process
         in_flight = engine._in_flight
+        if copies is not None:   # copies left in flight when the last request finished: vLLM stops stepping
+            return bool(sched.all_seqs())
         return engine.has_unfinished() or in_flight is not None and bool(in_flight.out.seqs)
 
     while pending or active():
@@ -228,6 +311,8 @@ def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION
             continue
         finished.clear()
         drafted.clear()
+        if copies is not None:
+            copies.index = len(steps)
         engine.step()
         record = {"step": step, **{k: v for k, v in seen.items() if k not in ("given", "dropped")},
                   "finished": list(finished), "free_queue": list(bm.free_queue)}
@@ -235,6 +320,8 @@ def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION
             record.update(given=seen["given"], dropped=seen["dropped"])
         if drafted:
             record["drafts"] = sorted(drafted)
+        if copies is not None:
+            record["tier"] = copies.tier
         if cfg["async"]:
             # (speculative decoding: the drafts in flight too)
             record["placeholders"] = sorted([key(s), s.num_undelivered + s.num_draft_placeholders]

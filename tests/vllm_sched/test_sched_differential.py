@@ -30,7 +30,7 @@ from engine.config import VLLM_VERSIONS
 from tests.helpers.vllm_runs import VLLM_MARKS, VLLM_PYTHON
 from tests.vllm_sched import kvtrace_side
 from tests.vllm_sched.differential import VllmScheduler, VllmSchedulers, first_difference
-from tests.vllm_sched.workloads import BATCH, tally, workloads
+from tests.vllm_sched.workloads import BATCH, tally, tier_workloads, workloads
 
 pytestmark = VLLM_MARKS
 
@@ -38,6 +38,7 @@ PYTHONS = [p for p in [VLLM_PYTHON, *os.environ.get("KVTRACE_VLLM_SCHED_PYTHONS"
 NUM_WORKLOADS = int(os.environ.get("KVTRACE_SCHED_WORKLOADS", "1000")) * max(1, settings.default.max_examples // 100)
 NUM_HYBRID_WORKLOADS = max(BATCH, NUM_WORKLOADS // 10)   # per class and version: 100 by default
 NUM_SPEC_WORKLOADS = max(BATCH, NUM_WORKLOADS // 5)      # per version: 200 by default
+NUM_TIER_WORKLOADS = max(BATCH, NUM_WORKLOADS // 5)      # per version: 200 by default
 FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                    HealthCheck.filter_too_much])
 
@@ -185,6 +186,38 @@ def test_a_planted_wrong_speculative_decoding_is_caught(vllm, bug):
              settings=settings(max_examples=300, phases=[Phase.generate], database=None, derandomize=True, **FAST))
     except NoSuchExample:
         pytest.fail(f"kvtrace's speculative decoding planted with {bug!r} agreed with vLLM {vllm.version} on 300 workloads")
+
+
+def test_schedules_with_a_host_kv_tier_as_vllm(vllm):
+    """A host KV tier (vLLM's native CPU offloading: its OffloadingConnector's scheduler side and CPU
+    manager, its worker stood in for with copies that take 0 to 3 steps; workloads.tier_workloads, tiers of
+    1 chunk to ample) against kvtrace's simulator with engine/offload.py's tier, its copies on the same
+    step clock. Compared as above, and per step the copies each side issues (the loads with each request's
+    device and tier hits and its table, the stores with their blocks), the jobs flushed, the chunks
+    evicted from the tier and the copies finished. vLLM's Scheduler only, prefix caching on, no copy
+    failing: kvtrace models a tier with neither async scheduling nor its own prefix cache off, and its
+    copies do not fail (tests/vllm/test_capture_tiers_on_vllm.py covers the rest for the capture)."""
+    totals = compared_step_for_step(vllm, tier_workloads(asynchronous=False, failing=False, prefix_caching=True),
+                                    NUM_TIER_WORKLOADS)
+    print(f"vLLM {vllm.version} Scheduler, host KV tier: {dict(totals)}")
+    # not vacuous: loads, evictions from the tier and flushed copies in many workloads
+    assert totals["loading"] >= totals["workloads"] // 10, totals
+    assert min(totals["tier-evicting"], totals["flushing"], totals["preempting"]) >= totals["workloads"] // 20, totals
+
+
+@pytest.mark.parametrize("bug", kvtrace_side.TIER_PLANTS)
+def test_a_planted_wrong_tier_is_caught(vllm, bug):
+    follows = followed(vllm)
+
+    def caught(workload) -> bool:
+        return first_difference(kvtrace_side.run(workload, bug, vllm_version=follows),
+                                vllm.run(workload)) is not None
+
+    try:
+        find(tier_workloads(asynchronous=False, failing=False, prefix_caching=True), caught,
+             settings=settings(max_examples=300, phases=[Phase.generate], database=None, derandomize=True, **FAST))
+    except NoSuchExample:
+        pytest.fail(f"kvtrace's host KV tier planted with {bug!r} agreed with vLLM {vllm.version} on 300 workloads")
 
 
 def test_reused_vllm_configs_schedule_as_fresh_ones(vllm):

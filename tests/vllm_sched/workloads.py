@@ -116,6 +116,23 @@ def workloads(draw, asynchronous: bool, hybrid: bool = False, spec: bool = False
     return workload
 
 
+@st.composite
+def tier_workloads(draw, asynchronous: bool, failing: bool = True, prefix_caching: bool | None = None) -> dict:
+    """A workload with a host KV tier, vLLM's native CPU offloading (the driver's StandInWorker): 1 chunk
+    to ample (a chunk is a block), its copies taking 0 to 3 steps, with `failing` every third failing in
+    some (vLLM 0.34: the others cannot fail a copy). `prefix_caching`: only workloads with it on (True;
+    kvtrace's tier keys its chunks by the prefix cache's hashes) or off."""
+    # (no prompt of one token: one that the tier holds whole is loaded, given back to compute (its last
+    # position) and so looked up again, forever: vLLM 0.31 to 0.34 never schedule it)
+    workload = draw(workloads(asynchronous).filter(
+        lambda w: min(len(r["prompt"]) for r in w["requests"]) > 1
+        and prefix_caching in (None, w["config"]["enable_prefix_caching"])))
+    workload["config"]["offload"] = {"chunks": draw(st.sampled_from([1, 2, 4, 8, 1000])),
+                                     "delay": draw(st.integers(0, 3)),
+                                     "fail_every": draw(st.sampled_from([0, 0, 3])) if failing else 0}
+    return workload
+
+
 def tally(steps: list[dict]) -> dict[str, int]:
     """What a workload exercised: preemptions, prefix hits, resumptions (the corpus must not be vacuous)."""
     admitted = [a for s in steps for a in s["admitted"]]
@@ -125,4 +142,8 @@ def tally(steps: list[dict]) -> dict[str, int]:
             "resuming": int(any(a[1] == "resumed" for a in admitted)),
             "uncaching": int(any(s["uncached"] for s in steps)),
             "dropping": int(any(s.get("dropped") for s in steps)),
-            "drafting": int(any(s.get("drafts") for s in steps))}
+            "drafting": int(any(s.get("drafts") for s in steps)),
+            # a host KV tier's: loads, evictions from the tier, copies flushed (a preemption, a block reused)
+            "loading": int(any(s["tier"]["loads"] for s in steps if "tier" in s)),
+            "tier-evicting": int(any(s["tier"]["evicted"] for s in steps if "tier" in s)),
+            "flushing": int(any(s["tier"]["flushed"] for s in steps if "tier" in s))}
