@@ -103,9 +103,6 @@ def _real(config: EngineConfig, tracer: Tracer | None, loaded: LoadedModel | Non
     check_kv_cache_groups(config, loaded.config)
     config, max_model_len, geometry = _size(config, loaded.config, device.type, device_memory, device_name)
     if geometry.num_offload_blocks:
-        if cuda:
-            raise ValueError("--offload-size: the real engine's host KV tier copies on the CPU only so far "
-                             "(simulate a GPU's with --engine sim)")
         check_host_memory(geometry.num_offload_blocks * geometry.bytes_per_block, "--offload-size's host KV tier")
     model = LlamaModel(loaded.config, loaded.weights, device, dtype, config.kv_cache_groups(loaded.config))
     # block ids run 1..num_gpu_blocks: the KV tensor has a slot for the null block 0 too
@@ -168,7 +165,7 @@ def pool_geometry(config: EngineConfig, model_config: ModelConfig, max_model_len
         util = config.gpu_memory_utilization
         weights = weight_params(model_config)[1] * element
         activations = (forward_peak if cuda else activation_reserve)(config, model_config, element)
-        if cuda and config.preemption_mode == PreemptionMode.SWAP:   # the swaps' staging buffer
+        if cuda and (config.preemption_mode == PreemptionMode.SWAP or config.offloads):   # the copies' staging buffer
             from engine.executor.model_runner import swap_staging_reserve
 
             activations += swap_staging_reserve(bytes_per_block, layers_per_block)

@@ -404,7 +404,10 @@ class LLMEngine:
                 loaded += copy.event.bytes
             else:
                 stored += copy.event.bytes
-            total_ms += copy.event.duration_ms or 0.0
+            if isinstance(copy.event.duration_ms, tuple):   # CUDA events: _flush_records times the copies
+                total_ms = None
+            elif total_ms is not None:
+                total_ms += copy.event.duration_ms or 0.0
         return stored, loaded, total_ms
 
     def _occupancy(self, out: SchedulerOutput, held: int | None = None) -> Occupancy:
@@ -692,6 +695,12 @@ class LLMEngine:
                 for e in events:  # one copy per direction per step: share its time by blocks
                     e.bytes = len(e.blocks) * self.geometry.bytes_per_block
                     e.duration_ms = total_ms * len(e.blocks) / num_blocks if total_ms is not None and num_blocks else None
+            if record.tier_transfer_ms is None and record.offload_bytes is not None:
+                # the host KV tier's copies on CUDA, timed by their events
+                copies = [e for e in record.events if isinstance(e.duration_ms, tuple)]
+                for e in copies:
+                    e.duration_ms = t.ms(e.duration_ms)
+                record.tier_transfer_ms = sum([e.duration_ms for e in copies])
             seq = self._event_seq
             for e in record.events:
                 if e.evicted:   # its evictions come first (events.with_evictions)

@@ -27,7 +27,7 @@
 # real shapes (llama-3.2-1b). Steps, each with its time limit in seconds:
 #   env        20  torch, CUDA, Triton, GPU name
 #   install    30  the carried wheels into .whl/site (pip --no-index --no-deps --target), then imports
-#   pytest    110  CUDA tests: four-block scenario, preemption transparency, staged swaps, Triton + graphs
+#   pytest    110  CUDA tests: four-block scenario, preemption transparency, staged swaps, the host KV tier's copies, Triton + graphs
 #                  + copy-on-write + prefix hits vs the dense reference (fp32, bf16), no sync inside a
 #                  step, record on CUDA; the Triton kernels on CUDA (fp32, bf16)
 #   swap       25  swap bandwidth of the engine's copy path vs a pinned cudaMemcpyAsync peak (goal >= 0.8)
@@ -137,7 +137,7 @@ step env 20 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'c
 'triton', triton.__version__, torch.cuda.get_device_name(), torch.cuda.device_count(), 'GPU(s)')"
 step install 30 install
 export PYTHONPATH="$WORK/site:$PWD"
-step pytest 110 "$PY" -m pytest -q -p no:cacheprovider -rs tests/engine/test_cuda.py tests/engine/test_triton_attention.py \
+step pytest 110 "$PY" -m pytest -q -p no:cacheprovider -rs tests/engine/test_cuda.py tests/engine/test_offload_copies.py tests/engine/test_triton_attention.py \
     -k "not under_the_interpreter"
 step swap 25 "$PY" scripts/swap_bandwidth.py --device cuda --out "$WORK/swap.json"
 step record 50 record

@@ -23,9 +23,10 @@ class StepTiming:
     forward: tuple | float | None = None                 # (start, end) CUDA events, or ms
     swap_out: tuple | float | None = None
     swap_in: tuple | float | None = None
+    tier: list[tuple] = field(default_factory=list)      # the host KV tier's copies' events on CUDA
 
     def ready(self) -> bool:
-        for t in (self.forward, self.swap_out, self.swap_in):   # a loop: asked once per step
+        for t in (self.forward, self.swap_out, self.swap_in, *self.tier):   # a loop: asked once per step
             if isinstance(t, tuple) and not t[1].query():
                 return False
         return True

@@ -1,7 +1,7 @@
 """Runs a scheduled step on a device: KV copies (swap, copy-on-write), the forward pass, sampling.
 
-On CUDA, swap copies use pinned host memory and a side stream; the compute stream waits on an
-event before it reads restored blocks or overwrites released ones. Durations come from CUDA
+On CUDA, swap copies and the host KV tier's use pinned host memory and a side stream; the compute
+stream waits on an event before it reads restored blocks or overwrites released ones. Durations come from CUDA
 events that the engine resolves later, never with a synchronisation of their own.
 
 On CUDA nothing in `execute` waits for the device: its integers travel in one non-blocking copy
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from engine.executor import StepResult
+from engine.executor import StepResult, StepTiming
 from engine.executor.batch import FlatBatch, flatten
 from engine.executor.cuda_graphs import DecodeGraphs
 from engine.executor.step_inputs import StepInputs
@@ -142,17 +142,23 @@ class ModelRunner:
             self.host_cache = host_memory.pinned_empty(math.prod(host_shape), self.dtype).view(host_shape)
         else:
             self.host_cache = torch.zeros(host_shape, dtype=self.dtype)
-        # the host KV tier's buffer (engine/offload.py), block-major as the swap space; CPU only so far
+        # the host KV tier's buffer (engine/offload.py), block-major as the swap space (pinned on CUDA)
         tier_shape = (num_offload_blocks, *host_shape[1:])
-        self.tier_cache = torch.zeros(tier_shape, dtype=self.dtype) if num_offload_blocks else None
+        self.tier_cache = None
+        if num_offload_blocks and self.is_cuda:
+            self.tier_cache = host_memory.pinned_empty(math.prod(tier_shape), self.dtype).view(tier_shape)
+        elif num_offload_blocks:
+            self.tier_cache = torch.zeros(tier_shape, dtype=self.dtype)
+        self.tier_ids = StepInputs(self.device) if num_offload_blocks else None
         self.swap_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
-        # swaps go through one preallocated device buffer, in parts when larger: its size is fixed and
-        # reserved (build.pool_geometry), and the swap stream orders one part's reuse after the last
+        # swaps and the tier's copies (never both in one engine) go through one preallocated device
+        # buffer, in parts when larger: its size is fixed and reserved (build.pool_geometry), and the
+        # swap stream orders one part's reuse after the last
         self.staging = None
-        if self.is_cuda and num_cpu_blocks:
-            block_bytes = math.prod(host_shape[1:]) * self.host_cache.element_size()
-            self.staging = torch.empty((staging_blocks(block_bytes, num_cpu_blocks), *host_shape[1:]),
-                                       device=self.device, dtype=self.dtype)
+        if self.is_cuda and (num_cpu_blocks or num_offload_blocks):
+            block_bytes = math.prod(host_shape[1:]) * self.kv_caches[0].element_size()
+            self.staging = torch.empty((staging_blocks(block_bytes, num_cpu_blocks or num_offload_blocks),
+                                        *host_shape[1:]), device=self.device, dtype=self.dtype)
         # decode-only steps from CUDA graphs (cuda_graphs.py); KVTRACE_CUDA_GRAPHS=0 launches eagerly
         self.decode_graphs = None
         if self.is_cuda and model.use_triton and os.environ.get("KVTRACE_CUDA_GRAPHS", "1") != "0":
@@ -230,8 +236,14 @@ class ModelRunner:
         cap = self.staging.shape[0]
         return [(first, min(cap, num_blocks - first)) for first in range(0, num_blocks, cap)]
 
-    def tier_copy(self, copies: list) -> None:
-        """The host KV tier's copies (TierCopy), each timed: a store device -> host slot, a load back."""
+    def tier_copy(self, copies: list, timing: StepTiming) -> None:
+        """The host KV tier's copies (TierCopy, all one way), each timed into its event's duration_ms: a
+        store device -> host slot, a load back. On CUDA they run on the swap stream as swaps do, timed
+        by CUDA events (also listed in `timing`, which resolves them), and the compute stream waits for
+        them: a load's blocks are read, a store's blocks written again, only after the copy."""
+        if self.is_cuda:
+            self._tier_copy_on_cuda(copies, timing)
+            return
         for copy in copies:
             t0 = time.perf_counter()
             for i, kv in enumerate(self.kv_caches):
@@ -241,6 +253,35 @@ class ModelRunner:
                     else:
                         self.tier_cache[slot, i].copy_(kv[:, block])
             copy.event.duration_ms = (time.perf_counter() - t0) * 1000
+
+    def _tier_copy_on_cuda(self, copies: list, timing: StepTiming) -> None:
+        # every copy's device blocks in one send (the ids' device buffer is reused by the next send,
+        # which the compute stream orders after these copies)
+        dev_ids = self._device_ids(self.tier_ids, [b for copy in copies for b in copy.device_blocks])
+        current = torch.cuda.current_stream(self.device)
+        self.swap_stream.wait_stream(current)   # a store's KV written, a load's blocks no longer read
+        first = 0
+        with torch.cuda.stream(self.swap_stream):
+            for copy in copies:
+                start, end = self._event_pair()
+                start.record(self.swap_stream)
+                for offset, part in self._staged_parts(len(copy.slots)):
+                    ids = dev_ids[first + offset:first + offset + part]
+                    slots = copy.slots[offset:offset + part]
+                    if copy.is_load:
+                        staged = self.staging[:part]
+                        for i, h, n in consecutive_runs(slots):   # one DMA per run of neighbouring slots
+                            staged[i:i + n].copy_(self.tier_cache[h:h + n], non_blocking=True)
+                        scatter_blocks(self.kv_caches, ids, staged)
+                    else:
+                        staged = gather_blocks(self.kv_caches, ids, self.staging[:part])
+                        for i, h, n in consecutive_runs(slots):
+                            self.tier_cache[h:h + n].copy_(staged[i:i + n], non_blocking=True)
+                end.record(self.swap_stream)
+                copy.event.duration_ms = (start, end)
+                timing.tier.append((start, end))
+                first += len(copy.slots)
+        current.wait_event(end)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks on the device, in every KV tensor."""
@@ -259,28 +300,31 @@ class ModelRunner:
             self.copy_blocks(out.copies)
         early = [copy for copy in out.tier_copies if copy.before_forward]
         if early:   # finished sequences' stores: their freed blocks, before a load or the forward reuses them
-            self.tier_copy(early)
+            self.tier_copy(early, result.timing)
         loads = [copy for copy in out.tier_copies if copy.is_load]
         stores = [copy for copy in out.tier_copies if not copy.is_load and not copy.before_forward]
         if loads:   # into blocks nothing reads before this forward
-            self.tier_copy(loads)
+            self.tier_copy(loads, result.timing)
         if not out.seqs:
             if stores:
-                self.tier_copy(stores)
+                self.tier_copy(stores, result.timing)
             return result
         batch = flatten(out, self.block_size, self.num_groups)
         result.sample_seqs = batch.sample_seqs
         result.verify = batch.verify
         result.num_decode_tokens, result.num_prefill_tokens = batch.num_decodes, batch.num_prefill_tokens
         if self.is_cuda:
-            return self._execute_on_cuda(batch, result)
+            self._execute_on_cuda(batch, result)
+            if stores:   # after the forward on the compute stream, which the swap stream waits for
+                self.tier_copy(stores, result.timing)
+            return result
         to_tensors = self._paged_tensors if self.paged_inputs else self._tensors
         metas, input_ids, positions, logit_rows = to_tensors(batch)
         t0 = time.perf_counter()
         result.logits = self.model.forward(input_ids, positions, metas, self.kv_caches, logit_rows)
         result.timing.forward = (time.perf_counter() - t0) * 1000
         if stores:   # the blocks this forward wrote, before anyone reuses them
-            self.tier_copy(stores)
+            self.tier_copy(stores, result.timing)
         return result
 
     def _execute_on_cuda(self, batch: FlatBatch, result: StepResult) -> StepResult:
