@@ -118,10 +118,12 @@ def build(model: str, cfg: dict):
 def offloading_config(offload: dict):
     """vLLM's KV transfer config of `--kv-offloading-size` (native CPU offloading), sized in chunks: a chunk is
     a block here (blocks_per_chunk 1), each padded to a 4 KiB page (CPUOffloadingSpec), and a failed load
-    is computed instead ("recompute")."""
+    computed instead ("recompute", unless the workload's "load_failure_policy" says "fail": vLLM's
+    default, which ends the request with an error)."""
     from vllm.config import KVTransferConfig
 
-    return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
+    policy = offload.get("load_failure_policy", "recompute")
+    return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_load_failure_policy=policy,
                             kv_connector_extra_config={"cpu_bytes_to_use": 4096 * offload["chunks"]})
 
 

@@ -120,16 +120,18 @@ def workloads(draw, asynchronous: bool, hybrid: bool = False, spec: bool = False
 def tier_workloads(draw, asynchronous: bool, failing: bool = True, prefix_caching: bool | None = None) -> dict:
     """A workload with a host KV tier, vLLM's native CPU offloading (the driver's StandInWorker): 1 chunk
     to ample (a chunk is a block), its copies taking 0 to 3 steps, with `failing` every third failing in
-    some (vLLM 0.34: the others cannot fail a copy). `prefix_caching`: only workloads with it on (True;
+    some (vLLM 0.34: the others cannot fail a copy), a failed load computed again or its request ended. `prefix_caching`: only workloads with it on (True;
     kvtrace's tier keys its chunks by the prefix cache's hashes) or off."""
     # (no prompt of one token: one that the tier holds whole is loaded, given back to compute (its last
     # position) and so looked up again, forever: vLLM 0.31 to 0.34 never schedule it)
     workload = draw(workloads(asynchronous).filter(
         lambda w: min(len(r["prompt"]) for r in w["requests"]) > 1
         and prefix_caching in (None, w["config"]["enable_prefix_caching"])))
-    workload["config"]["offload"] = {"chunks": draw(st.sampled_from([1, 2, 4, 8, 1000])),
-                                     "delay": draw(st.integers(0, 3)),
-                                     "fail_every": draw(st.sampled_from([0, 0, 3])) if failing else 0}
+    offload = {"chunks": draw(st.sampled_from([1, 2, 4, 8, 1000])), "delay": draw(st.integers(0, 3)),
+               "fail_every": draw(st.sampled_from([0, 0, 3])) if failing else 0}
+    if offload["fail_every"]:   # what vLLM does with a request whose load failed: computes it, or ends it
+        offload["load_failure_policy"] = draw(st.sampled_from(["recompute", "fail"]))
+    workload["config"]["offload"] = offload
     return workload
 
 
