@@ -15,7 +15,7 @@ step they belong to (rows.py's ScheduledStep), which waits for its output (pendi
 from __future__ import annotations
 
 import operator
-from itertools import repeat
+from itertools import compress, repeat
 from operator import sub
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -23,7 +23,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from kvtrace.vllm.capture.rows import KvEvent, RequestState, ScheduledStep, StepRow
+from kvtrace.vllm.capture.rows import KvEvent, RequestState, ScheduledStep, StepRow, block_event
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -32,6 +32,16 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_IGNORED: "rejected",
 }
 _num_computed_tokens = operator.attrgetter("num_computed_tokens")
+ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+def alloc_reason(request: Request) -> str:
+    """Why `request` is given blocks now, from its state as vLLM's allocate_slots sees it (which changes
+    none of it): "prefill" while admitted or short of its last prompt token, else "decode"."""
+    placeholders = request.num_output_placeholders   # async: sampled, not yet delivered
+    return ("prefill" if request.status in ADMITTING
+            or request.num_computed_tokens < request.num_tokens + placeholders - 1
+            or not request.num_output_tokens + placeholders else "decode")
 
 
 class StepAccounting:
@@ -55,6 +65,9 @@ class StepAccounting:
         # (re-)prefill; every other scheduled request decodes, which the step's totals account for
         self.watched: dict[str, RequestState] = {}
         self.events: list[KvEvent] = []                       # since the last schedule()
+        # the running loop's allocs this step (wraps.py), by their index in `events`: whose they are, why,
+        # and their group are the SchedulerOutput's (`attribute`)
+        self.unattributed: list[int] = []
         self.finishing: list[tuple[Request, RequestState]] = []   # freed since the last schedule()
         self.step = -1
         self.step_start = 0.0
@@ -126,7 +139,7 @@ class StepAccounting:
         # Only the watched requests are looked at one by one. Every other scheduled request decodes:
         # it has computed every position it ever had (`ever` is its begin, so nothing is recomputed)
         # and its tokens are the step's decode tokens, num_scheduled less the watched ones' prefill.
-        done, reprefilled = [], []
+        done, reprefilled, prefilling = [], [], set()
         for rid, st in watched.items():
             n = scheduled.get(rid)
             if not n:
@@ -141,6 +154,7 @@ class StepAccounting:
             decoding = begin >= req.num_tokens + extra - 1 and req.num_output_tokens + extra
             if not decoding:
                 prefill += n
+                prefilling.add(rid)
             again = min(stop, st.ever) - begin
             if again > 0:
                 recompute += again
@@ -159,6 +173,8 @@ class StepAccounting:
                 done.append(rid)   # from now on a decoding request like the others, until a preemption
         for rid in done:
             del watched[rid]
+        if self.unattributed:
+            self.attribute(out.scheduled_cached_reqs, prefilling)
         if len(reprefilled) > 1:   # in the order the scheduler scheduled them
             order = {rid: i for i, rid in enumerate(scheduled)}
             reprefilled.sort(key=lambda event: order[event.req_id])
@@ -171,6 +187,27 @@ class StepAccounting:
         return StepRow(self.step, start, end, len(sched.running), len(sched.waiting), prefill, num_scheduled - prefill,
                        recompute, self.step_preemptions, free, used, cached_free, used * bs - gaps,
                        self.admission_stop(num_scheduled), sum(map(len, spec.values())) if spec else 0)
+
+    def attribute(self, cached, prefilling: set[str]) -> None:
+        """The running loop's allocs of this step get their request, reason and group: the blocks each
+        running request was given are its SchedulerOutput's `cached` (scheduled_cached_reqs: per request,
+        its new block ids per group, None for none); `prefilling`: those scheduled whose tokens are
+        prefill (the others decode). An alloc whose blocks none was given stays without a request."""
+        owner: dict[int, tuple[str, int]] = {}   # a block given this step -> its request and group
+        # only the requests given blocks (those with None for new_block_ids are left out in C). The running
+        # requests come first: a request resumed after them (on vLLM before 0.34 here too) lists all its
+        # blocks, a prefix hit on one that a running request was just given among them
+        for rid, per_group in compress(zip(cached.req_ids, cached.new_block_ids), cached.new_block_ids):
+            for group, ids in enumerate(per_group):
+                for block in ids:
+                    owner.setdefault(block, (rid, group))
+        events, hybrid = self.events, self.hybrid
+        for i in self.unattributed:
+            e = events[i]
+            rid, group = owner.get(e.blocks[0], ("", None))
+            reason = "other" if not rid else "prefill" if rid in prefilling else "decode"
+            events[i] = block_event("alloc", rid, e.blocks, reason, group if hybrid else None)
+        self.unattributed = []
 
     def admission_stop(self, num_scheduled: int) -> str:
         """Why vLLM admitted no further waiting request this step, from what the step left behind
@@ -230,7 +267,10 @@ class StepAccounting:
         """vLLM is about to preempt `request` for `requester` (wraps.py finds it)."""
         rid = request.request_id
         st = self.state(rid)
-        blocks, per_group = self.block_ids(self.kvm.get_block_ids(rid))
+        groups = self.kvm.get_block_ids(rid)
+        if self.unattributed:   # given blocks this step and preempted now: the SchedulerOutput will not say
+            self.claim(request, groups)
+        blocks, per_group = self.block_ids(groups)
         # watched again from its resume: what it recomputes is counted against the most it had
         st.ever = max(st.ever, request.num_computed_tokens)
         if st.reprefill_target:   # cut short while re-prefilling: what it did redo, before the preemption
@@ -243,6 +283,21 @@ class StepAccounting:
                                    requester, self.victim_reason, None, per_group))
         st.preemptions += 1
         self.step_preemptions += 1
+
+    def claim(self, request: Request, groups: tuple[list[int], ...]) -> None:
+        """The running loop's allocs of this step that are `request`'s (it holds their blocks: `groups`, its
+        block ids per group) get it, their reason from its state as vLLM's schedule left it."""
+        owner = {block: group for group, ids in enumerate(groups) for block in ids}
+        reason = alloc_reason(request)
+        events, left = self.events, []
+        for i in self.unattributed:
+            group = owner.get(events[i].blocks[0])
+            if group is None:
+                left.append(i)
+            else:
+                events[i] = block_event("alloc", request.request_id, events[i].blocks, reason,
+                                        group if self.hybrid else None)
+        self.unattributed = left
 
     def block_ids(self, groups: tuple[list[int], ...]) -> tuple[list[int], list[int] | None]:
         """A request's blocks in every group (vLLM's block ids per group), the null block left out, and

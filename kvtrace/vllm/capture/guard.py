@@ -47,7 +47,9 @@ REQUEST_FIELDS = ("request_id", "status", "num_computed_tokens", "num_tokens", "
 STATUSES = ("WAITING", "RUNNING", "PREEMPTED", "FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED",
             "FINISHED_IGNORED")
 # what the capture reads of a step's SchedulerOutput and of each request's EngineCoreOutput
-SCHEDULER_OUTPUT_FIELDS = ("num_scheduled_tokens", "scheduled_new_reqs", "scheduled_spec_decode_tokens")
+SCHEDULER_OUTPUT_FIELDS = ("num_scheduled_tokens", "scheduled_new_reqs", "scheduled_cached_reqs",
+                           "scheduled_spec_decode_tokens")
+CACHED_REQUEST_DATA_FIELDS = ("req_ids", "new_block_ids")   # whose the running loop's new blocks are
 ENGINE_CORE_OUTPUT_FIELDS = ("request_id", "new_token_ids")
 MODEL_RUNNER_OUTPUT_FIELDS = ("req_ids", "sampled_token_ids")   # a speculative step's accepted drafts
 SCHEDULER_FIELDS = ("running", "waiting", "requests", "kv_cache_manager", "block_size", "policy",
@@ -249,7 +251,8 @@ def _fields_of(cls: type) -> set[str]:
 
 def check_classes(scheduler_cls: type, kv_cache_manager_cls: type, block_pool_cls: type, block_cls: type,
                   request_cls: type, status_cls: type, scheduler_output_cls: type | None = None,
-                  engine_core_output_cls: type | None = None, model_runner_output_cls: type | None = None) -> None:
+                  engine_core_output_cls: type | None = None, model_runner_output_cls: type | None = None,
+                  cached_request_data_cls: type | None = None) -> None:
     """Raise VllmChanged naming the first missing method, parameter or field."""
     _check_methods(scheduler_cls, "Scheduler", SCHEDULER_METHODS)
     _check_methods(kv_cache_manager_cls, "KVCacheManager", KV_CACHE_MANAGER_METHODS)
@@ -274,7 +277,8 @@ def check_classes(scheduler_cls: type, kv_cache_manager_cls: type, block_pool_cl
             raise VllmChanged(f"vLLM changed: RequestStatus.{name} is gone")
     for cls, what, names in ((scheduler_output_cls, "SchedulerOutput", SCHEDULER_OUTPUT_FIELDS),
                              (engine_core_output_cls, "EngineCoreOutput", ENGINE_CORE_OUTPUT_FIELDS),
-                             (model_runner_output_cls, "ModelRunnerOutput", MODEL_RUNNER_OUTPUT_FIELDS)):
+                             (model_runner_output_cls, "ModelRunnerOutput", MODEL_RUNNER_OUTPUT_FIELDS),
+                             (cached_request_data_cls, "CachedRequestData", CACHED_REQUEST_DATA_FIELDS)):
         if cls is not None:
             fields = _fields_of(cls)
             for name in names:

@@ -110,14 +110,14 @@ class Recorder:
         kvm = scheduler.kv_cache_manager
         pool = kvm.block_pool
         try:
-            from vllm.v1.core.sched.output import SchedulerOutput
+            from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
             from vllm.v1.engine import EngineCoreOutput
             from vllm.v1.outputs import ModelRunnerOutput
         except ImportError as exc:
-            raise guard.VllmChanged(f"vLLM changed: {exc} (the capture reads SchedulerOutput, EngineCoreOutput "
-                                    f"and ModelRunnerOutput)") from exc
+            raise guard.VllmChanged(f"vLLM changed: {exc} (the capture reads SchedulerOutput, CachedRequestData, "
+                                    f"EngineCoreOutput and ModelRunnerOutput)") from exc
         guard.check_classes(type(scheduler), type(kvm), type(pool), type(pool.null_block), Request, RequestStatus,
-                            SchedulerOutput, EngineCoreOutput, ModelRunnerOutput)
+                            SchedulerOutput, EngineCoreOutput, ModelRunnerOutput, CachedRequestData)
 
     def fail(self, exc: BaseException) -> None:
         """An error of the capture's own, at runtime: the capture stops and vLLM serves on. The wraps come
@@ -147,6 +147,7 @@ class Recorder:
             self.file_between_steps()
         start = time.monotonic()
         self.steps.begin_step(start)
+        self.wraps.begin_step()
         return start
 
     def after_schedule(self, out, start: float) -> None:

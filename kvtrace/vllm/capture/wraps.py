@@ -21,24 +21,26 @@ needs) mid-request, a `free` whose reason says so (`window`, `state`) and which 
 request dropped, those another request still holds included.
 
 The running loop's `allocate_slots`, called for every running request every step, is vLLM's own,
-unwrapped: when it does call the block pool (a request's new block, every block-size tokens), the
-wrapper finds the request in that allocate_slots call's frame (`allocating`), and a preemption finds
-the request it serves (its requester) in the frame of vLLM's schedule (`requester`). guard.py checks
-both locals by name at start-up.
+unwrapped: when it does call the block pool (a request's new block, every block-size tokens, or every
+few steps with draft tokens), the wrapper writes the alloc event without its request, which the step's
+SchedulerOutput says once the step is scheduled (accounting.py's `attribute`; a request preempted in
+the same step after its blocks were given, which the SchedulerOutput leaves out, says at its preemption).
+A block-pool call elsewhere finds its request in the frame of the allocate_slots call it is made in
+(`allocating`), and a preemption finds the request it serves (its requester) in the frame of vLLM's
+schedule (`requester`). guard.py checks both locals by name at start-up.
 """
 from __future__ import annotations
 
 import sys
 
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import Request
 
-from kvtrace.vllm.capture.accounting import StepAccounting
+from kvtrace.vllm.capture.accounting import ADMITTING, StepAccounting, alloc_reason
 from kvtrace.vllm.capture.connector import TierWraps
 from kvtrace.vllm.capture.instance_wraps import InstanceWraps
 from kvtrace.vllm.capture.rows import block_event
 
-ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 # the managers' methods that free a running request's blocks out of its window (guard.py checks them)
 SKIPPING = frozenset(("_remove_blocks_in_range", "remove_skipped_blocks"))
 
@@ -70,6 +72,7 @@ class PoolWraps:
         self.allocate_slots_depth = 2                      # where `allocating` last found its frame
         self.schedule_code = vllm_schedule.__func__.__code__
         self.admitting = False                             # the admission wrapper is on allocate_slots
+        self.running_loop = False                          # vLLM's schedule is in its running loop
         self.allocate_slots = kvm.allocate_slots           # what the admission wrapper calls
         self.allocate_slots_before = None                  # the instance's own allocate_slots before it, if any
         # what each wrapper calls: the instance's method as it found it
@@ -107,19 +110,22 @@ class PoolWraps:
         blocks = self._get_new_blocks(num_blocks)
         if blocks:
             try:
-                # why, from the request's state inside allocate_slots (which changes none of it): only a
-                # step that allocates works it out, so a decode step's allocate_slots stays cheap
+                if self.running_loop and self.current is None:
+                    # a running request's: whose, why and of which group the step's SchedulerOutput says
+                    # (StepAccounting.attribute). Read here from allocate_slots' frame, as below, it cost
+                    # more than the rest of a step's capture where draft tokens make requests grow often
+                    self.steps.unattributed.append(len(self.steps.events))
+                    self.steps.events.append(block_event("alloc", "", [b.block_id for b in blocks], None, None))
+                    return blocks
+                # an admission's (`current`), or one made elsewhere: its request's, if it is in an
+                # allocate_slots call, and why from that request's state
                 request = self.current or self.allocating()
                 if request is None:
-                    rid, alloc_reason = "", "other"
+                    rid, reason = "", "other"
                 else:
-                    rid = request.request_id
-                    placeholders = request.num_output_placeholders   # async: sampled, not yet delivered
-                    alloc_reason = ("prefill" if request.status in ADMITTING
-                                    or request.num_computed_tokens < request.num_tokens + placeholders - 1
-                                    or not request.num_output_tokens + placeholders else "decode")
+                    rid, reason = request.request_id, alloc_reason(request)
                 group = group_of(sys._getframe(1)) if self.hybrid else None
-                self.steps.events.append(block_event("alloc", rid, [b.block_id for b in blocks], alloc_reason, group))
+                self.steps.events.append(block_event("alloc", rid, [b.block_id for b in blocks], reason, group))
             except Exception as exc:  # noqa: BLE001 (the capture's own error: it stops, vLLM's call stands)
                 self.on_error(exc)
         return blocks
@@ -210,6 +216,7 @@ class PoolWraps:
         def peek_request():
             if not self.admitting:   # the waiting loop has begun: admissions are watched from here on
                 self.admitting = True
+                self.running_loop = False
                 # whatever allocate_slots is now (vLLM's, or another instance wrapper's) stays under ours
                 self.allocate_slots_before = kvm.__dict__.get("allocate_slots")
                 self.allocate_slots = kvm.allocate_slots
@@ -217,8 +224,13 @@ class PoolWraps:
             return peek()
         self._put(queue, "peek_request", peek_request)
 
+    def begin_step(self) -> None:
+        """vLLM's schedule begins: its running loop first, then its waiting loop (peek_request)."""
+        self.running_loop = True
+
     def end_admitting(self) -> None:
         """The step's scheduling is over: the running loop of the next calls vLLM's own allocate_slots."""
+        self.running_loop = False
         if self.admitting:
             self.admitting = False
             if self.allocate_slots_before is None:
