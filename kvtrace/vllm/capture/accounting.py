@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 from itertools import compress, repeat
-from operator import sub
+from operator import mod, neg, sub
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
@@ -183,7 +183,8 @@ class StepAccounting:
         used = self.total_blocks - free
         bs = self.block_size
         # the unfilled tail of each running request's last block: bs - filled, 0 for a full one
-        gaps = sum([-computed % bs for computed in map(_num_computed_tokens, sched.running)]) * self.position_groups
+        # (-computed % bs for each, in C: mod(neg(computed), bs), a pass over every running request each step)
+        gaps = sum(map(mod, map(neg, map(_num_computed_tokens, sched.running)), repeat(bs))) * self.position_groups
         return StepRow(self.step, start, end, len(sched.running), len(sched.waiting), prefill, num_scheduled - prefill,
                        recompute, self.step_preemptions, free, used, cached_free, used * bs - gaps,
                        self.admission_stop(num_scheduled), sum(map(len, spec.values())) if spec else 0)
@@ -225,25 +226,33 @@ class StepAccounting:
             return "blocks"                        # allocate_slots refused a waiting request
         return "other"
 
-    def accepted(self, spec: dict, model_output) -> dict[str, int]:
+    def accepted(self, spec: dict, model_output) -> list[int | None]:
         """Speculative decoding: of each request's drafts scheduled in a step (`spec`, its SchedulerOutput's
-        scheduled_spec_decode_tokens), how many its output (vLLM's ModelRunnerOutput) accepted: its sampled
-        tokens less the one sampled after them, as vLLM counts them before it rolls back the rest. A
-        request without tokens in the output (a prefill chunk), or already finished (async: scheduled
-        again while its last tokens were in flight, its output is stale), is left out. Every request of
-        a step drafts, so this is C-level passes over them, no Python per request; a request's totals
-        are the reader's, from the spec_decode rows (importer.DraftTotals)."""
-        # each request's sampled tokens (the output's rows follow its req_ids), less one
-        sampled = dict(zip(model_output.req_ids, map(len, model_output.sampled_token_ids)))
-        counts = dict(zip(spec, map(sub, map(sampled.get, spec, repeat(0)), repeat(1))))
+        scheduled_spec_decode_tokens), how many its output (vLLM's ModelRunnerOutput) accepted, in `spec`'s
+        order: its sampled tokens less the one sampled after them, as vLLM counts them before it rolls back
+        the rest. None for a request without tokens in the output (a prefill chunk), or already finished
+        (async: scheduled again while its last tokens were in flight, its output is stale). Every request
+        of a step drafts, so this is C-level passes over them, no Python per request, and a list in
+        `spec`'s order, which the spec_decode rows take as it is (Columns.spec_decode); a request's totals
+        are the reader's, from those rows (importer.DraftTotals)."""
+        # each request's sampled tokens, found by its id (the output's rows follow its own req_ids), less
+        # one; -1 where it has none
+        sampled = dict(zip(model_output.req_ids, model_output.sampled_token_ids))
+        counts = list(map(sub, map(len, map(sampled.get, spec, repeat(()))), repeat(1)))
         states = self.states
-        if -1 in counts.values() or not all(map(states.__contains__, counts)):
-            counts = {rid: n for rid, n in counts.items() if n >= 0 and rid in states}
+        if -1 in counts or not all(map(states.__contains__, spec)):
+            counts = [n if n >= 0 and rid in states else None for rid, n in zip(spec, counts)]
         watched = self.watched
-        for rid in watched.keys() & counts.keys():
-            # the rejected drafts' positions are rolled back: never kept, so computing them again is no recompute
-            st = watched[rid]
-            st.ever = max(0, st.ever - (len(spec[rid]) - counts[rid]))
+        common = watched.keys() & spec.keys()
+        if common:
+            at = {rid: i for i, rid in enumerate(spec)}
+            for rid in common:
+                n = counts[at[rid]]
+                if n is not None:
+                    # the rejected drafts' positions are rolled back: never kept, so computing them again is
+                    # no recompute
+                    st = watched[rid]
+                    st.ever = max(0, st.ever - (len(spec[rid]) - n))
         return counts
 
     def take_step(self, row: StepRow, out) -> ScheduledStep:

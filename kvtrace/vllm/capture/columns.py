@@ -70,12 +70,17 @@ class Columns:
             t["num_tokens"].extend(repeat(1, m))
             t["token_id"].extend(chain.from_iterable(new_token_ids) if self.token_ids else repeat(None, m))
         elif not self.token_ids:   # several tokens an output (speculative decoding), or none (a prefill chunk):
-            ends = list(map(add, starts, lens))   # a row per request with any, for its run of tokens
-            t["req_id"].extend(compress(req_ids, lens))
-            t["idx"].extend(compress(starts, lens))
-            counts = list(filter(None, lens))
+            ends = map(add, starts, lens)   # a row per request with any, for its run of tokens
+            if 0 in lens:
+                t["req_id"].extend(compress(req_ids, lens))
+                t["idx"].extend(compress(starts, lens))
+                counts = list(filter(None, lens))
+                m = len(counts)
+            else:   # (a speculative step of decoding requests only: every one has tokens)
+                t["req_id"].extend(req_ids)
+                t["idx"].extend(starts)
+                counts = lens
             t["num_tokens"].extend(counts)
-            m = len(counts)
             t["token_id"].extend(repeat(None, m))
         else:   # a token's id a row
             ends = list(map(add, starts, lens))
@@ -137,24 +142,29 @@ class Columns:
             q[name].append(value)
         self.emitted.pop(rid, None)
 
-    def spec_decode(self, spec: dict, accepted: dict[str, int], step: int, now: float, lookahead: int) -> None:
+    def spec_decode(self, spec: dict, accepted: list[int | None] | None, step: int, now: float,
+                    lookahead: int) -> None:
         """A speculative step's rows: per request with drafts scheduled (`spec`, the SchedulerOutput's
-        scheduled_spec_decode_tokens) how many, how many its output `accepted` (None where it has no
-        output) and the lookahead slots its allocation reserved."""
+        scheduled_spec_decode_tokens) how many, how many its output `accepted` (in `spec`'s order, None
+        where it has no output; `accepted` None: the step's output was never processed) and the lookahead
+        slots its allocation reserved."""
         d = self.sink.columns["spec_decode"]
         num_drafts = list(map(len, spec.values()))
+        m = len(num_drafts)
         if 0 in num_drafts:   # only those with drafts
             rids = list(compress(spec, num_drafts))
+            if accepted is not None:
+                accepted = list(compress(accepted, num_drafts))
             num_drafts = list(filter(None, num_drafts))
+            m = len(num_drafts)
         else:
-            rids = list(spec)
-        m = len(rids)
+            rids = spec.keys()
         d["step"].extend(repeat(step, m))
         d["ts_s"].extend(repeat(now, m))
         d["req_id"].extend(rids)
         d["sample"].extend(repeat(0, m))
         d["draft_tokens"].extend(num_drafts)
-        d["accepted_tokens"].extend(map(accepted.get, rids))
+        d["accepted_tokens"].extend(repeat(None, m) if accepted is None else accepted)
         d["lookahead_slots"].extend(repeat(lookahead, m))
 
     def kv_events(self, events: list[KvEvent], step: int, now: float) -> None:

@@ -165,20 +165,21 @@ class Recorder:
         """vLLM's `_preempt_request` is called from `caller` (a frame)."""
         self.steps.preempting(request, self.wraps.requester(caller))
 
-    def before_update(self, out, model_output) -> dict[str, int]:
-        """Speculative decoding: how many of each request's drafts the output accepted, counted before vLLM's
-        update_from_output, which cuts a stopped request's tokens short in place (empty without drafts)."""
+    def before_update(self, out, model_output) -> list[int | None] | None:
+        """Speculative decoding: how many of each request's drafts the output accepted (StepAccounting.accepted,
+        in the order of the step's scheduled_spec_decode_tokens), counted before vLLM's update_from_output,
+        which cuts a stopped request's tokens short in place (None without drafts)."""
         spec = out.scheduled_spec_decode_tokens
-        return self.steps.accepted(spec, model_output) if spec else {}
+        return self.steps.accepted(spec, model_output) if spec else None
 
-    def after_update(self, out, accepted_drafts: dict[str, int], outputs, start: float) -> None:
+    def after_update(self, out, accepted_drafts: list[int | None] | None, outputs, start: float) -> None:
         """vLLM's update_from_output(out, ...) returned `outputs`; it began at `start`; `accepted_drafts`:
         before_update's."""
         t = time.monotonic()
         self._after_update(out, accepted_drafts, outputs, start)
         self.hook_s += time.monotonic() - t
 
-    def _after_update(self, out, accepted_drafts: dict[str, int], outputs, start: float) -> None:
+    def _after_update(self, out, accepted_drafts: list[int | None] | None, outputs, start: float) -> None:
         now = time.monotonic()
         # outputs are processed in the order they were scheduled (vLLM's batch queue): one scheduled
         # before this and still waiting never will be (a caller that skips empty steps); written now
@@ -199,7 +200,7 @@ class Recorder:
         if scheduled is not None and scheduled.row.draft_tokens:   # a speculative step: before its finished rows
             spec = out.scheduled_spec_decode_tokens
             self.columns.spec_decode(spec, accepted_drafts, step, now, self.steps.lookahead)
-            accepted = sum(accepted_drafts.values())
+            accepted = sum(filter(None, accepted_drafts)) if accepted_drafts else 0
         self._write_finished(now)
         for rid in filed_later:   # followed no more: a later step's output for it is stale
             self.steps.forget(rid)
@@ -287,7 +288,7 @@ class Recorder:
         end = scheduled.row.schedule_end_s
         self._write_finished(end)
         if scheduled.row.draft_tokens:   # drafts never checked: none accepted, none known to be rejected
-            self.columns.spec_decode(scheduled.output.scheduled_spec_decode_tokens, {}, scheduled.row.step, end,
+            self.columns.spec_decode(scheduled.output.scheduled_spec_decode_tokens, None, scheduled.row.step, end,
                                      self.steps.lookahead)
         self.columns.step(scheduled.row, end, None, None if scheduled.row.draft_tokens else 0, steps.events)
         self._write_events(scheduled.row.step, end)

@@ -75,7 +75,7 @@ class _CaptureMixin:
     def update_from_output(self, scheduler_output, model_runner_output):
         start = time.monotonic()
         cap = self._kvtrace
-        accepted = {}
+        accepted = None
         if cap is not None:
             try:
                 accepted = cap.before_update(scheduler_output, model_runner_output)

@@ -135,7 +135,9 @@ class PoolWraps:
         self._free_blocks(blocks)
         try:
             freed = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
-            self.cached_free += sum(1 for b in freed if b.block_hash is not None)
+            for b in freed:   # (a loop, not a generator: a window's frees are a block or two, every few steps)
+                if b.block_hash is not None:
+                    self.cached_free += 1
             caller = sys._getframe(1)
             if caller.f_code.co_name in SKIPPING:   # out of a request's window, mid-request
                 owner = caller.f_locals
