@@ -13,7 +13,9 @@ take of the cores is not in it), the capture's own hook time per step, and the b
 take per step; and the bytes per
 hour at a stated load (`--rate` requests/s of `--output-tokens` tokens each, from the bytes per
 generated token at full batches, steps' and KV events' rows included), so that
-KVTRACE_CAPTURE_MAX_BYTES can be chosen.
+KVTRACE_CAPTURE_MAX_BYTES can be chosen. The server's shape: `--kv-cache-groups` (a hybrid model's
+groups), `--spec-tokens` (draft tokens a step), `--offload-chunks` (a host KV tier behind the pool:
+vLLM's OffloadingConnector, its worker stood in for).
 """
 from __future__ import annotations
 
@@ -54,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-tokens", type=int, default=0,
                         help="draft tokens a step (speculative decoding with a draft model's config: as many "
                              "lookahead slots); 0: none")
+    parser.add_argument("--offload-chunks", type=int, default=0,
+                        help="a host KV tier of this many chunks (a block each) behind the pool: vLLM's "
+                             "OffloadingConnector on the scheduler, its worker stood in for; 0: no connector")
     parser.add_argument("--no-write", action="store_true", help="print the report only (RESULTS.md untouched)")
 
 
@@ -66,7 +71,7 @@ def measure(python: str, running: int, args: argparse.Namespace, asynchronous: b
     opts = {"running": running, "steps": args.steps, "warmup": args.warmup, "prompt": args.prompt,
             "block_size": args.block_size, "async": asynchronous, "flush_s": args.flush_every,
             "slow_write_s": slow_write, "kv_cache_groups": args.kv_cache_groups.split(","),
-            "spec_tokens": args.spec_tokens}
+            "spec_tokens": args.spec_tokens, "offload_chunks": args.offload_chunks}
     proc = subprocess.run([python, str(DRIVER), str(model_folder("smollm2-135m")), json.dumps(opts)], env=env,
                           capture_output=True, text=True, timeout=3600)
     if proc.returncode or not proc.stdout.strip():
@@ -129,6 +134,8 @@ def run(args: argparse.Namespace) -> None:
                 f"every request running"
                 + (f"; KV-cache groups {args.kv_cache_groups}" if args.kv_cache_groups != "full" else "")
                 + (f"; {args.spec_tokens} draft tokens a step" if args.spec_tokens else "")
+                + (f"; a host KV tier of {args.offload_chunks:,} blocks (vLLM's OffloadingConnector, its worker "
+                   "stood in for: copies finish in the next step)" if args.offload_chunks else "")
                 + f"), plain and captured alternating, {args.steps} timed steps each after "
                 f"{args.warmup}; medians of per-step time (CPU: the driver thread's; 'added, means': the "
                 "difference of the mean steps, which holds what a chunk write or a collection adds; GC: the "

@@ -16,7 +16,10 @@ steps, the chunks written and dropped. "flush_s" sets how often the capture hand
 "slow_write_s" makes every chunk's write take that long (a slow volume; the writer thread's wait);
 "kv_cache_groups" makes the model hybrid (the driver's group kinds: ["full", "sliding"] is Gemma 3's
 shape, a 4-block window); "spec_tokens" makes the server draft that many tokens a step with a draft
-model's config (as many lookahead slots), the placeholder model accepting some of them.
+model's config (as many lookahead slots), the placeholder model accepting some of them; "offload_chunks"
+gives each scheduler a host KV tier of that many chunks (a block each): vLLM's OffloadingConnector on
+the scheduler, its worker side stood in for as the scheduler tests do (tests/vllm_sched/vllm_driver.py's
+StandInWorker: every store and load completes in the next step's output).
 """
 from __future__ import annotations
 
@@ -58,7 +61,8 @@ def main() -> int:
     cfg = {"block_size": bs, "num_blocks": (n * per_request + 16) * len(groups), "max_num_seqs": n,
            "max_num_batched_tokens": max(n * prompt, n * (1 + drafts), 2048),
            "max_model_len": prompt + max_tokens + 1, "long_prefill_token_threshold": 0, "policy": "fcfs",
-           "async": bool(opts.get("async")), "enable_prefix_caching": True, "kv_cache_groups": groups}
+           "async": bool(opts.get("async")), "enable_prefix_caching": True, "kv_cache_groups": groups,
+           "offload": {"chunks": opts["offload_chunks"], "delay": 1} if opts.get("offload_chunks") else None}
     if drafts:   # a drafting server's config: the schedulers built below read it
         vllm_driver.CONFIGS["vllm_config"] = vllm_driver.fresh_config(model, cfg)
         object.__setattr__(vllm_driver.CONFIGS["vllm_config"], "speculative_config",
@@ -76,10 +80,12 @@ def main() -> int:
             time.sleep(opts["slow_write_s"])
             return write(sink, path, data)
         Sink._write_file = slow
-    schedulers = {}
+    schedulers, workers = {}, {}
     for name in ("plain", "captured"):
         vllm_driver.CAPTURE = name == "captured"
         sched = schedulers[name] = vllm_driver.build(model, cfg)
+        if cfg["offload"]:   # the connector's worker side: its copies finish in the next step's output
+            workers[name] = vllm_driver.StandInWorker(sched, cfg["offload"])
         hasher = get_request_block_hasher(bs, sha256)
         for i in range(n):   # distinct prompts: no prefix sharing between requests
             tokens = [(i * 7919 + j * 104729) % 49000 + 17 for j in range(prompt)]
@@ -99,12 +105,18 @@ def main() -> int:
         elif timing[0] is not None:
             gc_s[timing[0]] += time.perf_counter() - timing[1]
     previous = dict.fromkeys(schedulers)   # async: the step whose output the next step processes
+    num_steps = dict.fromkeys(schedulers, 0)
 
     def step(name: str) -> tuple[float, float]:
         sched = schedulers[name]
         start, cpu_start = time.perf_counter(), time.thread_time()
         so = sched.schedule()
         executed = vllm_driver.output_for(sched, so)
+        if name in workers:   # the tier's copies this step issued, and those finishing in its output
+            worker, index = workers[name], num_steps[name]
+            worker.issued(so, index)
+            executed.kv_connector_output, _ = worker.output(index)
+        num_steps[name] += 1
         if cfg["async"]:   # (the AsyncScheduler schedules its configured drafts itself)
             if previous[name] is not None:
                 sched.update_from_output(*previous[name])
