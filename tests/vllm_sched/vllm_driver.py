@@ -119,18 +119,23 @@ def offloading_config(offload: dict):
     """vLLM's KV transfer config of `--kv-offloading-size` (native CPU offloading), sized in chunks: a chunk is
     a block here (blocks_per_chunk 1), each padded to a 4 KiB page (CPUOffloadingSpec), and a failed load
     computed instead ("recompute", unless the workload's "load_failure_policy" says "fail": vLLM's
-    default, which ends the request with an error)."""
+    default, which ends the request with an error). "sync_load_bytes" (vLLM 0.33 on): loads of up to
+    that many bytes a step run inside the step that admits their request (sync_load_budget_bytes)."""
     from vllm.config import KVTransferConfig
 
     policy = offload.get("load_failure_policy", "recompute")
+    extra = {"cpu_bytes_to_use": 4096 * offload["chunks"]}
+    if offload.get("sync_load_bytes"):
+        extra["sync_load_budget_bytes"] = offload["sync_load_bytes"]
     return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_load_failure_policy=policy,
-                            kv_connector_extra_config={"cpu_bytes_to_use": 4096 * offload["chunks"]})
+                            kv_connector_extra_config=extra)
 
 
 class StandInWorker:
     """The offloading connector's worker side, stood in for (as vLLM's own tests mock it): each transfer job
     the scheduler side issues (its SchedulerOutput's kv_connector_metadata) completes in the output of the
-    step `delay` steps later, a job it flushes in that step's own; on vLLM 0.34 every `fail_every`-th job
+    step `delay` steps later, a job it flushes (or a sync load: its request runs in the step) in that
+    step's own; on vLLM 0.34 every `fail_every`-th job
     fails (its failed_jobs; a load's request in failed_recving too). Records what the connector decided,
     independently of the capture: per step the jobs issued, those completed, and the tier's evictions."""
 
@@ -140,7 +145,7 @@ class StandInWorker:
         self.sched = sched
         self.delay, self.fail_every = offload.get("delay", 1), offload.get("fail_every", 0)
         self.can_fail = "failed_jobs" in {f.name for f in dataclasses.fields(OffloadingWorkerMetadata)}
-        self.jobs: dict[int, list] = {}   # job id -> [due step, request, is a load]
+        self.jobs: dict[int, list] = {}   # job id -> [due step, request, is an async load, is a sync load]
         self.evicted = 0                   # chunks the tier evicted since the last step
         manager = sched.connector.connector_scheduler.manager
         prepare_store = manager.prepare_store
@@ -162,12 +167,18 @@ class StandInWorker:
                 spec = job.dst_spec if kind == "loads" else job.src_spec
                 blocks = [int(b) for b in spec.block_ids]
                 record[kind].append([job_id, job.req_id, blocks])
-                self.jobs[job_id] = [index + self.delay, job.req_id, kind == "loads"]
+                sync = getattr(job, "sync", False)   # (vLLM 0.33 on: a load the step it admits waits for)
+                self.jobs[job_id] = [index if sync else index + self.delay, job.req_id, kind == "loads" and not sync,
+                                     sync]
                 if kind == "loads":   # the request waits for it: its device hit, the connector's, its table
                     request = self.sched.requests[job.req_id]
                     table = [b.block_id for b in self.sched.kv_cache_manager.get_blocks(job.req_id).blocks[0]]
                     num_hit = self.sched.connector.connector_scheduler._req_status[job.req_id].num_locally_computed_tokens
-                    record[kind][-1] += [num_hit, request.num_computed_tokens - num_hit, request.num_tokens, table]
+                    # (a sync load's request is scheduled in the step: its computed positions before it)
+                    num_computed = request.num_computed_tokens - so.num_scheduled_tokens.get(job.req_id, 0)
+                    record[kind][-1] += [num_hit, num_computed - num_hit, request.num_tokens, table]
+                    if sync:
+                        record.setdefault("sync", []).append(job_id)
         for job_id in meta.jobs_to_flush or ():
             if job_id in self.jobs:
                 self.jobs[job_id][0] = index
@@ -178,8 +189,10 @@ class StandInWorker:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
         from vllm.v1.outputs import KVConnectorOutput
 
-        done = sorted(j for j, (due, _, _) in self.jobs.items() if due <= index)
-        failed = {j for j in done if self.can_fail and self.fail_every and j % self.fail_every == self.fail_every - 1}
+        done = sorted(j for j, (due, *_) in self.jobs.items() if due <= index)
+        # (a sync load does not fail here: vLLM's worker raises on one)
+        failed = {j for j in done if self.can_fail and self.fail_every and j % self.fail_every == self.fail_every - 1
+                  and not self.jobs[j][3]}
         finished = {self.jobs[j][1] for j in done if self.jobs[j][2]}
         failed_recving = {self.jobs[j][1] for j in failed if self.jobs[j][2]}
         for j in done:
