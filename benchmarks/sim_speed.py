@@ -21,6 +21,11 @@ command: start-up, replay and closing the trace):
   of memory asks, and the replay's slow case), the points run side by side as the sweep runs them
   (one process per core). The goal: the whole sweep within the hour it replays.
 `--only sharegpt|paged-kv|hour|hour-sweep` runs one scenario.
+`--offload-size 16GiB` runs each scenario that can have a host KV tier (prefix caching on: not paged-kv)
+three times in every repeat: without the tier, without it on the general pass (`--no-sim-fast-path`: the
+fast path steps aside with a tier), and with it (`record --offload-size`). It prints the medians of the
+repeats' ratios (issue 57's goal: with a tier within 10 % of the CPU time without) and the tier's copies,
+counted from the trace, so that a tier that did nothing is seen.
 Steps/s and sequence-steps/s (running sequences summed over steps) are measured per replay. kvtrace's
 sources are byte-compiled first, as a wheel's are when pip installs it (`byte_compile`).
 """
@@ -39,7 +44,7 @@ from datetime import datetime
 from pathlib import Path
 
 from benchmarks.results import Section, markdown_table
-from benchmarks.stats import median
+from benchmarks.stats import median, ratios
 from benchmarks.vidur import (
     CACHE_DIR,
     PROFILES,
@@ -64,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hour-sweep", action="store_true",
                         help="Also sweep the hour over 20 points (max_num_seqs by gpu_memory_utilization).")
     parser.add_argument("--only", choices=sorted([*ONLY, "hour-sweep"]), help="Run one scenario only.")
+    parser.add_argument("--offload-size", metavar="SIZE",
+                        help="Also run each scenario with a host KV tier of this size (e.g. 16GiB), side by side with "
+                             "the runs without it (fast path and general pass), and print the ratios.")
     parser.add_argument("--vidur-python", type=Path, default=default_vidur_python(),
                         help="Python of Vidur 0.0.26's venv (default: scripts/vidur_env.sh's cached one, if built).")
     parser.add_argument("--vidur-cache", type=Path, default=CACHE_DIR,
@@ -158,37 +166,54 @@ def run(args: argparse.Namespace) -> None:
                                     cache_dir=args.vidur_cache)
         rows = []
         medians: dict[str, float] = {}
+        tier_lines = []   # each scenario's ratios with a tier to without (--offload-size)
         for name, options in SCENARIOS.items():
             if not wanted(args, name):
                 continue
-            walls, cpus, replays = [], [], []
+            variants = {name: options}
+            general = tiered = None
+            if args.offload_size and "--no-enable-prefix-caching" not in options:   # a tier's chunks are keyed by its hashes
+                # the fast path steps aside with a tier: the general pass without one shows the tier's own cost
+                general, tiered = f"{name}, general pass", f"{name}, {args.offload_size} host KV tier"
+                variants[general] = [*options, "--no-sim-fast-path"]
+                variants[tiered] = [*options, "--offload-size", args.offload_size]
+            runs = {variant: Runs([], [], [], tmp_path) for variant in variants}
             for i in range(args.hour_repeats if name == HOUR else args.repeats):
-                out = tmp_path / f"{len(rows)}-{i}"
-                wall, cpu = kvtrace("record", "-q", "-w", str(workloads[name]), "-o", str(out), *options)
-                walls.append(wall)
-                cpus.append(cpu)
-                replays.append(replay_s(out))
+                for v, (variant, variant_options) in enumerate(variants.items()):   # side by side in each repeat
+                    out = tmp_path / f"{len(rows)}-{i}-{v}"
+                    wall, cpu = kvtrace("record", "-q", "-w", str(workloads[name]), "-o", str(out), *variant_options)
+                    runs[variant].walls.append(wall)
+                    runs[variant].cpus.append(cpu)
+                    runs[variant].replays.append(replay_s(out))
+                    runs[variant].last = out
                 if name == SHAREGPT and vidur_python:   # interleaved: Vidur right after each kvtrace run
                     vidur_runs.append(run_vidur(vidur_python, workloads[name], tmp_path / f"vidur-{i}",
                                                 VIDUR_CONFIG, cache_dir=args.vidur_cache))
                     vidur_bare_runs.append(run_vidur(vidur_python, workloads[name], tmp_path / f"vidur-bare-{i}",
                                                      VIDUR_BARE, cache_dir=args.vidur_cache))
-            meta = json.loads((out / "meta.json").read_text())
-            steps, seq_steps, simulated_s = connect([out]).sql(
-                "SELECT count(*), sum(running), max(end_s) FROM steps").fetchall()[0]
-            rows_written = sum(meta["summary"]["rows"].values())
-            wall = median(walls)
-            medians[name] = wall
-            rows.append([name, f"{meta['workload']['num_requests']:,}", f"{simulated_s:,.0f}", f"{steps:,}",
-                         f"{rows_written:,}", " ".join(f"{w:.2f}" for w in walls), f"{wall:.2f}",
-                         f"{median(replays):.2f}", f"{median(cpus):.1f}", f"{steps / wall:,.0f} / {steps / median(cpus):,.0f}",
-                         f"{seq_steps / wall:,.0f} / {seq_steps / median(cpus):,.0f}"])
-            if name == SHAREGPT:
-                sharegpt = {"walls": walls, "cpus": cpus, "steps": steps, "seq_steps": seq_steps,
-                            "simulated_s": simulated_s, "num_gpu_blocks": meta["kv_pool"]["num_gpu_blocks"]}
-                vidur_wall = median([r.wall_s for r in vidur_runs]) if vidur_runs else VIDUR_WALL_S
-                vidur_cpu = median([r.cpu_s for r in vidur_runs]) if vidur_runs else VIDUR_WALL_S
-                vs_vidur = (wall / vidur_wall, median(cpus) / vidur_cpu)
+            for variant, r in runs.items():
+                out = r.last
+                meta = json.loads((out / "meta.json").read_text())
+                steps, seq_steps, simulated_s = connect([out]).sql(
+                    "SELECT count(*), sum(running), max(end_s) FROM steps").fetchall()[0]
+                rows_written = sum(meta["summary"]["rows"].values())
+                wall = median(r.walls)
+                rows.append([variant, f"{meta['workload']['num_requests']:,}", f"{simulated_s:,.0f}", f"{steps:,}",
+                             f"{rows_written:,}", " ".join(f"{w:.2f}" for w in r.walls), f"{wall:.2f}",
+                             f"{median(r.replays):.2f}", f"{median(r.cpus):.1f}",
+                             f"{steps / wall:,.0f} / {steps / median(r.cpus):,.0f}",
+                             f"{seq_steps / wall:,.0f} / {seq_steps / median(r.cpus):,.0f}"])
+                if variant == tiered:
+                    tier_lines.append(tier_ratio(variant, r, runs[name], runs[general]))
+                if variant != name:
+                    continue
+                medians[name] = wall
+                if name == SHAREGPT:
+                    sharegpt = {"walls": r.walls, "cpus": r.cpus, "steps": steps, "seq_steps": seq_steps,
+                                "simulated_s": simulated_s, "num_gpu_blocks": meta["kv_pool"]["num_gpu_blocks"]}
+                    vidur_wall = median([v.wall_s for v in vidur_runs]) if vidur_runs else VIDUR_WALL_S
+                    vidur_cpu = median([v.cpu_s for v in vidur_runs]) if vidur_runs else VIDUR_WALL_S
+                    vs_vidur = (wall / vidur_wall, median(r.cpus) / vidur_cpu)
         swept = hour_sweep(workloads[HOUR], tmp_path / "hour-sweep") if wanted(args, "hour-sweep") else None
     section.add("Wall time of `kvtrace record --engine sim` (start-up, replay, trace closed), "
                 f"{args.repeats} runs each ({args.hour_repeats} of the hour), and the CPU time (user + system) it used, which a busy machine "
@@ -203,6 +228,11 @@ def run(args: argparse.Namespace) -> None:
                   "(No Vidur venv: `bash scripts/vidur_env.sh` builds it, and this suite then runs it.)")
     if rows:
         section.add(table)
+    if tier_lines:
+        section.add(f"With a host KV tier (`--offload-size {args.offload_size}`), each repeat's run with it over the "
+                    "run without it in the same repeat (issue 57's goal: within 10 %, ≤ 1.10× in CPU time), and "
+                    "over the general pass without it (`--no-sim-fast-path`: the fast path steps aside with a tier):\n\n"
+                    + "\n".join(f"- {line}" for line, _ in tier_lines))
     if swept:
         section.add(swept["report"])
     if vidur_runs:
@@ -219,9 +249,39 @@ def run(args: argparse.Namespace) -> None:
                          f"{'met' if vs_vidur[0] <= 0.1 else 'missed'})")
         else:
             headline += f" (ShareGPT-like: {vs_vidur[0]:.2f}× Vidur's {VIDUR_WALL_S} s)"
+    if tier_lines:
+        headline += "; with a host KV tier / without, CPU time: " + ", ".join(short for _, short in tier_lines)
     if swept:
         headline = "; ".join(filter(None, [headline, swept["headline"]]))
     section.write(headline)
+
+
+@dataclasses.dataclass
+class Runs:
+    """One scenario's repeats, as one variant (with or without a tier): each run's times, and its last trace."""
+
+    walls: list[float]
+    cpus: list[float]
+    replays: list[float]
+    last: Path
+
+
+def tier_ratio(variant: str, tiered: Runs, plain: Runs, general: Runs) -> tuple[str, str]:
+    """(a sentence, a short form for the headline) of a scenario's runs with a tier against those without
+    (and against the general pass without, which is what a run with a tier runs): the medians of the
+    repeats' ratios, and what the tier did in the last run (its copies, from the trace)."""
+    cpu = median(ratios(tiered.cpus, plain.cpus))
+    wall = median(ratios(tiered.walls, plain.walls))
+    over_general = median(ratios(tiered.cpus, general.cpus))
+    offloads, loads, preempts = connect([tiered.last]).sql(
+        "SELECT count(*) FILTER (WHERE kind = 'offload'), count(*) FILTER (WHERE kind = 'load'), "
+        "count(*) FILTER (WHERE kind = 'preempt') FROM kv_events").fetchall()[0]
+    each = " ".join(f"{t / p:.2f}" for t, p in zip(tiered.cpus, plain.cpus))
+    sentence = (f"{variant}: **{cpu:.2f}×** in CPU time (each repeat {each}), {wall:.2f}× in wall time; "
+                f"{over_general:.2f}× the general pass's CPU time without a tier; "
+                f"{offloads:,} stores and {loads:,} loads, {preempts:,} preemptions; "
+                f"goal ≤ 1.10×: {'met' if cpu <= 1.10 else 'missed'}")
+    return sentence, f"{variant.partition(',')[0]} {cpu:.2f}×"
 
 
 def grid_axis(setting: str) -> str:
