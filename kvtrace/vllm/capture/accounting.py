@@ -65,14 +65,16 @@ class StepAccounting:
         # (re-)prefill; every other scheduled request decodes, which the step's totals account for
         self.watched: dict[str, RequestState] = {}
         self.events: list[KvEvent] = []                       # since the last schedule()
-        # the running loop's allocs this step (wraps.py), by their index in `events`: whose they are, why,
-        # and their group are the SchedulerOutput's (`attribute`)
-        self.unattributed: list[int] = []
+        # the running loop's allocs this step (wraps.py): each one's place in `events` (None there until
+        # then) and the blocks it gave; whose they are, why, and their group are the SchedulerOutput's
+        # (`attribute`)
+        self.unattributed: list[tuple[int, list]] = []
         self.finishing: list[tuple[Request, RequestState]] = []   # freed since the last schedule()
         self.step = -1
         self.step_start = 0.0
         self.step_preemptions = 0
         self.admit_failed = False                          # a waiting request's allocate_slots failed this step
+        self.num_drafts: list[int] | None = None           # the step's drafts per request (scheduled)
         # vLLM's victim: the least urgent (priority policy), else the newest, running[-1]
         self.victim_reason = "lowest-priority" if scheduler.policy == SchedulingPolicy.PRIORITY else "newest"
         self.max_seats = getattr(scheduler, "max_num_active_reqs", scheduler.max_num_running_reqs)
@@ -185,9 +187,11 @@ class StepAccounting:
         # the unfilled tail of each running request's last block: bs - filled, 0 for a full one
         # (-computed % bs for each, in C: mod(neg(computed), bs), a pass over every running request each step)
         gaps = sum(map(mod, map(neg, map(_num_computed_tokens, sched.running)), repeat(bs))) * self.position_groups
+        # each request's drafts, counted once: the step's spec_decode rows take them too (take_step)
+        self.num_drafts = list(map(len, spec.values())) if spec else None
         return StepRow(self.step, start, end, len(sched.running), len(sched.waiting), prefill, num_scheduled - prefill,
                        recompute, self.step_preemptions, free, used, cached_free, used * bs - gaps,
-                       self.admission_stop(num_scheduled), sum(map(len, spec.values())) if spec else 0)
+                       self.admission_stop(num_scheduled), sum(self.num_drafts) if spec else 0)
 
     def attribute(self, cached, prefilling: set[str]) -> None:
         """The running loop's allocs of this step get their request, reason and group: the blocks each
@@ -203,11 +207,11 @@ class StepAccounting:
                 for block in ids:
                     owner.setdefault(block, (rid, group))
         events, hybrid = self.events, self.hybrid
-        for i in self.unattributed:
-            e = events[i]
-            rid, group = owner.get(e.blocks[0], ("", None))
+        for i, blocks in self.unattributed:
+            ids = [b.block_id for b in blocks]
+            rid, group = owner.get(ids[0], ("", None))
             reason = "other" if not rid else "prefill" if rid in prefilling else "decode"
-            events[i] = block_event("alloc", rid, e.blocks, reason, group if hybrid else None)
+            events[i] = block_event("alloc", rid, ids, reason, group if hybrid else None)
         self.unattributed = []
 
     def admission_stop(self, num_scheduled: int) -> str:
@@ -257,7 +261,7 @@ class StepAccounting:
 
     def take_step(self, row: StepRow, out) -> ScheduledStep:
         """The step just scheduled, with what its scheduling did; the next one starts empty."""
-        step = ScheduledStep(row, self.events, self.finishing, out)
+        step = ScheduledStep(row, self.events, self.finishing, out, self.num_drafts)
         self.events, self.finishing = [], []
         return step
 
@@ -299,12 +303,12 @@ class StepAccounting:
         owner = {block: group for group, ids in enumerate(groups) for block in ids}
         reason = alloc_reason(request)
         events, left = self.events, []
-        for i in self.unattributed:
-            group = owner.get(events[i].blocks[0])
+        for i, blocks in self.unattributed:
+            group = owner.get(blocks[0].block_id)
             if group is None:
-                left.append(i)
+                left.append((i, blocks))
             else:
-                events[i] = block_event("alloc", request.request_id, events[i].blocks, reason,
+                events[i] = block_event("alloc", request.request_id, [b.block_id for b in blocks], reason,
                                         group if self.hybrid else None)
         self.unattributed = left
 

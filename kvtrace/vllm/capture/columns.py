@@ -11,10 +11,13 @@ from __future__ import annotations
 import hashlib
 import time
 from itertools import chain, compress, repeat
-from operator import add
+from operator import add, attrgetter
 
 from kvtrace.vllm.capture.rows import KvEvent, RequestState, StepRow
 from kvtrace.vllm.capture.sink import Sink
+
+
+_request_id, _new_token_ids = attrgetter("request_id"), attrgetter("new_token_ids")
 
 
 def salted(salt: bytes, block_hashes) -> list[int]:
@@ -58,8 +61,8 @@ class Columns:
         importer.read_chunk), so that a step costs a pass over its requests, not its tokens."""
         t = self.sink.columns["tokens"]
         emitted = self.emitted
-        req_ids = [o.request_id for o in outs]
-        new_token_ids = [o.new_token_ids for o in outs]
+        req_ids = list(map(_request_id, outs))
+        new_token_ids = list(map(_new_token_ids, outs))
         starts = list(map(emitted.get, req_ids, repeat(0)))   # the index of each one's first token here
         lens = list(map(len, new_token_ids))
         m = len(req_ids)
@@ -142,14 +145,14 @@ class Columns:
             q[name].append(value)
         self.emitted.pop(rid, None)
 
-    def spec_decode(self, spec: dict, accepted: list[int | None] | None, step: int, now: float,
-                    lookahead: int) -> None:
+    def spec_decode(self, spec: dict, num_drafts: list[int], accepted: list[int | None] | None, step: int,
+                    now: float, lookahead: int) -> None:
         """A speculative step's rows: per request with drafts scheduled (`spec`, the SchedulerOutput's
-        scheduled_spec_decode_tokens) how many, how many its output `accepted` (in `spec`'s order, None
-        where it has no output; `accepted` None: the step's output was never processed) and the lookahead
-        slots its allocation reserved."""
+        scheduled_spec_decode_tokens) how many (`num_drafts`, in `spec`'s order, counted when it was
+        scheduled), how many its output `accepted` (in `spec`'s order, None where it has no output;
+        `accepted` None: the step's output was never processed) and the lookahead slots its allocation
+        reserved."""
         d = self.sink.columns["spec_decode"]
-        num_drafts = list(map(len, spec.values()))
         m = len(num_drafts)
         if 0 in num_drafts:   # only those with drafts
             rids = list(compress(spec, num_drafts))

@@ -199,7 +199,7 @@ class Recorder:
         accepted = 0
         if scheduled is not None and scheduled.row.draft_tokens:   # a speculative step: before its finished rows
             spec = out.scheduled_spec_decode_tokens
-            self.columns.spec_decode(spec, accepted_drafts, step, now, self.steps.lookahead)
+            self.columns.spec_decode(spec, scheduled.num_drafts, accepted_drafts, step, now, self.steps.lookahead)
             accepted = sum(filter(None, accepted_drafts)) if accepted_drafts else 0
         self._write_finished(now)
         for rid in filed_later:   # followed no more: a later step's output for it is stale
@@ -288,8 +288,8 @@ class Recorder:
         end = scheduled.row.schedule_end_s
         self._write_finished(end)
         if scheduled.row.draft_tokens:   # drafts never checked: none accepted, none known to be rejected
-            self.columns.spec_decode(scheduled.output.scheduled_spec_decode_tokens, None, scheduled.row.step, end,
-                                     self.steps.lookahead)
+            self.columns.spec_decode(scheduled.output.scheduled_spec_decode_tokens, scheduled.num_drafts, None,
+                                     scheduled.row.step, end, self.steps.lookahead)
         self.columns.step(scheduled.row, end, None, None if scheduled.row.draft_tokens else 0, steps.events)
         self._write_events(scheduled.row.step, end)
         steps.events, steps.finishing = since

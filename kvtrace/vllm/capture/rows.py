@@ -97,3 +97,4 @@ class ScheduledStep:
     events: list[KvEvent]
     finishing: list                     # (Request, RequestState) of the requests freed
     output: Any                         # its SchedulerOutput, held so that its id is not reused while it waits
+    num_drafts: list[int] | None = None  # speculative decoding: each request's drafts, in its scheduled_spec_decode_tokens

@@ -114,8 +114,9 @@ class PoolWraps:
                     # a running request's: whose, why and of which group the step's SchedulerOutput says
                     # (StepAccounting.attribute). Read here from allocate_slots' frame, as below, it cost
                     # more than the rest of a step's capture where draft tokens make requests grow often
-                    self.steps.unattributed.append(len(self.steps.events))
-                    self.steps.events.append(block_event("alloc", "", [b.block_id for b in blocks], None, None))
+                    steps = self.steps
+                    steps.unattributed.append((len(steps.events), blocks))
+                    steps.events.append(None)   # its place among the step's events, filled then
                     return blocks
                 # an admission's (`current`), or one made elsewhere: its request's, if it is in an
                 # allocate_slots call, and why from that request's state
