@@ -132,7 +132,7 @@ class LLMEngine:
                                    num_lookahead_tokens=config.num_lookahead_tokens, draft_slots=config.draft_slots)
         self.scheduler.follow(config.follow_vllm)
         if g.num_offload_blocks:   # a host KV tier (engine/offload.py)
-            self.scheduler.tier = OffloadTier(g.num_offload_blocks, self.scheduler.tier_ranks_by_request)
+            self.scheduler.add_tier(OffloadTier(g.num_offload_blocks))
         # the simulator's host link, one per direction (loads, stores): the clock time it is free from
         self._link_free_s = {True: 0.0, False: 0.0}
         # speculative decoding (the simulator's): how many of a step's drafts are accepted
@@ -267,7 +267,7 @@ class LLMEngine:
         occupancy = self._occupancy(out)
         result = self.runner.execute(out)
         num_recompute = self._account(out.seqs, out.num_new_tokens, start_s)
-        tier = self._finish_copies(out, start_s + self.time_origin) if self.scheduler.tier is not None else None
+        tier = self._finish_copies(out, start_s + self.time_origin) if self.scheduler.connector is not None else None
         sampled = self._sample(result)
         drafts = None
         if self.drafting:   # each sequence's accepted drafts are tokens too; the rejected roll back
@@ -376,7 +376,9 @@ class LLMEngine:
         time each way, loads from the step's start (before the forward), stores from its end. A step
         that ran nothing waits for the next copy to finish. Returns the finished copies' bytes stored,
         bytes loaded and milliseconds."""
-        sched, bm = self.scheduler, self.block_manager
+        connector, bm = self.scheduler.connector, self.block_manager
+        if not out.tier_copies and not connector.copies_in_flight:   # most steps
+            return 0, 0, 0.0
         now = self.clock()
         for copy in out.tier_copies:
             copy.event.bytes = len(copy.device_blocks) * self.geometry.bytes_per_block
@@ -387,7 +389,7 @@ class LLMEngine:
             link_free = self._link_free_s[copy.is_load]
             copy.done_s = (issued if issued > link_free else link_free) + copy.event.duration_ms / 1000
             self._link_free_s[copy.is_load] = copy.done_s
-        in_flight = sched.copies_in_flight
+        in_flight = connector.copies_in_flight
         if not out.seqs and in_flight and not any(c.flushed or c.done_s <= now for c in in_flight):
             # nothing ran: wait for the first copy to finish, or for the next arrival if it comes first
             # (the replay adds it and the next step may admit it while the copies go on)
@@ -398,7 +400,7 @@ class LLMEngine:
         stored = loaded = 0
         total_ms = 0.0
         for copy in [c for c in in_flight if c.flushed or c.done_s <= now]:
-            sched.complete_copy(copy)
+            connector.complete_copy(copy)
             bm.events.append(copy.event)
             if copy.is_load:
                 loaded += copy.event.bytes
@@ -760,8 +762,8 @@ class LLMEngine:
                 f"{seq}: computed positions beyond its blocks"
         for seq in self.scheduler.waiting:
             assert not seq.block_table, f"waiting {seq} holds blocks"
-        if self.scheduler.tier is not None:
-            self.scheduler.check_tier_integrity()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.check_integrity(self.scheduler.loading)
         if self.fast_path is not None:
             self.fast_path.check_integrity()
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from engine import events as ev
 from engine.block_manager import BlockManager
 from engine.config import VLLM_VERSIONS, PreemptionMode, PreemptionPolicy
+from engine.connector import OffloadingConnector
 from engine.events import (
     REPREFILL_INTERRUPTED,
     AdmissionStop,
@@ -20,7 +21,7 @@ from engine.events import (
     PreemptReason,
     VictimReason,
 )
-from engine.offload import Lookup, OffloadTier, TierCopy
+from engine.offload import OffloadTier, TierCopy
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -113,17 +114,12 @@ class Scheduler:
         self.running: list[Sequence] = []      # in admission order, oldest first
         self.swapped: deque[Sequence] = deque()
         self._admit_counter = 0
-        # the host KV tier (engine/offload.py; None: none), its copies in flight, the sequences whose blocks
-        # it loads (holding them, not scheduled: vLLM's WAITING_FOR_REMOTE_KVS), the chunks being loaded
-        # (key -> loads), and the sequences finished since the last step (the tier re-ranks theirs)
-        self.tier: OffloadTier | None = None
-        self.copies_in_flight: list[TierCopy] = []
+        # a host KV tier's copies, decided as vLLM's OffloadingConnector does (engine/connector.py; None:
+        # no tier), and the sequences whose blocks it loads (holding them, not scheduled: vLLM's
+        # WAITING_FOR_REMOTE_KVS)
+        self.connector: OffloadingConnector | None = None
         self.loading: list[Sequence] = []
-        self.keys_being_loaded: dict[int, int] = {}
-        # finished since the last step: (sequence, its device blocks, positions it had computed)
-        self._finished_for_tier: list[tuple[Sequence, list[int], int]] = []
-        self._tier_allocated: set[int] = set()   # blocks put in a table this step (_flush_reused)
-        self.prefilling: set[Sequence] = set()   # running, short of their tokens when last scheduled
+        self.vllm_version = (0, 32)   # (major, minor) of the vLLM whose decisions it makes (follow)
 
     def follow(self, vllm_version: str) -> None:
         """Make the decisions of this vLLM where versions differ (0.31.0, 0.32.0 (the default),
@@ -132,14 +128,21 @@ class Scheduler:
         if vllm_version not in VLLM_VERSIONS:
             raise ValueError(f"kvtrace's scheduler follows vLLM {' or '.join(VLLM_VERSIONS)}, not {vllm_version!r}")
         major, minor = (int(part) for part in vllm_version.split(".")[:2])
+        self.vllm_version = (major, minor)
         self.priority_pass_goes_on = (major, minor) >= (0, 33)
         self.caches_on_delivery = (major, minor) >= (0, 33)
-        # the host KV tier: vLLM 0.33 ranks a request's chunks by the request (engine/offload.py), and its
-        # connector offers an admitted request's blocks from the start again (the present ones skipped)
-        self.tier_offers_again = (major, minor) >= (0, 33)
-        self.tier_ranks_by_request = (major, minor) >= (0, 33)
-        if self.tier is not None:
-            self.tier.ranks_by_request = self.tier_ranks_by_request
+        if self.connector is not None:
+            self.connector.follow(self.vllm_version)
+
+    def add_tier(self, tier: OffloadTier) -> None:
+        """Put a host KV tier behind the pool, its copies decided as vLLM's OffloadingConnector decides them."""
+        self.connector = OffloadingConnector(tier, self.bm, self.max_model_len)
+        self.connector.follow(self.vllm_version)
+
+    @property
+    def tier(self) -> OffloadTier | None:
+        """The host KV tier (None: none)."""
+        return self.connector.tier if self.connector is not None else None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -147,7 +150,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """Sequences left, or the host KV tier's copies in flight (the simulator's last stores: the run
         ends once they are filed)."""
-        return bool(self.waiting or self.running or self.swapped or self.loading or self.copies_in_flight)
+        return bool(self.waiting or self.running or self.swapped or self.loading
+                    or self.connector is not None and self.connector.copies_in_flight)
 
     def all_seqs(self) -> list[Sequence]:
         return [*self.running, *self.waiting, *self.swapped, *self.loading]
@@ -158,18 +162,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         self.admit(out, budget)
-        if self.tier is not None:   # vLLM's connector, once the step is decided (build_connector_meta)
-            self._offer_stores(out)
-            for seq, blocks, num_computed in self._finished_for_tier:
-                self._offer_finished(seq, blocks, num_computed, out)
-                self.tier.on_request_finished(seq)
-            self._finished_for_tier = []
-            self._flush_reused(out)
-            for seq, num_new in zip(out.seqs, out.num_new_tokens):   # (vLLM's in-flight prefills)
-                if seq.num_computed_tokens + num_new < seq.num_tokens:
-                    self.prefilling.add(seq)
-                else:
-                    self.prefilling.discard(seq)
+        if self.connector is not None:   # the tier's copies, once the step is decided
+            self.connector.build_connector_meta(out)
         return out
 
     def prefill_cap(self) -> int:
@@ -367,15 +361,15 @@ class Scheduler:
                 continue
             cached_ids = bm.match_prefix(seq)
             num_cached = len(cached_ids) * bm.block_size
-            num_tier = 0
-            if self.tier is not None:
-                num_tier = self._tier_hit(seq, num_cached)
+            if self.connector is not None:
+                num_tier = self.connector.lookup(seq, num_cached)
                 if num_tier is None:   # vLLM defers it: its chunks are being stored, or loaded for another
                     self.waiting.remove(seq)
                     skipped.append(seq)
                     continue
                 if num_tier:   # blocks for the device's and the tier's hits, a load, and no token this step
-                    reserved = self._blocks_reserved(out, first_admitted)
+                    reserved = self.connector.num_blocks_reserved(self.loading, out.seqs[first_admitted:],
+                                                                  out.num_new_tokens[first_admitted:])
                     if not (bm.can_allocate(seq, cached_ids, watermark=bool(running)) and bm.can_load(
                             seq, cached_ids, num_cached + num_tier, bool(running), reserved)):
                         out.admission_stop = (AdmissionStop.WATERMARK if running and bm.can_allocate(
@@ -412,10 +406,8 @@ class Scheduler:
             num_forks += seq.num_pending_forks
             resumed = seq.num_ever_computed > 0
             reason = AdmitReason.RESUME_RECOMPUTE if resumed else AdmitReason.NEW
-            if self.tier is not None:
-                self._record_lookup(seq, num_cached, 0, reason)
-                if self.tier_offers_again:
-                    seq.num_offered_blocks = 0
+            if self.connector is not None:
+                self.connector.admit(seq, num_cached, reason)
             self._admit(seq, reason, seq.num_tokens - num_cached)
             bm.allocate(seq, cached_ids, num_new, reason, num_slots - num_cached - num_new if drafting else 0)
             seq.num_prefix_hit_tokens += num_cached
@@ -435,74 +427,22 @@ class Scheduler:
         if out.admission_stop == AdmissionStop.NOTHING_WAITING and (skipped or self.loading):
             out.admission_stop = AdmissionStop.OTHER   # held back by the tier's copies (as a capture says it)
 
-    # ---- the host KV tier (vLLM's offloading connector, scheduler side) ---------------------
-    def _tier_hit(self, seq: Sequence, num_cached: int) -> int | None:
-        """Positions past the device's hit that the tier holds ready: the run of chunks from the first
-        block the device lacks up to the first the tier lacks (0 if none). None defers the sequence
-        (vLLM's get_num_new_matched_tokens): a copy of its own in flight, a chunk of the run still being
-        stored, or being loaded for another sequence."""
-        if seq.num_tier_copies:
-            return None
-        bs = self.bm.block_size
-        num_full = seq.num_tokens // bs
-        hashes = self.bm.token_block_hashes(seq, num_full)
-        num_hit = 0
-        for key in hashes[num_cached // bs:num_full]:
-            found = self.tier.lookup(key)
-            if found is Lookup.MISS:
-                break
-            if found is Lookup.PENDING or key in self.keys_being_loaded:
-                return None
-            num_hit += 1
-        return num_hit * bs
-
-    def _record_lookup(self, seq: Sequence, num_cached: int, num_tier: int, reason: str) -> None:
-        self.bm.events.append(KVEvent(ev.LOOKUP, seq.req_id, seq.sample, num_tokens=seq.num_tokens,
-                                      num_cached_tokens=num_cached, tier_tokens=num_tier, reason=reason,
-                                      tier=self.tier.name))
-
-    def _blocks_reserved(self, out: SchedulerOutput, first_admitted: int) -> int:
-        """The blocks a load must leave free (vLLM's in-flight reservations: a load holds its blocks
-        through the copy without progress, so it is admitted only where it cannot starve): those the
-        sequences waiting for their loads still need to hold all their tokens, and those the sequences
-        still prefilling need (admitted in an earlier step and short of their tokens when last
-        scheduled, or admitted in this pass short of them)."""
-        def blocks_to_finish(seq: Sequence) -> int:
-            num_tokens = min(seq.num_tokens, self.max_model_len) if self.max_model_len else seq.num_tokens
-            return max(0, self.bm.blocks_for(num_tokens) - len(seq.block_table))
-        reserved = sum([blocks_to_finish(s) for s in self.loading])
-        reserved += sum([blocks_to_finish(s) for s in self.prefilling])
-        admitted = zip(out.seqs[first_admitted:], out.num_new_tokens[first_admitted:])
-        return reserved + sum([blocks_to_finish(s) for s, n in admitted if s.num_computed_tokens + n < s.num_tokens])
-
+    # ---- the host KV tier's loads (the copies: engine/connector.py) ----------------------------
     def _start_load(self, seq: Sequence, cached_ids: list[int], num_tier: int, out: SchedulerOutput) -> None:
         """Admit a sequence whose prefix the tier holds past the device's hit: blocks for both hits (the
         tier's not in the prefix cache until loaded: vLLM's delay_cache_blocks), its chunks pinned and a
         load issued; it waits, holding them, until the load finishes (`_admit_loaded`). A hit of every
         position gives the last back to compute (its logits give the next token): the load's credit."""
-        bm, tier = self.bm, self.tier
-        bs = bm.block_size
-        num_cached = len(cached_ids) * bs
+        num_cached = len(cached_ids) * self.bm.block_size
         reason = AdmitReason.RESUME_RECOMPUTE if seq.num_ever_computed > 0 else AdmitReason.NEW
         num_credited = min(num_tier, seq.num_tokens - 1 - num_cached)
-        self._record_lookup(seq, num_cached, num_credited, reason)
-        bm.allocate(seq, cached_ids, num_tier, reason, delay_cache=True)
+        self.connector.record_lookup(seq, num_cached, num_credited, reason)
+        self.bm.allocate(seq, cached_ids, num_tier, reason, delay_cache=True)
         seq.num_prefix_hit_tokens += num_cached
         seq.reprefill_cached = num_cached
-        first, last = num_cached // bs, (num_cached + num_tier) // bs
-        keys = bm.token_block_hashes(seq, last)[first:last]
-        blocks = seq.block_table[first:last]
-        slots = tier.prepare_load(seq, keys, first)
-        self._tier_allocated.update(seq.block_table)   # every block of its table, prefix hits too
-        for key in keys:
-            self.keys_being_loaded[key] = self.keys_being_loaded.get(key, 0) + 1
-        event = KVEvent(ev.LOAD, seq.req_id, seq.sample, blocks=list(blocks), num_tokens=num_credited, tier=tier.name)
-        seq.load = TierCopy(seq, True, keys, list(blocks), slots, event)
-        self._issue(seq.load, out)
+        self.connector.start_load(seq, num_cached, num_tier, num_credited, out)
         seq.num_computed_tokens = num_cached + num_tier
-        seq.num_offered_blocks = last   # what it loaded is not stored again
         seq.status = SequenceStatus.LOADING
-        seq.load_done = False
         self.loading.append(seq)
 
     def _admit_loaded(self, out: SchedulerOutput, budget: int, threshold: int) -> int | None:
@@ -544,108 +484,6 @@ class Scheduler:
             out.num_new_tokens.append(num_new)
             budget -= num_new
         return budget
-
-    def _offer_stores(self, out: SchedulerOutput) -> None:
-        """Each scheduled sequence offers the tier its prompt's blocks that this step fills (vLLM's default
-        offload_prompt_only), one prepare_store a sequence a step; refused (no room), the same blocks are
-        offered again next step. A store copies the blocks the tier lacked, after the forward."""
-        bs = self.bm.block_size
-        for seq, num_new in zip(out.seqs, out.num_new_tokens):
-            if seq.num_offered_blocks < seq.num_prompt_tokens // bs:   # else its prompt's full blocks all offered
-                self._offer(seq, seq.block_table, min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens), out)
-
-    def _offer_finished(self, seq: Sequence, blocks: list[int], num_computed: int, out: SchedulerOutput) -> None:
-        """A sequence finished in the last step offers, once more, the prompt blocks it had computed and
-        the tier refused (vLLM's connector builds store jobs for finished requests too, from the blocks
-        they held: freed, but written by nothing before this step's forward, so copied before it)."""
-        self._offer(seq, blocks, min(num_computed, seq.num_prompt_tokens), out, before_forward=True)
-
-    def _offer(self, seq: Sequence, blocks: list[int], num_positions: int, out: SchedulerOutput,
-               before_forward: bool = False) -> None:
-        """One prepare_store of the sequence's full blocks among its first `num_positions` not offered
-        yet; a store of those the tier lacked, from the device blocks `blocks` (its table)."""
-        bm, tier = self.bm, self.tier
-        bs = bm.block_size
-        end = num_positions // bs
-        start = seq.num_offered_blocks
-        if end <= start:
-            return
-        keys = bm.token_block_hashes(seq, end)[start:end]
-        plan = tier.prepare_store(seq, keys, start)
-        if plan is None:
-            return
-        seq.num_offered_blocks = end
-        if plan.evicted:
-            bm.events.append(KVEvent(ev.TIER_EVICT, "", num_tier_blocks=len(plan.evicted), tier=tier.name))
-        if plan.keys:
-            index = {key: start + i for i, key in enumerate(keys)}
-            stored = [blocks[index[key]] for key in plan.keys]
-            event = KVEvent(ev.OFFLOAD, seq.req_id, seq.sample, blocks=stored, num_tokens=len(stored) * bs,
-                            tier=tier.name)
-            self._issue(TierCopy(seq, False, plan.keys, stored, plan.slots, event, before_forward=before_forward), out)
-
-    def _flush_reused(self, out: SchedulerOutput) -> None:
-        """A finished sequence's stores still in flight finish with this step where a block they copy
-        from is in a table again (vLLM's connector fences them: allocated anew, or a prefix hit, before
-        the forward writes into it). The connector sees every block in a table that it did not see there
-        before: a scheduled sequence's new blocks, an admitted one's whole table (a loading one's at its
-        load, and again once admitted)."""
-        allocated = self._tier_allocated
-        for seq in out.seqs:
-            table = seq.block_table
-            allocated.update(table[seq.num_connector_blocks:])
-            seq.num_connector_blocks = len(table)
-        if allocated:
-            for copy in self.copies_in_flight:
-                if (not copy.is_load and not copy.flushed and copy.seq.status == SequenceStatus.FINISHED
-                        and not allocated.isdisjoint(copy.device_blocks)):
-                    copy.flushed = True
-            self._tier_allocated = set()
-
-    def _issue(self, copy: TierCopy, out: SchedulerOutput) -> None:
-        out.tier_copies.append(copy)
-        self.copies_in_flight.append(copy)
-        copy.seq.num_tier_copies += 1
-
-    def complete_copy(self, copy: TierCopy, success: bool = True) -> None:
-        """A tier copy finished (the engine says when): a store's chunks become ready, a load's unpinned
-        and its sequence admissible at the next step."""
-        self.copies_in_flight.remove(copy)
-        seq = copy.seq
-        seq.num_tier_copies -= 1
-        if copy.is_load:
-            self.tier.complete_load(copy.keys)
-            for key in copy.keys:
-                left = self.keys_being_loaded[key] - 1
-                if left:
-                    self.keys_being_loaded[key] = left
-                else:
-                    del self.keys_being_loaded[key]
-            seq.load_done = True
-            seq.num_tier_hit_tokens += copy.event.num_tokens
-        else:
-            self.tier.complete_store(copy.keys, success)
-
-    def check_tier_integrity(self) -> None:
-        """Assert the tier's books agree with the copies in flight: a chunk is pending exactly while a
-        store of it is, pinned once per load of it."""
-        tier = self.tier
-        tier.check_integrity()
-        pins: dict[int, int] = {}
-        pending = set()
-        for copy in self.copies_in_flight:
-            for key in copy.keys:
-                if copy.is_load:
-                    pins[key] = pins.get(key, 0) + 1
-                else:
-                    pending.add(key)
-        assert pins == self.keys_being_loaded, "the chunks being loaded are not the loads' in flight"
-        for key, chunk in tier.chunks.items():
-            assert chunk.ref_count == (-1 if key in pending else pins.get(key, 0)), \
-                f"chunk {key}: ref_count {chunk.ref_count}, {pins.get(key, 0)} loads, pending {key in pending}"
-        for seq in self.loading:
-            assert (seq.load is not None and seq.load in self.copies_in_flight) != seq.load_done, \
-                f"{seq}: its load neither in flight nor done"
 
     def adopt(self, seq: Sequence) -> None:
         """A sample forked from a running sequence joins the running batch."""
@@ -757,12 +595,8 @@ class Scheduler:
             return
         reason = (PreemptReason.RECOMPUTE if self.preemption_mode == PreemptionMode.RECOMPUTE
                   else PreemptReason.SWAP_FULL_FALLBACK)
-        for copy in self.copies_in_flight:   # vLLM flushes a preempted request's stores
-            if copy.seq in seqs:
-                copy.flushed = True
-        for seq in seqs:   # its table starts again: the connector sees every block of it once admitted
-            seq.num_connector_blocks = 0
-            self.prefilling.discard(seq)
+        if self.connector is not None:
+            self.connector.preempted(seqs)
         for seq in seqs:
             blocks, per_group = held[id(seq)]
             self.bm.events.append(KVEvent(
@@ -789,7 +623,6 @@ class Scheduler:
         else:
             self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        if self.tier is not None:
-            self._finished_for_tier.append((seq, list(seq.block_table), seq.num_computed_tokens))
-            self.prefilling.discard(seq)
+        if self.connector is not None:
+            self.connector.request_finished(seq)
         self.bm.free(seq, FreeReason.FINISH)

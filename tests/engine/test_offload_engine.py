@@ -160,7 +160,7 @@ def test_random_workloads_keep_the_books_and_the_outputs(num_offload_blocks):
         assert sum(seq.num_recomputed_tokens for seq in engine.outputs.values()) == \
             sum(r.num_recompute_tokens for r in tracer.records) == sum(e.num_recomputed_tokens for e in events)
         if tier:
-            assert not engine.scheduler.copies_in_flight and not engine.scheduler.loading
+            assert not engine.scheduler.connector.copies_in_flight and not engine.scheduler.loading
     assert outputs[0] == outputs[num_offload_blocks]
 
 

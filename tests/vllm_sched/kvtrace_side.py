@@ -149,13 +149,13 @@ def plant(engine: LLMEngine, bug: str) -> None:
                 sched.num_spec_tokens = spec_tokens
         sched._admit_waiting = admit_unpadded
     elif bug == "tier-unread":
-        sched.tier.lookup = lambda key: Lookup.MISS
+        sched.connector.tier.lookup = lambda key: Lookup.MISS
     elif bug == "load-unreserved":
-        sched._blocks_reserved = lambda out, first_admitted: 0
+        sched.connector.num_blocks_reserved = lambda loading, admitted, admitted_new: 0
     elif bug == "stores-unfenced":
-        sched._flush_reused = lambda out: None
+        sched.connector._fence_reused = lambda: None
     elif bug == "ranks-of-other-releases":
-        sched.tier.ranks_by_request = not sched.tier.ranks_by_request
+        sched.connector.tier.ranks_by_request = not sched.connector.tier.ranks_by_request
     else:
         raise ValueError(f"no such plant {bug!r} (one of {', '.join(PLANTS + HYBRID_PLANTS + SPEC_PLANTS + TIER_PLANTS)})")
 
@@ -173,19 +173,19 @@ class StepCopies:
         self.index = 0                  # the step being run (the driver's record index)
         self.jobs: dict[int, list] = {}  # id(copy) -> [job id, due step, the copy (kept: its id stays its own)]
         self.tier: dict = {}
-        sched = engine.scheduler
-        issue = sched._issue
+        connector = engine.scheduler.connector
+        issue = connector._issue
         numbered = iter(range(1 << 62))
 
         def issue_and_number(copy, out) -> None:
             self.jobs[id(copy)] = [next(numbered), self.index + self.delay, copy]
             issue(copy, out)
-        sched._issue = issue_and_number
+        connector._issue = issue_and_number
         engine._finish_copies = self.finish
 
     def scheduled(self, out, events) -> None:
         """What the tier's side decided in this step's scheduling."""
-        sched, bs = self.engine.scheduler, self.engine.block_manager.block_size
+        connector, bs = self.engine.scheduler.connector, self.engine.block_manager.block_size
         loads, stores = [], []
         for copy in out.tier_copies:
             seq, job = copy.seq, self.jobs[id(copy)][0]
@@ -195,20 +195,20 @@ class StepCopies:
                               seq.num_tokens, list(seq.block_table)])
             else:
                 stores.append([job, key(seq), list(copy.device_blocks)])
-        flushed = sorted(self.jobs[id(c)][0] for c in sched.copies_in_flight if c.flushed)
+        flushed = sorted(self.jobs[id(c)][0] for c in connector.copies_in_flight if c.flushed)
         evicted = sum(e.num_tier_blocks for e in events if e.kind == ev.TIER_EVICT)
         self.tier = {"loads": sorted(loads), "stores": sorted(stores), "flushed": flushed, "evicted": evicted}
 
     def finish(self, out, start_clock: float) -> tuple[int, int, float]:
         """LLMEngine._finish_copies on the step clock: the copies due by this step finish, in job order."""
-        engine, sched = self.engine, self.engine.scheduler
+        engine, connector = self.engine, self.engine.scheduler.connector
         for copy in out.tier_copies:
             copy.event.bytes = len(copy.device_blocks) * engine.geometry.bytes_per_block
-        done = sorted((c for c in sched.copies_in_flight if c.flushed or self.jobs[id(c)][1] <= self.index),
+        done = sorted((c for c in connector.copies_in_flight if c.flushed or self.jobs[id(c)][1] <= self.index),
                       key=lambda c: self.jobs[id(c)][0])
         stored = loaded = 0
         for copy in done:
-            sched.complete_copy(copy)
+            connector.complete_copy(copy)
             engine.block_manager.events.append(copy.event)
             if copy.is_load:
                 loaded += copy.event.bytes
