@@ -131,6 +131,29 @@ def offloading_config(offload: dict):
                             kv_connector_extra_config=extra)
 
 
+class InsertionOrderedSet(set):
+    """A set that iterates in the order its items were added. vLLM's scheduler keeps the requests finished
+    since its last step in a set (finished_req_ids), which the offloading connector walks to store their
+    last blocks and to re-rank their chunks: in hash order, a different one in every process. The driver
+    gives the scheduler this set instead, so that a run is one run: the requests in the order they
+    finished (as kvtrace's engine takes them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._order: dict = {}
+
+    def add(self, item) -> None:
+        super().add(item)
+        self._order[item] = None
+
+    def discard(self, item) -> None:
+        super().discard(item)
+        self._order.pop(item, None)
+
+    def __iter__(self):
+        return iter(list(self._order))
+
+
 class StandInWorker:
     """The offloading connector's worker side, stood in for (as vLLM's own tests mock it): each transfer job
     the scheduler side issues (its SchedulerOutput's kv_connector_metadata) completes in the output of the
@@ -553,6 +576,8 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
             sched._update_after_schedule = _update_after_schedule
         so = sched.schedule()
         sched.__dict__.pop("_update_after_schedule", None)
+        if worker is not None:   # those finishing before the next schedule(), in the order they finish
+            sched.finished_req_ids = InsertionOrderedSet()
         scheduled_at = time.monotonic()
         if "allocate_slots" in sched.kv_cache_manager.__dict__ and workload.get("bare"):
             # nothing of the driver's on the instance: anything there is a wrapper left behind
