@@ -54,10 +54,10 @@ def _simulated(config: EngineConfig, tracer: Tracer | None, loaded: LoadedModel 
     engine = LLMEngine(config, model_config, geometry, SimExecutor(cost_model, geometry.bytes_per_block, model_config.layer_windows),
                        max_model_len=max_model_len, tracer=tracer, model_source=model_source)
     # async scheduling keeps a token in flight, which no step of the fast path has (engine/sim/fast_path.py);
-    # nor does it keep a table per KV-cache group, drop a window's blocks, or draft (speculative decoding)
-    # nor copy to and from a host KV tier
+    # nor does it keep a table per KV-cache group, drop a window's blocks, or draft (speculative decoding);
+    # with a host KV tier it takes only leaps, where the tier has nothing to do (fast_path.py)
     if (config.sim_fast_path and not config.async_scheduling and not engine.block_manager.hybrid
-            and config.speculative_method is None and not geometry.num_offload_blocks):
+            and config.speculative_method is None):
         engine.fast_path = DecodeFastPath(engine)
     return engine
 

@@ -197,6 +197,13 @@ class OffloadingConnector:
         self.copies_in_flight.append(copy)
         copy.seq.num_tier_copies += 1
 
+    def finished_offer_nothing(self) -> bool:
+        """Whether the sequences finished since the last step have no prompt block left to offer: the next
+        build_connector_meta only re-ranks their chunks."""
+        bs = self.bm.block_size
+        return all(min(num_computed, seq.num_prompt_tokens) // bs <= seq.num_offered_blocks
+                   for seq, _, num_computed in self._finished)
+
     # ---- what it is told -------------------------------------------------------------------
     def preempted(self, seqs: list[Sequence]) -> None:
         """Sequences preempted by recompute: their stores in flight finish with this step (vLLM flushes
@@ -233,9 +240,10 @@ class OffloadingConnector:
             self.tier.complete_store(copy.keys, success)
 
     # ---- integrity -------------------------------------------------------------------------
-    def check_integrity(self, loading: list[Sequence]) -> None:
+    def check_integrity(self, loading: list[Sequence], running: list[Sequence]) -> None:
         """Assert the tier's books agree with the copies in flight: a chunk is pending exactly while a
-        store of it is, pinned once per load of it; each `loading` sequence's load in flight or done."""
+        store of it is, pinned once per load of it; each `loading` sequence's load in flight or done; every
+        block of the `running` sequences' tables seen (each was scheduled since it last grew)."""
         tier = self.tier
         tier.check_integrity()
         pins: dict[int, int] = {}
@@ -253,3 +261,5 @@ class OffloadingConnector:
         for seq in loading:
             assert (seq.load is not None and seq.load in self.copies_in_flight) != seq.load_done, \
                 f"{seq}: its load neither in flight nor done"
+        for seq in running:
+            assert seq.num_connector_blocks == len(seq.block_table), f"{seq}: blocks the connector has not seen"

@@ -763,7 +763,7 @@ class LLMEngine:
         for seq in self.scheduler.waiting:
             assert not seq.block_table, f"waiting {seq} holds blocks"
         if self.scheduler.connector is not None:
-            self.scheduler.connector.check_integrity(self.scheduler.loading)
+            self.scheduler.connector.check_integrity(self.scheduler.loading, self.scheduler.running)
         if self.fast_path is not None:
             self.fast_path.check_integrity()
 

@@ -13,6 +13,8 @@ request stops at its `output_tokens` or `max_tokens`, never at EOS.
 """
 from __future__ import annotations
 
+import math
+
 from engine.executor import StepResult
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
@@ -121,13 +123,14 @@ class SimExecutor:
         return num_kv, num_pairs
 
     def decode_clock(self, num_decodes: int, held: int, max_steps: int, until_s: float,
-                     origin: float) -> tuple[list[float], list[float], list[float]]:
+                     origin: float, end_before: float = math.inf) -> tuple[list[float], list[float], list[float]]:
         """The clock of a leap (leap.py): up to `max_steps` steps that each
         decode one token for each of `num_decodes` sequences and copy no block, step j with
         `held + (j + 1) * num_decodes` KV positions, the leap ending before the first step after its
-        first that would start at or after `until_s` (times less `origin`). Returns the steps' starts,
-        ends (less `origin`) and forward milliseconds, the clock moved past them, as `execute` step by
-        step would: the same prediction, the same floats."""
+        first that would start at or after `until_s` (times less `origin`), and before the first step,
+        its first too, that would end at or after the clock time `end_before` (a host KV tier's copy
+        finishing). Returns the steps' starts, ends (less `origin`) and forward milliseconds, the clock
+        moved past them, as `execute` step by step would: the same prediction, the same floats."""
         step_ms = self.cost_model.decode_ms(num_decodes)
         now = self.now_s
         start = now - origin
@@ -138,6 +141,8 @@ class SimExecutor:
             if j and not start < until_s:
                 break
             forward_ms = step_ms(held + (j + 1) * num_decodes)
+            if now + forward_ms / 1000 >= end_before:
+                break
             now += forward_ms / 1000
             starts.append(start)
             forward.append(forward_ms)

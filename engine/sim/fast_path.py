@@ -7,6 +7,8 @@ for every step a replay runs (`LLMEngine.advance`); wherever it declines, the ge
                        a lazy step, when every running sequence makes a plain decode (cohort.py), else
                        None: the cohort dissolved, the general step runs
 
+Beside a host KV tier it takes leaps only, where the tier has nothing to do (`_tier_quiet`).
+
 A lazy step is the general step's schedule-run-process-record with its running pass made by the
 cohort: the members' counts advance only where the step changes something for them, while the
 sequences admitted in the same step (the scheduler's `admit`), their tokens and their finishes are
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 from engine.config import PreemptionPolicy
 from engine.llm_engine import TokenColumns, in_batch_order
 from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from engine.sim.cohort import DecodeCohort
 from engine.sim.leap import take_leap
 
@@ -41,7 +43,10 @@ class DecodeFastPath:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.runner: SimExecutor = engine.runner
-        self.cohort: DecodeCohort | None = DecodeCohort(engine.block_manager)   # None: leaps only (tests)
+        # None: leaps only (tests; and with a host KV tier, whose connector looks at every scheduled
+        # sequence each step, which a lazy step would have to visit)
+        self.cohort: DecodeCohort | None = (DecodeCohort(engine.block_manager) if engine.scheduler.connector is None
+                                            else None)
         self.num_leap_steps = 0   # steps run in leaps, and as lazy steps (for tests, and curiosity)
         self.num_lazy_steps = 0
 
@@ -62,7 +67,7 @@ class DecodeFastPath:
             return None
         # a leap's steps are decodes only: nothing may wait, nor be finished (rejected) by the next step
         if (not sched.waiting and not sched.swapped and not engine._pending_finished and not engine._pending_records
-                and self._leap_worth_it(until_s)):
+                and not sched.loading and self._leap_worth_it(until_s) and self._tier_quiet()):
             self.settle()
             ran = take_leap(engine, until_s)
             if ran[0]:
@@ -76,6 +81,21 @@ class DecodeFastPath:
             return None
         self.num_lazy_steps += 1
         return 1, num_tokens
+
+    def _tier_quiet(self) -> bool:
+        """Whether a host KV tier, if any, would have nothing to do in a leap's steps but see their blocks
+        (and, in its first, re-rank the chunks of sequences finished since the last step): no load in
+        flight, no store flushed or of a finished sequence (a block a decode takes may be one it copies
+        from), no finished sequence's blocks to offer once more, no running sequence with prompt blocks
+        still to offer. The leap ends before the step in which a store in flight finishes (take_leap)."""
+        connector = self.engine.scheduler.connector
+        if connector is None:
+            return True
+        if any(copy.is_load or copy.flushed or copy.seq.status == SequenceStatus.FINISHED
+               for copy in connector.copies_in_flight) or not connector.finished_offer_nothing():
+            return False
+        bs = self.engine.block_manager.block_size
+        return all(seq.num_offered_blocks >= seq.num_prompt_tokens // bs for seq in self.engine.scheduler.running)
 
     def _leap_worth_it(self, until_s: float) -> bool:
         """Whether a leap may run now: always without lazy decodes; with them, only one long enough

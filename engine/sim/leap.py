@@ -13,6 +13,7 @@ decode) are defined in docs/glossary.md.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.events import ALLOC, AdmissionStop, AllocReason, KVEvent, StepRecord
+from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.sim.decodes import grow_decode, is_plain_decode
 
@@ -77,6 +79,10 @@ class DecodeLeap:
     token_req_ids: list[str]        # the running sequences in batch order: each step's tokens
     token_samples: list[int]
     first_token_idx: list[int]
+    tier: bool = False              # the engine has a host KV tier: each step records TIER_STEP (nothing moved)
+
+    # what a leap's step records of the host KV tier's copies, in a run with one: none finished
+    TIER_STEP = {"offload_bytes": 0, "load_bytes": 0, "tier_transfer_ms": 0.0}
 
     @property
     def num_steps(self) -> int:
@@ -153,10 +159,11 @@ class DecodeLeap:
         by_step: dict[int, list[KVEvent]] = {}
         for e in self.events:
             by_step.setdefault(e.step, []).append(e)
+        tier = self.TIER_STEP if self.tier else {}
         return [StepRecord(**{name: values[j] for name, values in fields.items()},
                            events=by_step.get(self.first_step + j, []), token_req_ids=self.token_req_ids.copy(),
                            token_samples=self.token_samples.copy(), token_idx=[i + j for i in self.first_token_idx],
-                           token_ids=[None] * self.num_running, finished=[])
+                           token_ids=[None] * self.num_running, finished=[], **tier)
                 for j in range(self.num_steps)]
 
 
@@ -219,8 +226,17 @@ def take_leap(engine: LLMEngine, until_s: float, max_steps: int = 256) -> tuple[
     held = sum(seq.num_computed_tokens for seq in running)
     num_kv = bm.num_kv_positions(running) + num_running   # of the first step; then num_running more a step
     first_step = engine.step_counter
-    # the steps' times first (the clock is the executor's; nothing below moves it), then their block work
-    starts, ends, forward = runner.decode_clock(num_running, held, horizon, until_s, engine.time_origin)
+    # the steps' times first (the clock is the executor's; nothing below moves it), then their block work;
+    # a host KV tier's store in flight finishes in a step of the general pass's (fast_path.py's _tier_quiet)
+    connector = sched.connector
+    copies_done_s = min([copy.done_s for copy in connector.copies_in_flight], default=math.inf) if connector else math.inf
+    starts, ends, forward = runner.decode_clock(num_running, held, horizon, until_s, engine.time_origin, copies_done_s)
+    if not starts:   # its first step would finish a copy
+        for seq in running:
+            del seq.token_ids[len(seq.token_ids) - horizon:]
+        return 0, 0
+    if connector is not None:   # its first step's connector work: nothing offered, the finished re-ranked
+        connector.build_connector_meta(SchedulerOutput())
     free: list[int] = []
     cached: list[int] = []
     allocs = LeapAllocs()
@@ -242,7 +258,7 @@ def take_leap(engine: LLMEngine, until_s: float, max_steps: int = 256) -> tuple[
         first_step=first_step, start_s=starts, end_s=ends, device_ms=forward, num_free_blocks=free,
         num_cached_blocks=cached, num_running=num_running, num_total_blocks=bm.num_blocks, first_kv_tokens=num_kv,
         first_event_seq=event_seq, allocs=allocs, token_req_ids=[seq.req_id for seq in running],
-        token_samples=[seq.sample for seq in running], first_token_idx=first_idx)
+        token_samples=[seq.sample for seq in running], first_token_idx=first_idx, tier=sched.connector is not None)
     # each alloc's evictions take the seq numbers before its own (events.with_evictions)
     engine._event_seq = event_seq + len(allocs) + sum(len(evicted) for evicted in allocs.evicted if evicted)
     on_leap = getattr(engine.tracer, "on_decode_leap", None)
@@ -254,5 +270,8 @@ def take_leap(engine: LLMEngine, until_s: float, max_steps: int = 256) -> tuple[
     for seq in running:   # k steps of the general pass's accounting; the tokens of steps not run go
         seq.num_computed_tokens = seq.num_ever_computed = seq.num_computed_tokens + k
         del seq.token_ids[len(seq.token_ids) - horizon + k:]
+        if leap.tier:   # what the host KV tier's connector noted of each step: the blocks it gave, no prefill left
+            seq.num_connector_blocks = len(seq.block_table)
+            sched.connector.prefilling.discard(seq)
     engine._steps_without_progress = 0
     return k, k * num_running

@@ -86,7 +86,11 @@ def steps_table(records: list[StepRecord | DecodeLeap], run_id: str) -> pa.Table
             return table("steps", columns, run_id)
     leap_fields = DecodeLeap.step_columns(leaps)
     if len(leaps) == len(records):
-        return table("steps", {column: leap_fields[name] for column, name in _STEP_FIELDS.items()}, run_id)
+        columns = {column: leap_fields[name] for column, name in _STEP_FIELDS.items()}
+        if leaps[0].tier:   # a run with a KV tier: no copy finished in a leap's steps
+            columns.update({column: [DecodeLeap.TIER_STEP[column]] * len(leap_fields["step"])
+                            for column in _STEP_TIER_FIELDS})
+        return table("steps", columns, run_id)
     order = np.argsort(np.concatenate([leap_fields["step"], np.array(fields["step"], dtype=np.int64)]),
                        kind="stable")
     columns: dict[str, Column] = {}
@@ -96,11 +100,12 @@ def steps_table(records: list[StepRecord | DecodeLeap], run_id: str) -> pa.Table
             columns[column] = np.concatenate([ours, np.array(theirs, dtype=ours.dtype)])[order]
         else:   # nullable (device_ms) or strings
             columns[column] = _in_order(order, [(ours, len(ours)), (theirs, len(theirs))])
-    if steps[0].offload_bytes is not None:   # a run with a KV tier: a leap's steps say nothing of it (null)
-        num_leap_steps = len(leap_fields["step"])
+    if steps[0].offload_bytes is not None:   # a run with a KV tier: no copy finished in a leap's steps (a leap
+        num_leap_steps = len(leap_fields["step"])   # that does not know of the tier: null)
         for column in _STEP_TIER_FIELDS:
             values = list(map(attrgetter(column), steps))
-            columns[column] = _in_order(order, [(None, num_leap_steps), (values, len(steps))])
+            leap_value = DecodeLeap.TIER_STEP[column] if leaps[0].tier else None
+            columns[column] = _in_order(order, [(leap_value, num_leap_steps), (values, len(steps))])
     return table("steps", columns, run_id)
 
 

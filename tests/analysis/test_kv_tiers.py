@@ -198,3 +198,11 @@ def test_a_tiered_runs_steps_beside_a_leaps_keep_their_tier_columns():
     table = steps_table([_step(0, [], (3000, 0, 0.6)), leap, _step(3, [], (0, 1000, None))], "run")
     assert [(r["step"], r["offload_bytes"], r["load_bytes"], r["tier_transfer_ms"]) for r in table.to_pylist()] == [
         (0, 3000, 0, 0.6), (1, None, None, None), (2, None, None, None), (3, 0, 1000, None)]
+    # a leap of an engine with a tier (the simulator's fast path beside one): no copy finished in its steps,
+    # as the general pass records them; alone in a chunk too
+    leap.tier = True
+    table = steps_table([_step(0, [], (3000, 0, 0.6)), leap, _step(3, [], (0, 1000, None))], "run")
+    assert [(r["step"], r["offload_bytes"], r["load_bytes"], r["tier_transfer_ms"]) for r in table.to_pylist()] == [
+        (0, 3000, 0, 0.6), (1, 0, 0, 0.0), (2, 0, 0, 0.0), (3, 0, 1000, None)]
+    assert [(r["offload_bytes"], r["load_bytes"], r["tier_transfer_ms"]) for r in steps_table([leap], "run").to_pylist()] \
+        == [(0, 0, 0.0)] * 2

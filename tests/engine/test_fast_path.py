@@ -19,7 +19,8 @@ from tests.helpers.engine_runs import ListTracer
 
 def timed(tracer: ListTracer) -> list:
     """What `decisions` leaves out: the times and the events' order numbers."""
-    return ([(r.start_s, r.end_s, r.device_ms, r.admission_stop) for r in tracer.records],
+    return ([(r.start_s, r.end_s, r.device_ms, r.admission_stop, r.offload_bytes, r.load_bytes, r.tier_transfer_ms)
+             for r in tracer.records],
             [(e.seq, e.ts_s, e.requester_req_id, e.victim_reason) for e in tracer.events])
 
 
@@ -90,6 +91,10 @@ MORE = {
     "reprefill-chunks": dict(num_gpu_blocks=16, max_num_batched_tokens=8, long_prefill_token_threshold=3),
     # forks share every block of their parent, those reserved ahead too: a write several steps on copies
     "reserve-forks-backlog": dict(kv_reserve="max-tokens", num_gpu_blocks=40, n_mode="cow"),
+    # a host KV tier (leaps only, where it has nothing to do): of 2 chunks (evicting) and ample, both releases' ranks
+    "tier-small": dict(num_offload_blocks=2),
+    "tier": dict(num_offload_blocks=64),
+    "tier-0.33": dict(num_offload_blocks=64, follow_vllm="0.33.0"),
 }
 WORKLOAD = {"reprefill-chunks": (1, 16), "reserve-forks-backlog": (1, 12)}   # (seed, requests), all arriving at once
 
@@ -116,6 +121,8 @@ def test_the_fast_path_decides_as_the_general_pass(tiny_loaded, name, arrive):
     if name == "stop-token":   # the cohort is off (it rests on placeholders never being a stop token), and a
         # leap runs only where no sequence's next token is one
         assert leaped >= 1 and taken == 0
+    elif name.startswith("tier"):   # leaps only, and few in these busy pools (a roomy replay below has many)
+        assert taken == 0
     elif name != "async":   # async: every decode has a token in flight; the engine holds no fast path
         assert taken + leaped >= len(fast.records) // 10, f"the fast path ran {taken} + {leaped} of {len(fast.records)} steps"
     if name == "stop-token":
@@ -150,6 +157,44 @@ def test_leaps_run_most_of_a_roomy_replay_as_its_steps_would(tiny_loaded, settin
     fast, leaped = simulated_both_ways(tiny_loaded, requests, True, num_gpu_blocks=200, **settings)
     assert leaped >= len(fast.records) // 2, f"{leaped} of {len(fast.records)} steps in leaps"
     assert any(e.kind == "alloc" and e.reason == "decode" for e in fast.events)
+
+
+@pytest.mark.parametrize("follow_vllm", ["0.32.0", "0.33.0"])
+@pytest.mark.parametrize("num_chunks", [8, 64])
+def test_leaps_beside_a_host_kv_tier_decide_as_its_steps(tiny_loaded, num_chunks, follow_vllm):
+    """The roomy replay above with a host KV tier: leaps run where the tier has nothing to do (no copy
+    in flight, no finished sequence's blocks to offer, no prompt blocks left to offer), and a small
+    tier, which refuses and evicts, ranks and offers between them as step by step."""
+    rng = random.Random(11)
+    requests = backlog_workload(5, num_requests=10)
+    for r in requests:
+        r.arrival_s = round(rng.uniform(0.0, 0.2), 4)
+        r.max_tokens = rng.randint(30, 60)
+        r.output_tokens = rng.choice([None, rng.randint(20, r.max_tokens)])
+    fast, leaped = simulated_both_ways(tiny_loaded, requests, True, num_gpu_blocks=200, num_offload_blocks=num_chunks,
+                                       follow_vllm=follow_vllm)
+    assert leaped >= len(fast.records) // 5, f"{leaped} of {len(fast.records)} steps in leaps"
+    kinds = {e.kind for e in fast.events}
+    assert "offload" in kinds and ("tier_evict" in kinds) == (num_chunks < 64)
+
+
+@pytest.mark.parametrize("seed, num_blocks, num_chunks, follow_vllm", [
+    (0, 40, 12, "0.32.0"),    # a leap while a loaded sequence waits to be admitted would skip its admission
+    (4, 40, 12, "0.32.0"),    # a leap right after a finish would put off its offer and its chunks' new ranks
+    (3, 200, 6, "0.33.0")])
+def test_leaps_wait_for_the_tier_as_its_steps_would(tiny_loaded, seed, num_blocks, num_chunks, follow_vllm):
+    """Shorter outputs arriving apart in pools that preempt, and tiers that evict: the steps a leap must
+    leave to the general pass (a sequence loaded or loading, a finished sequence's blocks to offer) are
+    found in these workloads, which a leap taking them gets wrong."""
+    rng = random.Random(seed)
+    requests = backlog_workload(seed, num_requests=10)
+    for r in requests:
+        r.arrival_s = round(rng.uniform(0.0, 0.2), 4)
+        r.max_tokens = rng.randint(10, 40)
+        r.output_tokens = None
+    fast, leaped = simulated_both_ways(tiny_loaded, requests, True, num_gpu_blocks=num_blocks,
+                                       num_offload_blocks=num_chunks, follow_vllm=follow_vllm)
+    assert leaped >= 1
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(preemption_mode="swap", num_cpu_blocks=64)])
