@@ -84,6 +84,7 @@ class FinishReason(StrEnum):   # also the requests table's finish_reason
     REJECTED = "rejected"  # can never fit the pool (or the max model length): never ran
     CAPACITY = "capacity"  # outgrew the whole pool after it ran
     ABORTED = "aborted"    # unfinished when the run was interrupted
+    ERROR = "error"        # ended by the server on an error (vLLM: a failed KV load under policy "fail")
 
 
 REPREFILL_INTERRUPTED = "interrupted"   # reprefill: preempted again before its history was computed

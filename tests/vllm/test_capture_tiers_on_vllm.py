@@ -44,16 +44,21 @@ TIER_KINDS = ("lookup", "load", "offload", "tier_evict")
 def as_captured(records: list[dict]) -> list[dict]:
     """vLLM's records with each admission after a load as the capture writes it: the blocks the request
     held while it waited (its device hit's and the load's) were given at the load, so the admission has
-    no prefix hit and only the blocks given since."""
+    no prefix hit and only the blocks given since. A sync load's request (vLLM 0.33's: loaded in the step
+    that admits it) is admitted with its device hit as the prefix hit, the load's positions its own."""
     held: dict[str, list[int]] = {}
     loads: dict[int, str] = {}
     out = []
     for rec in records:
+        sync = {load[1]: load[3] for load in rec["tier"]["loads"] if load[0] in rec["tier"].get("sync", ())}
         admitted = []
         for rid, kind, hit, table in rec["admitted"]:
             before = held.pop(rid, None)
+            hit = sync.get(rid, hit)
             admitted.append([rid, kind, hit, table] if before is None else [rid, kind, 0, table[len(before):]])
         for job, rid, _, _, _, _, table in rec["tier"]["loads"]:
+            if rid in sync:
+                continue
             held[rid], loads[job] = table, rid
         for job, ok in rec["tier"]["done"]:
             if not ok and job in loads:   # a failed load gives its blocks back: admitted later as a new lookup
@@ -141,6 +146,11 @@ def tier_differences(workload: dict, records: list[dict], answer: dict) -> list[
         problems.append("steps' tier_transfer_ms known, though the connector does not say")
     q = c["requests"]
     got_hits = {rid: n for rid, n in zip(q["req_id"], q["tier_hit_tokens"]) if n != 0}
+    from engine.events import FinishReason
+
+    unknown = set(q["finish_reason"]) - {reason.value for reason in FinishReason}
+    if unknown:   # (a failed load under policy "fail" ends its request: vLLM's FINISHED_ERROR)
+        problems.append(f"finish reasons outside the trace's vocabulary: {sorted(unknown)}")
     hits = {rid: n for rid, n in hits.items() if n}   # (a load of every position credits one fewer: maybe 0)
     if got_hits != hits or None in q["tier_hit_tokens"]:
         problems.append(f"requests' tier_hit_tokens {got_hits}, vLLM's loads {dict(hits)}")
@@ -166,6 +176,7 @@ def test_the_capture_records_what_vllms_offloading_connector_decided(vllm, async
         counts["storing"] += any(r["tier"]["stores"] for r in records)
         counts["evicting"] += any(r["tier"]["evicted"] for r in records)
         counts["failing"] += any(not ok for r in records for _, ok in r["tier"]["done"])
+        counts["sync loads"] += any(r["tier"].get("sync") for r in records)
         failed_loads = {job for r in records for job, ok in r["tier"]["done"] if not ok} & {
             load[0] for r in records for load in r["tier"]["loads"]}
         counts[f"failed loads, {workload['config']['offload'].get('load_failure_policy')}"] += bool(failed_loads)
@@ -181,6 +192,8 @@ def test_the_capture_records_what_vllms_offloading_connector_decided(vllm, async
     assert counts["loading"] and counts["resumed loads"] and counts["storing"] and counts["evicting"], counts
     if vllm.version.startswith("0.34."):   # the first release whose worker output can say a copy failed
         assert counts["failing"] and counts["failed loads, fail"], counts
+    if not vllm.version.startswith(("0.31.", "0.32.")):   # sync loads: vLLM 0.33 on
+        assert counts["sync loads"], counts
 
 
 # a workload whose victim comes back from the tier: r01 is preempted for r00's growth, its prompt's blocks

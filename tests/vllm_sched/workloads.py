@@ -120,7 +120,8 @@ def workloads(draw, asynchronous: bool, hybrid: bool = False, spec: bool = False
 def tier_workloads(draw, asynchronous: bool, failing: bool = True, prefix_caching: bool | None = None) -> dict:
     """A workload with a host KV tier, vLLM's native CPU offloading (the driver's StandInWorker): 1 chunk
     to ample (a chunk is a block), its copies taking 0 to 3 steps, with `failing` every third failing in
-    some (vLLM 0.34: the others cannot fail a copy), a failed load computed again or its request ended. `prefix_caching`: only workloads with it on (True;
+    some (vLLM 0.34: the others cannot fail a copy), a failed load computed again or its request ended,
+    and in some loads that fit a budget run in the step that admits their request (vLLM 0.33's sync loads). `prefix_caching`: only workloads with it on (True;
     kvtrace's tier keys its chunks by the prefix cache's hashes) or off."""
     # (no prompt of one token: one that the tier holds whole is loaded, given back to compute (its last
     # position) and so looked up again, forever: vLLM 0.31 to 0.34 never schedule it)
@@ -131,6 +132,8 @@ def tier_workloads(draw, asynchronous: bool, failing: bool = True, prefix_cachin
                "fail_every": draw(st.sampled_from([0, 0, 3])) if failing else 0}
     if offload["fail_every"]:   # what vLLM does with a request whose load failed: computes it, or ends it
         offload["load_failure_policy"] = draw(st.sampled_from(["recompute", "fail"]))
+    if failing and draw(st.booleans()):   # vLLM 0.33 on: loads of up to 64 KiB a step run in the step
+        offload["sync_load_bytes"] = 1 << 16
     workload["config"]["offload"] = offload
     return workload
 

@@ -31,6 +31,10 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "aborted",
     RequestStatus.FINISHED_IGNORED: "rejected",
 }
+# and those of later releases: a request the server ended on an error (e.g. vLLM 0.34's failed KV load under
+# kv_load_failure_policy "fail"), and one stopped for repeating itself (a stop criterion)
+FINISH_REASONS.update({getattr(RequestStatus, status): reason for status, reason in
+                       (("FINISHED_ERROR", "error"), ("FINISHED_REPETITION", "stop")) if hasattr(RequestStatus, status)})
 _num_computed_tokens = operator.attrgetter("num_computed_tokens")
 ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
@@ -110,7 +114,10 @@ class StepAccounting:
             self.watched[rid] = st
             if st.first_scheduled is None:
                 st.first_scheduled = self.step_start
-            rows.append(KvEvent("admit", rid, None, request.num_tokens - num_hit - request.num_computed_tokens, reason))
+            # (the positions a sync load brings in this step are not computed either)
+            num_loaded = lookup.tier_tokens if lookup is not None else 0
+            rows.append(KvEvent("admit", rid, None, request.num_tokens - num_hit - num_loaded - request.num_computed_tokens,
+                                reason))
         if num_hit:
             ids, per_group = self.block_ids(hit_blocks.get_block_ids()) if hit_blocks is not None else ([], None)
             rows.append(KvEvent("prefix_hit", rid, ids, num_hit, reason, kv_group_blocks=per_group))

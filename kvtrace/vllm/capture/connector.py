@@ -118,7 +118,7 @@ class TierWraps:
         num_external = allocation.get("num_external_computed_tokens", 0) or 0
         loading = bool(allocation.get("delay_cache_blocks")) and num_external > 0
         credited = min(num_external, request.num_tokens - 1 - num_hit) if loading else num_external
-        self.looked_up = (request.request_id, num_hit, credited) if num_external else None
+        self.looked_up = (request.request_id, num_hit, credited, loading) if num_external else None
         return self.event("lookup", request.request_id, None, request.num_tokens, None, num_cached_tokens=num_hit,
                           tier_tokens=credited), loading
 
@@ -130,11 +130,20 @@ class TierWraps:
             if num_external_tokens and looked_up is not None and looked_up[0] == request.request_id:
                 # the blocks the load fills: past the device's hit up to the last position loaded, from the
                 # first that holds no KV yet (a block the prefix cache has is not loaded again)
-                _, num_hit, credited = looked_up
+                rid, num_hit, credited, loading = looked_up
                 bs = self.block_size
                 span = blocks.blocks[0][num_hit // bs:-(-(num_hit + num_external_tokens) // bs)]
-                start = next((i for i, b in enumerate(span) if not b.is_null and b.block_hash is None), len(span))
-                self.loading[request.request_id] = ([b.block_id for b in span[start:]], credited)
+                if loading:
+                    start = next((i for i, b in enumerate(span) if not b.is_null and b.block_hash is None),
+                                 len(span))
+                    self.loading[rid] = ([b.block_id for b in span[start:]], credited)
+                else:   # a sync load (vLLM 0.33's sync_load_budget_bytes, a connector that loads in the
+                    # forward): done before this step's forward, which computes the rest; its blocks are
+                    # cached at allocation already
+                    loaded = [b.block_id for b in span if not b.is_null]
+                    self.steps.events.append(self.event("load", rid, loaded, credited, None,
+                                                        bytes=len(loaded) * self.bytes_per_block))
+                    self.steps.state(rid).tier_hits += credited
         except Exception as exc:  # noqa: BLE001 (the capture's own error: it stops, vLLM's call stands)
             self.on_error(exc)
         return done
