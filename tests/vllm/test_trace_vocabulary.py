@@ -38,6 +38,8 @@ def _capture_vocabulary() -> dict[str, set[str]]:
             found["event reason"] |= _strings(fields.get("reason"))
         elif isinstance(node, ast.FunctionDef) and node.name == "admission_stop":
             found["admission_stop"] |= {s for r in ast.walk(node) if isinstance(r, ast.Return) for s in _strings(r.value)}
+        elif isinstance(node, ast.FunctionDef) and node.name == "reason_for_alloc":
+            found["alloc_reason"] |= {s for r in ast.walk(node) if isinstance(r, ast.Return) for s in _strings(r.value)}
         elif isinstance(node, ast.Assign):
             for target in node.targets:
                 name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)

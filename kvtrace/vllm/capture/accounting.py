@@ -39,7 +39,7 @@ _num_computed_tokens = operator.attrgetter("num_computed_tokens")
 ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
-def alloc_reason(request: Request) -> str:
+def reason_for_alloc(request: Request) -> str:
     """Why `request` is given blocks now, from its state as vLLM's allocate_slots sees it (which changes
     none of it): "prefill" while admitted or short of its last prompt token, else "decode"."""
     placeholders = request.num_output_placeholders   # async: sampled, not yet delivered
@@ -217,8 +217,8 @@ class StepAccounting:
         for i, blocks in self.unattributed:
             ids = [b.block_id for b in blocks]
             rid, group = owner.get(ids[0], ("", None))
-            reason = "other" if not rid else "prefill" if rid in prefilling else "decode"
-            events[i] = block_event("alloc", rid, ids, reason, group if hybrid else None)
+            alloc_reason = "other" if not rid else "prefill" if rid in prefilling else "decode"
+            events[i] = block_event("alloc", rid, ids, alloc_reason, group if hybrid else None)
         self.unattributed = []
 
     def admission_stop(self, num_scheduled: int) -> str:
@@ -308,7 +308,7 @@ class StepAccounting:
         """The running loop's allocs of this step that are `request`'s (it holds their blocks: `groups`, its
         block ids per group) get it, their reason from its state as vLLM's schedule left it."""
         owner = {block: group for group, ids in enumerate(groups) for block in ids}
-        reason = alloc_reason(request)
+        reason = reason_for_alloc(request)
         events, left = self.events, []
         for i, blocks in self.unattributed:
             group = owner.get(blocks[0].block_id)

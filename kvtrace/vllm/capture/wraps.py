@@ -36,7 +36,7 @@ import sys
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from kvtrace.vllm.capture.accounting import ADMITTING, StepAccounting, alloc_reason
+from kvtrace.vllm.capture.accounting import ADMITTING, StepAccounting, reason_for_alloc
 from kvtrace.vllm.capture.connector import TierWraps
 from kvtrace.vllm.capture.instance_wraps import InstanceWraps
 from kvtrace.vllm.capture.rows import block_event
@@ -124,7 +124,7 @@ class PoolWraps:
                 if request is None:
                     rid, reason = "", "other"
                 else:
-                    rid, reason = request.request_id, alloc_reason(request)
+                    rid, reason = request.request_id, reason_for_alloc(request)
                 group = group_of(sys._getframe(1)) if self.hybrid else None
                 self.steps.events.append(block_event("alloc", rid, [b.block_id for b in blocks], reason, group))
             except Exception as exc:  # noqa: BLE001 (the capture's own error: it stops, vLLM's call stands)
