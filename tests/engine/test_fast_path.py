@@ -143,18 +143,24 @@ def simulated_both_ways(loaded, requests, arrivals: bool, **settings) -> tuple[L
     return fast, leaped
 
 
-@pytest.mark.parametrize("settings", [dict(), dict(enable_prefix_caching=False), dict(preemption_mode="swap", num_cpu_blocks=64)])
-def test_leaps_run_most_of_a_roomy_replay_as_its_steps_would(tiny_loaded, settings):
-    """Long outputs, a pool with room, arrivals apart: most steps are decode-only steps, which
-    the fast path's leaps run at once (blocks taken, prefix blocks cached, times predicted as the
-    step-by-step run's)."""
+def roomy_requests() -> list:
+    """Ten requests with long outputs arriving apart (the same ones each call): a pool of 200 blocks
+    holds them all, so most steps are decode-only."""
     rng = random.Random(11)
     requests = backlog_workload(5, num_requests=10)
     for r in requests:
         r.arrival_s = round(rng.uniform(0.0, 0.2), 4)
         r.max_tokens = rng.randint(30, 60)
         r.output_tokens = rng.choice([None, rng.randint(20, r.max_tokens)])
-    fast, leaped = simulated_both_ways(tiny_loaded, requests, True, num_gpu_blocks=200, **settings)
+    return requests
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(enable_prefix_caching=False), dict(preemption_mode="swap", num_cpu_blocks=64)])
+def test_leaps_run_most_of_a_roomy_replay_as_its_steps_would(tiny_loaded, settings):
+    """Long outputs, a pool with room, arrivals apart: most steps are decode-only steps, which
+    the fast path's leaps run at once (blocks taken, prefix blocks cached, times predicted as the
+    step-by-step run's)."""
+    fast, leaped = simulated_both_ways(tiny_loaded, roomy_requests(), True, num_gpu_blocks=200, **settings)
     assert leaped >= len(fast.records) // 2, f"{leaped} of {len(fast.records)} steps in leaps"
     assert any(e.kind == "alloc" and e.reason == "decode" for e in fast.events)
 
@@ -165,13 +171,7 @@ def test_leaps_beside_a_host_kv_tier_decide_as_its_steps(tiny_loaded, num_chunks
     """The roomy replay above with a host KV tier: leaps run where the tier has nothing to do (no copy
     in flight, no finished sequence's blocks to offer, no prompt blocks left to offer), and a small
     tier, which refuses and evicts, ranks and offers between them as step by step."""
-    rng = random.Random(11)
-    requests = backlog_workload(5, num_requests=10)
-    for r in requests:
-        r.arrival_s = round(rng.uniform(0.0, 0.2), 4)
-        r.max_tokens = rng.randint(30, 60)
-        r.output_tokens = rng.choice([None, rng.randint(20, r.max_tokens)])
-    fast, leaped = simulated_both_ways(tiny_loaded, requests, True, num_gpu_blocks=200, num_offload_blocks=num_chunks,
+    fast, leaped = simulated_both_ways(tiny_loaded, roomy_requests(), True, num_gpu_blocks=200, num_offload_blocks=num_chunks,
                                        follow_vllm=follow_vllm)
     assert leaped >= len(fast.records) // 5, f"{leaped} of {len(fast.records)} steps in leaps"
     kinds = {e.kind for e in fast.events}
