@@ -22,8 +22,8 @@ command: start-up, replay and closing the trace):
   (one process per core). The goal: the whole sweep within the hour it replays.
 `--only sharegpt|paged-kv|hour|hour-sweep` runs one scenario.
 `--offload-size 16GiB` runs each scenario that can have a host KV tier (prefix caching on: not paged-kv)
-three times in every repeat: without the tier, without it on the general pass (`--no-sim-fast-path`: beside
-a tier the fast path takes leaps only), and with it (`record --offload-size`). It prints the medians of the
+three times in every repeat: without the tier, without it on the general pass (`--no-sim-fast-path`), and
+with it (`record --offload-size`). It prints the medians of the
 repeats' ratios (issue 57's goal: with a tier within 10 % of the CPU time without) and the tier's copies,
 counted from the trace, so that a tier that did nothing is seen.
 Steps/s and sequence-steps/s (running sequences summed over steps) are measured per replay. kvtrace's
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> None:
             variants = {name: options}
             general = tiered = None
             if args.offload_size and "--no-enable-prefix-caching" not in options:   # a tier's chunks are keyed by its hashes
-                # beside a tier the fast path takes leaps only: the general pass without one shows what is left
+                # the general pass without a tier: what the fast path saves
                 general, tiered = f"{name}, general pass", f"{name}, {args.offload_size} host KV tier"
                 variants[general] = [*options, "--no-sim-fast-path"]
                 variants[tiered] = [*options, "--offload-size", args.offload_size]
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> None:
     if tier_lines:
         section.add(f"With a host KV tier (`--offload-size {args.offload_size}`), each repeat's run with it over the "
                     "run without it in the same repeat (issue 57's goal: within 10 %, ≤ 1.10× in CPU time), and "
-                    "over the general pass without it (`--no-sim-fast-path`; beside a tier the fast path takes leaps only):\n\n"
+                    "over the general pass without it (`--no-sim-fast-path`):\n\n"
                     + "\n".join(f"- {line}" for line, _ in tier_lines))
     if swept:
         section.add(swept["report"])

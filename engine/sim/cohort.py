@@ -68,6 +68,9 @@ class DecodeCohort:
         # and under the step after which it stops
         self._grows: dict[int, list[Member]] = {}
         self._stops: dict[int, list[Member]] = {}
+        # the sequences the last step gave a block or a prefix-cache entry (grow_decode), in the order it
+        # did: what a host KV tier's connector looks at of the members (fast_path.py)
+        self.grown: list[Sequence] = []
 
     @property
     def num_members(self) -> int:
@@ -150,6 +153,7 @@ class DecodeCohort:
         bs = bm.block_size
         shared = bm.shared_fill
         step = self.clock + 1
+        self.grown = []
         joiners = running[self.num_members:]
         for seq in joiners:   # a plain decode's conditions; the members met them when they joined
             if not is_plain_decode(seq):
@@ -179,6 +183,7 @@ class DecodeCohort:
             if short and not self._make_room(seq, running, preempt):
                 break
             grow_decode(bm, seq, seq.num_computed_tokens + 1)
+            self.grown.append(seq)
             self._file_grow(member, 2)
         else:
             for seq in joiners:   # after the members in the batch's order
@@ -213,6 +218,7 @@ class DecodeCohort:
         k = self._steps_to_grow(seq)
         if k <= 1:
             grow_decode(self.bm, seq, seq.num_computed_tokens + 1)
+            self.grown.append(seq)
             self._file_grow(member, 2)
         else:
             self._file(member, clock + k)

@@ -7,12 +7,16 @@ for every step a replay runs (`LLMEngine.advance`); wherever it declines, the ge
                        a lazy step, when every running sequence makes a plain decode (cohort.py), else
                        None: the cohort dissolved, the general step runs
 
-Beside a host KV tier it takes leaps only, where the tier has nothing to do (`_tier_quiet`).
-
 A lazy step is the general step's schedule-run-process-record with its running pass made by the
 cohort: the members' counts advance only where the step changes something for them, while the
 sequences admitted in the same step (the scheduler's `admit`), their tokens and their finishes are
 processed by the loop's own parts.
+
+Beside a host KV tier a leap is taken only where the tier has nothing to do (`_tier_quiet`). A lazy
+step asks the tier's connector what the general step asks it (build_connector_meta, the copies
+finished), showing it, of the members, only those whose tables grew: a member has offered every block
+of its prompt (a sequence that has not does not join), so the connector's pass would find nothing else
+to do for it.
 
 The fast path makes the general pass's decisions, block for block and event for event, at the same
 predicted times: tests/engine/test_fast_path.py runs every setting with it and without it. The words
@@ -20,6 +24,7 @@ predicted times: tests/engine/test_fast_path.py runs every setting with it and w
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from engine.config import PreemptionPolicy
@@ -43,10 +48,7 @@ class DecodeFastPath:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.runner: SimExecutor = engine.runner
-        # None: leaps only (tests; and with a host KV tier, whose connector looks at every scheduled
-        # sequence each step, which a lazy step would have to visit)
-        self.cohort: DecodeCohort | None = (DecodeCohort(engine.block_manager) if engine.scheduler.connector is None
-                                            else None)
+        self.cohort: DecodeCohort | None = DecodeCohort(engine.block_manager)   # None: leaps only (tests)
         self.num_leap_steps = 0   # steps run in leaps, and as lazy steps (for tests, and curiosity)
         self.num_lazy_steps = 0
 
@@ -55,8 +57,17 @@ class DecodeFastPath:
             self.cohort.dissolve()
 
     def check_integrity(self) -> None:
-        if self.cohort is not None:
-            self.cohort.check_integrity(self.engine.scheduler.running)
+        if self.cohort is None:
+            return
+        sched = self.engine.scheduler
+        self.cohort.check_integrity(sched.running)
+        connector = sched.connector
+        if connector is not None:   # what lets a lazy step show the connector only the members that grew
+            bs = self.engine.block_manager.block_size
+            for member in self.cohort.members:
+                seq = member.seq
+                assert seq.num_offered_blocks >= seq.num_prompt_tokens // bs, f"{seq}: a member with blocks to offer"
+                assert seq not in connector.prefilling, f"{seq}: a member prefilling, as the connector sees it"
 
     def advance(self, until_s: float) -> tuple[int, int] | None:
         engine = self.engine
@@ -108,7 +119,11 @@ class DecodeFastPath:
         num_kv = engine.block_manager.num_kv_positions(running, cohort.positions(running)) + len(running)
         step_s = self.runner.cost_model.forward_ms(0, len(running), num_kv, 0.0) / 1000
         shortest = MIN_LEAP_OVER_COHORT + len(running) // SEQUENCES_PER_LEAP_STEP
-        return min(cohort.steps_to_next_stop(), (until_s - engine.now()) / step_s) >= shortest
+        connector = engine.scheduler.connector
+        # a leap also ends before the step in which a host KV tier's copy finishes
+        copy_s = (min([copy.done_s for copy in connector.copies_in_flight]) - self.runner.clock()
+                  if connector is not None and connector.copies_in_flight else math.inf)
+        return min(cohort.steps_to_next_stop(), (until_s - engine.now()) / step_s, copy_s / step_s) >= shortest
 
     def _lazy_step(self) -> int | None:
         """The general step with its running pass made by the cohort; the tokens it emitted, or None
@@ -125,18 +140,26 @@ class DecodeFastPath:
         preempt = None
         if sched.preemption_policy == PreemptionPolicy.NEWEST and not sched.swap_groups:
             preempt = lambda seq: self._preempt_for(seq, out)   # noqa: E731
+        connector = sched.connector
+        if connector is not None:   # a member has offered its prompt's blocks: those that have not, join later
+            bs = bm.block_size
+            if any(seq.num_offered_blocks < seq.num_prompt_tokens // bs for seq in running[cohort.num_members:]):
+                return None
         if not cohort.grow(running, preempt):
             return None
         num_members = len(running)
         out.seqs = list(running)
         out.num_new_tokens = [1] * num_members
         sched.admit(out, sched.max_num_batched_tokens - num_members)
+        if connector is not None:   # the connector's pass sees the members whose tables grew, and the admitted
+            self._build_connector_meta(out, num_members)
         sched_events = bm.take_events()
         held = cohort.positions(running)
         occupancy = engine._occupancy(out, held)
         result = self.runner.execute(out, lazy=(num_members, cohort.computed_base + num_members * cohort.clock))
         rest, rest_new = out.seqs[num_members:], out.num_new_tokens[num_members:]
         num_recompute = engine._account(rest, rest_new, start_s)
+        tier = engine._finish_copies(out, start_s + engine.time_origin) if connector is not None else None
         sampled = engine._sample(result)   # the admitted sequences' (the members' tokens are the cohort's)
         stopped = cohort.advance()
         for seq in stopped:
@@ -153,11 +176,22 @@ class DecodeFastPath:
                                                                  rest))
         engine._record(step=engine.step_counter, start_s=start_s, end_s=engine.now(), out=out, result=result,
                        kv_events=sched_events + bm.take_events(), num_sched_events=len(sched_events),
-                       occupancy=occupancy, num_recompute=num_recompute, tokens=tokens, finished=finished)
+                       occupancy=occupancy, num_recompute=num_recompute, tokens=tokens, finished=finished, tier=tier)
         engine.step_counter += 1
         num_tokens = num_members + len(sampled)
         engine._check_progress(bool(num_tokens or finished))
         return num_tokens
+
+    def _build_connector_meta(self, out: SchedulerOutput, num_members: int) -> None:
+        """The host KV tier's connector's pass over the step (build_connector_meta) as over all of
+        `out.seqs`: of the members it sees only those whose tables grew (the blocks given; each has
+        offered its prompt's blocks and is not prefilling, so nothing else would change for it), then
+        the sequences admitted; its copies go in `out`."""
+        grown = [seq for seq in self.cohort.grown if seq.status is SequenceStatus.RUNNING]
+        seen = SchedulerOutput(seqs=grown + out.seqs[num_members:],
+                               num_new_tokens=[1] * len(grown) + out.num_new_tokens[num_members:],
+                               tier_copies=out.tier_copies)
+        self.engine.scheduler.connector.build_connector_meta(seen)
 
     def _preempt_for(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preempt the policy's victim so that `seq` can grow (the general running pass's inner loop)."""

@@ -13,6 +13,7 @@ from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
+from engine.sim.fast_path import DecodeFastPath
 from tests.engine.test_simulation import SETTINGS, backlog_workload, decisions
 from tests.helpers.engine_runs import ListTracer
 
@@ -91,7 +92,8 @@ MORE = {
     "reprefill-chunks": dict(num_gpu_blocks=16, max_num_batched_tokens=8, long_prefill_token_threshold=3),
     # forks share every block of their parent, those reserved ahead too: a write several steps on copies
     "reserve-forks-backlog": dict(kv_reserve="max-tokens", num_gpu_blocks=40, n_mode="cow"),
-    # a host KV tier (leaps only, where it has nothing to do): of 2 chunks (evicting) and ample, both releases' ranks
+    # a host KV tier (leaps where it has nothing to do, lazy steps with its connector): of 2 chunks (evicting)
+    # and ample, both releases' ranks
     "tier-small": dict(num_offload_blocks=2),
     "tier": dict(num_offload_blocks=64),
     "tier-0.33": dict(num_offload_blocks=64, follow_vllm="0.33.0"),
@@ -121,8 +123,9 @@ def test_the_fast_path_decides_as_the_general_pass(tiny_loaded, name, arrive):
     if name == "stop-token":   # the cohort is off (it rests on placeholders never being a stop token), and a
         # leap runs only where no sequence's next token is one
         assert leaped >= 1 and taken == 0
-    elif name.startswith("tier"):   # leaps only, and few in these busy pools (a roomy replay below has many)
-        assert taken == 0
+    elif name == "tier-small":   # a tier of 2 chunks refuses all but the shortest prompts, offered again each
+        # step: the sequences that offer them join no cohort, and no leap runs beside them
+        assert taken + leaped < len(fast.records) // 10
     elif name != "async":   # async: every decode has a token in flight; the engine holds no fast path
         assert taken + leaped >= len(fast.records) // 10, f"the fast path ran {taken} + {leaped} of {len(fast.records)} steps"
     if name == "stop-token":
@@ -186,15 +189,59 @@ def test_leaps_wait_for_the_tier_as_its_steps_would(tiny_loaded, seed, num_block
     """Shorter outputs arriving apart in pools that preempt, and tiers that evict: the steps a leap must
     leave to the general pass (a sequence loaded or loading, a finished sequence's blocks to offer) are
     found in these workloads, which a leap taking them gets wrong."""
+    fast, leaped = simulated_both_ways(tiny_loaded, apart(seed, 10, 40), True, num_gpu_blocks=num_blocks,
+                                       num_offload_blocks=num_chunks, follow_vllm=follow_vllm)
+    assert leaped >= 1
+
+
+def apart(seed: int, min_tokens: int, max_tokens: int) -> list:
+    """Ten requests arriving apart, each running to its max_tokens (drawn between the two)."""
     rng = random.Random(seed)
     requests = backlog_workload(seed, num_requests=10)
     for r in requests:
         r.arrival_s = round(rng.uniform(0.0, 0.2), 4)
-        r.max_tokens = rng.randint(10, 40)
+        r.max_tokens = rng.randint(min_tokens, max_tokens)
         r.output_tokens = None
-    fast, leaped = simulated_both_ways(tiny_loaded, requests, True, num_gpu_blocks=num_blocks,
-                                       num_offload_blocks=num_chunks, follow_vllm=follow_vllm)
-    assert leaped >= 1
+    return requests
+
+
+@pytest.mark.parametrize("seed, num_blocks, num_chunks, follow_vllm, max_tokens", [
+    (0, 40, 12, "0.32.0", 40),   # loads issued, finished and admitted, preemptions, stores and tier evictions
+    (3, 24, 16, "0.33.0", 40),
+    (30, 40, 6, "0.32.0", 8)])   # a finished sequence's refused blocks stored once more, from the blocks it freed
+def test_lazy_steps_beside_a_host_kv_tier_decide_as_its_steps(tiny_loaded, monkeypatch, seed, num_blocks, num_chunks,
+                                                              follow_vllm, max_tokens):
+    """The cohort's lazy steps alone (no leap) beside tiers that evict, in pools that preempt: the
+    connector sees in a lazy step what it sees in the general step (the members whose tables grew,
+    the sequences admitted, those finished the step before), and the tier's copies issued and
+    finished in lazy steps are the step-by-step run's."""
+    lazy_steps = set()
+    lazy_step = DecodeFastPath._lazy_step
+
+    def noted(self):
+        step = self.engine.step_counter
+        num_tokens = lazy_step(self)
+        if num_tokens is not None:
+            lazy_steps.add(step)
+        return num_tokens
+
+    monkeypatch.setattr(DecodeFastPath, "_lazy_step", noted)
+    requests = apart(seed, 1 if max_tokens < 10 else 10, max_tokens)
+    settings = dict(block_size=4, watermark=0.0, max_num_batched_tokens=64, engine="sim", hardware="a100-80gb",
+                    num_gpu_blocks=num_blocks, num_offload_blocks=num_chunks, follow_vllm=follow_vllm)
+    reference, _, ref_tokens, _ = run(tiny_loaded, requests, False, True, **settings)
+    fast, taken, fast_tokens, leaped = run(tiny_loaded, requests, True, True, leaps=False, **settings)
+    assert decisions(fast) == decisions(reference)
+    assert timed(fast) == timed(reference)
+    assert fast_tokens == ref_tokens
+    assert leaped == 0 and taken == len(lazy_steps) >= len(fast.records) // 3
+    lazy = [e for e in fast.events if e.step in lazy_steps]
+    if max_tokens < 10:
+        finished_at = {e.req_id: e.step for e in fast.events if e.kind == "finish"}
+        assert any(e.kind == "offload" and finished_at[e.req_id] < e.step for e in lazy)
+    else:
+        assert {"offload", "load", "preempt", "tier_evict"} <= {e.kind for e in lazy}
+        assert any(e.kind == "lookup" and e.tier_tokens for e in lazy)
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(preemption_mode="swap", num_cpu_blocks=64)])

@@ -193,13 +193,6 @@ def test_the_trace_says_the_tier_spared_a_recompute(tmp_path, engine):
     assert json.loads((runs["plain"] / "meta.json").read_text())["kv_tiers"] == []
 
 
-def test_the_simulators_fast_path_takes_only_leaps_beside_a_tier():
-    # a lazy step would have to visit every sequence for the tier's connector; a leap runs where the tier
-    # has nothing to do (tests/engine/test_fast_path.py)
-    assert sim(num_offload_blocks=4).fast_path.cohort is None
-    assert sim().fast_path.cohort is not None
-
-
 def test_the_last_stores_are_filed_before_the_run_ends():
     # one step computes the prompt and finishes it; its store is still on the link: the engine steps on
     # (running nothing, its clock jumping to the copy's end) until it is filed
