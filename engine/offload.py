@@ -30,6 +30,12 @@ from typing import NamedTuple
 PENDING_STORE = -1   # a chunk's ref_count while its store is in flight
 
 
+def recency(rank: int, position: int = 0) -> int:
+    """A chunk's place in the eviction order as one int, the lowest evicted first: by rank, and within a
+    rank the furthest position first ((rank, -position) compared; a position is below 2**32)."""
+    return (rank << 32) - position
+
+
 class Lookup(Enum):
     MISS = auto()      # not in the tier
     PENDING = auto()   # being stored: the caller waits (defers) rather than recomputes
@@ -88,15 +94,15 @@ class OffloadTier:
         self.num_blocks = num_blocks
         self.ranks_by_request = ranks_by_request      # vLLM 0.33's ranks; else 0.31's and 0.32's
         self.chunks: dict[int, Chunk] = {}             # key (a block hash) -> chunk
-        self.ranks: dict[int, tuple[int, int]] = {}    # key -> (rank, -position): the lowest is evicted first
+        self.ranks: dict[int, int] = {}                # key -> its recency (recency()): the lowest is evicted first
         self.num_allocated = 0                         # slots handed out at least once: 0..num_allocated-1
         self.free_slots: list[int] = []                # slots given back, reused last given back first
         self.num_ready = 0                             # chunks with ref_count 0 (evictable)
         self.accesses: dict[object, _Access] = {}      # by request
         self._next_rank = 0
-        # (rank, key) of the ready chunks, least recent first: an entry whose chunk has since left, been
+        # (recency, key) of the ready chunks, least recent first: an entry whose chunk has since left, been
         # pinned or re-ranked is stale and skipped when popped (vLLM's lazy heap)
-        self._evictable: list[tuple[tuple[int, int], int]] = []
+        self._evictable: list[tuple[int, int]] = []
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -141,10 +147,10 @@ class OffloadTier:
         for key, slot in zip(new, slots):
             self.chunks[key] = Chunk(slot)
             if self.ranks_by_request:
-                self.ranks[key] = (self._rank_of(access), -access.positions[key])
+                self.ranks[key] = recency(self._rank_of(access), access.positions[key])
             else:
                 self._next_rank += 1
-                self.ranks[key] = (self._next_rank, 0)
+                self.ranks[key] = recency(self._next_rank)
         return StorePlan(new, slots, evicted)
 
     def complete_store(self, keys: list[int], success: bool = True) -> None:
@@ -194,7 +200,7 @@ class OffloadTier:
         for key in sorted(access.positions, key=access.positions.__getitem__, reverse=True):
             if key in self.chunks:
                 self._next_rank += 1
-                self._rerank(key, (self._next_rank, 0))
+                self._rerank(key, recency(self._next_rank))
 
     # ---- inside -------------------------------------------------------------------------
     def _touch(self, request: object, touched: list[int], keys: list[int], first_position: int) -> None:
@@ -209,10 +215,11 @@ class OffloadTier:
             return
         rank = self._rank_of(access)
         for key in first_seen:
-            if key in self.ranks and self.ranks[key] < (rank, -access.positions[key]):
-                self._rerank(key, (rank, -access.positions[key]))
+            mine = recency(rank, access.positions[key])
+            if key in self.ranks and self.ranks[key] < mine:
+                self._rerank(key, mine)
 
-    def _rerank(self, key: int, rank: tuple[int, int]) -> None:
+    def _rerank(self, key: int, rank: int) -> None:
         self.ranks[key] = rank
         if self.chunks[key].ref_count == 0:
             heapq.heappush(self._evictable, (rank, key))
@@ -221,27 +228,32 @@ class OffloadTier:
         """Drop the n least recent ready chunks but the protected ones; None (nothing dropped) if fewer
         are there."""
         heap, chunks, ranks = self._evictable, self.chunks, self.ranks
-        chosen: list[tuple[tuple[int, int], int]] = []
-        kept: list[tuple[tuple[int, int], int]] = []
+        pop = heapq.heappop
+        chosen: list[tuple[int, int]] = []
+        chosen_keys: set[int] = set()   # (a chunk may have two current entries: pinned, then ready again)
+        kept: list[tuple[int, int]] = []
         while heap and len(chosen) < n:
-            rank, key = entry = heapq.heappop(heap)
+            rank, key = entry = pop(heap)
             chunk = chunks.get(key)
-            if chunk is None or chunk.ref_count != 0 or ranks[key] != rank or entry in chosen:
+            if chunk is None or chunk.ref_count or ranks[key] != rank or key in chosen_keys:
                 continue   # stale
-            (kept if key in protected else chosen).append(entry)
+            if key in protected:
+                kept.append(entry)
+            else:
+                chosen.append(entry)
+                chosen_keys.add(key)
         for entry in kept:
             heapq.heappush(heap, entry)
         if len(chosen) < n:
             for entry in chosen:
                 heapq.heappush(heap, entry)
             return None
-        evicted = []
-        for _, key in chosen:
-            chunk = chunks.pop(key)
+        evicted = [key for _, key in chosen]
+        free_slots = self.free_slots
+        for key in evicted:
+            free_slots.append(chunks.pop(key).slot)
             del ranks[key]
-            self.num_ready -= 1
-            self.free_slots.append(chunk.slot)
-            evicted.append(key)
+        self.num_ready -= n
         if len(heap) > 2 * max(64, self.num_ready):   # too many stale entries: rebuild
             self._evictable = [(ranks[k], k) for k, c in chunks.items() if c.ref_count == 0]
             heapq.heapify(self._evictable)
