@@ -205,21 +205,37 @@ class StepAccounting:
         running request was given are its SchedulerOutput's `cached` (scheduled_cached_reqs: per request,
         its new block ids per group, None for none); `prefilling`: those scheduled whose tokens are
         prefill (the others decode). An alloc whose blocks none was given stays without a request."""
-        owner: dict[int, tuple[str, int]] = {}   # a block given this step -> its request and group
         # only the requests given blocks (those with None for new_block_ids are left out in C). The running
         # requests come first: a request resumed after them (on vLLM before 0.34 here too) lists all its
         # blocks, a prefix hit on one that a running request was just given among them
-        for rid, per_group in compress(zip(cached.req_ids, cached.new_block_ids), cached.new_block_ids):
+        given = list(compress(zip(cached.req_ids, cached.new_block_ids), cached.new_block_ids))
+        events, hybrid, unattributed = self.events, self.hybrid, self.unattributed
+        self.unattributed = []
+        # The running loop gave blocks to the running requests in the order the SchedulerOutput lists them,
+        # one alloc a request and group (in group order), so the k-th alloc is the k-th request and group
+        # given blocks. Paired so while each pair's blocks are the same; from the first that is not, the
+        # blocks' owners say
+        paired = 0
+        for (i, blocks), (rid, group, ids) in zip(unattributed, ((rid, group, ids) for rid, per_group in given
+                                                                  for group, ids in enumerate(per_group) if ids)):
+            if len(ids) != len(blocks) or ids[0] != blocks[0].block_id:
+                break
+            events[i] = block_event("alloc", rid, list(ids), "prefill" if rid in prefilling else "decode",
+                                    group if hybrid else None)
+            paired += 1
+        if paired == len(unattributed):
+            return
+        unattributed = unattributed[paired:]
+        owner: dict[int, tuple[str, int]] = {}   # a block given this step -> its request and group
+        for rid, per_group in given:
             for group, ids in enumerate(per_group):
                 for block in ids:
                     owner.setdefault(block, (rid, group))
-        events, hybrid = self.events, self.hybrid
-        for i, blocks in self.unattributed:
+        for i, blocks in unattributed:
             ids = [b.block_id for b in blocks]
             rid, group = owner.get(ids[0], ("", None))
             alloc_reason = "other" if not rid else "prefill" if rid in prefilling else "decode"
             events[i] = block_event("alloc", rid, ids, alloc_reason, group if hybrid else None)
-        self.unattributed = []
 
     def admission_stop(self, num_scheduled: int) -> str:
         """Why vLLM admitted no further waiting request this step, from what the step left behind

@@ -62,9 +62,9 @@ class Columns:
         t = self.sink.columns["tokens"]
         emitted = self.emitted
         req_ids = list(map(_request_id, outs))
-        new_token_ids = list(map(_new_token_ids, outs))
+        new_token_ids = list(map(_new_token_ids, outs)) if self.token_ids else None   # (kept: their ids)
         starts = list(map(emitted.get, req_ids, repeat(0)))   # the index of each one's first token here
-        lens = list(map(len, new_token_ids))
+        lens = list(map(len, new_token_ids if self.token_ids else map(_new_token_ids, outs)))
         m = len(req_ids)
         if lens.count(1) == m:   # a decode step, one token each: a row per request
             ends = map(add, starts, repeat(1))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from kvtrace.vllm.capture.accounting import StepAccounting
 from kvtrace.vllm.capture.instance_wraps import InstanceWraps
-from kvtrace.vllm.capture.rows import KvEvent
+from kvtrace.vllm.capture.rows import KvEvent, copy_event
 
 OFFLOADING = "OffloadingConnector"   # vLLM's native offloading: its store jobs and evictions are followed too
 
@@ -153,7 +153,9 @@ class TierWraps:
         if self.jobs is not None:
             try:
                 for job_id, job in meta.store_jobs.items():
-                    self.stores[job_id] = (job.req_id, [int(b) for b in job.src_spec.block_ids])
+                    ids = job.src_spec.block_ids   # (vLLM's: a numpy array; its tolist is Python's ints, in C)
+                    self.stores[job_id] = (job.req_id,
+                                           ids.tolist() if hasattr(ids, "tolist") else [int(b) for b in ids])
             except Exception as exc:  # noqa: BLE001 (as above)
                 self.on_error(exc)
         return meta
@@ -187,9 +189,9 @@ class TierWraps:
             for job_id in meta.completed_jobs:
                 if job_id in self.stores and job_id not in self.jobs:
                     rid, blocks = self.stores.pop(job_id)
-                    events.append(self.event("offload", rid, blocks, len(blocks) * self.block_size,
-                                             "failed" if job_id in failed_jobs else None,
-                                             bytes=len(blocks) * self.bytes_per_block))
+                    events.append(copy_event("offload", rid, blocks, len(blocks) * self.block_size,
+                                             "failed" if job_id in failed_jobs else None, self.name,
+                                             len(blocks) * self.bytes_per_block))
 
     def request_finished(self, request, *args, **kwargs):
         delay_free, params = done = self._request_finished(request, *args, **kwargs)

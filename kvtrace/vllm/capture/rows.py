@@ -68,6 +68,14 @@ def block_event(kind: str, req_id: str, blocks: list[int], reason: str | None, k
     return _new_tuple(KvEvent, (kind, req_id, blocks, 0, reason, 0, 0, None, None, kv_group, None, None, None, 0, None))
 
 
+def copy_event(kind: str, req_id: str, blocks: list[int], num_tokens: int, reason: str | None, tier: str,
+               num_bytes: int) -> KvEvent:
+    """A tier copy's KvEvent (an offload, a load), made for every block-size tokens a request stores: built as
+    block_event builds its."""
+    return _new_tuple(KvEvent, (kind, req_id, blocks, num_tokens, reason, 0, 0, None, None, None, None, tier, None,
+                                num_bytes, None))
+
+
 class StepRow(NamedTuple):
     """A steps row as its scheduling leaves it; its end and device time come with its output."""
 
