@@ -24,6 +24,7 @@ from engine import events as ev
 from engine.events import KVEvent, RequestStats, StepRecord
 from kvtrace.export import perfetto
 from kvtrace.record.recorder import TraceWriter
+from tests.analysis.step_records import step_record
 from tests.analysis.test_export_perfetto import COUNTER_NAMES, decode
 
 SCHEDULED = {ev.ADMIT, ev.PREEMPT, ev.ALLOC, ev.LOOKUP}   # stamped at the step's start
@@ -31,15 +32,8 @@ MS = 1_000_000   # ns
 
 
 def _step(step: int, events: list[KVEvent], finished=(), preemptions: int = 0) -> StepRecord:
-    start, end = step * 0.1, step * 0.1 + 0.05
-    for i, e in enumerate(events):
-        e.step, e.seq = step, step * 10 + i
-        e.ts_s = start if e.kind in SCHEDULED else end
-    return StepRecord(step=step, start_s=start, end_s=end, device_ms=10.0, num_running=2, num_waiting=0,
-                      num_swapped=0, num_prefill_tokens=4, num_decode_tokens=1, num_recompute_tokens=0,
-                      num_free_blocks=4, num_used_blocks=4, num_cached_blocks=0, num_total_blocks=16,
-                      num_kv_tokens=16, num_preemptions=preemptions, events=events, finished=list(finished),
-                      offload_bytes=0, load_bytes=0, tier_transfer_ms=None)
+    return step_record(step, events, stamp=lambda e, start, end: start if e.kind in SCHEDULED else end,
+                       finished=finished, num_total_blocks=16, num_preemptions=preemptions)
 
 
 def _finished(req_id: str, prompt: int, arrival: float, first_token: float, finish: float,

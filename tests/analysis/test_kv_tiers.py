@@ -23,24 +23,19 @@ from engine.events import KVEvent, RequestStats, StepRecord
 from kvtrace.record.recorder import TraceWriter
 from kvtrace.trace import db
 from kvtrace.trace.schema import TIER_ONLY
+from tests.analysis.step_records import step_record
 
 TIER_ANALYSES = ("tier_hits", "tier_transfers", "tier_recompute_avoided", "tier_steps")
 FAILED = ev.TransferReason.FAILED
 
 
 def _step(step: int, events: list[KVEvent], tier: tuple | None, finished: list[RequestStats] = ()) -> StepRecord:
-    """A step record of `events` (numbered from step * 10); `tier`: its (offload_bytes, load_bytes,
-    tier_transfer_ms), None in a run without a tier."""
-    for i, e in enumerate(events):
-        e.step, e.ts_s, e.seq = step, step * 0.1, step * 10 + i
-    record = StepRecord(step=step, start_s=step * 0.1, end_s=step * 0.1 + 0.05, device_ms=None, num_running=1,
-                        num_waiting=0, num_swapped=0, num_prefill_tokens=4, num_decode_tokens=0,
-                        num_recompute_tokens=0, num_free_blocks=4, num_used_blocks=4, num_cached_blocks=0,
-                        num_total_blocks=8, num_kv_tokens=16, num_preemptions=0, events=events,
-                        finished=list(finished))
-    if tier is not None:
-        record.offload_bytes, record.load_bytes, record.tier_transfer_ms = tier
-    return record
+    """A step record of `events` (numbered from step * 10, stamped at its start); `tier`: its (offload_bytes,
+    load_bytes, tier_transfer_ms), None in a run without a tier."""
+    offload, load, ms = tier if tier is not None else (None, None, None)
+    return step_record(step, events, stamp=lambda e, start, end: start, finished=finished, device_ms=None,
+                       num_running=1, num_decode_tokens=0, offload_bytes=offload, load_bytes=load,
+                       tier_transfer_ms=ms)
 
 
 def _request(req_id: str, tier_hit_tokens: int | None, recomputed_tokens: int = 0) -> RequestStats:

@@ -18,22 +18,12 @@ from engine import events as ev
 from engine.events import KVEvent, RequestStats, StepRecord
 from kvtrace.record.recorder import TraceWriter
 from kvtrace.views import dashboard, explain
+from tests.analysis.step_records import step_record
 
 
 def _step(step: int, events: list[KVEvent], tokens: list[tuple[str, int]] = (), finished=(),
           preemptions: int = 0) -> StepRecord:
-    for i, e in enumerate(events):
-        e.step, e.ts_s, e.seq = step, step * 0.1 + 0.05, step * 10 + i
-    record = StepRecord(step=step, start_s=step * 0.1, end_s=step * 0.1 + 0.05, device_ms=10.0, num_running=2,
-                        num_waiting=0, num_swapped=0, num_prefill_tokens=4, num_decode_tokens=1,
-                        num_recompute_tokens=0, num_free_blocks=4, num_used_blocks=4, num_cached_blocks=0,
-                        num_total_blocks=8, num_kv_tokens=16, num_preemptions=preemptions, events=events,
-                        finished=list(finished), offload_bytes=0, load_bytes=0, tier_transfer_ms=None)
-    record.token_req_ids = [r for r, _ in tokens]
-    record.token_samples = [0] * len(tokens)
-    record.token_idx = [i for _, i in tokens]
-    record.token_ids = [5] * len(tokens)
-    return record
+    return step_record(step, events, tokens=tokens, finished=finished, num_preemptions=preemptions)
 
 
 def _finished(req_id: str, prompt: int, output: int, preemptions: int, recomputed: int, loaded: int) -> RequestStats:
