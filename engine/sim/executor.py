@@ -122,34 +122,41 @@ class SimExecutor:
                     num_pairs += share * (below * (2 * start + below + 1) / 2 + (num_new - below) * w)
         return num_kv, num_pairs
 
-    def decode_clock(self, num_decodes: int, held: int, max_steps: int, until_s: float,
-                     origin: float, end_before: float = math.inf) -> tuple[list[float], list[float], list[float]]:
+    def decode_clock(self, num_decodes: int, held: int, max_steps: int, until_s: float, origin: float,
+                     copies_done_s: list[float] = ()) -> tuple[list[float], list[float], list[float], list[int | None]]:
         """The clock of a leap (leap.py): up to `max_steps` steps that each
         decode one token for each of `num_decodes` sequences and copy no block, step j with
         `held + (j + 1) * num_decodes` KV positions, the leap ending before the first step after its
-        first that would start at or after `until_s` (times less `origin`), and before the first step,
-        its first too, that would end at or after the clock time `end_before` (a host KV tier's copy
-        finishing). Returns the steps' starts, ends (less `origin`) and forward milliseconds, the clock
-        moved past them, as `execute` step by step would: the same prediction, the same floats."""
+        first that would start at or after `until_s` (times less `origin`). Returns the steps' starts,
+        ends (less `origin`) and forward milliseconds, the clock moved past them, as `execute` step by
+        step would: the same prediction, the same floats; and for each of `copies_done_s` (a host KV
+        tier's copies in flight, the clock times they finish at) the step whose end reaches it (the
+        step that files it), None if none of the leap's does."""
         step_ms = self.cost_model.decode_ms(num_decodes)
         now = self.now_s
         start = now - origin
         starts: list[float] = []
         ends: list[float] = []
         forward: list[float] = []
+        finishing: list[int | None] = [None] * len(copies_done_s)
+        next_done = min(copies_done_s, default=math.inf)
         for j in range(max_steps):
             if j and not start < until_s:
                 break
             forward_ms = step_ms(held + (j + 1) * num_decodes)
-            if now + forward_ms / 1000 >= end_before:
-                break
             now += forward_ms / 1000
+            if now >= next_done:   # (a copy finishes where its time is at most the step's end: _finish_copies)
+                for i, done_s in enumerate(copies_done_s):
+                    if finishing[i] is None and done_s <= now:
+                        finishing[i] = j
+                next_done = min([done_s for i, done_s in enumerate(copies_done_s) if finishing[i] is None],
+                                default=math.inf)
             starts.append(start)
             forward.append(forward_ms)
             start = now - origin
             ends.append(start)
         self.now_s = now
-        return starts, ends, forward
+        return starts, ends, forward, finishing
 
     def sample(self, result: StepResult, seqs: list[Sequence], rows: list[int]) -> list[int]:
         """Placeholder tokens for the sequences that sample this step (no logits: `rows` unused)."""

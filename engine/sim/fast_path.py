@@ -24,7 +24,6 @@ predicted times: tests/engine/test_fast_path.py runs every setting with it and w
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from engine.config import PreemptionPolicy
@@ -98,7 +97,7 @@ class DecodeFastPath:
         (and, in its first, re-rank the chunks of sequences finished since the last step): no load in
         flight, no store flushed or of a finished sequence (a block a decode takes may be one it copies
         from), no finished sequence's blocks to offer once more, no running sequence with prompt blocks
-        still to offer. The leap ends before the step in which a store in flight finishes (take_leap)."""
+        still to offer. A store in flight that finishes in a leap's step is filed there (take_leap)."""
         connector = self.engine.scheduler.connector
         if connector is None:
             return True
@@ -119,11 +118,7 @@ class DecodeFastPath:
         num_kv = engine.block_manager.num_kv_positions(running, cohort.positions(running)) + len(running)
         step_s = self.runner.cost_model.forward_ms(0, len(running), num_kv, 0.0) / 1000
         shortest = MIN_LEAP_OVER_COHORT + len(running) // SEQUENCES_PER_LEAP_STEP
-        connector = engine.scheduler.connector
-        # a leap also ends before the step in which a host KV tier's copy finishes
-        copy_s = (min([copy.done_s for copy in connector.copies_in_flight]) - self.runner.clock()
-                  if connector is not None and connector.copies_in_flight else math.inf)
-        return min(cohort.steps_to_next_stop(), (until_s - engine.now()) / step_s, copy_s / step_s) >= shortest
+        return min(cohort.steps_to_next_stop(), (until_s - engine.now()) / step_s) >= shortest
 
     def _lazy_step(self) -> int | None:
         """The general step with its running pass made by the cohort; the tokens it emitted, or None

@@ -5,7 +5,9 @@ In such steps nothing waits, is swapped, preempted, finishes or arrives, so each
 known ahead: the sequences' tokens are placeholders, and the steps at which each takes or completes
 a block are computed once. A leap ends before the step that would start at or after the next
 arrival, before the step at which a sequence would stop, and before the step whose blocks the free
-queue no longer covers; those steps are left to the fast path's step or the general pass.
+queue no longer covers; those steps are left to the fast path's step or the general pass. Beside
+a host KV tier, the stores in flight (nothing else: fast_path.py's `_tier_quiet`) finish in the
+leap's steps whose ends reach their times, filed there as the general step files them.
 
 A tracer with `on_decode_leap(leap)` (kvtrace's trace writer) takes the leap whole, as columns;
 any other gets its steps' StepRecords one by one (`DecodeLeap.records()`). The words (leap, plain
@@ -13,8 +15,8 @@ decode) are defined in docs/glossary.md.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from bisect import bisect_right
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING
 
@@ -26,7 +28,9 @@ from engine.sequence import Sequence
 from engine.sim.decodes import grow_decode, is_plain_decode
 
 if TYPE_CHECKING:
+    from engine.connector import OffloadingConnector
     from engine.llm_engine import LLMEngine
+    from engine.offload import TierCopy
 
 
 class LeapAllocs:
@@ -61,9 +65,10 @@ class DecodeLeap:
     """A leap handed over at once: the StepRecords it stands for, as columns, so that a long
     replay builds no record per step. Step j of the leap (0 <= j < num_steps) is step
     `first_step + j`: every running sequence decodes one token (its token idx `first_token_idx[i] + j`,
-    a placeholder id recorded as null), nothing waits, is swapped, preempted or finishes, and its only
-    events are its decodes' block allocations (`allocs`; `alloc_columns`, `events`). `records()` gives
-    the steps one by one."""
+    a placeholder id recorded as null), nothing waits, is swapped, preempted or finishes, and its
+    events are its decodes' block allocations (`allocs`; `alloc_columns`, `events`) and, beside a host
+    KV tier, the stores in flight that finish in its steps (`copy_events`, each filed after its step's
+    allocations). `records()` gives the steps one by one."""
 
     first_step: int
     start_s: list[float]
@@ -79,9 +84,14 @@ class DecodeLeap:
     token_req_ids: list[str]        # the running sequences in batch order: each step's tokens
     token_samples: list[int]
     first_token_idx: list[int]
-    tier: bool = False              # the engine has a host KV tier: each step records TIER_STEP (nothing moved)
+    tier: bool = False              # the engine has a host KV tier: each step records its copies finished
+    # beside a host KV tier: the stores that finished in its steps, stamped (step, ts_s, seq), in the order
+    # filed; and what each step that filed any records of them (offload_bytes, load_bytes,
+    # tier_transfer_ms), by its place in the leap (any other step: TIER_STEP)
+    copy_events: list[KVEvent] = field(default_factory=list)
+    tier_steps: dict[int, tuple[int, int, float]] = field(default_factory=dict)
 
-    # what a leap's step records of the host KV tier's copies, in a run with one: none finished
+    # what a leap's step records of the host KV tier's copies, in a run with one, where none finished
     TIER_STEP = {"offload_bytes": 0, "load_bytes": 0, "tier_transfer_ms": 0.0}
 
     @property
@@ -112,13 +122,28 @@ class DecodeLeap:
             "num_total_blocks": total,
             "num_kv_tokens": np.repeat(np.array([w.first_kv_tokens for w in leaps], dtype=np.int64), k) + j * n,
             "num_preemptions": none, "admission_stop": np.full(len(j), AdmissionStop.NOTHING_WAITING, dtype=object),
+            **(DecodeLeap._tier_columns(leaps) if leaps[0].tier else {}),
         }
+
+    @staticmethod
+    def _tier_columns(leaps: list[DecodeLeap]) -> dict[str, list]:
+        """The tier's columns of the leaps' steps (StepRecord's offload_bytes, load_bytes,
+        tier_transfer_ms), as lists: TIER_STEP's, but where a step filed a copy."""
+        columns = {name: [value] * sum(w.num_steps for w in leaps) for name, value in DecodeLeap.TIER_STEP.items()}
+        at = 0
+        for w in leaps:
+            for j, values in w.tier_steps.items():
+                for column, value in zip(columns.values(), values):
+                    column[at + j] = value
+            at += w.num_steps
+        return columns
 
     @staticmethod
     def alloc_columns(leaps: list[DecodeLeap]) -> dict[str, np.ndarray | list]:
         """The alloc events of `leaps`, in order, as KVEvent's fields (kind, reason and blocks
         aside: each a decode's alloc of `block`), each a column: the one account of a leap's events.
-        An alloc's evictions take the seq numbers right before its own (`events.with_evictions`)."""
+        An alloc's evictions take the seq numbers right before its own (`events.with_evictions`), and a
+        store filed in an earlier step of its leap one (`copy_events`)."""
         allocs = [w.allocs for w in leaps]
         num = np.array([len(a) for a in allocs], dtype=np.int64)
         evicted = list(chain.from_iterable(a.evicted for a in allocs))
@@ -132,6 +157,10 @@ class DecodeLeap:
         seq = (np.repeat(np.array([w.first_event_seq for w in leaps], dtype=np.int64) - first - evicted_before, num)
                + np.arange(len(evicted)) + evicted_through)
         steps = np.array(list(chain.from_iterable(a.steps for a in allocs)), dtype=np.int64)
+        for w, at in zip(leaps, first.tolist()):   # and the copies filed in the steps before its own
+            if w.copy_events and len(w.allocs):
+                filed = np.array([e.step - w.first_step for e in w.copy_events], dtype=np.int64)
+                seq[at:at + len(w.allocs)] += np.searchsorted(filed, steps[at:at + len(w.allocs)], side="left")
         num_steps = np.array([w.num_steps for w in leaps], dtype=np.int64)
         start_s = np.array(list(chain.from_iterable(w.start_s for w in leaps)), dtype=np.float64)
         return {
@@ -157,13 +186,12 @@ class DecodeLeap:
         fields = {name: values.tolist() if isinstance(values, np.ndarray) else values
                   for name, values in self.step_columns([self]).items()}
         by_step: dict[int, list[KVEvent]] = {}
-        for e in self.events:
+        for e in self.events + self.copy_events:   # a step's allocations, then the copies it filed
             by_step.setdefault(e.step, []).append(e)
-        tier = self.TIER_STEP if self.tier else {}
         return [StepRecord(**{name: values[j] for name, values in fields.items()},
                            events=by_step.get(self.first_step + j, []), token_req_ids=self.token_req_ids.copy(),
                            token_samples=self.token_samples.copy(), token_idx=[i + j for i in self.first_token_idx],
-                           token_ids=[None] * self.num_running, finished=[], **tier)
+                           token_ids=[None] * self.num_running, finished=[])
                 for j in range(self.num_steps)]
 
 
@@ -226,15 +254,12 @@ def take_leap(engine: LLMEngine, until_s: float, max_steps: int = 256) -> tuple[
     held = sum(seq.num_computed_tokens for seq in running)
     num_kv = bm.num_kv_positions(running) + num_running   # of the first step; then num_running more a step
     first_step = engine.step_counter
-    # the steps' times first (the clock is the executor's; nothing below moves it), then their block work;
-    # a host KV tier's store in flight finishes in a step of the general pass's (fast_path.py's _tier_quiet)
+    # the steps' times first (the clock is the executor's; nothing below moves it), and the steps in which
+    # a host KV tier's stores in flight finish (fast_path.py's _tier_quiet: stores only); then their block work
     connector = sched.connector
-    copies_done_s = min([copy.done_s for copy in connector.copies_in_flight], default=math.inf) if connector else math.inf
-    starts, ends, forward = runner.decode_clock(num_running, held, horizon, until_s, engine.time_origin, copies_done_s)
-    if not starts:   # its first step would finish a copy
-        for seq in running:
-            del seq.token_ids[len(seq.token_ids) - horizon:]
-        return 0, 0
+    in_flight = list(connector.copies_in_flight) if connector is not None else []
+    starts, ends, forward, finishing = runner.decode_clock(num_running, held, horizon, until_s, engine.time_origin,
+                                                           [copy.done_s for copy in in_flight])
     if connector is not None:   # its first step's connector work: nothing offered, the finished re-ranked
         connector.build_connector_meta(SchedulerOutput())
     free: list[int] = []
@@ -254,13 +279,16 @@ def take_leap(engine: LLMEngine, until_s: float, max_steps: int = 256) -> tuple[
     assert not bm.events and not bm.evicted, "a leap's step made an event other than a decode's alloc"
     engine.step_counter = first_step + k
     event_seq = engine._event_seq
+    copy_events, tier_steps = _file_copies(connector, in_flight, finishing, allocs, first_step, ends, event_seq)
     leap = DecodeLeap(
         first_step=first_step, start_s=starts, end_s=ends, device_ms=forward, num_free_blocks=free,
         num_cached_blocks=cached, num_running=num_running, num_total_blocks=bm.num_blocks, first_kv_tokens=num_kv,
         first_event_seq=event_seq, allocs=allocs, token_req_ids=[seq.req_id for seq in running],
-        token_samples=[seq.sample for seq in running], first_token_idx=first_idx, tier=sched.connector is not None)
+        token_samples=[seq.sample for seq in running], first_token_idx=first_idx, tier=connector is not None,
+        copy_events=copy_events, tier_steps=tier_steps)
     # each alloc's evictions take the seq numbers before its own (events.with_evictions)
-    engine._event_seq = event_seq + len(allocs) + sum(len(evicted) for evicted in allocs.evicted if evicted)
+    engine._event_seq = (event_seq + len(allocs) + sum(len(evicted) for evicted in allocs.evicted if evicted)
+                         + len(copy_events))
     on_leap = getattr(engine.tracer, "on_decode_leap", None)
     if on_leap is not None:
         on_leap(leap)
@@ -275,3 +303,26 @@ def take_leap(engine: LLMEngine, until_s: float, max_steps: int = 256) -> tuple[
             sched.connector.prefilling.discard(seq)
     engine._steps_without_progress = 0
     return k, k * num_running
+
+
+def _file_copies(connector: OffloadingConnector, in_flight: list[TierCopy], finishing: list[int | None], allocs: LeapAllocs, first_step: int,
+                 ends: list[float], event_seq: int) -> tuple[list[KVEvent], dict[int, tuple[int, int, float]]]:
+    """The host KV tier's stores that finish in the leap's steps (`finishing`: each one's step, None
+    past the leap), completed and filed as the general step's _finish_copies files them: after their
+    step's allocations, in the order they were issued, stamped with its end; returns their events and
+    what each step that filed any records of them (bytes stored, bytes loaded, milliseconds)."""
+    copy_events: list[KVEvent] = []
+    tier_steps: dict[int, tuple[int, int, float]] = {}
+    for j, i in sorted((j, i) for i, j in enumerate(finishing) if j is not None):
+        copy = in_flight[i]
+        assert not copy.is_load, "a leap beside a load in flight"
+        connector.complete_copy(copy)
+        event = copy.event
+        num_allocs = bisect_right(allocs.steps, j)   # its step's and those before
+        event.step, event.ts_s = first_step + j, ends[j]
+        event.seq = (event_seq + num_allocs + sum(len(evicted) for evicted in allocs.evicted[:num_allocs] if evicted)
+                     + len(copy_events))
+        copy_events.append(event)
+        stored, loaded, ms = tier_steps.get(j, (0, 0, 0.0))
+        tier_steps[j] = (stored + event.bytes, loaded, ms + (event.duration_ms or 0.0))
+    return copy_events, tier_steps

@@ -109,6 +109,9 @@ class TraceWriter:
         if w.allocs:
             self._events.append(w)
             self._num_events += len(w.allocs)
+        if w.copy_events:   # a host KV tier's stores that finished in its steps
+            self._events += w.copy_events
+            self._num_events += len(w.copy_events)
         k, n = w.num_steps, w.num_running
         t = self._tokens
         t.num.append(n)

@@ -87,9 +87,8 @@ def steps_table(records: list[StepRecord | DecodeLeap], run_id: str) -> pa.Table
     leap_fields = DecodeLeap.step_columns(leaps)
     if len(leaps) == len(records):
         columns = {column: leap_fields[name] for column, name in _STEP_FIELDS.items()}
-        if leaps[0].tier:   # a run with a KV tier: no copy finished in a leap's steps
-            columns.update({column: [DecodeLeap.TIER_STEP[column]] * len(leap_fields["step"])
-                            for column in _STEP_TIER_FIELDS})
+        if leaps[0].tier:   # a run with a KV tier: the copies finished in the leaps' steps
+            columns.update({column: leap_fields[column] for column in _STEP_TIER_FIELDS})
         return table("steps", columns, run_id)
     order = np.argsort(np.concatenate([leap_fields["step"], np.array(fields["step"], dtype=np.int64)]),
                        kind="stable")
@@ -100,12 +99,12 @@ def steps_table(records: list[StepRecord | DecodeLeap], run_id: str) -> pa.Table
             columns[column] = np.concatenate([ours, np.array(theirs, dtype=ours.dtype)])[order]
         else:   # nullable (device_ms) or strings
             columns[column] = _in_order(order, [(ours, len(ours)), (theirs, len(theirs))])
-    if steps[0].offload_bytes is not None:   # a run with a KV tier: no copy finished in a leap's steps (a leap
-        num_leap_steps = len(leap_fields["step"])   # that does not know of the tier: null)
+    if steps[0].offload_bytes is not None:   # a run with a KV tier: the copies finished in the leaps' steps (a
+        num_leap_steps = len(leap_fields["step"])   # leap that does not know of the tier: null)
         for column in _STEP_TIER_FIELDS:
             values = list(map(attrgetter(column), steps))
-            leap_value = DecodeLeap.TIER_STEP[column] if leaps[0].tier else None
-            columns[column] = _in_order(order, [(leap_value, num_leap_steps), (values, len(steps))])
+            leap_values = leap_fields[column] if leaps[0].tier else None
+            columns[column] = _in_order(order, [(leap_values, num_leap_steps), (values, len(steps))])
     return table("steps", columns, run_id)
 
 

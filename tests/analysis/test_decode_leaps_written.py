@@ -34,7 +34,7 @@ class Leaps:
     """The writer as it is, counting the leaps and steps it takes at once."""
 
     def __init__(self, writer: TraceWriter) -> None:
-        self.writer, self.leaps, self.steps, self.events = writer, 0, 0, 0
+        self.writer, self.leaps, self.steps, self.events, self.copies = writer, 0, 0, 0, 0
 
     def on_step(self, record) -> None:
         self.writer.on_step(record)
@@ -43,6 +43,7 @@ class Leaps:
         self.leaps += 1
         self.steps += leap.num_steps
         self.events += len(leap.events)
+        self.copies += len(leap.copy_events)
         self.writer.on_decode_leap(leap)
 
 
@@ -70,12 +71,16 @@ def replayed(tmp_path, name: str, wrap, max_rows: int, settings: dict):
 
 @pytest.mark.parametrize("max_rows", [40, 200_000])
 @pytest.mark.parametrize("settings", [dict(num_gpu_blocks=200), dict(num_gpu_blocks=40),
-                                      dict(num_gpu_blocks=60, enable_prefix_caching=False)])
+                                      dict(num_gpu_blocks=60, enable_prefix_caching=False),
+                                      # a host KV tier's stores finishing in leaps' steps (one that evicts)
+                                      dict(num_gpu_blocks=200, num_offload_blocks=64),
+                                      dict(num_gpu_blocks=40, num_offload_blocks=12)])
 def test_leaps_are_written_as_their_steps_one_by_one(tmp_path, settings, max_rows):
     leaped, tables = replayed(tmp_path, "leaps", Leaps, max_rows, settings)
     _, expected = replayed(tmp_path, "steps", StepByStep, max_rows, settings)
     # leaps of several steps, taking blocks and caching full ones as they go
     assert leaped.leaps >= 5 and leaped.steps >= 3 * leaped.leaps and leaped.events >= 5
+    assert (leaped.copies >= 3) == ("num_offload_blocks" in settings), leaped.copies
     for name, table in tables.items():
         assert table.num_rows == expected[name].num_rows, name
         for column in table.column_names:

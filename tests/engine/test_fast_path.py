@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+import engine.sim.fast_path as fast_path_module
 from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -170,15 +171,29 @@ def test_leaps_run_most_of_a_roomy_replay_as_its_steps_would(tiny_loaded, settin
 
 @pytest.mark.parametrize("follow_vllm", ["0.32.0", "0.33.0"])
 @pytest.mark.parametrize("num_chunks", [8, 64])
-def test_leaps_beside_a_host_kv_tier_decide_as_its_steps(tiny_loaded, num_chunks, follow_vllm):
-    """The roomy replay above with a host KV tier: leaps run where the tier has nothing to do (no copy
-    in flight, no finished sequence's blocks to offer, no prompt blocks left to offer), and a small
-    tier, which refuses and evicts, ranks and offers between them as step by step."""
+def test_leaps_beside_a_host_kv_tier_decide_as_its_steps(tiny_loaded, monkeypatch, num_chunks, follow_vllm):
+    """The roomy replay above with a host KV tier: leaps run where the tier has nothing to do but finish
+    stores (no load in flight, no finished sequence's blocks to offer, no prompt blocks left to offer),
+    the stores that finish in their steps filed there, and a small tier, which refuses and evicts, ranks
+    and offers between them as step by step."""
+    leap_steps = set()
+    take_leap = fast_path_module.take_leap
+
+    def noted(engine, until_s):
+        first = engine.step_counter
+        ran = take_leap(engine, until_s)
+        leap_steps.update(range(first, first + ran[0]))
+        return ran
+
+    monkeypatch.setattr(fast_path_module, "take_leap", noted)
     fast, leaped = simulated_both_ways(tiny_loaded, roomy_requests(), True, num_gpu_blocks=200, num_offload_blocks=num_chunks,
                                        follow_vllm=follow_vllm)
     assert leaped >= len(fast.records) // 5, f"{leaped} of {len(fast.records)} steps in leaps"
     kinds = {e.kind for e in fast.events}
     assert "offload" in kinds and ("tier_evict" in kinds) == (num_chunks < 64)
+    filed = [r for r in fast.records if r.step in leap_steps and r.offload_bytes]
+    assert all(any(e.kind == "offload" for e in r.events) for r in filed)
+    assert filed or num_chunks < 64   # (a tier of 8 refuses the prompts offered while a store is in flight)
 
 
 @pytest.mark.parametrize("seed, num_blocks, num_chunks, follow_vllm", [
