@@ -220,8 +220,8 @@ class StepAccounting:
                                                                   for group, ids in enumerate(per_group) if ids)):
             if len(ids) != len(blocks) or ids[0] != blocks[0].block_id:
                 break
-            events[i] = block_event("alloc", rid, list(ids), "prefill" if rid in prefilling else "decode",
-                                    group if hybrid else None)
+            alloc_reason = "prefill" if rid in prefilling else "decode"
+            events[i] = block_event("alloc", rid, list(ids), alloc_reason, group if hybrid else None)
             paired += 1
         if paired == len(unattributed):
             return
