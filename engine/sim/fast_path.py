@@ -97,7 +97,8 @@ class DecodeFastPath:
         (and, in its first, re-rank the chunks of sequences finished since the last step): no load in
         flight, no store flushed or of a finished sequence (a block a decode takes may be one it copies
         from), no finished sequence's blocks to offer once more, no running sequence with prompt blocks
-        still to offer. A store in flight that finishes in a leap's step is filed there (take_leap)."""
+        still to offer (a member of the cohort has offered all: only the others are looked at). A store in
+        flight that finishes in a leap's step is filed there (take_leap)."""
         connector = self.engine.scheduler.connector
         if connector is None:
             return True
@@ -105,7 +106,9 @@ class DecodeFastPath:
                for copy in connector.copies_in_flight) or not connector.finished_offer_nothing():
             return False
         bs = self.engine.block_manager.block_size
-        return all(seq.num_offered_blocks >= seq.num_prompt_tokens // bs for seq in self.engine.scheduler.running)
+        running = self.engine.scheduler.running
+        num_members = self.cohort.num_members if self.cohort is not None else 0
+        return all(seq.num_offered_blocks >= seq.num_prompt_tokens // bs for seq in running[num_members:])
 
     def _leap_worth_it(self, until_s: float) -> bool:
         """Whether a leap may run now: always without lazy decodes; with them, only one long enough

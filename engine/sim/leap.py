@@ -157,10 +157,13 @@ class DecodeLeap:
         seq = (np.repeat(np.array([w.first_event_seq for w in leaps], dtype=np.int64) - first - evicted_before, num)
                + np.arange(len(evicted)) + evicted_through)
         steps = np.array(list(chain.from_iterable(a.steps for a in allocs)), dtype=np.int64)
-        for w, at in zip(leaps, first.tolist()):   # and the copies filed in the steps before its own
-            if w.copy_events and len(w.allocs):
-                filed = np.array([e.step - w.first_step for e in w.copy_events], dtype=np.int64)
-                seq[at:at + len(w.allocs)] += np.searchsorted(filed, steps[at:at + len(w.allocs)], side="left")
+        filed = [(i, e.step - w.first_step) for i, w in enumerate(leaps) for e in w.copy_events]
+        if filed:   # and the copies filed in the steps of its leap before its own: keyed (leap, step), in order
+            leap_of = np.repeat(np.arange(len(leaps), dtype=np.int64), num)
+            width = max(w.num_steps for w in leaps) + 1
+            copy_keys = np.array([i * width + j for i, j in filed], dtype=np.int64)
+            seq += (np.searchsorted(copy_keys, leap_of * width + steps, side="left")
+                    - np.searchsorted(copy_keys, leap_of * width, side="left"))
         num_steps = np.array([w.num_steps for w in leaps], dtype=np.int64)
         start_s = np.array(list(chain.from_iterable(w.start_s for w in leaps)), dtype=np.float64)
         return {
@@ -298,9 +301,11 @@ def take_leap(engine: LLMEngine, until_s: float, max_steps: int = 256) -> tuple[
     for seq in running:   # k steps of the general pass's accounting; the tokens of steps not run go
         seq.num_computed_tokens = seq.num_ever_computed = seq.num_computed_tokens + k
         del seq.token_ids[len(seq.token_ids) - horizon + k:]
-        if leap.tier:   # what the host KV tier's connector noted of each step: the blocks it gave, no prefill left
-            seq.num_connector_blocks = len(seq.block_table)
-            sched.connector.prefilling.discard(seq)
+    if connector is not None:   # what the host KV tier's connector noted of each step: the blocks it gave
+        assert not connector.prefilling, "a leap beside a sequence prefilling"
+        for j in range(k):
+            for seq in touched.get(j, ()):
+                seq.num_connector_blocks = len(seq.block_table)
     engine._steps_without_progress = 0
     return k, k * num_running
 
