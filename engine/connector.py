@@ -197,6 +197,10 @@ class OffloadingConnector:
         self.copies_in_flight.append(copy)
         copy.seq.num_tier_copies += 1
 
+    def has_prompt_to_offer(self, seq: Sequence) -> bool:
+        """Whether some full block of the sequence's prompt has not been offered to the tier yet."""
+        return seq.num_offered_blocks < seq.num_prompt_tokens // self.bm.block_size
+
     def finished_offer_nothing(self) -> bool:
         """Whether the sequences finished since the last step have no prompt block left to offer: the next
         build_connector_meta only re-ranks their chunks."""

@@ -62,10 +62,9 @@ class DecodeFastPath:
         self.cohort.check_integrity(sched.running)
         connector = sched.connector
         if connector is not None:   # what lets a lazy step show the connector only the members that grew
-            bs = self.engine.block_manager.block_size
             for member in self.cohort.members:
                 seq = member.seq
-                assert seq.num_offered_blocks >= seq.num_prompt_tokens // bs, f"{seq}: a member with blocks to offer"
+                assert not connector.has_prompt_to_offer(seq), f"{seq}: a member with blocks to offer"
                 assert seq not in connector.prefilling, f"{seq}: a member prefilling, as the connector sees it"
 
     def advance(self, until_s: float) -> tuple[int, int] | None:
@@ -105,10 +104,9 @@ class DecodeFastPath:
         if any(copy.is_load or copy.flushed or copy.seq.status == SequenceStatus.FINISHED
                for copy in connector.copies_in_flight) or not connector.finished_offer_nothing():
             return False
-        bs = self.engine.block_manager.block_size
         running = self.engine.scheduler.running
         num_members = self.cohort.num_members if self.cohort is not None else 0
-        return all(seq.num_offered_blocks >= seq.num_prompt_tokens // bs for seq in running[num_members:])
+        return not any(map(connector.has_prompt_to_offer, running[num_members:]))
 
     def _leap_worth_it(self, until_s: float) -> bool:
         """Whether a leap may run now: always without lazy decodes; with them, only one long enough
@@ -140,8 +138,7 @@ class DecodeFastPath:
             preempt = lambda seq: self._preempt_for(seq, out)   # noqa: E731
         connector = sched.connector
         if connector is not None:   # a member has offered its prompt's blocks: those that have not, join later
-            bs = bm.block_size
-            if any(seq.num_offered_blocks < seq.num_prompt_tokens // bs for seq in running[cohort.num_members:]):
+            if any(map(connector.has_prompt_to_offer, running[cohort.num_members:])):
                 return None
         if not cohort.grow(running, preempt):
             return None
