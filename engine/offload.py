@@ -17,6 +17,11 @@ first, so evicted head first), and touching it changes nothing. Either way, when
 its chunks take fresh ranks, tail first, so its prefix's head is the last of them evicted. A lookup
 changes no rank.
 
+Under 0.31's and 0.32's ranks every rank given is the newest, so the ranks' order is the order they were
+given: the ranks dict keeps it (a chunk re-ranked moves to its end, as vLLM's OrderedDict does) and
+eviction walks it from the front. Under 0.33's a chunk can rank below chunks ranked before it, and a lazy
+heap keeps the order.
+
 Which chunks exist and in which state is the scheduler's business (engine/scheduler.py); the copies
 are the executor's. This file decides only what is kept and what is dropped.
 """
@@ -94,14 +99,16 @@ class OffloadTier:
         self.num_blocks = num_blocks
         self.ranks_by_request = ranks_by_request      # vLLM 0.33's ranks; else 0.31's and 0.32's
         self.chunks: dict[int, Chunk] = {}             # key (a block hash) -> chunk
-        self.ranks: dict[int, int] = {}                # key -> its recency (recency()): the lowest is evicted first
+        # key -> its recency (recency()): the lowest is evicted first; under 0.31's and 0.32's ranks (not
+        # ranks_by_request) in that order
+        self.ranks: dict[int, int] = {}
         self.num_allocated = 0                         # slots handed out at least once: 0..num_allocated-1
         self.free_slots: list[int] = []                # slots given back, reused last given back first
         self.num_ready = 0                             # chunks with ref_count 0 (evictable)
         self.accesses: dict[object, _Access] = {}      # by request
         self._next_rank = 0
-        # (recency, key) of the ready chunks, least recent first: an entry whose chunk has since left, been
-        # pinned or re-ranked is stale and skipped when popped (vLLM's lazy heap)
+        # 0.33's ranks: (recency, key) of the ready chunks, least recent first: an entry whose chunk has since
+        # left, been pinned or re-ranked is stale and skipped when popped (vLLM's lazy heap)
         self._evictable: list[tuple[int, int]] = []
 
     # ---- counts -------------------------------------------------------------------------
@@ -143,14 +150,18 @@ class OffloadTier:
             if evicted is None:
                 return None
         slots = self._allocate_slots(len(new))
-        access = self.accesses[request]
-        for key, slot in zip(new, slots):
-            self.chunks[key] = Chunk(slot)
-            if self.ranks_by_request:
-                self.ranks[key] = recency(self._rank_of(access), access.positions[key])
-            else:
+        ranks = self.ranks
+        if self.ranks_by_request:
+            access = self.accesses[request]
+            rank = self._rank_of(access)
+            for key, slot in zip(new, slots):
+                chunks[key] = Chunk(slot)
+                ranks[key] = recency(rank, access.positions[key])
+        else:
+            for key, slot in zip(new, slots):
+                chunks[key] = Chunk(slot)
                 self._next_rank += 1
-                self.ranks[key] = recency(self._next_rank)
+                ranks[key] = recency(self._next_rank)   # a key new to ranks: at its end
         return StorePlan(new, slots, evicted)
 
     def complete_store(self, keys: list[int], success: bool = True) -> None:
@@ -162,7 +173,8 @@ class OffloadTier:
             if success:
                 chunk.ref_count = 0
                 self.num_ready += 1
-                heapq.heappush(self._evictable, (self.ranks[key], key))
+                if self.ranks_by_request:
+                    heapq.heappush(self._evictable, (self.ranks[key], key))
             else:
                 del self.chunks[key]
                 del self.ranks[key]
@@ -189,7 +201,8 @@ class OffloadTier:
             chunk.ref_count -= 1
             if chunk.ref_count == 0:
                 self.num_ready += 1
-                heapq.heappush(self._evictable, (self.ranks[key], key))
+                if self.ranks_by_request:
+                    heapq.heappush(self._evictable, (self.ranks[key], key))
 
     def on_request_finished(self, request: object) -> None:
         """The request is done: every chunk it stored or touched that the tier still holds takes a fresh
@@ -220,13 +233,19 @@ class OffloadTier:
                 self._rerank(key, mine)
 
     def _rerank(self, key: int, rank: int) -> None:
-        self.ranks[key] = rank
-        if self.chunks[key].ref_count == 0:
-            heapq.heappush(self._evictable, (rank, key))
+        if self.ranks_by_request:
+            self.ranks[key] = rank
+            if self.chunks[key].ref_count == 0:
+                heapq.heappush(self._evictable, (rank, key))
+        else:   # the newest rank: to the end of the order
+            del self.ranks[key]
+            self.ranks[key] = rank
 
     def _evict(self, n: int, protected: set[int]) -> list[int] | None:
         """Drop the n least recent ready chunks but the protected ones; None (nothing dropped) if fewer
         are there."""
+        if not self.ranks_by_request:
+            return self._evict_in_order(n, protected)
         heap, chunks, ranks = self._evictable, self.chunks, self.ranks
         pop = heapq.heappop
         chosen: list[tuple[int, int]] = []
@@ -259,6 +278,25 @@ class OffloadTier:
             heapq.heapify(self._evictable)
         return evicted
 
+    def _evict_in_order(self, n: int, protected: set[int]) -> list[int] | None:
+        """_evict under 0.31's and 0.32's ranks: the first n ready chunks of the ranks' order, the
+        protected ones passed over (vLLM's LRUCachePolicy.evict)."""
+        chunks, ranks = self.chunks, self.ranks
+        evicted: list[int] = []
+        for key in ranks:
+            if chunks[key].ref_count == 0 and key not in protected:
+                evicted.append(key)
+                if len(evicted) == n:
+                    break
+        else:
+            return None
+        free_slots = self.free_slots
+        for key in evicted:
+            free_slots.append(chunks.pop(key).slot)
+            del ranks[key]
+        self.num_ready -= n
+        return evicted
+
     def _rank_of(self, access: _Access) -> int:
         if access.rank is None:
             self._next_rank += 1
@@ -284,6 +322,10 @@ class OffloadTier:
         assert set(self.ranks) == set(self.chunks), "a chunk without a rank, or a rank without a chunk"
         assert self.num_ready == sum(1 for c in self.chunks.values() if c.ref_count == 0), "ready count wrong"
         assert all(c.ref_count >= PENDING_STORE for c in self.chunks.values()), "a chunk unpinned below zero"
+        if not self.ranks_by_request:
+            order = list(self.ranks.values())
+            assert order == sorted(order), "the ranks dict out of the ranks' order"
+            return
         current = {(rank, key) for rank, key in self._evictable
                    if key in self.chunks and self.chunks[key].ref_count == 0 and self.ranks[key] == rank}
         assert current == {(self.ranks[k], k) for k, c in self.chunks.items() if c.ref_count == 0}, \

@@ -75,6 +75,28 @@ def test_offered_chunks_are_never_evicted_for_their_own_store():
     assert tier.prepare_store("C", [1, 3, 4], 0) is None   # all three offered: nothing else to evict
 
 
+def test_vllm_032_ranks_evict_in_the_order_given_passing_over_pending_pinned_and_offered_chunks():
+    """0.31's and 0.32's ranks: a chunk ranks when stored, head first, and again (tail first) when its
+    request finishes; touching it changes nothing."""
+    tier = OffloadTier(6, ranks_by_request=False)
+    stored(tier, "A", [1, 2])
+    stored(tier, "B", [3, 4])
+    tier.on_request_finished("A")              # order now 3, 4, 2, 1
+    tier.prepare_store("C", [4], 0)            # B's 4 touched: no rank change
+    tier.prepare_load("D", [3], 0)             # pinned
+    pending = tier.prepare_store("E", [5], 0)  # pending: order 3, 4, 2, 1, 5
+    tier.check_integrity()
+    # 6 offered beside 2: 3 pinned, 2 offered, so 4 then 1 go (6 takes the one free slot, 7 one freed)
+    plan = tier.prepare_store("F", [2, 6, 7, 8], 0)
+    assert plan.evicted == [4, 1]
+    assert tier.prepare_store("G", [2, 9], 0) is None   # 3 pinned, 5 and F's pending, 2 offered: none to go
+    tier.complete_load([3])
+    tier.complete_store(pending.keys)
+    tier.complete_store(plan.keys)
+    assert tier.prepare_store("G", [9, 10], 0).evicted == [3, 2]   # 2 ranked when A finished, before 5
+    tier.check_integrity()
+
+
 def test_sizes_and_bad_sizes():
     bytes_per_block = 5000   # two 4 KiB pages each
     assert num_offload_blocks(EngineConfig(offload_size="80KiB"), bytes_per_block) == 10
