@@ -259,9 +259,9 @@ class OffloadingConnector:
                 else:
                     pending.add(key)
         assert pins == self.keys_being_loaded, "the chunks being loaded are not the loads' in flight"
-        for key, chunk in tier.chunks.items():
-            assert chunk.ref_count == (-1 if key in pending else pins.get(key, 0)), \
-                f"chunk {key}: ref_count {chunk.ref_count}, {pins.get(key, 0)} loads, pending {key in pending}"
+        for key, ref_count in tier.chunks.items():
+            assert ref_count == (-1 if key in pending else pins.get(key, 0)), \
+                f"chunk {key}: ref_count {ref_count}, {pins.get(key, 0)} loads, pending {key in pending}"
         for seq in loading:
             assert (seq.load is not None and seq.load in self.copies_in_flight) != seq.load_done, \
                 f"{seq}: its load neither in flight nor done"

@@ -47,12 +47,6 @@ class Lookup(Enum):
     HIT = auto()       # ready to load
 
 
-@dataclass(slots=True)
-class Chunk:
-    slot: int                      # its place in the host buffer (the real engine's copies)
-    ref_count: int = PENDING_STORE  # -1 pending, 0 ready, > 0 pinned by that many loads
-
-
 class StorePlan(NamedTuple):
     """What prepare_store decided: the offered keys the tier did not hold, now pending, each given a
     host slot; and the ready chunks evicted to make room for them, least recent first."""
@@ -98,9 +92,12 @@ class OffloadTier:
     def __init__(self, num_blocks: int, ranks_by_request: bool = True) -> None:
         self.num_blocks = num_blocks
         self.ranks_by_request = ranks_by_request      # vLLM 0.33's ranks; else 0.31's and 0.32's
-        self.chunks: dict[int, Chunk] = {}             # key (a block hash) -> chunk
-        # key -> its recency (recency()): the lowest is evicted first; under 0.31's and 0.32's ranks (not
-        # ranks_by_request) in that order
+        # the chunks it holds: key (a block hash) -> its ref_count (PENDING_STORE, 0 ready, > 0 pinned by
+        # that many loads)
+        self.chunks: dict[int, int] = {}
+        self.slots: dict[int, int] = {}                # key -> its place in the host buffer (the real engine's copies)
+        # key -> its recency, the lowest evicted first: recency(rank, position) under 0.33's ranks; under
+        # 0.31's and 0.32's the rank alone (every position 0 there), the dict in that order
         self.ranks: dict[int, int] = {}
         self.num_allocated = 0                         # slots handed out at least once: 0..num_allocated-1
         self.free_slots: list[int] = []                # slots given back, reused last given back first
@@ -123,10 +120,10 @@ class OffloadTier:
     # ---- the manager's calls ------------------------------------------------------------
     def lookup(self, key: int) -> Lookup:
         """Whether the tier holds the chunk, and whether it is ready; no rank changes."""
-        chunk = self.chunks.get(key)
-        if chunk is None:
+        ref_count = self.chunks.get(key)
+        if ref_count is None:
             return Lookup.MISS
-        return Lookup.PENDING if chunk.ref_count == PENDING_STORE else Lookup.HIT
+        return Lookup.PENDING if ref_count == PENDING_STORE else Lookup.HIT
 
     def prepare_store(self, request: object, keys: list[int], first_position: int) -> StorePlan | None:
         """Offer a request's chunks `keys` (at positions first_position, first_position + 1, ...): those
@@ -137,8 +134,7 @@ class OffloadTier:
         new = [key for key in keys if key not in chunks]
         # vLLM records the access before it knows whether the store fits: a refused offer still ranks
         # the ready chunks it named (a pending one it leaves alone)
-        self._touch(request, [key for key in keys if key not in chunks or chunks[key].ref_count >= 0],
-                    keys, first_position)
+        self._touch(request, keys, first_position, skip_pending=len(new) < len(keys))
         if not new:
             return StorePlan([], [], [])
         num_to_evict = len(new) - self.num_free_blocks
@@ -150,56 +146,54 @@ class OffloadTier:
             if evicted is None:
                 return None
         slots = self._allocate_slots(len(new))
-        ranks = self.ranks
+        chunks.update(dict.fromkeys(new, PENDING_STORE))
+        self.slots.update(zip(new, slots))
         if self.ranks_by_request:
             access = self.accesses[request]
             rank = self._rank_of(access)
-            for key, slot in zip(new, slots):
-                chunks[key] = Chunk(slot)
-                ranks[key] = recency(rank, access.positions[key])
-        else:
-            for key, slot in zip(new, slots):
-                chunks[key] = Chunk(slot)
-                self._next_rank += 1
-                ranks[key] = recency(self._next_rank)   # a key new to ranks: at its end
+            self.ranks.update([(key, recency(rank, access.positions[key])) for key in new])
+        else:   # fresh ranks in the order offered, at the dict's end (the keys are new to it)
+            first = self._next_rank + 1
+            self._next_rank += len(new)
+            self.ranks.update(zip(new, range(first, first + len(new))))
         return StorePlan(new, slots, evicted)
 
     def complete_store(self, keys: list[int], success: bool = True) -> None:
         """A store's copy finished: its chunks become ready; failed, they leave the tier."""
+        chunks = self.chunks
         for key in keys:
-            chunk = self.chunks.get(key)
-            if chunk is None or chunk.ref_count != PENDING_STORE:
+            if chunks.get(key) != PENDING_STORE:
                 continue
             if success:
-                chunk.ref_count = 0
+                chunks[key] = 0
                 self.num_ready += 1
                 if self.ranks_by_request:
                     heapq.heappush(self._evictable, (self.ranks[key], key))
             else:
-                del self.chunks[key]
+                del chunks[key]
                 del self.ranks[key]
-                self.free_slots.append(chunk.slot)
+                self.free_slots.append(self.slots.pop(key))
 
     def prepare_load(self, request: object, keys: list[int], first_position: int) -> list[int]:
         """Pin ready chunks for a load into the device; returns their slots."""
-        slots = []
+        chunks = self.chunks
         for key in keys:
-            chunk = self.chunks[key]
-            assert chunk.ref_count >= 0, f"chunk {key} loaded before its store finished"
-            if chunk.ref_count == 0:
+            ref_count = chunks[key]
+            assert ref_count >= 0, f"chunk {key} loaded before its store finished"
+            if ref_count == 0:
                 self.num_ready -= 1
-            chunk.ref_count += 1
-            slots.append(chunk.slot)
-        self._touch(request, keys, keys, first_position)
-        return slots
+            chunks[key] = ref_count + 1
+        self._touch(request, keys, first_position)
+        return [self.slots[key] for key in keys]
 
     def complete_load(self, keys: list[int]) -> None:
         """A load's copy finished: its pins come off."""
+        chunks = self.chunks
         for key in keys:
-            chunk = self.chunks[key]
-            assert chunk.ref_count > 0, f"chunk {key} unpinned twice"
-            chunk.ref_count -= 1
-            if chunk.ref_count == 0:
+            ref_count = chunks[key] - 1
+            assert ref_count >= 0, f"chunk {key} unpinned twice"
+            chunks[key] = ref_count
+            if ref_count == 0:
                 self.num_ready += 1
                 if self.ranks_by_request:
                     heapq.heappush(self._evictable, (self.ranks[key], key))
@@ -210,36 +204,46 @@ class OffloadTier:
         access = self.accesses.pop(request, None)
         if access is None:
             return
-        for key in sorted(access.positions, key=access.positions.__getitem__, reverse=True):
-            if key in self.chunks:
-                self._next_rank += 1
-                self._rerank(key, recency(self._next_rank))
+        tail_first = sorted(access.positions, key=access.positions.__getitem__, reverse=True)
+        if self.ranks_by_request:
+            for key in tail_first:
+                if key in self.chunks:
+                    self._next_rank += 1
+                    self._rerank(key, recency(self._next_rank))
+            return
+        ranks = self.ranks   # every rank the newest: the held keys to the dict's end, in this order
+        held = [key for key in tail_first if key in ranks]
+        for key in held:
+            del ranks[key]
+        first = self._next_rank + 1
+        self._next_rank += len(held)
+        ranks.update(zip(held, range(first, first + len(held))))
 
     # ---- inside -------------------------------------------------------------------------
-    def _touch(self, request: object, touched: list[int], keys: list[int], first_position: int) -> None:
-        """Note the request's keys (their positions); a chunk it touches for the first time that the tier
-        holds is raised to (its rank, -position) if that is more recent (vLLM 0.33: on_request_access)."""
-        access = self.accesses.setdefault(request, _Access())
-        position = dict(zip(keys, range(first_position, first_position + len(keys))))
-        first_seen = [key for key in touched if key not in access.positions]
-        for key in first_seen:
-            access.positions[key] = position[key]
+    def _touch(self, request: object, keys: list[int], first_position: int, skip_pending: bool = False) -> None:
+        """Note the request's keys at their positions (but the pending chunks' if `skip_pending`); a chunk
+        it touches for the first time that the tier holds is raised to (its rank, -position) if that is
+        more recent (vLLM 0.33: on_request_access)."""
+        access = self.accesses.get(request)
+        if access is None:
+            access = self.accesses[request] = _Access()
+        positions, chunks = access.positions, self.chunks
+        first_seen = [(key, position) for position, key in enumerate(keys, first_position)
+                      if key not in positions and not (skip_pending and chunks.get(key) == PENDING_STORE)]
+        positions.update(first_seen)
         if not first_seen or not self.ranks_by_request:
             return
         rank = self._rank_of(access)
-        for key in first_seen:
-            mine = recency(rank, access.positions[key])
+        for key, position in first_seen:
+            mine = recency(rank, position)
             if key in self.ranks and self.ranks[key] < mine:
                 self._rerank(key, mine)
 
     def _rerank(self, key: int, rank: int) -> None:
-        if self.ranks_by_request:
-            self.ranks[key] = rank
-            if self.chunks[key].ref_count == 0:
-                heapq.heappush(self._evictable, (rank, key))
-        else:   # the newest rank: to the end of the order
-            del self.ranks[key]
-            self.ranks[key] = rank
+        """0.33's ranks: the chunk's new recency, on the heap if it is ready."""
+        self.ranks[key] = rank
+        if self.chunks[key] == 0:
+            heapq.heappush(self._evictable, (rank, key))
 
     def _evict(self, n: int, protected: set[int]) -> list[int] | None:
         """Drop the n least recent ready chunks but the protected ones; None (nothing dropped) if fewer
@@ -253,8 +257,7 @@ class OffloadTier:
         kept: list[tuple[int, int]] = []
         while heap and len(chosen) < n:
             rank, key = entry = pop(heap)
-            chunk = chunks.get(key)
-            if chunk is None or chunk.ref_count or ranks[key] != rank or key in chosen_keys:
+            if chunks.get(key) != 0 or ranks[key] != rank or key in chosen_keys:
                 continue   # stale
             if key in protected:
                 kept.append(entry)
@@ -268,34 +271,37 @@ class OffloadTier:
                 heapq.heappush(heap, entry)
             return None
         evicted = [key for _, key in chosen]
-        free_slots = self.free_slots
-        for key in evicted:
-            free_slots.append(chunks.pop(key).slot)
-            del ranks[key]
-        self.num_ready -= n
+        self._drop(evicted)
         if len(heap) > 2 * max(64, self.num_ready):   # too many stale entries: rebuild
-            self._evictable = [(ranks[k], k) for k, c in chunks.items() if c.ref_count == 0]
+            self._evictable = [(ranks[k], k) for k, ref_count in chunks.items() if ref_count == 0]
             heapq.heapify(self._evictable)
         return evicted
 
     def _evict_in_order(self, n: int, protected: set[int]) -> list[int] | None:
         """_evict under 0.31's and 0.32's ranks: the first n ready chunks of the ranks' order, the
         protected ones passed over (vLLM's LRUCachePolicy.evict)."""
-        chunks, ranks = self.chunks, self.ranks
+        chunks = self.chunks
         evicted: list[int] = []
-        for key in ranks:
-            if chunks[key].ref_count == 0 and key not in protected:
+        num_left = n
+        for key in self.ranks:
+            if not chunks[key] and key not in protected:
                 evicted.append(key)
-                if len(evicted) == n:
+                num_left -= 1
+                if not num_left:
                     break
         else:
             return None
-        free_slots = self.free_slots
-        for key in evicted:
-            free_slots.append(chunks.pop(key).slot)
-            del ranks[key]
-        self.num_ready -= n
+        self._drop(evicted)
         return evicted
+
+    def _drop(self, keys: list[int]) -> None:
+        """Evicted: the ready chunks leave, their slots given back in this order."""
+        chunks, ranks = self.chunks, self.ranks
+        for key in keys:
+            del chunks[key]
+            del ranks[key]
+        self.free_slots.extend(map(self.slots.pop, keys))
+        self.num_ready -= len(keys)
 
     def _rank_of(self, access: _Access) -> int:
         if access.rank is None:
@@ -314,19 +320,20 @@ class OffloadTier:
     # ---- integrity ----------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Assert the books balance: every slot free xor held by one chunk, the ready count right."""
-        held = [chunk.slot for chunk in self.chunks.values()]
+        held = list(self.slots.values())
+        assert set(self.slots) == set(self.chunks), "a chunk without a slot, or a slot without a chunk"
         assert len(set(held)) == len(held), "a host slot held by two chunks"
         assert not set(held) & set(self.free_slots), "a host slot both free and held"
         assert len(set(self.free_slots)) == len(self.free_slots), "a host slot twice on the free list"
         assert len(held) + len(self.free_slots) == self.num_allocated <= self.num_blocks, "host slots lost"
         assert set(self.ranks) == set(self.chunks), "a chunk without a rank, or a rank without a chunk"
-        assert self.num_ready == sum(1 for c in self.chunks.values() if c.ref_count == 0), "ready count wrong"
-        assert all(c.ref_count >= PENDING_STORE for c in self.chunks.values()), "a chunk unpinned below zero"
+        assert self.num_ready == sum(1 for c in self.chunks.values() if c == 0), "ready count wrong"
+        assert all(c >= PENDING_STORE for c in self.chunks.values()), "a chunk unpinned below zero"
         if not self.ranks_by_request:
             order = list(self.ranks.values())
             assert order == sorted(order), "the ranks dict out of the ranks' order"
             return
         current = {(rank, key) for rank, key in self._evictable
-                   if key in self.chunks and self.chunks[key].ref_count == 0 and self.ranks[key] == rank}
-        assert current == {(self.ranks[k], k) for k, c in self.chunks.items() if c.ref_count == 0}, \
+                   if self.chunks.get(key) == 0 and self.ranks[key] == rank}
+        assert current == {(self.ranks[k], k) for k, c in self.chunks.items() if c == 0}, \
             "a ready chunk missing from the eviction heap"

@@ -97,6 +97,21 @@ def test_vllm_032_ranks_evict_in_the_order_given_passing_over_pending_pinned_and
     tier.check_integrity()
 
 
+@pytest.mark.parametrize("ranks_by_request", [True, False])
+def test_a_chunk_offered_while_pending_is_not_the_offering_requests(ranks_by_request):
+    """B offers A's chunk 1 while A's store of it is in flight: vLLM records no access to it, so B's
+    finish re-ranks only B's own chunk 2, and 1 (ranked before 2) goes first."""
+    tier = OffloadTier(2, ranks_by_request=ranks_by_request)
+    first = tier.prepare_store("A", [1], 0)
+    second = tier.prepare_store("B", [1, 2], 0)
+    assert second.keys == [2]
+    tier.complete_store(first.keys)
+    tier.complete_store(second.keys)
+    tier.on_request_finished("B")
+    assert tier.prepare_store("C", [3], 0).evicted == [1]
+    tier.check_integrity()
+
+
 def test_sizes_and_bad_sizes():
     bytes_per_block = 5000   # two 4 KiB pages each
     assert num_offload_blocks(EngineConfig(offload_size="80KiB"), bytes_per_block) == 10
