@@ -18,9 +18,9 @@ its chunks take fresh ranks, tail first, so its prefix's head is the last of the
 changes no rank.
 
 Under 0.31's and 0.32's ranks every rank given is the newest, so the ranks' order is the order they were
-given: the ranks dict keeps it (a chunk re-ranked moves to its end, as vLLM's OrderedDict does) and
-eviction walks it from the front. Under 0.33's a chunk can rank below chunks ranked before it, and a lazy
-heap keeps the order.
+given: the chunks dict keeps it (a chunk re-ranked moves to its end, as in vLLM's OrderedDict) and
+eviction walks it from the front; no rank is written down. Under 0.33's a chunk can rank below chunks
+ranked before it: each chunk's recency is kept, and a lazy heap keeps their order.
 
 Which chunks exist and in which state is the scheduler's business (engine/scheduler.py); the copies
 are the executor's. This file decides only what is kept and what is dropped.
@@ -93,12 +93,10 @@ class OffloadTier:
         self.num_blocks = num_blocks
         self.ranks_by_request = ranks_by_request      # vLLM 0.33's ranks; else 0.31's and 0.32's
         # the chunks it holds: key (a block hash) -> its ref_count (PENDING_STORE, 0 ready, > 0 pinned by
-        # that many loads)
+        # that many loads); under 0.31's and 0.32's ranks in their order, the least recent first
         self.chunks: dict[int, int] = {}
         self.slots: dict[int, int] = {}                # key -> its place in the host buffer (the real engine's copies)
-        # key -> its recency, the lowest evicted first: recency(rank, position) under 0.33's ranks; under
-        # 0.31's and 0.32's the rank alone (every position 0 there), the dict in that order
-        self.ranks: dict[int, int] = {}
+        self.ranks: dict[int, int] = {}                # 0.33's ranks: key -> its recency, the lowest evicted first
         self.num_allocated = 0                         # slots handed out at least once: 0..num_allocated-1
         self.free_slots: list[int] = []                # slots given back, reused last given back first
         self.num_ready = 0                             # chunks with ref_count 0 (evictable)
@@ -146,16 +144,12 @@ class OffloadTier:
             if evicted is None:
                 return None
         slots = self._allocate_slots(len(new))
-        chunks.update(dict.fromkeys(new, PENDING_STORE))
+        chunks.update(dict.fromkeys(new, PENDING_STORE))   # (0.31's and 0.32's ranks: the newest, in the order offered)
         self.slots.update(zip(new, slots))
         if self.ranks_by_request:
             access = self.accesses[request]
             rank = self._rank_of(access)
             self.ranks.update([(key, recency(rank, access.positions[key])) for key in new])
-        else:   # fresh ranks in the order offered, at the dict's end (the keys are new to it)
-            first = self._next_rank + 1
-            self._next_rank += len(new)
-            self.ranks.update(zip(new, range(first, first + len(new))))
         return StorePlan(new, slots, evicted)
 
     def complete_store(self, keys: list[int], success: bool = True) -> None:
@@ -171,7 +165,8 @@ class OffloadTier:
                     heapq.heappush(self._evictable, (self.ranks[key], key))
             else:
                 del chunks[key]
-                del self.ranks[key]
+                if self.ranks_by_request:
+                    del self.ranks[key]
                 self.free_slots.append(self.slots.pop(key))
 
     def prepare_load(self, request: object, keys: list[int], first_position: int) -> list[int]:
@@ -211,13 +206,9 @@ class OffloadTier:
                     self._next_rank += 1
                     self._rerank(key, recency(self._next_rank))
             return
-        ranks = self.ranks   # every rank the newest: the held keys to the dict's end, in this order
-        held = [key for key in tail_first if key in ranks]
-        for key in held:
-            del ranks[key]
-        first = self._next_rank + 1
-        self._next_rank += len(held)
-        ranks.update(zip(held, range(first, first + len(held))))
+        chunks = self.chunks   # every rank the newest: the chunks it holds to the dict's end, in this order
+        held = [(key, chunks.pop(key)) for key in tail_first if key in chunks]
+        chunks.update(held)
 
     # ---- inside -------------------------------------------------------------------------
     def _touch(self, request: object, keys: list[int], first_position: int, skip_pending: bool = False) -> None:
@@ -278,13 +269,13 @@ class OffloadTier:
         return evicted
 
     def _evict_in_order(self, n: int, protected: set[int]) -> list[int] | None:
-        """_evict under 0.31's and 0.32's ranks: the first n ready chunks of the ranks' order, the
-        protected ones passed over (vLLM's LRUCachePolicy.evict)."""
+        """_evict under 0.31's and 0.32's ranks: the first n ready chunks of the chunks dict, the protected
+        ones passed over (vLLM's LRUCachePolicy.evict)."""
         chunks = self.chunks
         evicted: list[int] = []
         num_left = n
-        for key in self.ranks:
-            if not chunks[key] and key not in protected:
+        for key, ref_count in chunks.items():
+            if not ref_count and key not in protected:
                 evicted.append(key)
                 num_left -= 1
                 if not num_left:
@@ -299,7 +290,9 @@ class OffloadTier:
         chunks, ranks = self.chunks, self.ranks
         for key in keys:
             del chunks[key]
-            del ranks[key]
+        if self.ranks_by_request:
+            for key in keys:
+                del ranks[key]
         self.free_slots.extend(map(self.slots.pop, keys))
         self.num_ready -= len(keys)
 
@@ -326,12 +319,11 @@ class OffloadTier:
         assert not set(held) & set(self.free_slots), "a host slot both free and held"
         assert len(set(self.free_slots)) == len(self.free_slots), "a host slot twice on the free list"
         assert len(held) + len(self.free_slots) == self.num_allocated <= self.num_blocks, "host slots lost"
-        assert set(self.ranks) == set(self.chunks), "a chunk without a rank, or a rank without a chunk"
+        if self.ranks_by_request:
+            assert set(self.ranks) == set(self.chunks), "a chunk without a rank, or a rank without a chunk"
         assert self.num_ready == sum(1 for c in self.chunks.values() if c == 0), "ready count wrong"
         assert all(c >= PENDING_STORE for c in self.chunks.values()), "a chunk unpinned below zero"
         if not self.ranks_by_request:
-            order = list(self.ranks.values())
-            assert order == sorted(order), "the ranks dict out of the ranks' order"
             return
         current = {(rank, key) for rank, key in self._evictable
                    if self.chunks.get(key) == 0 and self.ranks[key] == rank}

@@ -17,9 +17,11 @@ def stored(tier: OffloadTier, request: object, keys: list[int], first: int = 0) 
     return plan
 
 
-def test_a_finished_request_loses_its_tail_first():
-    """vLLM's run (the memo's §3): A's 4 chunks, A finished, then 4 new chunks into 6: A's tail goes."""
-    tier = OffloadTier(6)
+@pytest.mark.parametrize("ranks_by_request", [True, False])
+def test_a_finished_request_loses_its_tail_first(ranks_by_request):
+    """vLLM's run (the memo's §3): A's 4 chunks, A finished, then 4 new chunks into 6: A's tail goes
+    (vLLM 0.33's ranks and 0.32's alike)."""
+    tier = OffloadTier(6, ranks_by_request=ranks_by_request)
     stored(tier, "A", [1, 2, 3, 4])
     tier.on_request_finished("A")
     plan = stored(tier, "B", [11, 12, 13, 14])
