@@ -172,8 +172,11 @@ class OffloadingConnector:
         if plan.evicted:
             bm.events.append(KVEvent(ev.TIER_EVICT, "", num_tier_blocks=len(plan.evicted), tier=tier.name))
         if plan.keys:
-            index = {key: start + i for i, key in enumerate(keys)}
-            stored = [blocks[index[key]] for key in plan.keys]
+            if len(plan.keys) == len(keys):   # the tier held none of them (most offers)
+                stored = blocks[start:end]
+            else:
+                index = {key: start + i for i, key in enumerate(keys)}
+                stored = [blocks[index[key]] for key in plan.keys]
             event = KVEvent(ev.OFFLOAD, seq.req_id, seq.sample, blocks=stored, num_tokens=len(stored) * bs,
                             tier=tier.name)
             self._issue(TierCopy(seq, False, plan.keys, stored, plan.slots, event, before_forward=before_forward), out)

@@ -126,10 +126,11 @@ class DecodeLeap:
         }
 
     @staticmethod
-    def _tier_columns(leaps: list[DecodeLeap]) -> dict[str, list]:
+    def _tier_columns(leaps: list[DecodeLeap]) -> dict[str, np.ndarray]:
         """The tier's columns of the leaps' steps (StepRecord's offload_bytes, load_bytes,
-        tier_transfer_ms), as lists: TIER_STEP's, but where a step filed a copy."""
-        columns = {name: [value] * sum(w.num_steps for w in leaps) for name, value in DecodeLeap.TIER_STEP.items()}
+        tier_transfer_ms): TIER_STEP's, but where a step filed a copy."""
+        num_steps = sum(w.num_steps for w in leaps)
+        columns = {name: np.full(num_steps, value) for name, value in DecodeLeap.TIER_STEP.items()}
         at = 0
         for w in leaps:
             for j, values in w.tier_steps.items():

@@ -103,8 +103,11 @@ def steps_table(records: list[StepRecord | DecodeLeap], run_id: str) -> pa.Table
         num_leap_steps = len(leap_fields["step"])   # leap that does not know of the tier: null)
         for column in _STEP_TIER_FIELDS:
             values = list(map(attrgetter(column), steps))
-            leap_values = leap_fields[column] if leaps[0].tier else None
-            columns[column] = _in_order(order, [(leap_values, num_leap_steps), (values, len(steps))])
+            ours = leap_fields[column] if leaps[0].tier else None
+            if ours is not None and None not in values:   # (else a step whose copies' time is not known: null)
+                columns[column] = np.concatenate([ours, np.array(values, dtype=ours.dtype)])[order]
+            else:
+                columns[column] = _in_order(order, [(ours, num_leap_steps), (values, len(steps))])
     return table("steps", columns, run_id)
 
 
