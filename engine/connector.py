@@ -204,6 +204,12 @@ class OffloadingConnector:
         """Whether some full block of the sequence's prompt has not been offered to the tier yet."""
         return seq.num_offered_blocks < seq.num_prompt_tokens // self.bm.block_size
 
+    def has_work_without_a_batch(self) -> bool:
+        """Whether build_connector_meta of a step that schedules nothing would do anything: offer and
+        re-rank what the sequences finished since the last step had, or fence stores where a table took
+        their blocks."""
+        return bool(self._finished or self._blocks_given)
+
     def finished_offer_nothing(self) -> bool:
         """Whether the sequences finished since the last step have no prompt block left to offer: the next
         build_connector_meta only re-ranks their chunks."""

@@ -264,8 +264,8 @@ def take_leap(engine: LLMEngine, until_s: float, max_steps: int = 256) -> tuple[
     in_flight = list(connector.copies_in_flight) if connector is not None else []
     starts, ends, forward, finishing = runner.decode_clock(num_running, held, horizon, until_s, engine.time_origin,
                                                            [copy.done_s for copy in in_flight])
-    if connector is not None:   # its first step's connector work: nothing offered, the finished re-ranked
-        connector.build_connector_meta(SchedulerOutput())
+    if connector is not None and connector.has_work_without_a_batch():
+        connector.build_connector_meta(SchedulerOutput())   # its first step's: nothing offered, the finished re-ranked
     free: list[int] = []
     cached: list[int] = []
     allocs = LeapAllocs()
@@ -302,11 +302,10 @@ def take_leap(engine: LLMEngine, until_s: float, max_steps: int = 256) -> tuple[
     for seq in running:   # k steps of the general pass's accounting; the tokens of steps not run go
         seq.num_computed_tokens = seq.num_ever_computed = seq.num_computed_tokens + k
         del seq.token_ids[len(seq.token_ids) - horizon + k:]
-    if connector is not None:   # what the host KV tier's connector noted of each step: the blocks it gave
+    if connector is not None:   # the connector saw the blocks each step gave: every block of their tables now
         assert not connector.prefilling, "a leap beside a sequence prefilling"
-        for j in range(k):
-            for seq in touched.get(j, ()):
-                seq.num_connector_blocks = len(seq.block_table)
+        for seq in running:
+            seq.num_connector_blocks = len(seq.block_table)
     engine._steps_without_progress = 0
     return k, k * num_running
 

@@ -13,6 +13,7 @@ import engine.sim.fast_path as fast_path_module
 from engine.build import build_engine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.offload import OffloadTier
 from engine.sequence import SamplingParams
 from engine.sim.fast_path import DecodeFastPath
 from tests.engine.test_simulation import SETTINGS, backlog_workload, decisions
@@ -194,6 +195,31 @@ def test_leaps_beside_a_host_kv_tier_decide_as_its_steps(tiny_loaded, monkeypatc
     filed = [r for r in fast.records if r.step in leap_steps and r.offload_bytes]
     assert all(any(e.kind == "offload" for e in r.events) for r in filed)
     assert filed or num_chunks < 64   # (a tier of 8 refuses the prompts offered while a store is in flight)
+
+
+@pytest.mark.parametrize("follow_vllm", ["0.32.0", "0.33.0"])
+def test_the_tier_is_asked_the_same_in_the_same_order_with_and_without_the_fast_path(tiny_loaded, monkeypatch,
+                                                                                       follow_vllm):
+    """The roomy replay with a small tier, its calls to the tier's books logged: the fast path makes the
+    general pass's calls (stores, re-ranks of the finished, completions) in the same order, which the
+    trace alone does not show (it counts a store's evictions, not which chunks went)."""
+    log: list[tuple] = []
+    for name in ("prepare_store", "complete_store", "on_request_finished", "prepare_load", "complete_load"):
+        method = getattr(OffloadTier, name)
+
+        def logged(tier, *args, _name=name, _method=method):
+            log.append((_name, *(getattr(a, "req_id", a) for a in args)))
+            return _method(tier, *args)
+
+        monkeypatch.setattr(OffloadTier, name, logged)
+    calls = []
+    for fast in (False, True):
+        log.clear()
+        run(tiny_loaded, roomy_requests(), fast, True, block_size=4, watermark=0.0, max_num_batched_tokens=64,
+            engine="sim", hardware="a100-80gb", num_gpu_blocks=200, num_offload_blocks=8, follow_vllm=follow_vllm)
+        calls.append(list(log))
+    assert any(call[0] == "on_request_finished" for call in calls[0])
+    assert calls[1] == calls[0]
 
 
 @pytest.mark.parametrize("seed, num_blocks, num_chunks, follow_vllm", [
