@@ -132,7 +132,7 @@ class LLMEngine:
                                    num_lookahead_tokens=config.num_lookahead_tokens, draft_slots=config.draft_slots)
         self.scheduler.follow(config.follow_vllm)
         if g.num_offload_blocks:   # a host KV tier (engine/offload.py)
-            self.scheduler.add_tier(OffloadTier(g.num_offload_blocks))
+            self.scheduler.add_tier(OffloadTier(g.num_offload_blocks, host_slots=not self.simulated))
         # the simulator's host link, one per direction (loads, stores): the clock time it is free from
         self._link_free_s = {True: 0.0, False: 0.0}
         # speculative decoding (the simulator's): how many of a step's drafts are accepted

@@ -28,6 +28,7 @@ are the executor's. This file decides only what is kept and what is dropped.
 from __future__ import annotations
 
 import heapq
+from itertools import islice
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import NamedTuple
@@ -49,7 +50,8 @@ class Lookup(Enum):
 
 class StorePlan(NamedTuple):
     """What prepare_store decided: the offered keys the tier did not hold, now pending, each given a
-    host slot; and the ready chunks evicted to make room for them, least recent first."""
+    host slot (a tier without host slots: none); and the ready chunks evicted to make room for them,
+    least recent first."""
 
     keys: list[int]
     slots: list[int]
@@ -67,7 +69,7 @@ class TierCopy:
     is_load: bool               # tier -> device; else device -> tier
     keys: list[int]             # the chunks' keys
     device_blocks: list[int]    # device block ids, one per key
-    slots: list[int]            # host slots, one per key
+    slots: list[int]            # host slots, one per key (none in the simulator: it copies nothing)
     event: object               # its KVEvent (offload or load), bytes and duration filled when it finishes
     done_s: float | None = None  # clock time it finishes (set when issued)
     flushed: bool = False       # finish with this step whatever its time (its sequence was preempted)
@@ -89,13 +91,16 @@ class OffloadTier:
     name = "cpu"      # kv_events.tier, meta.json's kv_tiers
     policy = "lru"
 
-    def __init__(self, num_blocks: int, ranks_by_request: bool = True) -> None:
+    def __init__(self, num_blocks: int, ranks_by_request: bool = True, host_slots: bool = True) -> None:
         self.num_blocks = num_blocks
         self.ranks_by_request = ranks_by_request      # vLLM 0.33's ranks; else 0.31's and 0.32's
+        # whether chunks take places in a host buffer (the real engine copies into them); the simulator's
+        # tier copies nothing, and which place a chunk takes decides nothing
+        self.host_slots = host_slots
         # the chunks it holds: key (a block hash) -> its ref_count (PENDING_STORE, 0 ready, > 0 pinned by
         # that many loads); under 0.31's and 0.32's ranks in their order, the least recent first
         self.chunks: dict[int, int] = {}
-        self.slots: dict[int, int] = {}                # key -> its place in the host buffer (the real engine's copies)
+        self.slots: dict[int, int] = {}                # key -> its place in the host buffer (host_slots)
         self.ranks: dict[int, int] = {}                # 0.33's ranks: key -> its recency, the lowest evicted first
         self.num_allocated = 0                         # slots handed out at least once: 0..num_allocated-1
         self.free_slots: list[int] = []                # slots given back, reused last given back first
@@ -109,7 +114,7 @@ class OffloadTier:
     # ---- counts -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_slots) + self.num_blocks - self.num_allocated
+        return self.num_blocks - len(self.chunks)
 
     @property
     def num_used_blocks(self) -> int:
@@ -143,9 +148,11 @@ class OffloadTier:
             evicted = self._evict(num_to_evict, set(keys))
             if evicted is None:
                 return None
-        slots = self._allocate_slots(len(new))
         chunks.update(dict.fromkeys(new, PENDING_STORE))   # (0.31's and 0.32's ranks: the newest, in the order offered)
-        self.slots.update(zip(new, slots))
+        slots = []
+        if self.host_slots:
+            slots = self._allocate_slots(len(new))
+            self.slots.update(zip(new, slots))
         if self.ranks_by_request:
             access = self.accesses[request]
             rank = self._rank_of(access)
@@ -167,10 +174,11 @@ class OffloadTier:
                 del chunks[key]
                 if self.ranks_by_request:
                     del self.ranks[key]
-                self.free_slots.append(self.slots.pop(key))
+                if self.host_slots:
+                    self.free_slots.append(self.slots.pop(key))
 
     def prepare_load(self, request: object, keys: list[int], first_position: int) -> list[int]:
-        """Pin ready chunks for a load into the device; returns their slots."""
+        """Pin ready chunks for a load into the device; returns their slots (host_slots; else none)."""
         chunks = self.chunks
         for key in keys:
             ref_count = chunks[key]
@@ -179,7 +187,7 @@ class OffloadTier:
                 self.num_ready -= 1
             chunks[key] = ref_count + 1
         self._touch(request, keys, first_position)
-        return [self.slots[key] for key in keys]
+        return [self.slots[key] for key in keys] if self.host_slots else []
 
     def complete_load(self, keys: list[int]) -> None:
         """A load's copy finished: its pins come off."""
@@ -219,8 +227,11 @@ class OffloadTier:
         if access is None:
             access = self.accesses[request] = _Access()
         positions, chunks = access.positions, self.chunks
-        first_seen = [(key, position) for position, key in enumerate(keys, first_position)
-                      if key not in positions and not (skip_pending and chunks.get(key) == PENDING_STORE)]
+        if not skip_pending and positions.keys().isdisjoint(keys):   # all seen for the first time (most calls)
+            first_seen = list(zip(keys, range(first_position, first_position + len(keys))))
+        else:
+            first_seen = [(key, position) for position, key in enumerate(keys, first_position)
+                          if key not in positions and not (skip_pending and chunks.get(key) == PENDING_STORE)]
         positions.update(first_seen)
         if not first_seen or not self.ranks_by_request:
             return
@@ -272,7 +283,12 @@ class OffloadTier:
         """_evict under 0.31's and 0.32's ranks: the first n ready chunks of the chunks dict, the protected
         ones passed over (vLLM's LRUCachePolicy.evict)."""
         chunks = self.chunks
-        evicted: list[int] = []
+        evicted = list(islice(chunks, n))
+        # the first n, when all are ready and none protected (most calls)
+        if len(evicted) == n and protected.isdisjoint(evicted) and not any(map(chunks.__getitem__, evicted)):
+            self._drop(evicted)
+            return evicted
+        evicted = []
         num_left = n
         for key, ref_count in chunks.items():
             if not ref_count and key not in protected:
@@ -293,7 +309,8 @@ class OffloadTier:
         if self.ranks_by_request:
             for key in keys:
                 del ranks[key]
-        self.free_slots.extend(map(self.slots.pop, keys))
+        if self.host_slots:
+            self.free_slots.extend(map(self.slots.pop, keys))
         self.num_ready -= len(keys)
 
     def _rank_of(self, access: _Access) -> int:
@@ -313,8 +330,12 @@ class OffloadTier:
     # ---- integrity ----------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Assert the books balance: every slot free xor held by one chunk, the ready count right."""
+        assert len(self.chunks) <= self.num_blocks, "more chunks than the tier holds"
         held = list(self.slots.values())
-        assert set(self.slots) == set(self.chunks), "a chunk without a slot, or a slot without a chunk"
+        if self.host_slots:
+            assert set(self.slots) == set(self.chunks), "a chunk without a slot, or a slot without a chunk"
+        else:
+            assert not held and not self.free_slots and not self.num_allocated, "host slots in a tier without them"
         assert len(set(held)) == len(held), "a host slot held by two chunks"
         assert not set(held) & set(self.free_slots), "a host slot both free and held"
         assert len(set(self.free_slots)) == len(self.free_slots), "a host slot twice on the free list"

@@ -1,6 +1,8 @@
 """The host KV tier's books (engine/offload.py), its size in the config, and --offload-size on the CLI."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from engine.build import num_offload_blocks
@@ -68,8 +70,9 @@ def test_a_store_is_all_or_nothing_and_pending_or_pinned_chunks_stay():
     tier.check_integrity()
 
 
-def test_offered_chunks_are_never_evicted_for_their_own_store():
-    tier = OffloadTier(2)
+@pytest.mark.parametrize("ranks_by_request", [True, False])
+def test_offered_chunks_are_never_evicted_for_their_own_store(ranks_by_request):
+    tier = OffloadTier(2, ranks_by_request)
     stored(tier, "A", [1, 2])
     # 1 is ready and offered again beside a new one: only 2 may go
     assert tier.prepare_store("B", [1, 3], 0).evicted == [2]
@@ -112,6 +115,39 @@ def test_a_chunk_offered_while_pending_is_not_the_offering_requests(ranks_by_req
     tier.on_request_finished("B")
     assert tier.prepare_store("C", [3], 0).evicted == [1]
     tier.check_integrity()
+
+
+@pytest.mark.parametrize("ranks_by_request", [True, False])
+def test_a_tier_without_host_slots_decides_as_one_with_them(ranks_by_request):
+    """The simulator's tier hands out no host slots: the same stores, refusals, evictions and loads."""
+    rng = random.Random(3)
+    tiers = [OffloadTier(5, ranks_by_request), OffloadTier(5, ranks_by_request, host_slots=False)]
+    pending: list[list[int]] = []
+    for _ in range(300):
+        request, first = rng.randrange(6), rng.randrange(4)
+        keys = [10 * request + position for position in range(first, first + rng.randint(1, 3))]
+        action = rng.random()
+        if action < 0.5:
+            plans = [tier.prepare_store(request, keys, first) for tier in tiers]
+            assert [plan and (plan.keys, plan.evicted) for plan in plans] == [plans[0] and (plans[0].keys, plans[0].evicted)] * 2
+            assert not plans[1] or not plans[1].slots
+            if plans[0]:
+                pending.append(plans[0].keys)
+        elif action < 0.75 and pending:
+            done, success = pending.pop(rng.randrange(len(pending))), rng.random() < 0.9
+            for tier in tiers:
+                tier.complete_store(done, success)
+        elif action < 0.85:
+            ready = [key for key in keys if tiers[0].lookup(key) is Lookup.HIT]
+            for tier in tiers:
+                tier.prepare_load(request, ready, first)
+                tier.complete_load(ready)
+        else:
+            for tier in tiers:
+                tier.on_request_finished(request)
+        assert tiers[0].chunks == tiers[1].chunks and tiers[0].num_free_blocks == tiers[1].num_free_blocks
+        for tier in tiers:
+            tier.check_integrity()
 
 
 def test_sizes_and_bad_sizes():
