@@ -118,8 +118,10 @@ class OffloadingConnector:
         seq.load_done = False
 
     # ---- the step decided -----------------------------------------------------------------
-    def build_connector_meta(self, out: SchedulerOutput) -> None:
-        """Once the step is decided, one pass over the scheduled sequences: the store of each one's prompt
+    def build_connector_meta(self, out: SchedulerOutput, seqs: list[Sequence] | None = None,
+                             num_new_tokens: list[int] | None = None) -> None:
+        """Once the step `out` is decided, one pass over the scheduled sequences (its own, or `seqs` with
+        `num_new_tokens`, those of them that the pass would not pass over): the store of each one's prompt
         blocks that this step fills, the blocks of its table the connector sees for the first time, and
         whether it is still prefilling (vLLM's in-flight prefills); then the last offers of the sequences
         finished since the last step (their chunks re-ranked), and the stores fenced where their blocks
@@ -130,7 +132,9 @@ class OffloadingConnector:
         blocks are offered again next step. A store copies the blocks the tier lacked, after the forward."""
         bs = self.bm.block_size
         given, prefilling = self._blocks_given, self.prefilling
-        for seq, num_new in zip(out.seqs, out.num_new_tokens):
+        if seqs is None:
+            seqs, num_new_tokens = out.seqs, out.num_new_tokens
+        for seq, num_new in zip(seqs, num_new_tokens):
             num_computed = seq.num_computed_tokens + num_new
             if seq.num_offered_blocks < seq.num_prompt_tokens // bs:   # else its prompt's full blocks all offered
                 self._offer(seq, seq.block_table, min(num_computed, seq.num_prompt_tokens), out)

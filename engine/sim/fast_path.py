@@ -183,10 +183,8 @@ class DecodeFastPath:
         offered its prompt's blocks and is not prefilling, so nothing else would change for it), then
         the sequences admitted; its copies go in `out`."""
         grown = [seq for seq in self.cohort.grown if seq.status is SequenceStatus.RUNNING]
-        seen = SchedulerOutput(seqs=grown + out.seqs[num_members:],
-                               num_new_tokens=[1] * len(grown) + out.num_new_tokens[num_members:],
-                               tier_copies=out.tier_copies)
-        self.engine.scheduler.connector.build_connector_meta(seen)
+        self.engine.scheduler.connector.build_connector_meta(out, grown + out.seqs[num_members:],
+                                                             [1] * len(grown) + out.num_new_tokens[num_members:])
 
     def _preempt_for(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preempt the policy's victim so that `seq` can grow (the general running pass's inner loop)."""
