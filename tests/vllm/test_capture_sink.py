@@ -1,5 +1,6 @@
 """The capture's sink without vLLM (it is standard library only): retention by bytes and by age, its
-writer thread behind a bounded queue (a slow disk drops whole chunks, counted; a step never waits), the
+builder thread (a step's rows are built off the engine's thread; an error of its own stops the capture, never
+vLLM), its writer thread behind a bounded queue (a slow disk drops whole chunks, counted; a step never waits), the
 modes of its files and folders, and a write that fails (a full disk, simulated: ENOSPC from the write itself, since a real full filesystem
 needs a mount, which tests/vllm/test_vllm_live.py makes where it may) or a removed folder stops the
 capture with one warning and never raises."""
@@ -9,6 +10,9 @@ import errno
 import json
 import logging
 import shutil
+import threading
+import time
+from functools import partial
 
 from typer.testing import CliRunner
 
@@ -21,6 +25,12 @@ SERVER = "20261201T030000Z-77"
 
 
 def _step(sink: Sink, t: float) -> None:
+    """One step's rows handed to the sink, as the recorder hands its over: built on its builder thread."""
+    sink.build = partial(_build, sink)
+    sink.add(t)
+
+
+def _build(sink: Sink, t: float) -> None:
     row = {"step": int(t), "start_s": t, "end_s": t + 0.5}
     for name, values in sink.columns["steps"].items():
         values.append(row.get(name, 0))
@@ -197,3 +207,39 @@ def test_at_interpreter_shutdown_the_last_chunk_is_written_without_a_thread(tmp_
     _step(sink, 0.0)
     sink.close()
     assert _parts(tmp_path / "capture") == [0] and sink.error is None
+
+
+def test_a_steps_rows_are_built_off_the_engines_thread_and_a_builder_error_stops_only_the_capture(tmp_path):
+    """The engine's thread only hands rows over: a slow build never holds it, the rows are built on the
+    builder thread, in the order handed over, and an error in building drops the rows from then on (not
+    kept in memory) and is kept for the recorder to stop the capture with (build_error), never raising
+    into the engine's thread. (That the recorder then stops, says so and vLLM decides on:
+    tests/vllm/test_capture_on_vllm.py's planted errors.)"""
+    built: list[tuple[str, float]] = []
+
+    def slow_build(t):
+        time.sleep(0.2)
+        built.append((threading.current_thread().name, t))
+        _build(sink, t)
+
+    sink = Sink(tmp_path / "capture", SERVER, build=slow_build, wall_minus_monotonic=0.0)
+    start = time.perf_counter()
+    for t in range(3):
+        sink.add(float(t))
+    sink.flush()
+    assert time.perf_counter() - start < 0.1            # never the builder's 0.6 s
+    sink.drain()
+    assert built == [("kvtrace-capture-builder", float(t)) for t in range(3)]
+    assert _parts(tmp_path / "capture") == [0] and sink.build_s > 0.0 and sink.build_error is None
+
+    def broken(t):
+        raise KeyError("a column the capture's own bug names")
+
+    sink.build = broken
+    for t in range(3, 6):
+        sink.add(float(t))   # never raises
+        sink.flush()
+    sink.drain()
+    assert isinstance(sink.build_error, KeyError) and sink.error is sink.build_error
+    assert _parts(tmp_path / "capture") == [0] and not sink.columns["steps"]["step"]
+    sink.close()

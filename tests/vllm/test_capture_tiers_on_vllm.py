@@ -32,7 +32,7 @@ import pytest
 from hypothesis import strategies as st
 
 from tests.vllm import test_capture_on_vllm as on_vllm
-from tests.vllm.test_capture_on_vllm import DRIVERS, capture_differences, for_each_workload, starts_vllm
+from tests.vllm.test_capture_on_vllm import DRIVERS, capture_differences, for_each_workload, starts_vllm, unchecked
 from tests.vllm_sched.differential import VllmScheduler
 from tests.vllm_sched.workloads import tier_workloads
 
@@ -163,7 +163,7 @@ def test_the_capture_records_what_vllms_offloading_connector_decided(vllm, async
     counts = Counter()
 
     def check(folder, n, workload):
-        workload = {**workload, "capture_dir": str(folder)}
+        workload = unchecked({**workload, "capture_dir": str(folder)}, n)
         answer = vllm.answer(workload)
         records = answer["steps"]
         problems = capture_differences(workload, as_captured(records), answer)

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import operator
 from itertools import compress, repeat
-from operator import mod, neg, sub
+from operator import mod, neg
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from kvtrace.vllm.capture.rows import KvEvent, RequestState, ScheduledStep, StepRow, block_event
+from kvtrace.vllm.capture.rows import AcceptedDrafts, KvEvent, RequestState, ScheduledStep, StepRow, block_event
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -46,6 +46,56 @@ def reason_for_alloc(request: Request) -> str:
     return ("prefill" if request.status in ADMITTING
             or request.num_computed_tokens < request.num_tokens + placeholders - 1
             or not request.num_output_tokens + placeholders else "decode")
+
+
+class Attribution:
+    """The running loop's allocs of one step, whose requests, reasons and groups its SchedulerOutput says:
+    each alloc's place among the step's events (None there until `resolve`) and the blocks it gave, and
+    the SchedulerOutput's `cached` requests with the blocks each was given (copies of its lists), and
+    those scheduled whose tokens are prefill (the others decode). Resolved on the sink's builder thread
+    (the recorder hands it over with the step's events), or at once where the engine's thread reads the
+    events (the self-check; an async step that a later one's finish concerns)."""
+
+    __slots__ = ("unattributed", "req_ids", "new_block_ids", "prefilling", "hybrid")
+
+    def __init__(self, unattributed: list[tuple[int, list]], cached, prefilling: set[str], hybrid: bool) -> None:
+        self.unattributed = unattributed
+        self.req_ids, self.new_block_ids = list(cached.req_ids), list(cached.new_block_ids)
+        self.prefilling, self.hybrid = prefilling, hybrid
+
+    def resolve(self, events: list) -> None:
+        """Each alloc's event, in its place in `events` (the step's). An alloc whose blocks none was given
+        stays without a request."""
+        # only the requests given blocks (those with None for new_block_ids are left out in C). The running
+        # requests come first: a request resumed after them (on vLLM before 0.34 here too) lists all its
+        # blocks, a prefix hit on one that a running request was just given among them
+        given = list(compress(zip(self.req_ids, self.new_block_ids), self.new_block_ids))
+        hybrid, unattributed, prefilling = self.hybrid, self.unattributed, self.prefilling
+        # The running loop gave blocks to the running requests in the order the SchedulerOutput lists them,
+        # one alloc a request and group (in group order), so the k-th alloc is the k-th request and group
+        # given blocks. Paired so while each pair's blocks are the same; from the first that is not, the
+        # blocks' owners say
+        paired = 0
+        for (i, blocks), (rid, group, ids) in zip(unattributed, ((rid, group, ids) for rid, per_group in given
+                                                                  for group, ids in enumerate(per_group) if ids)):
+            if len(ids) != len(blocks) or ids[0] != blocks[0].block_id:
+                break
+            alloc_reason = "prefill" if rid in prefilling else "decode"
+            events[i] = block_event("alloc", rid, list(ids), alloc_reason, group if hybrid else None)
+            paired += 1
+        if paired == len(unattributed):
+            return
+        unattributed = unattributed[paired:]
+        owner: dict[int, tuple[str, int]] = {}   # a block given this step -> its request and group
+        for rid, per_group in given:
+            for group, ids in enumerate(per_group):
+                for block in ids:
+                    owner.setdefault(block, (rid, group))
+        for i, blocks in unattributed:
+            ids = [b.block_id for b in blocks]
+            rid, group = owner.get(ids[0], ("", None))
+            alloc_reason = "other" if not rid else "prefill" if rid in prefilling else "decode"
+            events[i] = block_event("alloc", rid, ids, alloc_reason, group if hybrid else None)
 
 
 class StepAccounting:
@@ -71,8 +121,10 @@ class StepAccounting:
         self.events: list[KvEvent] = []                       # since the last schedule()
         # the running loop's allocs this step (wraps.py): each one's place in `events` (None there until
         # then) and the blocks it gave; whose they are, why, and their group are the SchedulerOutput's
-        # (`attribute`)
+        # (Attribution, once the step is scheduled: `attribution`, for the placeholders in `events`)
         self.unattributed: list[tuple[int, list]] = []
+        self.attribution: Attribution | None = None
+        self.resolve_at_once = False        # the engine's thread reads every step's events (the self-check)
         self.finishing: list[tuple[Request, RequestState]] = []   # freed since the last schedule()
         self.step = -1
         self.step_start = 0.0
@@ -182,8 +234,11 @@ class StepAccounting:
                 done.append(rid)   # from now on a decoding request like the others, until a preemption
         for rid in done:
             del watched[rid]
-        if self.unattributed:
-            self.attribute(out.scheduled_cached_reqs, prefilling)
+        if self.unattributed:   # their requests: on the builder thread, or at once where asked
+            self.attribution = Attribution(self.unattributed, out.scheduled_cached_reqs, prefilling, self.hybrid)
+            self.unattributed = []
+            if self.resolve_at_once:
+                self.resolve()
         if len(reprefilled) > 1:   # in the order the scheduler scheduled them
             order = {rid: i for i, rid in enumerate(scheduled)}
             reprefilled.sort(key=lambda event: order[event.req_id])
@@ -199,43 +254,6 @@ class StepAccounting:
         return StepRow(self.step, start, end, len(sched.running), len(sched.waiting), prefill, num_scheduled - prefill,
                        recompute, self.step_preemptions, free, used, cached_free, used * bs - gaps,
                        self.admission_stop(num_scheduled), sum(self.num_drafts) if spec else 0)
-
-    def attribute(self, cached, prefilling: set[str]) -> None:
-        """The running loop's allocs of this step get their request, reason and group: the blocks each
-        running request was given are its SchedulerOutput's `cached` (scheduled_cached_reqs: per request,
-        its new block ids per group, None for none); `prefilling`: those scheduled whose tokens are
-        prefill (the others decode). An alloc whose blocks none was given stays without a request."""
-        # only the requests given blocks (those with None for new_block_ids are left out in C). The running
-        # requests come first: a request resumed after them (on vLLM before 0.34 here too) lists all its
-        # blocks, a prefix hit on one that a running request was just given among them
-        given = list(compress(zip(cached.req_ids, cached.new_block_ids), cached.new_block_ids))
-        events, hybrid, unattributed = self.events, self.hybrid, self.unattributed
-        self.unattributed = []
-        # The running loop gave blocks to the running requests in the order the SchedulerOutput lists them,
-        # one alloc a request and group (in group order), so the k-th alloc is the k-th request and group
-        # given blocks. Paired so while each pair's blocks are the same; from the first that is not, the
-        # blocks' owners say
-        paired = 0
-        for (i, blocks), (rid, group, ids) in zip(unattributed, ((rid, group, ids) for rid, per_group in given
-                                                                  for group, ids in enumerate(per_group) if ids)):
-            if len(ids) != len(blocks) or ids[0] != blocks[0].block_id:
-                break
-            alloc_reason = "prefill" if rid in prefilling else "decode"
-            events[i] = block_event("alloc", rid, list(ids), alloc_reason, group if hybrid else None)
-            paired += 1
-        if paired == len(unattributed):
-            return
-        unattributed = unattributed[paired:]
-        owner: dict[int, tuple[str, int]] = {}   # a block given this step -> its request and group
-        for rid, per_group in given:
-            for group, ids in enumerate(per_group):
-                for block in ids:
-                    owner.setdefault(block, (rid, group))
-        for i, blocks in unattributed:
-            ids = [b.block_id for b in blocks]
-            rid, group = owner.get(ids[0], ("", None))
-            alloc_reason = "other" if not rid else "prefill" if rid in prefilling else "decode"
-            events[i] = block_event("alloc", rid, ids, alloc_reason, group if hybrid else None)
 
     def admission_stop(self, num_scheduled: int) -> str:
         """Why vLLM admitted no further waiting request this step, from what the step left behind
@@ -253,45 +271,48 @@ class StepAccounting:
             return "blocks"                        # allocate_slots refused a waiting request
         return "other"
 
-    def accepted(self, spec: dict, model_output) -> list[int | None]:
-        """Speculative decoding: of each request's drafts scheduled in a step (`spec`, its SchedulerOutput's
-        scheduled_spec_decode_tokens), how many its output (vLLM's ModelRunnerOutput) accepted, in `spec`'s
-        order: its sampled tokens less the one sampled after them, as vLLM counts them before it rolls back
-        the rest. None for a request without tokens in the output (a prefill chunk), or already finished
-        (async: scheduled again while its last tokens were in flight, its output is stale). Every request
-        of a step drafts, so this is C-level passes over them, no Python per request, and a list in
-        `spec`'s order, which the spec_decode rows take as it is (Columns.spec_decode); a request's totals
-        are the reader's, from those rows (importer.DraftTotals)."""
-        # each request's sampled tokens, found by its id (the output's rows follow its own req_ids), less
-        # one; -1 where it has none
-        sampled = dict(zip(model_output.req_ids, model_output.sampled_token_ids))
-        counts = list(map(sub, map(len, map(sampled.get, spec, repeat(()))), repeat(1)))
+    def accepted(self, spec: dict, model_output) -> AcceptedDrafts:
+        """Speculative decoding: what a step's output (vLLM's ModelRunnerOutput) says of the drafts scheduled
+        in it (`spec`, its SchedulerOutput's scheduled_spec_decode_tokens), taken before vLLM's
+        update_from_output, which cuts a stopped request's tokens short in place: each request's sampled
+        tokens, counted (rows.py's AcceptedDrafts; the counts in `spec`'s order are the builder's, for the
+        spec_decode rows, and a request's totals the reader's, importer.DraftTotals). Every request of a
+        step drafts, so this is C-level passes over them, no Python per request, but for the watched ones,
+        whose rejected drafts' positions are rolled back."""
+        num_sampled = list(map(len, model_output.sampled_token_ids))
         states = self.states
-        if -1 in counts or not all(map(states.__contains__, spec)):
-            counts = [n if n >= 0 and rid in states else None for rid, n in zip(spec, counts)]
-        watched = self.watched
-        common = watched.keys() & spec.keys()
+        gone = frozenset() if all(map(states.__contains__, spec)) else frozenset(spec.keys() - states.keys())
+        drafts = AcceptedDrafts(list(model_output.req_ids), num_sampled, gone)
+        common = self.watched.keys() & spec.keys()
         if common:
-            at = {rid: i for i, rid in enumerate(spec)}
-            for rid in common:
-                n = counts[at[rid]]
-                if n is not None:
+            at = dict(zip(drafts.req_ids, num_sampled))
+            for rid in common - gone:
+                n = at.get(rid, 0) - 1
+                if n >= 0:
                     # the rejected drafts' positions are rolled back: never kept, so computing them again is
                     # no recompute
-                    st = watched[rid]
+                    st = self.watched[rid]
                     st.ever = max(0, st.ever - (len(spec[rid]) - n))
-        return counts
+        return drafts
+
+    def resolve(self) -> None:
+        """The running loop's allocs among `events` given their requests now (Attribution)."""
+        if self.attribution is not None:
+            self.attribution.resolve(self.events)
+            self.attribution = None
 
     def take_step(self, row: StepRow, out) -> ScheduledStep:
         """The step just scheduled, with what its scheduling did; the next one starts empty."""
-        step = ScheduledStep(row, self.events, self.finishing, out, self.num_drafts)
-        self.events, self.finishing = [], []
+        step = ScheduledStep(row, self.events, self.finishing, out, self.num_drafts, self.attribution)
+        self.events, self.finishing, self.attribution = [], [], None
         return step
 
     def join(self, step: ScheduledStep) -> None:
-        """What the step's scheduling did goes before what has happened since: its output is processed."""
+        """What the step's scheduling did goes before what has happened since: its output is processed.
+        (Its events first: its allocs' places among them stay as its Attribution has them.)"""
         self.events[:0] = step.events
         self.finishing[:0] = step.finishing
+        self.attribution = step.attribution
 
     def file_with(self, step: ScheduledStep) -> None:
         """What has happened since goes with `step` (a step still waiting for its output)."""

@@ -1,4 +1,6 @@
-"""The capture's rows written into the sink's columns (sink.py's COLUMNS and ARRIVALS).
+"""The capture's rows written into the sink's columns (sink.py's COLUMNS and ARRIVALS), on the sink's
+builder thread: the recorder hands a step's rows over as what vLLM made (its outputs, the KV events,
+the step's row) and `build` writes them (the engine's thread takes no part in it, sink.py).
 
 Once per step, not once per event or token: a step's KV events (rows.py's KvEvent) become the
 kv_events columns field by field, and a step's outputs the tokens columns in a few C-level passes
@@ -13,7 +15,7 @@ import time
 from itertools import chain, compress, repeat
 from operator import add, attrgetter
 
-from kvtrace.vllm.capture.rows import KvEvent, RequestState, StepRow
+from kvtrace.vllm.capture.rows import AcceptedDrafts, KvEvent, RequestState, StepRow
 from kvtrace.vllm.capture.sink import Sink
 
 
@@ -27,7 +29,8 @@ def salted(salt: bytes, block_hashes) -> list[int]:
 
 
 class Columns:
-    """Writes rows into the sink's columns; numbers the events and each request's tokens."""
+    """Writes rows into the sink's columns; numbers the events and each request's tokens. Every method but
+    `request_row` runs on the sink's builder thread, through `build`."""
 
     def __init__(self, sink: Sink, *, token_ids: bool, salt: bytes, wall_minus_monotonic: float,
                  total_blocks: int, tiered: bool = False) -> None:
@@ -40,22 +43,35 @@ class Columns:
         self.wall_minus_monotonic = wall_minus_monotonic
         self.total_blocks = total_blocks
         self.emitted: dict[str, int] = {}                  # tokens delivered per request so far (tokens.idx)
+        self.first_token: dict[str, float] = {}            # when each request's first token was delivered
         self.seq = 0                                       # the next event's number
 
-    def arrival(self, request) -> None:
-        """A request the scheduler has just taken: its arrival row (the capture's own table), so that a
-        window of live traffic knows every request in flight, finished or not."""
+    @staticmethod
+    def build(rows: list[tuple]) -> None:
+        """What the recorder handed over for a step (sink.py's `add`): (method of these, its arguments...) each."""
+        for method, *args in rows:
+            method(*args)
+
+    def arrival(self, request_id: str, arrival_s: float, prompt_tokens: int, max_tokens: int, priority: int,
+                block_hashes: list) -> None:
+        """A request the scheduler has just taken (as it was then: `arrival_row`): its arrival row (the
+        capture's own table), so that a window of live traffic knows every request in flight, finished or not."""
         a = self.sink.columns["arrivals"]
-        arrival = request.arrival_time - self.wall_minus_monotonic if request.arrival_time else time.monotonic()
-        for name, value in (("req_id", request.request_id), ("arrival_s", arrival),
-                            ("prompt_tokens", request.num_prompt_tokens), ("max_tokens", request.max_tokens),
-                            ("priority", request.priority),
-                            ("block_hashes", salted(self.salt, getattr(request, "block_hashes", ()) or ()))):
+        for name, value in (("req_id", request_id), ("arrival_s", arrival_s),
+                            ("prompt_tokens", prompt_tokens), ("max_tokens", max_tokens), ("priority", priority),
+                            ("block_hashes", salted(self.salt, block_hashes))):
             a[name].append(value)
 
-    def tokens(self, outs: list, step: int, now: float) -> list[str]:
-        """The tokens rows of one step's outputs (vLLM's EngineCoreOutput, one per request). Returns the
-        requests whose first token may be among them (their state's first_token is the caller's). A row
+    def arrival_row(self, request) -> tuple:
+        """`arrival`'s call for a request the scheduler has just taken, its fields as they are now (its block
+        hashes grow as it generates)."""
+        arrival = request.arrival_time - self.wall_minus_monotonic if request.arrival_time else time.monotonic()
+        return (self.arrival, request.request_id, arrival, request.num_prompt_tokens, request.max_tokens,
+                request.priority, list(getattr(request, "block_hashes", ()) or ()))
+
+    def tokens(self, outs: list, step: int, now: float) -> None:
+        """The tokens rows of one step's outputs (vLLM's EngineCoreOutput, one per request), and the time of
+        the first token of a request whose first is among them. A row
         stands for `num_tokens` of a request's tokens from `idx` on: one in a decode step, and a
         speculative step's several in one row unless their ids are kept (the reader expands the row,
         importer.read_chunk), so that a step costs a pass over its requests, not its tokens."""
@@ -93,17 +109,22 @@ class Columns:
             t["num_tokens"].extend(repeat(1, m))
             t["token_id"].extend(chain.from_iterable(new_token_ids))
         emitted.update(zip(req_ids, ends))   # in bulk: no Python per request but the lists above
-        first = [rid for rid, start, k in zip(req_ids, starts, lens) if k and not start] if 0 in starts else []
+        if 0 in starts:
+            for rid, start, k in zip(req_ids, starts, lens):
+                if k and not start:
+                    self.first_token.setdefault(rid, now)
         t["sample"].extend(repeat(0, m))
         t["step"].extend(repeat(step, m))
         t["ts_s"].extend(repeat(now, m))
-        return first
 
-    def step(self, row: StepRow, end: float, device_ms: float | None, accepted: int | None,
+    def step(self, row: StepRow, end: float, device_ms: float | None, accepted: int | AcceptedDrafts | None,
              events: list[KvEvent]) -> None:
         """A steps row: `end` when its output was processed (its scheduling's end if it never was);
-        `accepted`: of its draft tokens, those its output accepted (None: never processed); `events`: the
-        KV events filed with it (a tier's copies that finished in it: its bytes each way)."""
+        `accepted`: of its draft tokens, those its output accepted (its AcceptedDrafts, counted by its
+        spec_decode rows; None: never processed); `events`: the KV events filed with it (a tier's copies
+        that finished in it: its bytes each way)."""
+        if isinstance(accepted, AcceptedDrafts):
+            accepted = accepted.total()
         s = self.sink.columns["steps"]
         if self.tiered:
             moved = {"offload": 0, "load": 0}
@@ -127,32 +148,40 @@ class Columns:
                             ("accepted_tokens", accepted)):
             s[name].append(value)
 
-    def request(self, request, st: RequestState, finish_reason: str, finish_s: float) -> None:
-        """A finished request's row; its token count is forgotten."""
-        q = self.sink.columns["requests"]
-        rid = request.request_id
+    def request_row(self, request, st: RequestState, finish_reason: str, finish_s: float) -> tuple:
+        """`request`'s call for a finished request (on the engine's thread: its fields and state as they are now)."""
         arrival = request.arrival_time - self.wall_minus_monotonic if request.arrival_time else None
-        for name, value in (("req_id", rid), ("sample", 0), ("n", 1), ("priority", request.priority),
-                            ("arrival_s", arrival), ("prompt_tokens", request.num_prompt_tokens),
-                            ("max_tokens", request.max_tokens), ("output_tokens", request.num_output_tokens),
-                            ("first_scheduled_s", st.first_scheduled), ("first_token_s", st.first_token),
-                            ("finish_s", finish_s), ("finish_reason", finish_reason), ("preemptions", st.preemptions),
-                            ("swaps", 0), ("recomputed_tokens", st.recomputed),
-                            ("prefix_hit_tokens", st.prefix_hits),
+        return (self.request, request.request_id, request.priority, arrival, request.num_prompt_tokens,
+                request.max_tokens, request.num_output_tokens, st.first_scheduled, finish_s, finish_reason,
+                st.preemptions, st.recomputed, st.prefix_hits, st.tier_hits)
+
+    def request(self, rid: str, priority: int, arrival: float | None, prompt_tokens: int, max_tokens: int,
+                output_tokens: int, first_scheduled: float | None, finish_s: float, finish_reason: str,
+                preemptions: int, recomputed: int, prefix_hits: int, tier_hits: int) -> None:
+        """A finished request's row (`request_row`); its token count and first token are forgotten."""
+        q = self.sink.columns["requests"]
+        for name, value in (("req_id", rid), ("sample", 0), ("n", 1), ("priority", priority),
+                            ("arrival_s", arrival), ("prompt_tokens", prompt_tokens),
+                            ("max_tokens", max_tokens), ("output_tokens", output_tokens),
+                            ("first_scheduled_s", first_scheduled), ("first_token_s", self.first_token.pop(rid, None)),
+                            ("finish_s", finish_s), ("finish_reason", finish_reason), ("preemptions", preemptions),
+                            ("swaps", 0), ("recomputed_tokens", recomputed),
+                            ("prefix_hit_tokens", prefix_hits),
                             # its drafts' totals are the reader's, from the spec_decode rows (importer.DraftTotals)
                             ("draft_tokens", None), ("accepted_tokens", None),
-                            ("tier_hit_tokens", st.tier_hits if self.tiered else None)):
+                            ("tier_hit_tokens", tier_hits if self.tiered else None)):
             q[name].append(value)
         self.emitted.pop(rid, None)
 
-    def spec_decode(self, spec: dict, num_drafts: list[int], accepted: list[int | None] | None, step: int,
+    def spec_decode(self, spec: list[str], num_drafts: list[int], drafts: AcceptedDrafts | None, step: int,
                     now: float, lookahead: int) -> None:
-        """A speculative step's rows: per request with drafts scheduled (`spec`, the SchedulerOutput's
+        """A speculative step's rows: per request with drafts scheduled (`spec`, the keys of the SchedulerOutput's
         scheduled_spec_decode_tokens) how many (`num_drafts`, in `spec`'s order, counted when it was
-        scheduled), how many its output `accepted` (in `spec`'s order, None where it has no output;
-        `accepted` None: the step's output was never processed) and the lookahead slots its allocation
+        scheduled), how many its output accepted (`drafts`' counts; None: the step's output was never
+        processed) and the lookahead slots its allocation
         reserved."""
         d = self.sink.columns["spec_decode"]
+        accepted = drafts.counts(spec) if drafts is not None else None
         m = len(num_drafts)
         if 0 in num_drafts:   # only those with drafts
             rids = list(compress(spec, num_drafts))
@@ -161,7 +190,7 @@ class Columns:
             num_drafts = list(filter(None, num_drafts))
             m = len(num_drafts)
         else:
-            rids = spec.keys()
+            rids = spec
         d["step"].extend(repeat(step, m))
         d["ts_s"].extend(repeat(now, m))
         d["req_id"].extend(rids)

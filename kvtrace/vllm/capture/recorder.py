@@ -5,9 +5,10 @@ hooks (scheduler.py) does with them.
 that this model's KV cache is one it can follow (guard.py), puts the wraps on (wraps.py) and writes
 the server's identity (settings.py); where any of that fails the capture steps aside, or refuses in
 strict mode (aside.py says why, in vLLM's log and error.json). Each step: `before_schedule` numbers it; `after_schedule` takes its row from the
-accounting (accounting.py) and keeps it waiting for its output (pending.py); `after_update` writes
-that step's tokens, finished requests, row and KV events into the sink's columns (columns.py),
-self-checks where asked (self_check.py), and lets the sink write a chunk when one is due (sink.py).
+accounting (accounting.py) and keeps it waiting for its output (pending.py); `after_update` hands
+that step's tokens, finished requests, row and KV events to the sink, whose builder thread writes them
+into its columns (columns.py), self-checks where asked (self_check.py), and lets the sink write a chunk
+when one is due (sink.py).
 The time spent in those two hooks is `hook_s` (done.json; the vllm-capture-cost benchmark).
 An error of the capture's own in a hook reaches `fail` (scheduler.py and wraps.py catch it): the capture
 stops and vLLM serves on.
@@ -28,7 +29,7 @@ from kvtrace.vllm.capture.aside import logger
 from kvtrace.vllm.capture.columns import Columns
 from kvtrace.vllm.capture.files import make_folder, write_json
 from kvtrace.vllm.capture.pending import PendingSteps
-from kvtrace.vllm.capture.rows import ScheduledStep
+from kvtrace.vllm.capture.rows import AcceptedDrafts, ScheduledStep
 from kvtrace.vllm.capture.self_check import SelfCheck
 from kvtrace.vllm.capture.settings import (
     Server,
@@ -76,13 +77,16 @@ class Recorder:
         self.sink = Sink(folder, self.server.server_id, max_bytes=settings.max_bytes, max_age_s=settings.max_age_s,
                          log=logger, wall_minus_monotonic=self.server.wall_minus_monotonic,
                          flush_seconds=settings.flush_s, file_mode=settings.file_mode,
-                         meta={"kvtrace_version": kvtrace.__version__}, on_stop=self._writer_stopped)
+                         meta={"kvtrace_version": kvtrace.__version__}, on_stop=self._writer_stopped,
+                         build=Columns.build)
         self.scheduler = scheduler
         self.steps = StepAccounting(scheduler)
+        self.steps.resolve_at_once = settings.self_check   # it reads every step's events on this thread
         self.columns = Columns(self.sink, token_ids=settings.token_ids, salt=self.server.salt,
                                wall_minus_monotonic=self.server.wall_minus_monotonic,
                                total_blocks=self.steps.total_blocks,
                                tiered=getattr(scheduler, "connector", None) is not None)
+        self.rows: list[tuple] = []          # what this step hands the sink's builder (Columns.build)
         self.pending = PendingSteps()
         self.self_check = SelfCheck(scheduler.kv_cache_manager, self.steps.null_id, self.steps.total_blocks)
         self.last_end: float | None = None   # when the last processed step's output was (its row's end_s)
@@ -129,6 +133,7 @@ class Recorder:
         self.failed = self.closed = True   # closed: nothing more is written at shutdown
         self.scheduler._kvtrace = None      # first: from here vLLM decides alone, whatever follows
         self.wraps.remove()
+        self.rows = []
         self.sink.abandon()
         aside.stopped(exc, self.settings, self.server, self.scheduler, self.version)
 
@@ -139,10 +144,12 @@ class Recorder:
 
     # ---- the scheduler's hooks ------------------------------------------------------------------------------
     def arrived(self, request: Request) -> None:
-        self.columns.arrival(request)
+        self.rows.append(self.columns.arrival_row(request))
 
     def before_schedule(self) -> float:
         """A step begins: its number; its start, returned."""
+        if self.sink.build_error is not None:   # the builder thread's: the capture stops here (fail)
+            raise self.sink.build_error
         if self.pending:   # async, or outputs not processed: what happened since joins the oldest
             self.file_between_steps()
         start = time.monotonic()
@@ -158,6 +165,7 @@ class Recorder:
             dropped = self.pending.add(self.steps.take_step(row, out))
             if dropped is not None:
                 self._write_unprocessed(dropped)
+            self._hand_rows()   # the engine runs the model now: the builder thread's time (sink.py)
         finally:
             self.hook_s += time.monotonic() - end
 
@@ -165,21 +173,21 @@ class Recorder:
         """vLLM's `_preempt_request` is called from `caller` (a frame)."""
         self.steps.preempting(request, self.wraps.requester(caller))
 
-    def before_update(self, out, model_output) -> list[int | None] | None:
-        """Speculative decoding: how many of each request's drafts the output accepted (StepAccounting.accepted,
-        in the order of the step's scheduled_spec_decode_tokens), counted before vLLM's update_from_output,
-        which cuts a stopped request's tokens short in place (None without drafts)."""
+    def before_update(self, out, model_output) -> AcceptedDrafts | None:
+        """Speculative decoding: what the output says of each request's drafts (StepAccounting.accepted),
+        taken before vLLM's update_from_output, which cuts a stopped request's tokens short in place (None
+        without drafts)."""
         spec = out.scheduled_spec_decode_tokens
         return self.steps.accepted(spec, model_output) if spec else None
 
-    def after_update(self, out, accepted_drafts: list[int | None] | None, outputs, start: float) -> None:
+    def after_update(self, out, accepted_drafts: AcceptedDrafts | None, outputs, start: float) -> None:
         """vLLM's update_from_output(out, ...) returned `outputs`; it began at `start`; `accepted_drafts`:
         before_update's."""
         t = time.monotonic()
         self._after_update(out, accepted_drafts, outputs, start)
         self.hook_s += time.monotonic() - t
 
-    def _after_update(self, out, accepted_drafts: list[int | None] | None, outputs, start: float) -> None:
+    def _after_update(self, out, accepted_drafts: AcceptedDrafts | None, outputs, start: float) -> None:
         now = time.monotonic()
         # outputs are processed in the order they were scheduled (vLLM's batch queue): one scheduled
         # before this and still waiting never will be (a caller that skips empty steps); written now
@@ -190,23 +198,24 @@ class Recorder:
         filed_later = self._finish_after_later_steps() if self.pending and self.steps.finishing else ()
         if scheduled is not None:
             self.steps.join(scheduled)
+            self._resolve_later()
             step = scheduled.row.step
         else:
             step = self.steps.step
         for engine_outputs in outputs.values():
             if engine_outputs.outputs:
-                self._write_tokens(engine_outputs.outputs, step, now)
+                self.rows.append((self.columns.tokens, engine_outputs.outputs, step, now))
         accepted = 0
         if scheduled is not None and scheduled.row.draft_tokens:   # a speculative step: before its finished rows
-            spec = out.scheduled_spec_decode_tokens
-            self.columns.spec_decode(spec, scheduled.num_drafts, accepted_drafts, step, now, self.steps.lookahead)
-            accepted = sum(filter(None, accepted_drafts)) if accepted_drafts else 0
+            self.rows.append((self.columns.spec_decode, list(out.scheduled_spec_decode_tokens), scheduled.num_drafts,
+                              accepted_drafts, step, now, self.steps.lookahead))
+            accepted = accepted_drafts if accepted_drafts is not None else 0   # (counted by the spec_decode rows)
         self._write_finished(now)
         for rid in filed_later:   # followed no more: a later step's output for it is stale
             self.steps.forget(rid)
         if scheduled is not None:
-            self.columns.step(scheduled.row, now, (start - scheduled.row.schedule_end_s) * 1e3, accepted,
-                              self.steps.events)
+            self.rows.append((self.columns.step, scheduled.row, now, (start - scheduled.row.schedule_end_s) * 1e3,
+                              accepted, self.steps.events))
         self.last_end = now
         self._write_events(step, now)
         if self.settings.self_check:
@@ -214,9 +223,10 @@ class Recorder:
             self.self_check.check(step, self.pending, self.wraps.cached_free)
             if not had and self.self_check.num_check_errors:   # the first: in the log (done.json has them all)
                 logger.warning("kvtrace capture self-check: %s", self.self_check.check_errors[0])
-        if self.scheduler.has_unfinished_requests():
-            self.sink.maybe_flush(now)
-        else:   # idle until the next request: keep nothing back
+        # the step's rows go to the builder after the next scheduling (_hand_rows), unless a chunk is due
+        # now, or the engine idles until the next request: then they are in it
+        if self.sink.flush_due(now) or not self.scheduler.has_unfinished_requests():
+            self._hand_rows()
             self.sink.flush()
 
     def _finish_after_later_steps(self) -> dict[str, ScheduledStep]:
@@ -231,6 +241,8 @@ class Recorder:
         Returns those requests, each with its step."""
         steps = self.steps
         finished = {request.request_id for request, _ in steps.finishing}
+        for scheduled in self.pending:   # their allocs' requests are read here
+            scheduled.resolve()
         later = {e.req_id: scheduled for scheduled in self.pending for e in scheduled.events
                  if e.req_id in finished and "preempt" not in (e.kind, e.reason)}   # a preemption's: its frees too
         if not later:
@@ -253,12 +265,23 @@ class Recorder:
         step longer than the pool."""
         self.steps.file_with(self.pending.oldest())
 
-    # ---- into the columns -----------------------------------------------------------------------------------
-    def _write_tokens(self, outs: list, step: int, now: float) -> None:
-        for rid in self.columns.tokens(outs, step, now):
-            st = self.steps.state(rid)
-            if st.first_token is None:
-                st.first_token = now
+    # ---- to the sink's builder -------------------------------------------------------------------------------
+    def _resolve_later(self) -> None:
+        """The allocs of the step just joined get their requests on the builder thread, before its rows are
+        built from its events (accounting.py's Attribution)."""
+        attribution = self.steps.attribution
+        if attribution is not None:
+            self.rows.append((attribution.resolve, self.steps.events))
+            self.steps.attribution = None
+
+    def _hand_rows(self) -> None:
+        """What the steps since the last hand-over wrote, to the sink's builder thread. Handed over once a
+        step is scheduled, when the engine goes on to run the model (sync) or to wait for the step
+        before's output (async), without the GIL while a GPU computes: the builder's time. Handed over
+        when the previous output is processed, it would compete for the GIL with the next scheduling."""
+        if self.rows:
+            self.sink.add(self.rows)
+            self.rows = []
 
     def _write_finished(self, now: float) -> None:
         """Requests freed since the last step: their finish event and request row."""
@@ -266,17 +289,17 @@ class Recorder:
         if not steps.finishing:
             return
         for request, st in steps.finishing:
-            self.columns.request(request, st, steps.finished(request), now)
+            self.rows.append(self.columns.request_row(request, st, steps.finished(request), now))
         steps.finishing = []
 
     def _write_events(self, step: int, now: float) -> None:
-        events = self.steps.events
+        # handed over (the builder reads the list later, as its step's row does): a new list from here
+        events, self.steps.events = self.steps.events, []
         if not events:
             return
-        self.columns.kv_events(events, step, now)
+        self.rows.append((self.columns.kv_events, events, step, now))
         if self.settings.self_check:
             self.self_check.replay(events)
-        self.steps.events = []
 
     def _write_unprocessed(self, scheduled: ScheduledStep) -> None:
         """A step whose output was never processed: its row and what its scheduling did, without tokens,
@@ -285,12 +308,14 @@ class Recorder:
         since = steps.events, steps.finishing
         steps.events, steps.finishing = [], []
         steps.join(scheduled)
+        self._resolve_later()
         end = scheduled.row.schedule_end_s
         self._write_finished(end)
         if scheduled.row.draft_tokens:   # drafts never checked: none accepted, none known to be rejected
-            self.columns.spec_decode(scheduled.output.scheduled_spec_decode_tokens, scheduled.num_drafts, None,
-                                     scheduled.row.step, end, self.steps.lookahead)
-        self.columns.step(scheduled.row, end, None, None if scheduled.row.draft_tokens else 0, steps.events)
+            self.rows.append((self.columns.spec_decode, list(scheduled.output.scheduled_spec_decode_tokens),
+                              scheduled.num_drafts, None, scheduled.row.step, end, self.steps.lookahead))
+        self.rows.append((self.columns.step, scheduled.row, end, None, None if scheduled.row.draft_tokens else 0,
+                          steps.events))
         self._write_events(scheduled.row.step, end)
         steps.events, steps.finishing = since
 
@@ -309,7 +334,11 @@ class Recorder:
         end = self.last_end if self.last_end is not None else time.monotonic()
         self._write_finished(end)
         self._write_events(self.steps.step, end)
+        self._hand_rows()
         self.sink.close()
+        if self.sink.build_error is not None:   # the builder's, since the last step: stopped, no summary
+            self.fail(self.sink.build_error)
+            return
         if not self.folder.is_dir():
             return   # the folder was removed: not made again for a summary of nothing
         check = self.self_check

@@ -10,13 +10,15 @@ kv_events columns they become (sink.py's COLUMNS); the columns a vLLM capture fi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
+from operator import sub
 from typing import Any, NamedTuple
 
 
 class RequestState:
     """What the capture keeps of one request between steps."""
 
-    __slots__ = ["ever", "recomputed", "prefix_hits", "preemptions", "first_scheduled", "first_token",
+    __slots__ = ["ever", "recomputed", "prefix_hits", "preemptions", "first_scheduled",
                  "reprefill_target", "reprefill_cached", "reprefill_recomputed", "tier_hits"]
 
     def __init__(self) -> None:
@@ -25,7 +27,6 @@ class RequestState:
         self.prefix_hits = 0
         self.preemptions = 0
         self.first_scheduled: float | None = None
-        self.first_token: float | None = None
         self.reprefill_target = 0     # while re-prefilling after a preemption: the positions to get back
         self.reprefill_cached = 0
         self.reprefill_recomputed = 0
@@ -96,6 +97,36 @@ class StepRow(NamedTuple):
     draft_tokens: int                   # speculative decoding: draft positions scheduled (of decode_tokens)
 
 
+class AcceptedDrafts:
+    """What a speculative step's output accepted, as the engine's thread keeps it for the sink's builder:
+    each request's sampled tokens counted before vLLM's update cuts a stopped request's short
+    (`req_ids` and `num_sampled`, in the output's order: copies, as vLLM reuses its lists) and the
+    requests that had already finished (`gone`: async, scheduled again while their last tokens were in
+    flight, their output stale). The counts are the builder's (`counts`, once per step)."""
+
+    __slots__ = ("req_ids", "num_sampled", "gone", "accepted")
+
+    def __init__(self, req_ids: list[str], num_sampled: list[int], gone: frozenset[str]) -> None:
+        self.req_ids, self.num_sampled, self.gone = req_ids, num_sampled, gone
+        self.accepted: list[int | None] | None = None
+
+    def counts(self, spec: list[str]) -> list[int | None]:
+        """Of each request's drafts (`spec`: the step's requests with drafts, in its order), how many its
+        output accepted: its sampled tokens less the one sampled after them, as vLLM counts them before
+        it rolls back the rest; None for a request without tokens in the output (a prefill chunk) or gone."""
+        if self.accepted is None:
+            sampled = dict(zip(self.req_ids, self.num_sampled))
+            counts = list(map(sub, map(sampled.get, spec, repeat(0)), repeat(1)))
+            if -1 in counts or self.gone:
+                counts = [n if n >= 0 and rid not in self.gone else None for rid, n in zip(spec, counts)]
+            self.accepted = counts
+        return self.accepted
+
+    def total(self) -> int:
+        """The step's accepted drafts (after `counts`)."""
+        return sum(filter(None, self.accepted))
+
+
 @dataclass(slots=True)
 class ScheduledStep:
     """A step scheduled and waiting for its output (async: the next step is scheduled first): what its
@@ -106,3 +137,10 @@ class ScheduledStep:
     finishing: list                     # (Request, RequestState) of the requests freed
     output: Any                         # its SchedulerOutput, held so that its id is not reused while it waits
     num_drafts: list[int] | None = None  # speculative decoding: each request's drafts, in its scheduled_spec_decode_tokens
+    attribution: Any = None             # its running loop's allocs, not yet given their requests (accounting.py)
+
+    def resolve(self) -> None:
+        """Its running loop's allocs given their requests now (accounting.py's Attribution)."""
+        if self.attribution is not None:
+            self.attribution.resolve(self.events)
+            self.attribution = None

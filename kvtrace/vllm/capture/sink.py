@@ -13,15 +13,21 @@ what a chunk holds without reading it.
 Besides the trace's tables a chunk may hold `arrivals`, the capture's own: one row per request when
 the scheduler takes it, with its prompt's block hashes salted per capture (columns.py).
 
-**No write on the engine's thread.** The engine's thread only hands a chunk's columns over: every
-`flush_seconds`, when a buffer reaches `max_rows`, after a step that leaves the engine with nothing to
-do, and at shutdown (recorder.py). A writer thread encodes, compresses and writes them, behind a
-queue of `queue_chunks` chunks: a step never waits on the disk. A disk slower than the capture for
+**No columns built and no write on the engine's thread.** The engine's thread hands each step's
+rows over as they are (`add`: the step's outputs, events and row, which vLLM no longer changes; the
+recorder's `build` turns them into columns, columns.py) and says when a chunk is due (`flush`: every
+`flush_seconds`, after a step that leaves the engine with nothing to do, and at shutdown). A builder
+thread builds the columns, step by step, while the engine waits for its model (a GPU's forward
+releases the GIL; the builder's work a step is what building it inline would cost, never more than a
+step's worth at a time), and hands a chunk over when one is due or a buffer reaches `max_rows`. A
+writer thread encodes, compresses and writes the chunks, behind a queue of `queue_chunks` chunks: a
+step never waits on the disk, and the builder never waits on it either, so what it has not built yet
+is at most what the engine scheduled while it was busy. A disk slower than the capture for
 long enough to fill the queue loses whole chunks, never parts of one: each is counted, the first
 drop is said once in vLLM's log, and `servers/<server id>.dropped.json` keeps the count and the
 spans lost (`kvtrace capture ls` shows them as gaps with their reason, the exporter as
 `kvtrace_capture_dropped_chunks`). What a crash can lose: the chunks still queued and the rows of the
-last `flush_seconds`. At shutdown `close` waits up to `close_timeout_s` for the queue to be written.
+last `flush_seconds` (built or not). At shutdown `close` waits up to `close_timeout_s` for the queue to be written.
 
 Retention keeps the folder bounded: after each chunk, the oldest whole chunks of the folder (every
 server's) are removed while the chunks add up to more than `max_bytes`, or are older than
@@ -29,7 +35,9 @@ server's) are removed while the chunks add up to more than `max_bytes`, or are o
 the sink counts what it writes itself (a folder is meant for one server at a time).
 A failed write (a full disk, a removed folder, a permission error) never stops vLLM: it stops the
 capture, with one line in vLLM's log; from then on the rows are dropped, and the error is kept in
-`error` (done.json, where it can still be written). Files and folders get files.py's modes.
+`error` (done.json, where it can still be written). An error of the builder's own (the capture's own
+bug) drops the rows from then on and is kept in `build_error`, for the recorder to stop the capture
+on the engine's thread (recorder.py's `fail`). Files and folders get files.py's modes.
 """
 from __future__ import annotations
 
@@ -89,17 +97,24 @@ def parse_age(text: str, name: str) -> float:
     return float(m[1]) * _AGES[m[2].lower()]
 
 
-class Sink:
-    """Buffers rows as columns; a writer thread writes them out in chunks."""
+_FLUSH = object()   # a builder's item: hand what is built over as a chunk
+_DRAIN = object()   # and: say when every item before it is built (its Event)
 
-    def __init__(self, folder: Path, server_id: str, *, max_bytes: int = 4 * 1024**3, max_age_s: float = 7 * 86400,
+
+class Sink:
+    """Buffers rows as columns, built on a thread of their own; a writer thread writes them out in chunks."""
+
+    def __init__(self, folder: Path, server_id: str, *, build: Callable[[object], None] | None = None,
+                 max_bytes: int = 4 * 1024**3, max_age_s: float = 7 * 86400,
                  log: logging.Logger | None = None, wall_minus_monotonic: float | None = None,
                  max_rows: int = 100_000, flush_seconds: float = 2.0, queue_chunks: int = 16,
                  file_mode: int = FILE_MODE, close_timeout_s: float = 30.0, meta: dict | None = None,
                  on_stop: Callable[[BaseException], None] | None = None) -> None:
-        """`on_stop(exc)`: called once, on the writer's thread, when the sink stops (it says so in the
-        folder: recorder.py writes error.json)."""
+        """`build(rows)`: writes what one `add` handed over into `columns` (on the builder thread);
+        `on_stop(exc)`: called once, on the builder's or the writer's thread, when the sink stops (it
+        says so in the folder: recorder.py writes error.json)."""
         self.capture = Path(folder)
+        self.build = build
         self.on_stop = on_stop
         self.folder = self.capture / "chunks"
         self.file_mode = file_mode
@@ -114,9 +129,16 @@ class Sink:
         self.part = 0
         self.wall_minus_monotonic = (time.time() - time.monotonic() if wall_minus_monotonic is None
                                      else wall_minus_monotonic)
-        self.columns = self._empty()
+        self.columns = self._empty()        # the builder's
         self.last_flush = time.monotonic()
         self.error: BaseException | None = None
+        self.abandoned = False
+        self.build_error: BaseException | None = None   # an error of the builder's own (not the disk's)
+        self.build_s = 0.0                  # the builder thread's CPU time building columns
+        # what the engine's thread handed over and the builder has not built yet (unbounded: building never
+        # waits on the disk, and is less work than the steps that made it)
+        self.rows: queue.SimpleQueue = queue.SimpleQueue()
+        self.builder: threading.Thread | None = None
         # (wall time written, bytes, path) of every chunk in the folder, oldest first: the writer's
         self.kept: deque[tuple[float, int, Path]] = deque(sorted(self._listed()))
         self.num_bytes = sum(size for _, size, _ in self.kept)
@@ -143,16 +165,66 @@ class Sink:
             yield st.st_mtime, st.st_size, path
 
     # ---- the engine's thread ---------------------------------------------------------------------------------
-    def maybe_flush(self, now: float) -> None:
-        if (now - self.last_flush >= self.flush_seconds
-                or len(self.columns["tokens"]["ts_s"]) >= self.max_rows
-                or len(self.columns["kv_events"]["seq"]) >= self.max_rows):
-            self.flush()
+    def add(self, rows) -> None:
+        """Hand one step's rows to the builder (never waits)."""
+        if self.error is None and not self.abandoned:
+            self._put_rows(rows)
+
+    def flush_due(self, now: float) -> bool:
+        """Whether `flush_seconds` have passed since the last chunk was handed over."""
+        return now - self.last_flush >= self.flush_seconds
 
     def flush(self, wait_s: float = 0.0) -> None:
-        """Hand the buffered rows to the writer as one chunk. A step's flush never waits (a full queue
+        """Hand the rows built by then to the writer as one chunk. A step's flush never waits (a full queue
         drops the chunk); `wait_s`: how long to wait for room instead (at shutdown)."""
         self.last_flush = time.monotonic()
+        if self.error is None and not self.abandoned:
+            self._put_rows((_FLUSH, wait_s))
+
+    def _put_rows(self, item) -> None:
+        if self.builder is None:
+            builder = threading.Thread(target=self._build_chunks, name="kvtrace-capture-builder", daemon=True)
+            try:
+                builder.start()
+            except RuntimeError:   # the interpreter is shutting down (atexit, Python 3.12+): no new thread;
+                self._built(item)   # built here, where there is nothing left to stall
+                return
+            self.builder = builder
+        self.rows.put(item)
+
+    # ---- the builder's thread --------------------------------------------------------------------------------
+    def _build_chunks(self) -> None:
+        while True:
+            item = self.rows.get()
+            try:
+                if item is None:
+                    if self.abandoned:
+                        self.columns = self._empty()   # what an error of the capture's own may have left half-built
+                    return
+                if type(item) is tuple and item and item[0] is _DRAIN:
+                    item[1].set()
+                elif self.error is None and not self.abandoned:
+                    self._built(item)
+            except Exception as exc:  # noqa: BLE001 (an error of the capture's own: it stops, vLLM serves on)
+                # the rows from here on are dropped; the recorder stops the capture at its next hook, on
+                # the engine's thread, and says why (build_error)
+                self.columns = self._empty()
+                self.build_error = self.error = exc
+
+    def _built(self, item) -> None:
+        """One item handed over: a step's rows built into the columns, or a flush."""
+        if type(item) is tuple and item and item[0] is _FLUSH:
+            self._hand_over(item[1])
+            return
+        cpu = time.thread_time()
+        self.build(item)
+        self.build_s += time.thread_time() - cpu
+        if (len(self.columns["tokens"]["ts_s"]) >= self.max_rows
+                or len(self.columns["kv_events"]["seq"]) >= self.max_rows):
+            self._hand_over(0.0)
+
+    def _hand_over(self, wait_s: float) -> None:
+        """The columns built so far, as one chunk, to the writer (`wait_s`: as flush's)."""
         chunk = {t: cols for t, cols in self.columns.items() if next(iter(cols.values()))}
         if not chunk:
             return
@@ -194,13 +266,21 @@ class Sink:
             del spans[:-100]   # the newest hundred spans; the counts keep the rest
 
     def close(self) -> None:
-        """Write what is buffered and wait (up to close_timeout_s) until the writer has written it all."""
+        """Build and write what was handed over, and wait (up to close_timeout_s) until the writer has written it all."""
         self.flush(wait_s=self.close_timeout_s)
+        deadline = time.monotonic() + self.close_timeout_s
+        if self.builder is not None:
+            self.rows.put(None)
+            self.builder.join(max(0.0, deadline - time.monotonic()))
+            if self.builder.is_alive():
+                self.log.warning("kvtrace capture: the rows of %d steps were not written at shutdown: they were "
+                                 "not built in %.0f s", self.rows.qsize(), self.close_timeout_s)
+                return
+            self.builder = None
         if self.writer is None:
             return
-        deadline = time.monotonic() + self.close_timeout_s
         try:
-            self.queue.put(None, timeout=self.close_timeout_s)
+            self.queue.put(None, timeout=max(0.0, deadline - time.monotonic()))
         except queue.Full:
             pass
         self.writer.join(max(0.0, deadline - time.monotonic()))
@@ -212,10 +292,12 @@ class Sink:
         self._say_dropped()
 
     def abandon(self) -> None:
-        """Stop without writing what is buffered (a capture stopped by an error of its own, which may have
-        left half a row): the chunks already handed over are still written, then the writer ends. Never
-        waits."""
-        self.columns = self._empty()
+        """Stop without writing what is handed over and not yet written as a chunk (a capture stopped by an
+        error of its own, which may have left half a row): the chunks already handed to the writer are
+        still written, then the builder and the writer end. Never waits."""
+        self.abandoned = True
+        if self.builder is not None:
+            self.rows.put(None)
         if self.writer is not None:
             try:
                 self.queue.put_nowait(None)
@@ -223,7 +305,14 @@ class Sink:
                 pass   # a full queue: the writer writes it and then waits for nothing more (a daemon thread)
 
     def drain(self) -> None:
-        """Wait until every chunk handed over has been written (or dropped by a stopped capture)."""
+        """Wait until every step handed over has been built, and every chunk handed over written (or
+        dropped by a stopped capture)."""
+        if self.builder is not None:
+            built = threading.Event()
+            self.rows.put((_DRAIN, built))
+            while not built.wait(0.1):
+                if not self.builder.is_alive():
+                    break
         if self.writer is not None:
             self.queue.join()
 

@@ -23,7 +23,7 @@ request dropped, those another request still holds included.
 The running loop's `allocate_slots`, called for every running request every step, is vLLM's own,
 unwrapped: when it does call the block pool (a request's new block, every block-size tokens, or every
 few steps with draft tokens), the wrapper writes the alloc event without its request, which the step's
-SchedulerOutput says once the step is scheduled (accounting.py's `attribute`; a request preempted in
+SchedulerOutput says once the step is scheduled (accounting.py's `Attribution`; a request preempted in
 the same step after its blocks were given, which the SchedulerOutput leaves out, says at its preemption).
 A block-pool call elsewhere finds its request in the frame of the allocate_slots call it is made in
 (`allocating`), and a preemption finds the request it serves (its requester) in the frame of vLLM's
@@ -112,7 +112,7 @@ class PoolWraps:
             try:
                 if self.running_loop and self.current is None:
                     # a running request's: whose, why and of which group the step's SchedulerOutput says
-                    # (StepAccounting.attribute). Read here from allocate_slots' frame, as below, it cost
+                    # (accounting.py's Attribution). Read here from allocate_slots' frame, as below, it cost
                     # more than the rest of a step's capture where draft tokens make requests grow often
                     steps = self.steps
                     steps.unattributed.append((len(steps.events), blocks))
