@@ -162,15 +162,16 @@ class OffloadTier:
     def complete_store(self, keys: list[int], success: bool = True) -> None:
         """A store's copy finished: its chunks become ready; failed, they leave the tier."""
         chunks = self.chunks
-        for key in keys:
-            if chunks.get(key) != PENDING_STORE:
-                continue
-            if success:
-                chunks[key] = 0
-                self.num_ready += 1
-                if self.ranks_by_request:
+        if success:
+            ready = [key for key in keys if chunks.get(key) == PENDING_STORE]
+            chunks.update(dict.fromkeys(ready, 0))   # (a value changed: the dict's order stays)
+            self.num_ready += len(ready)
+            if self.ranks_by_request:
+                for key in ready:
                     heapq.heappush(self._evictable, (self.ranks[key], key))
-            else:
+            return
+        for key in keys:
+            if chunks.get(key) == PENDING_STORE:
                 del chunks[key]
                 if self.ranks_by_request:
                     del self.ranks[key]
@@ -207,7 +208,12 @@ class OffloadTier:
         access = self.accesses.pop(request, None)
         if access is None:
             return
-        tail_first = sorted(access.positions, key=access.positions.__getitem__, reverse=True)
+        positions = access.positions
+        noted = list(positions.values())
+        if noted == sorted(noted):   # (noted head first, as most requests are: no sort by position)
+            tail_first = list(reversed(positions))
+        else:
+            tail_first = sorted(positions, key=positions.__getitem__, reverse=True)
         if self.ranks_by_request:
             for key in tail_first:
                 if key in self.chunks:
@@ -215,8 +221,8 @@ class OffloadTier:
                     self._rerank(key, recency(self._next_rank))
             return
         chunks = self.chunks   # every rank the newest: the chunks it holds to the dict's end, in this order
-        held = [(key, chunks.pop(key)) for key in tail_first if key in chunks]
-        chunks.update(held)
+        popped = [(key, chunks.pop(key, None)) for key in tail_first]
+        chunks.update([(key, ref_count) for key, ref_count in popped if ref_count is not None])
 
     # ---- inside -------------------------------------------------------------------------
     def _touch(self, request: object, keys: list[int], first_position: int, skip_pending: bool = False) -> None:

@@ -118,6 +118,19 @@ def test_a_chunk_offered_while_pending_is_not_the_offering_requests(ranks_by_req
 
 
 @pytest.mark.parametrize("ranks_by_request", [True, False])
+def test_a_request_noting_its_tail_before_its_head_still_loses_its_tail_first(ranks_by_request):
+    """A loads B's chunks 3 and 4 (positions 3, 4), then stores 1 and 2: finished, its tail goes first."""
+    tier = OffloadTier(4, ranks_by_request)
+    stored(tier, "B", [3, 4], 3)
+    tier.prepare_load("A", [3, 4], 3)
+    tier.complete_load([3, 4])
+    stored(tier, "A", [1, 2], 1)
+    tier.on_request_finished("A")
+    assert tier.prepare_store("C", [9], 0).evicted == [4]
+    tier.check_integrity()
+
+
+@pytest.mark.parametrize("ranks_by_request", [True, False])
 def test_a_tier_without_host_slots_decides_as_one_with_them(ranks_by_request):
     """The simulator's tier hands out no host slots: the same stores, refusals, evictions and loads."""
     rng = random.Random(3)
