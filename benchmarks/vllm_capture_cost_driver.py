@@ -11,8 +11,11 @@ model output, update_from_output) alternating plain, captured, plain, ... With "
 vLLM's AsyncScheduler and a step is the engine core's batch-queue step: schedule this step, then
 process the previous step's output. Prints one JSON line: per-step seconds of each, wall and CPU
 (this thread's: what other processes of a shared machine take is not in it), the cyclic GC's time
-inside each one's timed steps, the capture's hook time and the bytes its chunks took over the timed
-steps, the chunks written and dropped. "flush_s" sets how often the capture hands a chunk over;
+inside each one's timed steps, the capture's hook time, its builder thread's CPU time and the bytes its
+chunks took over the timed steps, the chunks written and dropped. "forward_ms" stands in for the
+model's forward: each step sleeps that long between its scheduling and its output (the GIL released,
+as while a GPU computes), the time in which the capture's builder thread builds the step's rows on a
+real server; 0 (the default): none, the builder's work then competing with the steps it measures. "flush_s" sets how often the capture hands a chunk over;
 "slow_write_s" makes every chunk's write take that long (a slow volume; the writer thread's wait);
 "kv_cache_groups" makes the model hybrid (the driver's group kinds: ["full", "sliding"] is Gemma 3's
 shape, a 4-block window); "spec_tokens" makes the server draft that many tokens a step with a draft
@@ -105,6 +108,7 @@ def main() -> int:
         elif timing[0] is not None:
             gc_s[timing[0]] += time.perf_counter() - timing[1]
     previous = dict.fromkeys(schedulers)   # async: the step whose output the next step processes
+    forward_s = (opts.get("forward_ms") or 0) / 1e3
     num_steps = dict.fromkeys(schedulers, 0)
 
     def step(name: str) -> tuple[float, float]:
@@ -112,6 +116,8 @@ def main() -> int:
         start, cpu_start = time.perf_counter(), time.thread_time()
         so = sched.schedule()
         executed = vllm_driver.output_for(sched, so)
+        if forward_s:   # the model's forward, waited for with the GIL released (as a GPU's is)
+            time.sleep(forward_s)
         if name in workers:   # the tier's copies this step issued, and those finishing in its output
             worker, index = workers[name], num_steps[name]
             worker.issued(so, index)
@@ -137,7 +143,7 @@ def main() -> int:
         if i == warmup:
             cap.sink.flush()   # the sink's count of bytes written (retention, 4 GiB, is far off here)
             cap.sink.drain()
-            bytes_before, hook_before = cap.sink.num_bytes, cap.hook_s
+            bytes_before, hook_before, build_before = cap.sink.num_bytes, cap.hook_s, cap.sink.build_s
             chunks_before, dropped_before = cap.sink.num_written, cap.sink.num_dropped
         order = ("plain", "captured") if i % 2 == 0 else ("captured", "plain")
         for name in order:
@@ -153,7 +159,7 @@ def main() -> int:
     cap.sink.drain()
     running = {name: len(s.running) for name, s in schedulers.items()}
     out.write(json.dumps({"running": running, "times": times, "cpu_times": cpu_times, "gc_s": gc_s,
-                          "hook_s": cap.hook_s - hook_before,
+                          "hook_s": cap.hook_s - hook_before, "build_s": cap.sink.build_s - build_before,
                           "bytes": cap.sink.num_bytes - bytes_before,
                           "chunks": cap.sink.num_written - chunks_before, "dropped": dropped,
                           "vllm_version": __import__("vllm").__version__}) + "\n")
