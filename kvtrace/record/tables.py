@@ -131,12 +131,21 @@ def kv_events_table(items: list[KVEvent | DecodeLeap], run_id: str, kv_cache_gro
     rare = [i for i, kind in enumerate(kinds) if kind not in _PLAIN_KINDS]
     for column, default in _RARE_DEFAULTS.items():   # (an alloc's or evict row's value is the default too)
         set_values = [(rows[i], value) for i in rare if (value := getattr(events[i], column)) != default]
+        field_type = TABLES["kv_events"].field(column).type
         if default is not None:   # a count
             values = np.full(num_rows, default, dtype=np.int64)
+        elif set_values and (pa.types.is_integer(field_type) or pa.types.is_floating(field_type)):
+            at, numbers = zip(*set_values)   # a number: null but where set
+            values = np.zeros(num_rows, dtype=field_type.to_pandas_dtype())
+            values[list(at)] = numbers
+            missing = np.ones(num_rows, dtype=bool)
+            missing[list(at)] = False
+            columns[column] = from_numpy(values, field_type, missing)
+            continue
         elif set_values:
             values = [None] * num_rows
         else:
-            columns[column] = pa.nulls(num_rows, TABLES["kv_events"].field(column).type)
+            columns[column] = pa.nulls(num_rows, field_type)
             continue
         for row, value in set_values:
             values[row] = value
