@@ -111,8 +111,9 @@ class Sink:
                  file_mode: int = FILE_MODE, close_timeout_s: float = 30.0, meta: dict | None = None,
                  on_stop: Callable[[BaseException], None] | None = None) -> None:
         """`build(rows)`: writes what one `add` handed over into `columns` (on the builder thread);
-        `on_stop(exc)`: called once, on the builder's or the writer's thread, when the sink stops (it
-        says so in the folder: recorder.py writes error.json)."""
+        `on_stop(exc)`: called once, on the writer's thread, when a write fails and the sink stops (it
+        says so in the folder: recorder.py writes error.json); an error of the builder's own is kept in
+        `build_error` instead, for the recorder to stop on the engine's thread."""
         self.capture = Path(folder)
         self.build = build
         self.on_stop = on_stop
