@@ -134,18 +134,24 @@ class OffloadTier:
         the offered ones. All or nothing: None (nothing stored, nothing evicted) when the ready chunks
         that could go are too few; the caller offers them again later."""
         chunks = self.chunks
-        new = [key for key in keys if key not in chunks]
         # vLLM records the access before it knows whether the store fits: a refused offer still ranks
         # the ready chunks it named (a pending one it leaves alone)
-        self._touch(request, keys, first_position, skip_pending=len(new) < len(keys))
-        if not new:
-            return StorePlan([], [], [])
+        if chunks.keys().isdisjoint(keys):   # the tier holds none of them (most offers): none to protect
+            new = list(keys)
+            self._touch(request, keys, first_position)
+            protected: frozenset[int] | set[int] = frozenset()
+        else:
+            new = [key for key in keys if key not in chunks]
+            self._touch(request, keys, first_position, skip_pending=True)
+            if not new:
+                return StorePlan([], [], [])
+            protected = set(keys)
         num_to_evict = len(new) - self.num_free_blocks
         evicted: list[int] = []
         if num_to_evict > 0:
             if num_to_evict > self.num_ready:
                 return None
-            evicted = self._evict(num_to_evict, set(keys))
+            evicted = self._evict(num_to_evict, protected)
             if evicted is None:
                 return None
         chunks.update(dict.fromkeys(new, PENDING_STORE))   # (0.31's and 0.32's ranks: the newest, in the order offered)
@@ -162,12 +168,11 @@ class OffloadTier:
     def complete_store(self, keys: list[int], success: bool = True) -> None:
         """A store's copy finished: its chunks become ready; failed, they leave the tier."""
         chunks = self.chunks
-        if success:
-            ready = [key for key in keys if chunks.get(key) == PENDING_STORE]
-            chunks.update(dict.fromkeys(ready, 0))   # (a value changed: the dict's order stays)
-            self.num_ready += len(ready)
+        if success:   # (every key pending: a store's chunks are pending from prepare_store until now)
+            chunks.update(dict.fromkeys(keys, 0))   # (a value changed: the dict's order stays)
+            self.num_ready += len(keys)
             if self.ranks_by_request:
-                for key in ready:
+                for key in keys:
                     heapq.heappush(self._evictable, (self.ranks[key], key))
             return
         for key in keys:
@@ -211,7 +216,7 @@ class OffloadTier:
         positions = access.positions
         noted = list(positions.values())
         if noted == sorted(noted):   # (noted head first, as most requests are: no sort by position)
-            tail_first = list(reversed(positions))
+            tail_first = reversed(positions)
         else:
             tail_first = sorted(positions, key=positions.__getitem__, reverse=True)
         if self.ranks_by_request:
@@ -221,8 +226,9 @@ class OffloadTier:
                     self._rerank(key, recency(self._next_rank))
             return
         chunks = self.chunks   # every rank the newest: the chunks it holds to the dict's end, in this order
-        popped = [(key, chunks.pop(key, None)) for key in tail_first]
-        chunks.update([(key, ref_count) for key, ref_count in popped if ref_count is not None])
+        pop = chunks.pop
+        held = {key: ref_count for key in tail_first if (ref_count := pop(key, None)) is not None}
+        chunks.update(held)
 
     # ---- inside -------------------------------------------------------------------------
     def _touch(self, request: object, keys: list[int], first_position: int, skip_pending: bool = False) -> None:
@@ -234,7 +240,11 @@ class OffloadTier:
             access = self.accesses[request] = _Access()
         positions, chunks = access.positions, self.chunks
         if not skip_pending and positions.keys().isdisjoint(keys):   # all seen for the first time (most calls)
-            first_seen = list(zip(keys, range(first_position, first_position + len(keys))))
+            first_seen = zip(keys, range(first_position, first_position + len(keys)))
+            if not self.ranks_by_request:   # (a touch ranks nothing)
+                positions.update(first_seen)
+                return
+            first_seen = list(first_seen)
         else:
             first_seen = [(key, position) for position, key in enumerate(keys, first_position)
                           if key not in positions and not (skip_pending and chunks.get(key) == PENDING_STORE)]
@@ -289,9 +299,10 @@ class OffloadTier:
         """_evict under 0.31's and 0.32's ranks: the first n ready chunks of the chunks dict, the protected
         ones passed over (vLLM's LRUCachePolicy.evict)."""
         chunks = self.chunks
-        evicted = list(islice(chunks, n))
+        first = dict(islice(chunks.items(), n))
         # the first n, when all are ready and none protected (most calls)
-        if len(evicted) == n and protected.isdisjoint(evicted) and not any(map(chunks.__getitem__, evicted)):
+        if len(first) == n and not any(first.values()) and protected.isdisjoint(first):
+            evicted = list(first)
             self._drop(evicted)
             return evicted
         evicted = []
