@@ -146,11 +146,25 @@ class OffloadingConnector:
                 prefilling.add(seq)
             elif prefilling:
                 prefilling.discard(seq)
-        for seq, blocks, num_computed in self._finished:
-            self._offer_finished(seq, blocks, num_computed, out)
-            self.tier.on_request_finished(seq)
-        self._finished = []
-        self._fence_reused()
+        if self._finished:
+            for seq, blocks, num_computed in self._finished:
+                self._offer_finished(seq, blocks, num_computed, out)
+                self.tier.on_request_finished(seq)
+            self._finished = []
+        if given:
+            self._fence_reused()
+
+    def see_tables(self, seqs: list[Sequence]) -> None:
+        """build_connector_meta's look at the tables of scheduled sequences that have nothing to offer
+        and are not prefilling (the simulator's fast path's members that took a block), alone: the
+        blocks each took since the connector last saw it, for the fences of the pass that follows; a
+        sequence no longer running (preempted since) passed over."""
+        given = self._blocks_given
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                table = seq.block_table
+                given.update(table[seq.num_connector_blocks:])
+                seq.num_connector_blocks = len(table)
 
     def _offer_finished(self, seq: Sequence, blocks: list[int], num_computed: int, out: SchedulerOutput) -> None:
         """A sequence finished in the last step offers, once more, the prompt blocks it had computed and

@@ -68,8 +68,8 @@ class DecodeCohort:
         # and under the step after which it stops
         self._grows: dict[int, list[Member]] = {}
         self._stops: dict[int, list[Member]] = {}
-        # the sequences the last step gave a block or a prefix-cache entry (grow_decode), in the order it
-        # did: what a host KV tier's connector looks at of the members (fast_path.py)
+        # the sequences the last step gave a block (grow_decode), in the order it did: what a host KV
+        # tier's connector looks at of the members (fast_path.py)
         self.grown: list[Sequence] = []
 
     @property
@@ -182,8 +182,8 @@ class DecodeCohort:
                 continue   # preempted in this step
             if short and not self._make_room(seq, running, preempt):
                 break
-            grow_decode(bm, seq, seq.num_computed_tokens + 1)
-            self.grown.append(seq)
+            if grow_decode(bm, seq, seq.num_computed_tokens + 1):
+                self.grown.append(seq)
             self._file_grow(member, 2)
         else:
             for seq in joiners:   # after the members in the batch's order
@@ -217,8 +217,8 @@ class DecodeCohort:
             stops.append(member)
         k = self._steps_to_grow(seq)
         if k <= 1:
-            grow_decode(self.bm, seq, seq.num_computed_tokens + 1)
-            self.grown.append(seq)
+            if grow_decode(self.bm, seq, seq.num_computed_tokens + 1):
+                self.grown.append(seq)
             self._file_grow(member, 2)
         else:
             self._file(member, clock + k)

@@ -36,13 +36,14 @@ def take_block(bm: BlockManager) -> int:
     return bm._evict_one()
 
 
-def grow_decode(bm: BlockManager, seq: Sequence, num_tokens: int, allocs: LeapAllocs | None = None) -> None:
+def grow_decode(bm: BlockManager, seq: Sequence, num_tokens: int, allocs: LeapAllocs | None = None) -> bool:
     """`bm.grow(seq, 1)` for a decode at `num_tokens` positions whose write copies no shared block: a
     block when the position starts one, the prefix-cache entry of the block it completes. `allocs`: a
-    leap's, which takes the alloc event as a row rather than as a KVEvent."""
+    leap's, which takes the alloc event as a row rather than as a KVEvent. Returns whether it took a block."""
     table = seq.block_table
     bs = bm.block_size
-    if num_tokens > len(table) * bs:
+    took = num_tokens > len(table) * bs
+    if took:
         block_id = take_block(bm)
         table.append(block_id)
         if allocs is None:
@@ -59,3 +60,4 @@ def grow_decode(bm: BlockManager, seq: Sequence, num_tokens: int, allocs: LeapAl
                 bm.cache_full_blocks(seq, num_tokens)
             else:   # the decode completes one block, block i: cache_full_blocks' loop, once
                 bm._cache_block(seq, i, bm._token_block_hashes(seq, i + 1)[i])
+    return took

@@ -179,12 +179,13 @@ class DecodeFastPath:
 
     def _build_connector_meta(self, out: SchedulerOutput, num_members: int) -> None:
         """The host KV tier's connector's pass over the step (build_connector_meta) as over all of
-        `out.seqs`: of the members it sees only those whose tables grew (the blocks given; each has
-        offered its prompt's blocks and is not prefilling, so nothing else would change for it), then
-        the sequences admitted; its copies go in `out`."""
-        grown = [seq for seq in self.cohort.grown if seq.status is SequenceStatus.RUNNING]
-        self.engine.scheduler.connector.build_connector_meta(out, grown + out.seqs[num_members:],
-                                                             [1] * len(grown) + out.num_new_tokens[num_members:])
+        `out.seqs`: of the members it sees only the tables of those that took a block (the blocks
+        given; each has offered its prompt's blocks and is not prefilling, so nothing else would
+        change for it), then the sequences admitted; its copies go in `out`."""
+        connector = self.engine.scheduler.connector
+        if self.cohort.grown:
+            connector.see_tables(self.cohort.grown)
+        connector.build_connector_meta(out, out.seqs[num_members:], out.num_new_tokens[num_members:])
 
     def _preempt_for(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preempt the policy's victim so that `seq` can grow (the general running pass's inner loop)."""
