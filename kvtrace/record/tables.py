@@ -129,32 +129,40 @@ def kv_events_table(items: list[KVEvent | DecodeLeap], run_id: str, kv_cache_gro
     rows = _merge_event_rows(columns, allocs, evicted, evicting) if allocs or evicting else range(len(events))
     num_rows = len(columns["seq"])
     rare = [i for i, kind in enumerate(kinds) if kind not in _PLAIN_KINDS]
+    rare_events = [events[i] for i in rare]
+    rare_rows = (rows if isinstance(rows, np.ndarray) else np.arange(len(events)))[rare]
     for column, default in _RARE_DEFAULTS.items():   # (an alloc's or evict row's value is the default too)
-        set_values = [(rows[i], value) for i in rare if (value := getattr(events[i], column)) != default]
+        values = list(map(attrgetter(column), rare_events))
+        num_set = len(values) - values.count(default)
         field_type = TABLES["kv_events"].field(column).type
-        if default is not None:   # a count
-            values = np.full(num_rows, default, dtype=np.int64)
-        elif set_values and (pa.types.is_integer(field_type) or pa.types.is_floating(field_type)):
-            at, numbers = zip(*set_values)   # a number: null but where set
-            values = np.zeros(num_rows, dtype=field_type.to_pandas_dtype())
-            values[list(at)] = numbers
-            missing = np.ones(num_rows, dtype=bool)
-            missing[list(at)] = False
-            columns[column] = from_numpy(values, field_type, missing)
-            continue
-        elif set_values:
-            values = [None] * num_rows
-        else:
+        if default is not None:   # a count: the default but where set
+            counts = columns[column] = np.full(num_rows, default, dtype=np.int64)
+            if num_set:
+                counts[rare_rows] = values
+        elif not num_set:
             columns[column] = pa.nulls(num_rows, field_type)
-            continue
-        for row, value in set_values:
-            values[row] = value
-        columns[column] = values
+        elif pa.types.is_integer(field_type) or pa.types.is_floating(field_type):   # a number: null but where set
+            objects = np.array(values, dtype=object)
+            at = rare_rows[objects != None]   # noqa: E711 (numpy's comparison, value by value)
+            numbers = np.zeros(num_rows, dtype=field_type.to_pandas_dtype())
+            numbers[at] = objects[objects != None]   # noqa: E711
+            missing = np.ones(num_rows, dtype=bool)
+            missing[at] = False
+            columns[column] = from_numpy(numbers, field_type, missing)
+        elif pa.types.is_string(field_type):   # a string: null but where set
+            strings = np.full(num_rows, None, dtype=object)
+            strings[rare_rows] = np.array(values, dtype=object)
+            columns[column] = strings
+        else:   # a list
+            lists = columns[column] = [None] * num_rows
+            for row, value in zip(rare_rows.tolist(), values):
+                if value is not None:
+                    lists[row] = value
     blocks = columns["blocks"] = as_arrow(columns["blocks"], TABLES["kv_events"].field("blocks").type)
     num_blocks = np.diff(blocks.offsets.to_numpy())   # a null: 0
-    for i in rare:   # a tier_evict's blocks are the tier's, counted, with no device id
-        if (count := events[i].num_tier_blocks) is not None:
-            num_blocks[rows[i]] = count
+    tier_blocks = np.array(list(map(attrgetter("num_tier_blocks"), rare_events)), dtype=object)
+    counted = tier_blocks != None   # noqa: E711 (a tier_evict's blocks are the tier's, counted, with no device id)
+    num_blocks[rare_rows[counted]] = tier_blocks[counted].astype(np.int64)
     columns["num_blocks"] = from_numpy(num_blocks, pa.int32())
     for column in KV_GROUP_FIELDS:
         if kv_cache_groups:   # an evict row's or a leap's alloc's: null
