@@ -1,12 +1,11 @@
 """Suite `vllm-capture-cost`: what the capture adds to each step of vLLM's real scheduler (issue 29's goal: ≤ 1 ms at 1,024 running, growing no faster than the running count).
 
-No model: vLLM's own `Scheduler` and kvtrace's capture class (`KvtraceCaptureScheduler`, no
-self-check) are built in a vLLM venv as vLLM's scheduler unit tests build them, each in a process of
-its own (as on a server: two scheduler classes in one process slow one of them down, the driver's
-docstring says why), each with the same `N` running requests (distinct prompts, a long max_tokens, a
-pool that holds them all); their decode steps (schedule, a placeholder model output,
-update_from_output) alternate plain, captured, plain, ..., one process waiting while the other steps
-(benchmarks/vllm_capture_cost_driver.py). Both schedulings
+No model: two schedulers of kvtrace's capture class (`KvtraceCaptureScheduler`, no self-check), one
+capturing and one whose capture stepped aside ("plain": vLLM's own code, run through the class), are
+built in a vLLM venv as vLLM's scheduler unit tests build them, side by side in one process (one class,
+as in a server: the driver's docstring says what two classes would cost the benchmark), each with the same `N` running requests (distinct prompts, a long max_tokens, a pool that
+holds them all); their decode steps (schedule, a placeholder model output, update_from_output)
+alternate plain, captured, plain, ... (benchmarks/vllm_capture_cost_driver.py). Both schedulings
 (`--scheduling`): vLLM's Scheduler, and its AsyncScheduler stepped as the engine core's batch queue
 steps it (schedule a step, then process the one before's output). Reported per scheduling and N: the
 median step time of each, the difference (what the capture adds, its block-pool wrappers included),
@@ -31,7 +30,6 @@ import json
 import os
 import statistics
 import subprocess
-import tempfile
 from pathlib import Path
 
 from benchmarks.results import Section, markdown_table
@@ -75,8 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def measure(python: str, running: int, args: argparse.Namespace, asynchronous: bool = False,
             slow_write: float | None = None) -> dict:
-    """One plain and one captured scheduler, each in a process of its own (the driver's), stepped in turn:
-    their timed steps' wall and CPU seconds, the GC's time in them, and the capture's counters."""
     from kvtrace.vllm.record import capture_path, model_folder
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -85,56 +81,11 @@ def measure(python: str, running: int, args: argparse.Namespace, asynchronous: b
             "block_size": args.block_size, "async": asynchronous, "flush_s": args.flush_every,
             "slow_write_s": slow_write, "kv_cache_groups": args.kv_cache_groups.split(","),
             "spec_tokens": args.spec_tokens, "offload_chunks": args.offload_chunks, "forward_ms": args.forward_ms}
-    with tempfile.TemporaryDirectory(prefix="kvtrace-capture-cost-") as tmp:
-        drivers, logs = {}, {}
-        try:
-            for role in ("plain", "captured"):   # their set-ups run at once; their steps, in turn
-                logs[role] = open(Path(tmp) / role, "w")
-                drivers[role] = subprocess.Popen(
-                    [python, str(DRIVER), str(model_folder("smollm2-135m")), json.dumps({**opts, "role": role})],
-                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[role], text=True, bufsize=1)
-
-            def ask(role: str, command: str) -> str:
-                proc = drivers[role]
-                proc.stdin.write(command + "\n")
-                proc.stdin.flush()
-                answer = proc.stdout.readline()
-                if not answer:
-                    proc.wait()
-                    raise SystemExit(f"vllm-capture-cost: the {role} driver failed at {running} running:\n"
-                                     f"{(Path(tmp) / role).read_text()[-3000:]}")
-                return answer.strip()
-            for role, proc in drivers.items():
-                if proc.stdout.readline().strip() != "ready":
-                    proc.wait()
-                    raise SystemExit(f"vllm-capture-cost: the {role} driver failed at {running} running:\n"
-                                     f"{(Path(tmp) / role).read_text()[-3000:]}")
-            times = {role: [] for role in drivers}
-            cpu_times = {role: [] for role in drivers}
-            for i in range(args.warmup + args.steps):
-                if i == args.warmup:
-                    for role in drivers:
-                        ask(role, "mark")
-                for role in (("plain", "captured") if i % 2 == 0 else ("captured", "plain")):
-                    t, cpu = json.loads(ask(role, "timed" if i >= args.warmup else "step"))
-                    if i >= args.warmup:
-                        times[role].append(t)
-                        cpu_times[role].append(cpu)
-            ends = {role: json.loads(ask(role, "end")) for role in drivers}
-            for proc in drivers.values():
-                proc.stdin.close()
-                proc.wait(timeout=600)
-        finally:
-            for proc in drivers.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-            for log in logs.values():
-                log.close()
-    result = dict(ends["captured"])
-    result.update({"running": {role: end["running"] for role, end in ends.items()}, "times": times,
-                   "cpu_times": cpu_times, "gc_s": {role: end["gc_s"] for role, end in ends.items()}})
-    return result
+    proc = subprocess.run([python, str(DRIVER), str(model_folder("smollm2-135m")), json.dumps(opts)], env=env,
+                          capture_output=True, text=True, timeout=3600)
+    if proc.returncode or not proc.stdout.strip():
+        raise SystemExit(f"vllm-capture-cost: the driver failed at {running} running:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run(args: argparse.Namespace) -> None:
@@ -198,7 +149,8 @@ def run(args: argparse.Namespace) -> None:
                    "stood in for: copies finish in the next step)" if args.offload_chunks else "")
                 + (f"; **a {args.forward_ms:g} ms forward stood in for** (a sleep between each step's scheduling and "
                    "its output)" if args.forward_ms else "")
-                + f"), plain and captured in a process each, stepped in turn, {args.steps} timed steps each after "
+                + f"), plain (the capture class, its capture stepped aside) and captured alternating, "
+                f"{args.steps} timed steps each after "
                 f"{args.warmup}; medians of per-step time (CPU: the driver thread's; 'added, means': the "
                 "difference of the mean steps, which holds what a chunk write or a collection adds; GC: the "
                 "cyclic collector's time inside each one's timed steps, per step)"
