@@ -2,26 +2,26 @@
 
 No model: two schedulers of kvtrace's capture class (`KvtraceCaptureScheduler`, no self-check), one
 capturing and one whose capture stepped aside ("plain": vLLM's own code, run through the class), are
-built in a vLLM venv as vLLM's scheduler unit tests build them, side by side in one process (one class,
-as in a server: the driver's docstring says what two classes would cost the benchmark), each with the same `N` running requests (distinct prompts, a long max_tokens, a pool that
-holds them all); their decode steps (schedule, a placeholder model output, update_from_output)
-alternate plain, captured, plain, ... (benchmarks/vllm_capture_cost_driver.py). Both schedulings
-(`--scheduling`): vLLM's Scheduler, and its AsyncScheduler stepped as the engine core's batch queue
-steps it (schedule a step, then process the one before's output). Reported per scheduling and N: the
-median step time of each, the difference (what the capture adds, its block-pool wrappers included),
-the same difference in CPU time (the driver thread's: on a shared machine, what other processes
-take of the cores is not in it), the capture's own hook time per step, and the bytes its chunks
-take per step; and the bytes per
-hour at a stated load (`--rate` requests/s of `--output-tokens` tokens each, from the bytes per
-generated token at full batches, steps' and KV events' rows included), so that
+built in a vLLM venv as vLLM's scheduler unit tests build them, side by side in one process (one
+class, as in a server: the driver's docstring says what two classes would cost the benchmark), each
+with the same `N` running requests (distinct prompts, a long max_tokens, a pool that holds them
+all); their decode steps (schedule, a placeholder model output, update_from_output) alternate plain,
+captured, plain, ... (benchmarks/vllm_capture_cost_driver.py). Both schedulings (`--scheduling`):
+vLLM's Scheduler, and its AsyncScheduler stepped as the engine core's batch queue steps it (schedule
+a step, then process the one before's output). Reported per scheduling and N: the median step time
+of each, the difference (what the capture adds, its block-pool wrappers included), the same
+difference in CPU time (the driver thread's: on a shared machine, what other processes take of the
+cores is not in it), the capture's own hook time per step, and the bytes its chunks take per step;
+and the bytes per hour at a stated load (`--rate` requests/s of `--output-tokens` tokens each, from
+the bytes per generated token at full batches, steps' and KV events' rows included), so that
 KVTRACE_CAPTURE_MAX_BYTES can be chosen. The server's shape: `--kv-cache-groups` (a hybrid model's
 groups), `--spec-tokens` (draft tokens a step), `--offload-chunks` (a host KV tier behind the pool:
-vLLM's OffloadingConnector, its worker stood in for). `--forward-ms` stands in for the model's forward
-(each step sleeps that long between its scheduling and its output, the GIL released, as while a GPU
-computes): the capture builds its columns on a thread of its own (sink.py), which on a server works
-while the engine waits for the forward; without one (0, the default) that thread's work competes with
-the very steps measured. The builder thread's CPU time per step is reported beside the hooks', so that
-the capture's whole CPU cost is in the table either way.
+vLLM's OffloadingConnector, its worker stood in for). `--forward-ms` stands in for the model's
+forward (each step sleeps that long between its scheduling and its output, the GIL released, as
+while a GPU computes): the capture builds its columns on a thread of its own (sink.py), which on a
+server works while the engine waits for the forward; without one (0, the default) that thread's work
+competes with the very steps measured. The builder thread's CPU time per step is reported beside the
+hooks', so that the capture's whole CPU cost is in the table either way.
 """
 from __future__ import annotations
 

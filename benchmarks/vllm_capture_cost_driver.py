@@ -5,18 +5,20 @@ vLLM and, on PYTHONPATH, kvtrace's capture package), one size per process.
 
 Builds two schedulers of kvtrace's capture class the way the scheduler differential's driver does
 (tests/vllm_sched/vllm_driver.py's `build`: vLLM's unit tests' configs, no model), one capturing and
-one ("plain") whose capture stepped aside, so that it runs vLLM's own code (one class: see below), freezes
-the heap as vLLM's engine core does once its scheduler is built, gives each the same `running` requests (prompt tokens, a long max_tokens, a pool that holds them all), steps
-both until every request runs, then times `warmup + steps` decode steps (schedule, the placeholder
-model output, update_from_output) alternating plain, captured, plain, ... With "async" both are
-(subclasses of) vLLM's AsyncScheduler and a step is the engine core's batch-queue step: schedule this step, then
-process the previous step's output. Prints one JSON line: per-step seconds of each, wall and CPU
-(this thread's: what other processes of a shared machine take is not in it), the cyclic GC's time
-inside each one's timed steps, the capture's hook time, its builder thread's CPU time and the bytes its
-chunks took over the timed steps, the chunks written and dropped. "forward_ms" stands in for the
-model's forward: each step sleeps that long between its scheduling and its output (the GIL released,
-as while a GPU computes), the time in which the capture's builder thread builds the step's rows on a
-real server; 0 (the default): none, the builder's work then competing with the steps it measures. "flush_s" sets how often the capture hands a chunk over;
+one ("plain") whose capture stepped aside, so that it runs vLLM's own code (one class: see below),
+freezes the heap as vLLM's engine core does once its scheduler is built, gives each the same
+`running` requests (prompt tokens, a long max_tokens, a pool that holds them all), steps both until
+every request runs, then times `warmup + steps` decode steps (schedule, the placeholder model
+output, update_from_output) alternating plain, captured, plain, ... With "async" both are
+(subclasses of) vLLM's AsyncScheduler and a step is the engine core's batch-queue step: schedule
+this step, then process the previous step's output. Prints one JSON line: per-step seconds of each,
+wall and CPU (this thread's: what other processes of a shared machine take is not in it), the cyclic
+GC's time inside each one's timed steps, the capture's hook time, its builder thread's CPU time and
+the bytes its chunks took over the timed steps, the chunks written and dropped. "forward_ms" stands
+in for the model's forward: each step sleeps that long between its scheduling and its output (the
+GIL released, as while a GPU computes), the time in which the capture's builder thread builds the
+step's rows on a real server; 0 (the default): none, the builder's work then competing with the
+steps it measures. "flush_s" sets how often the capture hands a chunk over;
 "slow_write_s" makes every chunk's write take that long (a slow volume; the writer thread's wait);
 "kv_cache_groups" makes the model hybrid (the driver's group kinds: ["full", "sliding"] is Gemma 3's
 shape, a 4-block window); "spec_tokens" makes the server draft that many tokens a step with a draft

@@ -151,8 +151,7 @@ class OffloadingConnector:
                 self._offer_finished(seq, blocks, num_computed, out)
                 self.tier.on_request_finished(seq)
             self._finished = []
-        if given:
-            self._fence_reused()
+        self._fence_reused()
 
     def see_tables(self, seqs: list[Sequence]) -> None:
         """build_connector_meta's look at the tables of scheduled sequences that have nothing to offer

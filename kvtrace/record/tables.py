@@ -143,9 +143,10 @@ def kv_events_table(items: list[KVEvent | DecodeLeap], run_id: str, kv_cache_gro
             columns[column] = pa.nulls(num_rows, field_type)
         elif pa.types.is_integer(field_type) or pa.types.is_floating(field_type):   # a number: null but where set
             objects = np.array(values, dtype=object)
-            at = rare_rows[objects != None]   # noqa: E711 (numpy's comparison, value by value)
+            is_set = objects != None   # noqa: E711 (numpy's comparison, value by value)
+            at = rare_rows[is_set]
             numbers = np.zeros(num_rows, dtype=field_type.to_pandas_dtype())
-            numbers[at] = objects[objects != None]   # noqa: E711
+            numbers[at] = objects[is_set]
             missing = np.ones(num_rows, dtype=bool)
             missing[at] = False
             columns[column] = from_numpy(numbers, field_type, missing)
