@@ -129,9 +129,13 @@ class OffloadingConnector:
 
         Stores: each scheduled sequence offers the tier its prompt's blocks that this step fills (vLLM's
         default offload_prompt_only), one prepare_store a sequence a step; refused (no room), the same
-        blocks are offered again next step. A store copies the blocks the tier lacked, after the forward."""
+        blocks are offered again next step. A store copies the blocks the tier lacked, after the forward.
+
+        The blocks a table took are noted for the fences only where a store could be fenced (most
+        steps none could: _may_fence)."""
         bs = self.bm.block_size
         given, prefilling = self._blocks_given, self.prefilling
+        fence = self._may_fence()
         if seqs is None:
             seqs, num_new_tokens = out.seqs, out.num_new_tokens
         for seq, num_new in zip(seqs, num_new_tokens):
@@ -140,7 +144,8 @@ class OffloadingConnector:
                 self._offer(seq, seq.block_table, min(num_computed, seq.num_prompt_tokens), out)
             table = seq.block_table
             if len(table) != seq.num_connector_blocks:   # (most decodes add no block)
-                given.update(table[seq.num_connector_blocks:])
+                if fence:
+                    given.update(table[seq.num_connector_blocks:])
                 seq.num_connector_blocks = len(table)
             if num_computed < len(seq.token_ids):
                 prefilling.add(seq)
@@ -156,14 +161,27 @@ class OffloadingConnector:
     def see_tables(self, seqs: list[Sequence]) -> None:
         """build_connector_meta's look at the tables of scheduled sequences that have nothing to offer
         and are not prefilling (the simulator's fast path's members that took a block), alone: the
-        blocks each took since the connector last saw it, for the fences of the pass that follows; a
-        sequence no longer running (preempted since) passed over."""
+        blocks each took since the connector last saw it, for the fences of the pass that follows (noted
+        as that pass notes them: only where a store could be fenced); a sequence no longer running
+        (preempted since) passed over."""
+        fence = self._may_fence()
         given = self._blocks_given
         for seq in seqs:
             if seq.status is SequenceStatus.RUNNING:
                 table = seq.block_table
-                given.update(table[seq.num_connector_blocks:])
+                if fence:
+                    given.update(table[seq.num_connector_blocks:])
                 seq.num_connector_blocks = len(table)
+
+    def _may_fence(self) -> bool:
+        """Whether a block put in a table in this step could fence a store (_fence_reused): a finished
+        sequence's store in flight, not flushed yet, or sequences finished since the last step (their
+        last offers, made in this step's pass, are such stores). Where none could, the blocks the tables
+        took need not be noted: the fences would find nothing."""
+        if self._finished:
+            return True
+        return any(not copy.is_load and not copy.flushed and copy.seq.status == SequenceStatus.FINISHED
+                   for copy in self.copies_in_flight)
 
     def _offer_finished(self, seq: Sequence, blocks: list[int], num_computed: int, out: SchedulerOutput) -> None:
         """A sequence finished in the last step offers, once more, the prompt blocks it had computed and

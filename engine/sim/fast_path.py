@@ -181,11 +181,14 @@ class DecodeFastPath:
         """The host KV tier's connector's pass over the step (build_connector_meta) as over all of
         `out.seqs`: of the members it sees only the tables of those that took a block (the blocks
         given; each has offered its prompt's blocks and is not prefilling, so nothing else would
-        change for it), then the sequences admitted; its copies go in `out`."""
+        change for it), then the sequences admitted; its copies go in `out`. A step that admitted
+        none, with no finished sequence to offer and no block given that could fence a store (most
+        steps), has nothing left for the pass once the tables are seen: it is not run."""
         connector = self.engine.scheduler.connector
         if self.cohort.grown:
             connector.see_tables(self.cohort.grown)
-        connector.build_connector_meta(out, out.seqs[num_members:], out.num_new_tokens[num_members:])
+        if len(out.seqs) > num_members or connector.has_work_without_a_batch():
+            connector.build_connector_meta(out, out.seqs[num_members:], out.num_new_tokens[num_members:])
 
     def _preempt_for(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preempt the policy's victim so that `seq` can grow (the general running pass's inner loop)."""

@@ -252,3 +252,33 @@ def test_a_step_waiting_only_for_a_load_wakes_for_the_next_arrival(tmp_path):
     admit_late = next(e for e in tracer.events if e.kind == ev.ADMIT and e.req_id == "late")
     load = next(e for e in tracer.events if e.kind == ev.LOAD and e.req_id == "again")
     assert admit_late.step <= load.step   # admitted while again's load was in flight
+
+
+
+@pytest.mark.parametrize("sim_fast_path", [True, False], ids=["fast-path", "general-pass"])
+@pytest.mark.parametrize("num_gpu_blocks, fenced", [(5, True), (64, False)], ids=["block-reused", "fresh-block"])
+def test_a_finished_requests_store_finishes_where_its_block_is_taken_again(tmp_path, sim_fast_path, num_gpu_blocks,
+                                                                          fenced):
+    """first (3 prompt blocks) finishes at step 0, its store on a slow link for many steps; at step 4
+    busy's decode takes a block: in a pool of 5 one that first freed, and the store finishes with that
+    step (vLLM's connector flushes it before the forward writes into the block); in a pool of 64 a
+    fresh one, and the store takes its time. In the simulator's fast path the block is taken in a lazy
+    step, by a member of its cohort; in the general pass by the running pass."""
+    profile = {**PROFILES["h100-sxm"].to_dict(), "name": "slow-link", "host_bytes_s": 1e6}
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(profile))
+    tracer = ListTracer()
+    engine = sim(tracer, num_gpu_blocks=num_gpu_blocks, num_offload_blocks=16, hardware=str(path),
+                 sim_fast_path=sim_fast_path)
+    engine.add_request("busy", list(range(500, 505)), SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.add_request("first", list(range(100, 112)), SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.advance()
+        engine.check_integrity()
+    firsts = next(e for e in tracer.events if e.kind == ev.ALLOC and e.req_id == "first")
+    grow = next(e for e in tracer.events if e.kind == ev.ALLOC and e.req_id == "busy" and e.step == 4)
+    store = next(e for e in tracer.events if e.kind == ev.OFFLOAD and e.req_id == "first")
+    assert (firsts.step, store.blocks) == (0, firsts.blocks)
+    assert (set(grow.blocks) <= set(firsts.blocks)) == fenced
+    assert (store.step == 4) == fenced and store.step >= 4
+    assert (engine.fast_path is not None and engine.fast_path.num_lazy_steps >= 4) == sim_fast_path
