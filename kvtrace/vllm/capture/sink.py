@@ -211,6 +211,11 @@ class Sink:
                 # the engine's thread, and says why (build_error)
                 self.columns = self._empty()
                 self.build_error = self.error = exc
+            # Let the step's rows go before waiting for the next: held through the wait (a step), its
+            # outputs, events and lists outlived the collections meanwhile, each promoted to the oldest
+            # generation, bringing on full collections of the server's heap that vLLM alone never needs
+            # (a 25-35 ms pause every 50 steps at 1,024 running)
+            item = None
 
     def _built(self, item) -> None:
         """One item handed over: a step's rows built into the columns, or a flush."""

@@ -32,6 +32,7 @@ schedule (`requester`). guard.py checks both locals by name at start-up.
 from __future__ import annotations
 
 import sys
+from operator import attrgetter
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
@@ -41,6 +42,7 @@ from kvtrace.vllm.capture.connector import TierWraps
 from kvtrace.vllm.capture.instance_wraps import InstanceWraps
 from kvtrace.vllm.capture.rows import block_event
 
+_block_id = attrgetter("block_id")
 # the managers' methods that free a running request's blocks out of its window (guard.py checks them)
 SKIPPING = frozenset(("_remove_blocks_in_range", "remove_skipped_blocks"))
 
@@ -114,8 +116,11 @@ class PoolWraps:
                     # a running request's: whose, why and of which group the step's SchedulerOutput says
                     # (accounting.py's Attribution). Read here from allocate_slots' frame, as below, it cost
                     # more than the rest of a step's capture where draft tokens make requests grow often
+                    # (its block ids, as a tuple of integers, which leaves the cyclic GC's care at its first
+                    # collection: vLLM's list of blocks, kept until then, would be promoted on the way)
                     steps = self.steps
-                    steps.unattributed.append((len(steps.events), blocks))
+                    steps.unattributed.append(len(steps.events))
+                    steps.unattributed_blocks.append(tuple(map(_block_id, blocks)))
                     steps.events.append(None)   # its place among the step's events, filled then
                     return blocks
                 # an admission's (`current`), or one made elsewhere: its request's, if it is in an
@@ -126,7 +131,7 @@ class PoolWraps:
                 else:
                     rid, reason = request.request_id, reason_for_alloc(request)
                 group = group_of(sys._getframe(1)) if self.hybrid else None
-                self.steps.events.append(block_event("alloc", rid, [b.block_id for b in blocks], reason, group))
+                self.steps.events.append(block_event("alloc", rid, tuple(map(_block_id, blocks)), reason, group))
             except Exception as exc:  # noqa: BLE001 (the capture's own error: it stops, vLLM's call stands)
                 self.on_error(exc)
         return blocks
@@ -143,12 +148,12 @@ class PoolWraps:
             if caller.f_code.co_name in SKIPPING:   # out of a request's window, mid-request
                 owner = caller.f_locals
                 group = owner["self"].kv_cache_group_id
-                self.steps.events.append(block_event("free", owner["request_id"], [b.block_id for b in blocks],
+                self.steps.events.append(block_event("free", owner["request_id"], tuple(map(_block_id, blocks)),
                                                      self.skip_reasons[group], group if self.hybrid else None))
             elif freed:
                 request = self.current or self.allocating()
                 self.steps.events.append(block_event("free", request.request_id if request is not None else "",
-                                                     [b.block_id for b in freed], self.free_reason,
+                                                     tuple(map(_block_id, freed)), self.free_reason,
                                                      group_of(caller) if self.hybrid else None))
         except Exception as exc:  # noqa: BLE001 (as above)
             self.on_error(exc)
@@ -170,7 +175,7 @@ class PoolWraps:
                 if block.ref_cnt == 0:
                     self.cached_free -= 1
                 group = self.group_of_key(key) if key is not None else None
-                self.steps.events.append(block_event("evict", "", [block.block_id], None, group))
+                self.steps.events.append(block_event("evict", "", (block.block_id,), None, group))
             except Exception as exc:  # noqa: BLE001 (as above)
                 self.on_error(exc)
         return evicted
