@@ -204,7 +204,7 @@ class Recorder:
             step = self.steps.step
         for engine_outputs in outputs.values():
             if engine_outputs.outputs:
-                self.rows.append(self.columns.tokens_row(engine_outputs.outputs, step, now))
+                self.rows.append((self.columns.tokens, engine_outputs.outputs, step, now))
         accepted = 0
         if scheduled is not None and scheduled.row.draft_tokens:   # a speculative step: before its finished rows
             self.rows.append((self.columns.spec_decode, list(out.scheduled_spec_decode_tokens), scheduled.num_drafts,
