@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="64,256,1024,4096", help="running requests, comma-separated")
     parser.add_argument("--scheduling", default="sync,async",
                         help="vLLM's Scheduler (sync), its AsyncScheduler (async), or both, comma-separated")
-    parser.add_argument("--steps", type=int, default=60, help="timed decode steps per scheduler")
+    parser.add_argument("--steps", type=int, default=200,
+                        help="timed decode steps per scheduler (enough for several full collections)")
     parser.add_argument("--warmup", type=int, default=10, help="decode steps before timing")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every size, interleaved (64, 256, ..., 64, 256, ...); medians over them")

@@ -8,8 +8,9 @@ Builds two schedulers of kvtrace's capture class the way the scheduler different
 one ("plain") whose capture stepped aside, so that it runs vLLM's own code (one class: see below),
 freezes the heap as vLLM's engine core does once its scheduler is built, gives each the same
 `running` requests (prompt tokens, a long max_tokens, a pool that holds them all), steps both until
-every request runs, then times `warmup + steps` decode steps (schedule, the placeholder model
-output, update_from_output) alternating plain, captured, plain, ... With "async" both are
+every request runs, collects the heap once (a running server's steady state), then times
+`warmup + steps` decode steps (schedule, the placeholder model output, update_from_output)
+alternating plain, captured, plain, ... With "async" both are
 (subclasses of) vLLM's AsyncScheduler and a step is the engine core's batch-queue step: schedule
 this step, then process the previous step's output. Prints one JSON line: per-step seconds of each,
 wall and CPU (this thread's: what other processes of a shared machine take is not in it), the cyclic
@@ -159,6 +160,12 @@ def main() -> int:
         while len(sched.running) < n or any(r.num_output_tokens == 0 for r in sched.running):
             step(name)
     cap = schedulers["captured"]._kvtrace
+    # the heap as a server has it minutes after its start: its first full collection since the freeze
+    # done. Until then a full collection waits for a quarter of the heap vLLM froze to be promoted (the
+    # collector's long_lived_total), and comes earlier the more a step promotes, so that timed steps
+    # just after the freeze meet it early or late; after it, every eleventh collection of the middle
+    # generation is a full one, at the rate the steps' allocations set, as in a running server
+    gc.collect()
     gc.callbacks.append(on_gc)
     for i in range(warmup + steps):
         if i == warmup:
