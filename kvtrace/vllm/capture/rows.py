@@ -39,7 +39,7 @@ class KvEvent(NamedTuple):
 
     kind: str
     req_id: str                         # vLLM's request id; "" for a block no request is known for
-    blocks: list[int] | None
+    blocks: tuple[int, ...] | list[int] | None   # a tuple where the wraps make it (leaves the GC's care)
     num_tokens: int
     reason: str | None
     num_cached_tokens: int = 0          # a re-prefill's positions served from the prefix cache
@@ -62,7 +62,8 @@ class KvEvent(NamedTuple):
 _new_tuple = tuple.__new__
 
 
-def block_event(kind: str, req_id: str, blocks: list[int], reason: str | None, kv_group: int | None) -> KvEvent:
+def block_event(kind: str, req_id: str, blocks: tuple[int, ...], reason: str | None,
+                kv_group: int | None) -> KvEvent:
     """An alloc's, a free's or an evict's KvEvent, made for every block-pool call (a step with draft tokens
     makes many): built as the tuple it is, its fields in order, without the keyword arguments that
     KvEvent's own constructor would take for its group."""
