@@ -44,9 +44,12 @@ class ChunkError(ValueError):
 
 
 # ---- writing ---------------------------------------------------------------------------------------------
-def encode(tables: dict[str, dict[str, list]], meta: dict | None = None, level: int = 1) -> bytes:
+def encode(tables: dict[str, dict[str, list]], meta: dict | None = None, level: int = 1,
+           segments: bool = False) -> bytes:
     """The chunk's bytes: `tables` is `{table: {column: values}}`, every column of a table as long as the
-    others; `meta` goes into the header as it is (JSON). TypeError for a value of no column type."""
+    others; `meta` goes into the header as it is (JSON). TypeError for a value of no column type.
+    `segments`: each column is a list of runs of values (the sink's, sink.py's `_seal`), joined here a
+    column at a time."""
     parts: list[bytes] = []
     offset = 0
 
@@ -59,9 +62,13 @@ def encode(tables: dict[str, dict[str, list]], meta: dict | None = None, level: 
 
     header_tables = {}
     for table, cols in tables.items():
-        rows = len(next(iter(cols.values()), []))
+        rows = None
         described = {}
         for name, values in cols.items():
+            if segments:
+                values = list(chain.from_iterable(values))
+            if rows is None:
+                rows = len(values)
             if len(values) != rows:
                 raise TypeError(f"{table}.{name}: {len(values)} values, the table has {rows} rows")
             kind, nulls, *data = _column(values)
@@ -71,7 +78,7 @@ def encode(tables: dict[str, dict[str, list]], meta: dict | None = None, level: 
             if len(data) > 1:
                 entry["lengths"] = put(data[1])
             described[name] = entry
-        header_tables[table] = {"rows": rows, "columns": described}
+        header_tables[table] = {"rows": rows or 0, "columns": described}
     body = b"".join(parts)
     header = json.dumps({"format": FORMAT, "byteorder": sys.byteorder, "compression": "zlib",
                          "raw_bytes": len(body), "tables": header_tables, **(meta or {})},

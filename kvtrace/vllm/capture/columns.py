@@ -15,7 +15,7 @@ import time
 from itertools import chain, compress, repeat
 from operator import add, attrgetter
 
-from kvtrace.vllm.capture.rows import AcceptedDrafts, KvEvent, RequestState, StepRow
+from kvtrace.vllm.capture.rows import BYTES, KIND, AcceptedDrafts, KvEvent, RequestState, StepRow
 from kvtrace.vllm.capture.sink import Sink
 
 
@@ -59,7 +59,7 @@ class Columns:
         a = self.sink.columns["arrivals"]
         for name, value in (("req_id", request_id), ("arrival_s", arrival_s),
                             ("prompt_tokens", prompt_tokens), ("max_tokens", max_tokens), ("priority", priority),
-                            ("block_hashes", salted(self.salt, block_hashes))):
+                            ("block_hashes", tuple(salted(self.salt, block_hashes)))):
             a[name].append(value)
 
     def arrival_row(self, request) -> tuple:
@@ -131,9 +131,9 @@ class Columns:
         s = self.sink.columns["steps"]
         if self.tiered:
             moved = {"offload": 0, "load": 0}
-            for e in events:
-                if e.bytes and e.kind in moved:
-                    moved[e.kind] += e.bytes
+            for e in events:   # (by index: the wraps' events are plain tuples, rows.py)
+                if e[BYTES] and e[KIND] in moved:
+                    moved[e[KIND]] += e[BYTES]
             s["offload_bytes"].append(moved["offload"])
             s["load_bytes"].append(moved["load"])
         else:

@@ -29,7 +29,7 @@ from kvtrace.vllm.capture.aside import logger
 from kvtrace.vllm.capture.columns import Columns
 from kvtrace.vllm.capture.files import make_folder, write_json
 from kvtrace.vllm.capture.pending import PendingSteps
-from kvtrace.vllm.capture.rows import AcceptedDrafts, ScheduledStep
+from kvtrace.vllm.capture.rows import KIND, REASON, REQ_ID, AcceptedDrafts, ScheduledStep
 from kvtrace.vllm.capture.self_check import SelfCheck
 from kvtrace.vllm.capture.settings import (
     Server,
@@ -243,14 +243,15 @@ class Recorder:
         finished = {request.request_id for request, _ in steps.finishing}
         for scheduled in self.pending:   # their allocs' requests are read here
             scheduled.resolve()
-        later = {e.req_id: scheduled for scheduled in self.pending for e in scheduled.events
-                 if e.req_id in finished and "preempt" not in (e.kind, e.reason)}   # a preemption's: its frees too
+        # (events by index: the wraps' are plain tuples, rows.py)
+        later = {e[REQ_ID]: scheduled for scheduled in self.pending for e in scheduled.events
+                 if e[REQ_ID] in finished and "preempt" not in (e[KIND], e[REASON])}   # a preemption's: its frees too
         if not later:
             return later
         for e in steps.events:   # this output's: the frees of the requests it finished
-            if e.req_id in later:
-                later[e.req_id].events.append(e)
-        steps.events = [e for e in steps.events if e.req_id not in later]
+            if e[REQ_ID] in later:
+                later[e[REQ_ID]].events.append(e)
+        steps.events = [e for e in steps.events if e[REQ_ID] not in later]
         for request, st in steps.finishing:
             if request.request_id in later:
                 later[request.request_id].finishing.append((request, st))

@@ -35,7 +35,8 @@ class RequestState:
 
 class KvEvent(NamedTuple):
     """One kv_events row before its step, sequence number and time are known (a tuple: events are made
-    in the block pool's wrappers, many a step, and built into columns in bulk)."""
+    in the block pool's wrappers, many a step, and built into columns in bulk). Those the wrappers make
+    (`block_event`, `copy_event`) are plain tuples of these fields, read by index (KIND, REQ_ID, ...)."""
 
     kind: str
     req_id: str                         # vLLM's request id; "" for a block no request is known for
@@ -59,23 +60,27 @@ class KvEvent(NamedTuple):
     num_tier_blocks: int | None = None
 
 
-_new_tuple = tuple.__new__
+# where an event's fields lie in its tuple, for those read on the engine's thread (a wrapper's event is a
+# plain tuple: no attribute names)
+KIND, REQ_ID, BLOCKS, REASON, BYTES = map(KvEvent._fields.index, ("kind", "req_id", "blocks", "reason", "bytes"))
 
 
 def block_event(kind: str, req_id: str, blocks: tuple[int, ...], reason: str | None,
-                kv_group: int | None) -> KvEvent:
-    """An alloc's, a free's or an evict's KvEvent, made for every block-pool call (a step with draft tokens
-    makes many): built as the tuple it is, its fields in order, without the keyword arguments that
-    KvEvent's own constructor would take for its group."""
-    return _new_tuple(KvEvent, (kind, req_id, blocks, 0, reason, 0, 0, None, None, kv_group, None, None, None, 0, None))
+                kv_group: int | None) -> tuple:
+    """An alloc's, a free's or an evict's event, made for every block-pool call (a step with two groups and
+    draft tokens makes hundreds): KvEvent's fields in order, as a plain tuple. A step's events wait a step
+    for the sink's builder, through the next scheduling's collections: a plain tuple of strings, integers
+    and a tuple of integers leaves the cyclic GC's care at its first, where a KvEvent (a tuple's subclass)
+    would be promoted to the oldest generation, bringing on full collections of the server's heap."""
+    return (kind, req_id, blocks, 0, reason, 0, 0, None, None, kv_group, None, None, None, 0, None)
 
 
 def copy_event(kind: str, req_id: str, blocks: list[int], num_tokens: int, reason: str | None, tier: str,
-               num_bytes: int) -> KvEvent:
-    """A tier copy's KvEvent (an offload, a load), made for every block-size tokens a request stores: built as
-    block_event builds its."""
-    return _new_tuple(KvEvent, (kind, req_id, blocks, num_tokens, reason, 0, 0, None, None, None, None, tier, None,
-                                num_bytes, None))
+               num_bytes: int) -> tuple:
+    """A tier copy's event (an offload, a load), made for every block-size tokens a request stores: a plain
+    tuple, as block_event's."""
+    return (kind, req_id, tuple(blocks), num_tokens, reason, 0, 0, None, None, None, None, tier, None, num_bytes,
+            None)
 
 
 class StepRow(NamedTuple):

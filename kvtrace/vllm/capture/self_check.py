@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvtrace.vllm.capture.rows import KvEvent, ScheduledStep
+from kvtrace.vllm.capture.rows import BLOCKS, KIND, REASON, REQ_ID, KvEvent, ScheduledStep
 
 MAX_EXAMPLES = 20   # of the problems found, the first kept for done.json
 
@@ -33,14 +33,15 @@ class SelfCheck:
 
     def replay(self, events: list[KvEvent], held: dict[str, set[int]] | None = None) -> None:
         held = self.held if held is None else held
-        for e in events:
-            if e.kind in ("alloc", "prefix_hit") and e.req_id:
-                held.setdefault(e.req_id, set()).update(e.blocks)
-            elif e.kind in ("preempt", "finish"):
-                held.pop(e.req_id, None)
-            elif e.kind == "free" and (e.reason in ("window", "state") or e.reason == "other" and e.req_id):
+        for e in events:   # (by index: the wraps' events are plain tuples, rows.py)
+            kind, rid, reason = e[KIND], e[REQ_ID], e[REASON]
+            if kind in ("alloc", "prefix_hit") and rid:
+                held.setdefault(rid, set()).update(e[BLOCKS])
+            elif kind in ("preempt", "finish"):
+                held.pop(rid, None)
+            elif kind == "free" and (reason in ("window", "state") or reason == "other" and rid):
                 # dropped mid-request; or given back otherwise (a KV connector's failed load, computed again)
-                held.get(e.req_id, set()).difference_update(e.blocks)
+                held.get(rid, set()).difference_update(e[BLOCKS])
 
     def check(self, step: int, waiting: Iterable[ScheduledStep], cached_free: int) -> None:
         """After `step`'s events were written; `waiting`: the steps scheduled since, whose events, and
