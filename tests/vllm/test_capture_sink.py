@@ -75,6 +75,29 @@ def test_the_oldest_whole_chunks_go_first_and_ls_says_so(tmp_path):
     assert _parts(tmp_path / "roomy") == [] and len(list((tmp_path / "roomy" / "chunks").glob("*.kvtc"))) == 1
 
 
+def test_a_chunk_of_several_steps_holds_and_names_every_row(tmp_path):
+    """The builder seals each step's rows into one segment a column (sink.py's `_seal`): a chunk of several
+    steps, each with several arrivals, holds every row in order, and its name counts its arrivals, not
+    its segments."""
+    from kvtrace.vllm.capture import chunk_format
+
+    def build(sink: Sink, t: float) -> None:
+        _build(sink, t)
+        _build(sink, t + 0.25)   # two steps' rows, two arrivals, in one build
+    sink = Sink(tmp_path / "capture", SERVER, wall_minus_monotonic=0.0)
+    sink.build = partial(build, sink)
+    for t in range(3):
+        sink.add(float(t))
+    sink.flush()
+    sink.drain()
+    (path,) = (tmp_path / "capture" / "chunks").glob("*.kvtc")
+    assert path.stem.split("_")[-1] == "6"
+    chunk = chunk_format.decode(path.read_bytes())
+    assert chunk["arrivals"]["req_id"] == ["r0", "r0", "r1", "r1", "r2", "r2"]
+    assert chunk["steps"]["start_s"] == [0.0, 0.25, 1.0, 1.25, 2.0, 2.25]
+    assert chunk["arrivals"]["block_hashes"] == [[1, 2, 3]] * 6
+
+
 def test_a_full_disk_stops_the_capture_with_one_warning(tmp_path, monkeypatch, caplog):
     told: list[BaseException] = []   # the recorder's on_stop writes error.json (reason disk) from it
     sink = Sink(tmp_path / "capture", SERVER, on_stop=told.append)

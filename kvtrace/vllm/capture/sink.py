@@ -256,7 +256,7 @@ class Sink:
     def _hand_over(self, wait_s: float) -> None:
         """The columns built so far, as one chunk, to the writer (`wait_s`: as flush's)."""
         chunk = {t: cols for t, cols in self.columns.items() if self.num_rows[t]}
-        num_rows = sum(self.num_rows.values())
+        num_rows, arrivals = sum(self.num_rows.values()), self.num_rows["arrivals"]   # (a column holds segments)
         if not chunk:
             return
         self._empty()
@@ -268,7 +268,6 @@ class Sink:
         first, last = ((min(chain.from_iterable(steps["start_s"])), max(chain.from_iterable(steps["end_s"])))
                        if steps else (now, now))
         offset = self.wall_minus_monotonic
-        arrivals = len(chunk.get("arrivals", {}).get("req_id", ()))
         name = f"{self.server_id}_{part:06d}_{first + offset:.3f}_{last + offset:.3f}_{arrivals}{chunk_format.SUFFIX}"
         if self.writer is None:
             writer = threading.Thread(target=self._write_chunks, name="kvtrace-capture-writer", daemon=True)
