@@ -28,9 +28,9 @@ are the executor's. This file decides only what is kept and what is dropped.
 from __future__ import annotations
 
 import heapq
-from itertools import islice
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from itertools import islice
 from typing import NamedTuple
 
 PENDING_STORE = -1   # a chunk's ref_count while its store is in flight
@@ -83,6 +83,16 @@ class _Access:
 
     rank: int | None = None
     positions: dict[int, int] = field(default_factory=dict)
+    # whether each key was noted at a position past all noted before (as for most requests: its tail
+    # first is then the noted order reversed), and the position past the furthest noted
+    head_first: bool = True
+    end: int = 0
+
+    def note_span(self, first: int, end: int) -> None:
+        """Positions from `first` up to `end` noted, in their order."""
+        if first < self.end:
+            self.head_first = False
+        self.end = max(self.end, end)
 
 
 class OffloadTier:
@@ -154,7 +164,8 @@ class OffloadTier:
             evicted = self._evict(num_to_evict, protected)
             if evicted is None:
                 return None
-        chunks.update(dict.fromkeys(new, PENDING_STORE))   # (0.31's and 0.32's ranks: the newest, in the order offered)
+        for key in new:   # (0.31's and 0.32's ranks: the newest, in the order offered)
+            chunks[key] = PENDING_STORE
         slots = []
         if self.host_slots:
             slots = self._allocate_slots(len(new))
@@ -169,7 +180,8 @@ class OffloadTier:
         """A store's copy finished: its chunks become ready; failed, they leave the tier."""
         chunks = self.chunks
         if success:   # (every key pending: a store's chunks are pending from prepare_store until now)
-            chunks.update(dict.fromkeys(keys, 0))   # (a value changed: the dict's order stays)
+            for key in keys:   # (a value changed: the dict's order stays)
+                chunks[key] = 0
             self.num_ready += len(keys)
             if self.ranks_by_request:
                 for key in keys:
@@ -214,8 +226,7 @@ class OffloadTier:
         if access is None:
             return
         positions = access.positions
-        noted = list(positions.values())
-        if noted == sorted(noted):   # (noted head first, as most requests are: no sort by position)
+        if access.head_first:   # (as most requests are: no sort by position)
             tail_first = reversed(positions)
         else:
             tail_first = sorted(positions, key=positions.__getitem__, reverse=True)
@@ -227,8 +238,10 @@ class OffloadTier:
             return
         chunks = self.chunks   # every rank the newest: the chunks it holds to the dict's end, in this order
         pop = chunks.pop
-        held = {key: ref_count for key in tail_first if (ref_count := pop(key, None)) is not None}
-        chunks.update(held)
+        for key in tail_first:
+            ref_count = pop(key, None)
+            if ref_count is not None:
+                chunks[key] = ref_count
 
     # ---- inside -------------------------------------------------------------------------
     def _touch(self, request: object, keys: list[int], first_position: int, skip_pending: bool = False) -> None:
@@ -241,6 +254,7 @@ class OffloadTier:
         positions, chunks = access.positions, self.chunks
         if not skip_pending and positions.keys().isdisjoint(keys):   # all seen for the first time (most calls)
             first_seen = zip(keys, range(first_position, first_position + len(keys)))
+            access.note_span(first_position, first_position + len(keys))
             if not self.ranks_by_request:   # (a touch ranks nothing)
                 positions.update(first_seen)
                 return
@@ -248,6 +262,8 @@ class OffloadTier:
         else:
             first_seen = [(key, position) for position, key in enumerate(keys, first_position)
                           if key not in positions and not (skip_pending and chunks.get(key) == PENDING_STORE)]
+            if first_seen:
+                access.note_span(first_seen[0][1], first_seen[-1][1] + 1)
         positions.update(first_seen)
         if not first_seen or not self.ranks_by_request:
             return
@@ -299,12 +315,11 @@ class OffloadTier:
         """_evict under 0.31's and 0.32's ranks: the first n ready chunks of the chunks dict, the protected
         ones passed over (vLLM's LRUCachePolicy.evict)."""
         chunks = self.chunks
-        first = dict(islice(chunks.items(), n))
+        first = list(islice(chunks, n))
         # the first n, when all are ready and none protected (most calls)
-        if len(first) == n and not any(first.values()) and protected.isdisjoint(first):
-            evicted = list(first)
-            self._drop(evicted)
-            return evicted
+        if len(first) == n and not any(map(chunks.__getitem__, first)) and protected.isdisjoint(first):
+            self._drop(first)
+            return first
         evicted = []
         num_left = n
         for key, ref_count in chunks.items():

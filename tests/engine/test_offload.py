@@ -131,6 +131,19 @@ def test_a_request_noting_its_tail_before_its_head_still_loses_its_tail_first(ra
 
 
 @pytest.mark.parametrize("ranks_by_request", [True, False])
+def test_a_request_filling_its_head_after_its_tail_still_loses_its_tail_first(ranks_by_request):
+    """A stores 12 and 13 (positions 2, 3), then offers 10 to 12 (positions 0 to 2), of which the tier
+    holds 12: the head is noted behind the tail in a call that names a chunk already noted. Finished,
+    its tail goes first."""
+    tier = OffloadTier(4, ranks_by_request)
+    stored(tier, "A", [12, 13], 2)
+    assert stored(tier, "A", [10, 11, 12], 0).keys == [10, 11]
+    tier.on_request_finished("A")
+    assert tier.prepare_store("C", [9], 0).evicted == [13]
+    tier.check_integrity()
+
+
+@pytest.mark.parametrize("ranks_by_request", [True, False])
 def test_a_tier_without_host_slots_decides_as_one_with_them(ranks_by_request):
     """The simulator's tier hands out no host slots: the same stores, refusals, evictions and loads."""
     rng = random.Random(3)
