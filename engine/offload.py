@@ -88,12 +88,6 @@ class _Access:
     head_first: bool = True
     end: int = 0
 
-    def note_span(self, first: int, end: int) -> None:
-        """Positions from `first` up to `end` noted, in their order."""
-        if first < self.end:
-            self.head_first = False
-        self.end = max(self.end, end)
-
 
 class OffloadTier:
     """A host KV tier of `num_blocks` chunks of one device block each, evicting the least recent."""
@@ -254,7 +248,10 @@ class OffloadTier:
         positions, chunks = access.positions, self.chunks
         if not skip_pending and positions.keys().isdisjoint(keys):   # all seen for the first time (most calls)
             first_seen = zip(keys, range(first_position, first_position + len(keys)))
-            access.note_span(first_position, first_position + len(keys))
+            if first_position < access.end:   # behind a position noted before: not head first
+                access.head_first = False
+            elif keys:
+                access.end = first_position + len(keys)
             if not self.ranks_by_request:   # (a touch ranks nothing)
                 positions.update(first_seen)
                 return
@@ -262,8 +259,10 @@ class OffloadTier:
         else:
             first_seen = [(key, position) for position, key in enumerate(keys, first_position)
                           if key not in positions and not (skip_pending and chunks.get(key) == PENDING_STORE)]
-            if first_seen:
-                access.note_span(first_seen[0][1], first_seen[-1][1] + 1)
+            if first_seen and first_seen[0][1] < access.end:
+                access.head_first = False
+            elif first_seen:
+                access.end = first_seen[-1][1] + 1
         positions.update(first_seen)
         if not first_seen or not self.ranks_by_request:
             return
