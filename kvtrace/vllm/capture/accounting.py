@@ -15,7 +15,7 @@ step they belong to (rows.py's ScheduledStep), which waits for its output (pendi
 from __future__ import annotations
 
 import operator
-from itertools import chain, compress, repeat
+from itertools import chain, compress, islice, repeat
 from operator import mod, neg
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -48,58 +48,104 @@ def reason_for_alloc(request: Request) -> str:
             or not request.num_output_tokens + placeholders else "decode")
 
 
+def split(flat: list[int], counts: list[int]) -> list[tuple[int, ...]]:
+    """`flat` cut into tuples of `counts`' lengths, in order."""
+    values = iter(flat)
+    return [tuple(islice(values, n)) for n in counts]
+
+
+class LoopEvents:
+    """The block events of one step's running loop (wraps.py), kept flat until their events are made: each
+    one's place among the step's events (None there until then) and its blocks' ids, one after another.
+    An alloc's request, reason and group are the step's SchedulerOutput's (Attribution); a free out of a
+    request's window says its own.
+
+    With two groups and draft tokens the running loop makes hundreds of these a step (at 1,024 running,
+    ~315 allocs and ~130 window frees). Kept as events, each a tuple or two that outlives the step's
+    scheduling, they brought on a collection of the youngest generation every 700 of them, and more of
+    the older ones; kept flat, as lists of integers and strings (values the cyclic GC never tracks), they
+    bring on none, and their events are made on the sink's builder thread."""
+
+    __slots__ = ("alloc_places", "alloc_counts", "alloc_ids", "free_places", "free_counts", "free_ids",
+                 "free_req_ids", "free_reasons", "free_groups")
+
+    def __init__(self) -> None:
+        self.alloc_places: list[int] = []
+        self.alloc_counts: list[int] = []
+        self.alloc_ids: list[int] = []
+        self.free_places: list[int] = []
+        self.free_counts: list[int] = []
+        self.free_ids: list[int] = []
+        self.free_req_ids: list[str] = []
+        self.free_reasons: list[str] = []
+        self.free_groups: list[int | None] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.alloc_places or self.free_places)
+
+    def make_frees(self, events: list) -> None:
+        """The window frees' events, in their places in `events`."""
+        for i, rid, ids, reason, group in zip(self.free_places, self.free_req_ids,
+                                              split(self.free_ids, self.free_counts), self.free_reasons,
+                                              self.free_groups):
+            events[i] = block_event("free", rid, ids, reason, group)
+
+
 class Attribution:
-    """The running loop's allocs of one step, whose requests, reasons and groups its SchedulerOutput says:
-    each alloc's place among the step's events (None there until `resolve`) and the ids of the blocks it
-    gave, the SchedulerOutput's `cached` requests given blocks with the ids of those blocks per group, and
-    those scheduled whose tokens are prefill (the others decode). Resolved on the sink's builder thread
-    (the recorder hands it over with the step's events), or at once where the engine's thread reads the
-    events (the self-check; an async step that a later one's finish concerns).
+    """The running loop's block events of one step (LoopEvents), and what its SchedulerOutput says of its
+    allocs: the `cached` requests given blocks, with the ids of those blocks per group, and those scheduled
+    whose tokens are prefill (the others decode). Resolved on the sink's builder thread (the recorder
+    hands it over with the step's events), or at once where the engine's thread reads the events (the
+    self-check; an async step that a later one's finish concerns).
 
-    What it keeps until then is flat: lists of integers, strings and tuples of integers, which leave the
-    cyclic GC's care at the first collection. vLLM's own lists, or tuples holding tuples, kept a step
-    longer than vLLM keeps its own, would be promoted to the oldest generation on the way, bringing on
-    full collections of the server's heap that vLLM alone never needs (25-35 ms at 1,024 running)."""
+    What it keeps until then is flat: lists of integers and strings, which the cyclic GC does not track.
+    vLLM's own lists, kept a step longer than vLLM keeps its own, would be promoted to the oldest
+    generation on the way, bringing on full collections of the server's heap that vLLM alone never needs
+    (25-35 ms at 1,024 running)."""
 
-    __slots__ = ("places", "allocs", "req_ids", "new_block_ids", "num_groups", "prefilling", "hybrid")
+    __slots__ = ("loop", "req_ids", "given_counts", "given_ids", "num_groups", "prefilling", "hybrid")
 
-    def __init__(self, places: list[int], allocs: list[tuple[int, ...]], cached, num_groups: int,
-                 prefilling: set[str], hybrid: bool) -> None:
-        self.places, self.allocs = places, allocs
+    def __init__(self, loop: LoopEvents, cached, num_groups: int, prefilling: set[str], hybrid: bool) -> None:
+        self.loop = loop
         # only the requests given blocks (those with None for new_block_ids are left out in C), and their
-        # blocks as one tuple per request and group: the k-th is req_ids[k // num_groups]'s, of group
+        # blocks per request and group, flat: the k-th count is req_ids[k // num_groups]'s, of group
         # k % num_groups
         new_block_ids = cached.new_block_ids
         self.req_ids = list(compress(cached.req_ids, new_block_ids))
-        self.new_block_ids = list(map(tuple, chain.from_iterable(compress(new_block_ids, new_block_ids))))
+        self.given_counts = list(map(len, chain.from_iterable(compress(new_block_ids, new_block_ids))))
+        self.given_ids = list(chain.from_iterable(chain.from_iterable(compress(new_block_ids, new_block_ids))))
         self.num_groups, self.prefilling, self.hybrid = num_groups, prefilling, hybrid
 
     def resolve(self, events: list) -> None:
-        """Each alloc's event, in its place in `events` (the step's). An alloc whose blocks none was given
-        stays without a request."""
+        """Each of the running loop's events, in its place in `events` (the step's). An alloc whose blocks
+        none was given stays without a request."""
+        loop = self.loop
+        loop.make_frees(events)
+        places, allocs = loop.alloc_places, split(loop.alloc_ids, loop.alloc_counts)
         # The running requests come first: a request resumed after them (on vLLM before 0.34 here too)
         # lists all its blocks, a prefix hit on one that a running request was just given among them
         n, req_ids = self.num_groups, self.req_ids
-        given = [(req_ids[k // n], k % n, ids) for k, ids in enumerate(self.new_block_ids) if ids]
+        given = [(req_ids[k // n], k % n, ids)
+                 for k, ids in enumerate(split(self.given_ids, self.given_counts)) if ids]
         hybrid, prefilling = self.hybrid, self.prefilling
         # The running loop gave blocks to the running requests in the order the SchedulerOutput lists them,
         # one alloc a request and group (in group order), so the k-th alloc is the k-th request and group
         # given blocks. Paired so while each pair's blocks are the same; from the first that is not, the
         # blocks' owners say
         paired = 0
-        for i, blocks, (rid, group, ids) in zip(self.places, self.allocs, given):
+        for i, blocks, (rid, group, ids) in zip(places, allocs, given):
             if len(ids) != len(blocks) or ids[0] != blocks[0]:
                 break
             alloc_reason = "prefill" if rid in prefilling else "decode"
             events[i] = block_event("alloc", rid, ids, alloc_reason, group if hybrid else None)
             paired += 1
-        if paired == len(self.places):
+        if paired == len(places):
             return
         owner: dict[int, tuple[str, int]] = {}   # a block given this step -> its request and group
         for rid, group, ids in given:
             for block in ids:
                 owner.setdefault(block, (rid, group))
-        for i, ids in zip(self.places[paired:], self.allocs[paired:]):
+        for i, ids in zip(places[paired:], allocs[paired:]):
             rid, group = owner.get(ids[0], ("", None))
             alloc_reason = "other" if not rid else "prefill" if rid in prefilling else "decode"
             events[i] = block_event("alloc", rid, ids, alloc_reason, group if hybrid else None)
@@ -127,11 +173,10 @@ class StepAccounting:
         # (re-)prefill; every other scheduled request decodes, which the step's totals account for
         self.watched: dict[str, RequestState] = {}
         self.events: list[KvEvent] = []                       # since the last schedule()
-        # the running loop's allocs this step (wraps.py): each one's place in `events` (None there until
-        # then) and the ids of the blocks it gave; whose they are, why, and their group are the SchedulerOutput's
-        # (Attribution, once the step is scheduled: `attribution`, for the placeholders in `events`)
-        self.unattributed: list[int] = []                       # their places
-        self.unattributed_blocks: list[tuple[int, ...]] = []    # their blocks' ids
+        # the running loop's block events this step (wraps.py), flat, with None for each in `events` until
+        # they are made: an alloc's request, reason and group are the SchedulerOutput's (Attribution, once the
+        # step is scheduled: `attribution`, for the placeholders in `events`)
+        self.loop = LoopEvents()
         self.attribution: Attribution | None = None
         self.resolve_at_once = False        # the engine's thread reads every step's events (the self-check)
         self.finishing: list[tuple[Request, RequestState]] = []   # freed since the last schedule()
@@ -243,10 +288,10 @@ class StepAccounting:
                 done.append(rid)   # from now on a decoding request like the others, until a preemption
         for rid in done:
             del watched[rid]
-        if self.unattributed:   # their requests: on the builder thread, or at once where asked
-            self.attribution = Attribution(self.unattributed, self.unattributed_blocks, out.scheduled_cached_reqs,
-                                           self.num_groups, prefilling, self.hybrid)
-            self.unattributed, self.unattributed_blocks = [], []
+        if self.loop:   # its events, its allocs' requests: on the builder thread, or at once where asked
+            self.attribution = Attribution(self.loop, out.scheduled_cached_reqs, self.num_groups, prefilling,
+                                           self.hybrid)
+            self.loop = LoopEvents()
             if self.resolve_at_once:
                 self.resolve()
         if len(reprefilled) > 1:   # in the order the scheduler scheduled them
@@ -335,7 +380,7 @@ class StepAccounting:
         rid = request.request_id
         st = self.state(rid)
         groups = self.kvm.get_block_ids(rid)
-        if self.unattributed:   # given blocks this step and preempted now: the SchedulerOutput will not say
+        if self.loop.alloc_places:   # given blocks this step and preempted now: the SchedulerOutput will not say
             self.claim(request, groups)
         blocks, per_group = self.block_ids(groups)
         # watched again from its resume: what it recomputes is counted against the most it had
@@ -356,16 +401,18 @@ class StepAccounting:
         block ids per group) get it, their reason from its state as vLLM's schedule left it."""
         owner = {block: group for group, ids in enumerate(groups) for block in ids}
         reason = reason_for_alloc(request)
-        events, left, left_blocks = self.events, [], []
-        for i, blocks in zip(self.unattributed, self.unattributed_blocks):
+        loop, events = self.loop, self.events
+        left_places, left_counts, left_ids = [], [], []
+        for i, blocks in zip(loop.alloc_places, split(loop.alloc_ids, loop.alloc_counts)):
             group = owner.get(blocks[0])
             if group is None:
-                left.append(i)
-                left_blocks.append(blocks)
+                left_places.append(i)
+                left_counts.append(len(blocks))
+                left_ids += blocks
             else:
                 events[i] = block_event("alloc", request.request_id, blocks, reason,
                                         group if self.hybrid else None)
-        self.unattributed, self.unattributed_blocks = left, left_blocks
+        loop.alloc_places, loop.alloc_counts, loop.alloc_ids = left_places, left_counts, left_ids
 
     def block_ids(self, groups: tuple[list[int], ...]) -> tuple[list[int], list[int] | None]:
         """A request's blocks in every group (vLLM's block ids per group), the null block left out, and

@@ -115,12 +115,13 @@ class PoolWraps:
                 if self.running_loop and self.current is None:
                     # a running request's: whose, why and of which group the step's SchedulerOutput says
                     # (accounting.py's Attribution). Read here from allocate_slots' frame, as below, it cost
-                    # more than the rest of a step's capture where draft tokens make requests grow often
-                    # (its block ids, as a tuple of integers, which leaves the cyclic GC's care at its first
-                    # collection: vLLM's list of blocks, kept until then, would be promoted on the way)
+                    # more than the rest of a step's capture where draft tokens make requests grow often.
+                    # Kept flat till then (accounting.py's LoopEvents): no object the cyclic GC tracks
                     steps = self.steps
-                    steps.unattributed.append(len(steps.events))
-                    steps.unattributed_blocks.append(tuple(map(_block_id, blocks)))
+                    loop = steps.loop
+                    loop.alloc_places.append(len(steps.events))
+                    loop.alloc_counts.append(len(blocks))
+                    loop.alloc_ids.extend(map(_block_id, blocks))
                     steps.events.append(None)   # its place among the step's events, filled then
                     return blocks
                 # an admission's (`current`), or one made elsewhere: its request's, if it is in an
@@ -148,8 +149,19 @@ class PoolWraps:
             if caller.f_code.co_name in SKIPPING:   # out of a request's window, mid-request
                 owner = caller.f_locals
                 group = owner["self"].kv_cache_group_id
-                self.steps.events.append(block_event("free", owner["request_id"], tuple(map(_block_id, blocks)),
-                                                     self.skip_reasons[group], group if self.hybrid else None))
+                steps = self.steps
+                if self.running_loop:   # (the running loop's: kept flat till the step's events are made)
+                    loop = steps.loop
+                    loop.free_places.append(len(steps.events))
+                    loop.free_counts.append(len(blocks))
+                    loop.free_ids.extend(map(_block_id, blocks))
+                    loop.free_req_ids.append(owner["request_id"])
+                    loop.free_reasons.append(self.skip_reasons[group])
+                    loop.free_groups.append(group if self.hybrid else None)
+                    steps.events.append(None)
+                else:
+                    steps.events.append(block_event("free", owner["request_id"], tuple(map(_block_id, blocks)),
+                                                    self.skip_reasons[group], group if self.hybrid else None))
             elif freed:
                 request = self.current or self.allocating()
                 self.steps.events.append(block_event("free", request.request_id if request is not None else "",
