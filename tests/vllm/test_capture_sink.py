@@ -98,6 +98,29 @@ def test_a_chunk_of_several_steps_holds_and_names_every_row(tmp_path):
     assert chunk["arrivals"]["block_hashes"] == [[1, 2, 3]] * 6
 
 
+def test_sealed_segments_write_the_chunk_flat_columns_would():
+    """A step's numbers are sealed as typed arrays, other values as tuples (sink.py's `segment`): the
+    chunk of those segments is the chunk of the same values as flat columns, byte for byte, whatever
+    each step's values are (integers, floats, integers beside floats, nulls, strings, block ids)."""
+    from kvtrace.vllm.capture import chunk_format
+    from kvtrace.vllm.capture.sink import segment
+
+    steps = {   # a column's values, step by step (three steps of 2, 1 and 3 rows)
+        "idx": [[0, 1], [2], [3, 4, 2**40]],
+        "ts_s": [[0.5, 0.5], [1.0], [2.25, 2.5, 2.5]],
+        "device_ms": [[1.5, 2], [None], [4, 5, 6]],   # floats first with integers, a null, integers alone
+        "mixed": [[1, 2.5], [3], [4.0, 5, 6]],          # an integer first, then a float
+        "req_id": [["r0", "r1"], ["r2"], [None, "r3", "r4"]],
+        "blocks": [[(1, 2), (3,)], [None], [(4, 5, 6), (), (7,)]],
+    }
+    flat = {"t": {name: [v for step in values for v in step] for name, values in steps.items()}}
+    sealed = {"t": {name: [segment(step) for step in values] for name, values in steps.items()}}
+    assert type(sealed["t"]["idx"][0]).__name__ == "array" and type(sealed["t"]["req_id"][0]) is tuple
+    data = chunk_format.encode(sealed, segments=True)
+    assert data == chunk_format.encode(flat)
+    assert chunk_format.decode(data)["t"]["idx"] == [0, 1, 2, 3, 4, 2**40]
+
+
 def test_a_full_disk_stops_the_capture_with_one_warning(tmp_path, monkeypatch, caplog):
     told: list[BaseException] = []   # the recorder's on_stop writes error.json (reason disk) from it
     sink = Sink(tmp_path / "capture", SERVER, on_stop=told.append)
