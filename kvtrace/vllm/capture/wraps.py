@@ -25,6 +25,7 @@ unwrapped: when it does call the block pool (a request's new block, every block-
 few steps with draft tokens), the wrapper writes the alloc event without its request, which the step's
 SchedulerOutput says once the step is scheduled (accounting.py's `Attribution`; a request preempted in
 the same step after its blocks were given, which the SchedulerOutput leaves out, says at its preemption).
+Those allocs and the running loop's window frees are kept flat until then (accounting.py's `LoopEvents`).
 A block-pool call elsewhere finds its request in the frame of the allocate_slots call it is made in
 (`allocating`), and a preemption finds the request it serves (its requester) in the frame of vLLM's
 schedule (`requester`). guard.py checks both locals by name at start-up.
