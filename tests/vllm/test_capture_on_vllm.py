@@ -644,6 +644,30 @@ def test_the_capture_leaves_allocate_slots_as_it_found_it_after_every_step(vllm,
 
 
 @starts_vllm(unless=bool(DRIVERS))
+@pytest.mark.parametrize("windowed", [False, True], ids=["full", "full+sliding"])
+def test_the_capture_leaves_the_attributes_of_vllms_instances_inline(vllm, windowed, tmp_path):
+    """The capture's wrappers go onto the KV-cache manager's and the block pool's instances, and the
+    admission wrapper on and off the manager's every step, without turning their attributes into a
+    dict: on CPython 3.11 and 3.12 every attribute read of vLLM's code on them would then be a dict
+    lookup instead of a specialized read, millions of instructions a step at 1,024 running
+    (instance_wraps.py). Three requests crowd a pool that holds two: they wait, are admitted and
+    preempted (and, with a window, drop blocks), so that every wrapper is put on, called and, for
+    admissions, taken off again."""
+    groups = ["full", "sliding"] if windowed else ["full"]
+    workload = {**hybrid(CROWDED, groups, 2), "capture_dir": str(tmp_path / "capture"), "bare": True}
+    answer = vllm.answer(workload)
+    assert "error" not in answer, answer.get("traceback")
+    records = answer["steps"]
+    assert any(r["preempted"] for r in records) and (not windowed or any(r["dropped"] for r in records))
+    problems = capture_differences(workload, records, answer)
+    assert not problems, "\n".join(problems[:10])
+    inline = answer["attributes_inline"]
+    if None in inline.values():
+        pytest.skip("this Python keeps an instance's attributes inline whatever is read (3.13+), or is not CPython")
+    assert inline == {"kv_cache_manager": True, "block_pool": True}
+
+
+@starts_vllm(unless=bool(DRIVERS))
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["Scheduler", "AsyncScheduler"])
 def test_a_steps_device_time_runs_from_the_end_of_its_scheduling_to_its_output(vllm, asynchronous, tmp_path):
     """device_ms is the time from the end of a step's schedule() to the start of its

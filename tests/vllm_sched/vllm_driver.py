@@ -439,6 +439,29 @@ def _unhide(undo: list) -> None:
             setattr(cls, attr, original)
 
 
+def on_instance(obj, name: str) -> bool:
+    """Whether `obj` holds `name` itself (a wrapper put on it), not its class's method; read without
+    `obj.__dict__`, which would turn its attributes into a dict (attributes_inline)."""
+    value = getattr(obj, name)
+    return not (getattr(value, "__self__", None) is obj and getattr(value, "__func__", None) is getattr(type(obj), name))
+
+
+def attributes_inline(obj) -> bool | None:
+    """Whether CPython 3.11 or 3.12 still keeps `obj`'s attributes as inline values laid out by its
+    class's shared keys, on which each attribute read of vLLM's code is specialized
+    (LOAD_ATTR_INSTANCE_VALUE), rather than in a dict (None on other Pythons, where a dict made from
+    them keeps them inline: 3.13+). Read from the object's header: 3.11 keeps the dict's pointer three
+    words before the object (NULL while the values are inline); 3.12 keeps there either the values'
+    pointer, tagged with the low bit, or the dict's."""
+    import ctypes
+    if sys.implementation.name != "cpython" or sys.version_info[:2] not in ((3, 11), (3, 12)):
+        return None
+    slot = ctypes.c_void_p.from_address(id(obj) - 3 * ctypes.sizeof(ctypes.c_void_p)).value
+    if sys.version_info[:2] == (3, 11):
+        return slot is None
+    return slot is not None and slot & 1 == 1
+
+
 def remove_folder(path):
     """As `rm -rf` would, while the capture's writer thread renames and writes files in it: a file gone
     between the listing and its unlink is not an error, and one written meanwhile is removed too."""
@@ -579,7 +602,7 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         if worker is not None:   # those finishing before the next schedule(), in the order they finish
             sched.finished_req_ids = InsertionOrderedSet()
         scheduled_at = time.monotonic()
-        if "allocate_slots" in sched.kv_cache_manager.__dict__ and workload.get("bare"):
+        if workload.get("bare") and on_instance(sched.kv_cache_manager, "allocate_slots"):
             # nothing of the driver's on the instance: anything there is a wrapper left behind
             answer.setdefault("left_on_allocate_slots", []).append(len(steps))
         num_free, num_cached, _ = rec.pool()
@@ -657,6 +680,9 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         answer["lookahead"] = sched.num_lookahead_tokens   # speculative decoding's reserved slots a request
         cap = sched._kvtrace   # None: the capture did not start (vLLM's scheduler as its own)
         answer["capture_started"] = cap is not None
+        kvm = sched.kv_cache_manager
+        answer["attributes_inline"] = {"kv_cache_manager": attributes_inline(kvm),
+                                       "block_pool": attributes_inline(kvm.block_pool)}
         if cap is not None:   # what is on disk before shutdown, and what it still holds per request
             from kvtrace.vllm.capture import chunk_format
             cap.sink.drain()   # what the writer thread was handed has been written

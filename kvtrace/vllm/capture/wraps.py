@@ -40,7 +40,7 @@ from vllm.v1.request import Request
 
 from kvtrace.vllm.capture.accounting import ADMITTING, StepAccounting, reason_for_alloc
 from kvtrace.vllm.capture.connector import TierWraps
-from kvtrace.vllm.capture.instance_wraps import InstanceWraps
+from kvtrace.vllm.capture.instance_wraps import InstanceWraps, own_attribute
 from kvtrace.vllm.capture.rows import block_event
 
 _block_id = attrgetter("block_id")
@@ -239,7 +239,7 @@ class PoolWraps:
                 self.admitting = True
                 self.running_loop = False
                 # whatever allocate_slots is now (vLLM's, or another instance wrapper's) stays under ours
-                self.allocate_slots_before = kvm.__dict__.get("allocate_slots")
+                self.allocate_slots_before = own_attribute(kvm, "allocate_slots")
                 self.allocate_slots = kvm.allocate_slots
                 kvm.allocate_slots = self.admit_slots
             return peek()
