@@ -15,6 +15,7 @@ step they belong to (rows.py's ScheduledStep), which waits for its output (pendi
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from itertools import chain, compress, islice, repeat
 from operator import mod, neg
 
@@ -48,7 +49,7 @@ def reason_for_alloc(request: Request) -> str:
             or not request.num_output_tokens + placeholders else "decode")
 
 
-def split(flat: list[int], counts: list[int]) -> list[tuple[int, ...]]:
+def split(flat: Sequence[int], counts: Sequence[int]) -> list[tuple[int, ...]]:
     """`flat` cut into tuples of `counts`' lengths, in order."""
     values = iter(flat)
     return [tuple(islice(values, n)) for n in counts]
@@ -63,8 +64,8 @@ class LoopEvents:
     With two groups and draft tokens the running loop makes hundreds of these a step (at 1,024 running,
     ~315 allocs and ~130 window frees). Kept as events, each a tuple or two that outlives the step's
     scheduling, they brought on a collection of the youngest generation every 700 of them, and more of
-    the older ones; kept flat, as lists of integers and strings (values the cyclic GC never tracks), they
-    bring on none, and their events are made on the sink's builder thread."""
+    the older ones; kept flat, they bring on none, and their events are made on the sink's builder
+    thread."""
 
     __slots__ = ("alloc_places", "alloc_counts", "alloc_ids", "free_places", "free_counts", "free_ids",
                  "free_req_ids", "free_reasons", "free_groups")
@@ -98,7 +99,11 @@ class Attribution:
     hands it over with the step's events), or at once where the engine's thread reads the events (the
     self-check; an async step that a later one's finish concerns).
 
-    What it keeps until then is flat: lists of integers and strings, which the cyclic GC does not track.
+    What it keeps until then is flat, and in tuples: a list of a thousand values is walked value by
+    value by every collection that meets it while it lives (the youngest generation's, a few a step,
+    then the middle one's), a tuple of numbers and strings once, by the first, which then stops
+    tracking it. (A typed array is never walked, but CPython builds one value by value through a
+    format-string parse: 12 times a tuple's cost.)
     vLLM's own lists, kept a step longer than vLLM keeps its own, would be promoted to the oldest
     generation on the way, bringing on full collections of the server's heap that vLLM alone never needs
     (25-35 ms at 1,024 running)."""
@@ -111,9 +116,9 @@ class Attribution:
         # blocks per request and group, flat: the k-th count is req_ids[k // num_groups]'s, of group
         # k % num_groups
         new_block_ids = cached.new_block_ids
-        self.req_ids = list(compress(cached.req_ids, new_block_ids))
-        self.given_counts = list(map(len, chain.from_iterable(compress(new_block_ids, new_block_ids))))
-        self.given_ids = list(chain.from_iterable(chain.from_iterable(compress(new_block_ids, new_block_ids))))
+        self.req_ids = tuple(compress(cached.req_ids, new_block_ids))
+        self.given_counts = tuple(map(len, chain.from_iterable(compress(new_block_ids, new_block_ids))))
+        self.given_ids = tuple(chain.from_iterable(chain.from_iterable(compress(new_block_ids, new_block_ids))))
         self.num_groups, self.prefilling, self.hybrid = num_groups, prefilling, hybrid
 
     def resolve(self, events: list) -> None:
@@ -305,7 +310,7 @@ class StepAccounting:
         # (-computed % bs for each, in C: mod(neg(computed), bs), a pass over every running request each step)
         gaps = sum(map(mod, map(neg, map(_num_computed_tokens, sched.running)), repeat(bs))) * self.position_groups
         # each request's drafts, counted once: the step's spec_decode rows take them too (take_step)
-        self.num_drafts = list(map(len, spec.values())) if spec else None
+        self.num_drafts = tuple(map(len, spec.values())) if spec else None
         return StepRow(self.step, start, end, len(sched.running), len(sched.waiting), prefill, num_scheduled - prefill,
                        recompute, self.step_preemptions, free, used, cached_free, used * bs - gaps,
                        self.admission_stop(num_scheduled), sum(self.num_drafts) if spec else 0)
@@ -334,10 +339,10 @@ class StepAccounting:
         spec_decode rows, and a request's totals the reader's, importer.DraftTotals). Every request of a
         step drafts, so this is C-level passes over them, no Python per request, but for the watched ones,
         whose rejected drafts' positions are rolled back."""
-        num_sampled = list(map(len, model_output.sampled_token_ids))
+        num_sampled = tuple(map(len, model_output.sampled_token_ids))
         states = self.states
-        gone = frozenset() if all(map(states.__contains__, spec)) else frozenset(spec.keys() - states.keys())
-        drafts = AcceptedDrafts(list(model_output.req_ids), num_sampled, gone)
+        gone = frozenset() if spec.keys() <= states.keys() else frozenset(spec.keys() - states.keys())
+        drafts = AcceptedDrafts(tuple(model_output.req_ids), num_sampled, gone)
         common = self.watched.keys() & spec.keys()
         if common:
             at = dict(zip(drafts.req_ids, num_sampled))

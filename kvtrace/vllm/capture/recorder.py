@@ -207,7 +207,7 @@ class Recorder:
                 self.rows.append((self.columns.tokens, engine_outputs.outputs, step, now))
         accepted = 0
         if scheduled is not None and scheduled.row.draft_tokens:   # a speculative step: before its finished rows
-            self.rows.append((self.columns.spec_decode, list(out.scheduled_spec_decode_tokens), scheduled.num_drafts,
+            self.rows.append((self.columns.spec_decode, tuple(out.scheduled_spec_decode_tokens), scheduled.num_drafts,
                               accepted_drafts, step, now, self.steps.lookahead))
             accepted = accepted_drafts if accepted_drafts is not None else 0   # (counted by the spec_decode rows)
         self._write_finished(now)
@@ -313,7 +313,7 @@ class Recorder:
         end = scheduled.row.schedule_end_s
         self._write_finished(end)
         if scheduled.row.draft_tokens:   # drafts never checked: none accepted, none known to be rejected
-            self.rows.append((self.columns.spec_decode, list(scheduled.output.scheduled_spec_decode_tokens),
+            self.rows.append((self.columns.spec_decode, tuple(scheduled.output.scheduled_spec_decode_tokens),
                               scheduled.num_drafts, None, scheduled.row.step, end, self.steps.lookahead))
         self.rows.append((self.columns.step, scheduled.row, end, None, None if scheduled.row.draft_tokens else 0,
                           steps.events))

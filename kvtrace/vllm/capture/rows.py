@@ -106,13 +106,14 @@ class StepRow(NamedTuple):
 class AcceptedDrafts:
     """What a speculative step's output accepted, as the engine's thread keeps it for the sink's builder:
     each request's sampled tokens counted before vLLM's update cuts a stopped request's short
-    (`req_ids` and `num_sampled`, in the output's order: copies, as vLLM reuses its lists) and the
-    requests that had already finished (`gone`: async, scheduled again while their last tokens were in
-    flight, their output stale). The counts are the builder's (`counts`, once per step)."""
+    (`req_ids` and `num_sampled`, in the output's order: copies, as vLLM reuses its lists; tuples, which
+    a collection walks once and then leaves alone: accounting.py's `Attribution`) and the requests that
+    had already finished (`gone`: async, scheduled again while their last tokens were in flight, their
+    output stale). The counts are the builder's (`counts`, once per step)."""
 
     __slots__ = ("req_ids", "num_sampled", "gone", "accepted")
 
-    def __init__(self, req_ids: list[str], num_sampled: list[int], gone: frozenset[str]) -> None:
+    def __init__(self, req_ids: tuple[str, ...], num_sampled: tuple[int, ...], gone: frozenset[str]) -> None:
         self.req_ids, self.num_sampled, self.gone = req_ids, num_sampled, gone
         self.accepted: list[int | None] | None = None
 
