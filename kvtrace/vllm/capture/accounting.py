@@ -117,8 +117,9 @@ class Attribution:
         # k % num_groups
         new_block_ids = cached.new_block_ids
         self.req_ids = tuple(compress(cached.req_ids, new_block_ids))
-        self.given_counts = tuple(map(len, chain.from_iterable(compress(new_block_ids, new_block_ids))))
-        self.given_ids = tuple(chain.from_iterable(chain.from_iterable(compress(new_block_ids, new_block_ids))))
+        given = tuple(compress(new_block_ids, new_block_ids))   # (two passes over every request, then the few)
+        self.given_counts = tuple(map(len, chain.from_iterable(given)))
+        self.given_ids = tuple(chain.from_iterable(chain.from_iterable(given)))
         self.num_groups, self.prefilling, self.hybrid = num_groups, prefilling, hybrid
 
     def resolve(self, events: list) -> None:

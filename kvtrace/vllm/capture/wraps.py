@@ -142,10 +142,12 @@ class PoolWraps:
         blocks = list(ordered_blocks)
         self._free_blocks(blocks)
         try:
-            freed = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
-            for b in freed:   # (a loop, not a generator: a window's frees are a block or two, every few steps)
-                if b.block_hash is not None:
-                    self.cached_free += 1
+            freed = []
+            for b in blocks:   # (one loop, no comprehension: a window's frees are a block or two, every few steps)
+                if b.ref_cnt == 0 and not b.is_null:
+                    freed.append(b)
+                    if b.block_hash is not None:
+                        self.cached_free += 1
             caller = sys._getframe(1)
             if caller.f_code.co_name in SKIPPING:   # out of a request's window, mid-request
                 owner = caller.f_locals
