@@ -441,7 +441,9 @@ def _unhide(undo: list) -> None:
 
 def on_instance(obj, name: str) -> bool:
     """Whether `obj` holds `name` itself (a wrapper put on it), not its class's method; read without
-    `obj.__dict__`, which would turn its attributes into a dict (attributes_inline)."""
+    `obj.__dict__`, which would turn its attributes into a dict (attributes_inline). The capture's
+    instance_wraps.own_attribute asks the same, written here again on purpose: the check of a
+    capture (a mutant among them) does not run the capture's own code."""
     value = getattr(obj, name)
     return not (getattr(value, "__self__", None) is obj and getattr(value, "__func__", None) is getattr(type(obj), name))
 

@@ -66,12 +66,9 @@ def encode(tables: dict[str, dict[str, list]], meta: dict | None = None, level: 
         described = {}
         for name, values in cols.items():
             typed = _typed(values) if segments else None
-            if typed is None:
-                if segments:
-                    values = list(chain.from_iterable(values))
-                num_values = len(values)
-            else:
-                num_values = sum(map(len, values))
+            if segments and typed is None:
+                values = list(chain.from_iterable(values))
+            num_values = len(values) if typed is None else sum(map(len, values))
             if rows is None:
                 rows = num_values
             if num_values != rows:
