@@ -213,7 +213,12 @@ def num_offload_blocks(config: EngineConfig, bytes_per_block: int) -> int:
         return config.num_offload_blocks
     if not config.offload_size:
         return 0
-    return config.offload_size // (-(-bytes_per_block // HOST_PAGE_BYTES) * HOST_PAGE_BYTES)
+    chunk_bytes = -(-bytes_per_block // HOST_PAGE_BYTES) * HOST_PAGE_BYTES
+    if config.offload_size < chunk_bytes:   # a tier asked for, none given: said, not left out silently
+        raise ValueError(f"--offload-size of {config.offload_size:,} bytes holds no KV block: one takes "
+                         f"{chunk_bytes:,} bytes of host memory here ({chunk_bytes / 2**20:g} MiB); a plain "
+                         f"number is bytes, not vLLM's GiB (8GiB, say), and 0 is no tier")
+    return config.offload_size // chunk_bytes
 
 
 def check_host_memory(num_bytes: int, what: str) -> None:

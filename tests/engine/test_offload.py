@@ -182,6 +182,8 @@ def test_sizes_and_bad_sizes():
     assert num_offload_blocks(EngineConfig(offload_size=0), bytes_per_block) == 0
     assert num_offload_blocks(EngineConfig(num_offload_blocks=3, offload_size="1GiB"), bytes_per_block) == 3
     assert not EngineConfig(offload_size="0").offloads
+    with pytest.raises(ValueError, match="holds no KV block: one takes 8,192 bytes"):   # asked for, none given
+        num_offload_blocks(EngineConfig(offload_size="8000"), bytes_per_block)
     for bad, message in [({"offload_size": "-1"}, "cannot read"), ({"offload_size": -5}, ">= 0"),
                          ({"offload_size": "lots"}, "cannot read"),
                          ({"offload_size": "1GiB", "preemption_mode": "swap"}, "--preemption-mode swap")]:
@@ -192,6 +194,7 @@ def test_sizes_and_bad_sizes():
 @pytest.mark.parametrize("args, message", [
     (["--offload-size", "-3GiB"], "cannot read"),
     (["--offload-size", "many"], "cannot read"),
+    (["--offload-size", "8"], "holds no KV block"),   # vLLM's GiB, read as bytes
     (["--offload-size", "1GiB", "--async-scheduling"], "--async-scheduling"),
     (["--offload-size", "1GiB", "--engine", "vllm"], "--kv-offloading-size"),
 ])
