@@ -8,7 +8,7 @@ import sys
 import tempfile
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,6 +22,9 @@ from kvtrace.errors import KvtraceError
 from kvtrace.trace import db
 from kvtrace.views import headline
 from kvtrace.views.table import format_cell, is_numeric, rich_table
+
+if TYPE_CHECKING:   # duckdb is imported where a connection is made: not by every command's start-up
+    import duckdb
 
 INTERACTIVE_HELP = """\
 Views: requests, steps, kv_events, tokens, gpu_samples (every row has run_id) and runs (meta.json).
@@ -284,6 +287,36 @@ def compare_rows(summary: pa.Table) -> list[dict]:
     return rows
 
 
+def run_tiers(con: duckdb.DuckDBPyConnection) -> dict[str, list[dict]]:
+    """Each run's KV tiers (tier_hits.sql and tier_transfers.sql, as the dashboard reads them)."""
+    from kvtrace.views.dashboard import tier_rows
+
+    hits, transfers = (db.records(db.run_analysis(con, name)) for name in ("tier_hits", "tier_transfers"))
+    return {run: tier_rows([r for r in hits if r["run_id"] == run], [r for r in transfers if r["run_id"] == run])
+            for run in {r["run_id"] for r in hits + transfers}}
+
+
+# (label, a tier's figure: tier_hits.sql's columns and tier_rows' bytes each way)
+TIER_FIGURES = [("hit_tokens", "tier_hit_tokens"), ("hit_rate", "tier_hit_rate"),
+                ("stored_bytes", "stored_bytes"), ("loaded_bytes", "loaded_bytes")]
+
+
+def tier_compare_rows(runs: list[str], tiers: dict[str, list[dict]]) -> list[dict]:
+    """compare_rows' rows for each KV tier a run has (tier_<name>_<figure>; null for a run without it)."""
+    rows = []
+    for name in sorted({t["tier"] for side in tiers.values() for t in side}):
+        of = {run: next((t for t in tiers.get(run, []) if t["tier"] == name), {}) for run in runs}
+        for label, key in TIER_FIGURES:
+            values = [of[run].get(key) for run in runs]
+            base = values[0]
+            rows.append({"metric": f"tier_{name}_{label}", "values": dict(zip(runs, values, strict=True)),
+                         "delta": {run: None if v is None or base is None else v - base
+                                   for run, v in zip(runs[1:], values[1:], strict=True)},
+                         "delta_pct": {run: None if v is None or not base else (v - base) / abs(base) * 100
+                                       for run, v in zip(runs[1:], values[1:], strict=True)}})
+    return rows
+
+
 def workload_warning(con: duckdb.DuckDBPyConnection) -> str | None:
     """A warning when the runs did not replay the same workload (their sha256 differ)."""
     shas = con.sql("SELECT run_id, workload_sha256 FROM runs ORDER BY ordinal").fetchall()
@@ -326,8 +359,9 @@ def compare(
     warning = workload_warning(con)
     if warning:
         Console(stderr=True, soft_wrap=True).print(f"warning: {warning}", markup=False, highlight=False)
-    rows = compare_rows(summary)
-    changes = headline.headline(summary, headline.settings_changed(con))
+    tiers = run_tiers(con)
+    rows = compare_rows(summary) + tier_compare_rows(summary.column("run_id").to_pylist(), tiers)
+    changes = headline.headline(summary, headline.settings_changed(con), tiers)
     run_ids = summary.column("run_id").to_pylist()
     if fmt is CompareFormat.json:
         document = {"baseline": run_ids[0], "runs": run_ids, "warnings": [warning] if warning else [],

@@ -20,7 +20,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvtrace.views.dashboard import VERDICT_STYLE, fmt_ms, fmt_num, fmt_share
+from kvtrace.views.dashboard import VERDICT_STYLE, fmt_ms, fmt_num, fmt_share, tier_text
 
 if TYPE_CHECKING:   # duckdb is imported where a connection is made: not by every command's start-up
     import duckdb
@@ -52,11 +52,15 @@ def settings_changed(con: duckdb.DuckDBPyConnection) -> dict[str, dict[str, obje
     return changed
 
 
-def headline(summary: pa.Table, settings: dict[str, dict[str, object]]) -> list[dict]:
+def headline(summary: pa.Table, settings: dict[str, dict[str, object]],
+             tiers: dict[str, list[dict]] | None = None) -> list[dict]:
     """Per run after the first: its settings changes and, per figure, the baseline's value, its
-    value and whether it moved the better way (None when it did not move or a value is missing)."""
+    value and whether it moved the better way (None when it did not move or a value is missing).
+    `tiers`: each run's KV tiers (dashboard.tier_rows); where either run of a pair has one, the
+    positions the tiers gave back (more is better: each one not computed again) and each side's tiers."""
     rows = summary.to_pylist()
     base = rows[0]
+    tiers = tiers or {}
     result = []
     for row in rows[1:]:
         figures = {"thrash_verdict": {"base": base["thrash_verdict"], "value": row["thrash_verdict"],
@@ -67,6 +71,12 @@ def headline(summary: pa.Table, settings: dict[str, dict[str, object]]) -> list[
                                "better": _better(base[column], row[column], higher_better)}
         figures["good_share"] = {"base": base["good_share"], "value": row["good_share"],
                                  "better": _better(base["good_share"], row["good_share"], True)}
+        base_tiers, its_tiers = tiers.get(base["run_id"], []), tiers.get(row["run_id"], [])
+        if base_tiers or its_tiers:   # a KV tier on either side
+            back = [sum(t.get("tier_hit_tokens") or 0 for t in side) if side else None
+                    for side in (base_tiers, its_tiers)]
+            figures["tier_hit_tokens"] = {"base": back[0], "value": back[1], "better": _better(*back, True),
+                                          "base_tiers": base_tiers, "tiers": its_tiers}
         result.append({"run_id": row["run_id"], "baseline": base["run_id"],
                        "settings": settings.get(row["run_id"], {}), "figures": figures})
     return result
@@ -79,6 +89,11 @@ def _better(base: float | None, value: float | None, higher_better: bool) -> boo
 
 
 # --------------------------------------------------------------------------- text
+
+def _tiers(tiers: list[dict]) -> str:
+    """A run's KV tiers in a line each's name and figures (dashboard.tier_text); none: '–'."""
+    return "; ".join(f"{t['tier']} {tier_text(t)}" for t in tiers) or "–"
+
 
 def _setting(value: object) -> str:
     return "–" if value is None else str(value)
@@ -133,5 +148,9 @@ def render(changes: list[dict]) -> RenderableType:
         table.add_row("ITL p99", f"{fmt_ms(i['base'])} → {fmt_ms(i['value'])}",
                       _styled(_factor(i["base"] or 0, i["value"] or 0) if i["base"] and i["value"] else "",
                               i["better"]))
+        if "tier_hit_tokens" in fig:   # what the KV tiers held on each side
+            t = fig["tier_hit_tokens"]
+            table.add_row("KV tiers", f"{_tiers(t['base_tiers'])} → {_tiers(t['tiers'])}",
+                          _styled(_factor(t["base"] or 0, t["value"] or 0), t["better"]))
         blocks += [title, table, Text()]
     return Group(*blocks)

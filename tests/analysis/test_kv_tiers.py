@@ -201,3 +201,30 @@ def test_a_tiered_runs_steps_beside_a_leaps_keep_their_tier_columns():
         (0, 3000, 0, 0.6), (1, 0, 0, 0.0), (2, 0, 0, 0.0), (3, 0, 1000, None)]
     assert [(r["offload_bytes"], r["load_bytes"], r["tier_transfer_ms"]) for r in steps_table([leap], "run").to_pylist()] \
         == [(0, 0, 0.0)] * 2
+
+
+def test_compare_has_a_row_for_each_kv_tier(tmp_path):
+    """`kvtrace compare` of a run without a tier against one with two: the headline's "KV tiers" line (the
+    dashboard's figures each side) and each tier's figures in the table and the JSON, null for the run
+    without it."""
+    from typer.testing import CliRunner
+
+    import kvtrace.cli.sql  # noqa: F401  (registers the commands)
+    from kvtrace.cli.app import app
+
+    plain, tiered = plain_run(tmp_path), tiered_run(tmp_path)
+    result = CliRunner().invoke(app, ["compare", str(plain), str(tiered)])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.stdout.splitlines() if line.startswith("KV tiers"))
+    assert line.split()[2:4] == ["–", "→"] and "cpu 44% hit · 16 tok back · 4 kB stored, 5 kB loaded; disk 0.0% hit" in line
+    document = json.loads(CliRunner().invoke(app, ["compare", str(tiered), str(plain), "--format", "json"]).stdout)
+    metrics = {m["metric"]: m["values"] for m in document["metrics"]}
+    assert metrics["tier_cpu_hit_tokens"] == {"tiered": 16, "plain": None}
+    assert metrics["tier_cpu_stored_bytes"] == {"tiered": 4000, "plain": None}
+    assert metrics["tier_cpu_loaded_bytes"] == {"tiered": 5000, "plain": None}
+    assert metrics["tier_disk_hit_tokens"] == {"tiered": 0, "plain": None}
+    back = document["changes"][0]["figures"]["tier_hit_tokens"]
+    assert (back["base"], back["value"], back["better"]) == (16, None, None)
+    # two runs without a tier: no tier line, no tier row
+    result = CliRunner().invoke(app, ["compare", str(plain), str(plain_run(tmp_path, "plain2"))])
+    assert result.exit_code == 0 and "KV tiers" not in result.stdout and "tier_" not in result.stdout
