@@ -1,7 +1,11 @@
 -- Helper: every inter-token gap of every sequence (the ITL samples, pooled by the analyses).
 --
 -- A gap is between consecutive tokens of one sequence (one run_id, req_id, sample): token idx and
--- token idx - 1, whatever happened between them (a preemption, a swap, a re-prefill). Traces of
+-- token idx - 1, whatever happened between them (a preemption, a swap, a re-prefill). Tokens a step
+-- delivers together (a speculative step's accepted drafts after its token) are one delivery: only the
+-- first of them has a gap, from the sequence's previous step, as vLLM counts inter-token latency (one
+-- sample a request a step, its metrics' inter_token_latency; a streamed chunk, its benchmark's ITL),
+-- so a run that drafts has no zero gaps, and its ITL percentiles are the waits a client sees. Traces of
 -- schema 2 carry each token's predecessor (tokens.prev_step, prev_ts_s), so the gaps are a scan;
 -- older runs (runs.token_gaps_recorded false) get the same columns from a window over each
 -- sequence's tokens, which must regroup every token of the run.
@@ -32,4 +36,5 @@ WITH pairs AS (
     WHERE start_s IS NOT NULL
 )
 SELECT run_id, req_id, sample, idx, step, prev_step, start_s, end_s, (end_s - start_s) * 1000 AS gap_ms, server
-FROM pairs;
+FROM pairs
+WHERE step IS DISTINCT FROM prev_step;   -- (a step's later tokens: the same delivery)
