@@ -95,8 +95,16 @@ def _tiers(tiers: list[dict]) -> str:
     return "; ".join(f"{t['tier']} {tier_text(t)}" for t in tiers) or "–"
 
 
-def _setting(value: object) -> str:
-    return "–" if value is None else str(value)
+# the engine settings that are sizes in bytes (engine/config.py), said in GiB
+BYTE_SETTINGS = frozenset(["offload_size", "kv_cache_memory", "swap_space"])
+
+
+def _setting(value: object, name: str = "") -> str:
+    if value is None:
+        return "–"
+    if name in BYTE_SETTINGS and isinstance(value, int) and value >= 2**20:
+        return f"{value / 2**30:.3g} GiB"
+    return str(value)
 
 
 def _factor(base: float, value: float) -> str:
@@ -123,7 +131,7 @@ def render(changes: list[dict]) -> RenderableType:
         fig = change["figures"]
         title = Text("what changed: ", "bold").append(f"{change['run_id']} against {change['baseline']}")
         if change["settings"]:
-            moves = ", ".join(f"{k} {_setting(a)} → {_setting(b)}" for k, (a, b) in change["settings"].items())
+            moves = ", ".join(f"{k} {_setting(a, k)} → {_setting(b, k)}" for k, (a, b) in change["settings"].items())
             title.append(f" ({moves})", "dim")
         table = Table.grid(padding=(0, 2))
         table.add_column(style="bold", no_wrap=True)

@@ -188,6 +188,15 @@ def test_compare_says_which_way_each_figure_moved():
     assert "3.0× higher" in text and "4.0× lower" in text and "−100%" in text and "−30 points" in text
 
 
+def test_compare_says_a_size_in_gib():
+    summary = pa.Table.from_pylist([{"run_id": run, "thrash_verdict": "none", "preemptions": 0, "recompute_share": 0.0,
+                                     "goodput_req_s": 1.0, "good_share": 1.0, "itl_p99_ms": 10.0}
+                                    for run in ("base", "tier")])
+    changes = headline.headline(summary, {"tier": {"offload_size": [None, 8 * 2**30], "max_num_seqs": [64, 8]}})
+    title = rendered_text(headline.render(changes)).splitlines()[0]
+    assert title == "what changed: tier against base (offload_size – → 8 GiB, max_num_seqs 64 → 8)"
+
+
 def rendered_text(renderable) -> str:
     console = Console(width=120, record=True, color_system=None, file=io.StringIO())
     console.print(renderable)
