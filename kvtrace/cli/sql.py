@@ -301,20 +301,15 @@ TIER_FIGURES = [("hit_tokens", "tier_hit_tokens"), ("hit_rate", "tier_hit_rate")
                 ("stored_bytes", "stored_bytes"), ("loaded_bytes", "loaded_bytes")]
 
 
-def tier_compare_rows(runs: list[str], tiers: dict[str, list[dict]]) -> list[dict]:
-    """compare_rows' rows for each KV tier a run has (tier_<name>_<figure>; null for a run without it)."""
-    rows = []
+def with_tier_columns(summary: pa.Table, tiers: dict[str, list[dict]]) -> pa.Table:
+    """The summary with a column tier_<name>_<figure> for each KV tier a run has (null for a run without
+    it), so that compare_rows compares them as the rest."""
+    runs = summary.column("run_id").to_pylist()
     for name in sorted({t["tier"] for side in tiers.values() for t in side}):
         of = {run: next((t for t in tiers.get(run, []) if t["tier"] == name), {}) for run in runs}
         for label, key in TIER_FIGURES:
-            values = [of[run].get(key) for run in runs]
-            base = values[0]
-            rows.append({"metric": f"tier_{name}_{label}", "values": dict(zip(runs, values, strict=True)),
-                         "delta": {run: None if v is None or base is None else v - base
-                                   for run, v in zip(runs[1:], values[1:], strict=True)},
-                         "delta_pct": {run: None if v is None or not base else (v - base) / abs(base) * 100
-                                       for run, v in zip(runs[1:], values[1:], strict=True)}})
-    return rows
+            summary = summary.append_column(f"tier_{name}_{label}", pa.array([of[run].get(key) for run in runs]))
+    return summary
 
 
 def workload_warning(con: duckdb.DuckDBPyConnection) -> str | None:
@@ -360,7 +355,7 @@ def compare(
     if warning:
         Console(stderr=True, soft_wrap=True).print(f"warning: {warning}", markup=False, highlight=False)
     tiers = run_tiers(con)
-    rows = compare_rows(summary) + tier_compare_rows(summary.column("run_id").to_pylist(), tiers)
+    rows = compare_rows(with_tier_columns(summary, tiers))
     changes = headline.headline(summary, headline.settings_changed(con), tiers)
     run_ids = summary.column("run_id").to_pylist()
     if fmt is CompareFormat.json:
