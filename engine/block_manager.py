@@ -113,9 +113,13 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_to_hold(self, num_tokens: int) -> int:
+        """Blocks a whole sequence of this many KV positions counts at admission."""
+        return self.blocks_for(num_tokens)
+
     def can_ever_hold(self, num_tokens: int) -> bool:
         """Whether a sequence of this many KV positions fits an otherwise empty pool."""
-        return self.blocks_for(num_tokens) <= self.num_blocks
+        return self.blocks_to_hold(num_tokens) <= self.num_blocks
 
     def num_kv_positions(self, running: list[Sequence], held: int | None = None) -> int:
         """KV positions stored in device blocks, a shared position counted once. `held`: the running
@@ -250,6 +254,10 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def num_hit_tokens(self, cached_ids: list[int]) -> int:
+        """The positions a match_prefix hit serves."""
+        return len(cached_ids) * self.block_size
+
     def token_block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """The chained hashes of the sequence's first `num_blocks` full blocks of tokens (at least; the
         host KV tier's keys)."""
@@ -306,7 +314,7 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, cached_ids: list[int], watermark: bool, num_slots: int = 0) -> bool:
         """Whether the whole sequence fits the free blocks (V1 admits a request only if its whole
         prompt fits, though it allocates the first chunk only), above the watermark if `watermark`;
-        and its first `num_slots` positions (speculative decoding: its first chunk and the lookahead
+        and its first `num_slots` positions (its first chunk, and with speculative decoding the lookahead
         slots past it). A cached block that is free counts as taken: admission takes it off the free queue."""
         num_tokens = max(seq.num_tokens, seq.num_reserved_tokens, num_slots)
         num_evictable = sum(1 for b in cached_ids if self.blocks[b].ref_count == 0)
@@ -569,59 +577,226 @@ class BlockManager:
 class HybridBlockManager(BlockManager):
     """The pool of a model of several KV-cache groups, or of sliding windows (`windows`: each group's
     window, None for full attention; EngineConfig.kv_cache_groups), as vLLM's hybrid coordinator keeps it
-    (v1/core/kv_cache_coordinator.py, single_type_kv_cache_manager.py; without prefix caching, swap or
-    forks, which engine/build.py refuses here). A sequence holds one table per group over the one pool,
-    group 0's in `block_table`, the others' in `group_tables`. Every group is given blocks for every
-    position, group by group. A windowed group's blocks wholly before the window of the next position
-    to compute are freed before the sequence grows (`drop_out_of_window`, which the scheduler calls),
-    the null block (0) standing where they were. A whole request's admission counts a windowed group's
-    blocks up to vLLM's cap: the window less one position, the tokens of the steps in flight, one block
-    more for a window that starts mid-block (SlidingWindowSpec.max_admission_blocks_per_request)."""
+    (v1/core/kv_cache_coordinator.py, single_type_kv_cache_manager.py; without swap or forks, which
+    engine/build.py refuses here). A sequence holds one table per group over the one pool, group 0's in
+    `block_table`, the others' in `group_tables`. Every group is given blocks for every position, group
+    by group. A windowed group's blocks wholly before the window of the next position to compute are
+    freed before the sequence grows (`drop_out_of_window`, which the scheduler calls), the null block (0)
+    standing where they were. A whole request's admission counts a windowed group's blocks up to vLLM's
+    cap: the window less one position, the tokens of the steps in flight, one block more for a window
+    that starts mid-block (SlidingWindowSpec.max_admission_blocks_per_request).
+
+    With prefix caching, each group caches its own blocks under the block's hash and the group
+    (vLLM's BlockHashWithGroupId), a block a window dropped before it was cached never; and a prefix
+    hit is the longest prefix that every group can serve (`match_prefix`)."""
 
     hybrid = True
 
     def __init__(self, num_blocks: int, block_size: int, watermark_blocks: int, windows: tuple[int | None, ...],
-                 max_in_flight_tokens: int, max_model_len: int) -> None:
-        super().__init__(num_blocks, block_size, 0, False, watermark_blocks)
+                 max_in_flight_tokens: int, max_model_len: int, enable_prefix_caching: bool = False) -> None:
+        super().__init__(num_blocks, block_size, 0, enable_prefix_caching, watermark_blocks)
         self.windows = tuple(windows)
         limit = lambda n: min(n, max_model_len) if max_model_len else n   # noqa: E731
         self.admission_caps = tuple(None if w is None else self.blocks_for(limit(w - 1 + max_in_flight_tokens)) + 1
                                     for w in self.windows)
+        # a windowed group's hit needs the blocks of its window's last `window - 1` positions; a window of one
+        # position needs none, and vLLM caches none of its blocks (reachable_block_mask), so it never hits
+        self.hit_blocks = tuple(None if w is None else self.blocks_for(w - 1) for w in self.windows)
+        self.caches = tuple(n is None or n > 0 for n in self.hit_blocks)
+        # the groups that hit together (vLLM's coordinator: groups of one spec), full attention first
+        specs: dict[int | None, list[int]] = {}
+        for group, window in enumerate(self.windows):
+            specs.setdefault(window, []).append(group)
+        self.spec_groups = sorted(specs.items(), key=lambda spec: spec[0] is not None)
+        # one kind of window beside full attention: one pass finds the hit (vLLM's simple hybrid)
+        self.one_pass = len(self.spec_groups) == 2 and self.spec_groups[0][0] is None
 
-    def _blocks_to_admit(self, num_tokens: int) -> int:
+    def blocks_to_hold(self, num_tokens: int) -> int:
         """Blocks a whole request of `num_tokens` positions counts at admission, every group's: a
         windowed group's no more than its cap (vLLM: get_num_blocks_to_allocate with the admission cap)."""
         need = self.blocks_for(num_tokens)
         return sum(need if cap is None or need < cap else cap for cap in self.admission_caps)
 
-    def can_ever_hold(self, num_tokens: int) -> bool:
-        return self._blocks_to_admit(num_tokens) <= self.num_blocks
-
     def num_kv_positions(self, running: list[Sequence], held: int | None = None) -> int:
-        """KV positions stored, every group's (a block holds one group's), less those windows dropped."""
+        """KV positions stored, every group's (a block holds one group's), less those windows dropped, a
+        shared position counted once."""
         bs = self.block_size
-        return sum(s.num_computed_tokens - table.count(0) * bs for s in running for table in s.tables())
+        held = sum(s.num_computed_tokens - table.count(0) * bs for s in running for table in s.tables())
+        return held - sum((self.blocks[b].ref_count - 1) * fill for b, fill in self.shared_fill.items())
 
-    def can_allocate(self, seq: Sequence, cached_ids: list[int], watermark: bool, num_slots: int = 0) -> bool:
-        """Whether the whole sequence fits the free blocks, a windowed group's counted up to its cap
-        (`num_slots`: speculative decoding's, which kvtrace does not model beside windows)."""
+    # ---- prefix cache -------------------------------------------------------------------
+    def _key(self, block_hash: int, group: int) -> int:
+        """A block's key in the prefix cache: its hash and its group's (vLLM: make_block_hash_with_group_id)."""
+        return hash((block_hash, group))
+
+    def match_prefix(self, seq: Sequence) -> list[list[int]]:
+        """Each group's table of the longest cached prefix that every group serves, in whole blocks, at
+        least one token left to compute (vLLM's hybrid coordinator, find_longest_cache_hit). Full
+        attention's hit runs from the first block to the first miss. A window's is the latest run of
+        cached blocks long enough for its window (its last `window - 1` positions) that ends within the
+        hit so far, the null block before it; or, with no such run, the cached blocks from the first
+        on. Each kind of group cuts the hit to what it serves, until none cuts it further (one pass for
+        full attention beside one kind of window)."""
+        if not self.enable_prefix_caching:
+            return [[] for _ in self.windows]
+        bs = self.block_size
+        num_blocks = (seq.num_tokens - 1) // bs
+        hashes = self._token_block_hashes(seq, num_blocks)
+        hits: list[list[int]] = [[] for _ in self.windows]
+        full_length = None
+        length = num_blocks
+        while True:
+            current = length
+            for window, groups in self.spec_groups:
+                if window is None:
+                    if full_length is None:
+                        full_length = self._full_hit(seq, hashes, current, groups, hits)
+                    current = min(current, full_length)
+                else:
+                    current = self._window_hit(seq, hashes, current, groups, hits, self.hit_blocks[groups[0]])
+            if current >= length or self.one_pass:
+                length = min(current, length)
+                break
+            length = current
+        return [table[:length] for table in hits]
+
+    def _cached(self, seq: Sequence, hashes: list[int], i: int, groups: list[int]) -> list[int] | None:
+        """The cached blocks holding the sequence's block i in each of `groups`, or None unless all do."""
+        found = []
+        tokens = None
+        for group in groups:
+            block_id = self.hash_to_block_id.get(self._key(hashes[i], group))
+            if block_id is None:
+                return None
+            if tokens is None:
+                tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            if self.blocks[block_id].token_ids != tokens:
+                return None
+            found.append(block_id)
+        return found
+
+    def _full_hit(self, seq: Sequence, hashes: list[int], limit: int, groups: list[int], hits: list[list[int]]) -> int:
+        """Full attention's hit, in blocks: the first `limit` at most, up to the first that a group misses."""
+        n = 0
+        while n < limit:
+            found = self._cached(seq, hashes, n, groups)
+            if found is None:
+                break
+            for group, block_id in zip(groups, found):
+                hits[group].append(block_id)
+            n += 1
+        return n
+
+    def _window_hit(self, seq: Sequence, hashes: list[int], limit: int, groups: list[int], hits: list[list[int]],
+                    needed: int) -> int:
+        """A window's hit within the first `limit` blocks, in blocks: searched from the last, it ends with
+        the first run of `needed` cached blocks found (those before it are nulls), else it is the run
+        that starts at block 0 (vLLM: SlidingWindowManager.find_longest_cache_hit)."""
+        tables = [[0] * limit for _ in groups]
+        run = 0
+        length = None
+        for i in range(limit - 1, -1, -1):
+            found = self._cached(seq, hashes, i, groups)
+            if found is None:
+                run = 0
+                continue
+            for table, block_id in zip(tables, found):
+                table[i] = block_id
+            run += 1
+            if run >= needed:
+                length = i + run
+                break
+        if length is None:
+            length = run
+        for group, table in zip(groups, tables):
+            hits[group] = table[:length]
+        return length
+
+    def num_hit_tokens(self, cached: list[list[int]]) -> int:
+        return len(cached[0]) * self.block_size if cached else 0
+
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the blocks that the sequence's first `num_tokens` positions fill, in each group that
+        caches, under the block's hash and the group: a block a window has dropped is not (vLLM skips
+        the null block), nor one already cached (a hit)."""
+        if not self.enable_prefix_caching:
+            return
+        num_hashed = len(seq.block_hashes)
+        num_full = min(num_tokens // self.block_size, len(seq.block_table))
+        if num_hashed >= num_full:
+            return
+        token_hashes = self._token_block_hashes(seq, num_full)
+        bs = self.block_size
+        tables = seq.tables()
+        for i in range(num_hashed, num_full):
+            h = token_hashes[i]
+            seq.block_hashes.append(h)
+            tokens = None
+            for group, table in enumerate(tables):
+                block = self.blocks[table[i]]
+                if not table[i] or not self.caches[group] or block.hash is not None:
+                    continue
+                if tokens is None:
+                    tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                key = self._key(h, group)
+                block.hash = key
+                block.token_ids = tokens
+                if key in self.hash_to_block_id:
+                    self.duplicates.setdefault(key, []).append(block.block_id)
+                else:
+                    self.hash_to_block_id[key] = block.block_id
+
+    def uncache_from(self, seq: Sequence, num_blocks: int) -> None:
+        """Take the sequence's blocks from index `num_blocks` on out of the prefix cache, every group's."""
+        num_hashed = len(seq.block_hashes)
+        for table in seq.tables():
+            for block_id in table[num_blocks:num_hashed]:
+                block = self.blocks[block_id]
+                if block_id and block.hash is not None and block.ref_count == 1:
+                    self._uncache(block)
+        del seq.block_hashes[num_blocks:]
+
+    # ---- admission ----------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, cached: list[list[int]], watermark: bool, num_slots: int = 0) -> bool:
+        """Whether the whole sequence fits the free blocks, a windowed group's counted up to its cap, and
+        its first `num_slots` positions (its first chunk) too, beyond each group's hit. A cached block that
+        is free counts as taken: admission takes it off the free queue (vLLM: get_num_blocks_to_allocate,
+        with the admission cap and without)."""
         num_tokens = seq.num_tokens if seq.num_tokens > seq.num_reserved_tokens else seq.num_reserved_tokens
-        return self._blocks_to_admit(num_tokens) + (self.watermark_blocks if watermark else 0) <= self.num_free_blocks
+        num_hit = len(cached[0]) if cached else 0
+        num_evictable = sum(1 for table in cached for b in table if b and not self.blocks[b].ref_count)
+        need = self.blocks_for(num_tokens)
+        whole = sum(max((need if cap is None or need < cap else cap) - num_hit, 0) for cap in self.admission_caps)
+        first = max(self.blocks_for(num_slots) - num_hit, 0) * len(self.windows)
+        free = self.num_free_blocks - (self.watermark_blocks if watermark else 0)
+        return max(whole, first) + num_evictable <= free
 
-    def allocate(self, seq: Sequence, cached_ids: list[int], num_new_tokens: int, reason: str,
+    def allocate(self, seq: Sequence, cached: list[list[int]], num_new_tokens: int, reason: str,
                  num_lookahead: int = 0) -> None:
-        """Admit (no prefix cache): blocks for the first `num_new_tokens` positions in every group."""
+        """Admit: map each group's cached prefix (the null block where a window dropped it), give every
+        group blocks for the first `num_new_tokens` positions past it, and cache the full blocks this
+        step computes."""
         assert not seq.block_table, f"{seq} already holds blocks"
-        num_blocks = self.blocks_for(num_new_tokens)
-        tables = []
-        for group in range(len(self.windows)):
-            new_ids = self._allocate_blocks(num_blocks)
+        tables = [list(table) for table in cached] if cached else [[] for _ in self.windows]
+        num_hit = len(tables[0])
+        num_cached_tokens = num_hit * self.block_size
+        if num_hit:
+            held = [[b for b in table if b] for table in tables]
+            for table in held:   # vLLM touches them group by group
+                self._touch(table)
+            self.events.append(KVEvent(ev.PREFIX_HIT, seq.req_id, seq.sample, blocks=[b for t in held for b in t],
+                                       num_tokens=num_cached_tokens, reason=reason,
+                                       kv_group_blocks=[len(t) for t in held]))
+        num_blocks = self.blocks_for(num_cached_tokens + num_new_tokens)
+        for group, table in enumerate(tables):
+            new_ids = self._allocate_blocks(num_blocks - num_hit)
             if new_ids:
                 self._alloc_event(seq, new_ids, AllocReason.PREFILL, group)
-            tables.append(list(new_ids))   # the table grows; the event's list stays as it was
+            table += new_ids   # the table grows; the event's list stays as it was
         seq.block_table, seq.group_tables = tables[0], tables[1:]
-        seq.block_hashes = []
-        seq.num_computed_tokens = 0
+        seq.block_hashes = list(seq.token_block_hashes[:num_hit])
+        seq.num_computed_tokens = num_cached_tokens
+        self.cache_full_blocks(seq, min(num_cached_tokens + num_new_tokens, seq.num_tokens))
 
     def drop_out_of_window(self, seq: Sequence, num_processed: int) -> None:
         """Free, in each windowed group, the sequence's blocks wholly before the window of position
@@ -638,11 +813,10 @@ class HybridBlockManager(BlockManager):
                     break   # dropped by an earlier step, as every block before it
                 dropped.append(table[i])
                 table[i] = 0
-            if dropped:
-                freed = self._release_blocks(dropped)
-                if freed:
-                    self.events.append(KVEvent(ev.FREE, seq.req_id, seq.sample, blocks=freed,
-                                               reason=FreeReason.WINDOW, kv_group=group))
+            if dropped:   # the event names every block dropped, one another sequence still holds too
+                self._release_blocks(dropped)
+                self.events.append(KVEvent(ev.FREE, seq.req_id, seq.sample, blocks=dropped,
+                                           reason=FreeReason.WINDOW, kv_group=group))
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether free blocks hold every group's blocks for the sequence's next `num_new_tokens`
@@ -652,7 +826,8 @@ class HybridBlockManager(BlockManager):
 
     def grow(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> None:
         """Give every group's table blocks for the sequence's next `num_new_tokens` positions (no
-        lookahead beside windows: kvtrace does not model speculative decoding there)."""
+        lookahead beside windows: kvtrace does not model speculative decoding there), and cache the full
+        blocks they complete."""
         num_blocks = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
         reason = AllocReason.PREFILL if seq.is_prefilling else AllocReason.DECODE
         for group, table in enumerate(seq.tables()):
@@ -660,6 +835,10 @@ class HybridBlockManager(BlockManager):
                 new_ids = self._allocate_blocks(num_blocks - len(table))
                 table += new_ids
                 self._alloc_event(seq, new_ids, reason, group)
+        if self.enable_prefix_caching:   # never past the delivered tokens (V1's request.num_tokens)
+            num_tokens = seq.num_computed_tokens + num_new_tokens
+            num_delivered = len(seq.token_ids) - seq.num_undelivered
+            self.cache_full_blocks(seq, num_tokens if num_tokens < num_delivered else num_delivered)
 
     def _release_table(self, seq: Sequence, reason: str) -> None:
         """Each group's blocks released tail first, group by group (vLLM's coordinator frees each

@@ -64,7 +64,8 @@ def _simulated(config: EngineConfig, tracer: Tracer | None, loaded: LoadedModel 
 
 def check_kv_cache_groups(config: EngineConfig, model_config: ModelConfig) -> None:
     """ValueError for what kvtrace does not model with sliding-window layers (several KV-cache groups,
-    or a window on every layer): prefix caching, vLLM V0's swap and copy-on-write forks, --kv-reserve."""
+    or a window on every layer): vLLM V0's swap and copy-on-write forks, --kv-reserve, a host KV tier,
+    speculative decoding."""
     if not config.hybrid_kv_cache(model_config):
         return
     if config.offloads:
@@ -74,8 +75,7 @@ def check_kv_cache_groups(config: EngineConfig, model_config: ModelConfig) -> No
         raise ValueError(f"model {model_config.name} has sliding-window layers: kvtrace's engine does not model "
                          f"speculative decoding beside them yet (pass --disable-hybrid-kv-cache-manager to keep "
                          f"every layer's KV as full attention's)")
-    refused = [what for what, on in [("prefix caching (pass --no-enable-prefix-caching)", config.enable_prefix_caching),
-                                     ("--preemption-mode swap", config.preemption_mode == PreemptionMode.SWAP),
+    refused = [what for what, on in [("--preemption-mode swap", config.preemption_mode == PreemptionMode.SWAP),
                                      ("--n-mode cow", config.n_mode == NMode.COW),
                                      (f"--kv-reserve {config.kv_reserve}", config.kv_reserve != KVReserve.NONE)] if on]
     if refused:

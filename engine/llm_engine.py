@@ -120,7 +120,7 @@ class LLMEngine:
             in_flight = config.max_num_batched_tokens * (2 if config.async_scheduling else 1)
             self.block_manager = HybridBlockManager(g.num_gpu_blocks, g.block_size, watermark,
                                                     tuple(group.window for group in config.kv_cache_groups(model_config)),
-                                                    in_flight, max_model_len)
+                                                    in_flight, max_model_len, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    preemption_mode=config.preemption_mode,

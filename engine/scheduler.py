@@ -360,7 +360,7 @@ class Scheduler:
                 out.rejected.append(seq)
                 continue
             cached_ids = bm.match_prefix(seq)
-            num_cached = len(cached_ids) * bm.block_size
+            num_cached = bm.num_hit_tokens(cached_ids)
             if self.connector is not None:
                 num_tier = self.connector.lookup(seq, num_cached)
                 if num_tier is None:   # vLLM defers it: its chunks are being stored, or loaded for another
@@ -396,7 +396,8 @@ class Scheduler:
                     out.admission_stop = AdmissionStop.BUDGET
                     break
                 num_new = budget - draft_slots
-            num_slots = num_cached + num_new + self.lookahead(num_cached, num_new) if drafting else 0
+            # its first chunk's positions (and lookahead slots, drafting) must fit as well as the whole sequence
+            num_slots = num_cached + num_new + (self.lookahead(num_cached, num_new) if drafting else 0)
             # V1's watermark holds back admissions only while something else runs
             if not bm.can_allocate(seq, cached_ids, watermark=bool(running), num_slots=num_slots):
                 out.admission_stop = (AdmissionStop.WATERMARK if running and bm.can_allocate(
@@ -433,7 +434,7 @@ class Scheduler:
         tier's not in the prefix cache until loaded: vLLM's delay_cache_blocks), its chunks pinned and a
         load issued; it waits, holding them, until the load finishes (`_admit_loaded`). A hit of every
         position gives the last back to compute (its logits give the next token): the load's credit."""
-        num_cached = len(cached_ids) * self.bm.block_size
+        num_cached = self.bm.num_hit_tokens(cached_ids)
         reason = AdmitReason.RESUME_RECOMPUTE if seq.num_ever_computed > 0 else AdmitReason.NEW
         num_credited = min(num_tier, seq.num_tokens - 1 - num_cached)
         self.connector.record_lookup(seq, num_cached, num_credited, reason)

@@ -43,7 +43,8 @@ def prepare(requests: list[WorkloadRequest], engine: LLMEngine, *, tokenizer, se
     if too_big:
         usable = bm.num_blocks
         what = "" if engine.config.kv_reserve == "none" else f" (--kv-reserve {engine.config.kv_reserve})"
-        listed = "; ".join(f"line {r.line or r.id}: a prompt of {p} tokens needs {bm.blocks_for(n)} blocks{what}"
+        groups = f" across its {len(bm.windows)} KV-cache groups" if len(bm.windows) > 1 else ""
+        listed = "; ".join(f"line {r.line or r.id}: a prompt of {p} tokens needs {bm.blocks_to_hold(n)} blocks{groups}{what}"
                            for r, p, n in too_big[:5])
         more = f"; and {len(too_big) - 5} more" if len(too_big) > 5 else ""
         raise KvtraceError(f"{workload_name}: {len(too_big)} request(s) can never fit the KV pool of "

@@ -133,6 +133,9 @@ def run_options(run: Path, shared: list[str], grid: dict, knobs: dict) -> tuple[
         values["model"], found = simulator_model(values.get("model") or (meta.get("model") or {}).get("source"))
         if found:
             notes.append(f"model {values['model']}: {found}")
+    if vllm and not values.get("disable_hybrid_kv_cache_manager") and "disable_hybrid_kv_cache_manager" not in given:
+        model = given_value(shared, "--model") if "model" in given else values.get("model")
+        check_kv_cache_groups(pool.get("kv_cache_groups") or [], model)
     args = []
     for name, value in values.items():
         if name in given or value is None or name not in knobs:
@@ -147,6 +150,45 @@ def run_options(run: Path, shared: list[str], grid: dict, knobs: dict) -> tuple[
             args += [knob.flag, str(value)]
     said = [f"from the run: {' '.join(args)}"] if args else []
     return args, said + notes
+
+
+def given_value(shared: list[str], flag: str) -> str | None:
+    """The value a shared option gives `flag` (`--flag VALUE` or `--flag=VALUE`), None if it gives none."""
+    for i, arg in enumerate(shared):
+        if arg == flag and i + 1 < len(shared):
+            return shared[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _group_names(groups) -> str:
+    return " + ".join(sorted(f"sliding window {w} tok" if w else "full attention" for w in groups))
+
+
+def check_kv_cache_groups(captured: list[dict], model: str | None) -> None:
+    """KvtraceError where a vLLM capture's KV-cache groups are of other kinds than those the simulator makes
+    of `model`'s config: vLLM reads some configs' windows otherwise than transformers, whose reading kvtrace
+    keeps (a llama config's `layer_types`, which vLLM's Llama honours), and a what-if would model the wrong
+    pool. Nothing is checked where the capture names no groups or the model cannot be read (the point's
+    record says why)."""
+    if not captured or not model:
+        return
+    from engine.model.loader import load_config
+
+    try:
+        model_config, _ = load_config(model)
+    except (OSError, ValueError):
+        return
+    theirs = {g.get("sliding_window") if g.get("kind") == "sliding_window" else g.get("kind") for g in captured}
+    theirs = {None if kind == "full_attention" else kind for kind in theirs}
+    ours = {group.window for group in model_config.kv_cache_groups}
+    if theirs != ours:
+        served = " + ".join(sorted(str(k) if isinstance(k, str) else _group_names([k]) for k in theirs))
+        raise KvtraceError(f"the run's KV cache is {served} (vLLM's reading of its model), but kvtrace reads model "
+                           f"{model} as {_group_names(ours)}: pass --model with a config whose layers have the "
+                           f"server's windows (kvtrace reads windows as transformers does: none for llama), or "
+                           f"--disable-hybrid-kv-cache-manager to model every layer's KV as full attention's")
 
 
 def host_tier(meta: dict) -> tuple[int | None, list[str]]:

@@ -420,3 +420,29 @@ def test_a_sweep_of_a_captures_window_needs_no_option_copied_by_hand(tmp_path):
     line = one_line_error(["sweep", "--from-run", str(run), "--set", "max_num_seqs=4,8", "-o", str(tmp_path / "x")])
     assert "the run's model 'gpt-oss-20b' is no model the simulator knows: pass --model" in line
     assert not (tmp_path / "x").exists()
+
+
+def test_a_captures_kv_cache_groups_must_be_the_simulated_models(tmp_path):
+    """A what-if on a hybrid server's capture models its groups or says why not: vLLM's Llama reads a
+    config's layer_types, kvtrace (as transformers) does not, and the pool would be another."""
+    from kvtrace.sweep.from_run import check_kv_cache_groups
+
+    captured = [{"kind": "full_attention", "block_size": 16}, {"kind": "sliding_window", "block_size": 16,
+                                                                "sliding_window": 64}]
+    config = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 512, "layer_types": ["full_attention", "sliding_attention"],
+              "sliding_window": 64}
+    for model_type in ("llama", "ministral"):
+        (tmp_path / model_type).mkdir()
+        (tmp_path / model_type / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    with pytest.raises(KvtraceError, match="the run's KV cache is full attention \\+ sliding window 64 tok .*"
+                                           "as full attention: pass --model"):
+        check_kv_cache_groups(captured, str(tmp_path / "llama"))
+    with pytest.raises(KvtraceError, match="as full attention:"):
+        check_kv_cache_groups(captured, "tiny")
+    check_kv_cache_groups(captured, str(tmp_path / "ministral"))   # the same layers: nothing to say
+    check_kv_cache_groups([], "tiny")                              # a capture of one group names none
+    with pytest.raises(KvtraceError, match="chunked_local \\+ full attention"):
+        check_kv_cache_groups([{"kind": "full_attention"}, {"kind": "chunked_local", "attention_chunk_size": 64}],
+                              str(tmp_path / "ministral"))

@@ -115,9 +115,8 @@ def test_a_windowed_group_holds_its_window_and_the_full_group_everything():
     assert engine.block_manager.num_used_blocks == len(full) + len(live)
 
 
-@pytest.mark.parametrize("option", [dict(enable_prefix_caching=True), dict(preemption_mode="swap"),
-                                    dict(n_mode="cow"), dict(kv_reserve="max-tokens")],
-                         ids=["prefix-caching", "swap", "cow", "kv-reserve"])
+@pytest.mark.parametrize("option", [dict(preemption_mode="swap"), dict(n_mode="cow"), dict(kv_reserve="max-tokens")],
+                         ids=["swap", "cow", "kv-reserve"])
 def test_what_the_block_manager_does_not_model_with_windows_is_refused(option):
     model = replace(PRESETS["tiny"], layer_types=(F, S), sliding_window=8)
     config = EngineConfig(model="tiny", engine="sim", **{"enable_prefix_caching": False, **option})

@@ -82,15 +82,17 @@ def windowed(layer_types: tuple[str, ...], window: int) -> LoadedModel:
 WINDOWED = {"all": ((S, S), 5), "mixed": ((S, F, S), 6)}
 
 
-def run_windowed(make_engine, loaded: LoadedModel, paged_inputs: bool = False, **settings) -> list:
+def run_windowed(make_engine, loaded: LoadedModel, paged_inputs: bool = False, per_group: bool = False,
+                 **settings) -> list:
     """Chunked prefill mixed with decodes, then a prefix-cache hit of 3 blocks whose chunk starts past the
     window; prompts of 1 to 23 tokens, 8 generated. Returns each sampled row with its tokens.
     `paged_inputs`: the runner's one-copy inputs, as on CUDA (the Triton kernels' under the interpreter).
-    Every layer's KV in one table of full attention's (the engine refuses prefix caching beside a table
-    per KV-cache group so far): the window is the attention's alone here; the tables per group and the
-    blocks windows drop are test_hybrid_forward.py's and the tests against transformers below."""
+    Every layer's KV in one table of full attention's (--disable-hybrid-kv-cache-manager), the window the
+    attention's alone; or `per_group`, a table per KV-cache group, where a windowed group's hit holds only
+    the window's last block, the null block before it (the tests against transformers below and
+    test_hybrid_forward.py drop blocks mid-request too)."""
     engine = make_engine(loaded=loaded, block_size=4, max_num_batched_tokens=13, enable_prefix_caching=True,
-                         disable_hybrid_kv_cache_manager=True, **settings)
+                         disable_hybrid_kv_cache_manager=not per_group, **settings)
     if paged_inputs:
         assert engine.model.use_triton
         engine.runner.paged_inputs = True
@@ -99,16 +101,24 @@ def run_windowed(make_engine, loaded: LoadedModel, paged_inputs: bool = False, *
     shared = [rng.randrange(3, 512) for _ in range(12)]
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 4, 9, 23)]
     prompts += [shared + [7, 8, 9], shared + [10, 11]]
+    hits = []
+    allocate = engine.block_manager.allocate
+    engine.block_manager.allocate = lambda seq, cached, *args, **kw: (hits.append(cached), allocate(seq, cached, *args, **kw))
     run_with_a_late_arrival(engine, prompts, max_tokens=8)
     assert sum(s.num_prefix_hit_tokens for s in engine.outputs.values()) == 12
+    if per_group:   # a windowed group's hit: null blocks, then the blocks of the window's last 4 or 5 positions
+        bm = engine.block_manager
+        hit = [tables for tables in hits if tables[0]]
+        assert len(hit) == 1 and [t.count(0) for t in hit[0]] == [3 - bm.blocks_for(w - 1) if w else 0 for w in bm.windows]
     assert len(seen) == 8 * len(prompts)
     return seen
 
 
+@pytest.mark.parametrize("per_group", [False, True], ids=["one-table", "table-per-group"])
 @pytest.mark.parametrize("shape", list(WINDOWED))
-def test_windowed_engine_matches_the_dense_reference(make_engine, kernel, shape):
+def test_windowed_engine_matches_the_dense_reference(make_engine, kernel, shape, per_group):
     loaded = windowed(*WINDOWED[shape])
-    seen = run_windowed(make_engine, loaded)
+    seen = run_windowed(make_engine, loaded, per_group=per_group)
     worst = max((reference_forward(loaded.config, loaded.weights, tokens)[-1] - logits).abs().max().item()
                 for tokens, logits in seen)
     assert worst < 1e-4, worst
@@ -232,4 +242,29 @@ def test_greedy_tokens_equal_transformers_when_windows_drop_blocks_and_requests_
     happened = {(e.kind, e.reason) for e in tracer.events}
     assert {("free", "window"), ("preempt", "recompute"), ("admit", "resume-recompute")} <= happened, happened
     assert ("finish", "rejected") not in happened
+    assert ours == transformers_greedy(folder, prompts, 24)
+
+
+@pytest.mark.parametrize("kind", [pytest.param(kind, marks=VLLM_MARKS) for kind in TIGHT_POOLS])
+def test_greedy_tokens_equal_transformers_with_prefix_hits_past_the_window(tmp_path, kind):
+    """Prefix caching beside sliding windows (vLLM's default for such a model): six prompts on two shared
+    prefixes of 56 tokens, on a pool that preempts. A later request's hit, and a resumed one's, is longer
+    than the windows, so a windowed group's table starts with null blocks and holds the window's last
+    blocks only, which the hit found cached from the right; the greedy tokens are transformers'."""
+    from tests.helpers.engine_runs import ListTracer
+
+    folder = hf_folder(tmp_path / kind, kind, seed=len(kind))
+    rng = random.Random(len(kind) + 1)
+    shared = [[rng.randrange(3, 512) for _ in range(56)] for _ in range(2)]
+    prompts = [shared[i % 2] + [rng.randrange(3, 512) for _ in range(n)] for i, n in enumerate((4, 21, 9, 30, 1, 13))]
+    tracer = ListTracer()
+    ours = kvtrace_greedy(folder, prompts, 24, tracer, num_gpu_blocks=TIGHT_POOLS[kind], max_num_batched_tokens=16,
+                          enable_prefix_caching=True, max_model_len=128)
+    windows = HF_WINDOWS[kind]
+    hits = [e for e in tracer.events if e.kind == "prefix_hit"]
+    assert any(e.num_tokens > max(w for w in windows if w) for e in hits), [e.num_tokens for e in hits]
+    # a hit past a window holds fewer blocks in its windowed groups than in full attention's (or than it spans)
+    assert any(min(e.kv_group_blocks) < e.num_tokens // 8 for e in hits), [(e.num_tokens, e.kv_group_blocks) for e in hits]
+    happened = {(e.kind, e.reason) for e in tracer.events}
+    assert {("free", "window"), ("preempt", "recompute")} <= happened, happened
     assert ours == transformers_greedy(folder, prompts, 24)

@@ -184,7 +184,9 @@ def test_a_hybrid_models_server_is_captured_group_by_group(tmp_path):
                                    env, log, cwd=tmp_path, timeout_s=600)
     try:
         words = "the quick brown fox jumps over the lazy dog and keeps running far away".split()
-        for n in range(4):   # a prompt of about 96 to 105 tokens, 20 more generated: past the window by a block
+        # a prompt of about 96 to 105 tokens, 20 more generated: past the window by a block; the last sent
+        # again, a prefix hit in both groups (the window's blocks found cached after it dropped them)
+        for n in [0, 1, 2, 3, 3]:
             prompt = " ".join(words[(n + i) % len(words)] for i in range(96 + 3 * n))
             request = urllib.request.Request(
                 f"http://127.0.0.1:{port}/v1/completions", headers={"Content-Type": "application/json"},
@@ -192,6 +194,12 @@ def test_a_hybrid_models_server_is_captured_group_by_group(tmp_path):
                                  "ignore_eos": True}).encode())
             answer = json.loads(urllib.request.urlopen(request, timeout=300).read())
             assert answer["usage"]["completion_tokens"] == 20, answer
+        # the interrupted CPU build skips the capture's last flush: the five requests' rows written first
+        from kvtrace.vllm.importer import read_chunks
+        deadline = time.monotonic() + 60
+        while len(read_chunks(capture)["requests"]["req_id"]) < 5:
+            assert time.monotonic() < deadline, "the capture did not write the five requests' rows"
+            time.sleep(0.2)
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=120)
@@ -214,16 +222,46 @@ def test_a_hybrid_models_server_is_captured_group_by_group(tmp_path):
     assert set(per_group) == {0, 1} and all(per_group.values()), per_group   # both groups' blocks
     window = con.sql("SELECT count(*), count(DISTINCT req_id), min(kv_group), max(kv_group) FROM kv_events "
                      "WHERE kind = 'free' AND reason = 'window'").fetchall()[0]
-    assert window[0] > 0 and window[1] == 4 and window[2:] == (1, 1), window   # each request's window moved on
+    # each request's window moved on (the resent one's hit holds only the window's blocks: it drops none)
+    assert window[0] > 0 and window[1] == 4 and window[2:] == (1, 1), window
     # when each request finished, its window had kept its sliding group to fewer blocks than its
-    # full-attention group, which holds every position
+    # full-attention group, which holds every position (a prefix hit's blocks per group counted too)
     held = con.sql("""
-        SELECT req_id, kv_group, sum(CASE WHEN kind = 'free' THEN -num_blocks ELSE num_blocks END) AS held
-        FROM kv_events
-        WHERE kv_group IS NOT NULL AND (kind = 'alloc' OR (kind = 'free' AND reason = 'window'))
+        SELECT req_id, kv_group, sum(n) AS held
+        FROM (SELECT req_id, kv_group, CASE WHEN kind = 'free' THEN -num_blocks ELSE num_blocks END AS n
+              FROM kv_events
+              WHERE kv_group IS NOT NULL AND (kind = 'alloc' OR (kind = 'free' AND reason = 'window'))
+              UNION ALL
+              SELECT req_id, unnest(range(len(kv_group_blocks))), unnest(kv_group_blocks)
+              FROM kv_events WHERE kind = 'prefix_hit')
         GROUP BY ALL""").fetchall()
     at_finish = {(rid, group): n for rid, group, n in held}
     assert all(at_finish[rid, 1] < at_finish[rid, 0] for rid, _ in at_finish), at_finish
+    assert meta["engine_config"]["enable_prefix_caching"] is True, meta["engine_config"]
+    (hits,), = con.sql("SELECT sum(prefix_hit_tokens) FROM requests").fetchall()
+    assert hits >= 64, hits
+    # a what-if on the capture's traffic: vLLM's Llama honours the config's layer_types, transformers' (which
+    # kvtrace's reading follows) does not, so the simulator refuses a model of one group in one line; given
+    # the same layers as a Ministral config, it keeps the groups and their prefix caching (vLLM's default
+    # here), and hits the resent prompt as the server did
+    refused = kvtrace("sweep", "--from-run", run, "--model", model, "--set", "max_num_seqs=1,4", "-o",
+                      tmp_path / "refused", check=False)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "the run's KV cache is full attention + sliding window 64 tok" in refused.stderr, refused.stderr
+    assert not (tmp_path / "refused").exists()
+    twin = tmp_path / "ministral"
+    shutil.copytree(model, twin)
+    config = json.loads((twin / "config.json").read_text())
+    config.update(model_type="ministral", architectures=["MinistralForCausalLM"])
+    (twin / "config.json").write_text(json.dumps(config))
+    kvtrace("sweep", "--from-run", run, "--model", twin, "--set", "max_num_seqs=1,4", "--jobs", "1",
+            "-o", tmp_path / "sweep")
+    shown = json.loads(kvtrace("sweep", "show", tmp_path / "sweep", "--json").stdout)
+    assert len(shown["points"]) == 2 and not shown["not_completed"], shown
+    for point in shown["points"]:
+        simulated = db.connect([tmp_path / "sweep" / "runs" / point["run_id"]])
+        assert simulated.sql("SELECT sum(prefix_hit_tokens) FROM requests").fetchall() == [(hits,)], point
+        assert simulated.sql("SELECT count(*) FROM kv_events WHERE reason = 'window'").fetchall()[0][0] > 0, point
     shown = kvtrace("analyze", run, env={"COLUMNS": "200"}).stdout   # the dashboard names the groups, the drops
     assert "2 KV-cache groups: full attention (" in shown and "sliding window 64 tok (" in shown, shown
     assert "dropped)" in shown.split("sliding window 64 tok (", 1)[1].split("\n", 1)[0], shown

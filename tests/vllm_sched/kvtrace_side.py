@@ -51,8 +51,9 @@ from engine.sequence import SamplingParams, SequenceStatus
 
 PLANTS = ("wrong-victim", "head-first-free", "no-prefix-hits", "threshold-ignored")
 # a hybrid model's (a workload of several KV-cache groups): no window drops a block; a window drops the
-# blocks of positions still in flight (async); a whole request's admission counts a window's every block
-HYBRID_PLANTS = ("window-ignored", "in-flight-dropped", "admission-uncapped")
+# blocks of positions still in flight (async); a whole request's admission counts a window's every block;
+# a window's prefix hit found as full attention's (every block from the first, none left null)
+HYBRID_PLANTS = ("window-ignored", "in-flight-dropped", "admission-uncapped", "window-hit-from-the-start")
 # a drafting server's (speculative decoding): rejected drafts kept as computed; no lookahead slots reserved;
 # no drafting slot counted against the step's budget; an admitted decode left unpadded
 SPEC_PLANTS = ("rejected-kept", "no-lookahead", "no-drafting-slot", "unpadded")
@@ -125,6 +126,15 @@ def plant(engine: LLMEngine, bug: str) -> None:
         bm.drop_out_of_window = lambda seq, num_processed: drop(seq, seq.num_computed_tokens)
     elif bug == "admission-uncapped":
         bm.admission_caps = (None,) * len(bm.admission_caps)
+    elif bug == "window-hit-from-the-start":
+        def window_hit(seq, hashes, limit, groups, hits, needed):
+            n = 0
+            while n < limit and bm._cached(seq, hashes, n, groups) is not None:
+                n += 1
+            for group in groups:
+                hits[group] = [bm._cached(seq, hashes, i, [group])[0] for i in range(n)]
+            return n
+        bm._window_hit = window_hit
     elif bug == "rejected-kept":
         acceptance = engine.acceptance
 
@@ -249,8 +259,8 @@ def run(workload: dict, bug: str | None = None, vllm_version: str = VLLM_VERSION
     uncache_from = bm.uncache_from
 
     def uncache_and_note(seq, num_blocks: int) -> None:
-        taken = [b for b in seq.block_table[num_blocks:len(seq.block_hashes)]
-                 if bm.blocks[b].hash is not None and bm.blocks[b].ref_count == 1]
+        taken = [b for table in seq.tables() for b in table[num_blocks:len(seq.block_hashes)]
+                 if b and bm.blocks[b].hash is not None and bm.blocks[b].ref_count == 1]
         uncache_from(seq, num_blocks)
         if taken:
             uncached.append([key(seq), taken])

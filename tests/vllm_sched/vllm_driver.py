@@ -297,10 +297,10 @@ class Recorder:
             rid = request.request_id
             self.preempted.append(rid)
             if rid in self.num_hashed and not keep_victim_hashes:   # scheduled earlier in this step
-                num_hashed = self.num_hashed.pop(rid)
-                table = manager.req_to_blocks[rid]
-                taken = [b for b in table[num_hashed:manager.num_cached_block.get(rid, 0)]
-                         if b.ref_cnt == 1 and b.block_hash is not None]
+                num_hashed = self.num_hashed.pop(rid)   # every group's tables: each caches as far
+                taken = [b for m in self.managers
+                         for b in m.req_to_blocks[rid][num_hashed:m.num_cached_block.get(rid, 0)]
+                         if not b.is_null and b.ref_cnt == 1 and b.block_hash is not None]
                 for block in taken:
                     pool._maybe_evict_cached_block(block)
                 if taken:

@@ -53,7 +53,7 @@ def workloads(draw, asynchronous: bool, hybrid: bool = False, spec: bool = False
     """Hypothesis draws the structure (sizes, kinds, limits, arrivals) and a seed; the token ids come
     from the seed, which keeps generation cheap enough for thousands of workloads a run (shrinking
     still shortens prompts and drops requests). `hybrid`: a model of sliding windows beside full
-    attention (HYBRID_GROUPS, windows of 1 to 4 blocks), without prefix caching. `spec`: a server
+    attention (HYBRID_GROUPS, windows of 1 to 4 blocks). `spec`: a server
     drafting 1 to 4 tokens a step with a draft model (lookahead slots and a drafting slot)."""
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
@@ -109,7 +109,7 @@ def workloads(draw, asynchronous: bool, hybrid: bool = False, spec: bool = False
     slack = max(total - max(need), 0)   # 0: just fits the longest request; slack: holds every request at once
     num_blocks = max(need) + draw(st.sampled_from([0, 0, 1, 2, slack // 4, slack // 2, slack + 4]))
     # (drawn last, as before hybrid workloads: a dense workload of a given seed is the same as it was)
-    config["enable_prefix_caching"] = False if hybrid else draw(st.sampled_from([True, True, True, False]))
+    config["enable_prefix_caching"] = draw(st.sampled_from([True, True, True, False]))
     workload = {"config": {"block_size": block_size, "num_blocks": num_blocks, **config}, "requests": requests}
     if spec_tokens:
         workload.update(spec_tokens=spec_tokens, spec_method="draft_model")
