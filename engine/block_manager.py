@@ -90,6 +90,10 @@ class BlockManager:
         self.events: list[KVEvent] = []
         self.evicted: list[int] = []   # blocks evicted since the last alloc event, which takes them
         self.windows: tuple[int | None, ...] = (None,)   # one KV-cache group of full attention (HybridBlockManager)
+        # an EAGLE, EAGLE-3 or MTP drafter (vLLM's use_eagle); with it, up to vLLM 0.32, a prefix hit
+        # gives back its last block (Scheduler.follow)
+        self.eagle_drafter = False
+        self.drop_last_hit_block = False
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -239,7 +243,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest full-block prefix of the sequence's tokens.
 
-        At least one token is always left to compute: its logits give the next token.
+        At least one token is always left to compute: its logits give the next token. With an EAGLE-style
+        drafter (`drop_last_hit_block`) the hit's last block is left to compute too.
         """
         if not self.enable_prefix_caching:
             return []
@@ -252,6 +257,8 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
                 break
             hits.append(block_id)
+        if self.drop_last_hit_block and hits:   # recomputed for the drafter's hidden states (vLLM's eagle drop)
+            hits.pop()
         return hits
 
     def num_hit_tokens(self, cached_ids: list[int]) -> int:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from engine import events as ev
 from engine.block_manager import BlockManager, HybridBlockManager
-from engine.config import EngineConfig, KVReserve, ModelConfig, NMode, PoolGeometry
+from engine.config import EAGLE_METHODS, EngineConfig, KVReserve, ModelConfig, NMode, PoolGeometry
 from engine.events import FinishReason, KVEvent, NullTracer, Occupancy, RequestStats, StepRecord, Tracer
 from engine.executor import Executor, StepResult
 from engine.offload import OffloadTier
@@ -130,6 +130,7 @@ class LLMEngine:
                                    swap_groups=config.n_mode == NMode.COW, max_model_len=max_model_len,
                                    num_spec_tokens=config.num_speculative_tokens,
                                    num_lookahead_tokens=config.num_lookahead_tokens, draft_slots=config.draft_slots)
+        self.block_manager.eagle_drafter = config.speculative_method in EAGLE_METHODS
         self.scheduler.follow(config.follow_vllm)
         if g.num_offload_blocks:   # a host KV tier (engine/offload.py)
             self.scheduler.add_tier(OffloadTier(g.num_offload_blocks, host_slots=not self.simulated))

@@ -131,6 +131,9 @@ class Scheduler:
         self.vllm_version = (major, minor)
         self.priority_pass_goes_on = (major, minor) >= (0, 33)
         self.caches_on_delivery = (major, minor) >= (0, 33)
+        # an EAGLE-style drafter recomputes a prefix hit's last block up to 0.32; 0.33 hashes each block with
+        # the token after it instead (lookahead block hashes, which kvtrace does not model yet)
+        self.bm.drop_last_hit_block = self.bm.eagle_drafter and (major, minor) < (0, 33)
         if self.connector is not None:
             self.connector.follow(self.vllm_version)
 

@@ -91,6 +91,25 @@ def test_no_lookahead_slot_for_ngram_and_k_for_eagle():
     assert held == {"ngram": 3, "eagle": 4}
 
 
+@pytest.mark.parametrize("follow", ["0.32.0", "0.34.0"])
+@pytest.mark.parametrize("method", [None, *sorted(SPEC_METHODS)])
+def test_an_eagle_style_drafter_gives_back_a_prefix_hits_last_block(method, follow):
+    """vLLM 0.31 and 0.32 (use_eagle: EAGLE, EAGLE-3, MTP) recompute a prefix hit's last block, whose
+    hidden states the drafter needs (the coordinator's drop_eagle_block): a second request on the first's
+    5 full blocks hits 4 of them; n-gram, suffix and draft-model drafters, and no drafter, hit all 5, as
+    every drafter does following 0.34 (whose lookahead block hashes keep a hit whose next token matches)."""
+    e = engine(method, num_blocks=100, follow_vllm=follow)
+    prompt = list(range(1, 22))   # 21 tokens: 5 full blocks of 4 and one more token
+    e.add_request("a", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    while e.has_unfinished():
+        e.step()
+    e.add_request("b", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    while e.has_unfinished():
+        e.step()
+    hit = e.outputs[("b", 0)].num_prefix_hit_tokens
+    assert hit == (16 if method in ("eagle", "eagle3", "mtp") and follow == "0.32.0" else 20), (method, hit)
+
+
 def test_the_drafting_slot_counts_against_the_budget():
     """A draft model costs each scheduled request one input slot more (vLLM's max_num_new_slots_for_drafting):
     a step's budget of 8 holds two decodes of 1 + 2 drafts with it, and a third without."""

@@ -229,17 +229,36 @@ class StandInWorker:
                 [[j, j not in failed] for j in done])
 
 
-def speculative_config(model: str, num_tokens: int):
+def speculative_config(model: str, num_tokens: int, method: str = "draft_model"):
     """vLLM's config of a server drafting `num_tokens` a step with a draft model (the same model here: the
-    scheduler reads only the counts): as many lookahead slots reserved past each request's tokens."""
+    scheduler reads only the counts): as many lookahead slots reserved past each request's tokens. For
+    "eagle", the same config then named EAGLE's (no EAGLE head is at hand to validate one): what the
+    scheduler reads of the method (use_eagle: a prefix hit's last block dropped; no drafting slot) is
+    EAGLE's."""
     from vllm.config import ParallelConfig, SpeculativeConfig
 
-    key = ("speculative_config", num_tokens)
+    key = ("speculative_config", num_tokens, method)
     if key not in CONFIGS:
-        CONFIGS[key] = SpeculativeConfig(method="draft_model", model=model, num_speculative_tokens=num_tokens,
-                                         target_model_config=CONFIGS["vllm_config"].model_config,
-                                         target_parallel_config=ParallelConfig())
+        config = SpeculativeConfig(method="draft_model", model=model, num_speculative_tokens=num_tokens,
+                                   target_model_config=CONFIGS["vllm_config"].model_config,
+                                   target_parallel_config=ParallelConfig())
+        if method != "draft_model":
+            object.__setattr__(config, "method", method)
+        CONFIGS[key] = config
     return CONFIGS[key]
+
+
+def set_speculative_config(model: str, workload: dict) -> None:
+    """The shared VllmConfig's speculative config: the workload's ("spec_method", "spec_tokens"), or none;
+    and what vLLM 0.34 derives from it when the config is built (num_hash_lookahead_tokens: EAGLE's
+    lookahead block hashes; 0.33 derives it as a property)."""
+    vllm_config = CONFIGS["vllm_config"]
+    config = speculative_config(model, workload["spec_tokens"], workload["spec_method"]) \
+        if workload.get("spec_method") else None
+    object.__setattr__(vllm_config, "speculative_config", config)
+    resolve = getattr(vllm_config, "_resolve_num_hash_lookahead_tokens", None)
+    if resolve is not None:
+        object.__setattr__(vllm_config, "num_hash_lookahead_tokens", resolve())
 
 
 def fresh_config(model: str, cfg: dict):
@@ -511,11 +530,10 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
     atexit.register = _register
     try:
         # a speculative-decoding server's config ("spec_method"), or none (drafts are still scheduled)
-        object.__setattr__(CONFIGS["vllm_config"], "speculative_config",
-                           speculative_config(model, workload["spec_tokens"]) if workload.get("spec_method") else None)
+        set_speculative_config(model, workload)
         sched = build(model, cfg)
     finally:   # what the scheduler was built with, for this workload only
-        object.__setattr__(CONFIGS["vllm_config"], "speculative_config", None)
+        set_speculative_config(model, {})
         atexit.register = register
         _unhide(hidden)
         vllm.__version__ = version
@@ -527,8 +545,7 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
                 os.environ[k] = v
     # the scheduler reads the speculative config while it schedules too (its drafting slots): the workload's
     # for this run (the next workload's build sets its own)
-    object.__setattr__(CONFIGS["vllm_config"], "speculative_config",
-                       speculative_config(model, workload["spec_tokens"]) if workload.get("spec_method") else None)
+    set_speculative_config(model, workload)
     rec = Recorder(sched, workload.get("keep_victim_hashes", False), not workload.get("bare"))
     worker = StandInWorker(sched, cfg["offload"]) if cfg.get("offload") else None
     drafts = workload.get("spec_tokens", 0)   # speculative decoding: draft tokens proposed each step

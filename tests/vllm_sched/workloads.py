@@ -54,7 +54,8 @@ def workloads(draw, asynchronous: bool, hybrid: bool = False, spec: bool = False
     from the seed, which keeps generation cheap enough for thousands of workloads a run (shrinking
     still shortens prompts and drops requests). `hybrid`: a model of sliding windows beside full
     attention (HYBRID_GROUPS, windows of 1 to 4 blocks). `spec`: a server
-    drafting 1 to 4 tokens a step with a draft model (lookahead slots and a drafting slot)."""
+    drafting 1 to 4 tokens a step with a draft model (lookahead slots and a drafting slot) or EAGLE
+    (lookahead slots; a prefix hit's last block recomputed)."""
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
     vocab = draw(st.sampled_from([3, 50, 500]))   # a tiny vocabulary repeats blocks: accidental prefix hits
@@ -111,8 +112,8 @@ def workloads(draw, asynchronous: bool, hybrid: bool = False, spec: bool = False
     # (drawn last, as before hybrid workloads: a dense workload of a given seed is the same as it was)
     config["enable_prefix_caching"] = draw(st.sampled_from([True, True, True, False]))
     workload = {"config": {"block_size": block_size, "num_blocks": num_blocks, **config}, "requests": requests}
-    if spec_tokens:
-        workload.update(spec_tokens=spec_tokens, spec_method="draft_model")
+    if spec_tokens:   # a draft model (a drafting slot a request), or EAGLE (a prefix hit's last block dropped)
+        workload.update(spec_tokens=spec_tokens, spec_method=draw(st.sampled_from(["draft_model", "eagle"])))
     return workload
 
 
