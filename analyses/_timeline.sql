@@ -77,8 +77,8 @@
 --                     (or state: a Mamba layer's), mid-request, every group's
 -- Exact where no block is shared (prefix caching off). With prefix caching the trace does not say which
 -- blocks a prefix hit took back from the free ones, nor whether a window's dropped block is still another
--- request's, and a run cut from live traffic starts from zero: there a group's counter is an estimate
--- (`used_blocks` stays exact).
+-- request's, and a run cut from live traffic starts from zero: there a group's counter is an estimate,
+-- which many prefix hits can drive below zero (`used_blocks` stays exact).
 CREATE OR REPLACE MACRO _ns(s) AS CAST(round(s * 1e9) AS BIGINT);
 
 CREATE OR REPLACE MACRO _sequence_name(req_id, sample, n) AS
