@@ -301,12 +301,17 @@ class BlockManager:
         block = self.blocks[seq.block_table[i]]
         if block.hash is None:
             bs = self.block_size
-            block.hash = h
-            block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            if h in self.hash_to_block_id:
-                self.duplicates.setdefault(h, []).append(block.block_id)
-            else:
-                self.hash_to_block_id[h] = block.block_id
+            self._index(block, h, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+
+    def _index(self, block: Block, key: int, token_ids: tuple[int, ...]) -> None:
+        """Put a full block in the prefix cache under `key`: the block a lookup finds, or after the
+        block already found under it (a duplicate)."""
+        block.hash = key
+        block.token_ids = token_ids
+        if key in self.hash_to_block_id:
+            self.duplicates.setdefault(key, []).append(block.block_id)
+        else:
+            self.hash_to_block_id[key] = block.block_id
 
     def uncache_from(self, seq: Sequence, num_blocks: int) -> None:
         """Take the sequence's blocks from index `num_blocks` on out of the prefix cache: they were
@@ -722,36 +727,19 @@ class HybridBlockManager(BlockManager):
     def num_hit_tokens(self, cached: list[list[int]]) -> int:
         return len(cached[0]) * self.block_size if cached else 0
 
-    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Register the blocks that the sequence's first `num_tokens` positions fill, in each group that
-        caches, under the block's hash and the group: a block a window has dropped is not (vLLM skips
-        the null block), nor one already cached (a hit)."""
-        if not self.enable_prefix_caching:
-            return
-        num_hashed = len(seq.block_hashes)
-        num_full = min(num_tokens // self.block_size, len(seq.block_table))
-        if num_hashed >= num_full:
-            return
-        token_hashes = self._token_block_hashes(seq, num_full)
-        bs = self.block_size
-        tables = seq.tables()
-        for i in range(num_hashed, num_full):
-            h = token_hashes[i]
-            seq.block_hashes.append(h)
-            tokens = None
-            for group, table in enumerate(tables):
-                block = self.blocks[table[i]]
-                if not table[i] or not self.caches[group] or block.hash is not None:
-                    continue
-                if tokens is None:
-                    tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                key = self._key(h, group)
-                block.hash = key
-                block.token_ids = tokens
-                if key in self.hash_to_block_id:
-                    self.duplicates.setdefault(key, []).append(block.block_id)
-                else:
-                    self.hash_to_block_id[key] = block.block_id
+    def _cache_block(self, seq: Sequence, i: int, h: int) -> None:
+        """Block i of the sequence, full and hashed `h`: its hash noted, and each group's block registered
+        under the hash and the group, in a group that caches, unless a window has dropped it (vLLM skips
+        the null block) or it already holds a cached prefix (a hit)."""
+        seq.block_hashes.append(h)
+        tokens = None
+        for group, table in enumerate(seq.tables()):
+            block = self.blocks[table[i]]
+            if not table[i] or not self.caches[group] or block.hash is not None:
+                continue
+            if tokens is None:
+                tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            self._index(block, self._key(h, group), tokens)
 
     def uncache_from(self, seq: Sequence, num_blocks: int) -> None:
         """Take the sequence's blocks from index `num_blocks` on out of the prefix cache, every group's."""
