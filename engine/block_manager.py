@@ -90,10 +90,13 @@ class BlockManager:
         self.events: list[KVEvent] = []
         self.evicted: list[int] = []   # blocks evicted since the last alloc event, which takes them
         self.windows: tuple[int | None, ...] = (None,)   # one KV-cache group of full attention (HybridBlockManager)
-        # an EAGLE, EAGLE-3 or MTP drafter (vLLM's use_eagle); with it, up to vLLM 0.32, a prefix hit
-        # gives back its last block (Scheduler.follow)
+        # an EAGLE, EAGLE-3 or MTP drafter (vLLM's use_eagle), whose KV at a block's last position depends
+        # on the token after the block. Up to vLLM 0.32 a prefix hit gives back its last block
+        # (`drop_last_hit_block`); 0.33 on hash each block with the `hash_lookahead` tokens after it
+        # instead, so a block is cached and found only once they are delivered (Scheduler.follow)
         self.eagle_drafter = False
         self.drop_last_hit_block = False
+        self.hash_lookahead = 0
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -248,13 +251,13 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        bs = self.block_size
+        bs, lookahead = self.block_size, self.hash_lookahead
         hits: list[int] = []
-        num_blocks = (seq.num_tokens - 1) // bs
+        num_blocks = self.num_hashed_blocks(seq, (seq.num_tokens - 1) // bs)
         # the memo may hold one block more (cached when the step computing it was scheduled)
         for i, h in enumerate(self._token_block_hashes(seq, num_blocks)[:num_blocks]):
             block_id = self.hash_to_block_id.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs + lookahead]):
                 break
             hits.append(block_id)
         if self.drop_last_hit_block and hits:   # recomputed for the drafter's hidden states (vLLM's eagle drop)
@@ -271,14 +274,26 @@ class BlockManager:
         return self._token_block_hashes(seq, num_blocks)
 
     def _token_block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """Chained hashes of the sequence's first `num_blocks` full blocks of tokens. Tokens are only
+        """Chained hashes of the sequence's first `num_blocks` full blocks of tokens, each with the
+        `hash_lookahead` tokens after it (fewer blocks where those are not there yet). Tokens are only
         appended, so each is computed once per sequence, however often a waiting sequence is matched."""
         hashes = seq.token_block_hashes
-        bs = self.block_size
+        bs, lookahead = self.block_size, self.hash_lookahead
+        if lookahead:
+            num_blocks = min(num_blocks, (len(seq.token_ids) - lookahead) // bs)
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+            hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs:(i + 1) * bs + lookahead])))
         return hashes
+
+    def num_hashed_blocks(self, seq: Sequence, num_blocks: int) -> int:
+        """`num_blocks`, or fewer with lookahead block hashes: a block is hashed (so cached, found, and
+        offered to a host tier) once the `hash_lookahead` tokens after it are delivered (vLLM's
+        request.block_hashes, extended as output tokens arrive)."""
+        if not self.hash_lookahead:
+            return num_blocks
+        num_delivered = len(seq.token_ids) - seq.num_undelivered
+        return min(num_blocks, max(0, num_delivered - self.hash_lookahead) // self.block_size)
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the blocks that the sequence's first `num_tokens` positions fill in the prefix
@@ -287,7 +302,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_hashed = len(seq.block_hashes)
-        num_full = min(num_tokens // self.block_size, len(seq.block_table))
+        num_full = self.num_hashed_blocks(seq, min(num_tokens // self.block_size, len(seq.block_table)))
         if num_hashed >= num_full:
             return
         token_hashes = self._token_block_hashes(seq, num_full)
@@ -301,7 +316,7 @@ class BlockManager:
         block = self.blocks[seq.block_table[i]]
         if block.hash is None:
             bs = self.block_size
-            self._index(block, h, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            self._index(block, h, tuple(seq.token_ids[i * bs:(i + 1) * bs + self.hash_lookahead]))
 
     def _index(self, block: Block, key: int, token_ids: tuple[int, ...]) -> None:
         """Put a full block in the prefix cache under `key`: the block a lookup finds, or after the

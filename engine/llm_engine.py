@@ -277,7 +277,8 @@ class LLMEngine:
             seq.token_ids.append(token)
         self._deliver(sampled, self.now())
         if self.drafting and self.scheduler.caches_on_delivery:   # the accepted tokens' blocks (vLLM 0.33)
-            for seq in dict.fromkeys([seq for seq, _ in sampled]):
+            # in batch order, as update_from_output walks them (which of two equal blocks a hit finds)
+            for seq in in_batch_order(list(dict.fromkeys([seq for seq, _ in sampled])), out.seqs):
                 # (a stopped one's accepted positions may pass its tokens, cut at the stop: hashed blocks only)
                 self.block_manager.cache_full_blocks(seq, min(seq.num_computed_tokens, len(seq.token_ids)))
         stopped = [seq for seq, _ in sampled if seq.finish_reason]
@@ -336,8 +337,9 @@ class LLMEngine:
         if prev is not None:
             sampling = {id(s) for s in result.sample_seqs}
             # V1 caches what the delivered tokens complete, less this step's input, for every sequence
-            # running before the delivery: one that stops on it too (its last block), before it is freed
-            for seq, _ in emitted:
+            # running before the delivery: one that stops on it too (its last block), before it is freed;
+            # in batch order, as update_from_output walks them
+            for seq in in_batch_order(list(dict.fromkeys([seq for seq, _ in emitted])), prev.out.seqs):
                 if seq.status == SequenceStatus.RUNNING:
                     bm.cache_full_blocks(seq, seq.num_computed_tokens - (id(seq) in sampling) - seq.num_draft_placeholders)
             for seq in stopped:

@@ -91,23 +91,26 @@ def test_no_lookahead_slot_for_ngram_and_k_for_eagle():
     assert held == {"ngram": 3, "eagle": 4}
 
 
-@pytest.mark.parametrize("follow", ["0.32.0", "0.34.0"])
+@pytest.mark.parametrize("follow", ["0.32.0", "0.33.0", "0.34.0"])
 @pytest.mark.parametrize("method", [None, *sorted(SPEC_METHODS)])
 def test_an_eagle_style_drafter_gives_back_a_prefix_hits_last_block(method, follow):
-    """vLLM 0.31 and 0.32 (use_eagle: EAGLE, EAGLE-3, MTP) recompute a prefix hit's last block, whose
-    hidden states the drafter needs (the coordinator's drop_eagle_block): a second request on the first's
-    5 full blocks hits 4 of them; n-gram, suffix and draft-model drafters, and no drafter, hit all 5, as
-    every drafter does following 0.34 (whose lookahead block hashes keep a hit whose next token matches)."""
+    """An EAGLE-style drafter (EAGLE, EAGLE-3, MTP: vLLM's use_eagle) needs the KV of a hit's last position
+    computed with the token after it. vLLM 0.31 and 0.32 recompute a hit's last block (the coordinator's
+    drop_eagle_block): a second request on the first's 5 full blocks hits 4 of them. 0.33 on hash each
+    block with the token after it (lookahead block hashes): the same request hits all 5, one whose token
+    after them differs hits 4. N-gram, suffix and draft-model drafters, and no drafter, hit all 5 both
+    times."""
     e = engine(method, num_blocks=100, follow_vllm=follow)
     prompt = list(range(1, 22))   # 21 tokens: 5 full blocks of 4 and one more token
-    e.add_request("a", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-    while e.has_unfinished():
-        e.step()
-    e.add_request("b", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-    while e.has_unfinished():
-        e.step()
-    hit = e.outputs[("b", 0)].num_prefix_hit_tokens
-    assert hit == (16 if method in ("eagle", "eagle3", "mtp") and follow == "0.32.0" else 20), (method, hit)
+    hits = []
+    for rid, tokens in [("a", prompt), ("b", prompt), ("c", prompt[:20] + [99, 100])]:
+        e.add_request(rid, tokens, SamplingParams(max_tokens=2, ignore_eos=True))
+        while e.has_unfinished():
+            e.step()
+        hits.append(e.outputs[(rid, 0)].num_prefix_hit_tokens)
+    eagle = method in ("eagle", "eagle3", "mtp")
+    lookahead = eagle and follow != "0.32.0"
+    assert hits[1:] == ([20, 16] if lookahead else [16, 16] if eagle else [20, 20]), (method, hits)
 
 
 def test_the_drafting_slot_counts_against_the_budget():

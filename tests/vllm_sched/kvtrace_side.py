@@ -56,8 +56,9 @@ PLANTS = ("wrong-victim", "head-first-free", "no-prefix-hits", "threshold-ignore
 HYBRID_PLANTS = ("window-ignored", "in-flight-dropped", "admission-uncapped", "window-hit-from-the-start")
 # a drafting server's (speculative decoding): rejected drafts kept as computed; no lookahead slots reserved;
 # no drafting slot counted against the step's budget; an admitted decode left unpadded; an EAGLE drafter's
-# prefix hit kept whole (vLLM recomputes its last block)
-SPEC_PLANTS = ("rejected-kept", "no-lookahead", "no-drafting-slot", "unpadded", "eagle-hit-kept")
+# prefix hits made as a draft model's (vLLM up to 0.32 recomputes a hit's last block, 0.33 on hash each
+# block with the token after it)
+SPEC_PLANTS = ("rejected-kept", "no-lookahead", "no-drafting-slot", "unpadded", "eagle-as-draft-model")
 # a host KV tier's (vLLM's offloading connector): the tier never consulted; a load admitted without leaving
 # the blocks others still need; a finished request's stores not flushed when their blocks are reused; the
 # other vLLM releases' eviction ranks
@@ -148,8 +149,8 @@ def plant(engine: LLMEngine, bug: str) -> None:
         sched.num_lookahead_tokens = 0
     elif bug == "no-drafting-slot":
         sched.draft_slots = 0
-    elif bug == "eagle-hit-kept":
-        bm.drop_last_hit_block = False
+    elif bug == "eagle-as-draft-model":
+        bm.drop_last_hit_block, bm.hash_lookahead = False, 0
     elif bug == "unpadded":
         spec_tokens = sched.num_spec_tokens
         admit = sched._admit_waiting

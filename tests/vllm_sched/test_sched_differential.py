@@ -170,30 +170,15 @@ def test_schedules_speculative_decoding_as_vllm(vllm, asynchronous):
     assert totals["drafting"] >= totals["workloads"] // 2, totals
 
 
-def eagle_compared(vllm) -> bool:
-    """Whether EAGLE's prefix hits are compared against this vLLM: up to 0.32, which recomputes a hit's
-    last block (kvtrace does). 0.33 on hash each block with the token after it instead (lookahead block
-    hashes), which kvtrace does not model: there a workload drafts with a draft model only."""
-    return tuple(int(p) for p in followed(vllm).split(".")[:2]) < (0, 33)
-
-
 def spec_workloads(vllm, asynchronous: bool):
-    strategy = workloads(asynchronous, spec=True)
-    if eagle_compared(vllm):
-        return strategy
-    return strategy.map(lambda w: {**w, "spec_method": "draft_model"})
+    """Speculative workloads, drafting with a draft model or EAGLE (up to vLLM 0.32 EAGLE recomputes a
+    prefix hit's last block; 0.33 on hash each block with the token after it, lookahead block hashes)."""
+    return workloads(asynchronous, spec=True)
 
 
 @pytest.mark.parametrize("bug", kvtrace_side.SPEC_PLANTS)
 def test_a_planted_wrong_speculative_decoding_is_caught(vllm, bug):
     follows = followed(vllm)
-    if bug == "eagle-hit-kept" and not eagle_compared(vllm):   # nothing to plant: the rule is checked instead
-        engine = kvtrace_side.build(dict(block_size=4, num_blocks=8, max_num_seqs=2, max_num_batched_tokens=16,
-                                         max_model_len=64, long_prefill_token_threshold=0, policy="fcfs",
-                                         **{"async": False}, enable_prefix_caching=True),
-                                    vllm_version=follows, spec=("eagle", 2))
-        assert engine.block_manager.eagle_drafter and not engine.block_manager.drop_last_hit_block
-        return
 
     def caught(workload) -> bool:
         try:

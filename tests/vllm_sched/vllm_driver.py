@@ -105,6 +105,7 @@ def build(model: str, cfg: dict):
     # stands in for its worker), or none
     object.__setattr__(vllm_config, "kv_transfer_config", offloading_config(cfg["offload"]) if cfg.get("offload")
                        else None)
+    resolve_hash_lookahead(vllm_config)   # from this workload's prefix caching and connector
     if CAPTURE_CLASS is not None:
         cls = CAPTURE_CLASS
     elif CAPTURE:
@@ -233,8 +234,8 @@ def speculative_config(model: str, num_tokens: int, method: str = "draft_model")
     """vLLM's config of a server drafting `num_tokens` a step with a draft model (the same model here: the
     scheduler reads only the counts): as many lookahead slots reserved past each request's tokens. For
     "eagle", the same config then named EAGLE's (no EAGLE head is at hand to validate one): what the
-    scheduler reads of the method (use_eagle: a prefix hit's last block dropped; no drafting slot) is
-    EAGLE's."""
+    scheduler reads of the method (use_eagle: up to 0.32 a prefix hit's last block dropped, 0.33 on
+    lookahead block hashes; no drafting slot) is EAGLE's."""
     from vllm.config import ParallelConfig, SpeculativeConfig
 
     key = ("speculative_config", num_tokens, method)
@@ -256,6 +257,12 @@ def set_speculative_config(model: str, workload: dict) -> None:
     config = speculative_config(model, workload["spec_tokens"], workload["spec_method"]) \
         if workload.get("spec_method") else None
     object.__setattr__(vllm_config, "speculative_config", config)
+    resolve_hash_lookahead(vllm_config)
+
+
+def resolve_hash_lookahead(vllm_config) -> None:
+    """What vLLM 0.34 derives when a config is built, from the speculative config, prefix caching and the
+    KV connector (0.33 derives it as a property): num_hash_lookahead_tokens, EAGLE's lookahead block hashes."""
     resolve = getattr(vllm_config, "_resolve_num_hash_lookahead_tokens", None)
     if resolve is not None:
         object.__setattr__(vllm_config, "num_hash_lookahead_tokens", resolve())
@@ -559,7 +566,9 @@ def run(model: str, workload: dict, answer: dict | None = None) -> list[dict]:
         if delivered is not None:
             delivered.extend([index, o.request_id, len(o.new_token_ids)]
                              for engine_outputs in outputs.values() for o in engine_outputs.outputs)
-    hasher = get_request_block_hasher(cfg["block_size"], HASH_FN)
+    # as the engine core makes it: with EAGLE on 0.33+, each block hashed with the token after it
+    lookahead = getattr(sched, "num_hash_lookahead_tokens", 0)
+    hasher = get_request_block_hasher(cfg["block_size"], HASH_FN, *([lookahead] if lookahead else []))
     pending = sorted(workload["requests"], key=lambda r: r["arrival_step"])   # stable: file order within a step
     steps: list[dict] = []
     prev = None
