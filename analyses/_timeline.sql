@@ -66,19 +66,21 @@
 -- _timeline_kv_group_counters: the pool of a run of several groups, group by group, as one row per
 -- counter and change, like _timeline_counters: kv_group, step, ts_ns, value.
 --   kv_group          a group: its blocks held after the step's scheduling, at its start (the moment
---                     of `steps.used_blocks`, which the groups' add up to): its `alloc` blocks less its
---                     `free` blocks. A step's frees of finished sequences (reason finish, stamped after
---                     its start: done after its forward) count from the next step, or under async
---                     scheduling from the one after (done once the next step is scheduled). A free
---                     without a group (a vLLM capture's deferred frees, several groups' blocks at once)
---                     counts each block in the group of its last `alloc`. An eviction changes nothing
---                     (the block was free already).
+--                     of `steps.used_blocks`, which the groups' add up to): the blocks that some
+--                     sequence holds. A sequence holds a block from its `alloc` or `prefix_hit` (a
+--                     hit's block in the group of its last `alloc`) until its window lets it go (a
+--                     `free` of reason window or state naming it) or the sequence is released (its
+--                     first `free` of another reason, `preempt` or `finish`: a `free` of reason finish
+--                     names only the blocks whose count fell to zero, so the sequence, not the event's
+--                     blocks, ends the holds). A release stamped after its step's start (done after
+--                     the forward) counts from the next step, or under async scheduling from the one
+--                     after (done once the next step is scheduled), unless the step scheduled after it
+--                     preempted the sequence. An eviction changes nothing (the block was free already).
 --   null              the run's blocks dropped by windows, cumulative: `free` blocks of reason window
 --                     (or state: a Mamba layer's), mid-request, every group's
--- Exact where no block is shared (prefix caching off). With prefix caching the trace does not say which
--- blocks a prefix hit took back from the free ones, nor whether a window's dropped block is still another
--- request's, and a run cut from live traffic starts from zero: there a group's counter is an estimate,
--- which many prefix hits can drive below zero (`used_blocks` stays exact).
+-- Exact with prefix caching on or off (tests/analysis/test_export_perfetto.py checks the groups' sum
+-- against `used_blocks` at every step). A run cut from live traffic starts from zero: blocks taken
+-- before its first event are not counted.
 CREATE OR REPLACE MACRO _ns(s) AS CAST(round(s * 1e9) AS BIGINT);
 
 CREATE OR REPLACE MACRO _sequence_name(req_id, sample, n) AS
@@ -240,39 +242,67 @@ WITH hybrid AS (
     FROM runs
     WHERE run_id IN (SELECT run_id FROM _timeline_kv_groups)
 ),
-grouped AS (
-    SELECT run_id, step, ts_s, kind, reason, kv_group, num_blocks
+takes AS (   -- a block a sequence took: allocated, or found by a prefix hit (in its last alloc's group)
+    SELECT run_id, req_id, sample, seq, step, ts_s, kv_group, unnest(blocks) AS block
     FROM kv_events
-    WHERE kind IN ('alloc', 'free') AND kv_group IS NOT NULL AND run_id IN (SELECT run_id FROM hybrid)
+    WHERE kind = 'alloc' AND run_id IN (SELECT run_id FROM hybrid)
 ),
-unlisted_blocks AS (
-    SELECT run_id, seq, step, ts_s, reason, unnest(blocks) AS block
+held_blocks AS (
+    SELECT run_id, req_id, sample, seq, step, ts_s, kv_group, block FROM takes
+    UNION ALL
+    SELECT h.run_id, h.req_id, h.sample, h.seq, h.step, h.ts_s, a.kv_group, h.block
+    FROM (SELECT run_id, req_id, sample, seq, step, ts_s, unnest(blocks) AS block
+          FROM kv_events
+          WHERE kind = 'prefix_hit' AND run_id IN (SELECT run_id FROM hybrid)) h
+    ASOF JOIN takes a ON a.run_id = h.run_id AND a.block = h.block AND h.seq > a.seq
+),
+let_go AS (   -- a block a sequence's window (or a Mamba layer's state) let go mid-request
+    SELECT run_id, req_id, sample, seq, unnest(blocks) AS block
     FROM kv_events
-    WHERE kind = 'free' AND kv_group IS NULL AND run_id IN (SELECT run_id FROM hybrid)
+    WHERE kind = 'free' AND reason IN ('window', 'state') AND run_id IN (SELECT run_id FROM hybrid)
 ),
-their_allocs AS (
-    SELECT a.run_id, a.seq, a.kv_group, a.block
-    FROM (SELECT run_id, seq, kv_group, unnest(blocks) AS block FROM kv_events
-          WHERE kind = 'alloc' AND run_id IN (SELECT run_id FROM unlisted_blocks)) a
-    SEMI JOIN unlisted_blocks u USING (run_id, block)
+releases AS (   -- a sequence letting go of every block it holds: finished or preempted (its first such event),
+                -- from the step its blocks count free: a finish stamped after the step's start from a later
+                -- one, unless the step scheduled after it preempted the sequence (its last token in flight)
+    SELECT run_id, req_id, sample, seq,
+           min(step) OVER (PARTITION BY run_id, req_id, sample ORDER BY seq ROWS BETWEEN CURRENT ROW AND 2 FOLLOWING)
+               AS step
+    FROM (SELECT e.run_id, e.req_id, e.sample, e.seq,
+                 e.step + CASE WHEN e.ts_s > s.start_s THEN h.finish_lag ELSE 0 END AS step
+          FROM kv_events e
+          JOIN steps s USING (run_id, step)
+          JOIN hybrid h USING (run_id)
+          WHERE e.kind = 'free' AND coalesce(e.reason, '') NOT IN ('window', 'state') OR e.kind IN ('preempt', 'finish'))
 ),
-unlisted AS (   -- a free without a group, in the groups of its blocks' last allocs
-    SELECT u.run_id, u.step, u.ts_s, 'free' AS kind, u.reason, a.kv_group, count(*)::INTEGER AS num_blocks
-    FROM unlisted_blocks u ASOF JOIN their_allocs a ON a.run_id = u.run_id AND a.block = u.block AND u.seq > a.seq
-    GROUP BY ALL
+holds AS (   -- each block a sequence held, from its take to its window's letting go or the sequence's release
+    SELECT t.run_id, t.kv_group, t.block, t.seq AS start_seq, t.step AS start_step,
+           CASE WHEN r.seq IS NULL OR d.seq < r.seq THEN d.seq ELSE r.seq END AS end_seq,
+           CASE WHEN r.seq IS NULL OR d.seq < r.seq THEN d.seq_step ELSE r.step END AS end_step
+    FROM held_blocks t
+    ASOF LEFT JOIN (SELECT l.*, k.step AS seq_step FROM let_go l JOIN kv_events k USING (run_id, seq)) d
+      ON d.run_id = t.run_id AND d.req_id = t.req_id AND d.sample = t.sample AND d.block = t.block AND d.seq > t.seq
+    ASOF LEFT JOIN releases r
+      ON r.run_id = t.run_id AND r.req_id = t.req_id AND r.sample = t.sample AND r.seq > t.seq
+    WHERE t.kv_group IS NOT NULL
 ),
-deltas AS (
-    SELECT e.run_id, e.kv_group,
-           e.step + CASE WHEN e.kind = 'free' AND e.reason = 'finish' AND e.ts_s > s.start_s THEN h.finish_lag
-                         ELSE 0 END AS step,
-           CASE WHEN e.kind = 'alloc' THEN e.num_blocks ELSE -e.num_blocks END AS held,
-           CASE WHEN e.kind = 'free' AND e.reason IN ('window', 'state') THEN e.num_blocks ELSE 0 END AS dropped
-    FROM (SELECT * FROM grouped UNION ALL SELECT * FROM unlisted) e
-    JOIN steps s USING (run_id, step)
-    JOIN hybrid h USING (run_id)
+marks AS (
+    SELECT run_id, kv_group, block, start_seq AS seq, start_step AS step, 1 AS d FROM holds
+    UNION ALL
+    SELECT run_id, kv_group, block, end_seq, end_step, -1 FROM holds WHERE end_seq IS NOT NULL
+),
+deltas AS (   -- a block counts in its group while some sequence holds it
+    SELECT run_id, kv_group, step,
+           CASE WHEN d = 1 AND holders = 1 THEN 1 WHEN d = -1 AND holders = 0 THEN -1 ELSE 0 END AS held,
+           0 AS dropped
+    FROM (SELECT *, sum(d) OVER (PARTITION BY run_id, block ORDER BY seq, d ROWS UNBOUNDED PRECEDING) AS holders
+          FROM marks)
+    UNION ALL   -- the blocks windows dropped mid-request
+    SELECT run_id, NULL, step, 0, num_blocks
+    FROM kv_events
+    WHERE kind = 'free' AND reason IN ('window', 'state') AND run_id IN (SELECT run_id FROM hybrid)
 ),
 changes AS (
-    SELECT run_id, kv_group, step, held AS change FROM deltas
+    SELECT run_id, kv_group, step, held AS change FROM deltas WHERE kv_group IS NOT NULL AND held <> 0
     UNION ALL
     SELECT run_id, NULL, step, dropped FROM deltas WHERE dropped > 0
     UNION ALL   -- every counter from the run's first step

@@ -266,11 +266,16 @@ MINISTRAL = {"model_type": "ministral", "architectures": ["MinistralForCausalLM"
              "max_position_embeddings": 4096, "sliding_window": 64, "tie_word_embeddings": True, "eos_token_id": 2,
              "bos_token_id": 1, "rms_norm_eps": 1e-5}
 # run -> (its layers, the simulator's options, its groups' track names)
+NO_CACHE = "--no-enable-prefix-caching"
 HYBRID_RUNS = {
-    "sync": ([S, F, S, F], [], ["sliding window 64 tok", "full attention"]),
-    "async": ([S, F, S, F], ["--async-scheduling"], ["sliding window 64 tok", "full attention"]),
-    "two-windows": ([S, S, S, S, F, F], [],        # vLLM's grouping: two windowed groups of two layers
+    "sync": ([S, F, S, F], [NO_CACHE], ["sliding window 64 tok", "full attention"]),
+    "async": ([S, F, S, F], [NO_CACHE, "--async-scheduling"], ["sliding window 64 tok", "full attention"]),
+    "two-windows": ([S, S, S, S, F, F], [NO_CACHE],        # vLLM's grouping: two windowed groups of two layers
                     ["sliding window 64 tok (group 0)", "sliding window 64 tok (group 1)", "full attention"]),
+    # prefix caching on (vLLM's default): hits share blocks, a window's free may name a block still shared
+    "cached": ([S, F, S, F], ["--num-gpu-blocks", "80"], ["sliding window 64 tok", "full attention"]),
+    "cached-async": ([S, S, S, S, F, F], ["--async-scheduling"],
+                     ["sliding window 64 tok (group 0)", "sliding window 64 tok (group 1)", "full attention"]),
 }
 
 
@@ -287,8 +292,7 @@ def hybrid_runs(tmp_path_factory) -> dict[str, Path]:
                                                        "layer_types": layers}))
         runs[name] = folder / name
         result = CliRunner().invoke(app, ["record", "--engine", "sim", "--model", str(model), "-w", str(WORKLOAD),
-                                          "--num-gpu-blocks", "120", "--no-enable-prefix-caching",
-                                          "-o", str(runs[name]), "-q", *options])
+                                          "--num-gpu-blocks", "120", "-o", str(runs[name]), "-q", *options])
         assert result.exit_code == 0, result.output
     return runs
 
@@ -297,12 +301,12 @@ def counter_at(trace: Decoded, track: int, ts: int) -> int:
     return [v for t, v in trace.counters[track] if t <= ts][-1]
 
 
-def replay_blocks_held(run: Path) -> tuple[list[dict], list[dict[int, int]], list[int]]:
+def replay_blocks_held(run: Path, cached: bool = False) -> tuple[list[dict], list[dict[int, int]], list[int]]:
     """The run's steps; each KV-cache group's blocks held at each step's scheduling (the moment of
     `used_blocks`), and the blocks dropped by windows up to it: its alloc and free events replayed
     block by block. kvtrace's engine stamps what a step's scheduling did with the step's start, what it
     did after its forward with its end: done before the next step's scheduling, or, scheduling async,
-    after it."""
+    after it. `cached`: a run with prefix caching, whose blocks are shared: the windows' drops only."""
     steps = pq.read_table(run / "steps").sort_by("step").to_pylist()
     start = {r["step"]: r["start_s"] for r in steps}
     lag = 1 + json.loads((run / "meta.json").read_text())["engine_config"]["async_scheduling"]
@@ -317,13 +321,16 @@ def replay_blocks_held(run: Path) -> tuple[list[dict], list[dict[int, int]], lis
                 <= r["step"]:
             e = events[i]
             blocks = set(e["blocks"])
-            if e["kind"] == "alloc":
+            if e["kind"] == "free":
+                dropped += len(blocks) if e["reason"] == "window" else 0
+            if cached:
+                pass
+            elif e["kind"] == "alloc":
                 assert not blocks & set().union(*held), f"event {e['seq']}: a block allocated twice"
                 held[e["kv_group"]] |= blocks
             else:
                 assert blocks <= held[e["kv_group"]], f"event {e['seq']}: frees blocks its group does not hold"
                 held[e["kv_group"]] -= blocks
-                dropped += len(blocks) if e["reason"] == "window" else 0
             i += 1
         by_step.append({g: len(blocks) for g, blocks in enumerate(held)})
         dropped_by_step.append(dropped)
@@ -349,14 +356,20 @@ def test_a_hybrid_run_has_each_kv_cache_groups_used_blocks(hybrid_runs, tmp_path
         trace.tracks[trace.track_named("used blocks", group)].counter.y_axis_share_key}
     dropped_track = trace.track_named(perfetto.WINDOW_DROPPED, group)
 
-    steps, held, dropped = replay_blocks_held(run)
+    cached = NO_CACHE not in HYBRID_RUNS[name][1]
+    steps, held, dropped = replay_blocks_held(run, cached)
     for r, expected, expected_dropped in zip(steps, held, dropped):
         ts = round(r["start_s"] * 1e9)
         got = [counter_at(trace, t, ts) for t in tracks]
-        assert got == [expected[g] for g in range(len(tracks))], (name, r["step"])
-        assert sum(got) == r["used_blocks"] == counter_at(trace, trace.track_named("used blocks", group), ts)
+        if not cached:
+            assert got == [expected[g] for g in range(len(tracks))], (name, r["step"])
+        assert min(got) >= 0 and sum(got) == r["used_blocks"] == counter_at(trace, trace.track_named("used blocks", group), ts), (name, r["step"], got)
         assert counter_at(trace, dropped_track, ts) == expected_dropped, (name, r["step"])
     assert sum(r["preemptions"] for r in steps) > 0 and dropped[-1] > 0
+    if cached:   # blocks shared by hits, some let go by one sequence's window while another holds them
+        events = pq.read_table(run / "kv_events").to_pylist()
+        hits = {b for e in events if e["kind"] == "prefix_hit" for b in e["blocks"]}
+        assert hits and any(e["kind"] == "free" and e["reason"] == "window" and set(e["blocks"]) & hits for e in events)
     assert all(min(v for _, v in trace.counters[t]) < max(v for _, v in trace.counters[t]) for t in tracks)
 
 
