@@ -287,9 +287,9 @@ class BlockManager:
         return hashes
 
     def num_hashed_blocks(self, seq: Sequence, num_blocks: int) -> int:
-        """`num_blocks`, or fewer with lookahead block hashes: a block is hashed (so cached, found, and
-        offered to a host tier) once the `hash_lookahead` tokens after it are delivered (vLLM's
-        request.block_hashes, extended as output tokens arrive)."""
+        """`num_blocks`, or fewer with lookahead block hashes: a block is hashed (so cached and found)
+        once the `hash_lookahead` tokens after it are delivered (vLLM's request.block_hashes, extended
+        as output tokens arrive)."""
         if not self.hash_lookahead:
             return num_blocks
         num_delivered = len(seq.token_ids) - seq.num_undelivered

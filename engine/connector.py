@@ -58,7 +58,7 @@ class OffloadingConnector:
         if seq.num_tier_copies:
             return None
         bs = self.bm.block_size
-        num_full = self.bm.num_hashed_blocks(seq, seq.num_tokens // bs)
+        num_full = seq.num_tokens // bs
         hashes = self.bm.token_block_hashes(seq, num_full)
         num_hit = 0
         for key in hashes[num_cached // bs:num_full]:
@@ -195,7 +195,7 @@ class OffloadingConnector:
         yet; a store of those the tier lacked, from the device blocks `blocks` (its table)."""
         bm, tier = self.bm, self.tier
         bs = bm.block_size
-        end = bm.num_hashed_blocks(seq, num_positions // bs)
+        end = num_positions // bs
         start = seq.num_offered_blocks
         if end <= start:
             return

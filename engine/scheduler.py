@@ -131,27 +131,20 @@ class Scheduler:
         self.vllm_version = (major, minor)
         self.priority_pass_goes_on = (major, minor) >= (0, 33)
         self.caches_on_delivery = (major, minor) >= (0, 33)
+        # an EAGLE-style drafter's KV at a block's last position depends on the token after it: up to 0.32 a
+        # prefix hit's last block is recomputed; 0.33 on hash each block with the token after it instead
+        # (num_hash_lookahead_tokens: 1, as kvtrace's three methods read it; a host tier beside a drafter,
+        # where vLLM's connectors decide otherwise, is refused)
+        lookahead = self.bm.eagle_drafter and self.bm.enable_prefix_caching and (major, minor) >= (0, 33)
+        self.bm.hash_lookahead = 1 if lookahead else 0
+        self.bm.drop_last_hit_block = self.bm.eagle_drafter and not lookahead
         if self.connector is not None:
             self.connector.follow(self.vllm_version)
-        self._follow_eagle_hashes()
-
-    def _follow_eagle_hashes(self) -> None:
-        """How a prefix hit keeps an EAGLE-style drafter's KV right (its KV at a block's last position
-        depends on the next token). Up to vLLM 0.32 the hit's last block is recomputed. 0.33 on hash each
-        block with the token after it instead (vLLM's num_hash_lookahead_tokens: 1, as a drafter reading
-        the target's hidden states has, kvtrace's three methods); with a KV connector, 0.33 keeps the
-        old hashes and the drop, 0.34's offloading connector takes the new ones."""
-        bm = self.bm
-        lookahead = (bm.eagle_drafter and bm.enable_prefix_caching and self.vllm_version >= (0, 33)
-                     and (self.connector is None or self.vllm_version >= (0, 34)))
-        bm.hash_lookahead = 1 if lookahead else 0
-        bm.drop_last_hit_block = bm.eagle_drafter and not lookahead
 
     def add_tier(self, tier: OffloadTier) -> None:
         """Put a host KV tier behind the pool, its copies decided as vLLM's OffloadingConnector decides them."""
         self.connector = OffloadingConnector(tier, self.bm, self.max_model_len)
         self.connector.follow(self.vllm_version)
-        self._follow_eagle_hashes()
 
     @property
     def tier(self) -> OffloadTier | None:
