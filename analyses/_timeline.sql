@@ -257,7 +257,7 @@ held_blocks AS (
     ASOF JOIN takes a ON a.run_id = h.run_id AND a.block = h.block AND h.seq > a.seq
 ),
 let_go AS (   -- a block a sequence's window (or a Mamba layer's state) let go mid-request
-    SELECT run_id, req_id, sample, seq, unnest(blocks) AS block
+    SELECT run_id, req_id, sample, seq, step, unnest(blocks) AS block
     FROM kv_events
     WHERE kind = 'free' AND reason IN ('window', 'state') AND run_id IN (SELECT run_id FROM hybrid)
 ),
@@ -277,9 +277,9 @@ releases AS (   -- a sequence letting go of every block it holds: finished or pr
 holds AS (   -- each block a sequence held, from its take to its window's letting go or the sequence's release
     SELECT t.run_id, t.kv_group, t.block, t.seq AS start_seq, t.step AS start_step,
            CASE WHEN r.seq IS NULL OR d.seq < r.seq THEN d.seq ELSE r.seq END AS end_seq,
-           CASE WHEN r.seq IS NULL OR d.seq < r.seq THEN d.seq_step ELSE r.step END AS end_step
+           CASE WHEN r.seq IS NULL OR d.seq < r.seq THEN d.step ELSE r.step END AS end_step
     FROM held_blocks t
-    ASOF LEFT JOIN (SELECT l.*, k.step AS seq_step FROM let_go l JOIN kv_events k USING (run_id, seq)) d
+    ASOF LEFT JOIN let_go d
       ON d.run_id = t.run_id AND d.req_id = t.req_id AND d.sample = t.sample AND d.block = t.block AND d.seq > t.seq
     ASOF LEFT JOIN releases r
       ON r.run_id = t.run_id AND r.req_id = t.req_id AND r.sample = t.sample AND r.seq > t.seq
@@ -297,9 +297,7 @@ deltas AS (   -- a block counts in its group while some sequence holds it
     FROM (SELECT *, sum(d) OVER (PARTITION BY run_id, block ORDER BY seq, d ROWS UNBOUNDED PRECEDING) AS holders
           FROM marks)
     UNION ALL   -- the blocks windows dropped mid-request
-    SELECT run_id, NULL, step, 0, num_blocks
-    FROM kv_events
-    WHERE kind = 'free' AND reason IN ('window', 'state') AND run_id IN (SELECT run_id FROM hybrid)
+    SELECT run_id, NULL, step, 0, count(*) FROM let_go GROUP BY run_id, step
 ),
 changes AS (
     SELECT run_id, kv_group, step, held AS change FROM deltas WHERE kv_group IS NOT NULL AND held <> 0

@@ -251,13 +251,12 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        bs, lookahead = self.block_size, self.hash_lookahead
         hits: list[int] = []
-        num_blocks = self.num_hashed_blocks(seq, (seq.num_tokens - 1) // bs)
+        num_blocks = self.num_hashed_blocks(seq, (seq.num_tokens - 1) // self.block_size)
         # the memo may hold one block more (cached when the step computing it was scheduled)
         for i, h in enumerate(self._token_block_hashes(seq, num_blocks)[:num_blocks]):
             block_id = self.hash_to_block_id.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs + lookahead]):
+            if block_id is None or self.blocks[block_id].token_ids != self._hashed_tokens(seq, i):
                 break
             hits.append(block_id)
         if self.drop_last_hit_block and hits:   # recomputed for the drafter's hidden states (vLLM's eagle drop)
@@ -278,13 +277,18 @@ class BlockManager:
         `hash_lookahead` tokens after it (fewer blocks where those are not there yet). Tokens are only
         appended, so each is computed once per sequence, however often a waiting sequence is matched."""
         hashes = seq.token_block_hashes
-        bs, lookahead = self.block_size, self.hash_lookahead
-        if lookahead:
-            num_blocks = min(num_blocks, (len(seq.token_ids) - lookahead) // bs)
+        if self.hash_lookahead:
+            num_blocks = min(num_blocks, (len(seq.token_ids) - self.hash_lookahead) // self.block_size)
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs:(i + 1) * bs + lookahead])))
+            hashes.append(chain_hash(hashes[-1] if hashes else None, self._hashed_tokens(seq, i)))
         return hashes
+
+    def _hashed_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        """The tokens block i of the sequence is hashed and cached by: its own, and the `hash_lookahead`
+        after it."""
+        bs = self.block_size
+        return tuple(seq.token_ids[i * bs:(i + 1) * bs + self.hash_lookahead])
 
     def num_hashed_blocks(self, seq: Sequence, num_blocks: int) -> int:
         """`num_blocks`, or fewer with lookahead block hashes: a block is hashed (so cached and found)
@@ -315,8 +319,7 @@ class BlockManager:
         seq.block_hashes.append(h)
         block = self.blocks[seq.block_table[i]]
         if block.hash is None:
-            bs = self.block_size
-            self._index(block, h, tuple(seq.token_ids[i * bs:(i + 1) * bs + self.hash_lookahead]))
+            self._index(block, h, self._hashed_tokens(seq, i))
 
     def _index(self, block: Block, key: int, token_ids: tuple[int, ...]) -> None:
         """Put a full block in the prefix cache under `key`: the block a lookup finds, or after the
@@ -696,7 +699,7 @@ class HybridBlockManager(BlockManager):
             if block_id is None:
                 return None
             if tokens is None:
-                tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                tokens = self._hashed_tokens(seq, i)
             if self.blocks[block_id].token_ids != tokens:
                 return None
             found.append(block_id)
@@ -753,7 +756,7 @@ class HybridBlockManager(BlockManager):
             if not table[i] or not self.caches[group] or block.hash is not None:
                 continue
             if tokens is None:
-                tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                tokens = self._hashed_tokens(seq, i)
             self._index(block, self._key(h, group), tokens)
 
     def uncache_from(self, seq: Sequence, num_blocks: int) -> None:

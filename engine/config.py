@@ -337,8 +337,9 @@ KV_RESERVE = tuple(r.value for r in KVReserve)
 # next drafts; the input slots a scheduled request costs beyond its tokens, max_num_new_slots_for_drafting)
 SPEC_METHODS = {"ngram": (False, 0), "suffix": (False, 0), "eagle": (True, 0), "eagle3": (True, 0),
                 "mtp": (True, 0), "draft_model": (True, 1)}
-# the methods whose drafter reads the target model's hidden states (vLLM's use_eagle()): a prefix-cache
-# hit gives back its last block, recomputed so that the drafter has the hidden state of its positions
+# the methods whose drafter reads the target model's hidden states (vLLM's use_eagle()): its KV at a block's
+# last position depends on the token after it, so a prefix hit gives back its last block (vLLM up to 0.32)
+# or blocks are hashed with the token after them (0.33 on; Scheduler.follow)
 EAGLE_METHODS = ("eagle", "eagle3", "mtp")
 SPEC_ACCEPTANCE_RATE = 0.7   # the default chance that a draft is accepted, given the ones before it were
 
