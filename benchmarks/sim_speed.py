@@ -22,8 +22,10 @@ command: start-up, replay and closing the trace):
   (one process per core). The goal: the whole sweep within the hour it replays.
 `--only sharegpt|paged-kv|hour|hour-sweep` runs one scenario.
 `--offload-size 16GiB` runs each scenario that can have a host KV tier (prefix caching on: not paged-kv)
-three times in every repeat: without the tier, without it on the general pass (`--no-sim-fast-path`), and
-with it (`record --offload-size`). It prints the medians of the
+three times in every repeat: without the tier and with it (`record --offload-size`), one right after the
+other, the one without first in every other repeat (the machine's drift, which a shared machine has in
+tens of percent over minutes, weighs on both alike), and without it on the general pass
+(`--no-sim-fast-path`). It prints the medians of the
 repeats' ratios (issue 57's goal: with a tier within 10 % of the CPU time without) and the tier's copies,
 counted from the trace, so that a tier that did nothing is seen.
 Steps/s and sequence-steps/s (running sequences summed over steps) are measured per replay. kvtrace's
@@ -179,7 +181,10 @@ def run(args: argparse.Namespace) -> None:
                 variants[tiered] = [*options, "--offload-size", args.offload_size]
             runs = {variant: Runs([], [], [], tmp_path) for variant in variants}
             for i in range(args.hour_repeats if name == HOUR else args.repeats):
-                for v, (variant, variant_options) in enumerate(variants.items()):   # side by side in each repeat
+                order = list(variants.items())   # side by side in each repeat
+                if tiered:   # the run with a tier next to the one without, which goes first in every other
+                    order = [order[0], order[2], order[1]] if i % 2 == 0 else [order[1], order[2], order[0]]
+                for v, (variant, variant_options) in enumerate(order):
                     out = tmp_path / f"{len(rows)}-{i}-{v}"
                     wall, cpu = kvtrace("record", "-q", "-w", str(workloads[name]), "-o", str(out), *variant_options)
                     runs[variant].walls.append(wall)
