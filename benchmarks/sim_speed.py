@@ -181,10 +181,11 @@ def run(args: argparse.Namespace) -> None:
                 variants[tiered] = [*options, "--offload-size", args.offload_size]
             runs = {variant: Runs([], [], [], tmp_path) for variant in variants}
             for i in range(args.hour_repeats if name == HOUR else args.repeats):
-                order = list(variants.items())   # side by side in each repeat
+                order = list(variants)   # side by side in each repeat
                 if tiered:   # the run with a tier next to the one without, which goes first in every other
-                    order = [order[0], order[2], order[1]] if i % 2 == 0 else [order[1], order[2], order[0]]
-                for v, (variant, variant_options) in enumerate(order):
+                    order = [name, tiered, general] if i % 2 == 0 else [general, tiered, name]
+                for v, variant in enumerate(order):
+                    variant_options = variants[variant]
                     out = tmp_path / f"{len(rows)}-{i}-{v}"
                     wall, cpu = kvtrace("record", "-q", "-w", str(workloads[name]), "-o", str(out), *variant_options)
                     runs[variant].walls.append(wall)
