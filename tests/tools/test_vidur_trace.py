@@ -48,9 +48,9 @@ def test_trace_keeps_arrivals_and_lengths_in_arrival_order(tmp_path):
 def test_trace_of_a_synthesised_workload(tmp_path):
     from typer.testing import CliRunner
 
-    from kvtrace.cli.app import app
+    from kvtrace.cli import load
     workload = tmp_path / "w.jsonl"
-    result = CliRunner().invoke(app, ["workload", "synth", "--num-requests", "40", "--rate", "2.5", "--seed", "7",
+    result = CliRunner().invoke(load("workload"), ["workload", "synth", "--num-requests", "40", "--rate", "2.5", "--seed", "7",
                                       "-o", str(workload)])
     assert result.exit_code == 0, result.output
     requests = load_workload(workload)
