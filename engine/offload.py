@@ -30,7 +30,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from itertools import islice
+from collections import deque
+from itertools import islice, repeat
 from typing import NamedTuple
 
 PENDING_STORE = -1   # a chunk's ref_count while its store is in flight
@@ -158,8 +159,7 @@ class OffloadTier:
             evicted = self._evict(num_to_evict, protected)
             if evicted is None:
                 return None
-        for key in new:   # (0.31's and 0.32's ranks: the newest, in the order offered)
-            chunks[key] = PENDING_STORE
+        chunks.update(zip(new, repeat(PENDING_STORE)))   # (0.31's and 0.32's ranks: the newest, in the order offered)
         slots = []
         if self.host_slots:
             slots = self._allocate_slots(len(new))
@@ -174,8 +174,7 @@ class OffloadTier:
         """A store's copy finished: its chunks become ready; failed, they leave the tier."""
         chunks = self.chunks
         if success:   # (every key pending: a store's chunks are pending from prepare_store until now)
-            for key in keys:   # (a value changed: the dict's order stays)
-                chunks[key] = 0
+            chunks.update(zip(keys, repeat(0)))   # (a value changed: the dict's order stays)
             self.num_ready += len(keys)
             if self.ranks_by_request:
                 for key in keys:
@@ -231,11 +230,8 @@ class OffloadTier:
                     self._rerank(key, recency(self._next_rank))
             return
         chunks = self.chunks   # every rank the newest: the chunks it holds to the dict's end, in this order
-        pop = chunks.pop
-        for key in tail_first:
-            ref_count = pop(key, None)
-            if ref_count is not None:
-                chunks[key] = ref_count
+        held = [key for key in tail_first if key in chunks]
+        chunks.update(zip(held, map(chunks.pop, held)))   # (each popped, then put back at the end, in turn)
 
     # ---- inside -------------------------------------------------------------------------
     def _touch(self, request: object, keys: list[int], first_position: int, skip_pending: bool = False) -> None:
@@ -334,12 +330,9 @@ class OffloadTier:
 
     def _drop(self, keys: list[int]) -> None:
         """Evicted: the ready chunks leave, their slots given back in this order."""
-        chunks, ranks = self.chunks, self.ranks
-        for key in keys:
-            del chunks[key]
+        deque(map(self.chunks.__delitem__, keys), maxlen=0)
         if self.ranks_by_request:
-            for key in keys:
-                del ranks[key]
+            deque(map(self.ranks.__delitem__, keys), maxlen=0)
         if self.host_slots:
             self.free_slots.extend(map(self.slots.pop, keys))
         self.num_ready -= len(keys)

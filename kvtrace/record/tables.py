@@ -150,10 +150,12 @@ def kv_events_table(items: list[KVEvent | DecodeLeap], run_id: str, kv_cache_gro
             missing = np.ones(num_rows, dtype=bool)
             missing[at] = False
             columns[column] = from_numpy(numbers, field_type, missing)
-        elif pa.types.is_string(field_type):   # a string: null but where set
-            strings = np.full(num_rows, None, dtype=object)
-            strings[rare_rows] = np.array(values, dtype=object)
-            columns[column] = strings
+        elif pa.types.is_string(field_type):   # a string: null but where set, taken from its few names by code
+            names = sorted(set(values) - {None})
+            code = {name: i for i, name in enumerate(names)} | {None: len(names)}
+            codes = np.full(num_rows, len(names), dtype=np.int32)
+            codes[rare_rows] = [code[value] for value in values]
+            columns[column] = pa.array([*names, None], pa.string()).take(codes)
         else:   # a list
             lists = columns[column] = [None] * num_rows
             for row, value in zip(rare_rows.tolist(), values):
