@@ -28,9 +28,9 @@ are the executor's. This file decides only what is kept and what is dropped.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from collections import deque
 from itertools import islice, repeat
 from typing import NamedTuple
 
