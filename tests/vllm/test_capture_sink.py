@@ -121,6 +121,28 @@ def test_sealed_segments_write_the_chunk_flat_columns_would():
     assert chunk_format.decode(data)["t"]["idx"] == [0, 1, 2, 3, 4, 2**40]
 
 
+def test_block_ids_kept_flat_write_the_chunk_tuples_would():
+    """The capture keeps a step's block ids flat (chunk_format.Lists: no object a row), each step one run
+    or several joined (sink.py's `segment`): the chunk is the chunk of the same rows as tuples, byte for
+    byte, null rows, empty ones and arrays among them, and reads back as those rows."""
+    from array import array
+
+    from kvtrace.vllm.capture import chunk_format
+    from kvtrace.vllm.capture.chunk_format import Lists
+    from kvtrace.vllm.capture.sink import segment
+
+    steps = [[(1, 2), array("q", [3])], [None], [(4, 5, 6), (), array("q"), (2**40,)], [(8,), (9, 10)]]
+    runs = [[Lists(step)] for step in steps[:3]] + [[Lists(steps[3][:1]), Lists(steps[3][1:])]]   # the last: two runs
+    rows = [None if b is None else tuple(b) for step in steps for b in step]
+    sealed = {"t": {"blocks": [segment(step_runs) for step_runs in runs], "n": [segment([1] * len(step)) for step in steps]}}
+    assert all(type(run) is Lists for run in sealed["t"]["blocks"])
+    flat = {"t": {"blocks": rows, "n": [1] * len(rows)}}
+    data = chunk_format.encode(sealed, segments=True)
+    assert data == chunk_format.encode(flat)
+    assert [None if b is None else tuple(b) for b in chunk_format.decode(data)["t"]["blocks"]] == rows
+    assert Lists.joined(runs[3]).rows() == [(8,), (9, 10)] and Lists(steps[1]).rows() == [None]
+
+
 def test_a_full_disk_stops_the_capture_with_one_warning(tmp_path, monkeypatch, caplog):
     told: list[BaseException] = []   # the recorder's on_stop writes error.json (reason disk) from it
     sink = Sink(tmp_path / "capture", SERVER, on_stop=told.append)

@@ -15,16 +15,26 @@ step they belong to (rows.py's ScheduledStep), which waits for its output (pendi
 from __future__ import annotations
 
 import operator
+from array import array
+from collections import deque
 from collections.abc import Sequence
-from itertools import chain, compress, islice, repeat
-from operator import mod, neg
+from itertools import accumulate, chain, compress, islice, repeat
+from operator import and_, eq, mod, neg
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from kvtrace.vllm.capture.rows import AcceptedDrafts, KvEvent, RequestState, ScheduledStep, StepRow, block_event
+from kvtrace.vllm.capture.rows import (
+    BLOCKS,
+    AcceptedDrafts,
+    KvEvent,
+    RequestState,
+    ScheduledStep,
+    StepRow,
+    block_event,
+)
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -37,6 +47,8 @@ FINISH_REASONS = {
 FINISH_REASONS.update({getattr(RequestStatus, status): reason for status, reason in
                        (("FINISHED_ERROR", "error"), ("FINISHED_REPETITION", "stop")) if hasattr(RequestStatus, status)})
 _num_computed_tokens = operator.attrgetter("num_computed_tokens")
+# a running-loop event's fields but its kind, request, blocks, reason and group (rows.py's block_event)
+_LOOP_DEFAULTS = dict(zip(KvEvent._fields, block_event("", "", (), None, None)))
 ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
@@ -95,9 +107,10 @@ class LoopEvents:
 class Attribution:
     """The running loop's block events of one step (LoopEvents), and what its SchedulerOutput says of its
     allocs: the `cached` requests given blocks, with the ids of those blocks per group, and those scheduled
-    whose tokens are prefill (the others decode). Resolved on the sink's builder thread (the recorder
-    hands it over with the step's events), or at once where the engine's thread reads the events (the
-    self-check; an async step that a later one's finish concerns).
+    whose tokens are prefill (the others decode). Made into the step's kv_events columns on the sink's
+    builder thread (`columns`: the recorder hands it over with the step's events), or resolved into events
+    at once where the engine's thread reads them (`resolve`: the self-check; an async step that a later
+    one's finish concerns). One set of decisions for both (`alloc_owners`).
 
     What it keeps until then is flat, and in tuples: a list of a thousand values is walked value by
     value by every collection that meets it while it lives (the youngest generation's, a few a step,
@@ -122,39 +135,89 @@ class Attribution:
         self.given_ids = tuple(chain.from_iterable(chain.from_iterable(given)))
         self.num_groups, self.prefilling, self.hybrid = num_groups, prefilling, hybrid
 
+    def columns(self, events: list) -> list[list]:
+        """The kv_events fields (KvEvent's, in order) of the step's `events`, each a list as long as
+        `events`: the running loop's events made here, in their places (None in `events`), the others
+        read from their tuples. (resolve's decisions, on the sink's builder thread, with no object a
+        loop event: its tuples, a few hundred alive at once, were enough to bring on a collection of
+        the youngest generation nearly every step, which promotes whatever the server holds then.)"""
+        loop, m = self.loop, len(events)
+        alloc_reqs, alloc_reasons, alloc_groups = self.alloc_owners()
+        alloc_places, free_places = loop.alloc_places, loop.free_places
+        others = [i for i, e in enumerate(events) if e is not None]
+        other_fields = list(zip(*[events[i] for i in others])) if others else [()] * len(KvEvent._fields)
+
+        def column(default, alloc_values, free_values, k: int) -> list:
+            values = [default] * m
+            setitem = values.__setitem__
+            deque(map(setitem, alloc_places, alloc_values), maxlen=0)
+            deque(map(setitem, free_places, free_values), maxlen=0)
+            deque(map(setitem, others, other_fields[k]), maxlen=0)
+            return values
+
+        # each loop event's blocks: a slice of the flat ids (an array: no object the cyclic GC tracks)
+        alloc_ids, free_ids = array("q", loop.alloc_ids), array("q", loop.free_ids)
+        alloc_at, free_at = list(accumulate(loop.alloc_counts, initial=0)), list(accumulate(loop.free_counts, initial=0))
+        blocks = column(None, map(alloc_ids.__getitem__, map(slice, alloc_at, alloc_at[1:])),
+                        map(free_ids.__getitem__, map(slice, free_at, free_at[1:])), BLOCKS)
+        fields = []
+        for k, name in enumerate(KvEvent._fields):
+            if k == BLOCKS:
+                fields.append(blocks)
+            elif name == "kind":
+                fields.append(column("alloc", (), repeat("free"), k))
+            elif name == "req_id":
+                fields.append(column("", alloc_reqs, loop.free_req_ids, k))
+            elif name == "reason":
+                fields.append(column(None, alloc_reasons, loop.free_reasons, k))
+            elif name == "kv_group":
+                fields.append(column(None, alloc_groups, loop.free_groups, k))
+            else:   # as block_event makes it
+                fields.append(column(_LOOP_DEFAULTS[name], (), (), k))
+        return fields
+
+    def alloc_owners(self) -> tuple[list[str], list[str], list[int | None]]:
+        """Each of the running loop's allocs' request, reason and group, in the loop's order; "" and "other"
+        for one whose blocks none was given. In lists, not an object an alloc.
+
+        The running requests come first: a request resumed after them (on vLLM before 0.34 here too)
+        lists all its blocks, a prefix hit on one that a running request was just given among them. The
+        running loop gave blocks to the running requests in the order the SchedulerOutput lists them, one
+        alloc a request and group (in group order), so the k-th alloc is the k-th request and group given
+        blocks. Paired so while each pair's blocks are the same (their count and first id); from the first
+        that is not, the blocks' owners say."""
+        loop = self.loop
+        n, req_ids, counts = self.num_groups, self.req_ids, loop.alloc_counts
+        given = list(compress(range(len(self.given_counts)), self.given_counts))   # k of each (request, group) given any
+        given_counts = list(filter(None, self.given_counts))
+        given_at = list(accumulate(self.given_counts, initial=0))
+        given_first = list(map(self.given_ids.__getitem__, map(given_at.__getitem__, given)))
+        alloc_first = list(map(loop.alloc_ids.__getitem__, list(accumulate(counts, initial=0))[:-1]))
+        same = list(map(and_, map(eq, counts, given_counts), map(eq, alloc_first, given_first)))
+        paired = same.index(False) if False in same else len(same)
+        reqs = list(map(req_ids.__getitem__, map(operator.floordiv, given[:paired], repeat(n))))
+        groups = list(map(mod, given[:paired], repeat(n))) if self.hybrid else [None] * paired
+        if paired < len(counts):   # from the first that is not, the blocks' owners say
+            owner: dict[int, tuple[str, int]] = {}
+            for k in given:
+                for block in self.given_ids[given_at[k]:given_at[k + 1]]:
+                    owner.setdefault(block, (req_ids[k // n], k % n))
+            for first in alloc_first[paired:]:
+                rid, group = owner.get(first, ("", None))
+                reqs.append(rid)
+                groups.append(group if self.hybrid else None)
+        prefilling = self.prefilling
+        reasons = ["other" if not rid else "prefill" if rid in prefilling else "decode" for rid in reqs]
+        return reqs, reasons, groups
+
     def resolve(self, events: list) -> None:
-        """Each of the running loop's events, in its place in `events` (the step's). An alloc whose blocks
-        none was given stays without a request."""
+        """Each of the running loop's events, as a tuple, in its place in `events` (the step's): where the
+        engine's thread reads the events (`columns` makes them on the builder's)."""
         loop = self.loop
         loop.make_frees(events)
-        places, allocs = loop.alloc_places, split(loop.alloc_ids, loop.alloc_counts)
-        # The running requests come first: a request resumed after them (on vLLM before 0.34 here too)
-        # lists all its blocks, a prefix hit on one that a running request was just given among them
-        n, req_ids = self.num_groups, self.req_ids
-        given = [(req_ids[k // n], k % n, ids)
-                 for k, ids in enumerate(split(self.given_ids, self.given_counts)) if ids]
-        hybrid, prefilling = self.hybrid, self.prefilling
-        # The running loop gave blocks to the running requests in the order the SchedulerOutput lists them,
-        # one alloc a request and group (in group order), so the k-th alloc is the k-th request and group
-        # given blocks. Paired so while each pair's blocks are the same; from the first that is not, the
-        # blocks' owners say
-        paired = 0
-        for i, blocks, (rid, group, ids) in zip(places, allocs, given):
-            if len(ids) != len(blocks) or ids[0] != blocks[0]:
-                break
-            alloc_reason = "prefill" if rid in prefilling else "decode"
-            events[i] = block_event("alloc", rid, ids, alloc_reason, group if hybrid else None)
-            paired += 1
-        if paired == len(places):
-            return
-        owner: dict[int, tuple[str, int]] = {}   # a block given this step -> its request and group
-        for rid, group, ids in given:
-            for block in ids:
-                owner.setdefault(block, (rid, group))
-        for i, ids in zip(places[paired:], allocs[paired:]):
-            rid, group = owner.get(ids[0], ("", None))
-            alloc_reason = "other" if not rid else "prefill" if rid in prefilling else "decode"
-            events[i] = block_event("alloc", rid, ids, alloc_reason, group if hybrid else None)
+        for i, ids, rid, reason, group in zip(loop.alloc_places, split(loop.alloc_ids, loop.alloc_counts),
+                                              *self.alloc_owners()):
+            events[i] = block_event("alloc", rid, ids, reason, group)
 
 
 class StepAccounting:

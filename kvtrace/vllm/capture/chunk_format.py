@@ -90,11 +90,55 @@ def encode(tables: dict[str, dict[str, list]], meta: dict | None = None, level: 
     return b"".join((MAGIC, str(FORMAT).encode(), b"\n", struct.pack(">II", len(header), checksum), header, packed))
 
 
+class Lists:
+    """A run of an `i8list` column's rows kept flat: every row's integers one after another, each row's
+    length, and a null mask (b"" where no row is null), so that a row is no object of its own. The
+    capture's block ids are kept so (sink.py's `segment`): a tuple a row, each an object the cyclic GC
+    tracks until its first collection, made hundreds of the young generation's collections a step at
+    1,024 running, and each collection promotes whatever the server holds at that moment."""
+
+    __slots__ = ("lengths", "nulls", "values")
+
+    def __init__(self, rows: list | tuple) -> None:
+        """`rows`: each a sequence of integers or None."""
+        self.values = array("q", chain.from_iterable(filter(None, rows)))
+        self.lengths = array("q", [len(row) if row else 0 for row in rows])
+        self.nulls = bytes(row is None for row in rows) if None in rows else b""
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @classmethod
+    def joined(cls, runs: list[Lists]) -> Lists:
+        """The runs' rows as one run, in order."""
+        if len(runs) == 1:
+            return runs[0]
+        joined = cls(())
+        for run in runs:
+            joined.values += run.values
+            joined.lengths += run.lengths
+        if any(run.nulls for run in runs):
+            joined.nulls = b"".join(run.nulls or bytes(len(run)) for run in runs)
+        return joined
+
+    def rows(self) -> list:
+        """The rows as tuples (None for a null row): a reader's, and a test's."""
+        values, at, rows = self.values, 0, []
+        for i, n in enumerate(self.lengths):
+            rows.append(None if self.nulls and self.nulls[i] else tuple(values[at:at + n]))
+            at += n
+        return rows
+
+
 def _typed(segments: list) -> tuple | None:
     """`_column` of a column whose segments are all typed arrays of one type (the sink seals a step's
     numbers so, sink.py's `segment`): their bytes joined as they are, no Python object made per value
     (a chunk of two seconds at 1,024 running with drafts holds over a million, and the writer's thread
-    holds the GIL while it encodes them); None for any other column."""
+    holds the GIL while it encodes them); the same of a list column's flat runs (`Lists`); None for any
+    other column."""
+    if segments and all(type(segment) is Lists for segment in segments):
+        run = Lists.joined(segments)
+        return ("i8list", run.nulls, run.values.tobytes(), run.lengths.tobytes())
     codes = {getattr(segment, "typecode", None) for segment in segments}
     if codes == {"q"} or codes == {"d"}:
         return ("i8" if codes == {"q"} else "f8", b"", b"".join(segment.tobytes() for segment in segments))

@@ -14,9 +14,21 @@ import hashlib
 import time
 from itertools import chain, compress, repeat
 from operator import add, attrgetter
+from typing import TYPE_CHECKING
 
-from kvtrace.vllm.capture.rows import BYTES, KIND, AcceptedDrafts, KvEvent, RequestState, StepRow
+from kvtrace.vllm.capture.chunk_format import Lists
+from kvtrace.vllm.capture.rows import (
+    BYTES,
+    KIND,
+    AcceptedDrafts,
+    KvEvent,
+    RequestState,
+    StepRow,
+)
 from kvtrace.vllm.capture.sink import Sink
+
+if TYPE_CHECKING:
+    from kvtrace.vllm.capture.accounting import Attribution
 
 
 _request_id, _new_token_ids = attrgetter("request_id"), attrgetter("new_token_ids")
@@ -131,8 +143,8 @@ class Columns:
         s = self.sink.columns["steps"]
         if self.tiered:
             moved = {"offload": 0, "load": 0}
-            for e in events:   # (by index: the wraps' events are plain tuples, rows.py)
-                if e[BYTES] and e[KIND] in moved:
+            for e in events:   # (by index: the wraps' events are plain tuples, rows.py; None: a running loop's)
+                if e is not None and e[BYTES] and e[KIND] in moved:
                     moved[e[KIND]] += e[BYTES]
             s["offload_bytes"].append(moved["offload"])
             s["load_bytes"].append(moved["load"])
@@ -202,13 +214,15 @@ class Columns:
         d["accepted_tokens"].extend(repeat(None, m) if accepted is None else accepted)
         d["lookahead_slots"].extend(repeat(lookahead, m))
 
-    def kv_events(self, events: list[KvEvent], step: int, now: float) -> None:
-        """A step's events, numbered on from the last, stamped with its step and time."""
+    def kv_events(self, events: list[KvEvent], step: int, now: float, attribution: Attribution | None = None) -> None:
+        """A step's events, numbered on from the last, stamped with its step and time. `attribution`: its
+        running loop's, whose events are None in `events` until made here (accounting.py)."""
         k = self.sink.columns["kv_events"]
         m = len(events)
         # the events' fields as columns
         (kinds, req_ids, blocks, num_tokens, reasons, cached, recomputed, requesters,
-         victim_reasons, groups, group_blocks, tiers, tier_tokens, num_bytes, tier_blocks) = zip(*events)
+         victim_reasons, groups, group_blocks, tiers, tier_tokens, num_bytes, tier_blocks) = (
+            zip(*events) if attribution is None else attribution.columns(events))
         k["seq"].extend(range(self.seq, self.seq + m))
         self.seq += m
         k["step"].extend(repeat(step, m))
@@ -216,10 +230,9 @@ class Columns:
         k["kind"].extend(kinds)
         k["req_id"].extend(req_ids)
         k["sample"].extend(repeat(0, m))
-        # as tuples: a tuple of integers leaves the cyclic GC's care at its first collection, while a list
-        # would stay in it, in the oldest generation, for as long as the chunk is buffered, and each
-        # such list promoted there brings a full collection of the server's heap nearer
-        k["blocks"].extend([b if b is None else tuple(b) for b in blocks])
+        # flat, one run a step (chunk_format.Lists): a tuple of ids an event, buffered for as long as the
+        # chunk is, would be hundreds of objects a step for the cyclic GC's young collections to count
+        k["blocks"].append(Lists(blocks))
         k["num_blocks"].extend([len(b) if b else n or 0 for b, n in zip(blocks, tier_blocks)])
         k["num_tokens"].extend(num_tokens)
         k["bytes"].extend(num_bytes)

@@ -88,6 +88,7 @@ class Recorder:
                                tiered=getattr(scheduler, "connector", None) is not None)
         self.rows: list[tuple] = []          # what this step hands the sink's builder (Columns.build)
         self.pending = PendingSteps()
+        self.attribution = None              # the joined step's running loop's, for its kv_events rows (_resolve_later)
         self.self_check = SelfCheck(scheduler.kv_cache_manager, self.steps.null_id, self.steps.total_blocks)
         self.last_end: float | None = None   # when the last processed step's output was (its row's end_s)
         self.closed = False
@@ -268,12 +269,9 @@ class Recorder:
 
     # ---- to the sink's builder -------------------------------------------------------------------------------
     def _resolve_later(self) -> None:
-        """The allocs of the step just joined get their requests on the builder thread, before its rows are
-        built from its events (accounting.py's Attribution)."""
-        attribution = self.steps.attribution
-        if attribution is not None:
-            self.rows.append((attribution.resolve, self.steps.events))
-            self.steps.attribution = None
+        """The allocs of the step just joined get their requests on the builder thread, as its kv_events rows
+        are built (accounting.py's Attribution: `_write_events` hands it over with the events)."""
+        self.attribution, self.steps.attribution = self.steps.attribution, None
 
     def _hand_rows(self) -> None:
         """What the steps since the last hand-over wrote, to the sink's builder thread. Handed over once a
@@ -298,7 +296,8 @@ class Recorder:
         events, self.steps.events = self.steps.events, []
         if not events:
             return
-        self.rows.append((self.columns.kv_events, events, step, now))
+        self.rows.append((self.columns.kv_events, events, step, now, self.attribution))
+        self.attribution = None
         if self.settings.self_check:
             self.self_check.replay(events)
 

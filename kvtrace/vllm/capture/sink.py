@@ -110,8 +110,11 @@ def segment(values: list) -> array | tuple:
     A step's new tuples of numbers, a few dozen of a thousand values each at 1,024 running with drafts,
     made most of what the engine thread's young collections walked after the builder's turn. The writer
     joins a column's segments into one list of their values (chunk_format.encode), a float column's
-    integers as floats, as its encoding of such a column would have them anyway."""
+    integers as floats, as its encoding of such a column would have them anyway. A list column's rows come
+    as flat runs (chunk_format.Lists), joined into one."""
     kind = type(values[0])
+    if kind is chunk_format.Lists:   # a list column's runs (the block ids: kept flat, chunk_format.Lists)
+        return chunk_format.Lists.joined(values)
     if kind is int or kind is float:
         try:
             return array("q" if kind is int else "d", values)
