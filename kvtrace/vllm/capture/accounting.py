@@ -48,7 +48,7 @@ FINISH_REASONS.update({getattr(RequestStatus, status): reason for status, reason
                        (("FINISHED_ERROR", "error"), ("FINISHED_REPETITION", "stop")) if hasattr(RequestStatus, status)})
 _num_computed_tokens = operator.attrgetter("num_computed_tokens")
 # a running-loop event's fields but its kind, request, blocks, reason and group (rows.py's block_event)
-_LOOP_DEFAULTS = dict(zip(KvEvent._fields, block_event("", "", (), None, None)))
+_LOOP_DEFAULTS = dict(zip(KvEvent._fields, block_event("alloc", "", (), None, None)))
 ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
