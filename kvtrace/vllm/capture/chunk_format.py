@@ -94,8 +94,8 @@ class Lists:
     """A run of an `i8list` column's rows kept flat: every row's integers one after another, each row's
     length, and a null mask (b"" where no row is null), so that a row is no object of its own. The
     capture's block ids are kept so (sink.py's `segment`): a tuple a row, each an object the cyclic GC
-    tracks until its first collection, made hundreds of the young generation's collections a step at
-    1,024 running, and each collection promotes whatever the server holds at that moment."""
+    tracks until its first collection, was hundreds of objects a step at 1,024 running for the young
+    generation's collections to count, and each collection promotes whatever the server holds then."""
 
     __slots__ = ("lengths", "nulls", "values")
 
@@ -122,7 +122,7 @@ class Lists:
         return joined
 
     def rows(self) -> list:
-        """The rows as tuples (None for a null row): a reader's, and a test's."""
+        """The rows as tuples (None for a null row), for a look at a run (the encoder never needs them)."""
         values, at, rows = self.values, 0, []
         for i, n in enumerate(self.lengths):
             rows.append(None if self.nulls and self.nulls[i] else tuple(values[at:at + n]))

@@ -294,10 +294,10 @@ class Recorder:
     def _write_events(self, step: int, now: float) -> None:
         # handed over (the builder reads the list later, as its step's row does): a new list from here
         events, self.steps.events = self.steps.events, []
+        attribution, self.attribution = self.attribution, None   # (never one without events: its placeholders)
         if not events:
             return
-        self.rows.append((self.columns.kv_events, events, step, now, self.attribution))
-        self.attribution = None
+        self.rows.append((self.columns.kv_events, events, step, now, attribution))
         if self.settings.self_check:
             self.self_check.replay(events)
 
